@@ -1,0 +1,12 @@
+//! stable-harness: a single binary that turns a folder of YAML (a workspace) into a governed,
+//! durable, observable agent service. See ARCHITECTURE.md for the map of these modules.
+
+pub mod adapters;
+pub mod cli;
+pub mod gateway;
+pub mod governance;
+pub mod http;
+pub mod memory;
+pub mod runtime;
+pub mod store;
+pub mod workspace;

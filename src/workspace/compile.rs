@@ -1,0 +1,1385 @@
+//! Compilation: raw documents -> [`CompiledWorkspace`]. Every check of SPEC section 3 lives
+//! here: one Runtime, unique and well-formed names, resolved references, files that exist and
+//! stay inside the workspace, durations and sizes, JSON Schemas, backend-specific fields and
+//! tool implementations. Checks never stop early; each problem becomes one diagnostic.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::diagnostics::{Diagnostic, Diagnostics, did_you_mean};
+use super::located::Located;
+use super::model::*;
+use super::raw::{self, API_VERSION, ByteSizeText, DurationText};
+use super::source::{Document, Documents, Origin};
+use super::units::{is_valid_env_var, is_valid_name, parse_byte_size, parse_duration};
+
+/// Compiles the documents read from `root`; `None` when any diagnostic was reported.
+pub fn compile(
+    root: &Path,
+    documents: Documents,
+    diagnostics: &mut Diagnostics,
+) -> Option<CompiledWorkspace> {
+    let root = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    let before = diagnostics.len();
+    let mut compiler = Compiler {
+        root: &root,
+        diagnostics,
+        unreadable: documents.unreadable_kinds.clone(),
+    };
+    for doc in &documents.runtimes {
+        compiler.check_header(doc, "Runtime");
+    }
+    let inventory = Inventory::collect(&mut compiler, &documents);
+    let models = compiler.models(&documents, &inventory);
+    let tools = compiler.tools(&documents, &inventory);
+    let runtime = compiler.runtime(&documents, &inventory);
+    let agents = compiler.agents(&documents, &inventory, &tools, &models);
+    let workflows = compiler.workflows(&documents, &inventory);
+    if compiler.diagnostics.len() > before {
+        return None;
+    }
+    Some(CompiledWorkspace {
+        root,
+        runtime: runtime?,
+        agents,
+        models,
+        tools,
+        workflows,
+    })
+}
+
+struct Compiler<'a> {
+    root: &'a Path,
+    diagnostics: &'a mut Diagnostics,
+    unreadable: Vec<&'static str>,
+}
+
+/// The names every reference is resolved against, gathered before any reference is judged.
+#[derive(Default)]
+struct Inventory {
+    agents: BTreeMap<String, String>,
+    models: BTreeMap<String, String>,
+    tools: BTreeMap<String, String>,
+    mcp_servers: BTreeMap<String, String>,
+}
+
+impl Inventory {
+    /// Registers names, reporting bad syntax and duplicates (with where the first one is).
+    fn collect(compiler: &mut Compiler<'_>, documents: &Documents) -> Self {
+        let mut inventory = Inventory::default();
+        for doc in &documents.agents {
+            compiler.check_header(doc, "Agent");
+            compiler.register(
+                &mut inventory.agents,
+                "agent",
+                &doc.origin,
+                &doc.raw.metadata.name,
+            );
+        }
+        for (kind, name) in &documents.unreadable_names {
+            if *kind == "Agent" {
+                inventory.agents.entry(name.clone()).or_default();
+            }
+        }
+        let mut catalog_names = BTreeMap::new();
+        for doc in &documents.model_catalogs {
+            compiler.check_header(doc, "ModelCatalog");
+            compiler.register(
+                &mut catalog_names,
+                "ModelCatalog",
+                &doc.origin,
+                &doc.raw.metadata.name,
+            );
+            for model in &doc.raw.spec.models {
+                compiler.register(&mut inventory.models, "model", &doc.origin, &model.id);
+            }
+        }
+        let mut catalog_names = BTreeMap::new();
+        for doc in &documents.tool_catalogs {
+            compiler.check_header(doc, "ToolCatalog");
+            compiler.register(
+                &mut catalog_names,
+                "ToolCatalog",
+                &doc.origin,
+                &doc.raw.metadata.name,
+            );
+            for tool in &doc.raw.spec.tools {
+                compiler.register(&mut inventory.tools, "tool", &doc.origin, &tool.id);
+            }
+        }
+        let mut workflow_names = BTreeMap::new();
+        for doc in &documents.workflows {
+            compiler.check_header(doc, "Workflow");
+            compiler.register(
+                &mut workflow_names,
+                "workflow",
+                &doc.origin,
+                &doc.raw.metadata.name,
+            );
+        }
+        if let Some(doc) = documents.runtimes.first() {
+            for server in &doc.raw.spec.mcp_servers {
+                compiler.register(
+                    &mut inventory.mcp_servers,
+                    "MCP server",
+                    &doc.origin,
+                    &server.name,
+                );
+            }
+        }
+        inventory
+    }
+}
+
+impl Compiler<'_> {
+    fn report(&mut self, diagnostic: Diagnostic) {
+        self.diagnostics.push(diagnostic);
+    }
+
+    fn check_header<S>(&mut self, doc: &Document<S>, kind: &str) {
+        let version = &doc.raw.api_version;
+        if version.value != API_VERSION {
+            self.report(
+                doc.origin
+                    .at(
+                        version,
+                        format!("unsupported apiVersion `{}`", version.value),
+                    )
+                    .with_hint(format!("use `apiVersion: {API_VERSION}`")),
+            );
+        }
+        if kind == "Runtime" {
+            self.check_name(&doc.origin, &doc.raw.metadata.name, "Runtime");
+        }
+    }
+
+    fn check_name(&mut self, origin: &Origin, name: &Located<String>, what: &str) -> bool {
+        if is_valid_name(name) {
+            return true;
+        }
+        let suggestion: String = name
+            .to_lowercase()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        self.report(
+            origin
+                .at(
+                    name,
+                    format!(
+                        "invalid {what} name `{}`: names match [a-z0-9][a-z0-9._-]*",
+                        name.value
+                    ),
+                )
+                .with_optional_hint(
+                    is_valid_name(&suggestion).then(|| format!("did you mean `{suggestion}`?")),
+                ),
+        );
+        false
+    }
+
+    /// Adds a name to `names` (name -> its location), reporting bad syntax and duplicates.
+    fn register(
+        &mut self,
+        names: &mut BTreeMap<String, String>,
+        what: &str,
+        origin: &Origin,
+        name: &Located<String>,
+    ) {
+        if !self.check_name(origin, name, what) {
+            return;
+        }
+        if let Some(first) = names.get(&name.value) {
+            let message = format!(
+                "duplicate {what} `{}` (first defined at {first})",
+                name.value
+            );
+            self.report(origin.at(name, message));
+        } else {
+            names.insert(name.value.clone(), origin.describe(name));
+        }
+    }
+
+    /// Checks a reference to a named thing, with a did-you-mean hint when it dangles.
+    fn reference(
+        &mut self,
+        origin: &Origin,
+        reference: &Located<String>,
+        names: &BTreeMap<String, String>,
+        what: &str,
+        kind: &'static str,
+    ) -> bool {
+        if names.contains_key(&reference.value) {
+            return true;
+        }
+        if self.unreadable.contains(&kind) {
+            // A document of that kind failed to parse; its names are unknown, so stay quiet.
+            return false;
+        }
+        let hint = did_you_mean(&reference.value, names.keys().map(String::as_str)).or_else(|| {
+            (names.is_empty()).then(|| format!("no {what} is declared in the workspace"))
+        });
+        self.report(
+            origin
+                .at(reference, format!("unknown {what} `{}`", reference.value))
+                .with_optional_hint(hint),
+        );
+        false
+    }
+
+    fn duration(
+        &mut self,
+        origin: &Origin,
+        value: &Option<Located<DurationText>>,
+        default: Duration,
+        field: &str,
+    ) -> Duration {
+        let Some(text) = value else { return default };
+        match parse_duration(&text.0) {
+            Ok(duration) if duration.is_zero() => {
+                self.report(origin.at(text, format!("`{field}` must be greater than zero")));
+                default
+            }
+            Ok(duration) => duration,
+            Err(message) => {
+                self.report(origin.at(text, format!("`{field}`: {message}")));
+                default
+            }
+        }
+    }
+
+    fn required_duration(
+        &mut self,
+        origin: &Origin,
+        value: &Located<DurationText>,
+        field: &str,
+    ) -> Duration {
+        self.duration(origin, &Some(value.clone()), Duration::ZERO, field)
+    }
+
+    fn byte_size(
+        &mut self,
+        origin: &Origin,
+        value: &Option<Located<ByteSizeText>>,
+        default: u64,
+        field: &str,
+    ) -> u64 {
+        let Some(text) = value else { return default };
+        match parse_byte_size(&text.0) {
+            Ok(0) => {
+                self.report(origin.at(text, format!("`{field}` must be greater than zero")));
+                default
+            }
+            Ok(size) => size,
+            Err(message) => {
+                self.report(origin.at(text, format!("`{field}`: {message}")));
+                default
+            }
+        }
+    }
+
+    fn env_var(&mut self, origin: &Origin, name: &Located<String>, field: &str) -> String {
+        if !is_valid_env_var(name) {
+            self.report(
+                origin
+                    .at(name, format!("`{field}` must name an environment variable, got `{}`", name.value))
+                    .with_hint("fields ending in `Env` hold a variable name such as OPENAI_API_KEY, never the secret itself"),
+            );
+        }
+        name.value.clone()
+    }
+
+    fn env_vars(&mut self, origin: &Origin, names: &[Located<String>], field: &str) -> Vec<String> {
+        names
+            .iter()
+            .map(|name| self.env_var(origin, name, field))
+            .collect()
+    }
+
+    fn http_url(&mut self, origin: &Origin, url: &Located<String>, field: &str) -> String {
+        let ok = ["http://", "https://"]
+            .iter()
+            .any(|scheme| url.len() > scheme.len() && url.to_ascii_lowercase().starts_with(scheme));
+        if !ok || url.contains(char::is_whitespace) {
+            self.report(origin.at(
+                url,
+                format!(
+                    "`{field}` must be an http:// or https:// URL, got `{}`",
+                    url.value
+                ),
+            ));
+        }
+        url.value.clone()
+    }
+
+    /// Resolves a workspace-relative file path, refusing `..`, absolute paths and symlink escapes.
+    fn workspace_file(
+        &mut self,
+        origin: &Origin,
+        path: &Located<String>,
+        field: &str,
+        under: Option<&str>,
+    ) -> Option<PathBuf> {
+        let relative = Path::new(&path.value);
+        if path.is_empty()
+            || relative.is_absolute()
+            || relative
+                .components()
+                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+        {
+            self.report(
+                origin
+                    .at(path, format!("`{field}` path `{}` escapes the workspace", path.value))
+                    .with_hint("paths are relative to the workspace folder and may not use `..` or start with `/`"),
+            );
+            return None;
+        }
+        if let Some(prefix) = under
+            && !relative.starts_with(prefix)
+        {
+            self.report(
+                origin
+                    .at(
+                        path,
+                        format!("`{field}` path `{}` must be under {prefix}/", path.value),
+                    )
+                    .with_hint(format!("write `{prefix}/{}`", path.value)),
+            );
+            return None;
+        }
+        let joined = self.root.join(relative);
+        let resolved = match joined.canonicalize() {
+            Ok(resolved) => resolved,
+            Err(_) => {
+                self.report(origin.at(
+                    path,
+                    format!(
+                        "`{field}`: file `{}` not found in the workspace",
+                        path.value
+                    ),
+                ));
+                return None;
+            }
+        };
+        if !resolved.starts_with(self.root) {
+            self.report(origin.at(
+                path,
+                format!(
+                    "`{field}` path `{}` leads outside the workspace through a symbolic link",
+                    path.value
+                ),
+            ));
+            return None;
+        }
+        if !resolved.is_file() {
+            self.report(origin.at(path, format!("`{field}`: `{}` is not a file", path.value)));
+            return None;
+        }
+        Some(resolved)
+    }
+
+    fn read_small_file(
+        &mut self,
+        origin: &Origin,
+        path: &Located<String>,
+        file: &Path,
+        field: &str,
+    ) -> Option<String> {
+        let size = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+        if size > super::source::MAX_FILE_BYTES {
+            self.report(origin.at(
+                path,
+                format!("`{field}`: `{}` is larger than 4 MiB", path.value),
+            ));
+            return None;
+        }
+        match std::fs::read(file).map(String::from_utf8) {
+            Ok(Ok(text)) => Some(text),
+            Ok(Err(_)) => {
+                self.report(origin.at(
+                    path,
+                    format!("`{field}`: `{}` is not valid UTF-8", path.value),
+                ));
+                None
+            }
+            Err(error) => {
+                self.report(origin.at(
+                    path,
+                    format!("`{field}`: cannot read `{}`: {error}", path.value),
+                ));
+                None
+            }
+        }
+    }
+
+    /// A program to run: a workspace file that is executable, or (when `allow_path_lookup`) a
+    /// bare program name looked up on PATH at start.
+    fn program(
+        &mut self,
+        origin: &Origin,
+        program: &Located<String>,
+        args: &[String],
+        env: &[Located<String>],
+        allow_path_lookup: bool,
+    ) -> CommandConfig {
+        let env = self.env_vars(origin, env, "env");
+        let bare = !program.contains('/');
+        let resolved = if bare && allow_path_lookup && !program.is_empty() {
+            PathBuf::from(&program.value)
+        } else {
+            let resolved = self.workspace_file(origin, program, "program", None);
+            if let Some(path) = &resolved
+                && !is_executable(path)
+            {
+                self.report(
+                    origin
+                        .at(
+                            program,
+                            format!("program `{}` is not executable", program.value),
+                        )
+                        .with_hint(format!("chmod +x {}", program.value)),
+                );
+            }
+            resolved.unwrap_or_default()
+        };
+        CommandConfig {
+            program: resolved,
+            args: args.to_vec(),
+            env,
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+
+    fn models(
+        &mut self,
+        documents: &Documents,
+        inventory: &Inventory,
+    ) -> BTreeMap<String, ModelConfig> {
+        let mut models = BTreeMap::new();
+        for doc in &documents.model_catalogs {
+            let origin = &doc.origin;
+            for spec in &doc.raw.spec.models {
+                let base_url = match (&spec.base_url, &spec.base_url_env) {
+                    (Some(url), None) => UpstreamUrl::Fixed(self.http_url(origin, url, "baseUrl")),
+                    (None, Some(env)) => {
+                        UpstreamUrl::FromEnv(self.env_var(origin, env, "baseUrlEnv"))
+                    }
+                    (Some(url), Some(_)) => {
+                        self.report(origin.at(
+                            url,
+                            format!(
+                                "model `{}` sets both `baseUrl` and `baseUrlEnv`; keep one",
+                                spec.id.value
+                            ),
+                        ));
+                        UpstreamUrl::Fixed(url.value.clone())
+                    }
+                    (None, None) => {
+                        self.report(
+                            origin
+                                .at(
+                                    &spec.id,
+                                    format!(
+                                        "model `{}` needs `baseUrl` or `baseUrlEnv`",
+                                        spec.id.value
+                                    ),
+                                )
+                                .with_hint("e.g. `baseUrlEnv: OPENAI_BASE_URL`"),
+                        );
+                        UpstreamUrl::Fixed(String::new())
+                    }
+                };
+                if spec.upstream_model.trim().is_empty() {
+                    self.report(
+                        origin.at(&spec.upstream_model, "`upstreamModel` must not be empty"),
+                    );
+                }
+                let api_key_env = spec
+                    .api_key_env
+                    .as_ref()
+                    .map(|env| self.env_var(origin, env, "apiKeyEnv"));
+                let pricing = spec.pricing.as_ref().map(|pricing| {
+                    for price in [&pricing.input_per_m_tok, &pricing.output_per_m_tok] {
+                        if !(price.value.is_finite() && price.value >= 0.0) {
+                            self.report(
+                                origin.at(price, "prices must be zero or positive numbers"),
+                            );
+                        }
+                    }
+                    Pricing {
+                        input_per_m_tok: pricing.input_per_m_tok.value,
+                        output_per_m_tok: pricing.output_per_m_tok.value,
+                    }
+                });
+                for fallback in &spec.fallbacks {
+                    if fallback.value == spec.id.value {
+                        self.report(origin.at(
+                            fallback,
+                            format!("model `{}` lists itself as a fallback", spec.id.value),
+                        ));
+                    } else {
+                        self.reference(
+                            origin,
+                            fallback,
+                            &inventory.models,
+                            "model",
+                            "ModelCatalog",
+                        );
+                    }
+                }
+                let timeout =
+                    self.duration(origin, &spec.timeout, Duration::from_secs(60), "timeout");
+                let capabilities = ModelCapabilities {
+                    tools: spec.capabilities.tools.unwrap_or(true),
+                    streaming: spec.capabilities.streaming.unwrap_or(true),
+                    vision: spec.capabilities.vision.unwrap_or(false),
+                    json_schema: spec.capabilities.json_schema.unwrap_or(false),
+                };
+                models.entry(spec.id.value.clone()).or_insert(ModelConfig {
+                    id: spec.id.value.clone(),
+                    provider: spec.provider,
+                    base_url,
+                    api_key_env,
+                    upstream_model: spec.upstream_model.value.clone(),
+                    capabilities,
+                    context_window: spec.context_window,
+                    pricing,
+                    timeout,
+                    fallbacks: spec.fallbacks.iter().map(|f| f.value.clone()).collect(),
+                });
+            }
+        }
+        models
+    }
+
+    fn tools(
+        &mut self,
+        documents: &Documents,
+        inventory: &Inventory,
+    ) -> BTreeMap<String, ToolConfig> {
+        let mut tools = BTreeMap::new();
+        for doc in &documents.tool_catalogs {
+            for spec in &doc.raw.spec.tools {
+                if let Some(tool) = self.tool(&doc.origin, spec, inventory) {
+                    tools.entry(tool.id.clone()).or_insert(tool);
+                }
+            }
+        }
+        tools
+    }
+
+    fn tool(
+        &mut self,
+        origin: &Origin,
+        spec: &raw::ToolSpec,
+        inventory: &Inventory,
+    ) -> Option<ToolConfig> {
+        let id = &spec.id.value;
+        let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(30), "timeout");
+        let (input_schema, input_validator) = self.input_schema(origin, spec)?;
+        let declared: Vec<&str> = [
+            spec.http.as_ref().map(|_| "http"),
+            spec.command.as_ref().map(|_| "command"),
+            spec.mcp.as_ref().map(|_| "mcp"),
+            spec.builtin.as_ref().map(|_| "builtin"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if declared.len() != 1 {
+            let message = if declared.is_empty() {
+                format!("tool `{id}` has no implementation")
+            } else {
+                format!(
+                    "tool `{id}` has {} implementations ({}); a tool has exactly one",
+                    declared.len(),
+                    declared.join(", ")
+                )
+            };
+            self.report(
+                origin
+                    .at(&spec.id, message)
+                    .with_hint("give exactly one of `http`, `command`, `mcp`, `builtin`"),
+            );
+            return None;
+        }
+        let implementation = if let Some(http) = &spec.http {
+            let headers_env = http
+                .headers_env
+                .iter()
+                .map(|(header, env)| (header.clone(), self.env_var(origin, env, "headersEnv")))
+                .collect();
+            ToolImplementation::Http {
+                method: http.method.unwrap_or(HttpMethod::Post),
+                url: self.http_url(origin, &http.url, "url"),
+                headers_env,
+                max_response_bytes: self.byte_size(
+                    origin,
+                    &http.max_response_bytes,
+                    1 << 20,
+                    "maxResponseBytes",
+                ),
+            }
+        } else if let Some(command) = &spec.command {
+            ToolImplementation::Command {
+                command: self.program(origin, &command.program, &command.args, &command.env, false),
+                max_output_bytes: self.byte_size(
+                    origin,
+                    &command.max_output_bytes,
+                    1 << 20,
+                    "maxOutputBytes",
+                ),
+            }
+        } else if let Some(mcp) = &spec.mcp {
+            self.reference(
+                origin,
+                &mcp.server,
+                &inventory.mcp_servers,
+                "MCP server",
+                "Runtime",
+            );
+            ToolImplementation::Mcp {
+                server: mcp.server.value.clone(),
+                tool: mcp.tool.clone(),
+            }
+        } else if let Some(builtin) = &spec.builtin {
+            match BuiltinTool::parse(builtin) {
+                Some(tool) => ToolImplementation::Builtin(tool),
+                None => {
+                    let names = BuiltinTool::ALL.map(|(name, _)| name);
+                    let hint = did_you_mean(builtin, names)
+                        .unwrap_or_else(|| format!("built-in tools: {}", names.join(", ")));
+                    self.report(
+                        origin
+                            .at(
+                                builtin,
+                                format!("unknown built-in tool `{}`", builtin.value),
+                            )
+                            .with_hint(hint),
+                    );
+                    return None;
+                }
+            }
+        } else {
+            return None;
+        };
+        Some(ToolConfig {
+            id: id.clone(),
+            description: spec.description.clone(),
+            input_schema,
+            input_validator,
+            risk: spec.risk.unwrap_or(Risk::Low),
+            labels: spec.labels.clone(),
+            timeout,
+            implementation,
+        })
+    }
+
+    /// The tool's argument schema, checked to be a valid JSON Schema describing an object.
+    fn input_schema(
+        &mut self,
+        origin: &Origin,
+        spec: &raw::ToolSpec,
+    ) -> Option<(serde_json::Value, Arc<jsonschema::Validator>)> {
+        let schema = match &spec.input_schema {
+            Some(schema) => schema.clone(),
+            None => Located::new(serde_json::json!({ "type": "object" }), spec.id.position),
+        };
+        let describes_object = match schema.get("type") {
+            Some(serde_json::Value::String(kind)) => kind == "object",
+            _ => false,
+        };
+        if !describes_object {
+            self.report(
+                origin
+                    .at(
+                        &schema,
+                        format!(
+                            "tool `{}`: `inputSchema` must describe an object (`type: object`)",
+                            spec.id.value
+                        ),
+                    )
+                    .with_hint("tool arguments are a JSON object, as in OpenAI function calling"),
+            );
+            return None;
+        }
+        match jsonschema::validator_for(&schema) {
+            Ok(validator) => Some((schema.value, Arc::new(validator))),
+            Err(error) => {
+                let at = error.instance_path().to_string();
+                let place = if at.is_empty() {
+                    String::new()
+                } else {
+                    format!(" at `{at}`")
+                };
+                self.report(origin.at(
+                    &schema,
+                    format!(
+                        "tool `{}`: invalid JSON Schema{place}: {error}",
+                        spec.id.value
+                    ),
+                ));
+                None
+            }
+        }
+    }
+
+    fn runtime(&mut self, documents: &Documents, inventory: &Inventory) -> Option<RuntimeConfig> {
+        let doc = match documents.runtimes.as_slice() {
+            [] => {
+                if !self.unreadable.contains(&"Runtime") && documents.files_read > 0 {
+                    self.report(
+                        Diagnostic::whole(
+                            "config/",
+                            "no Runtime document found; a workspace has exactly one",
+                        )
+                        .with_hint("add config/runtime/workspace.yaml with `kind: Runtime`"),
+                    );
+                }
+                return None;
+            }
+            [first, rest @ ..] => {
+                for extra in rest {
+                    let message = format!(
+                        "a workspace has exactly one Runtime; another is at {}",
+                        first.origin.describe(&first.raw.kind)
+                    );
+                    self.report(extra.origin.at(&extra.raw.kind, message));
+                }
+                first
+            }
+        };
+        let origin = &doc.origin;
+        let spec = &doc.raw.spec;
+        let default_agent = match &spec.default_agent {
+            Some(agent) => {
+                self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+                Some(agent.value.clone())
+            }
+            None if inventory.agents.len() == 1 => inventory.agents.keys().next().cloned(),
+            None => None,
+        };
+        let (store_url, lease_duration) = match &spec.store {
+            Some(store) => {
+                if let Some(url) = &store.url
+                    && !["sqlite:", "postgres://", "postgresql://"]
+                        .iter()
+                        .any(|p| url.starts_with(p))
+                {
+                    self.report(
+                        origin
+                            .at(url, format!("unsupported store url `{}`", url.value))
+                            .with_hint("use sqlite://PATH or postgres://USER@HOST/DB"),
+                    );
+                }
+                let lease = self.duration(
+                    origin,
+                    &store.lease_duration,
+                    Duration::from_secs(30),
+                    "leaseDuration",
+                );
+                (store.url.as_ref().map(|u| u.value.clone()), lease)
+            }
+            None => (None, Duration::from_secs(30)),
+        };
+        let openai = OpenAiProtocolConfig {
+            enabled: spec.protocols.openai.enabled.unwrap_or(true),
+            api_keys_env: self.env_vars(origin, &spec.protocols.openai.api_keys_env, "apiKeysEnv"),
+            approval_wait: self.duration(
+                origin,
+                &spec.protocols.openai.approval_wait,
+                Duration::from_secs(120),
+                "approvalWait",
+            ),
+        };
+        let admin_api_keys_env =
+            self.env_vars(origin, &spec.protocols.admin.api_keys_env, "apiKeysEnv");
+        let max_concurrent_runs = match &spec.limits.max_concurrent_runs {
+            Some(limit) if limit.value == 0 => {
+                self.report(origin.at(limit, "`maxConcurrentRuns` must be at least 1"));
+                256
+            }
+            Some(limit) => limit.value,
+            None => 256,
+        };
+        let limits = LimitsConfig {
+            max_request_bytes: self.byte_size(
+                origin,
+                &spec.limits.max_request_bytes,
+                4 << 20,
+                "maxRequestBytes",
+            ),
+            max_concurrent_runs,
+        };
+        let governance = self.governance(origin, &spec.governance, inventory);
+        let recovery = self.recovery(origin, &spec.recovery);
+        let budgets = spec
+            .budgets
+            .iter()
+            .map(|budget| {
+                if budget.max_tokens.value == 0 {
+                    self.report(origin.at(&budget.max_tokens, "`maxTokens` must be at least 1"));
+                }
+                BudgetConfig {
+                    scope: budget.scope,
+                    max_tokens: budget.max_tokens.value,
+                    window: self.required_duration(origin, &budget.window, "window"),
+                }
+            })
+            .collect();
+        let mut cli_event_types = Vec::new();
+        for event_type in &spec.cli.events.include {
+            if crate::runtime::events::EVENT_TYPES.contains(&event_type.as_str()) {
+                cli_event_types.push(event_type.value.clone());
+            } else {
+                let hint = did_you_mean(
+                    event_type,
+                    crate::runtime::events::EVENT_TYPES.iter().copied(),
+                );
+                self.report(
+                    origin
+                        .at(
+                            event_type,
+                            format!("unknown event type `{}`", event_type.value),
+                        )
+                        .with_optional_hint(hint),
+                );
+            }
+        }
+        let mut mcp_servers = BTreeMap::new();
+        for server in &spec.mcp_servers {
+            let transport = match (&server.command, &server.url) {
+                (Some(command), None) => McpTransport::Stdio(self.program(
+                    origin,
+                    &command.program,
+                    &command.args,
+                    &command.env,
+                    true,
+                )),
+                (None, Some(url)) => McpTransport::Http {
+                    url: self.http_url(origin, url, "url"),
+                    headers_env: server
+                        .headers_env
+                        .iter()
+                        .map(|(header, env)| {
+                            (header.clone(), self.env_var(origin, env, "headersEnv"))
+                        })
+                        .collect(),
+                },
+                _ => {
+                    self.report(
+                        origin
+                            .at(&server.name, format!("MCP server `{}` needs exactly one of `command` (stdio) or `url` (streamable HTTP)", server.name.value)),
+                    );
+                    continue;
+                }
+            };
+            let timeout =
+                self.duration(origin, &server.timeout, Duration::from_secs(30), "timeout");
+            mcp_servers
+                .entry(server.name.value.clone())
+                .or_insert(McpServerConfig {
+                    name: server.name.value.clone(),
+                    transport,
+                    timeout,
+                });
+        }
+        Some(RuntimeConfig {
+            name: doc.raw.metadata.name.value.clone(),
+            labels: doc.raw.metadata.labels.clone(),
+            default_agent,
+            store_url,
+            lease_duration,
+            openai,
+            admin_api_keys_env,
+            limits,
+            governance,
+            recovery,
+            memory: MemoryConfig {
+                enabled: spec.memory.enabled.unwrap_or(false),
+                write_requires_approval: spec.memory.write.require_approval.unwrap_or(true),
+            },
+            budgets,
+            narration: NarrationConfig {
+                enabled: spec.progress.narration.enabled.unwrap_or(false),
+                style: spec
+                    .progress
+                    .narration
+                    .style
+                    .unwrap_or(NarrationStyle::Concise),
+            },
+            cli_event_types,
+            mcp_servers,
+        })
+    }
+
+    fn governance(
+        &mut self,
+        origin: &Origin,
+        spec: &raw::GovernanceSpec,
+        inventory: &Inventory,
+    ) -> GovernanceConfig {
+        let mut rule_names = BTreeMap::new();
+        let mut rules = Vec::new();
+        for rule in &spec.rules {
+            self.register(&mut rule_names, "governance rule", origin, &rule.name);
+            for pattern in &rule.matches.tools {
+                if pattern.contains('*') {
+                    let matches_any = inventory
+                        .tools
+                        .keys()
+                        .any(|tool| glob_matches(pattern, tool));
+                    if !matches_any && !self.unreadable.contains(&"ToolCatalog") {
+                        self.report(origin.at(
+                            pattern,
+                            format!("tool pattern `{}` matches no tool", pattern.value),
+                        ));
+                    }
+                } else {
+                    self.reference(origin, pattern, &inventory.tools, "tool", "ToolCatalog");
+                }
+            }
+            for agent in &rule.matches.agents {
+                self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+            }
+            rules.push(PolicyRule {
+                name: rule.name.value.clone(),
+                tools: rule.matches.tools.iter().map(|t| t.value.clone()).collect(),
+                agents: rule
+                    .matches
+                    .agents
+                    .iter()
+                    .map(|a| a.value.clone())
+                    .collect(),
+                risk: rule.matches.risk.clone(),
+                labels: rule.matches.labels.clone(),
+                decision: rule.decision,
+                reason: rule.reason.clone(),
+            });
+        }
+        GovernanceConfig {
+            default: spec.default.unwrap_or(Decision::Allow),
+            rules,
+            approval_timeout: self.duration(
+                origin,
+                &spec.approvals.timeout,
+                Duration::from_secs(86_400),
+                "approvals.timeout",
+            ),
+            on_timeout: spec.approvals.on_timeout.unwrap_or(TimeoutAction::Deny),
+            policy_timeout: self.duration(
+                origin,
+                &spec.policy_timeout,
+                Duration::from_secs(5),
+                "policyTimeout",
+            ),
+        }
+    }
+
+    fn recovery(&mut self, origin: &Origin, spec: &raw::RecoverySpec) -> RecoveryConfig {
+        let max_attempts = match &spec.max_attempts {
+            Some(attempts) if attempts.value == 0 || attempts.value > 100 => {
+                self.report(origin.at(
+                    attempts,
+                    "`maxAttempts` counts every attempt including the first: use 1 to 100",
+                ));
+                3
+            }
+            Some(attempts) => attempts.value,
+            None => 3,
+        };
+        let backoff_initial = self.duration(
+            origin,
+            &spec.backoff.initial,
+            Duration::from_millis(200),
+            "backoff.initial",
+        );
+        let backoff_max = self.duration(
+            origin,
+            &spec.backoff.max,
+            Duration::from_secs(5),
+            "backoff.max",
+        );
+        if backoff_initial > backoff_max
+            && let Some(max) = &spec.backoff.max
+        {
+            self.report(origin.at(max, "`backoff.max` must be at least `backoff.initial`"));
+        }
+        RecoveryConfig {
+            max_attempts,
+            backoff_initial,
+            backoff_max,
+            retry_on: spec.retry_on.clone().unwrap_or_else(|| {
+                vec![
+                    RetryKind::Timeout,
+                    RetryKind::Upstream5xx,
+                    RetryKind::RateLimited,
+                    RetryKind::Connection,
+                ]
+            }),
+            resume_on_start: spec.resume_on_start.unwrap_or(true),
+        }
+    }
+
+    fn agents(
+        &mut self,
+        documents: &Documents,
+        inventory: &Inventory,
+        tools: &BTreeMap<String, ToolConfig>,
+        models: &BTreeMap<String, ModelConfig>,
+    ) -> BTreeMap<String, AgentConfig> {
+        let mut agents = BTreeMap::new();
+        for doc in &documents.agents {
+            let agent = self.agent(doc, inventory, tools, models);
+            agents.entry(agent.name.clone()).or_insert(agent);
+        }
+        agents
+    }
+
+    fn agent(
+        &mut self,
+        doc: &Document<raw::AgentSpec>,
+        inventory: &Inventory,
+        tools: &BTreeMap<String, ToolConfig>,
+        models: &BTreeMap<String, ModelConfig>,
+    ) -> AgentConfig {
+        let origin = &doc.origin;
+        let spec = &doc.raw.spec;
+        let name = &doc.raw.metadata.name.value;
+        let backend = spec.backend.value;
+
+        // Backend-specific fields: required where the backend needs them, refused where unused.
+        let needs = |field: &str| match field {
+            "model" => backend == Backend::Openai,
+            "script" => backend == Backend::Scripted,
+            "endpoint" => backend == Backend::Http,
+            _ => false,
+        };
+        let present = [
+            ("model", spec.model.as_ref().map(|m| m.position)),
+            ("script", spec.script.as_ref().map(|s| s.position)),
+            ("endpoint", spec.endpoint.as_ref().map(|e| e.position)),
+        ];
+        let backend_name = format!("{backend:?}").to_lowercase();
+        for (field, position) in present {
+            match (needs(field), position) {
+                (true, None) => self.report(origin.at(
+                    &spec.backend,
+                    format!("agent `{name}` uses backend `{backend_name}`, which needs `{field}`"),
+                )),
+                (false, Some(position)) => self.report(
+                    origin
+                        .diagnostic(
+                            position,
+                            format!("`{field}` is not used by backend `{backend_name}`"),
+                        )
+                        .with_hint("remove it, or set the backend that uses it"),
+                ),
+                _ => {}
+            }
+        }
+        if let Some(model) = &spec.model
+            && self.reference(origin, model, &inventory.models, "model", "ModelCatalog")
+            && let Some(config) = models.get(&model.value)
+            && !config.capabilities.tools
+            && !spec.tools.is_empty()
+            && backend == Backend::Openai
+        {
+            self.report(origin.at(
+                model,
+                format!(
+                    "agent `{name}` has tools but model `{}` declares `capabilities.tools: false`",
+                    model.value
+                ),
+            ));
+        }
+
+        let instructions = match (&spec.instructions, &spec.instructions_file) {
+            (Some(_), Some(file)) => {
+                self.report(origin.at(file, "set `instructions` or `instructionsFile`, not both"));
+                None
+            }
+            (Some(text), None) => Some(text.value.clone()),
+            (None, Some(file)) => self
+                .workspace_file(origin, file, "instructionsFile", None)
+                .and_then(|path| self.read_small_file(origin, file, &path, "instructionsFile")),
+            (None, None) => None,
+        };
+
+        let mut agent_tools = Vec::new();
+        for tool in &spec.tools {
+            if agent_tools.contains(&tool.value) {
+                self.report(origin.at(tool, format!("tool `{}` is listed twice", tool.value)));
+            } else if self.reference(origin, tool, &inventory.tools, "tool", "ToolCatalog") {
+                agent_tools.push(tool.value.clone());
+            }
+        }
+        for subagent in &spec.subagents {
+            if &subagent.value == name {
+                self.report(origin.at(
+                    subagent,
+                    format!("agent `{name}` cannot be its own subagent"),
+                ));
+            } else {
+                self.reference(origin, subagent, &inventory.agents, "agent", "Agent");
+            }
+        }
+        let skills = spec
+            .skills
+            .iter()
+            .filter_map(|skill| {
+                let path =
+                    self.workspace_file(origin, skill, "skills", Some("resources/skills"))?;
+                let name = path
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Some(SkillFile { name, path })
+            })
+            .collect();
+        let max_iterations = match &spec.max_iterations {
+            Some(n) if n.value == 0 || n.value > 1_000 => {
+                self.report(origin.at(n, "`maxIterations` must be between 1 and 1000"));
+                8
+            }
+            Some(n) => n.value,
+            None => 8,
+        };
+        let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(120), "timeout");
+        let memory_spec = spec.memory.clone().unwrap_or_default();
+        let namespace = match &memory_spec.namespace {
+            Some(ns) => {
+                if ns.is_empty() || ns.split('/').any(|part| !is_valid_name(part)) {
+                    self.report(origin.at(ns, format!("invalid memory namespace `{}`: `/`-separated names like `agent/assistant`", ns.value)));
+                }
+                ns.value.clone()
+            }
+            None => format!("agent/{name}"),
+        };
+        let mut required_evidence_tools = Vec::new();
+        for tool in spec
+            .contract
+            .iter()
+            .flat_map(|c| &c.required_evidence_tools)
+        {
+            if spec.tools.iter().any(|t| t.value == tool.value) {
+                required_evidence_tools.push(tool.value.clone());
+            } else {
+                self.report(origin.at(
+                    tool,
+                    format!(
+                        "required evidence tool `{}` is not in this agent's `tools`",
+                        tool.value
+                    ),
+                ));
+            }
+        }
+        let script = match &spec.script {
+            Some(steps) => self.script(origin, steps, &spec.tools, tools),
+            None => Vec::new(),
+        };
+        let endpoint = spec.endpoint.as_ref().map(|endpoint| EndpointConfig {
+            url: self.http_url(origin, &endpoint.url, "endpoint.url"),
+            api_key_env: endpoint
+                .api_key_env
+                .as_ref()
+                .map(|env| self.env_var(origin, env, "apiKeyEnv")),
+            timeout: self.duration(
+                origin,
+                &endpoint.timeout,
+                Duration::from_secs(120),
+                "endpoint.timeout",
+            ),
+        });
+        AgentConfig {
+            name: name.clone(),
+            labels: doc.raw.metadata.labels.clone(),
+            description: spec.description.clone(),
+            backend,
+            model: spec.model.as_ref().map(|m| m.value.clone()),
+            instructions,
+            tools: agent_tools,
+            subagents: spec.subagents.iter().map(|s| s.value.clone()).collect(),
+            skills,
+            max_iterations,
+            timeout,
+            memory: AgentMemoryConfig {
+                namespace,
+                recall: memory_spec.recall.unwrap_or(false),
+                max_recall: memory_spec.max_recall.unwrap_or(5),
+            },
+            required_evidence_tools,
+            backend_config: spec
+                .backend_config
+                .as_ref()
+                .map(|c| c.value.clone())
+                .unwrap_or_default(),
+            script,
+            endpoint,
+        }
+    }
+
+    /// Scripted steps: every tool call must be one of the agent's tools, with arguments its
+    /// schema accepts, so a demo script cannot fail for a reason visible at load time.
+    fn script(
+        &mut self,
+        origin: &Origin,
+        steps: &Located<Vec<raw::ScriptStep>>,
+        agent_tools: &[Located<String>],
+        tools: &BTreeMap<String, ToolConfig>,
+    ) -> Vec<ScriptStep> {
+        if steps.is_empty() {
+            self.report(origin.at(steps, "`script` needs at least one step"));
+        }
+        let mut compiled = Vec::new();
+        for step in steps.iter() {
+            match step {
+                raw::ScriptStep::Reply(text) => compiled.push(ScriptStep::Reply(text.clone())),
+                raw::ScriptStep::ToolCall(call) => {
+                    if !agent_tools.iter().any(|t| t.value == call.tool.value) {
+                        self.report(
+                            origin
+                                .at(&call.tool, format!("script calls tool `{}`, which is not in this agent's `tools`", call.tool.value))
+                                .with_hint("add it to `tools`: scripted calls pass the same gateway as a model's"),
+                        );
+                    } else if let Some(tool) = tools.get(&call.tool.value) {
+                        let arguments = serde_json::Value::Object(call.arguments.clone());
+                        if let Some(error) = tool.input_validator.iter_errors(&arguments).next() {
+                            self.report(origin.at(&call.tool, format!("script arguments for `{}` do not match its inputSchema: {error}", call.tool.value)));
+                        }
+                    }
+                    compiled.push(ScriptStep::ToolCall {
+                        tool: call.tool.value.clone(),
+                        arguments: call.arguments.clone(),
+                    });
+                }
+            }
+        }
+        compiled
+    }
+
+    fn workflows(
+        &mut self,
+        documents: &Documents,
+        inventory: &Inventory,
+    ) -> BTreeMap<String, WorkflowConfig> {
+        let mut workflows = BTreeMap::new();
+        for doc in &documents.workflows {
+            let origin = &doc.origin;
+            let spec = &doc.raw.spec;
+            let mut node_names = BTreeMap::new();
+            let mut nodes = Vec::new();
+            for node in &spec.nodes {
+                self.register(&mut node_names, "workflow node", origin, &node.id);
+                let target = match (&node.agent, &node.tool) {
+                    (Some(agent), None) => {
+                        self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+                        WorkflowTarget::Agent(agent.value.clone())
+                    }
+                    (None, Some(tool)) => {
+                        self.reference(origin, tool, &inventory.tools, "tool", "ToolCatalog");
+                        WorkflowTarget::Tool(tool.value.clone())
+                    }
+                    _ => {
+                        self.report(origin.at(
+                            &node.id,
+                            format!(
+                                "workflow node `{}` needs exactly one of `agent` or `tool`",
+                                node.id.value
+                            ),
+                        ));
+                        continue;
+                    }
+                };
+                nodes.push(WorkflowNode {
+                    id: node.id.value.clone(),
+                    target,
+                });
+            }
+            if spec.nodes.is_empty() {
+                self.report(
+                    origin.at(&doc.raw.metadata.name, "a workflow needs at least one node"),
+                );
+            }
+            self.reference(origin, &spec.entry, &node_names, "workflow node", "");
+            let mut edges = Vec::new();
+            for edge in &spec.edges {
+                self.reference(origin, &edge.from, &node_names, "workflow node", "");
+                self.reference(origin, &edge.to, &node_names, "workflow node", "");
+                edges.push(WorkflowEdge {
+                    from: edge.from.value.clone(),
+                    to: edge.to.value.clone(),
+                    when: edge.when.as_ref().map(|w| w.status),
+                });
+            }
+            let name = doc.raw.metadata.name.value.clone();
+            workflows.entry(name.clone()).or_insert(WorkflowConfig {
+                name,
+                description: spec.description.clone(),
+                entry: spec.entry.value.clone(),
+                nodes,
+                edges,
+            });
+        }
+        workflows
+    }
+}
+
+/// `*` matches any run of characters; everything else matches itself.
+pub fn glob_matches(pattern: &str, text: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let Some(first) = parts.next() else {
+        return pattern == text;
+    };
+    let Some(mut rest) = text.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty();
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(index) => rest = &rest[index + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+#[cfg(unix)]
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o111 != 0)
+}
+
+#[cfg(not(unix))]
+fn is_executable(path: &Path) -> bool {
+    path.is_file()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob_matches;
+
+    #[test]
+    fn globs() {
+        assert!(glob_matches("files.*", "files.delete"));
+        assert!(glob_matches("*", "anything"));
+        assert!(glob_matches("*.delete", "files.delete"));
+        assert!(glob_matches("a*b*c", "aXbYc"));
+        assert!(glob_matches("exact", "exact"));
+        assert!(!glob_matches("files.*", "fs.read"));
+        assert!(!glob_matches("a*bc", "abc_"));
+        assert!(!glob_matches("ab*ba", "aba"));
+    }
+}

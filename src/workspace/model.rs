@@ -1,0 +1,352 @@
+//! The compiled inventory: checked, resolved, immutable. Everything the runtime, the gateway
+//! and the protocol surfaces know about a workspace comes from a [`CompiledWorkspace`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+pub use super::raw::{
+    Backend, BudgetScope, Decision, HttpMethod, NarrationStyle, NodeOutcome, Provider, RetryKind,
+    Risk, TimeoutAction,
+};
+
+/// The name a config enum has in YAML and on the wire (`needs_approval`, `openai`, `high`).
+pub fn wire_name<T: Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(name)) => name,
+        _ => String::new(),
+    }
+}
+
+/// A workspace after every check passed. Cheap to share (`Arc` it once at start).
+#[derive(Debug, Clone)]
+pub struct CompiledWorkspace {
+    /// Canonical absolute path of the workspace folder.
+    pub root: PathBuf,
+    pub runtime: RuntimeConfig,
+    pub agents: BTreeMap<String, AgentConfig>,
+    pub models: BTreeMap<String, ModelConfig>,
+    pub tools: BTreeMap<String, ToolConfig>,
+    pub workflows: BTreeMap<String, WorkflowConfig>,
+}
+
+impl CompiledWorkspace {
+    pub fn agent(&self, name: &str) -> Option<&AgentConfig> {
+        self.agents.get(name)
+    }
+
+    pub fn default_agent(&self) -> Option<&AgentConfig> {
+        self.runtime
+            .default_agent
+            .as_deref()
+            .and_then(|name| self.agents.get(name))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub default_agent: Option<String>,
+    /// `store.url` as written (relative SQLite paths are resolved by the store).
+    pub store_url: Option<String>,
+    pub lease_duration: Duration,
+    pub openai: OpenAiProtocolConfig,
+    pub admin_api_keys_env: Vec<String>,
+    pub limits: LimitsConfig,
+    pub governance: GovernanceConfig,
+    pub recovery: RecoveryConfig,
+    pub memory: MemoryConfig,
+    pub budgets: Vec<BudgetConfig>,
+    pub narration: NarrationConfig,
+    pub cli_event_types: Vec<String>,
+    pub mcp_servers: BTreeMap<String, McpServerConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct OpenAiProtocolConfig {
+    pub enabled: bool,
+    pub api_keys_env: Vec<String>,
+    pub approval_wait: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct LimitsConfig {
+    pub max_request_bytes: u64,
+    pub max_concurrent_runs: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct GovernanceConfig {
+    pub default: Decision,
+    pub rules: Vec<PolicyRule>,
+    pub approval_timeout: Duration,
+    pub on_timeout: TimeoutAction,
+    pub policy_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct PolicyRule {
+    pub name: String,
+    /// Tool id patterns; `*` matches any run of characters.
+    pub tools: Vec<String>,
+    pub agents: Vec<String>,
+    pub risk: Vec<Risk>,
+    pub labels: BTreeMap<String, String>,
+    pub decision: Decision,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecoveryConfig {
+    pub max_attempts: u32,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    pub retry_on: Vec<RetryKind>,
+    pub resume_on_start: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryConfig {
+    pub enabled: bool,
+    pub write_requires_approval: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct BudgetConfig {
+    pub scope: BudgetScope,
+    pub max_tokens: u64,
+    pub window: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct NarrationConfig {
+    pub enabled: bool,
+    pub style: NarrationStyle,
+}
+
+#[derive(Debug, Clone)]
+pub struct McpServerConfig {
+    pub name: String,
+    pub transport: McpTransport,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum McpTransport {
+    /// A child process speaking MCP on stdio.
+    Stdio(CommandConfig),
+    /// Streamable HTTP; header values come from the named environment variables.
+    Http {
+        url: String,
+        headers_env: BTreeMap<String, String>,
+    },
+}
+
+/// A program to start without a shell.
+#[derive(Debug, Clone)]
+pub struct CommandConfig {
+    /// Absolute path for workspace programs; a bare name is looked up on PATH.
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    /// Environment variables passed through; all others are scrubbed.
+    pub env: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub description: Option<String>,
+    pub backend: Backend,
+    pub model: Option<String>,
+    /// The system instructions (from `instructions` or the file `instructionsFile` names).
+    pub instructions: Option<String>,
+    pub tools: Vec<String>,
+    pub subagents: Vec<String>,
+    pub skills: Vec<SkillFile>,
+    pub max_iterations: u32,
+    pub timeout: Duration,
+    pub memory: AgentMemoryConfig,
+    pub required_evidence_tools: Vec<String>,
+    pub backend_config: serde_json::Map<String, serde_json::Value>,
+    pub script: Vec<ScriptStep>,
+    pub endpoint: Option<EndpointConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SkillFile {
+    /// The file name without extension, as the skills tool offers it.
+    pub name: String,
+    pub path: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentMemoryConfig {
+    pub namespace: String,
+    pub recall: bool,
+    pub max_recall: u32,
+}
+
+#[derive(Debug, Clone)]
+pub enum ScriptStep {
+    Reply(String),
+    ToolCall {
+        tool: String,
+        arguments: serde_json::Map<String, serde_json::Value>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    pub url: String,
+    pub api_key_env: Option<String>,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCapabilities {
+    pub tools: bool,
+    pub streaming: bool,
+    pub vision: bool,
+    pub json_schema: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub id: String,
+    pub provider: Provider,
+    pub base_url: UpstreamUrl,
+    pub api_key_env: Option<String>,
+    pub upstream_model: String,
+    pub capabilities: ModelCapabilities,
+    pub context_window: Option<u64>,
+    pub pricing: Option<Pricing>,
+    pub timeout: Duration,
+    pub fallbacks: Vec<String>,
+}
+
+/// Where a model's upstream is: written in YAML, or read from the environment at call time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpstreamUrl {
+    Fixed(String),
+    FromEnv(String),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Pricing {
+    pub input_per_m_tok: f64,
+    pub output_per_m_tok: f64,
+}
+
+#[derive(Clone)]
+pub struct ToolConfig {
+    pub id: String,
+    pub description: Option<String>,
+    pub input_schema: serde_json::Value,
+    /// The compiled `input_schema`, built once here so the gateway only validates.
+    pub input_validator: Arc<jsonschema::Validator>,
+    pub risk: Risk,
+    pub labels: BTreeMap<String, String>,
+    pub timeout: Duration,
+    pub implementation: ToolImplementation,
+}
+
+impl fmt::Debug for ToolConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolConfig")
+            .field("id", &self.id)
+            .field("risk", &self.risk)
+            .field("timeout", &self.timeout)
+            .field("implementation", &self.implementation)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum ToolImplementation {
+    Http {
+        method: HttpMethod,
+        url: String,
+        headers_env: BTreeMap<String, String>,
+        max_response_bytes: u64,
+    },
+    Command {
+        command: CommandConfig,
+        max_output_bytes: u64,
+    },
+    Mcp {
+        server: String,
+        tool: String,
+    },
+    Builtin(BuiltinTool),
+}
+
+impl ToolImplementation {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Http { .. } => "http",
+            Self::Command { .. } => "command",
+            Self::Mcp { .. } => "mcp",
+            Self::Builtin(_) => "builtin",
+        }
+    }
+}
+
+/// Tools built into the binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum BuiltinTool {
+    /// The current time (UTC, RFC 3339).
+    #[serde(rename = "clock.now")]
+    ClockNow,
+    /// Serves the calling agent's skill files.
+    #[serde(rename = "skills.get")]
+    SkillsGet,
+}
+
+impl BuiltinTool {
+    pub const ALL: [(&'static str, BuiltinTool); 2] = [
+        ("clock.now", BuiltinTool::ClockNow),
+        ("skills.get", BuiltinTool::SkillsGet),
+    ];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, tool)| *tool)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkflowConfig {
+    pub name: String,
+    pub description: Option<String>,
+    pub entry: String,
+    pub nodes: Vec<WorkflowNode>,
+    pub edges: Vec<WorkflowEdge>,
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkflowNode {
+    pub id: String,
+    pub target: WorkflowTarget,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkflowTarget {
+    Agent(String),
+    Tool(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkflowEdge {
+    pub from: String,
+    pub to: String,
+    pub when: Option<NodeOutcome>,
+}

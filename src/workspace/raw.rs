@@ -1,0 +1,716 @@
+//! Raw workspace documents: exactly what the YAML says, checked only for shape.
+//!
+//! These types reject unknown fields, carry the position of every value later checks judge
+//! ([`Located`]), and derive the JSON Schema that `stable-harness schema` prints, so editors
+//! validate YAML against the same types the loader uses. [`super::compile`] turns them into
+//! the checked inventory.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+
+use super::located::Located;
+
+/// The only `apiVersion` this build understands.
+pub const API_VERSION: &str = "stable-harness/v1";
+
+/// A string naming a duration such as `200ms`, `120s`, `5m`, `24h` or `1h30m`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct DurationText(pub String);
+
+impl JsonSchema for DurationText {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Duration".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "pattern": "^([0-9]+(ms|s|m|h|d))+$",
+            "description": "A duration: one or more <integer><unit> parts, units ms, s, m, h, d (e.g. `120s`, `1h30m`).",
+        })
+    }
+}
+
+/// A byte size such as `4MiB`, `512KiB` or a plain number of bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct ByteSizeText(pub String);
+
+impl JsonSchema for ByteSizeText {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ByteSize".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                { "type": "string", "pattern": "^[0-9]+ ?(B|KB|MB|GB|KiB|MiB|GiB)?$" },
+                { "type": "integer", "minimum": 0 }
+            ],
+            "description": "A size in bytes, optionally with a unit B, KB, MB, GB, KiB, MiB, GiB (e.g. `4MiB`).",
+        })
+    }
+}
+
+/// A located name of an environment variable (fields ending in `Env`): secrets never live in YAML.
+pub type EnvVarRef = Located<String>;
+
+/// One YAML document of a workspace: `apiVersion`, `kind`, `metadata` and a kind-specific `spec`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RawDocument<S> {
+    pub api_version: Located<String>,
+    pub kind: Located<String>,
+    pub metadata: Metadata,
+    pub spec: S,
+}
+
+/// Just enough of a document to learn its kind before reading it with the right type.
+#[derive(Debug, Deserialize)]
+pub struct DocumentKindProbe {
+    #[serde(default)]
+    pub kind: Option<Located<String>>,
+    #[serde(default)]
+    pub metadata: Option<NameProbe>,
+}
+
+/// `metadata.name`, if it is a string, whatever else the document holds.
+#[derive(Debug, Deserialize)]
+pub struct NameProbe {
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `metadata` of every document.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Metadata {
+    /// Unique per kind; `[a-z0-9][a-z0-9._-]*`.
+    #[schemars(regex(pattern = r"^[a-z0-9][a-z0-9._-]*$"))]
+    pub name: Located<String>,
+    /// Free-form labels, usable by governance rules.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime
+
+/// `kind: Runtime` — the service as a whole (exactly one per workspace).
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RuntimeSpec {
+    /// Agent used when a request names none.
+    #[serde(default)]
+    pub default_agent: Option<Located<String>>,
+    #[serde(default)]
+    pub store: Option<StoreSpec>,
+    #[serde(default)]
+    pub protocols: ProtocolsSpec,
+    #[serde(default)]
+    pub limits: LimitsSpec,
+    #[serde(default)]
+    pub governance: GovernanceSpec,
+    #[serde(default)]
+    pub recovery: RecoverySpec,
+    #[serde(default)]
+    pub memory: MemorySpec,
+    #[serde(default)]
+    pub budgets: Vec<BudgetSpec>,
+    #[serde(default)]
+    pub progress: ProgressSpec,
+    #[serde(default)]
+    pub cli: CliSpec,
+    #[serde(default)]
+    pub mcp_servers: Vec<McpServerSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct StoreSpec {
+    /// `sqlite://PATH` (relative to the workspace) or `postgres://...`.
+    #[serde(default)]
+    pub url: Option<Located<String>>,
+    /// How long a run claim lasts before another instance may take it over (default 30s).
+    #[serde(default)]
+    pub lease_duration: Option<Located<DurationText>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProtocolsSpec {
+    #[serde(default)]
+    pub openai: OpenAiProtocolSpec,
+    #[serde(default)]
+    pub admin: AdminProtocolSpec,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OpenAiProtocolSpec {
+    /// Serve `/v1` (default true).
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    /// Environment variables holding the client keys accepted on `/v1` and `/runtime`.
+    #[serde(default)]
+    pub api_keys_env: Vec<EnvVarRef>,
+    /// How long a `/v1` call waits on a pending approval (default 120s).
+    #[serde(default)]
+    pub approval_wait: Option<Located<DurationText>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AdminProtocolSpec {
+    /// Environment variables holding the operator keys accepted on `/admin`.
+    #[serde(default)]
+    pub api_keys_env: Vec<EnvVarRef>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LimitsSpec {
+    /// Largest accepted request body (default 4MiB).
+    #[serde(default)]
+    pub max_request_bytes: Option<Located<ByteSizeText>>,
+    /// Runs executing at once; more are queued or refused with 429 (default 256).
+    #[serde(default)]
+    pub max_concurrent_runs: Option<Located<u32>>,
+}
+
+/// A policy outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    Allow,
+    Deny,
+    NeedsApproval,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GovernanceSpec {
+    /// Decision when no rule matches (default allow).
+    #[serde(default)]
+    pub default: Option<Decision>,
+    /// Evaluated in order; the first match wins.
+    #[serde(default)]
+    pub rules: Vec<PolicyRuleSpec>,
+    #[serde(default)]
+    pub approvals: ApprovalsSpec,
+    /// An external policy that does not answer in time is a deny (default 5s).
+    #[serde(default)]
+    pub policy_timeout: Option<Located<DurationText>>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PolicyRuleSpec {
+    pub name: Located<String>,
+    /// All given criteria must hold; an empty match matches every call.
+    #[serde(default, rename = "match")]
+    pub matches: PolicyMatchSpec,
+    pub decision: Decision,
+    /// Shown to the model and the operator when this rule denies or holds a call.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PolicyMatchSpec {
+    /// Tool ids; `*` matches any run of characters (`files.*`).
+    #[serde(default)]
+    pub tools: Vec<Located<String>>,
+    /// Agent names.
+    #[serde(default)]
+    pub agents: Vec<Located<String>>,
+    #[serde(default)]
+    pub risk: Vec<Risk>,
+    /// Labels the tool must carry (all of them).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, JsonSchema, serde::Serialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Risk {
+    Low,
+    Medium,
+    High,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeoutAction {
+    Deny,
+    Approve,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ApprovalsSpec {
+    /// How long an approval may stay pending (default 24h).
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+    /// What an expired approval means for the call (default deny).
+    #[serde(default)]
+    pub on_timeout: Option<TimeoutAction>,
+}
+
+/// Upstream error kinds the runtime may retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryKind {
+    Timeout,
+    #[serde(rename = "upstream_5xx")]
+    Upstream5xx,
+    RateLimited,
+    Connection,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RecoverySpec {
+    /// Attempts per model call, the first included (default 3).
+    #[serde(default)]
+    pub max_attempts: Option<Located<u32>>,
+    #[serde(default)]
+    pub backoff: BackoffSpec,
+    /// Error kinds that are retried (default: all).
+    #[serde(default)]
+    pub retry_on: Option<Vec<RetryKind>>,
+    /// Continue runs interrupted by a crash when the server starts (default true).
+    #[serde(default)]
+    pub resume_on_start: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BackoffSpec {
+    /// First delay (default 200ms).
+    #[serde(default)]
+    pub initial: Option<Located<DurationText>>,
+    /// Largest delay (default 5s).
+    #[serde(default)]
+    pub max: Option<Located<DurationText>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MemorySpec {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub write: MemoryWriteSpec,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MemoryWriteSpec {
+    /// Memory candidates wait for an operator before they are stored (default true).
+    #[serde(default)]
+    pub require_approval: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum BudgetScope {
+    Agent,
+    Session,
+    ApiKey,
+    Workspace,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BudgetSpec {
+    pub scope: BudgetScope,
+    pub max_tokens: Located<u64>,
+    pub window: Located<DurationText>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProgressSpec {
+    #[serde(default)]
+    pub narration: NarrationSpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NarrationStyle {
+    Concise,
+    Verbose,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NarrationSpec {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub style: Option<NarrationStyle>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CliSpec {
+    #[serde(default)]
+    pub events: CliEventsSpec,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CliEventsSpec {
+    /// Event types `stable-harness run` prints besides the final output.
+    #[serde(default)]
+    pub include: Vec<Located<String>>,
+}
+
+/// An MCP server whose tools the ToolCatalog may expose (`mcp: {server, tool}`).
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct McpServerSpec {
+    pub name: Located<String>,
+    /// Start the server as a child process speaking MCP over stdio.
+    #[serde(default)]
+    pub command: Option<Located<CommandSpec>>,
+    /// Or reach it over streamable HTTP.
+    #[serde(default)]
+    pub url: Option<Located<String>>,
+    /// HTTP headers whose values come from environment variables.
+    #[serde(default)]
+    pub headers_env: BTreeMap<String, EnvVarRef>,
+    /// Per-call timeout (default 30s).
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+}
+
+/// A program started without a shell.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CommandSpec {
+    /// A path under the workspace (`resources/tools/x.sh`) or, for MCP servers, a program on PATH.
+    pub program: Located<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Environment variables passed through to the process; everything else is scrubbed.
+    #[serde(default)]
+    pub env: Vec<EnvVarRef>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agent
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The native loop over an OpenAI-compatible Chat Completions upstream.
+    Openai,
+    /// Plays `spec.script`, for demos and tests without a model.
+    Scripted,
+    /// Delegates to a customer-owned agent service.
+    Http,
+}
+
+/// `kind: Agent`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentSpec {
+    #[serde(default)]
+    pub description: Option<String>,
+    pub backend: Located<Backend>,
+    /// Model id from a ModelCatalog (required for `openai`).
+    #[serde(default)]
+    pub model: Option<Located<String>>,
+    #[serde(default)]
+    pub instructions: Option<Located<String>>,
+    /// Workspace-relative file with the instructions.
+    #[serde(default)]
+    pub instructions_file: Option<Located<String>>,
+    /// Tool ids from a ToolCatalog; nothing else is callable.
+    #[serde(default)]
+    pub tools: Vec<Located<String>>,
+    /// Other agents this one may delegate to.
+    #[serde(default)]
+    pub subagents: Vec<Located<String>>,
+    /// Files under `resources/skills/`, offered through the `skills.get` tool.
+    #[serde(default)]
+    pub skills: Vec<Located<String>>,
+    /// Model<->tool round trips per run (default 8).
+    #[serde(default)]
+    pub max_iterations: Option<Located<u32>>,
+    /// Active execution time per run (default 120s).
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+    #[serde(default)]
+    pub memory: Option<AgentMemorySpec>,
+    #[serde(default)]
+    pub contract: Option<ContractSpec>,
+    /// Passed to the adapter untouched (temperature, etc.).
+    #[serde(default)]
+    pub backend_config: Option<Located<serde_json::Map<String, serde_json::Value>>>,
+    /// `scripted` only: the steps played for every request.
+    #[serde(default)]
+    pub script: Option<Located<Vec<ScriptStep>>>,
+    /// `http` only: the agent service.
+    #[serde(default)]
+    pub endpoint: Option<Located<EndpointSpec>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentMemorySpec {
+    /// Default `agent/<name>`.
+    #[serde(default)]
+    pub namespace: Option<Located<String>>,
+    #[serde(default)]
+    pub recall: Option<bool>,
+    #[serde(default)]
+    pub max_recall: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ContractSpec {
+    /// Tools that must have run for the run to count as completed.
+    #[serde(default)]
+    pub required_evidence_tools: Vec<Located<String>>,
+}
+
+/// One step of a scripted agent.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub enum ScriptStep {
+    /// Stream this text (`{{input}}` is replaced by the last user message).
+    Reply(String),
+    /// Call a tool through the gateway, exactly like a model would.
+    ToolCall(ScriptToolCall),
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ScriptToolCall {
+    pub tool: Located<String>,
+    #[serde(default)]
+    pub arguments: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EndpointSpec {
+    pub url: Located<String>,
+    #[serde(default)]
+    pub api_key_env: Option<EnvVarRef>,
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// ModelCatalog
+
+/// `kind: ModelCatalog`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ModelCatalogSpec {
+    pub models: Vec<ModelSpec>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Provider {
+    /// Any server speaking OpenAI Chat Completions.
+    OpenaiCompatible,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ModelSpec {
+    pub id: Located<String>,
+    pub provider: Provider,
+    #[serde(default)]
+    pub base_url: Option<Located<String>>,
+    #[serde(default)]
+    pub base_url_env: Option<EnvVarRef>,
+    #[serde(default)]
+    pub api_key_env: Option<EnvVarRef>,
+    /// The model name sent upstream.
+    pub upstream_model: Located<String>,
+    #[serde(default)]
+    pub capabilities: CapabilitiesSpec,
+    #[serde(default)]
+    pub context_window: Option<u64>,
+    #[serde(default)]
+    pub pricing: Option<PricingSpec>,
+    /// Per upstream call (default 60s).
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+    /// Other model ids, tried in order on retryable errors.
+    #[serde(default)]
+    pub fallbacks: Vec<Located<String>>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CapabilitiesSpec {
+    #[serde(default)]
+    pub tools: Option<bool>,
+    #[serde(default)]
+    pub streaming: Option<bool>,
+    #[serde(default)]
+    pub vision: Option<bool>,
+    #[serde(default)]
+    pub json_schema: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PricingSpec {
+    /// Price per million input tokens.
+    pub input_per_m_tok: Located<f64>,
+    /// Price per million output tokens.
+    pub output_per_m_tok: Located<f64>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// ToolCatalog
+
+/// `kind: ToolCatalog`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ToolCatalogSpec {
+    pub tools: Vec<ToolSpec>,
+}
+
+/// A tool; exactly one of `http`, `command`, `mcp`, `builtin` says how it runs.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ToolSpec {
+    pub id: Located<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// JSON Schema of the arguments (default: any object).
+    #[serde(default)]
+    pub input_schema: Option<Located<serde_json::Value>>,
+    /// Policy input (default low).
+    #[serde(default)]
+    pub risk: Option<Risk>,
+    /// Policy input.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Execution timeout (default 30s).
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
+    #[serde(default)]
+    pub http: Option<Located<HttpToolSpec>>,
+    #[serde(default)]
+    pub command: Option<Located<CommandToolSpec>>,
+    #[serde(default)]
+    pub mcp: Option<Located<McpToolSpec>>,
+    #[serde(default)]
+    pub builtin: Option<Located<String>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum HttpMethod {
+    Get,
+    Post,
+    Put,
+    Patch,
+    Delete,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HttpToolSpec {
+    /// Default POST (arguments as the JSON body; GET sends them as query parameters).
+    #[serde(default)]
+    pub method: Option<HttpMethod>,
+    pub url: Located<String>,
+    /// Header name -> environment variable holding its value.
+    #[serde(default)]
+    pub headers_env: BTreeMap<String, EnvVarRef>,
+    /// Largest response accepted (default 1MiB).
+    #[serde(default)]
+    pub max_response_bytes: Option<Located<ByteSizeText>>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CommandToolSpec {
+    /// Workspace-relative executable; JSON arguments on stdin, JSON on stdout.
+    pub program: Located<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Environment variables passed through; everything else is scrubbed.
+    #[serde(default)]
+    pub env: Vec<EnvVarRef>,
+    /// Largest stdout accepted (default 1MiB).
+    #[serde(default)]
+    pub max_output_bytes: Option<Located<ByteSizeText>>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct McpToolSpec {
+    /// Name of a server in `Runtime.spec.mcpServers`.
+    pub server: Located<String>,
+    /// The tool's name on that server.
+    pub tool: String,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workflow
+
+/// `kind: Workflow` — an explicit graph over existing agents and tools.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WorkflowSpec {
+    #[serde(default)]
+    pub description: Option<String>,
+    /// Id of the first node.
+    pub entry: Located<String>,
+    pub nodes: Vec<WorkflowNodeSpec>,
+    #[serde(default)]
+    pub edges: Vec<WorkflowEdgeSpec>,
+}
+
+/// A node runs exactly one agent or one tool.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WorkflowNodeSpec {
+    pub id: Located<String>,
+    #[serde(default)]
+    pub agent: Option<Located<String>>,
+    #[serde(default)]
+    pub tool: Option<Located<String>>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WorkflowEdgeSpec {
+    pub from: Located<String>,
+    pub to: Located<String>,
+    /// Condition on the run state of `from`; absent means always.
+    #[serde(default)]
+    pub when: Option<EdgeConditionSpec>,
+}
+
+/// Outcome of a node, as the runtime records it (never its text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeOutcome {
+    Completed,
+    Failed,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EdgeConditionSpec {
+    pub status: NodeOutcome,
+}

@@ -1,0 +1,205 @@
+//! The command line, run as a user runs it: the compiled binary, exit codes and output.
+
+use crate::helpers::{TestWorkspace, example_workspace, stable_harness, stderr, stdout};
+
+#[test]
+fn validate_prints_the_inventory_of_the_example() {
+    let example = example_workspace();
+    let output = stable_harness(&["validate", "-w", example.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        text.contains("valid — 4 agent(s), 3 model(s), 6 tool(s), 1 workflow(s)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("agent     greeter (scripted; tools: clock.now)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tool      docs.search (mcp docs/search, risk low)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn validate_reports_every_problem_with_exit_code_2() {
+    let workspace = TestWorkspace::base();
+    workspace.write(
+        "config/agents/assistant.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: nope\n  tools: [gone]\n",
+    );
+    let output = stable_harness(&["validate", "-w", workspace.path().to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        stderr(&output),
+        "config/agents/assistant.yaml:6:10: unknown model `nope`\nconfig/agents/assistant.yaml:7:11: unknown tool `gone`\n2 problem(s) found\n"
+    );
+
+    let output = stable_harness(&[
+        "validate",
+        "--json",
+        "-w",
+        workspace.path().to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    let diagnostics: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        diagnostics,
+        serde_json::json!([
+            { "file": "config/agents/assistant.yaml", "line": 6, "column": 10, "message": "unknown model `nope`" },
+            { "file": "config/agents/assistant.yaml", "line": 7, "column": 11, "message": "unknown tool `gone`" }
+        ])
+    );
+}
+
+#[test]
+fn validate_json_of_a_valid_workspace_is_an_empty_array() {
+    let output = stable_harness(&[
+        "validate",
+        "--json",
+        "-w",
+        example_workspace().to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap(),
+        serde_json::json!([])
+    );
+}
+
+#[test]
+fn validate_bad_input_never_panics() {
+    let missing = stable_harness(&["validate", "-w", "/nonexistent/stable-harness-workspace"]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(
+        stderr(&missing)
+            .contains("/nonexistent/stable-harness-workspace: workspace folder not found")
+    );
+
+    let workspace = TestWorkspace::base();
+    workspace.write("config/broken.yaml", "kind: Agent\n  - : : [\n\t\u{0}");
+    let output = stable_harness(&["validate", "-w", workspace.path().to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        stderr(&output).starts_with("config/broken.yaml:"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(!stderr(&output).contains("panicked"));
+}
+
+#[test]
+fn init_writes_a_workspace_that_validates_and_refuses_to_overwrite() {
+    let target = TestWorkspace::empty();
+    let dir = target.path().join("my-agents");
+    let output = stable_harness(&["init", dir.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(stdout(&output).contains("Created a workspace"));
+    let workspace = stable_harness::workspace::load(&dir).unwrap();
+    assert_eq!(workspace.runtime.default_agent.as_deref(), Some("greeter"));
+    assert_eq!(
+        workspace.agents["greeter"].backend,
+        stable_harness::workspace::Backend::Scripted
+    );
+    assert_eq!(
+        workspace.agents["assistant"].backend,
+        stable_harness::workspace::Backend::Openai
+    );
+    assert_eq!(
+        workspace.models["default"].base_url,
+        stable_harness::workspace::UpstreamUrl::FromEnv("OPENAI_BASE_URL".into())
+    );
+    assert_eq!(
+        workspace.models["default"].api_key_env.as_deref(),
+        Some("OPENAI_API_KEY")
+    );
+    assert!(
+        workspace.agents["assistant"]
+            .instructions
+            .as_deref()
+            .unwrap_or_default()
+            .contains("clock.now")
+    );
+
+    let again = stable_harness(&["init", dir.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(stderr(&again).contains("already holds a workspace"));
+}
+
+#[test]
+fn schema_validates_the_example_documents() {
+    let output = stable_harness(&["schema"]);
+    assert_eq!(output.status.code(), Some(0));
+    let schema: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+
+    let mut checked = 0;
+    for path in yaml_files(&example_workspace().join("config")) {
+        let text = std::fs::read_to_string(&path).unwrap();
+        for document in serde_saphyr::from_multiple::<serde_json::Value>(&text).unwrap() {
+            let errors: Vec<String> = validator
+                .iter_errors(&document)
+                .map(|e| e.to_string())
+                .collect();
+            assert!(errors.is_empty(), "{}: {errors:#?}", path.display());
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 8);
+
+    // And it rejects what the loader rejects: an unknown field, a wrong kind, a bad name.
+    for bad in [
+        serde_json::json!({"apiVersion": "stable-harness/v1", "kind": "Agent", "metadata": {"name": "a"}, "spec": {"backend": "openai", "modle": "x"}}),
+        serde_json::json!({"apiVersion": "stable-harness/v1", "kind": "Agnet", "metadata": {"name": "a"}, "spec": {}}),
+        serde_json::json!({"apiVersion": "stable-harness/v1", "kind": "Workflow", "metadata": {"name": "Bad Name"}, "spec": {"entry": "a", "nodes": []}}),
+        serde_json::json!({"apiVersion": "v2", "kind": "Runtime", "metadata": {"name": "a"}, "spec": {}}),
+    ] {
+        assert!(!validator.is_valid(&bad), "schema accepted {bad}");
+    }
+}
+
+#[test]
+fn later_subcommands_say_they_are_not_available_yet() {
+    for args in [
+        &["start", "-w", "."][..],
+        &["run", "-w", ".", "hello"][..],
+        &["openapi"][..],
+        &["migrate", "--database-url", "sqlite://x.db"][..],
+    ] {
+        let output = stable_harness(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(
+            stderr(&output).contains("not available yet"),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+        assert!(output.stdout.is_empty());
+    }
+}
+
+#[test]
+fn bad_usage_exits_2() {
+    assert_eq!(stable_harness(&["frobnicate"]).status.code(), Some(2));
+    assert_eq!(
+        stable_harness(&["validate", "--no-such-flag"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(stable_harness(&["--help"]).status.code(), Some(0));
+}
+
+fn yaml_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(yaml_files(&path));
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    files
+}

@@ -1,0 +1,505 @@
+//! The workspace compiler's checks, one broken workspace per check (a table), each asserting
+//! the exact `file:line:col: message` diagnostics; then a workspace with many problems.
+
+use crate::helpers::TestWorkspace;
+
+/// One row: files written over the base workspace (`None` deletes), and every expected line.
+struct Case {
+    name: &'static str,
+    files: &'static [(&'static str, Option<&'static str>)],
+    expected: &'static [&'static str],
+}
+
+const AGENT: &str = "config/agents/assistant.yaml";
+const TOOLS: &str = "config/catalogs/tools.yaml";
+const RUNTIME: &str = "config/runtime/workspace.yaml";
+const MODELS: &str = "config/catalogs/models.yaml";
+
+const CASES: &[Case] = &[
+    Case {
+        name: "no runtime",
+        files: &[(RUNTIME, None)],
+        expected: &[
+            "config/: no Runtime document found; a workspace has exactly one (hint: add config/runtime/workspace.yaml with `kind: Runtime`)",
+        ],
+    },
+    Case {
+        name: "two runtimes",
+        files: &[(
+            "config/runtime/second.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: second }\nspec: {}\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:2:7: a workspace has exactly one Runtime; another is at config/runtime/second.yaml:2:7",
+        ],
+    },
+    Case {
+        name: "duplicate agent name",
+        files: &[(
+            "config/agents/copy.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata:\n  name: assistant\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/copy.yaml:4:9: duplicate agent `assistant` (first defined at config/agents/assistant.yaml:4:9)",
+        ],
+    },
+    Case {
+        name: "duplicate tool id",
+        files: &[(
+            TOOLS,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now }\n    - { id: clock.now, builtin: clock.now }\n    - { id: echo, builtin: clock.now }\n",
+            ),
+        )],
+        expected: &[
+            "config/catalogs/tools.yaml:8:13: duplicate tool `echo` (first defined at config/catalogs/tools.yaml:6:13)",
+        ],
+    },
+    Case {
+        name: "name syntax",
+        files: &[(
+            "config/agents/bad.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata:\n  name: Helper Bot\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/bad.yaml:4:9: invalid agent name `Helper Bot`: names match [a-z0-9][a-z0-9._-]* (hint: did you mean `helper-bot`?)",
+        ],
+    },
+    Case {
+        name: "unknown default agent",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  defaultAgent: asistant\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:5:17: unknown agent `asistant` (hint: did you mean `assistant`?)",
+        ],
+    },
+    Case {
+        name: "dangling agent references",
+        files: &[(
+            AGENT,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: defualt\n  tools: [echo, weather.lookup]\n  subagents: [planner]\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/assistant.yaml:6:10: unknown model `defualt` (hint: did you mean `default`?)",
+            "config/agents/assistant.yaml:7:17: unknown tool `weather.lookup`",
+            "config/agents/assistant.yaml:8:15: unknown agent `planner`",
+        ],
+    },
+    Case {
+        name: "workflow references",
+        files: &[(
+            "config/workflows/flow.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Workflow\nmetadata: { name: flow }\nspec:\n  entry: start\n  nodes:\n    - { id: first, agent: assistent }\n    - { id: second, tool: missing.tool }\n    - { id: third }\n  edges:\n    - { from: first, to: nowhere, when: { status: completed } }\n",
+            ),
+        )],
+        expected: &[
+            "config/workflows/flow.yaml:5:10: unknown workflow node `start`",
+            "config/workflows/flow.yaml:7:27: unknown agent `assistent` (hint: did you mean `assistant`?)",
+            "config/workflows/flow.yaml:8:27: unknown tool `missing.tool`",
+            "config/workflows/flow.yaml:9:13: workflow node `third` needs exactly one of `agent` or `tool`",
+            "config/workflows/flow.yaml:11:26: unknown workflow node `nowhere`",
+        ],
+    },
+    Case {
+        name: "model fallbacks",
+        files: &[(
+            MODELS,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: { name: models }\nspec:\n  models:\n    - id: default\n      provider: openai-compatible\n      baseUrl: http://127.0.0.1:9/v1\n      upstreamModel: m\n      fallbacks: [default, backup]\n",
+            ),
+        )],
+        expected: &[
+            "config/catalogs/models.yaml:10:19: model `default` lists itself as a fallback",
+            "config/catalogs/models.yaml:10:28: unknown model `backup`",
+        ],
+    },
+    Case {
+        name: "instructions file missing",
+        files: &[(
+            AGENT,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  instructionsFile: resources/prompts/missing.md\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/assistant.yaml:7:21: `instructionsFile`: file `resources/prompts/missing.md` not found in the workspace",
+        ],
+    },
+    Case {
+        name: "paths escaping the workspace",
+        files: &[(
+            AGENT,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  instructionsFile: ../outside.md\n  skills: [/etc/passwd, resources/prompts/x.md]\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/assistant.yaml:7:21: `instructionsFile` path `../outside.md` escapes the workspace (hint: paths are relative to the workspace folder and may not use `..` or start with `/`)",
+            "config/agents/assistant.yaml:8:12: `skills` path `/etc/passwd` escapes the workspace (hint: paths are relative to the workspace folder and may not use `..` or start with `/`)",
+            "config/agents/assistant.yaml:8:25: `skills` path `resources/prompts/x.md` must be under resources/skills/ (hint: write `resources/skills/resources/prompts/x.md`)",
+        ],
+    },
+    Case {
+        name: "command program missing or not executable",
+        files: &[
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - id: echo\n      command: { program: resources/tools/missing.sh }\n    - id: clock.now\n      command: { program: resources/tools/plain.txt }\n",
+                ),
+            ),
+            ("resources/tools/plain.txt", Some("not a program\n")),
+        ],
+        expected: &[
+            "config/catalogs/tools.yaml:7:27: `program`: file `resources/tools/missing.sh` not found in the workspace",
+            "config/catalogs/tools.yaml:9:27: program `resources/tools/plain.txt` is not executable (hint: chmod +x resources/tools/plain.txt)",
+        ],
+    },
+    Case {
+        name: "durations and sizes",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  protocols:\n    openai: { approvalWait: 2 minutes }\n  limits: { maxRequestBytes: 4 megabytes }\n  recovery:\n    backoff: { initial: 0s, max: 5s }\n  governance:\n    approvals: { timeout: 24hours }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:6:29: `approvalWait`: invalid duration `2 minutes`: unknown unit `minutes` (use ms, s, m, h or d)",
+            "config/runtime/workspace.yaml:7:30: `maxRequestBytes`: invalid size `4 megabytes`: unknown unit `megabytes` (use B, KB, MB, GB, KiB, MiB or GiB)",
+            "config/runtime/workspace.yaml:9:25: `backoff.initial` must be greater than zero",
+            "config/runtime/workspace.yaml:11:27: `approvals.timeout`: invalid duration `24hours`: unknown unit `hours` (use ms, s, m, h or d)",
+        ],
+    },
+    Case {
+        name: "invalid JSON Schemas",
+        files: &[(
+            TOOLS,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - id: echo\n      inputSchema: { type: object, properties: { text: { type: strng } } }\n      builtin: clock.now\n    - id: clock.now\n      inputSchema: { type: array }\n      builtin: clock.now\n",
+            ),
+        )],
+        expected: &[
+            "config/catalogs/tools.yaml:7:20: tool `echo`: invalid JSON Schema at `/properties/text/type`: \"strng\" is not valid under any of the schemas listed in the 'anyOf' keyword",
+            "config/catalogs/tools.yaml:10:20: tool `clock.now`: `inputSchema` must describe an object (`type: object`) (hint: tool arguments are a JSON object, as in OpenAI function calling)",
+        ],
+    },
+    Case {
+        name: "backend-specific fields",
+        files: &[
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  script: [{ reply: hi }]\n",
+                ),
+            ),
+            (
+                "config/agents/scripted.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: scripted }\nspec:\n  backend: scripted\n",
+                ),
+            ),
+            (
+                "config/agents/remote.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: remote }\nspec:\n  backend: http\n  model: default\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/assistant.yaml:5:12: agent `assistant` uses backend `openai`, which needs `model`",
+            "config/agents/assistant.yaml:6:11: `script` is not used by backend `openai` (hint: remove it, or set the backend that uses it)",
+            "config/agents/remote.yaml:5:12: agent `remote` uses backend `http`, which needs `endpoint`",
+            "config/agents/remote.yaml:6:10: `model` is not used by backend `http` (hint: remove it, or set the backend that uses it)",
+            "config/agents/scripted.yaml:5:12: agent `scripted` uses backend `scripted`, which needs `script`",
+        ],
+    },
+    Case {
+        name: "tool implementations",
+        files: &[(
+            TOOLS,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - id: echo\n      builtin: clock.now\n      http: { url: \"http://127.0.0.1:9/x\" }\n    - id: clock.now\n      description: nothing to run\n    - id: extra\n      mcp: { server: fs, tool: read_file }\n    - id: other\n      builtin: clock.later\n",
+            ),
+        )],
+        expected: &[
+            "config/catalogs/tools.yaml:6:11: tool `echo` has 2 implementations (http, builtin); a tool has exactly one (hint: give exactly one of `http`, `command`, `mcp`, `builtin`)",
+            "config/catalogs/tools.yaml:9:11: tool `clock.now` has no implementation (hint: give exactly one of `http`, `command`, `mcp`, `builtin`)",
+            "config/catalogs/tools.yaml:12:22: unknown MCP server `fs` (hint: no MCP server is declared in the workspace)",
+            "config/catalogs/tools.yaml:14:16: unknown built-in tool `clock.later` (hint: did you mean `clock.now`?)",
+        ],
+    },
+    Case {
+        name: "unknown field and wrong type",
+        files: &[
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  tols: [echo]\n",
+                ),
+            ),
+            (
+                "config/agents/typed.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: typed }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  maxIterations: many\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint (hint: did you mean `tools`?)",
+            "config/agents/typed.yaml:7:18: invalid value: expected a whole number (0 or more)",
+        ],
+    },
+    Case {
+        name: "malformed YAML, duplicate key, unknown kind, missing kind, wrong apiVersion",
+        files: &[
+            (
+                "config/agents/syntax.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: syntax\nspec: {}\n",
+                ),
+            ),
+            (
+                "config/agents/dup.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: dup }\nspec:\n  backend: scripted\n  backend: openai\n",
+                ),
+            ),
+            (
+                "config/extra.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agnet\nmetadata: { name: x }\nspec: {}\n---\napiVersion: stable-harness/v1\nmetadata: { name: y }\n---\napiVersion: stable-harness/v2\nkind: Agent\nmetadata: { name: z }\nspec: { backend: scripted, script: [{ reply: hi }] }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/dup.yaml:6:3: duplicate key `backend` (hint: each key may appear once per mapping)",
+            "config/agents/syntax.yaml:4:5: while parsing a flow mapping, did not find expected ',' or '}'",
+            "config/extra.yaml:2:7: unknown kind `Agnet` (hint: did you mean `Agent`?)",
+            "config/extra.yaml:6:1: missing field `kind` (hint: every document names its kind: one of Runtime, Agent, ModelCatalog, ToolCatalog, Workflow)",
+            "config/extra.yaml:9:13: unsupported apiVersion `stable-harness/v2` (hint: use `apiVersion: stable-harness/v1`)",
+        ],
+    },
+    Case {
+        name: "governance, budgets, mcp servers and cli events",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  governance:\n    rules:\n      - { name: r1, match: { tools: [ech] }, decision: deny }\n      - { name: r1, match: { tools: [\"files.*\"], agents: [nobody] }, decision: needs_approval }\n  budgets:\n    - { scope: agent, maxTokens: 0, window: 1h }\n  mcpServers:\n    - { name: both, url: \"http://127.0.0.1:9/mcp\", command: { program: npx } }\n  cli: { events: { include: [runtime.request.complete] } }\n  store: { url: \"mysql://db\" }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:7:38: unknown tool `ech` (hint: did you mean `echo`?)",
+            "config/runtime/workspace.yaml:8:17: duplicate governance rule `r1` (first defined at config/runtime/workspace.yaml:7:17)",
+            "config/runtime/workspace.yaml:8:38: tool pattern `files.*` matches no tool",
+            "config/runtime/workspace.yaml:8:59: unknown agent `nobody`",
+            "config/runtime/workspace.yaml:10:34: `maxTokens` must be at least 1",
+            "config/runtime/workspace.yaml:12:15: MCP server `both` needs exactly one of `command` (stdio) or `url` (streamable HTTP)",
+            "config/runtime/workspace.yaml:13:30: unknown event type `runtime.request.complete` (hint: did you mean `runtime.request.completed`?)",
+            "config/runtime/workspace.yaml:14:17: unsupported store url `mysql://db` (hint: use sqlite://PATH or postgres://USER@HOST/DB)",
+        ],
+    },
+    Case {
+        name: "scripted steps pass the same checks as a model's calls",
+        files: &[(
+            "config/agents/scripted.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: scripted }\nspec:\n  backend: scripted\n  tools: [echo]\n  script:\n    - toolCall: { tool: clock.now }\n    - toolCall: { tool: echo, arguments: { text: 42 } }\n",
+            ),
+        )],
+        expected: &[
+            "config/agents/scripted.yaml:8:25: script calls tool `clock.now`, which is not in this agent's `tools` (hint: add it to `tools`: scripted calls pass the same gateway as a model's)",
+            "config/agents/scripted.yaml:9:25: script arguments for `echo` do not match its inputSchema: 42 is not of type \"string\"",
+        ],
+    },
+    Case {
+        name: "environment variable fields hold names, not secrets",
+        files: &[(
+            MODELS,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: { name: models }\nspec:\n  models:\n    - id: default\n      provider: openai-compatible\n      baseUrlEnv: OPENAI_BASE_URL\n      apiKeyEnv: sk-live-1234\n      upstreamModel: m\n",
+            ),
+        )],
+        expected: &[
+            "config/catalogs/models.yaml:9:18: `apiKeyEnv` must name an environment variable, got `sk-live-1234` (hint: fields ending in `Env` hold a variable name such as OPENAI_API_KEY, never the secret itself)",
+        ],
+    },
+];
+
+#[test]
+fn base_workspace_is_valid() {
+    assert_eq!(TestWorkspace::base().diagnostics(), Vec::<String>::new());
+}
+
+#[test]
+fn every_check_reports_file_line_column_and_message() {
+    let mut failures = Vec::new();
+    for case in CASES {
+        let workspace = TestWorkspace::base();
+        for (path, content) in case.files {
+            match content {
+                Some(content) => {
+                    workspace.write(path, content);
+                }
+                None => workspace.remove(path),
+            }
+        }
+        let actual = workspace.diagnostics();
+        if actual != case.expected {
+            failures.push(format!(
+                "case `{}`:\n  expected: {:#?}\n  actual:   {:#?}",
+                case.name, case.expected, actual
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn symlinks_cannot_lead_out_of_the_workspace() {
+    let outside = TestWorkspace::empty();
+    let secret = outside.write("secret.md", "top secret");
+    let workspace = TestWorkspace::base();
+    std::fs::create_dir_all(workspace.path().join("resources/skills")).unwrap();
+    std::os::unix::fs::symlink(&secret, workspace.path().join("resources/skills/leak.md")).unwrap();
+    std::os::unix::fs::symlink(outside.path(), workspace.path().join("config/linked")).unwrap();
+    workspace.write(
+        AGENT,
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  skills: [resources/skills/leak.md]\n",
+    );
+    assert_eq!(
+        workspace.diagnostics(),
+        [
+            "config/agents/assistant.yaml:7:12: `skills` path `resources/skills/leak.md` leads outside the workspace through a symbolic link",
+            "config/linked: symbolic link points outside the workspace",
+        ]
+    );
+}
+
+#[test]
+fn file_level_problems_are_reported_with_the_rest() {
+    let workspace = TestWorkspace::base();
+    workspace.write(
+        "config/agents/latin1.yaml",
+        b"apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: caf\xe9 }\n",
+    );
+    let mut big = Vec::with_capacity(50 * 1024 * 1024 + 16);
+    big.extend_from_slice(b"# padding\n");
+    big.resize(50 * 1024 * 1024, b'#');
+    workspace.write("config/huge.yaml", &big);
+    workspace.write(
+        "config/agents/assistant.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: nope\n",
+    );
+    assert_eq!(
+        workspace.diagnostics(),
+        [
+            "config/agents/assistant.yaml:6:10: unknown model `nope`",
+            "config/agents/latin1.yaml:3:22: file is not valid UTF-8 (hint: save the file as UTF-8)",
+            "config/huge.yaml: file is 50.0 MiB, larger than the 4 MiB limit for workspace files (hint: keep large data under resources/ and reference it from a tool)",
+        ]
+    );
+}
+
+#[test]
+fn alias_bombs_are_stopped_by_input_limits() {
+    let workspace = TestWorkspace::base();
+    let mut bomb = String::from(
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: bomb }\nspec:\n  backend: scripted\n  backendConfig:\n    a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n",
+    );
+    for level in 1..10 {
+        let prev = level - 1;
+        bomb.push_str(&format!("    a{level}: &a{level} [*a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}]\n"));
+    }
+    workspace.write("config/agents/bomb.yaml", bomb);
+    let diagnostics = workspace.diagnostics();
+    assert_eq!(diagnostics.len(), 1, "{diagnostics:#?}");
+    assert!(
+        diagnostics[0].starts_with("config/agents/bomb.yaml:"),
+        "{diagnostics:#?}"
+    );
+    assert!(diagnostics[0].contains("alias"), "{diagnostics:#?}");
+}
+
+#[test]
+fn empty_or_missing_config_folder() {
+    let workspace = TestWorkspace::empty();
+    assert_eq!(
+        workspace.diagnostics(),
+        [
+            "config/: folder not found: a workspace keeps its YAML under config/ (hint: create one with `stable-harness init DIR`)"
+        ]
+    );
+    std::fs::create_dir_all(workspace.path().join("config/agents")).unwrap();
+    workspace.write("config/notes.txt", "not yaml");
+    assert_eq!(
+        workspace.diagnostics(),
+        [
+            "config/: no *.yaml or *.yml files found (hint: a workspace needs at least config/runtime/workspace.yaml with `kind: Runtime`)"
+        ]
+    );
+}
+
+#[test]
+fn many_problems_are_all_reported_at_once() {
+    let workspace = TestWorkspace::base();
+    workspace.write(
+        "config/everything.yml",
+        "apiVersion: stable-harness/v1
+kind: Agent
+metadata: { name: one }
+spec:
+  backend: openai
+  model: missing
+  tools: [echo, gone]
+  timeout: forever
+---
+apiVersion: stable-harness/v1
+kind: Agent
+metadata: { name: two }
+spec:
+  backend: scripted
+  unknownField: true
+---
+apiVersion: stable-harness/v1
+kind: ToolCatalog
+metadata: { name: more-tools }
+spec:
+  tools:
+    - id: broken
+      inputSchema: { type: object, required: 5 }
+      http: { url: \"ftp://example\" }
+---
+apiVersion: stable-harness/v1
+kind: Workflow
+metadata: { name: flow }
+spec:
+  entry: one
+  nodes: [{ id: one, agent: three }]
+",
+    );
+    let diagnostics = workspace.diagnostics();
+    assert_eq!(
+        diagnostics,
+        [
+            "config/everything.yml:6:10: unknown model `missing`",
+            "config/everything.yml:7:17: unknown tool `gone`",
+            "config/everything.yml:8:12: `timeout`: invalid duration `forever`: expected a number before `forever`",
+            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint",
+            "config/everything.yml:23:20: tool `broken`: invalid JSON Schema at `/required`: 5 is not of type \"array\"",
+            "config/everything.yml:31:29: unknown agent `three`",
+        ]
+    );
+}
