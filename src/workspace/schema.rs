@@ -41,12 +41,13 @@ pub fn document_schema() -> serde_json::Value {
             "One YAML document under a workspace's config/ folder (stable-harness schema).".into(),
         );
     }
-    pin_api_version(&mut schema);
+    tidy(&mut schema);
     schema
 }
 
-/// Every `apiVersion` property becomes a constant, so editors flag other versions.
-fn pin_api_version(value: &mut serde_json::Value) {
+/// Every `apiVersion` property becomes a constant, so editors flag other versions; the
+/// `default: null` that optional fields produce is dropped as noise.
+fn tidy(value: &mut serde_json::Value) {
     match value {
         serde_json::Value::Object(object) => {
             if let Some(property) = object
@@ -55,9 +56,15 @@ fn pin_api_version(value: &mut serde_json::Value) {
             {
                 *property = serde_json::json!({ "const": API_VERSION, "description": "Always `stable-harness/v1`." });
             }
-            object.values_mut().for_each(pin_api_version);
+            if object
+                .get("default")
+                .is_some_and(serde_json::Value::is_null)
+            {
+                object.remove("default");
+            }
+            object.values_mut().for_each(tidy);
         }
-        serde_json::Value::Array(items) => items.iter_mut().for_each(pin_api_version),
+        serde_json::Value::Array(items) => items.iter_mut().for_each(tidy),
         _ => {}
     }
 }

@@ -364,8 +364,7 @@ fn parse_document(
         }
     };
     let Some(kind) = probe.kind else {
-        let first_content_line =
-            text.lines().position(has_content).unwrap_or(0) as u64 + 1;
+        let first_content_line = text.lines().position(has_content).unwrap_or(0) as u64 + 1;
         diagnostics.push(
             origin
                 .diagnostic(

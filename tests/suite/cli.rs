@@ -160,6 +160,19 @@ fn schema_validates_the_example_documents() {
 }
 
 #[test]
+fn committed_schema_matches_the_binary() {
+    let output = stable_harness(&["schema"]);
+    let committed = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/workspace.schema.json"),
+    )
+    .unwrap();
+    assert!(
+        stdout(&output) == committed,
+        "schema/workspace.schema.json is stale: run `cargo run -- schema > schema/workspace.schema.json`"
+    );
+}
+
+#[test]
 fn later_subcommands_say_they_are_not_available_yet() {
     for args in [
         &["start", "-w", "."][..],
