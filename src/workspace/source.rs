@@ -351,74 +351,73 @@ fn parse_document(
     documents: &mut Documents,
     diagnostics: &mut Diagnostics,
 ) {
-    let probe: DocumentKindProbe = match deserialize(&origin, text) {
+    // Fast path: a top-level `kind:` line names a known kind, so the document is parsed once,
+    // with its own type. Anything else (flow style, unknown or missing kind) is probed first.
+    let kind = match kind_from_text(text) {
+        Some(kind) => kind,
+        None => match probe_kind(&origin, text, diagnostics) {
+            Some(kind) => kind,
+            None => return,
+        },
+    };
+    let failure = match kind {
+        "Runtime" => push_typed(&origin, text, &mut documents.runtimes),
+        "Agent" => push_typed(&origin, text, &mut documents.agents),
+        "ModelCatalog" => push_typed(&origin, text, &mut documents.model_catalogs),
+        "ToolCatalog" => push_typed(&origin, text, &mut documents.tool_catalogs),
+        _ => push_typed(&origin, text, &mut documents.workflows),
+    };
+    let Some(diagnostic) = failure else { return };
+    diagnostics.push(diagnostic);
+    // Remember what the broken document declared, so references into it are not reported
+    // as dangling on top of the real problem.
+    let name = deserialize::<DocumentKindProbe>(&origin, text)
+        .ok()
+        .and_then(|probe| probe.metadata)
+        .and_then(|metadata| metadata.name);
+    match (name, kind) {
+        // Named by metadata: the name is still known, only its spec is not.
+        (Some(name), "Agent" | "Workflow") => documents.unreadable_names.push((kind, name)),
+        _ => documents.unreadable_kinds.push(kind),
+    }
+}
+
+/// Reads only `kind`, reporting a document whose kind is missing, unknown or unreadable.
+fn probe_kind(origin: &Origin, text: &str, diagnostics: &mut Diagnostics) -> Option<&'static str> {
+    let probe: DocumentKindProbe = match deserialize(origin, text) {
         Ok(probe) => probe,
         Err(diagnostic) => {
             diagnostics.push(diagnostic);
-            // The YAML itself is broken; guess its kind from the text so that references
-            // into it are not reported as dangling on top of the real problem.
-            if let Some(kind) = kind_from_text(text) {
-                documents.unreadable_kinds.push(kind);
-            }
-            return;
+            return None;
         }
     };
     let Some(kind) = probe.kind else {
         let first_content_line = text.lines().position(has_content).unwrap_or(0) as u64 + 1;
+        let position = Position {
+            line: first_content_line,
+            column: 1,
+        };
         diagnostics.push(
             origin
-                .diagnostic(
-                    Position {
-                        line: first_content_line,
-                        column: 1,
-                    },
-                    "missing field `kind`",
-                )
+                .diagnostic(position, "missing field `kind`")
                 .with_hint(format!(
                     "every document names its kind: one of {}",
                     KINDS.join(", ")
                 )),
         );
-        return;
+        return None;
     };
-    let name = probe.metadata.and_then(|m| m.name);
-    let (kind, failure): (&'static str, Option<Diagnostic>) = match kind.value.as_str() {
-        "Runtime" => (
-            "Runtime",
-            push_typed(&origin, text, &mut documents.runtimes),
-        ),
-        "Agent" => ("Agent", push_typed(&origin, text, &mut documents.agents)),
-        "ModelCatalog" => (
-            "ModelCatalog",
-            push_typed(&origin, text, &mut documents.model_catalogs),
-        ),
-        "ToolCatalog" => (
-            "ToolCatalog",
-            push_typed(&origin, text, &mut documents.tool_catalogs),
-        ),
-        "Workflow" => (
-            "Workflow",
-            push_typed(&origin, text, &mut documents.workflows),
-        ),
-        other => {
-            let hint = did_you_mean(other, KINDS)
-                .unwrap_or_else(|| format!("expected one of {}", KINDS.join(", ")));
-            diagnostics.push(
-                origin
-                    .at(&kind, format!("unknown kind `{other}`"))
-                    .with_hint(hint),
-            );
-            return;
-        }
-    };
-    if let Some(diagnostic) = failure {
-        diagnostics.push(diagnostic);
-        match (name, kind) {
-            // Named by metadata: the name is still known, only its spec is not.
-            (Some(name), "Agent" | "Workflow") => documents.unreadable_names.push((kind, name)),
-            _ => documents.unreadable_kinds.push(kind),
-        }
+    if let Some(known) = KINDS.into_iter().find(|known| *known == kind.value) {
+        return Some(known);
     }
+    let hint = did_you_mean(&kind, KINDS)
+        .unwrap_or_else(|| format!("expected one of {}", KINDS.join(", ")));
+    diagnostics.push(
+        origin
+            .at(&kind, format!("unknown kind `{}`", kind.value))
+            .with_hint(hint),
+    );
+    None
 }
 
 /// Reads a document with the raw type of its kind; the diagnostic when it does not fit.

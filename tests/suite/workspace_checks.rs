@@ -1,7 +1,7 @@
 //! The workspace compiler's checks, one broken workspace per check (a table), each asserting
 //! the exact `file:line:col: message` diagnostics; then a workspace with many problems.
 
-use crate::helpers::TestWorkspace;
+use crate::helpers::{TestWorkspace, stable_harness, stderr};
 
 /// One row: files written over the base workspace (`None` deletes), and every expected line.
 struct Case {
@@ -347,16 +347,7 @@ fn base_workspace_is_valid() {
 fn every_check_reports_file_line_column_and_message() {
     let mut failures = Vec::new();
     for case in CASES {
-        let workspace = TestWorkspace::base();
-        for (path, content) in case.files {
-            match content {
-                Some(content) => {
-                    workspace.write(path, content);
-                }
-                None => workspace.remove(path),
-            }
-        }
-        let actual = workspace.diagnostics();
+        let actual = apply(case).diagnostics();
         if actual != case.expected {
             failures.push(format!(
                 "case `{}`:\n  expected: {:#?}\n  actual:   {:#?}",
@@ -365,6 +356,42 @@ fn every_check_reports_file_line_column_and_message() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The same table through the binary: `validate` prints exactly those lines and exits 2.
+#[test]
+fn every_check_fails_validate_with_exit_code_2() {
+    for case in CASES {
+        let workspace = apply(case);
+        let output = stable_harness(&["validate", "-w", workspace.path().to_str().unwrap()]);
+        assert_eq!(output.status.code(), Some(2), "case `{}`", case.name);
+        let mut expected: Vec<String> = case
+            .expected
+            .iter()
+            .map(|line| (*line).to_owned())
+            .collect();
+        expected.push(format!("{} problem(s) found", case.expected.len()));
+        assert_eq!(
+            stderr(&output).lines().collect::<Vec<_>>(),
+            expected,
+            "case `{}`",
+            case.name
+        );
+        assert!(output.stdout.is_empty(), "case `{}`", case.name);
+    }
+}
+
+fn apply(case: &Case) -> TestWorkspace {
+    let workspace = TestWorkspace::base();
+    for (path, content) in case.files {
+        match content {
+            Some(content) => {
+                workspace.write(path, content);
+            }
+            None => workspace.remove(path),
+        }
+    }
+    workspace
 }
 
 #[test]
