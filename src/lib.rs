@@ -2,7 +2,9 @@
 //! durable, observable agent service. See ARCHITECTURE.md for the map of these modules.
 
 pub mod adapters;
+pub mod app;
 pub mod cli;
+pub mod error;
 pub mod gateway;
 pub mod governance;
 pub mod http;

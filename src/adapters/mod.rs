@@ -1,5 +1,200 @@
-//! Backend adapters (SPEC section 9): `RuntimeAdapter` turns a stable request into upstream
-//! calls and upstream progress into events — `openai`, `scripted`, `http`.
+//! Backend adapters (SPEC section 9): a [`RuntimeAdapter`] turns a stable request into
+//! upstream calls, and upstream progress into events and a [`RuntimeOutput`].
 //!
-//! Empty until the runtime lifecycle issue: agents already declare their backend in the
-//! compiled workspace ([`crate::workspace::Backend`]).
+//! Adapters receive everything through [`AdapterContext`] — the compiled agent, the input
+//! transcript, an event sink and a cancellation signal — and never route on keywords, never
+//! hard-code a tool or domain. The tool gateway handle joins the context with its issue;
+//! until then no tools are exposed to models and scripted tool calls are refused.
+
+mod openai;
+mod retry;
+mod scripted;
+mod sse;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::workspace::{AgentConfig, Backend, CompiledWorkspace};
+
+pub use openai::OpenAiAdapter;
+pub use retry::backoff_delay;
+pub use scripted::ScriptedAdapter;
+
+/// Where an adapter reports what happens; the runtime stores and streams it.
+#[async_trait::async_trait]
+pub trait EventSink: Send + Sync {
+    /// Records an event of `event_type` with `data` (SPEC section 7).
+    async fn emit(&self, event_type: &str, data: Value);
+}
+
+/// Everything an adapter may use for one run.
+pub struct AdapterContext<'a> {
+    pub workspace: &'a CompiledWorkspace,
+    pub agent: &'a AgentConfig,
+    /// OpenAI-style messages (`{"role", "content", ...}`), system instructions not included.
+    pub messages: &'a [Value],
+    /// Generation options from the client (temperature, max_tokens, stop, ...).
+    pub options: &'a Map<String, Value>,
+    pub events: &'a dyn EventSink,
+    pub cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for AdapterContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdapterContext")
+            .field("agent", &self.agent.name)
+            .field("messages", &self.messages.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Token usage as OpenAI reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+}
+
+impl Usage {
+    pub fn add(&mut self, other: Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.total_tokens += other.total_tokens;
+    }
+}
+
+/// What a successful run produced.
+#[derive(Debug, Clone, Default)]
+pub struct RuntimeOutput {
+    pub text: String,
+    pub usage: Usage,
+    /// `stop`, `length`, ... as the upstream reported it.
+    pub finish_reason: String,
+}
+
+/// Kinds of adapter failure; the first four are the retryable kinds of `recovery.retryOn`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    Timeout,
+    #[serde(rename = "upstream_5xx")]
+    Upstream5xx,
+    RateLimited,
+    Connection,
+    /// The upstream refused the request (4xx other than 429).
+    UpstreamRejected,
+    /// The upstream answered something that is not Chat Completions.
+    Malformed,
+    Cancelled,
+    /// The agent or workspace asks for something this build cannot do.
+    Unsupported,
+}
+
+impl FailureKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::Upstream5xx => "upstream_5xx",
+            Self::RateLimited => "rate_limited",
+            Self::Connection => "connection",
+            Self::UpstreamRejected => "upstream_rejected",
+            Self::Malformed => "malformed",
+            Self::Cancelled => "cancelled",
+            Self::Unsupported => "unsupported",
+        }
+    }
+}
+
+/// Why a run failed in its adapter.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct AdapterError {
+    pub kind: FailureKind,
+    pub message: String,
+    /// The upstream HTTP status, when there was one.
+    pub upstream_status: Option<u16>,
+}
+
+impl AdapterError {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            upstream_status: None,
+        }
+    }
+
+    /// The error as stored in events and request records.
+    pub fn to_json(&self) -> Value {
+        let mut error = serde_json::json!({ "kind": self.kind.as_str(), "message": self.message });
+        if let Some(status) = self.upstream_status {
+            error["upstreamStatus"] = status.into();
+        }
+        error
+    }
+}
+
+/// One backend.
+#[async_trait::async_trait]
+pub trait RuntimeAdapter: Send + Sync {
+    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError>;
+}
+
+/// The built-in adapters, by backend.
+#[derive(Clone)]
+pub struct Adapters {
+    by_backend: BTreeMap<&'static str, Arc<dyn RuntimeAdapter>>,
+}
+
+impl std::fmt::Debug for Adapters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.by_backend.keys()).finish()
+    }
+}
+
+impl Adapters {
+    pub fn new(http: reqwest::Client) -> Self {
+        let mut by_backend: BTreeMap<&'static str, Arc<dyn RuntimeAdapter>> = BTreeMap::new();
+        by_backend.insert("openai", Arc::new(OpenAiAdapter::new(http)));
+        by_backend.insert("scripted", Arc::new(ScriptedAdapter));
+        Self { by_backend }
+    }
+
+    /// The adapter of a backend, if this build has one.
+    pub fn for_backend(&self, backend: Backend) -> Option<Arc<dyn RuntimeAdapter>> {
+        let name = match backend {
+            Backend::Openai => "openai",
+            Backend::Scripted => "scripted",
+            Backend::Http => "http",
+        };
+        self.by_backend.get(name).cloned()
+    }
+}
+
+/// The text of the last user message (string content, or the text parts of a content array).
+pub fn last_user_text(messages: &[Value]) -> String {
+    messages
+        .iter()
+        .rev()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        .map(message_text)
+        .unwrap_or_default()
+}
+
+/// The text of one message's `content`.
+pub fn message_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}

@@ -4,7 +4,9 @@
 
 mod init;
 mod output;
+mod run;
 mod schema;
+mod start;
 mod validate;
 
 use std::path::PathBuf;
@@ -141,7 +143,12 @@ pub fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    init_logging();
+    // `start` logs what it serves; the other commands only speak up about trouble.
+    init_logging(if matches!(cli.command, Command::Start(_)) {
+        "info"
+    } else {
+        "error"
+    });
     ExitCode::from(run(cli.command))
 }
 
@@ -151,24 +158,49 @@ pub fn run(command: Command) -> u8 {
         Command::Validate(args) => validate::run(&args),
         Command::Init(args) => init::run(&args),
         Command::Schema => schema::run(),
-        Command::Start(_) => not_available("start", "the runtime lifecycle and HTTP surfaces"),
-        Command::Run(_) => not_available("run", "the runtime lifecycle"),
-        Command::Openapi => not_available("openapi", "the HTTP surfaces"),
-        Command::Migrate(_) => not_available("migrate", "the store"),
+        Command::Openapi => {
+            output::print(&crate::http::openapi::document());
+            exit::OK
+        }
+        Command::Start(args) => block_on(start::run(args)),
+        Command::Run(args) => block_on(run::run(args)),
+        Command::Migrate(args) => block_on(migrate(args)),
     }
 }
 
-fn not_available(command: &str, arrives_with: &str) -> u8 {
-    output::error(&format!(
-        "stable-harness {command}: not available yet in this build (it arrives with {arrives_with})"
-    ));
-    exit::USAGE
+/// Runs an async subcommand on a multi-threaded runtime.
+fn block_on(future: impl std::future::Future<Output = u8>) -> u8 {
+    crate::app::install_crypto_provider();
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(future),
+        Err(error) => {
+            output::error(&format!("cannot start the async runtime: {error}"));
+            exit::FAILED
+        }
+    }
+}
+
+/// `migrate`: creates or upgrades the store at `--database-url`.
+async fn migrate(args: MigrateArgs) -> u8 {
+    match crate::store::open(Some(&args.database_url), std::path::Path::new(".")).await {
+        Ok(store) => {
+            output::print(&format!("migrated: {}", store.describe()));
+            exit::OK
+        }
+        Err(error) => {
+            output::error(&format!("stable-harness migrate: {error}"));
+            exit::FAILED
+        }
+    }
 }
 
 /// Logs go to stderr; `STABLE_HARNESS_LOG` is the filter, `STABLE_HARNESS_LOG_FORMAT` json|pretty.
-fn init_logging() {
+fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("STABLE_HARNESS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

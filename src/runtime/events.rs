@@ -1,6 +1,23 @@
 //! The event types of SPEC section 7: the names stored events carry and workspace settings
 //! (such as `cli.events.include`) may name.
 
+pub const REQUEST_STARTED: &str = "runtime.request.started";
+pub const REQUEST_COMPLETED: &str = "runtime.request.completed";
+pub const REQUEST_FAILED: &str = "runtime.request.failed";
+pub const REQUEST_CANCELLED: &str = "runtime.request.cancelled";
+pub const MODEL_CALL_COMPLETED: &str = "runtime.model.call.completed";
+pub const RETRY_SCHEDULED: &str = "runtime.retry.scheduled";
+pub const ADAPTER_EVENT: &str = "runtime.adapter.event";
+pub const PROGRESS_NARRATION: &str = "runtime.progress.narration";
+
+/// Whether an event of this type ends its request (nothing follows it for that run).
+pub fn is_terminal(event_type: &str) -> bool {
+    matches!(
+        event_type,
+        REQUEST_COMPLETED | REQUEST_FAILED | REQUEST_CANCELLED
+    )
+}
+
 /// Every runtime event type, as stored and streamed.
 pub const EVENT_TYPES: &[&str] = &[
     "runtime.request.started",

@@ -1,6 +1,464 @@
-//! Runtime lifecycle: requests, sessions, runs and their events (SPEC section 4 and 7).
+//! Runtime lifecycle (SPEC sections 4 and 7): requests, sessions, runs and their events.
 //!
-//! So far this module holds the event vocabulary the workspace refers to; the lifecycle
-//! itself (request -> run -> events, persisted and subscribable) arrives with its issue.
+//! [`Runtime::submit`] persists a request and its first run and starts the run on the task
+//! tracker; the run resolves its adapter, streams events through the [`journal`] (ordered,
+//! batched, published after commit) and ends with exactly one terminal event.
+//! [`Runtime::follow`] replays stored events and then follows live ones without gaps or
+//! duplicates. Concurrency is bounded: `limits.maxConcurrentRuns` run at once, as many more
+//! wait in line, and beyond that `submit` refuses with [`RuntimeError::Busy`].
 
 pub mod events;
+mod hub;
+mod journal;
+mod narration;
+mod run;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use chrono::Utc;
+use futures::Stream;
+use serde_json::{Map, Value, json};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::adapters::Adapters;
+use crate::store::{
+    EventRecord, MessageRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
+    StoreError, WriteOp,
+};
+use crate::workspace::CompiledWorkspace;
+
+pub use hub::EventHub;
+pub use journal::{Journal, JournalError};
+
+/// A new id: a prefix and a time-ordered UUID (v7), so ids sort by creation.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
+}
+
+/// Which surface submitted a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    V1,
+    Runtime,
+    Cli,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V1 => "v1",
+            Self::Runtime => "runtime",
+            Self::Cli => "cli",
+        }
+    }
+}
+
+/// A request as a surface hands it over.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    /// `None`: the workspace's default agent.
+    pub agent_id: Option<String>,
+    /// `None`: a new session.
+    pub session_id: Option<String>,
+    /// Prepend the session's stored history to `messages` (the native API's behaviour; `/v1`
+    /// is stateless and sends the whole transcript).
+    pub with_history: bool,
+    /// OpenAI-style messages.
+    pub messages: Vec<Value>,
+    /// How many of the last `messages` are new to the session (they are stored in it).
+    pub new_messages: usize,
+    /// Generation options passed to the adapter (temperature, max_tokens, ...).
+    pub options: Map<String, Value>,
+    pub metadata: Value,
+    pub protocol: Protocol,
+}
+
+/// What `submit` accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submitted {
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("agent `{0}` not found")]
+    AgentNotFound(String),
+    #[error("no agent given and the workspace has no defaultAgent")]
+    NoDefaultAgent,
+    #[error(
+        "{running} runs are executing and {running} more are waiting (limits.maxConcurrentRuns); try again shortly"
+    )]
+    Busy { running: u32 },
+    #[error("request `{0}` not found")]
+    RequestNotFound(String),
+    #[error("the runtime is shutting down")]
+    ShuttingDown,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+}
+
+/// The lifecycle service; clone it freely.
+#[derive(Clone, Debug)]
+pub struct Runtime {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    workspace: Arc<CompiledWorkspace>,
+    store: Arc<dyn Store>,
+    journal: Journal,
+    hub: Arc<EventHub>,
+    adapters: Adapters,
+    /// Runs executing plus runs waiting for a slot.
+    admission: Arc<Semaphore>,
+    /// Runs executing.
+    slots: Arc<Semaphore>,
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+    /// Cancellation of each live run, by request id.
+    live: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl std::fmt::Debug for dyn Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl Runtime {
+    pub fn new(
+        workspace: Arc<CompiledWorkspace>,
+        store: Arc<dyn Store>,
+        http: reqwest::Client,
+    ) -> Self {
+        let tasks = TaskTracker::new();
+        let hub = Arc::new(EventHub::default());
+        let journal = Journal::start(Arc::clone(&store), Arc::clone(&hub), &tasks);
+        let limit = workspace.runtime.limits.max_concurrent_runs as usize;
+        Self {
+            inner: Arc::new(Inner {
+                adapters: Adapters::new(http),
+                admission: Arc::new(Semaphore::new(limit.saturating_mul(2))),
+                slots: Arc::new(Semaphore::new(limit)),
+                workspace,
+                store,
+                journal,
+                hub,
+                tasks,
+                shutdown: CancellationToken::new(),
+                live: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
+        &self.inner.workspace
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// Persists a request and its first run, and starts the run.
+    #[tracing::instrument(skip_all, fields(agent = request.agent_id.as_deref(), protocol = request.protocol.as_str()))]
+    pub async fn submit(&self, request: NewRequest) -> Result<Submitted, RuntimeError> {
+        let inner = &self.inner;
+        if inner.shutdown.is_cancelled() {
+            return Err(RuntimeError::ShuttingDown);
+        }
+        let agent_id = match request.agent_id {
+            Some(agent_id) => agent_id,
+            None => inner
+                .workspace
+                .runtime
+                .default_agent
+                .clone()
+                .ok_or(RuntimeError::NoDefaultAgent)?,
+        };
+        if !inner.workspace.agents.contains_key(&agent_id) {
+            return Err(RuntimeError::AgentNotFound(agent_id));
+        }
+        let permit = Arc::clone(&inner.admission)
+            .try_acquire_owned()
+            .map_err(|_| RuntimeError::Busy {
+                running: inner.workspace.runtime.limits.max_concurrent_runs,
+            })?;
+
+        let now = Utc::now();
+        let session_id = request.session_id.unwrap_or_else(|| new_id("ses"));
+        let history = if request.with_history {
+            inner.store.messages(&session_id).await?
+        } else {
+            Vec::new()
+        };
+        let mut parent_id = history.last().map(|m| m.id.clone());
+        let mut messages: Vec<Value> = history.iter().map(|m| m.content.clone()).collect();
+        messages.extend(request.messages.iter().cloned());
+
+        let request_id = new_id("req");
+        let run_id = new_id("run");
+        let mut ops = vec![WriteOp::TouchSession(SessionRecord {
+            id: session_id.clone(),
+            agent_id: agent_id.clone(),
+            metadata: json!({}),
+            created_at: now,
+            updated_at: now,
+        })];
+        let input = json!({ "messages": messages, "options": request.options });
+        ops.push(WriteOp::InsertRequest(RequestRecord {
+            id: request_id.clone(),
+            session_id: session_id.clone(),
+            agent_id: agent_id.clone(),
+            protocol: request.protocol.as_str().to_owned(),
+            status: RunStatus::Queued,
+            input,
+            output: None,
+            error: None,
+            usage: None,
+            metadata: request.metadata,
+            created_at: now,
+            updated_at: now,
+        }));
+        let first_new = request.messages.len().saturating_sub(request.new_messages);
+        for message in &request.messages[first_new..] {
+            let id = new_id("msg");
+            ops.push(WriteOp::InsertMessage(MessageRecord {
+                id: id.clone(),
+                session_id: session_id.clone(),
+                parent_id: parent_id.replace(id),
+                request_id: Some(request_id.clone()),
+                role: message
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .unwrap_or("user")
+                    .to_owned(),
+                content: message.clone(),
+                created_at: now,
+            }));
+        }
+        let run = RunRecord {
+            id: run_id.clone(),
+            request_id: request_id.clone(),
+            attempt: 1,
+            status: RunStatus::Queued,
+            state: None,
+            error: None,
+            created_at: now,
+            updated_at: now,
+            started_at: None,
+            ended_at: None,
+        };
+        ops.push(WriteOp::InsertRun(run.clone()));
+        inner.journal.write_all(ops).await?;
+
+        let submitted = Submitted {
+            request_id,
+            run_id,
+            session_id,
+            agent_id,
+        };
+        self.start_run(run::RunJob {
+            submitted: submitted.clone(),
+            messages,
+            options: request.options,
+            next_seq: 1,
+            parent_message_id: parent_id,
+            permit,
+        });
+        Ok(submitted)
+    }
+
+    fn start_run(&self, job: run::RunJob) {
+        let cancel = self.inner.shutdown.child_token();
+        if let Ok(mut live) = self.inner.live.lock() {
+            live.insert(job.submitted.request_id.clone(), cancel.clone());
+        }
+        let runtime = self.clone();
+        self.inner.tasks.spawn(async move {
+            let request_id = job.submitted.request_id.clone();
+            run::execute(&runtime, job, cancel).await;
+            if let Ok(mut live) = runtime.inner.live.lock() {
+                live.remove(&request_id);
+            }
+        });
+    }
+
+    /// Restarts runs a previous process left queued or running (`recovery.resumeOnStart`).
+    /// Their events continue the request's sequence; the transcript is the persisted state.
+    pub async fn resume_interrupted(&self) -> Result<usize, RuntimeError> {
+        if !self.inner.workspace.runtime.recovery.resume_on_start {
+            return Ok(0);
+        }
+        let runs = self
+            .inner
+            .store
+            .runs_with_status(&[RunStatus::Queued, RunStatus::Running])
+            .await?;
+        let mut resumed = 0;
+        for run in runs {
+            let Some(request) = self.inner.store.request(&run.request_id).await? else {
+                continue;
+            };
+            let Ok(permit) = Arc::clone(&self.inner.admission).try_acquire_owned() else {
+                break;
+            };
+            let input = run.state.clone().unwrap_or_else(|| request.input.clone());
+            let messages = input
+                .get("messages")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            let options = request
+                .input
+                .get("options")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            let history = self.inner.store.messages(&request.session_id).await?;
+            let next_seq = self.inner.store.last_seq(&request.id).await? + 1;
+            tracing::info!(request_id = %request.id, run_id = %run.id, "resuming an interrupted run");
+            self.start_run(run::RunJob {
+                submitted: Submitted {
+                    request_id: request.id.clone(),
+                    run_id: run.id.clone(),
+                    session_id: request.session_id.clone(),
+                    agent_id: request.agent_id.clone(),
+                },
+                messages,
+                options,
+                next_seq,
+                parent_message_id: history.last().map(|m| m.id.clone()),
+                permit,
+            });
+            resumed += 1;
+        }
+        Ok(resumed)
+    }
+
+    /// Stored events of a request after `after`, then live ones, ending after the terminal
+    /// event. Subscribes before reading the store, so nothing falls between the two.
+    pub fn follow(
+        &self,
+        request_id: &str,
+        after: i64,
+    ) -> impl Stream<Item = Result<Arc<EventRecord>, StoreError>> + Send + 'static {
+        let inner = Arc::clone(&self.inner);
+        let request_id = request_id.to_owned();
+        async_stream::try_stream! {
+            let _release = ReleaseOnDrop { hub: Arc::clone(&inner.hub), request_id: request_id.clone() };
+            let mut live = inner.hub.subscribe(&request_id);
+            let mut last = after;
+            let mut ended = false;
+            // Catch up from the store.
+            loop {
+                let page = inner.store.events(&request_id, last, 500).await?;
+                if page.is_empty() { break; }
+                for event in page {
+                    last = event.seq;
+                    ended = events::is_terminal(&event.event_type);
+                    yield Arc::new(event);
+                }
+            }
+            while !ended {
+                let event = match live.recv().await {
+                    Ok(event) => event,
+                    Err(error) => {
+                        // Fell behind (`Lagged`), or the channel closed after the terminal
+                        // event was published: either way the store has everything.
+                        let closed = matches!(error, tokio::sync::broadcast::error::RecvError::Closed);
+                        for event in inner.store.events(&request_id, last, 10_000).await? {
+                            last = event.seq;
+                            ended = events::is_terminal(&event.event_type);
+                            yield Arc::new(event);
+                        }
+                        if closed { break; }
+                        continue;
+                    }
+                };
+                if event.seq <= last { continue; }
+                if event.seq > last + 1 {
+                    // Published out of order with a concurrent catch-up: fill the gap from the store.
+                    for missed in inner.store.events(&request_id, last, event.seq - last - 1).await? {
+                        yield Arc::new(missed);
+                    }
+                }
+                last = event.seq;
+                ended = events::is_terminal(&event.event_type);
+                yield event;
+            }
+        }
+    }
+
+    /// Waits for a request to end (or `limit` to pass) and returns its record.
+    pub async fn wait(
+        &self,
+        request_id: &str,
+        limit: std::time::Duration,
+    ) -> Result<RequestRecord, RuntimeError> {
+        use futures::StreamExt;
+        let events = self.follow(request_id, 0);
+        let finished = tokio::time::timeout(limit, async {
+            let mut events = std::pin::pin!(events);
+            while let Some(event) = events.next().await {
+                event?;
+            }
+            Ok::<_, StoreError>(())
+        })
+        .await;
+        if let Ok(result) = finished {
+            result?;
+        }
+        self.inner
+            .store
+            .request(request_id)
+            .await?
+            .ok_or_else(|| RuntimeError::RequestNotFound(request_id.to_owned()))
+    }
+
+    /// Stops accepting requests and waits up to `grace` for runs to finish; runs still going
+    /// stay `running` in the store and resume at the next start. Everything queued for the
+    /// store is committed before this returns.
+    pub async fn shutdown(&self, grace: std::time::Duration) {
+        self.inner.tasks.close();
+        let idle = async {
+            loop {
+                let busy = self.inner.live.lock().map(|live| live.len()).unwrap_or(0);
+                if busy == 0 {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+            }
+        };
+        if tokio::time::timeout(grace, idle).await.is_err() {
+            tracing::warn!("runs still executing at shutdown; they resume at the next start");
+        }
+        if let Err(error) = self.inner.journal.flush().await {
+            tracing::error!(%error, "could not flush the store journal at shutdown");
+        }
+    }
+
+    /// The number of runs executing or waiting (for health and tests).
+    pub fn live_runs(&self) -> usize {
+        self.inner.live.lock().map(|live| live.len()).unwrap_or(0)
+    }
+}
+
+struct ReleaseOnDrop {
+    hub: Arc<EventHub>,
+    request_id: String,
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        self.hub.release(&self.request_id);
+    }
+}

@@ -1,4 +1,114 @@
-//! The `Store` interface and its implementations: embedded SQLite and PostgreSQL, with
-//! migrations under `migrations/sqlite` and `migrations/postgres` (SPEC section 8).
+//! The `Store` interface and its implementations (SPEC section 8): sessions, messages (a
+//! tree), requests, runs, events (gapless `seq` per request), approvals and artifacts.
 //!
-//! Empty until the runtime lifecycle issue.
+//! The store keeps what it is given: the runtime makes ids, timestamps and sequence numbers.
+//! Every write is a [`WriteOp`]; a batch of them is applied in one transaction, which is how
+//! the runtime's journal groups a streaming run's events into few commits. Migrations live in
+//! `migrations/<database>/` and run when a store is opened.
+
+mod model;
+mod sqlite;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use model::*;
+pub use sqlite::SqliteStore;
+
+/// Why a store operation failed. Never caused by client input: the layers above validate.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migration(#[from] sqlx::migrate::MigrateError),
+    #[error("stored data is unreadable: {0}")]
+    Corrupt(String),
+    #[error("unsupported store url `{0}`: use sqlite://PATH (PostgreSQL arrives with its issue)")]
+    UnsupportedUrl(String),
+    #[error("cannot create the store folder {path}: {source}")]
+    Folder {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// One store, whatever the database behind it.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Applies every op in order, in one transaction.
+    async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError>;
+    async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
+    /// Newest first; `page.cursor` is the id of the last request of the previous page.
+    async fn requests(
+        &self,
+        filter: &RequestFilter,
+        page: &PageRequest,
+    ) -> Result<Page<RequestRecord>, StoreError>;
+    async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError>;
+    /// The runs of a request, oldest first.
+    async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError>;
+    /// Runs in any of `statuses`, oldest first (used to resume after a restart).
+    async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError>;
+    /// Events of a request with `seq > after`, in order, at most `limit`.
+    async fn events(
+        &self,
+        request_id: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<EventRecord>, StoreError>;
+    /// Events of one run with `seq > after`, in order, at most `limit`.
+    async fn run_events(
+        &self,
+        run_id: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<EventRecord>, StoreError>;
+    /// The highest `seq` of a request (0 when it has none).
+    async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError>;
+    async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError>;
+    /// The messages of a session, oldest first.
+    async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;
+    /// Cheap liveness check for `/readyz`.
+    async fn ping(&self) -> Result<(), StoreError>;
+    /// Where the data lives, for the startup line (never includes credentials).
+    fn describe(&self) -> String;
+}
+
+/// Opens (creating and migrating) the store `url` names, or the embedded SQLite file of the
+/// workspace at `workspace_root` when there is no url.
+pub async fn open(url: Option<&str>, workspace_root: &Path) -> Result<Arc<dyn Store>, StoreError> {
+    match url {
+        None => {
+            let path = workspace_root.join(".stable-harness").join("state.db");
+            Ok(Arc::new(SqliteStore::open_file(&path).await?))
+        }
+        Some(url) if url.starts_with("sqlite:") => {
+            let path = url
+                .trim_start_matches("sqlite://")
+                .trim_start_matches("sqlite:");
+            let path = Path::new(path);
+            let path = if path.is_absolute() {
+                path.to_path_buf()
+            } else {
+                workspace_root.join(path)
+            };
+            Ok(Arc::new(SqliteStore::open_file(&path).await?))
+        }
+        Some(other) => Err(StoreError::UnsupportedUrl(redact_url(other))),
+    }
+}
+
+/// A URL without its password, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let credentials = &url[scheme_end + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}

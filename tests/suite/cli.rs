@@ -9,11 +9,11 @@ fn validate_prints_the_inventory_of_the_example() {
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let text = stdout(&output);
     assert!(
-        text.contains("valid — 4 agent(s), 3 model(s), 6 tool(s), 1 workflow(s)"),
+        text.contains("valid — 5 agent(s), 3 model(s), 6 tool(s), 1 workflow(s)"),
         "{text}"
     );
     assert!(
-        text.contains("agent     greeter (scripted; tools: clock.now)"),
+        text.contains("agent     greeter (scripted; tools: none)"),
         "{text}"
     );
     assert!(
@@ -146,7 +146,7 @@ fn schema_validates_the_example_documents() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 8);
+    assert_eq!(checked, 9);
 
     // And it rejects what the loader rejects: an unknown field, a wrong kind, a bad name.
     for bad in [
@@ -173,22 +173,93 @@ fn committed_schema_matches_the_binary() {
 }
 
 #[test]
-fn later_subcommands_say_they_are_not_available_yet() {
-    for args in [
-        &["start", "-w", "."][..],
-        &["run", "-w", ".", "hello"][..],
-        &["openapi"][..],
-        &["migrate", "--database-url", "sqlite://x.db"][..],
-    ] {
-        let output = stable_harness(args);
-        assert_eq!(output.status.code(), Some(2), "{args:?}");
-        assert!(
-            stderr(&output).contains("not available yet"),
-            "{args:?}: {}",
-            stderr(&output)
-        );
-        assert!(output.stdout.is_empty());
-    }
+fn committed_openapi_matches_the_binary() {
+    let output = stable_harness(&["openapi"]);
+    assert_eq!(output.status.code(), Some(0));
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert!(document["paths"]["/v1/chat/completions"]["post"].is_object());
+    let committed = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json"),
+    )
+    .unwrap();
+    assert!(
+        stdout(&output).trim_end() == committed.trim_end(),
+        "openapi/openapi.json is stale: run `cargo run -- openapi > openapi/openapi.json`"
+    );
+}
+
+#[test]
+fn run_prints_narration_and_output_and_exits_0() {
+    let workspace = TestWorkspace::base();
+    workspace.write(
+        "config/agents/greeter.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: greeter }\nspec:\n  backend: scripted\n  script: [{ reply: \"Hi {{input}}!\" }]\n",
+    );
+    workspace.write(
+        "config/runtime/workspace.yaml",
+        "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  defaultAgent: greeter\n  progress: { narration: { enabled: true } }\n",
+    );
+    let dir = workspace.path().to_str().unwrap();
+    let output = stable_harness(&["run", "-w", dir, "there"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert_eq!(stdout(&output), "Hi there!\n");
+    assert!(
+        stderr(&output).contains("· Working on it (greeter)."),
+        "{}",
+        stderr(&output)
+    );
+
+    // --json: every event as a JSON line, gapless, ending with the terminal event.
+    let output = stable_harness(&["run", "-w", dir, "--json", "--agent", "greeter", "again"]);
+    assert_eq!(output.status.code(), Some(0));
+    let events: Vec<serde_json::Value> = stdout(&output)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=events.len() as i64).collect::<Vec<_>>());
+    assert_eq!(events.first().unwrap()["type"], "runtime.request.started");
+    assert_eq!(events.last().unwrap()["type"], "runtime.request.completed");
+    assert_eq!(events.last().unwrap()["data"]["output"], "Hi again!");
+
+    // The same store holds both requests.
+    assert!(workspace.path().join(".stable-harness/state.db").is_file());
+}
+
+#[test]
+fn run_exit_codes_for_failures_and_bad_usage() {
+    let workspace = TestWorkspace::base();
+    let dir = workspace.path().to_str().unwrap();
+    // The base agent calls a model at an address where nothing listens: the run fails (1).
+    let output = stable_harness(&["run", "-w", dir, "hello"]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("failed: upstream model `default`"),
+        "{}",
+        stderr(&output)
+    );
+    // An unknown agent is bad usage (2), as is an invalid workspace.
+    let output = stable_harness(&["run", "-w", dir, "--agent", "ghost", "hello"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("unknown agent `ghost`"));
+    workspace.write("config/agents/broken.yaml", "kind: Agent\n");
+    assert_eq!(
+        stable_harness(&["run", "-w", dir, "hello"]).status.code(),
+        Some(2)
+    );
+}
+
+#[test]
+fn migrate_creates_an_sqlite_store_and_refuses_unknown_databases() {
+    let dir = TestWorkspace::empty();
+    let db = dir.path().join("nested/state.db");
+    let url = format!("sqlite://{}", db.display());
+    let output = stable_harness(&["migrate", "--database-url", &url]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(db.is_file());
+    let output = stable_harness(&["migrate", "--database-url", "mysql://localhost/db"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("unsupported store url"));
 }
 
 #[test]

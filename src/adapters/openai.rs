@@ -1,0 +1,457 @@
+//! The `openai` backend: the native loop over any OpenAI-compatible Chat Completions upstream.
+//!
+//! The adapter owns recovery: every attempt is counted against `recovery.maxAttempts`, only
+//! error kinds in `retryOn` are retried (honouring `retry-after`), each retry is announced with
+//! `runtime.retry.scheduled`, and after the last attempt the model's `fallbacks` are tried in
+//! order. A stream that already delivered text is never retried: the client would see it twice.
+//! Transport is plain reqwest so that timeouts, status codes and `retry-after` stay in our hands
+//! (no hidden client-side retries).
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Map, Value, json};
+
+use super::sse::SseDecoder;
+use super::{
+    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, Usage, backoff_delay,
+};
+use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED};
+use crate::workspace::{ModelConfig, UpstreamUrl};
+
+/// Longest `retry-after` honoured; a larger one is capped (the backoff `max` still applies).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+/// Largest non-streaming upstream body read.
+const MAX_BODY_BYTES: usize = 16 << 20;
+
+#[derive(Debug, Clone)]
+pub struct OpenAiAdapter {
+    http: reqwest::Client,
+}
+
+/// A failed attempt, with what the retry policy needs to know about it.
+struct AttemptError {
+    error: AdapterError,
+    delivered_text: bool,
+    retry_after: Option<Duration>,
+}
+
+impl From<AdapterError> for AttemptError {
+    fn from(error: AdapterError) -> Self {
+        Self {
+            error,
+            delivered_text: false,
+            retry_after: None,
+        }
+    }
+}
+
+impl OpenAiAdapter {
+    pub fn new(http: reqwest::Client) -> Self {
+        Self { http }
+    }
+
+    /// One upstream call, streaming deltas into events as they arrive.
+    async fn attempt(
+        &self,
+        context: &AdapterContext<'_>,
+        model: &ModelConfig,
+        attempt: u32,
+    ) -> Result<RuntimeOutput, AttemptError> {
+        let base_url = match &model.base_url {
+            UpstreamUrl::Fixed(url) => url.clone(),
+            UpstreamUrl::FromEnv(var) => std::env::var(var).map_err(|_| {
+                AdapterError::new(
+                    FailureKind::Unsupported,
+                    format!(
+                        "model `{}`: environment variable {var} (baseUrlEnv) is not set",
+                        model.id
+                    ),
+                )
+            })?,
+        };
+        let url = format!("{}/chat/completions", base_url.trim_end_matches('/'));
+        let streaming = model.capabilities.streaming;
+        let body = request_body(context, model, streaming);
+        let mut request = self.http.post(&url).json(&body);
+        if let Some(var) = &model.api_key_env
+            && let Ok(key) = std::env::var(var)
+        {
+            request = request.bearer_auth(key);
+        }
+        let started = Instant::now();
+        let response = tokio::select! {
+            () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled").into()),
+            result = tokio::time::timeout(model.timeout, request.send()) => result,
+        };
+        let response = match response {
+            Err(_) => return Err(timeout_error(model).into()),
+            Ok(Err(error)) => return Err(transport_error(model, &error).into()),
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = retry_after(response.headers());
+            let text = read_limited(response, 2048, model.timeout)
+                .await
+                .unwrap_or_default();
+            let kind = if status.as_u16() == 429 {
+                FailureKind::RateLimited
+            } else if status.is_server_error() {
+                FailureKind::Upstream5xx
+            } else {
+                FailureKind::UpstreamRejected
+            };
+            let mut error = AdapterError::new(
+                kind,
+                format!(
+                    "upstream model `{}` returned {}: {}",
+                    model.id,
+                    status.as_u16(),
+                    excerpt(&text)
+                ),
+            );
+            error.upstream_status = Some(status.as_u16());
+            return Err(AttemptError {
+                error,
+                delivered_text: false,
+                retry_after,
+            });
+        }
+        let output = if streaming {
+            self.read_stream(context, model, response).await?
+        } else {
+            let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
+                .await
+                .map_err(AttemptError::from)?;
+            let output = parse_completion(model, &text)?;
+            if !output.text.is_empty() {
+                emit_delta(context, &output.text).await;
+            }
+            output
+        };
+        context
+            .events
+            .emit(
+                MODEL_CALL_COMPLETED,
+                json!({
+                    "model": model.id,
+                    "upstreamModel": model.upstream_model,
+                    "latencyMs": started.elapsed().as_millis() as u64,
+                    "usage": output.usage,
+                    "attempt": attempt,
+                }),
+            )
+            .await;
+        Ok(output)
+    }
+
+    async fn read_stream(
+        &self,
+        context: &AdapterContext<'_>,
+        model: &ModelConfig,
+        response: reqwest::Response,
+    ) -> Result<RuntimeOutput, AttemptError> {
+        let mut output = RuntimeOutput::default();
+        let mut decoder = SseDecoder::default();
+        let mut body = response.bytes_stream();
+        let fail = |error: AdapterError, delivered: bool| AttemptError {
+            error,
+            delivered_text: delivered,
+            retry_after: None,
+        };
+        loop {
+            let next = tokio::select! {
+                () = context.cancel.cancelled() => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), !output.text.is_empty())),
+                next = tokio::time::timeout(model.timeout, body.next()) => next,
+            };
+            let chunk = match next {
+                Err(_) => return Err(fail(timeout_error(model), !output.text.is_empty())),
+                Ok(None) => {
+                    let message = format!(
+                        "upstream model `{}` closed the stream before [DONE]",
+                        model.id
+                    );
+                    return Err(fail(
+                        AdapterError::new(FailureKind::Connection, message),
+                        !output.text.is_empty(),
+                    ));
+                }
+                Ok(Some(Err(error))) => {
+                    return Err(fail(
+                        transport_error(model, &error),
+                        !output.text.is_empty(),
+                    ));
+                }
+                Ok(Some(Ok(chunk))) => chunk,
+            };
+            for data in decoder.feed(&chunk) {
+                if data.trim() == "[DONE]" {
+                    return Ok(output);
+                }
+                let parsed: Value = serde_json::from_str(&data).map_err(|_| {
+                    let message = format!(
+                        "upstream model `{}` sent a malformed stream chunk: {}",
+                        model.id,
+                        excerpt(&data)
+                    );
+                    fail(
+                        AdapterError::new(FailureKind::Malformed, message),
+                        !output.text.is_empty(),
+                    )
+                })?;
+                if let Some(error) = parsed.get("error") {
+                    let message = format!(
+                        "upstream model `{}` reported an error mid-stream: {}",
+                        model.id,
+                        excerpt(&error.to_string())
+                    );
+                    return Err(fail(
+                        AdapterError::new(FailureKind::Upstream5xx, message),
+                        !output.text.is_empty(),
+                    ));
+                }
+                if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null()) {
+                    output.usage = serde_json::from_value(usage.clone()).unwrap_or_default();
+                }
+                let Some(choice) = parsed.get("choices").and_then(|c| c.get(0)) else {
+                    continue;
+                };
+                if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str)
+                    && !text.is_empty()
+                {
+                    emit_delta(context, text).await;
+                    output.text.push_str(text);
+                }
+                if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+                    output.finish_reason = reason.to_owned();
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl RuntimeAdapter for OpenAiAdapter {
+    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+        let workspace = context.workspace;
+        let Some(primary) = context
+            .agent
+            .model
+            .as_deref()
+            .and_then(|id| workspace.models.get(id))
+        else {
+            return Err(AdapterError::new(
+                FailureKind::Unsupported,
+                format!("agent `{}` has no model", context.agent.name),
+            ));
+        };
+        let recovery = &workspace.runtime.recovery;
+        let chain = std::iter::once(primary).chain(
+            primary
+                .fallbacks
+                .iter()
+                .filter_map(|id| workspace.models.get(id)),
+        );
+        let mut last_error = None;
+        for model in chain {
+            for attempt in 1..=recovery.max_attempts {
+                let failure = match self.attempt(&context, model, attempt).await {
+                    Ok(output) => return Ok(output),
+                    Err(failure) => failure,
+                };
+                let retryable = recovery
+                    .retry_on
+                    .iter()
+                    .any(|kind| kind_matches(*kind, failure.error.kind));
+                if failure.delivered_text || !retryable {
+                    return Err(failure.error);
+                }
+                if attempt < recovery.max_attempts {
+                    let delay = failure
+                        .retry_after
+                        .map(|after| after.min(MAX_RETRY_AFTER))
+                        .unwrap_or_else(|| {
+                            backoff_delay(attempt, recovery.backoff_initial, recovery.backoff_max)
+                        });
+                    context
+                        .events
+                        .emit(
+                            RETRY_SCHEDULED,
+                            json!({
+                                "attempt": attempt + 1,
+                                "delayMs": delay.as_millis() as u64,
+                                "errorKind": failure.error.kind.as_str(),
+                                "model": model.id,
+                                "error": failure.error.message,
+                            }),
+                        )
+                        .await;
+                    tokio::select! {
+                        () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled")),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+                last_error = Some(failure.error);
+            }
+        }
+        Err(last_error
+            .unwrap_or_else(|| AdapterError::new(FailureKind::Unsupported, "no model to call")))
+    }
+}
+
+fn kind_matches(configured: crate::workspace::RetryKind, kind: FailureKind) -> bool {
+    use crate::workspace::RetryKind;
+    matches!(
+        (configured, kind),
+        (RetryKind::Timeout, FailureKind::Timeout)
+            | (RetryKind::Upstream5xx, FailureKind::Upstream5xx)
+            | (RetryKind::RateLimited, FailureKind::RateLimited)
+            | (RetryKind::Connection, FailureKind::Connection)
+    )
+}
+
+/// The upstream request: system instructions first, then the transcript; the agent's
+/// `backendConfig` passes through and the client's explicit options win over it.
+fn request_body(context: &AdapterContext<'_>, model: &ModelConfig, streaming: bool) -> Value {
+    let mut messages = Vec::with_capacity(context.messages.len() + 1);
+    if let Some(instructions) = &context.agent.instructions {
+        messages.push(json!({ "role": "system", "content": instructions }));
+    }
+    messages.extend(context.messages.iter().cloned());
+    let mut body: Map<String, Value> = context.agent.backend_config.clone();
+    for (key, value) in context.options {
+        body.insert(key.clone(), value.clone());
+    }
+    body.insert("model".into(), model.upstream_model.clone().into());
+    body.insert("messages".into(), messages.into());
+    body.insert("stream".into(), streaming.into());
+    if streaming {
+        body.insert("stream_options".into(), json!({ "include_usage": true }));
+    } else {
+        body.remove("stream_options");
+    }
+    Value::Object(body)
+}
+
+fn parse_completion(model: &ModelConfig, text: &str) -> Result<RuntimeOutput, AttemptError> {
+    let malformed = || {
+        AttemptError::from(AdapterError::new(
+            FailureKind::Malformed,
+            format!(
+                "upstream model `{}` answered something that is not a chat completion: {}",
+                model.id,
+                excerpt(text)
+            ),
+        ))
+    };
+    let parsed: Value = serde_json::from_str(text).map_err(|_| malformed())?;
+    let choice = parsed.pointer("/choices/0").ok_or_else(malformed)?;
+    Ok(RuntimeOutput {
+        text: choice
+            .pointer("/message/content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
+        usage: parsed
+            .get("usage")
+            .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok())
+            .unwrap_or_default(),
+        finish_reason: choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .unwrap_or("stop")
+            .to_owned(),
+    })
+}
+
+async fn emit_delta(context: &AdapterContext<'_>, text: &str) {
+    context
+        .events
+        .emit(
+            ADAPTER_EVENT,
+            json!({ "event": { "phase": "agent.output.delta", "text": text } }),
+        )
+        .await;
+}
+
+async fn read_limited(
+    response: reqwest::Response,
+    limit: usize,
+    timeout: Duration,
+) -> Result<String, AdapterError> {
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    loop {
+        match tokio::time::timeout(timeout, stream.next()).await {
+            Err(_) => {
+                return Err(AdapterError::new(
+                    FailureKind::Timeout,
+                    "upstream body timed out",
+                ));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(error))) => {
+                return Err(AdapterError::new(
+                    FailureKind::Connection,
+                    format!("upstream body: {error}"),
+                ));
+            }
+            Ok(Some(Ok(chunk))) => {
+                body.extend_from_slice(&chunk);
+                if body.len() > limit {
+                    body.truncate(limit);
+                    break;
+                }
+            }
+        }
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+fn timeout_error(model: &ModelConfig) -> AdapterError {
+    AdapterError::new(
+        FailureKind::Timeout,
+        format!(
+            "upstream model `{}` did not answer within {}s",
+            model.id,
+            model.timeout.as_secs_f64()
+        ),
+    )
+}
+
+fn transport_error(model: &ModelConfig, error: &reqwest::Error) -> AdapterError {
+    let kind = if error.is_timeout() {
+        FailureKind::Timeout
+    } else {
+        FailureKind::Connection
+    };
+    // reqwest errors carry the URL; keep only the kind of failure to avoid leaking query secrets.
+    let what = if error.is_connect() {
+        "could not connect"
+    } else if error.is_timeout() {
+        "timed out"
+    } else {
+        "connection failed"
+    };
+    AdapterError::new(kind, format!("upstream model `{}`: {what}", model.id))
+}
+
+/// `retry-after` in seconds (the HTTP-date form is rare for APIs and falls back to backoff).
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+    value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
+}
+
+fn excerpt(text: &str) -> String {
+    let trimmed = text.trim();
+    match trimmed.char_indices().nth(300) {
+        Some((index, _)) => format!("{}…", &trimmed[..index]),
+        None => trimmed.to_owned(),
+    }
+}

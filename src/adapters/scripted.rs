@@ -1,0 +1,56 @@
+//! The `scripted` backend: plays `spec.script` in order for every request, without a model.
+//! A `reply` streams its text (`{{input}}` becomes the last user message); the answer is the
+//! concatenation of the replies.
+
+use serde_json::json;
+
+use super::{
+    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, last_user_text,
+};
+use crate::runtime::events::ADAPTER_EVENT;
+use crate::workspace::ScriptStep;
+
+#[derive(Debug, Clone, Copy)]
+pub struct ScriptedAdapter;
+
+#[async_trait::async_trait]
+impl RuntimeAdapter for ScriptedAdapter {
+    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+        let input = last_user_text(context.messages);
+        let mut text = String::new();
+        for step in &context.agent.script {
+            if context.cancel.is_cancelled() {
+                return Err(AdapterError::new(
+                    FailureKind::Cancelled,
+                    "the run was cancelled",
+                ));
+            }
+            match step {
+                ScriptStep::Reply(template) => {
+                    let reply = template.replace("{{input}}", &input);
+                    context
+                        .events
+                        .emit(
+                            ADAPTER_EVENT,
+                            json!({ "event": { "phase": "agent.output.delta", "text": reply } }),
+                        )
+                        .await;
+                    text.push_str(&reply);
+                }
+                ScriptStep::ToolCall { tool, .. } => {
+                    return Err(AdapterError::new(
+                        FailureKind::Unsupported,
+                        format!(
+                            "script step calls tool `{tool}`, but tool calls need the tool gateway, which this build does not have yet"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(RuntimeOutput {
+            text,
+            usage: Default::default(),
+            finish_reason: "stop".to_owned(),
+        })
+    }
+}

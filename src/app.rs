@@ -1,0 +1,176 @@
+//! The application as a value: build it (store opened and migrated, interrupted runs resumed,
+//! listener bound), ask its `port()`, run it until a shutdown signal. Tests build it on port 0.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::http::{ApiKeys, AppState, KeySet};
+use crate::runtime::{Runtime, RuntimeError};
+use crate::store::StoreError;
+use crate::workspace::CompiledWorkspace;
+
+/// How long in-flight HTTP responses (and then runs) get to finish at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What `start` is given.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub workspace: Arc<CompiledWorkspace>,
+    pub host: String,
+    pub port: u16,
+    pub database_url: Option<String>,
+    /// Client keys in addition to those the workspace names.
+    pub api_keys: Vec<String>,
+    /// Admin keys in addition to those the workspace names.
+    pub admin_keys: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot open the store: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        address: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to serve an open admin surface on the non-loopback address {0}: set admin keys (--admin-key or the workspace's protocols.admin.apiKeysEnv)"
+    )]
+    OpenAdminOnPublicAddress(String),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error("HTTP server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+#[derive(Debug)]
+pub struct Application {
+    listener: TcpListener,
+    address: SocketAddr,
+    runtime: Runtime,
+    state: AppState,
+    resumed: usize,
+}
+
+/// Installs the process-wide TLS crypto provider (ring) once; later calls do nothing.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// The HTTP client used for upstream calls: connect timeout here, per-call timeouts at the
+/// call site (they come from the model catalog), and no redirects to unexpected hosts.
+pub fn upstream_client() -> reqwest::Client {
+    install_crypto_provider();
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .redirect(reqwest::redirect::Policy::none())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap_or_default()
+}
+
+/// Builds the runtime over the configured (or embedded) store and resumes interrupted runs.
+pub async fn build_runtime(
+    workspace: Arc<CompiledWorkspace>,
+    database_url: Option<&str>,
+) -> Result<(Runtime, usize), AppError> {
+    let url = database_url
+        .map(str::to_owned)
+        .or_else(|| workspace.runtime.store_url.clone());
+    let store = crate::store::open(url.as_deref(), &workspace.root).await?;
+    let runtime = Runtime::new(workspace, store, upstream_client());
+    let resumed = runtime.resume_interrupted().await?;
+    Ok((runtime, resumed))
+}
+
+impl Application {
+    pub async fn build(config: ServerConfig) -> Result<Self, AppError> {
+        let workspace = Arc::clone(&config.workspace);
+        let keys = ApiKeys {
+            client: KeySet::collect(&config.api_keys, &workspace.runtime.openai.api_keys_env),
+            admin: KeySet::collect(&config.admin_keys, &workspace.runtime.admin_api_keys_env),
+        };
+        let address = format!("{}:{}", config.host, config.port);
+        let loopback = match config.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip.is_loopback(),
+            Err(_) => config.host == "localhost",
+        };
+        if keys.admin.is_empty() && !loopback {
+            return Err(AppError::OpenAdminOnPublicAddress(address));
+        }
+        let (runtime, resumed) = build_runtime(workspace, config.database_url.as_deref()).await?;
+        let listener = TcpListener::bind(&address)
+            .await
+            .map_err(|source| AppError::Bind {
+                address: address.clone(),
+                source,
+            })?;
+        let address = listener
+            .local_addr()
+            .map_err(|source| AppError::Bind { address, source })?;
+        let state = AppState::new(runtime.clone(), keys);
+        Ok(Self {
+            listener,
+            address,
+            runtime,
+            state,
+            resumed,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.address.port()
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    pub fn keys(&self) -> &ApiKeys {
+        &self.state.keys
+    }
+
+    /// Runs interrupted by an earlier process that this start resumed.
+    pub fn resumed_runs(&self) -> usize {
+        self.resumed
+    }
+
+    /// Serves until `shutdown` completes, then stops accepting connections, gives in-flight
+    /// responses a bounded grace period, and leaves unfinished runs resumable.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), AppError> {
+        let router = crate::http::router(self.state.clone());
+        let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
+        let signal = async move {
+            shutdown.await;
+            tracing::info!(
+                "shutting down: no new connections; in-flight responses get {}s",
+                SHUTDOWN_GRACE.as_secs()
+            );
+            let _ = stopping_tx.send(true);
+        };
+        let server = axum::serve(self.listener, router).with_graceful_shutdown(signal);
+        let mut stopping = stopping_rx;
+        let bounded = async move {
+            let _ = stopping.wait_for(|stopping| *stopping).await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            result = server => result.map_err(AppError::Serve)?,
+            () = bounded => tracing::warn!("in-flight responses did not finish in time; closing them"),
+        }
+        self.runtime.shutdown(SHUTDOWN_GRACE).await;
+        Ok(())
+    }
+}

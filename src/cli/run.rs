@@ -1,0 +1,132 @@
+//! `stable-harness run`: one request in-process against the same runtime and store. Prints
+//! narration (or every event as a JSON line with `--json`), then the final output. Exit codes:
+//! 0 completed, 1 failed, 2 bad usage or invalid workspace, 3 cancelled.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use super::{RunArgs, exit, output};
+use crate::app::build_runtime;
+use crate::runtime::events::PROGRESS_NARRATION;
+use crate::runtime::{NewRequest, Protocol};
+use crate::store::RunStatus;
+use crate::workspace;
+
+pub async fn run(args: RunArgs) -> u8 {
+    let compiled = match workspace::load(&args.workspace) {
+        Ok(compiled) => Arc::new(compiled),
+        Err(diagnostics) => {
+            output::error(&diagnostics.to_string());
+            return exit::USAGE;
+        }
+    };
+    if let Some(agent) = &args.agent
+        && !compiled.agents.contains_key(agent)
+    {
+        let known: Vec<&str> = compiled.agents.keys().map(String::as_str).collect();
+        output::error(&format!(
+            "stable-harness run: unknown agent `{agent}` (agents: {})",
+            known.join(", ")
+        ));
+        return exit::USAGE;
+    }
+    let (runtime, _) =
+        match build_runtime(Arc::clone(&compiled), args.database_url.as_deref()).await {
+            Ok(built) => built,
+            Err(error) => {
+                output::error(&format!("stable-harness run: {error}"));
+                return exit::FAILED;
+            }
+        };
+    if let Some(session) = &args.session {
+        match runtime.store().session(session).await {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                output::error(&format!(
+                    "stable-harness run: session `{session}` not found"
+                ));
+                return exit::USAGE;
+            }
+            Err(error) => {
+                output::error(&format!("stable-harness run: {error}"));
+                return exit::FAILED;
+            }
+        }
+    }
+    let submitted = match runtime
+        .submit(NewRequest {
+            agent_id: args.agent.clone(),
+            session_id: args.session.clone(),
+            with_history: true,
+            messages: vec![json!({ "role": "user", "content": args.message })],
+            new_messages: 1,
+            options: Default::default(),
+            metadata: json!({}),
+            protocol: Protocol::Cli,
+        })
+        .await
+    {
+        Ok(submitted) => submitted,
+        Err(error) => {
+            output::error(&format!("stable-harness run: {error}"));
+            return exit::USAGE;
+        }
+    };
+    let included: Vec<String> = if compiled.runtime.cli_event_types.is_empty() {
+        vec![PROGRESS_NARRATION.to_owned()]
+    } else {
+        compiled.runtime.cli_event_types.clone()
+    };
+    let mut events = std::pin::pin!(runtime.follow(&submitted.request_id, 0));
+    while let Some(event) = events.next().await {
+        let event = match event {
+            Ok(event) => event,
+            Err(error) => {
+                output::error(&format!("stable-harness run: {error}"));
+                break;
+            }
+        };
+        if args.json {
+            output::print(&serde_json::to_string(&*event).unwrap_or_default());
+        } else if included.contains(&event.event_type) {
+            let line = match event.data.get("message").and_then(Value::as_str) {
+                Some(message) if event.event_type == PROGRESS_NARRATION => message.to_owned(),
+                _ => format!("{} {}", event.event_type, event.data),
+            };
+            output::error(&format!("· {line}"));
+        }
+    }
+    runtime.shutdown(std::time::Duration::from_secs(5)).await;
+    let request = match runtime.store().request(&submitted.request_id).await {
+        Ok(Some(request)) => request,
+        _ => {
+            output::error("stable-harness run: the request record could not be read back");
+            return exit::FAILED;
+        }
+    };
+    match request.status {
+        RunStatus::Completed => {
+            if !args.json {
+                output::print(request.output.as_deref().unwrap_or_default());
+            }
+            exit::OK
+        }
+        RunStatus::Cancelled => {
+            output::error("stable-harness run: the request was cancelled");
+            exit::CANCELLED
+        }
+        _ => {
+            let message = request
+                .error
+                .as_ref()
+                .and_then(|e| e.get("message"))
+                .and_then(Value::as_str)
+                .unwrap_or("the request failed")
+                .to_owned();
+            output::error(&format!("stable-harness run: failed: {message}"));
+            exit::FAILED
+        }
+    }
+}

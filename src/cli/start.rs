@@ -1,0 +1,89 @@
+//! `stable-harness start`: serve the workspace until SIGINT/SIGTERM.
+
+use std::sync::Arc;
+
+use super::{StartArgs, exit, output};
+use crate::app::{Application, ServerConfig};
+use crate::workspace;
+
+pub async fn run(args: StartArgs) -> u8 {
+    let compiled = match workspace::load(&args.workspace) {
+        Ok(compiled) => Arc::new(compiled),
+        Err(diagnostics) => {
+            output::error(&diagnostics.to_string());
+            return exit::USAGE;
+        }
+    };
+    let config = ServerConfig {
+        workspace: Arc::clone(&compiled),
+        host: args.host,
+        port: args.port,
+        database_url: args.database_url,
+        api_keys: args.api_keys,
+        admin_keys: args.admin_keys,
+    };
+    let app = match Application::build(config).await {
+        Ok(app) => app,
+        Err(error) => {
+            output::error(&format!("stable-harness start: {error}"));
+            return exit::FAILED;
+        }
+    };
+    let agents: Vec<&str> = compiled.agents.keys().map(String::as_str).collect();
+    let default = compiled
+        .runtime
+        .default_agent
+        .as_deref()
+        .map(|a| format!(" (default {a})"))
+        .unwrap_or_default();
+    output::print(&format!(
+        "stable-harness listening on http://{} — store: {} — agents: {}{default}",
+        app.address(),
+        app.runtime().store().describe(),
+        agents.join(", "),
+    ));
+    if app.keys().client.is_empty() {
+        tracing::warn!(
+            "NO CLIENT KEYS: /v1 and /runtime are open to anyone who can reach this address"
+        );
+    }
+    if app.keys().admin.is_empty() {
+        tracing::warn!("NO ADMIN KEYS: /admin is open to anyone who can reach this address");
+    }
+    if app.resumed_runs() > 0 {
+        tracing::info!(
+            runs = app.resumed_runs(),
+            "resumed runs interrupted by the previous process"
+        );
+    }
+    match app.run_until(shutdown_signal()).await {
+        Ok(()) => exit::OK,
+        Err(error) => {
+            output::error(&format!("stable-harness start: {error}"));
+            exit::FAILED
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}

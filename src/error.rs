@@ -1,0 +1,200 @@
+//! The error-code table: every error any HTTP surface returns, with its status, OpenAI-style
+//! `type` and log level, rendered once into SPEC section 6's envelope
+//! `{"error": {"message", "type", "code", "param"}}`. Internal details are logged, never sent.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// Every error code, one status each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// Malformed JSON or a body that is not the expected shape.
+    InvalidJson,
+    /// Well-formed but unacceptable content (400 on `/v1`, 422 elsewhere).
+    InvalidRequest,
+    /// A field the endpoint does not know (400).
+    UnknownField,
+    /// Client-supplied `tools` on `/v1`: the workspace inventory decides what is callable.
+    ToolsNotSupported,
+    MissingApiKey,
+    InvalidApiKey,
+    /// A valid key of the other scope (client key on `/admin`, admin key on `/v1`).
+    WrongKeyScope,
+    ModelNotFound,
+    AgentNotFound,
+    RequestNotFound,
+    RunNotFound,
+    SessionNotFound,
+    RouteNotFound,
+    MethodNotAllowed,
+    BodyTooLarge,
+    TooManyRuns,
+    UpstreamError,
+    UpstreamTimeout,
+    /// The agent's backend cannot serve the request in this build.
+    BackendUnavailable,
+    RunFailed,
+    ShuttingDown,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn status(self) -> StatusCode {
+        use ErrorCode::*;
+        match self {
+            InvalidJson | UnknownField | ToolsNotSupported => StatusCode::BAD_REQUEST,
+            InvalidRequest => StatusCode::UNPROCESSABLE_ENTITY,
+            MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
+            WrongKeyScope => StatusCode::FORBIDDEN,
+            ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
+            | RouteNotFound => StatusCode::NOT_FOUND,
+            MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
+            UpstreamError | RunFailed => StatusCode::BAD_GATEWAY,
+            UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            BackendUnavailable | ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's error `type` for this code.
+    pub fn error_type(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            InvalidJson | InvalidRequest | UnknownField | ToolsNotSupported | ModelNotFound
+            | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound | RouteNotFound
+            | MethodNotAllowed | BodyTooLarge => "invalid_request_error",
+            MissingApiKey | InvalidApiKey => "authentication_error",
+            WrongKeyScope => "permission_error",
+            TooManyRuns => "rate_limit_error",
+            UpstreamError | UpstreamTimeout | RunFailed => "upstream_error",
+            BackendUnavailable | ShuttingDown | Internal => "server_error",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            InvalidJson => "invalid_json",
+            InvalidRequest => "invalid_request",
+            UnknownField => "unknown_field",
+            ToolsNotSupported => "tools_not_supported",
+            MissingApiKey => "missing_api_key",
+            InvalidApiKey => "invalid_api_key",
+            WrongKeyScope => "wrong_key_scope",
+            ModelNotFound => "model_not_found",
+            AgentNotFound => "agent_not_found",
+            RequestNotFound => "request_not_found",
+            RunNotFound => "run_not_found",
+            SessionNotFound => "session_not_found",
+            RouteNotFound => "route_not_found",
+            MethodNotAllowed => "method_not_allowed",
+            BodyTooLarge => "body_too_large",
+            TooManyRuns => "too_many_runs",
+            UpstreamError => "upstream_error",
+            UpstreamTimeout => "upstream_timeout",
+            BackendUnavailable => "backend_unavailable",
+            RunFailed => "run_failed",
+            ShuttingDown => "shutting_down",
+            Internal => "internal_error",
+        }
+    }
+}
+
+/// An error as every surface returns it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub param: Option<String>,
+    /// `/v1` answers every invalid request with 400, as OpenAI does.
+    pub openai_surface: bool,
+    /// Extra fields for the envelope (e.g. the request id of a pending or failed run).
+    pub request_id: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            param: None,
+            openai_surface: false,
+            request_id: None,
+        }
+    }
+
+    pub fn param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn with_request_id(mut self, request_id: impl Into<String>) -> Self {
+        self.request_id = Some(request_id.into());
+        self
+    }
+
+    /// Marks the error as answered on `/v1`.
+    pub fn on_openai_surface(mut self) -> Self {
+        self.openai_surface = true;
+        self
+    }
+
+    /// A server fault: the detail goes to the log, the client gets a generic message.
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        tracing::error!(%detail, "internal error");
+        Self::new(
+            ErrorCode::Internal,
+            "internal server error; the details are in the server log",
+        )
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self.code.status() {
+            StatusCode::UNPROCESSABLE_ENTITY if self.openai_surface => StatusCode::BAD_REQUEST,
+            status => status,
+        }
+    }
+
+    /// The JSON envelope.
+    pub fn body(&self) -> serde_json::Value {
+        let mut error = serde_json::json!({
+            "message": self.message,
+            "type": self.code.error_type(),
+            "code": self.code.as_str(),
+            "param": self.param,
+        });
+        if let Some(request_id) = &self.request_id {
+            error["requestId"] = request_id.clone().into();
+        }
+        serde_json::json!({ "error": error })
+    }
+}
+
+/// The envelope's shape, for the OpenAPI document.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorEnvelope {
+    pub error: ErrorBody,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub error_type: String,
+    pub code: String,
+    pub param: Option<String>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(code = self.code.as_str(), message = %self.message, "request failed");
+        }
+        (status, axum::Json(self.body())).into_response()
+    }
+}

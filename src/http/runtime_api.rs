@@ -1,0 +1,238 @@
+//! The native runtime API (client keys): submit requests, read them, read or follow their
+//! events. `GET .../events` answers JSON pages, or with `Accept: text/event-stream` follows live
+//! (each SSE `id:` is the seq; `Last-Event-ID` resumes without gaps or duplicates).
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::AppState;
+use super::extract::ApiJson;
+use super::views::{EventPage, RequestView, request_view};
+use crate::error::{ApiError, ErrorCode};
+use crate::runtime::{NewRequest, Protocol};
+
+/// `POST /runtime/requests` body.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CreateRequest {
+    /// Default: the workspace's `defaultAgent`.
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// Continue a session: its stored history is prepended to the input.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    pub input: RequestInput,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Map<String, Value>>,
+    /// Answer when the request ends (200) instead of at once (202).
+    #[serde(default)]
+    pub wait: bool,
+}
+
+/// `{text}` or `{messages}`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequestInput {
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub messages: Option<Vec<Value>>,
+}
+
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Accepted {
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub status: crate::store::RunStatus,
+}
+
+#[utoipa::path(post, path = "/runtime/requests", tag = "runtime", security(("client_key" = [])),
+    request_body = CreateRequest,
+    responses(
+        (status = 202, body = Accepted, description = "Accepted; the run goes on"),
+        (status = 200, body = RequestView, description = "With `wait: true`: the request once it ended"),
+        (status = 400, body = crate::error::ErrorEnvelope), (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 422, body = crate::error::ErrorEnvelope), (status = 429, body = crate::error::ErrorEnvelope),
+    ))]
+pub async fn create_request(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<CreateRequest>,
+) -> Result<Response, ApiError> {
+    let messages = match (body.input.text, body.input.messages) {
+        (Some(text), None) => vec![json!({ "role": "user", "content": text })],
+        (None, Some(messages)) if !messages.is_empty() => {
+            for (index, message) in messages.iter().enumerate() {
+                let valid = message.get("role").and_then(Value::as_str).is_some()
+                    && matches!(
+                        message.get("content"),
+                        Some(Value::String(_) | Value::Array(_))
+                    );
+                if !valid {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidRequest,
+                        "each message needs a `role` and a string or array `content`",
+                    )
+                    .param(format!("input.messages[{index}]")));
+                }
+            }
+            messages
+        }
+        _ => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "`input` needs exactly one of `text` or a non-empty `messages`",
+            )
+            .param("input"));
+        }
+    };
+    if let Some(session_id) = &body.session_id {
+        let exists = state
+            .runtime
+            .store()
+            .session(session_id)
+            .await
+            .map_err(ApiError::internal)?
+            .is_some();
+        if !exists {
+            return Err(ApiError::new(
+                ErrorCode::SessionNotFound,
+                format!("session `{session_id}` not found"),
+            )
+            .param("sessionId"));
+        }
+    }
+    let new_messages = messages.len();
+    let submitted = state
+        .runtime
+        .submit(NewRequest {
+            agent_id: body.agent_id,
+            session_id: body.session_id,
+            with_history: true,
+            messages,
+            new_messages,
+            options: Map::new(),
+            metadata: body
+                .metadata
+                .map(Value::Object)
+                .unwrap_or_else(|| json!({})),
+            protocol: Protocol::Runtime,
+        })
+        .await?;
+    if body.wait {
+        let agent_timeout = state
+            .runtime
+            .workspace()
+            .agents
+            .get(&submitted.agent_id)
+            .map(|a| a.timeout)
+            .unwrap_or(Duration::from_secs(120));
+        state
+            .runtime
+            .wait(
+                &submitted.request_id,
+                agent_timeout + Duration::from_secs(5),
+            )
+            .await?;
+        let view = request_view(&state.runtime, &submitted.request_id).await?;
+        let status = if view.status.is_terminal() {
+            StatusCode::OK
+        } else {
+            StatusCode::ACCEPTED
+        };
+        return Ok((status, Json(view)).into_response());
+    }
+    let accepted = Accepted {
+        request_id: submitted.request_id,
+        run_id: submitted.run_id,
+        session_id: submitted.session_id,
+        status: crate::store::RunStatus::Queued,
+    };
+    Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
+}
+
+#[utoipa::path(get, path = "/runtime/requests/{id}", tag = "runtime", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Request id")),
+    responses((status = 200, body = RequestView), (status = 404, body = crate::error::ErrorEnvelope)))]
+pub async fn get_request(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<RequestView>, ApiError> {
+    Ok(Json(request_view(&state.runtime, &id).await?))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    /// Only events with a greater seq.
+    #[serde(default)]
+    pub after: Option<i64>,
+    /// At most this many (JSON only; default 500, at most 1000).
+    #[serde(default)]
+    pub limit: Option<i64>,
+}
+
+#[utoipa::path(get, path = "/runtime/requests/{id}/events", tag = "runtime", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Request id"), EventsQuery),
+    responses(
+        (status = 200, body = EventPage, description = "A page of events; with `Accept: text/event-stream`, a live SSE stream ending after the terminal event"),
+        (status = 404, body = crate::error::ErrorEnvelope),
+    ))]
+pub async fn request_events(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Query(query): Query<EventsQuery>,
+) -> Result<Response, ApiError> {
+    request_view(&state.runtime, &id).await?;
+    let wants_stream = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"));
+    let last_event_id = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok());
+    let after = last_event_id.or(query.after).unwrap_or(0).max(0);
+    if wants_stream {
+        let events = state.runtime.follow(&id, after);
+        let body = events.map(|event| {
+            Ok::<Event, Infallible>(match event {
+                Ok(event) => Event::default()
+                    .id(event.seq.to_string())
+                    .event(event.event_type.clone())
+                    .data(serde_json::to_string(&*event).unwrap_or_default()),
+                Err(error) => {
+                    tracing::error!(%error, "event stream failed");
+                    Event::default()
+                        .event("error")
+                        .data(ApiError::internal(error).body().to_string())
+                }
+            })
+        });
+        return Ok(Sse::new(body)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let limit = query.limit.unwrap_or(500).clamp(1, 1000);
+    let data = state
+        .runtime
+        .store()
+        .events(&id, after, limit)
+        .await
+        .map_err(ApiError::internal)?;
+    let next_after = data.last().map_or(after, |e| e.seq);
+    Ok(Json(EventPage { data, next_after }).into_response())
+}

@@ -1,0 +1,156 @@
+//! Wire views of stored records, shared by `/runtime` and `/admin`, and the one mapping of
+//! runtime errors to API errors.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{ApiError, ErrorCode};
+use crate::runtime::{Runtime, RuntimeError};
+use crate::store::{EventRecord, RequestRecord, RunRecord, RunStatus};
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunView {
+    pub run_id: String,
+    pub request_id: String,
+    pub attempt: i64,
+    pub status: RunStatus,
+    #[schema(value_type = Option<Object>)]
+    pub error: Option<Value>,
+    pub created_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+}
+
+impl From<RunRecord> for RunView {
+    fn from(run: RunRecord) -> Self {
+        Self {
+            run_id: run.id,
+            request_id: run.request_id,
+            attempt: run.attempt,
+            status: run.status,
+            error: run.error,
+            created_at: run.created_at,
+            started_at: run.started_at,
+            ended_at: run.ended_at,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestView {
+    pub request_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    pub protocol: String,
+    pub status: RunStatus,
+    pub output: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub error: Option<Value>,
+    #[schema(value_type = Option<Object>)]
+    pub usage: Option<Value>,
+    #[schema(value_type = Object)]
+    pub metadata: Value,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub runs: Vec<RunView>,
+}
+
+impl RequestView {
+    pub fn new(request: RequestRecord, runs: Vec<RunRecord>) -> Self {
+        Self {
+            request_id: request.id,
+            session_id: request.session_id,
+            agent_id: request.agent_id,
+            protocol: request.protocol,
+            status: request.status,
+            output: request.output,
+            error: request.error,
+            usage: request.usage,
+            metadata: request.metadata,
+            created_at: request.created_at,
+            updated_at: request.updated_at,
+            runs: runs.into_iter().map(RunView::from).collect(),
+        }
+    }
+}
+
+/// A page of events: `nextAfter` is the `after` of the next call.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EventPage {
+    pub data: Vec<EventRecord>,
+    pub next_after: i64,
+}
+
+/// A page of a list: `nextCursor` is the `cursor` of the next call, `null` at the end.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestList {
+    pub data: Vec<RequestView>,
+    pub next_cursor: Option<String>,
+}
+
+/// The request and its runs, or 404.
+pub async fn request_view(runtime: &Runtime, id: &str) -> Result<RequestView, ApiError> {
+    let store = runtime.store();
+    let request = store
+        .request(id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::RequestNotFound,
+                format!("request `{id}` not found"),
+            )
+            .param("id")
+        })?;
+    let runs = store.runs_of(id).await.map_err(ApiError::internal)?;
+    Ok(RequestView::new(request, runs))
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(error: RuntimeError) -> Self {
+        match error {
+            RuntimeError::AgentNotFound(agent) => ApiError::new(
+                ErrorCode::AgentNotFound,
+                format!("agent `{agent}` not found"),
+            )
+            .param("agentId"),
+            RuntimeError::NoDefaultAgent => {
+                ApiError::new(ErrorCode::InvalidRequest, error.to_string()).param("agentId")
+            }
+            RuntimeError::Busy { .. } => ApiError::new(ErrorCode::TooManyRuns, error.to_string()),
+            RuntimeError::RequestNotFound(id) => ApiError::new(
+                ErrorCode::RequestNotFound,
+                format!("request `{id}` not found"),
+            ),
+            RuntimeError::ShuttingDown => ApiError::new(ErrorCode::ShuttingDown, error.to_string()),
+            RuntimeError::Store(error) => ApiError::internal(error),
+            RuntimeError::Journal(error) => ApiError::internal(error),
+        }
+    }
+}
+
+/// The API error for a run that ended without an answer (`error` as stored in the request
+/// record or the terminal event).
+pub fn run_failure(request_id: &str, status: RunStatus, error: &Value) -> ApiError {
+    let kind = error.get("kind").and_then(Value::as_str).unwrap_or("");
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("the run failed")
+        .to_owned();
+    let code = match (status, kind) {
+        (RunStatus::Cancelled, _) => ErrorCode::RunFailed,
+        (_, "timeout") => ErrorCode::UpstreamTimeout,
+        (_, "upstream_5xx" | "rate_limited" | "connection" | "upstream_rejected" | "malformed") => {
+            ErrorCode::UpstreamError
+        }
+        (_, "unsupported") => ErrorCode::BackendUnavailable,
+        _ => ErrorCode::RunFailed,
+    };
+    ApiError::new(code, message).with_request_id(request_id)
+}

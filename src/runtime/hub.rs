@@ -1,0 +1,66 @@
+//! Live event fan-out inside one process: one broadcast channel per request with subscribers.
+//! Subscribers that fall behind are told so (`Lagged`) and catch up from the store, so a slow
+//! reader costs memory bounded by the channel size, never by the stream length.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::broadcast;
+
+use crate::store::EventRecord;
+
+/// Events buffered per request for live subscribers.
+const CHANNEL_CAPACITY: usize = 1_024;
+
+#[derive(Debug, Default)]
+pub struct EventHub {
+    channels: Mutex<HashMap<String, broadcast::Sender<Arc<EventRecord>>>>,
+}
+
+impl EventHub {
+    /// Receives every event of `request_id` committed from now on.
+    pub fn subscribe(&self, request_id: &str) -> broadcast::Receiver<Arc<EventRecord>> {
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        channels
+            .entry(request_id.to_owned())
+            .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
+            .subscribe()
+    }
+
+    /// Delivers a committed event to its request's subscribers.
+    pub fn publish(&self, event: Arc<EventRecord>) {
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let terminal = super::events::is_terminal(&event.event_type);
+        if let Some(sender) = channels.get(&event.request_id) {
+            let _ = sender.send(event.clone());
+            if terminal || sender.receiver_count() == 0 {
+                channels.remove(&event.request_id);
+            }
+        }
+    }
+
+    /// Drops the channel of a request nobody listens to any more.
+    pub fn release(&self, request_id: &str) {
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if channels
+            .get(request_id)
+            .is_some_and(|sender| sender.receiver_count() == 0)
+        {
+            channels.remove(request_id);
+        }
+    }
+
+    /// Requests with live subscribers (for tests and metrics).
+    pub fn channel_count(&self) -> usize {
+        self.channels.lock().map(|c| c.len()).unwrap_or(0)
+    }
+}

@@ -1,0 +1,285 @@
+//! One run, from its slot to its terminal event. Every step is written through the journal:
+//! status changes, events (with gapless `seq`), the conversation state, the assistant message.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use chrono::Utc;
+use serde_json::{Map, Value, json};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
+
+use super::events::{
+    PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
+};
+use super::{Runtime, Submitted, narration, new_id};
+use crate::adapters::{AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput};
+use crate::store::{EventRecord, MessageRecord, RunStatus, WriteOp};
+use crate::workspace::{NarrationConfig, wire_name};
+
+pub(super) struct RunJob {
+    pub submitted: Submitted,
+    pub messages: Vec<Value>,
+    pub options: Map<String, Value>,
+    /// The `seq` the run's first event gets (1, or after a resumed request's last event).
+    pub next_seq: i64,
+    pub parent_message_id: Option<String>,
+    /// Held until the run ends: it counts the run against admission.
+    pub permit: OwnedSemaphorePermit,
+}
+
+/// Assigns `seq` and writes events of one run; narrates the ones the narrator knows.
+struct RunEvents {
+    runtime: Runtime,
+    submitted: Submitted,
+    seq: AtomicI64,
+    narration: NarrationConfig,
+}
+
+impl RunEvents {
+    async fn record(&self, event_type: &str, data: Value) -> String {
+        let id = new_id("evt");
+        let event = EventRecord {
+            id: id.clone(),
+            request_id: self.submitted.request_id.clone(),
+            run_id: self.submitted.run_id.clone(),
+            session_id: self.submitted.session_id.clone(),
+            agent_id: self.submitted.agent_id.clone(),
+            seq: self.seq.fetch_add(1, Ordering::SeqCst),
+            event_type: event_type.to_owned(),
+            at: Utc::now(),
+            data,
+        };
+        let narration = self
+            .narration
+            .enabled
+            .then(|| narration::narrate(event_type, &event.data, self.narration.style))
+            .flatten();
+        if let Err(error) = self
+            .runtime
+            .inner
+            .journal
+            .write(WriteOp::AppendEvent(event))
+            .await
+        {
+            tracing::error!(%error, event_type, "event could not be journaled");
+        }
+        if let Some(message) = narration {
+            Box::pin(self.record(
+                PROGRESS_NARRATION,
+                json!({
+                    "message": message,
+                    "provider": "template",
+                    "sourceEventTypes": [event_type],
+                    "sourceEventIds": [id],
+                }),
+            ))
+            .await;
+        }
+        id
+    }
+}
+
+#[async_trait::async_trait]
+impl EventSink for RunEvents {
+    async fn emit(&self, event_type: &str, data: Value) {
+        self.record(event_type, data).await;
+    }
+}
+
+#[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
+pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: CancellationToken) {
+    let RunJob {
+        submitted,
+        messages,
+        options,
+        next_seq,
+        parent_message_id,
+        permit,
+    } = job;
+    let inner = &runtime.inner;
+    let _slot = tokio::select! {
+        slot = Arc::clone(&inner.slots).acquire_owned() => slot.ok(),
+        () = cancel.cancelled() => return,
+    };
+    let journal = &inner.journal;
+    let events = RunEvents {
+        runtime: runtime.clone(),
+        submitted: submitted.clone(),
+        seq: AtomicI64::new(next_seq),
+        narration: inner.workspace.runtime.narration,
+    };
+    let Some(agent) = inner.workspace.agents.get(&submitted.agent_id) else {
+        return;
+    };
+    let now = Utc::now();
+    let _ = journal
+        .write_all(vec![
+            WriteOp::UpdateRun {
+                id: submitted.run_id.clone(),
+                status: RunStatus::Running,
+                error: None,
+                at: now,
+            },
+            WriteOp::UpdateRequest {
+                id: submitted.request_id.clone(),
+                status: RunStatus::Running,
+                output: None,
+                error: None,
+                usage: None,
+                at: now,
+            },
+        ])
+        .await;
+    events
+        .record(
+            REQUEST_STARTED,
+            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1, "runId": submitted.run_id }),
+        )
+        .await;
+
+    let result = match inner.adapters.for_backend(agent.backend) {
+        None => Err(AdapterError::new(
+            FailureKind::Unsupported,
+            format!(
+                "the `{}` backend is not available in this build yet",
+                wire_name(&agent.backend)
+            ),
+        )),
+        Some(adapter) => {
+            let context = AdapterContext {
+                workspace: &inner.workspace,
+                agent,
+                messages: &messages,
+                options: &options,
+                events: &events,
+                cancel: cancel.clone(),
+            };
+            match tokio::time::timeout(agent.timeout, adapter.run(context)).await {
+                Ok(result) => result,
+                Err(_) => Err(AdapterError::new(
+                    FailureKind::Timeout,
+                    format!(
+                        "agent `{}` exceeded its timeout of {}s",
+                        agent.name,
+                        agent.timeout.as_secs_f64()
+                    ),
+                )),
+            }
+        }
+    };
+    finish(
+        runtime,
+        &events,
+        &submitted,
+        messages,
+        parent_message_id,
+        result,
+    )
+    .await;
+    drop(permit);
+}
+
+async fn finish(
+    runtime: &Runtime,
+    events: &RunEvents,
+    submitted: &Submitted,
+    mut messages: Vec<Value>,
+    parent_message_id: Option<String>,
+    result: Result<RuntimeOutput, AdapterError>,
+) {
+    let journal = &runtime.inner.journal;
+    let now = Utc::now();
+    let mut ops = Vec::new();
+    let status = match result {
+        Ok(output) => {
+            let reply = json!({ "role": "assistant", "content": output.text });
+            messages.push(reply.clone());
+            let usage = serde_json::to_value(output.usage).unwrap_or(Value::Null);
+            events
+                .record(
+                    REQUEST_COMPLETED,
+                    json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason }),
+                )
+                .await;
+            ops.push(WriteOp::SaveRunState {
+                id: submitted.run_id.clone(),
+                state: json!({ "messages": messages }),
+                at: now,
+            });
+            ops.push(WriteOp::InsertMessage(MessageRecord {
+                id: new_id("msg"),
+                session_id: submitted.session_id.clone(),
+                parent_id: parent_message_id,
+                request_id: Some(submitted.request_id.clone()),
+                role: "assistant".into(),
+                content: reply,
+                created_at: now,
+            }));
+            ops.push(WriteOp::UpdateRun {
+                id: submitted.run_id.clone(),
+                status: RunStatus::Completed,
+                error: None,
+                at: now,
+            });
+            ops.push(WriteOp::UpdateRequest {
+                id: submitted.request_id.clone(),
+                status: RunStatus::Completed,
+                output: Some(output.text),
+                error: None,
+                usage: Some(usage),
+                at: now,
+            });
+            RunStatus::Completed
+        }
+        Err(error) if error.kind == FailureKind::Cancelled => {
+            events
+                .record(REQUEST_CANCELLED, json!({ "reason": error.message }))
+                .await;
+            let error = Some(error.to_json());
+            ops.push(WriteOp::UpdateRun {
+                id: submitted.run_id.clone(),
+                status: RunStatus::Cancelled,
+                error: error.clone(),
+                at: now,
+            });
+            ops.push(WriteOp::UpdateRequest {
+                id: submitted.request_id.clone(),
+                status: RunStatus::Cancelled,
+                output: None,
+                error,
+                usage: None,
+                at: now,
+            });
+            RunStatus::Cancelled
+        }
+        Err(error) => {
+            tracing::warn!(kind = error.kind.as_str(), message = %error.message, "run failed");
+            let error = error.to_json();
+            events
+                .record(REQUEST_FAILED, json!({ "error": error }))
+                .await;
+            ops.push(WriteOp::UpdateRun {
+                id: submitted.run_id.clone(),
+                status: RunStatus::Failed,
+                error: Some(error.clone()),
+                at: now,
+            });
+            ops.push(WriteOp::UpdateRequest {
+                id: submitted.request_id.clone(),
+                status: RunStatus::Failed,
+                output: None,
+                error: Some(error),
+                usage: None,
+                at: now,
+            });
+            RunStatus::Failed
+        }
+    };
+    if journal.write_all(ops).await.is_err() || journal.flush().await.is_err() {
+        tracing::error!(
+            status = status.as_str(),
+            "the end of a run could not be persisted"
+        );
+    }
+}

@@ -1,0 +1,172 @@
+//! What the store keeps: records and the status vocabulary of SPEC section 4.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Run status (a request's status is its latest run's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Queued,
+    Running,
+    WaitingApproval,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl RunStatus {
+    pub const ALL: [RunStatus; 6] = [
+        Self::Queued,
+        Self::Running,
+        Self::WaitingApproval,
+        Self::Completed,
+        Self::Failed,
+        Self::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::WaitingApproval => "waiting_approval",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|status| status.as_str() == text)
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Completed | Self::Failed | Self::Cancelled)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionRecord {
+    pub id: String,
+    pub agent_id: String,
+    pub metadata: Value,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageRecord {
+    pub id: String,
+    pub session_id: String,
+    pub parent_id: Option<String>,
+    pub request_id: Option<String>,
+    pub role: String,
+    /// The message as OpenAI-style JSON (`{"role", "content", ...}`).
+    pub content: Value,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestRecord {
+    pub id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    /// Which surface submitted it: `v1`, `runtime` or `cli`.
+    pub protocol: String,
+    pub status: RunStatus,
+    /// The transcript the run starts from.
+    pub input: Value,
+    pub output: Option<String>,
+    pub error: Option<Value>,
+    pub usage: Option<Value>,
+    pub metadata: Value,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunRecord {
+    pub id: String,
+    pub request_id: String,
+    pub attempt: i64,
+    pub status: RunStatus,
+    /// The conversation after the last persisted step.
+    pub state: Option<Value>,
+    pub error: Option<Value>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+}
+
+/// One immutable event (SPEC section 7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EventRecord {
+    pub id: String,
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    pub seq: i64,
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub at: DateTime<Utc>,
+    #[schema(value_type = Object)]
+    pub data: Value,
+}
+
+/// A write, applied in order within one transaction by [`super::Store::apply`].
+#[derive(Debug, Clone)]
+pub enum WriteOp {
+    /// Creates the session unless it exists (then only `updated_at` moves).
+    TouchSession(SessionRecord),
+    InsertMessage(MessageRecord),
+    InsertRequest(RequestRecord),
+    UpdateRequest {
+        id: String,
+        status: RunStatus,
+        output: Option<String>,
+        error: Option<Value>,
+        usage: Option<Value>,
+        at: DateTime<Utc>,
+    },
+    InsertRun(RunRecord),
+    UpdateRun {
+        id: String,
+        status: RunStatus,
+        error: Option<Value>,
+        at: DateTime<Utc>,
+    },
+    /// Persists the conversation state of a run after a step.
+    SaveRunState {
+        id: String,
+        state: Value,
+        at: DateTime<Utc>,
+    },
+    AppendEvent(EventRecord),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct RequestFilter {
+    pub status: Option<RunStatus>,
+    pub agent_id: Option<String>,
+    pub session_id: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PageRequest {
+    pub limit: i64,
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    pub next_cursor: Option<String>,
+}
