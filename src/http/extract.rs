@@ -69,12 +69,14 @@ pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         Err(error) => {
             let path = error.path().to_string();
             let inner = error.into_inner();
-            let param = (!path.is_empty() && path != ".").then_some(path);
-            let message = inner.to_string();
-            let code = if matches!(
+            let syntax = matches!(
                 inner.classify(),
                 serde_json::error::Category::Syntax | serde_json::error::Category::Eof
-            ) {
+            );
+            // A syntax error has no field at fault, whatever the parser had reached.
+            let param = (!syntax && !path.is_empty() && path != ".").then_some(path);
+            let message = inner.to_string();
+            let code = if syntax {
                 ErrorCode::InvalidJson
             } else if message.starts_with("unknown field") {
                 ErrorCode::UnknownField

@@ -259,6 +259,8 @@ impl Runtime {
         };
         ops.push(WriteOp::InsertRun(run.clone()));
         inner.journal.write_all(ops).await?;
+        // Accepted means durable and readable: the caller may answer 202 and be asked about it.
+        inner.journal.flush().await?;
 
         let submitted = Submitted {
             request_id,

@@ -6,5 +6,6 @@
 
 mod helpers;
 
+mod api;
 mod cli;
 mod workspace_checks;

@@ -1,0 +1,214 @@
+//! What survives: a restart of the server process on the same SQLite file, a client that goes
+//! away mid-stream, and a full house (bounded concurrency).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::json;
+
+use super::upstream::{MockUpstream, Reply};
+use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace};
+
+/// The real binary serving `dir` on a random port; returns the process and its base URL.
+fn start_server(dir: &std::path::Path) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+        .args([
+            "start",
+            "-w",
+            dir.to_str().unwrap(),
+            "--port",
+            "0",
+            "--api-key",
+            CLIENT_KEY,
+            "--admin-key",
+            ADMIN_KEY,
+        ])
+        .env("STABLE_HARNESS_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    (child, address.to_owned())
+}
+
+fn terminate(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "start exits 0 on SIGTERM, got {status}");
+}
+
+#[tokio::test]
+async fn a_second_server_process_on_the_same_store_sees_earlier_requests() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    let workspace = api_workspace(&upstream, "");
+    let http = reqwest::Client::new();
+
+    let (mut first, base) = start_server(workspace.path());
+    let response = http
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "greeter", "messages": [{ "role": "user", "content": "persist me" }] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let request_id = response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    terminate(&mut first);
+
+    let (mut second, base) = start_server(workspace.path());
+    let view: serde_json::Value = http
+        .get(format!("{base}/admin/requests/{request_id}"))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["output"], "Hello persist me!");
+    let events: serde_json::Value = http
+        .get(format!("{base}/runtime/requests/{request_id}/events"))
+        .bearer_auth(CLIENT_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        events["data"].as_array().unwrap().last().unwrap()["type"],
+        "runtime.request.completed"
+    );
+    terminate(&mut second);
+}
+
+#[tokio::test]
+async fn a_client_disconnect_mid_stream_does_not_fail_the_run() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Slow {
+        text: "one two three four five six".into(),
+        pause: Duration::from_millis(40),
+    });
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let response = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "count" }] }))
+        .send()
+        .await
+        .unwrap();
+    let request_id = response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut body = response.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    drop(body);
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["output"], "one two three four five six");
+}
+
+#[tokio::test]
+async fn over_the_concurrency_limit_requests_queue_then_get_429() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Slow {
+        text: "slow reply here".into(),
+        pause: Duration::from_millis(150),
+    });
+    let app = TestApp::spawn(api_workspace(
+        &upstream,
+        "  limits: { maxConcurrentRuns: 1 }\n",
+    ))
+    .await;
+    let body = json!({ "input": { "text": "x" } });
+    let submit = || app.post("/runtime/requests", CLIENT_KEY, &body);
+    let (running, first) = submit().await;
+    let (queued, second) = submit().await;
+    let (refused, envelope) = submit().await;
+    assert_eq!((running, queued), (202, 202));
+    assert_eq!(
+        (refused, envelope["error"]["code"].as_str()),
+        (429, Some("too_many_runs")),
+        "{envelope}"
+    );
+    // The queued request runs once the first one is done; both complete.
+    for accepted in [first, second] {
+        let view = app
+            .wait_until_done(accepted["requestId"].as_str().unwrap())
+            .await;
+        assert_eq!(view["status"], "completed");
+    }
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 2);
+    assert!(
+        calls[1].at - calls[0].at >= Duration::from_millis(400),
+        "the second run waited for the slot"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_responses_finish() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Slow {
+        text: "still here at the end".into(),
+        pause: Duration::from_millis(60),
+    });
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let request = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "assistant", "messages": [{ "role": "user", "content": "x" }] }))
+        .send();
+    let in_flight = tokio::spawn(request);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let base = app.base.clone();
+    let workspace = app.stop().await;
+    let response = in_flight.await.unwrap().unwrap();
+    assert_eq!(response.status(), 200);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "still here at the end"
+    );
+    // The server no longer accepts connections, and the store holds the finished request.
+    assert!(reqwest::get(format!("{base}/healthz")).await.is_err());
+    let compiled = stable_harness::workspace::load(workspace.path()).unwrap();
+    let store = stable_harness::store::open(None, &compiled.root)
+        .await
+        .unwrap();
+    let page = store
+        .requests(
+            &Default::default(),
+            &stable_harness::store::PageRequest {
+                limit: 10,
+                cursor: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        page.items[0].status,
+        stable_harness::store::RunStatus::Completed
+    );
+}

@@ -1,0 +1,237 @@
+//! Recovery of upstream calls, counted against the upstream's own record of calls: retries
+//! with backoff, `retry-after`, only the configured error kinds, fallbacks, and no retry once
+//! a stream delivered text.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::upstream::{MockUpstream, Reply};
+use super::{CLIENT_KEY, TestApp, api_workspace, types};
+
+fn ask(model: &str, stream: bool) -> Value {
+    json!({ "model": model, "stream": stream, "messages": [{ "role": "user", "content": "hi" }] })
+}
+
+async fn request_events(app: &TestApp, response: &reqwest::Response) -> Vec<Value> {
+    let id = response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    app.events(&id).await
+}
+
+#[tokio::test]
+async fn retryable_errors_are_retried_with_backoff_until_success() {
+    let upstream = MockUpstream::start().await;
+    upstream.push([
+        Reply::Status {
+            status: 500,
+            retry_after: None,
+        },
+        Reply::Status {
+            status: 503,
+            retry_after: None,
+        },
+    ]);
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let response = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&ask("assistant", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let events = request_events(&app, &response).await;
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "Hello from the upstream model"
+    );
+
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 3, "maxAttempts counts every attempt");
+    let retries: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "runtime.retry.scheduled")
+        .collect();
+    assert_eq!(retries.len(), 2);
+    assert_eq!(retries[0]["data"]["attempt"], 2);
+    assert_eq!(retries[0]["data"]["errorKind"], "upstream_5xx");
+    assert_eq!(retries[1]["data"]["attempt"], 3);
+    for (index, retry) in retries.iter().enumerate() {
+        let delay = retry["data"]["delayMs"].as_u64().unwrap();
+        assert!(
+            (10..=100).contains(&delay),
+            "jittered backoff within [initial/2, max]: {delay}"
+        );
+        let gap = calls[index + 1].at - calls[index].at;
+        assert!(
+            gap >= Duration::from_millis(delay),
+            "waited {gap:?} < {delay}ms"
+        );
+    }
+    let completed = events
+        .iter()
+        .find(|e| e["type"] == "runtime.model.call.completed")
+        .unwrap();
+    assert_eq!(completed["data"]["attempt"], 3);
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured_and_other_kinds_are_not_retried() {
+    let upstream = MockUpstream::start().await;
+    upstream.push([Reply::Status {
+        status: 429,
+        retry_after: Some(1),
+    }]);
+    let app = TestApp::spawn(api_workspace(&upstream, "    retryOn: [rate_limited]\n")).await;
+    let (status, _) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &ask("assistant", false))
+        .await;
+    assert_eq!(status, 200);
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 2);
+    assert!(
+        calls[1].at - calls[0].at >= Duration::from_secs(1),
+        "retry-after: 1 was not honoured"
+    );
+
+    // 500 is not in retryOn here: one call, then the run fails.
+    upstream.push([Reply::Status {
+        status: 500,
+        retry_after: None,
+    }]);
+    let (status, envelope) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &ask("assistant", false))
+        .await;
+    assert_eq!(status, 502, "{envelope}");
+    assert_eq!(upstream.calls().len(), 3);
+
+    // A 4xx other than 429 is never retried, whatever retryOn says.
+    upstream.push([Reply::Status {
+        status: 401,
+        retry_after: None,
+    }]);
+    let (status, _) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &ask("assistant", false))
+        .await;
+    assert_eq!(status, 502);
+    assert_eq!(upstream.calls().len(), 4);
+}
+
+#[tokio::test]
+async fn fallbacks_are_tried_after_the_last_attempt() {
+    let upstream = MockUpstream::start().await;
+    upstream.push(std::iter::repeat_n(
+        Reply::Status {
+            status: 502,
+            retry_after: None,
+        },
+        3,
+    ));
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let response = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&ask("resilient", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let events = request_events(&app, &response).await;
+    let text = response.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let models: Vec<String> = upstream
+        .calls()
+        .iter()
+        .map(|c| c.body["model"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        models,
+        [
+            "flaky-upstream",
+            "flaky-upstream",
+            "flaky-upstream",
+            "main-upstream"
+        ]
+    );
+    assert_eq!(
+        types(&events)
+            .iter()
+            .filter(|t| *t == "runtime.retry.scheduled")
+            .count(),
+        2
+    );
+    let completed = events
+        .iter()
+        .find(|e| e["type"] == "runtime.model.call.completed")
+        .unwrap();
+    assert_eq!(completed["data"]["model"], "main");
+
+    // When every model fails, the run fails with the last error.
+    upstream.set_default(Reply::Status {
+        status: 503,
+        retry_after: None,
+    });
+    let (status, envelope) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &ask("resilient", false))
+        .await;
+    assert_eq!(status, 502, "{envelope}");
+    assert!(
+        envelope["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`main` returned 503"),
+        "{envelope}"
+    );
+    assert_eq!(upstream.calls().len(), 4 + 6);
+}
+
+#[tokio::test]
+async fn a_stream_that_already_sent_text_is_never_retried() {
+    let upstream = MockUpstream::start().await;
+    upstream.push([Reply::CutAfter("partial answer ".into())]);
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let response = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&ask("assistant", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let request_id = response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let body = response.text().await.unwrap();
+    assert_eq!(
+        upstream.calls().len(),
+        1,
+        "no retry after text reached the client"
+    );
+    assert_eq!(body.matches("partial").count(), 1, "{body}");
+    assert!(!body.contains("[DONE]"), "{body}");
+    let last_data = body
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("data: "))
+        .unwrap();
+    let error: Value = serde_json::from_str(last_data).unwrap();
+    assert_eq!(error["error"]["code"], "upstream_error", "{body}");
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "failed");
+
+    // Before any text, a cut stream is retried like any connection failure.
+    upstream.push([Reply::CutAfter(String::new())]);
+    let (status, _) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &ask("assistant", true))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(upstream.calls().len(), 3);
+}

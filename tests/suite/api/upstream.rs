@@ -1,0 +1,204 @@
+//! A real OpenAI-compatible upstream on loopback for tests and benchmarks: it speaks Chat
+//! Completions (JSON and SSE), plays scripted replies in order, can be told to fail, stall,
+//! cut a stream or send garbage, and records every call it received.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::{Value, json};
+
+/// What the upstream answers to one call.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// A completion of this text (streamed word by word when the call asks for a stream).
+    Text(String),
+    /// An error status, with an optional `retry-after` in seconds.
+    Status {
+        status: u16,
+        retry_after: Option<u64>,
+    },
+    /// Waits this long before answering with text: longer than a model timeout is a stall.
+    Stall(Duration),
+    /// A stream whose second chunk is not JSON.
+    Malformed,
+    /// A stream that sends this text, then drops the connection without `[DONE]`.
+    CutAfter(String),
+    /// A stream of this text with a pause between words.
+    Slow { text: String, pause: Duration },
+}
+
+/// One call the upstream received.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub body: Value,
+    pub at: Instant,
+}
+
+#[derive(Debug)]
+struct MockState {
+    script: Mutex<VecDeque<Reply>>,
+    fallback: Mutex<Reply>,
+    calls: Mutex<Vec<Call>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct MockUpstream {
+    /// Base URL ending in `/v1`.
+    pub url: String,
+    state: Arc<MockState>,
+}
+
+impl MockUpstream {
+    /// Starts on a random loopback port; answers `Text("Hello from upstream")` unless told otherwise.
+    pub async fn start() -> Self {
+        let state = Arc::new(MockState {
+            script: Mutex::new(VecDeque::new()),
+            fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
+            calls: Mutex::new(Vec::new()),
+        });
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .with_state(Arc::clone(&state));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { url, state }
+    }
+
+    /// Queues replies, played one per call in order; then the default reply.
+    pub fn push(&self, replies: impl IntoIterator<Item = Reply>) {
+        self.state.script.lock().unwrap().extend(replies);
+    }
+
+    /// The reply once the queue is empty.
+    pub fn set_default(&self, reply: Reply) {
+        *self.state.fallback.lock().unwrap() = reply;
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.state.calls.lock().unwrap().clone()
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    state.calls.lock().unwrap().push(Call {
+        body: body.clone(),
+        at: Instant::now(),
+    });
+    let reply = {
+        let next = state.script.lock().unwrap().pop_front();
+        next.unwrap_or_else(|| state.fallback.lock().unwrap().clone())
+    };
+    let stream = body["stream"].as_bool().unwrap_or(false);
+    let model = body["model"].as_str().unwrap_or("mock").to_owned();
+    match reply {
+        Reply::Text(text) => answer(&model, &text, stream, Duration::ZERO),
+        Reply::Slow { text, pause } => answer(&model, &text, stream, pause),
+        Reply::Stall(delay) => {
+            tokio::time::sleep(delay).await;
+            answer(&model, "too late", stream, Duration::ZERO)
+        }
+        Reply::Status {
+            status,
+            retry_after,
+        } => {
+            let mut response = (
+                StatusCode::from_u16(status).unwrap(),
+                axum::Json(json!({ "error": { "message": format!("mock failure {status}"), "type": "server_error" } })),
+            )
+                .into_response();
+            if let Some(seconds) = retry_after {
+                response
+                    .headers_mut()
+                    .insert("retry-after", seconds.to_string().parse().unwrap());
+            }
+            response
+        }
+        Reply::Malformed => sse(
+            vec![
+                Ok(chunk(
+                    &model,
+                    json!({ "role": "assistant", "content": "" }),
+                    None,
+                )),
+                Ok("data: {not json\n\n".into()),
+            ],
+            Duration::ZERO,
+        ),
+        Reply::CutAfter(text) => {
+            let mut parts: Vec<Result<String, std::io::Error>> = words(&text)
+                .into_iter()
+                .map(|w| Ok(chunk(&model, json!({ "content": w }), None)))
+                .collect();
+            parts.push(Err(std::io::Error::other("connection cut by the mock")));
+            sse(parts, Duration::from_millis(5))
+        }
+    }
+}
+
+fn words(text: &str) -> Vec<String> {
+    text.split_inclusive(' ').map(str::to_owned).collect()
+}
+
+fn usage(text: &str) -> Value {
+    let completion = words(text).len() as u64;
+    json!({ "prompt_tokens": 11, "completion_tokens": completion, "total_tokens": 11 + completion })
+}
+
+fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> String {
+    let body = json!({
+        "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model,
+        "choices": [{ "index": 0, "delta": delta, "finish_reason": finish_reason }],
+    });
+    format!("data: {body}\n\n")
+}
+
+fn answer(model: &str, text: &str, stream: bool, pause: Duration) -> Response {
+    if !stream {
+        return axum::Json(json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{ "index": 0, "message": { "role": "assistant", "content": text }, "finish_reason": "stop" }],
+            "usage": usage(text),
+        }))
+        .into_response();
+    }
+    let mut parts = vec![Ok(chunk(
+        model,
+        json!({ "role": "assistant", "content": "" }),
+        None,
+    ))];
+    parts.extend(
+        words(text)
+            .into_iter()
+            .map(|w| Ok(chunk(model, json!({ "content": w }), None))),
+    );
+    parts.push(Ok(chunk(model, json!({}), Some("stop"))));
+    let usage_chunk = json!({ "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [], "usage": usage(text) });
+    parts.push(Ok(format!("data: {usage_chunk}\n\n")));
+    parts.push(Ok("data: [DONE]\n\n".into()));
+    sse(parts, pause)
+}
+
+fn sse(parts: Vec<Result<String, std::io::Error>>, pause: Duration) -> Response {
+    let stream = futures::stream::iter(parts).then(move |part| async move {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        part.map(Bytes::from)
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+use futures::StreamExt as _;
