@@ -65,6 +65,7 @@ pub async fn run(args: RunArgs) -> u8 {
             options: Default::default(),
             metadata: json!({}),
             protocol: Protocol::Cli,
+            durable_before_return: false,
         })
         .await
     {

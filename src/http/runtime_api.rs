@@ -129,6 +129,7 @@ pub async fn create_request(
                 .map(Value::Object)
                 .unwrap_or_else(|| json!({})),
             protocol: Protocol::Runtime,
+            durable_before_return: true,
         })
         .await?;
     if body.wait {

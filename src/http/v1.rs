@@ -272,6 +272,7 @@ pub async fn chat_completions(
                 .map(Value::Object)
                 .unwrap_or_else(|| json!({})),
             protocol: Protocol::V1,
+            durable_before_return: false,
         })
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;

@@ -74,6 +74,9 @@ pub struct NewRequest {
     pub options: Map<String, Value>,
     pub metadata: Value,
     pub protocol: Protocol,
+    /// Wait for the request to be committed before `submit` returns. Surfaces that answer
+    /// before the run ends need it; `/v1` answers after, and the journal keeps order anyway.
+    pub durable_before_return: bool,
 }
 
 /// What `submit` accepted.
@@ -259,8 +262,10 @@ impl Runtime {
         };
         ops.push(WriteOp::InsertRun(run.clone()));
         inner.journal.write_all(ops).await?;
-        // Accepted means durable and readable: the caller may answer 202 and be asked about it.
-        inner.journal.flush().await?;
+        if request.durable_before_return {
+            // Accepted means durable and readable: the caller answers 202 and may be asked about it.
+            inner.journal.flush().await?;
+        }
 
         let submitted = Submitted {
             request_id,

@@ -190,20 +190,15 @@ async fn finish(
 ) {
     let journal = &runtime.inner.journal;
     let now = Utc::now();
+    let run_id = submitted.run_id.clone();
+    let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
-    let status = match result {
+    let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });
             messages.push(reply.clone());
-            let usage = serde_json::to_value(output.usage).unwrap_or(Value::Null);
-            events
-                .record(
-                    REQUEST_COMPLETED,
-                    json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason }),
-                )
-                .await;
             ops.push(WriteOp::SaveRunState {
-                id: submitted.run_id.clone(),
+                id: run_id.clone(),
                 state: json!({ "messages": messages }),
                 at: now,
             });
@@ -211,72 +206,70 @@ async fn finish(
                 id: new_id("msg"),
                 session_id: submitted.session_id.clone(),
                 parent_id: parent_message_id,
-                request_id: Some(submitted.request_id.clone()),
+                request_id: Some(request_id.clone()),
                 role: "assistant".into(),
                 content: reply,
                 created_at: now,
             }));
-            ops.push(WriteOp::UpdateRun {
-                id: submitted.run_id.clone(),
-                status: RunStatus::Completed,
-                error: None,
-                at: now,
-            });
-            ops.push(WriteOp::UpdateRequest {
-                id: submitted.request_id.clone(),
-                status: RunStatus::Completed,
-                output: Some(output.text),
-                error: None,
-                usage: Some(usage),
-                at: now,
-            });
-            RunStatus::Completed
+            let usage = serde_json::to_value(output.usage).unwrap_or(Value::Null);
+            let data = json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason });
+            (
+                RunStatus::Completed,
+                REQUEST_COMPLETED,
+                data,
+                Some(output.text),
+                None,
+                Some(usage),
+            )
         }
         Err(error) if error.kind == FailureKind::Cancelled => {
-            events
-                .record(REQUEST_CANCELLED, json!({ "reason": error.message }))
-                .await;
-            let error = Some(error.to_json());
-            ops.push(WriteOp::UpdateRun {
-                id: submitted.run_id.clone(),
-                status: RunStatus::Cancelled,
-                error: error.clone(),
-                at: now,
-            });
-            ops.push(WriteOp::UpdateRequest {
-                id: submitted.request_id.clone(),
-                status: RunStatus::Cancelled,
-                output: None,
-                error,
-                usage: None,
-                at: now,
-            });
-            RunStatus::Cancelled
+            let data = json!({ "reason": error.message });
+            (
+                RunStatus::Cancelled,
+                REQUEST_CANCELLED,
+                data,
+                None,
+                Some(error.to_json()),
+                None,
+            )
         }
         Err(error) => {
             tracing::warn!(kind = error.kind.as_str(), message = %error.message, "run failed");
             let error = error.to_json();
-            events
-                .record(REQUEST_FAILED, json!({ "error": error }))
-                .await;
-            ops.push(WriteOp::UpdateRun {
-                id: submitted.run_id.clone(),
-                status: RunStatus::Failed,
-                error: Some(error.clone()),
-                at: now,
-            });
-            ops.push(WriteOp::UpdateRequest {
-                id: submitted.request_id.clone(),
-                status: RunStatus::Failed,
-                output: None,
-                error: Some(error),
-                usage: None,
-                at: now,
-            });
-            RunStatus::Failed
+            (
+                RunStatus::Failed,
+                REQUEST_FAILED,
+                json!({ "error": error }),
+                None,
+                Some(error),
+                None,
+            )
         }
     };
-    if journal.write_all(ops).await.is_err() || journal.flush().await.is_err() {
+    ops.push(WriteOp::UpdateRun {
+        id: run_id,
+        status,
+        error: error.clone(),
+        at: now,
+    });
+    ops.push(WriteOp::UpdateRequest {
+        id: request_id,
+        status,
+        output,
+        error,
+        usage,
+        at: now,
+    });
+    // Statuses first, then the terminal event: whoever sees the event (published after its
+    // commit) and then reads the request finds it already ended.
+    if journal.write_all(ops).await.is_err() {
+        tracing::error!(
+            status = status.as_str(),
+            "the end of a run could not be journaled"
+        );
+    }
+    events.record(terminal_type, terminal_data).await;
+    if journal.flush().await.is_err() {
         tracing::error!(
             status = status.as_str(),
             "the end of a run could not be persisted"

@@ -21,6 +21,9 @@ use super::{
     RunStatus, SessionRecord, Store, StoreError, WriteOp,
 };
 
+/// Events per multi-row INSERT (9 parameters each, well under SQLite's parameter limit).
+const MAX_EVENTS_PER_INSERT: usize = 64;
+
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
 #[derive(Debug, Clone)]
@@ -48,23 +51,76 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
+        // The writer never checkpoints inside a commit (that fsync is a latency spike on the
+        // request path); a background task checkpoints instead.
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
-            .connect_with(options.clone())
+            .connect_with(options.clone().pragma("wal_autocheckpoint", "0"))
             .await?;
         MIGRATOR.run(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
             .min_connections(1)
-            .connect_with(options.read_only(true))
+            .connect_with(options.clone().read_only(true))
             .await?;
+        let checkpointer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .connect_with(options)
+            .await?;
+        tokio::spawn(checkpoint_loop(checkpointer));
         Ok(Self {
             path: path.to_path_buf(),
             writer,
             reader,
         })
     }
+}
+
+/// Folds the write-ahead log back into the database once a second, off the request path.
+/// PASSIVE never blocks the writer; it stops by itself when the store is dropped (pool closed).
+async fn checkpoint_loop(pool: SqlitePool) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if pool.is_closed() {
+            return;
+        }
+        if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&pool)
+            .await
+        {
+            if pool.is_closed() {
+                return;
+            }
+            tracing::warn!(%error, "WAL checkpoint failed");
+        }
+    }
+}
+
+/// One multi-row INSERT for a run of `AppendEvent` ops (other ops are skipped).
+fn events_insert(ops: &[WriteOp]) -> sqlx::QueryBuilder<sqlx::Sqlite> {
+    let mut insert = sqlx::QueryBuilder::new(
+        "INSERT INTO events (id, request_id, run_id, session_id, agent_id, seq, type, at, data) ",
+    );
+    let events = ops.iter().filter_map(|op| match op {
+        WriteOp::AppendEvent(event) => Some(event),
+        _ => None,
+    });
+    insert.push_values(events, |mut row, event| {
+        row.push_bind(&event.id)
+            .push_bind(&event.request_id)
+            .push_bind(&event.run_id)
+            .push_bind(&event.session_id)
+            .push_bind(&event.agent_id)
+            .push_bind(event.seq)
+            .push_bind(&event.event_type)
+            .push_bind(time(&event.at))
+            .push_bind(json(&event.data));
+    });
+    insert
 }
 
 fn json(value: &Value) -> String {
@@ -151,8 +207,34 @@ const EVENT_COLUMNS: &str = "id, request_id, run_id, session_id, agent_id, seq, 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
     async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+        // A batch of nothing but events is one statement, atomic on its own: no BEGIN/COMMIT
+        // round trips (the common case while a run streams).
+        if ops.len() <= MAX_EVENTS_PER_INSERT
+            && ops.iter().all(|op| matches!(op, WriteOp::AppendEvent(_)))
+        {
+            if !ops.is_empty() {
+                events_insert(ops).build().execute(&self.writer).await?;
+            }
+            return Ok(());
+        }
         let mut tx = self.writer.begin().await?;
-        for op in ops {
+        let mut index = 0;
+        while index < ops.len() {
+            // Consecutive events (a streaming burst) go in one multi-row INSERT: each statement
+            // is a round trip to the connection's thread, so fewer statements is lower latency.
+            let burst = ops[index..]
+                .iter()
+                .take(MAX_EVENTS_PER_INSERT)
+                .take_while(|op| matches!(op, WriteOp::AppendEvent(_)))
+                .count();
+            if burst > 0 {
+                let mut insert = events_insert(&ops[index..index + burst]);
+                insert.build().execute(&mut *tx).await?;
+                index += burst;
+                continue;
+            }
+            let op = &ops[index];
+            index += 1;
             match op {
                 WriteOp::TouchSession(session) => {
                     sqlx::query(
@@ -273,23 +355,7 @@ impl Store for SqliteStore {
                         .execute(&mut *tx)
                         .await?;
                 }
-                WriteOp::AppendEvent(event) => {
-                    sqlx::query(
-                        "INSERT INTO events (id, request_id, run_id, session_id, agent_id, seq, type, at, data)
-                         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    )
-                    .bind(&event.id)
-                    .bind(&event.request_id)
-                    .bind(&event.run_id)
-                    .bind(&event.session_id)
-                    .bind(&event.agent_id)
-                    .bind(event.seq)
-                    .bind(&event.event_type)
-                    .bind(time(&event.at))
-                    .bind(json(&event.data))
-                    .execute(&mut *tx)
-                    .await?;
-                }
+                WriteOp::AppendEvent(_) => {}
             }
         }
         tx.commit().await?;

@@ -212,3 +212,78 @@ async fn shutdown_lets_in_flight_responses_finish() {
         stable_harness::store::RunStatus::Completed
     );
 }
+
+#[tokio::test]
+async fn a_run_interrupted_by_kill_9_resumes_after_restart() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    upstream.push([Reply::Slow {
+        text: "never finished because the server dies".into(),
+        pause: Duration::from_millis(300),
+    }]);
+    upstream.set_default(Reply::Text("finished after the restart".into()));
+    let workspace = api_workspace(&upstream, "");
+    let http = reqwest::Client::new();
+
+    let (mut first, base) = start_server(workspace.path());
+    let (status, accepted) = {
+        let response = http
+            .post(format!("{base}/runtime/requests"))
+            .bearer_auth(CLIENT_KEY)
+            .json(&json!({ "input": { "text": "survive" } }))
+            .send()
+            .await
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.json::<serde_json::Value>().await.unwrap(),
+        )
+    };
+    assert_eq!(status, 202);
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    // Wait until the run is mid-stream, then kill the process without any chance to clean up.
+    while upstream.calls().is_empty() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    first.kill().unwrap();
+    let _ = first.wait();
+
+    let (mut second, base) = start_server(workspace.path());
+    let mut view = serde_json::Value::Null;
+    for _ in 0..200 {
+        view = http
+            .get(format!("{base}/runtime/requests/{request_id}"))
+            .bearer_auth(CLIENT_KEY)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if view["status"] == "completed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["output"], "finished after the restart");
+    assert_eq!(upstream.calls().len(), 2);
+    let events: serde_json::Value = http
+        .get(format!("{base}/runtime/requests/{request_id}/events"))
+        .bearer_auth(CLIENT_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let events = events["data"].as_array().unwrap();
+    super::assert_gapless(events);
+    let starts = events
+        .iter()
+        .filter(|e| e["type"] == "runtime.request.started")
+        .count();
+    assert_eq!(starts, 2, "the resumed run announces itself again");
+    terminate(&mut second);
+}
