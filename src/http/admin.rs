@@ -6,7 +6,7 @@ use axum::extract::{Path, Query, State};
 use serde::Deserialize;
 
 use super::AppState;
-use super::views::{EventPage, RequestList, RequestView, RunView, request_view};
+use super::views::{EventPage, EventsQuery, RequestList, RequestView, RunView, request_view};
 use crate::error::{ApiError, ErrorCode};
 use crate::store::{PageRequest, RequestFilter, RunStatus};
 
@@ -113,22 +113,13 @@ pub async fn get_run(
     Ok(Json(RunView::from(run)))
 }
 
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
-#[serde(deny_unknown_fields)]
-pub struct RunEventsQuery {
-    #[serde(default)]
-    pub after: Option<i64>,
-    #[serde(default)]
-    pub limit: Option<i64>,
-}
-
 #[utoipa::path(get, path = "/admin/runs/{id}/events", tag = "admin", security(("admin_key" = [])),
-    params(("id" = String, Path, description = "Run id"), RunEventsQuery),
+    params(("id" = String, Path, description = "Run id"), EventsQuery),
     responses((status = 200, body = EventPage), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn run_events(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    Query(query): Query<RunEventsQuery>,
+    Query(query): Query<EventsQuery>,
 ) -> Result<Json<EventPage>, ApiError> {
     let store = state.runtime.store();
     if store.run(&id).await.map_err(ApiError::internal)?.is_none() {
@@ -138,9 +129,8 @@ pub async fn run_events(
     }
     let after = query.after.unwrap_or(0).max(0);
     let data = store
-        .run_events(&id, after, query.limit.unwrap_or(500).clamp(1, 1000))
+        .run_events(&id, after, query.limit())
         .await
         .map_err(ApiError::internal)?;
-    let next_after = data.last().map_or(after, |e| e.seq);
-    Ok(Json(EventPage { data, next_after }))
+    Ok(Json(EventPage::new(data, after)))
 }

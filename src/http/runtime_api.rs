@@ -16,7 +16,7 @@ use serde_json::{Map, Value, json};
 
 use super::AppState;
 use super::extract::ApiJson;
-use super::views::{EventPage, RequestView, request_view};
+use super::views::{EventPage, EventsQuery, RequestView, request_view};
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{NewRequest, Protocol};
 
@@ -159,7 +159,7 @@ pub async fn create_request(
         request_id: submitted.request_id,
         run_id: submitted.run_id,
         session_id: submitted.session_id,
-        status: crate::store::RunStatus::Queued,
+        status: submitted.status,
     };
     Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
@@ -172,17 +172,6 @@ pub async fn get_request(
     Path(id): Path<String>,
 ) -> Result<Json<RequestView>, ApiError> {
     Ok(Json(request_view(&state.runtime, &id).await?))
-}
-
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
-#[serde(deny_unknown_fields)]
-pub struct EventsQuery {
-    /// Only events with a greater seq.
-    #[serde(default)]
-    pub after: Option<i64>,
-    /// At most this many (JSON only; default 500, at most 1000).
-    #[serde(default)]
-    pub limit: Option<i64>,
 }
 
 #[utoipa::path(get, path = "/runtime/requests/{id}/events", tag = "runtime", security(("client_key" = [])),
@@ -227,13 +216,12 @@ pub async fn request_events(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let limit = query.limit.unwrap_or(500).clamp(1, 1000);
+    let limit = query.limit();
     let data = state
         .runtime
         .store()
         .events(&id, after, limit)
         .await
         .map_err(ApiError::internal)?;
-    let next_after = data.last().map_or(after, |e| e.seq);
-    Ok(Json(EventPage { data, next_after }).into_response())
+    Ok(Json(EventPage::new(data, after)).into_response())
 }

@@ -85,6 +85,32 @@ pub struct EventPage {
     pub next_after: i64,
 }
 
+/// `?after=SEQ&limit=N` of the event endpoints.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    /// Only events with a greater seq.
+    #[serde(default)]
+    pub after: Option<i64>,
+    /// At most this many (JSON only; default 500, at most 1000).
+    #[serde(default)]
+    pub limit: Option<i64>,
+}
+
+impl EventsQuery {
+    pub fn limit(&self) -> i64 {
+        self.limit.unwrap_or(500).clamp(1, 1000)
+    }
+}
+
+impl EventPage {
+    /// A page of `data` read after `after`; `nextAfter` stays put when the page is empty.
+    pub fn new(data: Vec<EventRecord>, after: i64) -> Self {
+        let next_after = data.last().map_or(after, |e| e.seq);
+        Self { data, next_after }
+    }
+}
+
 /// A page of a list: `nextCursor` is the `cursor` of the next call, `null` at the end.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

@@ -86,6 +86,8 @@ pub struct Submitted {
     pub run_id: String,
     pub session_id: String,
     pub agent_id: String,
+    /// `running` when a slot was free at once, else `queued`.
+    pub status: RunStatus,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -248,16 +250,28 @@ impl Runtime {
                 created_at: now,
             }));
         }
+        // With a slot free the run starts now: store it as running and skip a status update.
+        let slot = Arc::clone(&inner.slots).try_acquire_owned().ok();
+        let status = if slot.is_some() {
+            RunStatus::Running
+        } else {
+            RunStatus::Queued
+        };
+        for op in &mut ops {
+            if let WriteOp::InsertRequest(record) = op {
+                record.status = status;
+            }
+        }
         let run = RunRecord {
             id: run_id.clone(),
             request_id: request_id.clone(),
             attempt: 1,
-            status: RunStatus::Queued,
+            status,
             state: None,
             error: None,
             created_at: now,
             updated_at: now,
-            started_at: None,
+            started_at: slot.is_some().then_some(now),
             ended_at: None,
         };
         ops.push(WriteOp::InsertRun(run.clone()));
@@ -272,6 +286,7 @@ impl Runtime {
             run_id,
             session_id,
             agent_id,
+            status,
         };
         self.start_run(run::RunJob {
             submitted: submitted.clone(),
@@ -280,6 +295,7 @@ impl Runtime {
             next_seq: 1,
             parent_message_id: parent_id,
             permit,
+            slot,
         });
         Ok(submitted)
     }
@@ -339,12 +355,14 @@ impl Runtime {
                     run_id: run.id.clone(),
                     session_id: request.session_id.clone(),
                     agent_id: request.agent_id.clone(),
+                    status: RunStatus::Queued,
                 },
                 messages,
                 options,
                 next_seq,
                 parent_message_id: history.last().map(|m| m.id.clone()),
                 permit,
+                slot: None,
             });
             resumed += 1;
         }

@@ -26,6 +26,8 @@ pub(super) struct RunJob {
     pub parent_message_id: Option<String>,
     /// Held until the run ends: it counts the run against admission.
     pub permit: OwnedSemaphorePermit,
+    /// An execution slot taken at submit time (the run was stored as running).
+    pub slot: Option<OwnedSemaphorePermit>,
 }
 
 /// Assigns `seq` and writes events of one run; narrates the ones the narrator knows.
@@ -96,12 +98,9 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         next_seq,
         parent_message_id,
         permit,
+        slot,
     } = job;
     let inner = &runtime.inner;
-    let _slot = tokio::select! {
-        slot = Arc::clone(&inner.slots).acquire_owned() => slot.ok(),
-        () = cancel.cancelled() => return,
-    };
     let journal = &inner.journal;
     let events = RunEvents {
         runtime: runtime.clone(),
@@ -112,25 +111,38 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
     let Some(agent) = inner.workspace.agents.get(&submitted.agent_id) else {
         return;
     };
-    let now = Utc::now();
-    let _ = journal
-        .write_all(vec![
-            WriteOp::UpdateRun {
-                id: submitted.run_id.clone(),
-                status: RunStatus::Running,
-                error: None,
-                at: now,
-            },
-            WriteOp::UpdateRequest {
-                id: submitted.request_id.clone(),
-                status: RunStatus::Running,
-                output: None,
-                error: None,
-                usage: None,
-                at: now,
-            },
-        ])
-        .await;
+    // A run submitted while a slot was free was stored as running already; the others wait.
+    let _slot = match slot {
+        Some(slot) => slot,
+        None => {
+            let slot = tokio::select! {
+                slot = Arc::clone(&inner.slots).acquire_owned() => slot,
+                () = cancel.cancelled() => return,
+            };
+            let Ok(slot) = slot else { return };
+            let now = Utc::now();
+            let _ = journal
+                .write_all(vec![
+                    WriteOp::UpdateRun {
+                        id: submitted.run_id.clone(),
+                        status: RunStatus::Running,
+                        error: None,
+                        state: None,
+                        at: now,
+                    },
+                    WriteOp::UpdateRequest {
+                        id: submitted.request_id.clone(),
+                        status: RunStatus::Running,
+                        output: None,
+                        error: None,
+                        usage: None,
+                        at: now,
+                    },
+                ])
+                .await;
+            slot
+        }
+    };
     events
         .record(
             REQUEST_STARTED,
@@ -193,15 +205,12 @@ async fn finish(
     let run_id = submitted.run_id.clone();
     let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
+    let mut state = None;
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });
             messages.push(reply.clone());
-            ops.push(WriteOp::SaveRunState {
-                id: run_id.clone(),
-                state: json!({ "messages": messages }),
-                at: now,
-            });
+            state = Some(json!({ "messages": messages }));
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: new_id("msg"),
                 session_id: submitted.session_id.clone(),
@@ -250,6 +259,7 @@ async fn finish(
         id: run_id,
         status,
         error: error.clone(),
+        state,
         at: now,
     });
     ops.push(WriteOp::UpdateRequest {

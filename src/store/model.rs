@@ -137,16 +137,12 @@ pub enum WriteOp {
         at: DateTime<Utc>,
     },
     InsertRun(RunRecord),
+    /// Moves a run to `status`; `state` (when given) is the conversation after its last step.
     UpdateRun {
         id: String,
         status: RunStatus,
         error: Option<Value>,
-        at: DateTime<Utc>,
-    },
-    /// Persists the conversation state of a run after a step.
-    SaveRunState {
-        id: String,
-        state: Value,
+        state: Option<Value>,
         at: DateTime<Utc>,
     },
     AppendEvent(EventRecord),

@@ -327,33 +327,24 @@ impl Store for SqliteStore {
                     id,
                     status,
                     error,
+                    state,
                     at,
                 } => {
                     let at = time(at);
                     sqlx::query(
-                        "UPDATE runs SET status = ?, error = COALESCE(?, error), updated_at = ?,
-                         started_at = CASE WHEN ? = 'running' THEN COALESCE(started_at, ?) ELSE started_at END,
-                         ended_at = CASE WHEN ? IN ('completed', 'failed', 'cancelled') THEN ? ELSE ended_at END
-                         WHERE id = ?",
+                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = COALESCE(?3, state),
+                         updated_at = ?4,
+                         started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
+                         ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END
+                         WHERE id = ?5",
                     )
                     .bind(status.as_str())
                     .bind(json_opt(error))
-                    .bind(&at)
-                    .bind(status.as_str())
-                    .bind(&at)
-                    .bind(status.as_str())
+                    .bind(json_opt(state))
                     .bind(&at)
                     .bind(id)
                     .execute(&mut *tx)
                     .await?;
-                }
-                WriteOp::SaveRunState { id, state, at } => {
-                    sqlx::query("UPDATE runs SET state = ?, updated_at = ? WHERE id = ?")
-                        .bind(json(state))
-                        .bind(time(at))
-                        .bind(id)
-                        .execute(&mut *tx)
-                        .await?;
                 }
                 WriteOp::AppendEvent(_) => {}
             }
