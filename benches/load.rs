@@ -88,10 +88,12 @@ async fn run() {
         "phase", "req/s", "p50 ms", "p99 ms"
     );
     let mut overheads = Vec::new();
+    // The fixed rate runs before saturation, so it measures the steady state, not the
+    // recovery from an overload.
     for phase in [
         Phase::Concurrency(1),
-        Phase::Concurrency(32),
         Phase::Rate(RATE),
+        Phase::Concurrency(32),
     ] {
         let mut results = Vec::new();
         for target in [&direct, &harness] {

@@ -4,14 +4,13 @@
 //! `chat.completion.chunk` events and `[DONE]`, so every OpenAI SDK parses it.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -20,7 +19,7 @@ use super::extract::V1Json;
 use super::views::run_failure;
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{ADAPTER_EVENT, PROGRESS_NARRATION, REQUEST_COMPLETED, is_terminal};
-use crate::runtime::{NewRequest, Protocol, Submitted};
+use crate::runtime::{EventStream, NewRequest, Protocol, Submitted};
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, wire_name};
 
@@ -258,9 +257,9 @@ pub async fn chat_completions(
         .get(EVENTS_HEADER)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.eq_ignore_ascii_case("true"));
-    let submitted = state
+    let (submitted, events) = state
         .runtime
-        .submit(NewRequest {
+        .submit_and_follow(NewRequest {
             agent_id: Some(request.model.clone()),
             session_id,
             with_history: false,
@@ -276,7 +275,6 @@ pub async fn chat_completions(
         })
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
-    let events = Box::pin(state.runtime.follow(&submitted.request_id, 0));
     let completion = Completion {
         id: format!("chatcmpl-{}", submitted.request_id),
         created: chrono::Utc::now().timestamp(),
@@ -305,10 +303,6 @@ pub async fn chat_completions(
     }
     Ok(response)
 }
-
-type EventStream = std::pin::Pin<
-    Box<dyn Stream<Item = Result<Arc<EventRecord>, crate::store::StoreError>> + Send>,
->;
 
 struct Completion {
     id: String,

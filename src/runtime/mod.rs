@@ -33,6 +33,10 @@ use crate::workspace::CompiledWorkspace;
 pub use hub::EventHub;
 pub use journal::{Journal, JournalError};
 
+/// Events of one request, in `seq` order, ending after its terminal event.
+pub type EventStream =
+    std::pin::Pin<Box<dyn Stream<Item = Result<Arc<EventRecord>, StoreError>> + Send + 'static>>;
+
 /// A new id: a prefix and a time-ordered UUID (v7), so ids sort by creation.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
@@ -176,6 +180,20 @@ impl Runtime {
     /// Persists a request and its first run, and starts the run.
     #[tracing::instrument(skip_all, fields(agent = request.agent_id.as_deref(), protocol = request.protocol.as_str()))]
     pub async fn submit(&self, request: NewRequest) -> Result<Submitted, RuntimeError> {
+        Ok(self.submit_inner(request, false).await?.0)
+    }
+
+    async fn submit_inner(
+        &self,
+        request: NewRequest,
+        subscribe: bool,
+    ) -> Result<
+        (
+            Submitted,
+            Option<tokio::sync::broadcast::Receiver<Arc<EventRecord>>>,
+        ),
+        RuntimeError,
+    > {
         let inner = &self.inner;
         if inner.shutdown.is_cancelled() {
             return Err(RuntimeError::ShuttingDown);
@@ -288,6 +306,7 @@ impl Runtime {
             agent_id,
             status,
         };
+        let live = subscribe.then(|| inner.hub.subscribe(&submitted.request_id));
         self.start_run(run::RunJob {
             submitted: submitted.clone(),
             messages,
@@ -297,7 +316,7 @@ impl Runtime {
             permit,
             slot,
         });
-        Ok(submitted)
+        Ok((submitted, live))
     }
 
     fn start_run(&self, job: run::RunJob) {
@@ -371,22 +390,42 @@ impl Runtime {
 
     /// Stored events of a request after `after`, then live ones, ending after the terminal
     /// event. Subscribes before reading the store, so nothing falls between the two.
-    pub fn follow(
+    pub fn follow(&self, request_id: &str, after: i64) -> EventStream {
+        let live = self.inner.hub.subscribe(request_id);
+        self.follow_with(request_id, after, live, true)
+    }
+
+    /// Submits a request and follows its events from the first one. The subscription is taken
+    /// before the run starts, so every event arrives live and the store is only read to
+    /// recover from a lagging subscriber.
+    pub async fn submit_and_follow(
+        &self,
+        request: NewRequest,
+    ) -> Result<(Submitted, EventStream), RuntimeError> {
+        let (submitted, live) = self.submit_inner(request, true).await?;
+        let live = live.unwrap_or_else(|| self.inner.hub.subscribe(&submitted.request_id));
+        let events = self.follow_with(&submitted.request_id, 0, live, false);
+        Ok((submitted, events))
+    }
+
+    fn follow_with(
         &self,
         request_id: &str,
         after: i64,
-    ) -> impl Stream<Item = Result<Arc<EventRecord>, StoreError>> + Send + 'static {
+        mut live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
+        replay_store: bool,
+    ) -> EventStream {
         let inner = Arc::clone(&self.inner);
         let request_id = request_id.to_owned();
-        async_stream::try_stream! {
+        Box::pin(async_stream::try_stream! {
             let _release = ReleaseOnDrop { hub: Arc::clone(&inner.hub), request_id: request_id.clone() };
-            let mut live = inner.hub.subscribe(&request_id);
             let mut last = after;
             let mut ended = false;
-            // Catch up from the store.
-            loop {
+            // Catch up from the store (unless subscribed before the run started).
+            let mut replaying = replay_store;
+            while replaying {
                 let page = inner.store.events(&request_id, last, 500).await?;
-                if page.is_empty() { break; }
+                replaying = !page.is_empty();
                 for event in page {
                     last = event.seq;
                     ended = events::is_terminal(&event.event_type);
@@ -420,7 +459,7 @@ impl Runtime {
                 ended = events::is_terminal(&event.event_type);
                 yield event;
             }
-        }
+        })
     }
 
     /// Waits for a request to end (or `limit` to pass) and returns its record.
