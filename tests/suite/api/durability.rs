@@ -107,18 +107,7 @@ async fn a_client_disconnect_mid_stream_does_not_fail_the_run() {
         pause: Duration::from_millis(40),
     });
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let response = app
-        .http
-        .post(app.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "count" }] }))
-        .send()
-        .await
-        .unwrap();
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let (response, request_id) = app.chat(&json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "count" }] })).await;
     let mut body = response.bytes_stream();
     let first = body.next().await.unwrap().unwrap();
     assert!(!first.is_empty());

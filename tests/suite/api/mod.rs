@@ -146,6 +146,23 @@ impl TestApp {
         (status, response.json().await.unwrap_or(Value::Null))
     }
 
+    /// `POST /v1/chat/completions` with the client key: the response and its request id.
+    pub async fn chat(&self, body: &Value) -> (reqwest::Response, String) {
+        let response = self
+            .http
+            .post(self.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let request_id = response.headers()["x-stable-harness-request-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        (response, request_id)
+    }
+
     /// Every stored event of a request, through the admin-free runtime API.
     pub async fn events(&self, request_id: &str) -> Vec<Value> {
         let (status, page) = self

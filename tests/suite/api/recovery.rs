@@ -13,14 +13,6 @@ fn ask(model: &str, stream: bool) -> Value {
     json!({ "model": model, "stream": stream, "messages": [{ "role": "user", "content": "hi" }] })
 }
 
-async fn request_events(app: &TestApp, response: &reqwest::Response) -> Vec<Value> {
-    let id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    app.events(&id).await
-}
-
 #[tokio::test]
 async fn retryable_errors_are_retried_with_backoff_until_success() {
     let upstream = MockUpstream::start().await;
@@ -35,16 +27,9 @@ async fn retryable_errors_are_retried_with_backoff_until_success() {
         },
     ]);
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let response = app
-        .http
-        .post(app.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&ask("assistant", false))
-        .send()
-        .await
-        .unwrap();
+    let (response, request_id) = app.chat(&ask("assistant", false)).await;
     assert_eq!(response.status(), 200);
-    let events = request_events(&app, &response).await;
+    let events = app.events(&request_id).await;
     let body: Value = response.json().await.unwrap();
     assert_eq!(
         body["choices"][0]["message"]["content"],
@@ -133,16 +118,9 @@ async fn fallbacks_are_tried_after_the_last_attempt() {
         3,
     ));
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let response = app
-        .http
-        .post(app.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&ask("resilient", true))
-        .send()
-        .await
-        .unwrap();
+    let (response, request_id) = app.chat(&ask("resilient", true)).await;
     assert_eq!(response.status(), 200);
-    let events = request_events(&app, &response).await;
+    let events = app.events(&request_id).await;
     let text = response.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let models: Vec<String> = upstream
@@ -196,19 +174,8 @@ async fn a_stream_that_already_sent_text_is_never_retried() {
     let upstream = MockUpstream::start().await;
     upstream.push([Reply::CutAfter("partial answer ".into())]);
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let response = app
-        .http
-        .post(app.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&ask("assistant", true))
-        .send()
-        .await
-        .unwrap();
+    let (response, request_id) = app.chat(&ask("assistant", true)).await;
     assert_eq!(response.status(), 200);
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
     let body = response.text().await.unwrap();
     assert_eq!(
         upstream.calls().len(),

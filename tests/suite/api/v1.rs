@@ -356,18 +356,7 @@ async fn events_are_stored_in_order_with_gapless_seq() {
     let upstream = MockUpstream::start().await;
     upstream.set_default(Reply::Text("one two three".into()));
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let response = app
-        .http
-        .post(app.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "count" }] }))
-        .send()
-        .await
-        .unwrap();
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let (response, request_id) = app.chat(&json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "count" }] })).await;
     let _ = response.text().await.unwrap();
     let events = app.events(&request_id).await;
     assert_gapless(&events);
