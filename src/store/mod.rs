@@ -8,6 +8,7 @@
 
 mod model;
 mod sqlite;
+mod sqlite_writer;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -26,6 +27,8 @@ pub enum StoreError {
     Corrupt(String),
     #[error("unsupported store url `{0}`: use sqlite://PATH (PostgreSQL arrives with its issue)")]
     UnsupportedUrl(String),
+    #[error("store writer: {0}")]
+    Writer(String),
     #[error("cannot create the store folder {path}: {source}")]
     Folder {
         path: String,

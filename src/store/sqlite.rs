@@ -1,12 +1,13 @@
 //! The embedded store: one SQLite file in write-ahead-log mode.
 //!
-//! Writes go through a pool of exactly one connection, so they queue in the runtime instead of
-//! spinning on SQLite's busy lock; reads use their own small pool and never wait for a writer
-//! (WAL readers see the last committed state). `synchronous = NORMAL` in WAL mode makes a
-//! commit durable against a process crash without an fsync per commit.
+//! Writes go to a single writer thread ([`super::sqlite_writer`]) that applies each batch in one
+//! transaction; reads use a small sqlx pool and never wait for the writer (WAL readers see the
+//! last committed state). `synchronous = NORMAL` in WAL mode makes a commit durable against a
+//! process crash without an fsync per commit, and checkpoints run in the background.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -16,20 +17,18 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
+use super::sqlite_writer::SqliteWriter;
 use super::{
     EventRecord, MessageRecord, Page, PageRequest, RequestFilter, RequestRecord, RunRecord,
     RunStatus, SessionRecord, Store, StoreError, WriteOp,
 };
-
-/// Events per multi-row INSERT (9 parameters each, well under SQLite's parameter limit).
-const MAX_EVENTS_PER_INSERT: usize = 64;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     path: PathBuf,
-    writer: SqlitePool,
+    writer: Arc<SqliteWriter>,
     reader: SqlitePool,
 }
 
@@ -51,23 +50,19 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        // The writer never checkpoints inside a commit (that fsync is a latency spike on the
-        // request path); a background task checkpoints instead.
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .connect_with(options.clone().pragma("wal_autocheckpoint", "0"))
-            .await?;
-        MIGRATOR.run(&writer).await?;
-        let reader = SqlitePoolOptions::new()
-            .max_connections(4)
-            .min_connections(1)
-            .connect_with(options.clone().read_only(true))
-            .await?;
+        // Migrations and background checkpoints share one sqlx connection; the writer thread
+        // never checkpoints inside a commit (that fsync would be a spike on the request path).
         let checkpointer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
-            .connect_with(options)
+            .connect_with(options.clone())
+            .await?;
+        MIGRATOR.run(&checkpointer).await?;
+        let writer = Arc::new(SqliteWriter::open(path)?);
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .min_connections(1)
+            .connect_with(options.read_only(true))
             .await?;
         tokio::spawn(checkpoint_loop(checkpointer));
         Ok(Self {
@@ -100,37 +95,6 @@ async fn checkpoint_loop(pool: SqlitePool) {
     }
 }
 
-/// One multi-row INSERT for a run of `AppendEvent` ops (other ops are skipped).
-fn events_insert(ops: &[WriteOp]) -> sqlx::QueryBuilder<sqlx::Sqlite> {
-    let mut insert = sqlx::QueryBuilder::new(
-        "INSERT INTO events (id, request_id, run_id, session_id, agent_id, seq, type, at, data) ",
-    );
-    let events = ops.iter().filter_map(|op| match op {
-        WriteOp::AppendEvent(event) => Some(event),
-        _ => None,
-    });
-    insert.push_values(events, |mut row, event| {
-        row.push_bind(&event.id)
-            .push_bind(&event.request_id)
-            .push_bind(&event.run_id)
-            .push_bind(&event.session_id)
-            .push_bind(&event.agent_id)
-            .push_bind(event.seq)
-            .push_bind(&event.event_type)
-            .push_bind(time(&event.at))
-            .push_bind(json(&event.data));
-    });
-    insert
-}
-
-fn json(value: &Value) -> String {
-    value.to_string()
-}
-
-fn json_opt(value: &Option<Value>) -> Option<String> {
-    value.as_ref().map(json)
-}
-
 fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
     text.map(|t| {
         serde_json::from_str(&t).map_err(|e| StoreError::Corrupt(format!("JSON column: {e}")))
@@ -140,10 +104,6 @@ fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
 
 fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
     RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
-}
-
-fn time(value: &DateTime<Utc>) -> String {
-    value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
 fn parse_time(text: &str) -> Result<DateTime<Utc>, StoreError> {
@@ -207,150 +167,7 @@ const EVENT_COLUMNS: &str = "id, request_id, run_id, session_id, agent_id, seq, 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
     async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
-        // A batch of nothing but events is one statement, atomic on its own: no BEGIN/COMMIT
-        // round trips (the common case while a run streams).
-        if ops.len() <= MAX_EVENTS_PER_INSERT
-            && ops.iter().all(|op| matches!(op, WriteOp::AppendEvent(_)))
-        {
-            if !ops.is_empty() {
-                events_insert(ops).build().execute(&self.writer).await?;
-            }
-            return Ok(());
-        }
-        let mut tx = self.writer.begin().await?;
-        let mut index = 0;
-        while index < ops.len() {
-            // Consecutive events (a streaming burst) go in one multi-row INSERT: each statement
-            // is a round trip to the connection's thread, so fewer statements is lower latency.
-            let burst = ops[index..]
-                .iter()
-                .take(MAX_EVENTS_PER_INSERT)
-                .take_while(|op| matches!(op, WriteOp::AppendEvent(_)))
-                .count();
-            if burst > 0 {
-                let mut insert = events_insert(&ops[index..index + burst]);
-                insert.build().execute(&mut *tx).await?;
-                index += burst;
-                continue;
-            }
-            let op = &ops[index];
-            index += 1;
-            match op {
-                WriteOp::TouchSession(session) => {
-                    sqlx::query(
-                        "INSERT INTO sessions (id, agent_id, metadata, created_at, updated_at) VALUES (?, ?, ?, ?, ?)
-                         ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
-                    )
-                    .bind(&session.id)
-                    .bind(&session.agent_id)
-                    .bind(json(&session.metadata))
-                    .bind(time(&session.created_at))
-                    .bind(time(&session.updated_at))
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::InsertMessage(message) => {
-                    sqlx::query(
-                        "INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
-                         VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    )
-                    .bind(&message.id)
-                    .bind(&message.session_id)
-                    .bind(&message.parent_id)
-                    .bind(&message.request_id)
-                    .bind(&message.role)
-                    .bind(json(&message.content))
-                    .bind(time(&message.created_at))
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::InsertRequest(request) => {
-                    sqlx::query(
-                        "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
-                         metadata, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    )
-                    .bind(&request.id)
-                    .bind(&request.session_id)
-                    .bind(&request.agent_id)
-                    .bind(&request.protocol)
-                    .bind(request.status.as_str())
-                    .bind(json(&request.input))
-                    .bind(&request.output)
-                    .bind(json_opt(&request.error))
-                    .bind(json_opt(&request.usage))
-                    .bind(json(&request.metadata))
-                    .bind(time(&request.created_at))
-                    .bind(time(&request.updated_at))
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::UpdateRequest {
-                    id,
-                    status,
-                    output,
-                    error,
-                    usage,
-                    at,
-                } => {
-                    sqlx::query(
-                        "UPDATE requests SET status = ?, output = COALESCE(?, output), error = ?,
-                         usage = COALESCE(?, usage), updated_at = ? WHERE id = ?",
-                    )
-                    .bind(status.as_str())
-                    .bind(output)
-                    .bind(json_opt(error))
-                    .bind(json_opt(usage))
-                    .bind(time(at))
-                    .bind(id)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::InsertRun(run) => {
-                    sqlx::query(
-                        "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
-                         started_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    )
-                    .bind(&run.id)
-                    .bind(&run.request_id)
-                    .bind(run.attempt)
-                    .bind(run.status.as_str())
-                    .bind(json_opt(&run.state))
-                    .bind(json_opt(&run.error))
-                    .bind(time(&run.created_at))
-                    .bind(time(&run.updated_at))
-                    .bind(run.started_at.as_ref().map(time))
-                    .bind(run.ended_at.as_ref().map(time))
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::UpdateRun {
-                    id,
-                    status,
-                    error,
-                    state,
-                    at,
-                } => {
-                    let at = time(at);
-                    sqlx::query(
-                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = COALESCE(?3, state),
-                         updated_at = ?4,
-                         started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
-                         ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END
-                         WHERE id = ?5",
-                    )
-                    .bind(status.as_str())
-                    .bind(json_opt(error))
-                    .bind(json_opt(state))
-                    .bind(&at)
-                    .bind(id)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                WriteOp::AppendEvent(_) => {}
-            }
-        }
-        tx.commit().await?;
-        Ok(())
+        self.writer.apply(ops.to_vec()).await
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {

@@ -1,0 +1,208 @@
+//! The embedded store's writer: one thread owning one SQLite connection, applying each batch of
+//! writes as one transaction with cached prepared statements.
+//!
+//! Why not sqlx here: sqlx's SQLite driver runs every statement on the connection's worker
+//! thread, so a batch of N statements costs N + 2 cross-thread round trips. Measured with
+//! `benches/load.rs`, those hops were most of the latency stable-harness added to a request.
+//! Here a batch costs one round trip, whatever its size. Reads and migrations stay on sqlx.
+
+use std::path::Path;
+use std::sync::mpsc;
+
+use chrono::{DateTime, Utc};
+use rusqlite::{Connection, params};
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+use super::{StoreError, WriteOp};
+
+type Job = (Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>);
+
+/// Handle to the writer thread; the thread ends when the handle is dropped.
+#[derive(Debug)]
+pub struct SqliteWriter {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl SqliteWriter {
+    /// Opens the (already migrated) database and starts the writer thread.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let connection = Connection::open(path).map_err(writer_error)?;
+        connection
+            .execute_batch(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
+                 PRAGMA busy_timeout = 10000; PRAGMA wal_autocheckpoint = 0;",
+            )
+            .map_err(writer_error)?;
+        connection.set_prepared_statement_cache_capacity(32);
+        let (jobs, queue) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || write_loop(connection, queue))
+            .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
+        Ok(Self { jobs })
+    }
+
+    /// Applies `ops` in one transaction on the writer thread.
+    pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<(), StoreError> {
+        let (done, result) = oneshot::channel();
+        self.jobs
+            .send((ops, done))
+            .map_err(|_| StoreError::Writer("the writer thread stopped".into()))?;
+        result
+            .await
+            .map_err(|_| StoreError::Writer("the writer thread stopped".into()))?
+    }
+}
+
+fn writer_error(error: rusqlite::Error) -> StoreError {
+    StoreError::Writer(error.to_string())
+}
+
+fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>) {
+    while let Ok((ops, done)) = queue.recv() {
+        let result = apply(&mut connection, &ops).map_err(writer_error);
+        let _ = done.send(result);
+    }
+}
+
+fn time(value: &DateTime<Utc>) -> String {
+    value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+fn json(value: &Value) -> String {
+    value.to_string()
+}
+
+fn json_opt(value: &Option<Value>) -> Option<String> {
+    value.as_ref().map(json)
+}
+
+fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
+    let tx = connection.transaction()?;
+    for op in ops {
+        match op {
+            WriteOp::TouchSession(session) => {
+                tx.prepare_cached(
+                    "INSERT INTO sessions (id, agent_id, metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5)
+                     ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
+                )?
+                .execute(params![
+                    session.id,
+                    session.agent_id,
+                    json(&session.metadata),
+                    time(&session.created_at),
+                    time(&session.updated_at)
+                ])?;
+            }
+            WriteOp::InsertMessage(message) => {
+                tx.prepare_cached(
+                    "INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                )?
+                .execute(params![
+                    message.id,
+                    message.session_id,
+                    message.parent_id,
+                    message.request_id,
+                    message.role,
+                    json(&message.content),
+                    time(&message.created_at)
+                ])?;
+            }
+            WriteOp::InsertRequest(request) => {
+                tx.prepare_cached(
+                    "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
+                     metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                )?
+                .execute(params![
+                    request.id,
+                    request.session_id,
+                    request.agent_id,
+                    request.protocol,
+                    request.status.as_str(),
+                    json(&request.input),
+                    request.output,
+                    json_opt(&request.error),
+                    json_opt(&request.usage),
+                    json(&request.metadata),
+                    time(&request.created_at),
+                    time(&request.updated_at)
+                ])?;
+            }
+            WriteOp::UpdateRequest {
+                id,
+                status,
+                output,
+                error,
+                usage,
+                at,
+            } => {
+                tx.prepare_cached(
+                    "UPDATE requests SET status = ?1, output = COALESCE(?2, output), error = ?3,
+                     usage = COALESCE(?4, usage), updated_at = ?5 WHERE id = ?6",
+                )?
+                .execute(params![
+                    status.as_str(),
+                    output,
+                    json_opt(error),
+                    json_opt(usage),
+                    time(at),
+                    id
+                ])?;
+            }
+            WriteOp::InsertRun(run) => {
+                tx.prepare_cached(
+                    "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
+                     started_at, ended_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                )?
+                .execute(params![
+                    run.id,
+                    run.request_id,
+                    run.attempt,
+                    run.status.as_str(),
+                    json_opt(&run.state),
+                    json_opt(&run.error),
+                    time(&run.created_at),
+                    time(&run.updated_at),
+                    run.started_at.as_ref().map(time),
+                    run.ended_at.as_ref().map(time)
+                ])?;
+            }
+            WriteOp::UpdateRun {
+                id,
+                status,
+                error,
+                state,
+                at,
+            } => {
+                tx.prepare_cached(
+                    "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = COALESCE(?3, state),
+                     updated_at = ?4,
+                     started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
+                     ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END
+                     WHERE id = ?5",
+                )?
+                .execute(params![status.as_str(), json_opt(error), json_opt(state), time(at), id])?;
+            }
+            WriteOp::AppendEvent(event) => {
+                tx.prepare_cached(
+                    "INSERT INTO events (id, request_id, run_id, session_id, agent_id, seq, type, at, data)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                )?
+                .execute(params![
+                    event.id,
+                    event.request_id,
+                    event.run_id,
+                    event.session_id,
+                    event.agent_id,
+                    event.seq,
+                    event.event_type,
+                    time(&event.at),
+                    json(&event.data)
+                ])?;
+            }
+        }
+    }
+    tx.commit()
+}
