@@ -26,9 +26,15 @@ pub enum ErrorCode {
     RequestNotFound,
     RunNotFound,
     SessionNotFound,
+    ApprovalNotFound,
+    ToolNotFound,
     RouteNotFound,
     MethodNotAllowed,
     BodyTooLarge,
+    /// The approval was decided already (deciding twice).
+    ApprovalDecided,
+    /// A `/v1` call waited `approvalWait` and the run still waits on an operator.
+    ApprovalPending,
     TooManyRuns,
     UpstreamError,
     UpstreamTimeout,
@@ -48,7 +54,8 @@ impl ErrorCode {
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
-            | RouteNotFound => StatusCode::NOT_FOUND,
+            | ApprovalNotFound | ToolNotFound | RouteNotFound => StatusCode::NOT_FOUND,
+            ApprovalDecided | ApprovalPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
@@ -64,8 +71,9 @@ impl ErrorCode {
         use ErrorCode::*;
         match self {
             InvalidJson | InvalidRequest | UnknownField | ToolsNotSupported | ModelNotFound
-            | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound | RouteNotFound
-            | MethodNotAllowed | BodyTooLarge => "invalid_request_error",
+            | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
+            | ApprovalNotFound | ToolNotFound | RouteNotFound | MethodNotAllowed | BodyTooLarge
+            | ApprovalDecided | ApprovalPending => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -89,6 +97,10 @@ impl ErrorCode {
             RequestNotFound => "request_not_found",
             RunNotFound => "run_not_found",
             SessionNotFound => "session_not_found",
+            ApprovalNotFound => "approval_not_found",
+            ToolNotFound => "tool_not_found",
+            ApprovalDecided => "approval_already_decided",
+            ApprovalPending => "approval_pending",
             RouteNotFound => "route_not_found",
             MethodNotAllowed => "method_not_allowed",
             BodyTooLarge => "body_too_large",

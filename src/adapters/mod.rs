@@ -2,9 +2,8 @@
 //! upstream calls, and upstream progress into events and a [`RuntimeOutput`].
 //!
 //! Adapters receive everything through [`AdapterContext`] — the compiled agent, the input
-//! transcript, an event sink and a cancellation signal — and never route on keywords, never
-//! hard-code a tool or domain. The tool gateway handle joins the context with its issue;
-//! until then no tools are exposed to models and scripted tool calls are refused.
+//! transcript, an event sink, a tool-gateway handle (the only way to run a tool) and a
+//! cancellation signal — and never route on keywords, never hard-code a tool or domain.
 
 mod openai;
 mod retry;
@@ -15,9 +14,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
+pub use crate::gateway::{Outcome, ToolCall, ToolResult, ToolSpec};
+use crate::runtime::events::{ADAPTER_EVENT, PHASE_TOOL_RESULT, PHASE_TOOL_START};
 use crate::workspace::{AgentConfig, Backend, CompiledWorkspace};
 
 pub use openai::OpenAiAdapter;
@@ -29,6 +30,43 @@ pub use scripted::ScriptedAdapter;
 pub trait EventSink: Send + Sync {
     /// Records an event of `event_type` with `data` (SPEC section 7).
     async fn emit(&self, event_type: &str, data: Value);
+    /// Persists the conversation after a step (a model turn, tool results): a run resumed
+    /// after a crash starts from the last checkpoint.
+    async fn checkpoint(&self, messages: &[Value]);
+}
+
+/// The run's handle on the tool gateway.
+#[async_trait::async_trait]
+pub trait ToolInvoker: Send + Sync {
+    /// The tools the agent may call.
+    fn specs(&self) -> &[ToolSpec];
+    /// Runs one call through the gateway; every problem comes back as a result.
+    async fn call(&self, call: ToolCall) -> ToolResult;
+}
+
+/// Runs a batch of calls concurrently, announcing each as `agent.tool.start` and
+/// `agent.tool.result`; results come back in the batch's order.
+pub async fn call_tools(context: &AdapterContext<'_>, calls: Vec<ToolCall>) -> Vec<ToolResult> {
+    let runs = calls.into_iter().map(|call| async move {
+        context
+            .events
+            .emit(
+                ADAPTER_EVENT,
+                json!({ "event": { "phase": PHASE_TOOL_START, "toolId": call.tool_id, "toolCallId": call.id, "args": call.arguments } }),
+            )
+            .await;
+        let (tool_id, call_id) = (call.tool_id.clone(), call.id.clone());
+        let result = context.tools.call(call).await;
+        context
+            .events
+            .emit(
+                ADAPTER_EVENT,
+                json!({ "event": { "phase": PHASE_TOOL_RESULT, "toolId": tool_id, "toolCallId": call_id, "outcome": result.outcome, "result": result.content } }),
+            )
+            .await;
+        result
+    });
+    futures::future::join_all(runs).await
 }
 
 /// Everything an adapter may use for one run.
@@ -40,6 +78,7 @@ pub struct AdapterContext<'a> {
     /// Generation options from the client (temperature, max_tokens, stop, ...).
     pub options: &'a Map<String, Value>,
     pub events: &'a dyn EventSink,
+    pub tools: &'a dyn ToolInvoker,
     pub cancel: CancellationToken,
 }
 
@@ -93,6 +132,8 @@ pub enum FailureKind {
     Cancelled,
     /// The agent or workspace asks for something this build cannot do.
     Unsupported,
+    /// The model still asked for tools after `maxIterations` round trips.
+    MaxIterations,
 }
 
 impl FailureKind {
@@ -106,6 +147,7 @@ impl FailureKind {
             Self::Malformed => "malformed",
             Self::Cancelled => "cancelled",
             Self::Unsupported => "unsupported",
+            Self::MaxIterations => "max_iterations",
         }
     }
 }

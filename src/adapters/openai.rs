@@ -6,6 +6,13 @@
 //! order. A stream that already delivered text is never retried: the client would see it twice.
 //! Transport is plain reqwest so that timeouts, status codes and `retry-after` stay in our hands
 //! (no hidden client-side retries).
+//!
+//! The loop: the agent's tools are offered as functions (tool ids mapped reversibly onto
+//! OpenAI's `[a-zA-Z0-9_-]` names); the calls of one turn run concurrently through the
+//! gateway, their results go back to the model, until it answers or `maxIterations` round
+//! trips have passed. The conversation is checkpointed after every step, and a run resumed
+//! with unanswered calls in its transcript finishes them first (the gateway returns results
+//! it already recorded instead of running a tool again).
 
 use std::time::{Duration, Instant};
 
@@ -14,7 +21,8 @@ use serde_json::{Map, Value, json};
 
 use super::sse::SseDecoder;
 use super::{
-    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, Usage, backoff_delay,
+    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, ToolSpec,
+    Usage, backoff_delay, call_tools,
 };
 use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED};
 use crate::workspace::{ModelConfig, UpstreamUrl};
@@ -55,9 +63,10 @@ impl OpenAiAdapter {
     async fn attempt(
         &self,
         context: &AdapterContext<'_>,
+        request: &TurnRequest<'_>,
         model: &ModelConfig,
         attempt: u32,
-    ) -> Result<RuntimeOutput, AttemptError> {
+    ) -> Result<Turn, AttemptError> {
         let base_url = match &model.base_url {
             UpstreamUrl::Fixed(url) => url.clone(),
             UpstreamUrl::FromEnv(var) => std::env::var(var).map_err(|_| {
@@ -72,7 +81,7 @@ impl OpenAiAdapter {
         };
         let url = format!("{}/chat/completions", base_url.trim_end_matches('/'));
         let streaming = model.capabilities.streaming;
-        let body = request_body(context, model, streaming);
+        let body = request_body(context, request, model, streaming);
         let mut request = self.http.post(&url).json(&body);
         if let Some(var) = &model.api_key_env
             && let Ok(key) = std::env::var(var)
@@ -124,11 +133,11 @@ impl OpenAiAdapter {
             let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
                 .await
                 .map_err(AttemptError::from)?;
-            let output = parse_completion(model, &text)?;
-            if !output.text.is_empty() {
-                emit_delta(context, &output.text).await;
+            let turn = parse_completion(model, &text)?;
+            if !turn.output.text.is_empty() {
+                emit_delta(context, &turn.output.text).await;
             }
-            output
+            turn
         };
         context
             .events
@@ -138,8 +147,9 @@ impl OpenAiAdapter {
                     "model": model.id,
                     "upstreamModel": model.upstream_model,
                     "latencyMs": started.elapsed().as_millis() as u64,
-                    "usage": output.usage,
+                    "usage": output.output.usage,
                     "attempt": attempt,
+                    "toolCalls": output.tool_calls.len(),
                 }),
             )
             .await;
@@ -151,8 +161,9 @@ impl OpenAiAdapter {
         context: &AdapterContext<'_>,
         model: &ModelConfig,
         response: reqwest::Response,
-    ) -> Result<RuntimeOutput, AttemptError> {
+    ) -> Result<Turn, AttemptError> {
         let mut output = RuntimeOutput::default();
+        let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
         let mut body = response.bytes_stream();
         let fail = |error: AdapterError, delivered: bool| AttemptError {
@@ -187,7 +198,10 @@ impl OpenAiAdapter {
             };
             for data in decoder.feed(&chunk) {
                 if data.trim() == "[DONE]" {
-                    return Ok(output);
+                    return Ok(Turn {
+                        output,
+                        tool_calls: calls.finish(),
+                    });
                 }
                 let parsed: Value = serde_json::from_str(&data).map_err(|_| {
                     let message = format!(
@@ -223,6 +237,12 @@ impl OpenAiAdapter {
                     emit_delta(context, text).await;
                     output.text.push_str(text);
                 }
+                if let Some(fragments) = choice
+                    .pointer("/delta/tool_calls")
+                    .and_then(Value::as_array)
+                {
+                    calls.feed(fragments);
+                }
                 if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
                     output.finish_reason = reason.to_owned();
                 }
@@ -231,21 +251,146 @@ impl OpenAiAdapter {
     }
 }
 
-#[async_trait::async_trait]
-impl RuntimeAdapter for OpenAiAdapter {
-    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+/// One model call's input: the transcript so far and the functions offered.
+struct TurnRequest<'a> {
+    messages: &'a [Value],
+    functions: &'a [Value],
+}
+
+/// One model turn: its text (already streamed as deltas) and the tools it asked for.
+struct Turn {
+    output: RuntimeOutput,
+    tool_calls: Vec<ModelToolCall>,
+}
+
+/// A tool call as the model sent it, by function name.
+#[derive(Debug, Clone, Default)]
+struct ModelToolCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+impl ModelToolCall {
+    fn to_json(&self) -> Value {
+        json!({ "id": self.id, "type": "function", "function": { "name": self.name, "arguments": self.arguments } })
+    }
+}
+
+/// Tool-call fragments of a stream, assembled by their `index`.
+#[derive(Default)]
+struct StreamedCalls {
+    calls: Vec<ModelToolCall>,
+}
+
+impl StreamedCalls {
+    fn feed(&mut self, fragments: &[Value]) {
+        for fragment in fragments {
+            let index = fragment
+                .get("index")
+                .and_then(Value::as_u64)
+                .unwrap_or(self.calls.len() as u64) as usize;
+            if index >= self.calls.len() {
+                self.calls.resize_with(index + 1, ModelToolCall::default);
+            }
+            let call = &mut self.calls[index];
+            if let Some(id) = fragment.get("id").and_then(Value::as_str) {
+                call.id.push_str(id);
+            }
+            if let Some(name) = fragment.pointer("/function/name").and_then(Value::as_str) {
+                call.name.push_str(name);
+            }
+            if let Some(arguments) = fragment
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+            {
+                call.arguments.push_str(arguments);
+            }
+        }
+    }
+
+    fn finish(self) -> Vec<ModelToolCall> {
+        self.calls
+            .into_iter()
+            .filter(|call| !call.name.is_empty())
+            .collect()
+    }
+}
+
+/// Tool ids <-> OpenAI function names (`[a-zA-Z0-9_-]`, at most 64 characters). Names are
+/// derived from ids and made unique, and the table maps them back.
+struct FunctionNames {
+    by_name: Vec<(String, String)>,
+}
+
+impl FunctionNames {
+    fn new(specs: &[ToolSpec]) -> Self {
+        let mut by_name: Vec<(String, String)> = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let base: String = spec
+                .id
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .take(60)
+                .collect();
+            let mut name = base.clone();
+            let mut suffix = 2;
+            while by_name.iter().any(|(taken, _)| *taken == name) {
+                name = format!("{base}_{suffix}");
+                suffix += 1;
+            }
+            by_name.push((name, spec.id.clone()));
+        }
+        Self { by_name }
+    }
+
+    fn name_of<'n>(&'n self, tool_id: &'n str) -> &'n str {
+        self.by_name
+            .iter()
+            .find(|(_, id)| id == tool_id)
+            .map_or(tool_id, |(name, _)| name.as_str())
+    }
+
+    /// The tool id of a function name; an unknown name passes through (the gateway refuses it).
+    fn tool_of<'n>(&'n self, name: &'n str) -> &'n str {
+        self.by_name
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(name, |(_, id)| id.as_str())
+    }
+
+    fn functions(&self, specs: &[ToolSpec]) -> Vec<Value> {
+        specs
+            .iter()
+            .map(|spec| {
+                json!({
+                    "type": "function",
+                    "function": {
+                        "name": self.name_of(&spec.id),
+                        "description": spec.description,
+                        "parameters": spec.parameters,
+                    }
+                })
+            })
+            .collect()
+    }
+}
+
+impl OpenAiAdapter {
+    /// One model turn with the recovery policy: retries, backoff, then fallbacks.
+    async fn call_model(
+        &self,
+        context: &AdapterContext<'_>,
+        request: &TurnRequest<'_>,
+        primary: &ModelConfig,
+    ) -> Result<Turn, AdapterError> {
         let workspace = context.workspace;
-        let Some(primary) = context
-            .agent
-            .model
-            .as_deref()
-            .and_then(|id| workspace.models.get(id))
-        else {
-            return Err(AdapterError::new(
-                FailureKind::Unsupported,
-                format!("agent `{}` has no model", context.agent.name),
-            ));
-        };
         let recovery = &workspace.runtime.recovery;
         let chain = std::iter::once(primary).chain(
             primary
@@ -256,8 +401,8 @@ impl RuntimeAdapter for OpenAiAdapter {
         let mut last_error = None;
         for model in chain {
             for attempt in 1..=recovery.max_attempts {
-                let failure = match self.attempt(&context, model, attempt).await {
-                    Ok(output) => return Ok(output),
+                let failure = match self.attempt(context, request, model, attempt).await {
+                    Ok(turn) => return Ok(turn),
                     Err(failure) => failure,
                 };
                 let retryable = recovery
@@ -300,6 +445,121 @@ impl RuntimeAdapter for OpenAiAdapter {
     }
 }
 
+#[async_trait::async_trait]
+impl RuntimeAdapter for OpenAiAdapter {
+    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+        let Some(primary) = context
+            .agent
+            .model
+            .as_deref()
+            .and_then(|id| context.workspace.models.get(id))
+        else {
+            return Err(AdapterError::new(
+                FailureKind::Unsupported,
+                format!("agent `{}` has no model", context.agent.name),
+            ));
+        };
+        let specs = context.tools.specs();
+        let names = FunctionNames::new(specs);
+        let functions = if primary.capabilities.tools {
+            names.functions(specs)
+        } else {
+            Vec::new()
+        };
+        let mut messages = context.messages.to_vec();
+        let mut output = RuntimeOutput::default();
+        let mut rounds = 0;
+        loop {
+            // Calls of the last turn without results (a resumed run) are finished first.
+            let pending = unanswered_calls(&messages, &names);
+            if !pending.is_empty() {
+                if rounds >= context.agent.max_iterations {
+                    return Err(AdapterError::new(
+                        FailureKind::MaxIterations,
+                        format!(
+                            "agent `{}` still asked for tools after {} model/tool round trips (maxIterations)",
+                            context.agent.name, context.agent.max_iterations
+                        ),
+                    ));
+                }
+                rounds += 1;
+                let ids: Vec<String> = pending.iter().map(|call| call.id.clone()).collect();
+                let results = call_tools(&context, pending).await;
+                if context.cancel.is_cancelled() {
+                    return Err(AdapterError::new(
+                        FailureKind::Cancelled,
+                        "the run was cancelled",
+                    ));
+                }
+                for (id, result) in ids.into_iter().zip(results) {
+                    messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result.to_model_text() }));
+                }
+                context.events.checkpoint(&messages).await;
+                continue;
+            }
+            let request = TurnRequest {
+                messages: &messages,
+                functions: &functions,
+            };
+            let turn = self.call_model(&context, &request, primary).await?;
+            output.text.push_str(&turn.output.text);
+            output.usage.add(turn.output.usage);
+            output.finish_reason = turn.output.finish_reason;
+            if turn.tool_calls.is_empty() {
+                return Ok(output);
+            }
+            let assistant = json!({
+                "role": "assistant",
+                "content": if turn.output.text.is_empty() { Value::Null } else { Value::String(turn.output.text) },
+                "tool_calls": turn.tool_calls.iter().map(ModelToolCall::to_json).collect::<Vec<_>>(),
+            });
+            messages.push(assistant);
+            context.events.checkpoint(&messages).await;
+        }
+    }
+}
+
+/// The tool calls of the last assistant message that have no tool message yet.
+fn unanswered_calls(messages: &[Value], names: &FunctionNames) -> Vec<ToolCall> {
+    let Some(position) = messages
+        .iter()
+        .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+    else {
+        return Vec::new();
+    };
+    let answered: Vec<&str> = messages[position + 1..]
+        .iter()
+        .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
+        .collect();
+    messages[position]
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .map(|calls| {
+            calls
+                .iter()
+                .filter_map(|call| {
+                    let id = call.get("id").and_then(Value::as_str)?;
+                    if answered.contains(&id) {
+                        return None;
+                    }
+                    let name = call
+                        .pointer("/function/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
+                    Some(ToolCall {
+                        id: id.to_owned(),
+                        tool_id: names.tool_of(name).to_owned(),
+                        arguments: call
+                            .pointer("/function/arguments")
+                            .cloned()
+                            .unwrap_or(Value::Null),
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn kind_matches(configured: crate::workspace::RetryKind, kind: FailureKind) -> bool {
     use crate::workspace::RetryKind;
     matches!(
@@ -313,18 +573,26 @@ fn kind_matches(configured: crate::workspace::RetryKind, kind: FailureKind) -> b
 
 /// The upstream request: system instructions first, then the transcript; the agent's
 /// `backendConfig` passes through and the client's explicit options win over it.
-fn request_body(context: &AdapterContext<'_>, model: &ModelConfig, streaming: bool) -> Value {
-    let mut messages = Vec::with_capacity(context.messages.len() + 1);
+fn request_body(
+    context: &AdapterContext<'_>,
+    request: &TurnRequest<'_>,
+    model: &ModelConfig,
+    streaming: bool,
+) -> Value {
+    let mut messages = Vec::with_capacity(request.messages.len() + 1);
     if let Some(instructions) = &context.agent.instructions {
         messages.push(json!({ "role": "system", "content": instructions }));
     }
-    messages.extend(context.messages.iter().cloned());
+    messages.extend(request.messages.iter().cloned());
     let mut body: Map<String, Value> = context.agent.backend_config.clone();
     for (key, value) in context.options {
         body.insert(key.clone(), value.clone());
     }
     body.insert("model".into(), model.upstream_model.clone().into());
     body.insert("messages".into(), messages.into());
+    if !request.functions.is_empty() {
+        body.insert("tools".into(), request.functions.to_vec().into());
+    }
     body.insert("stream".into(), streaming.into());
     if streaming {
         body.insert("stream_options".into(), json!({ "include_usage": true }));
@@ -334,7 +602,7 @@ fn request_body(context: &AdapterContext<'_>, model: &ModelConfig, streaming: bo
     Value::Object(body)
 }
 
-fn parse_completion(model: &ModelConfig, text: &str) -> Result<RuntimeOutput, AttemptError> {
+fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptError> {
     let malformed = || {
         AttemptError::from(AdapterError::new(
             FailureKind::Malformed,
@@ -347,7 +615,33 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<RuntimeOutput, At
     };
     let parsed: Value = serde_json::from_str(text).map_err(|_| malformed())?;
     let choice = parsed.pointer("/choices/0").ok_or_else(malformed)?;
-    Ok(RuntimeOutput {
+    let tool_calls = choice
+        .pointer("/message/tool_calls")
+        .and_then(Value::as_array)
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|call| ModelToolCall {
+                    id: call
+                        .get("id")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    name: call
+                        .pointer("/function/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    arguments: call
+                        .pointer("/function/arguments")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let output = RuntimeOutput {
         text: choice
             .pointer("/message/content")
             .and_then(Value::as_str)
@@ -362,7 +656,8 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<RuntimeOutput, At
             .and_then(Value::as_str)
             .unwrap_or("stop")
             .to_owned(),
-    })
+    };
+    Ok(Turn { output, tool_calls })
 }
 
 async fn emit_delta(context: &AdapterContext<'_>, text: &str) {

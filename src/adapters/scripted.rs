@@ -1,11 +1,13 @@
 //! The `scripted` backend: plays `spec.script` in order for every request, without a model.
 //! A `reply` streams its text (`{{input}}` becomes the last user message); the answer is the
-//! concatenation of the replies.
+//! concatenation of the replies. A `toolCall` step runs through the tool gateway exactly like a
+//! model's call; its id (`script-N`, N the step) is stable, so a resumed run never repeats it.
 
 use serde_json::json;
 
 use super::{
-    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, last_user_text,
+    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, call_tools,
+    last_user_text,
 };
 use crate::runtime::events::ADAPTER_EVENT;
 use crate::workspace::ScriptStep;
@@ -18,7 +20,7 @@ impl RuntimeAdapter for ScriptedAdapter {
     async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
         let input = last_user_text(context.messages);
         let mut text = String::new();
-        for step in &context.agent.script {
+        for (index, step) in context.agent.script.iter().enumerate() {
             if context.cancel.is_cancelled() {
                 return Err(AdapterError::new(
                     FailureKind::Cancelled,
@@ -37,13 +39,13 @@ impl RuntimeAdapter for ScriptedAdapter {
                         .await;
                     text.push_str(&reply);
                 }
-                ScriptStep::ToolCall { tool, .. } => {
-                    return Err(AdapterError::new(
-                        FailureKind::Unsupported,
-                        format!(
-                            "script step calls tool `{tool}`, but tool calls need the tool gateway, which this build does not have yet"
-                        ),
-                    ));
+                ScriptStep::ToolCall { tool, arguments } => {
+                    let call = ToolCall {
+                        id: format!("script-{}", index + 1),
+                        tool_id: tool.clone(),
+                        arguments: arguments.clone().into(),
+                    };
+                    call_tools(&context, vec![call]).await;
                 }
             }
         }

@@ -1,6 +1,9 @@
 //! `stable-harness run`: one request in-process against the same runtime and store. Prints
 //! narration (or every event as a JSON line with `--json`), then the final output. Exit codes:
-//! 0 completed, 1 failed, 2 bad usage or invalid workspace, 3 cancelled.
+//! 0 completed, 1 failed, 2 bad usage or invalid workspace, 3 cancelled or an approval denied.
+//!
+//! A tool call that needs approval is asked about on the terminal; without a terminal it is
+//! denied, unless `--approve-all` approves every call of this run.
 
 use std::sync::Arc;
 
@@ -9,8 +12,8 @@ use serde_json::{Value, json};
 
 use super::{RunArgs, exit, output};
 use crate::app::build_runtime;
-use crate::runtime::events::PROGRESS_NARRATION;
-use crate::runtime::{NewRequest, Protocol};
+use crate::runtime::events::{APPROVAL_REQUESTED, APPROVAL_RESOLVED, PROGRESS_NARRATION};
+use crate::runtime::{NewRequest, Protocol, Runtime};
 use crate::store::RunStatus;
 use crate::workspace;
 
@@ -81,6 +84,7 @@ pub async fn run(args: RunArgs) -> u8 {
         compiled.runtime.cli_event_types.clone()
     };
     let mut events = std::pin::pin!(runtime.follow(&submitted.request_id, 0));
+    let mut denied = false;
     while let Some(event) = events.next().await {
         let event = match event {
             Ok(event) => event,
@@ -98,6 +102,13 @@ pub async fn run(args: RunArgs) -> u8 {
             };
             output::error(&format!("· {line}"));
         }
+        if event.event_type == APPROVAL_REQUESTED {
+            answer_approval(&runtime, &event.data, args.approve_all).await;
+        } else if event.event_type == APPROVAL_RESOLVED
+            && event.data.get("decision").and_then(Value::as_str) != Some("approved")
+        {
+            denied = true;
+        }
     }
     runtime.shutdown(std::time::Duration::from_secs(5)).await;
     let request = match runtime.store().request(&submitted.request_id).await {
@@ -111,6 +122,10 @@ pub async fn run(args: RunArgs) -> u8 {
         RunStatus::Completed => {
             if !args.json {
                 output::print(request.output.as_deref().unwrap_or_default());
+            }
+            if denied {
+                output::error("stable-harness run: a tool call was denied approval");
+                return exit::CANCELLED;
             }
             exit::OK
         }
@@ -129,5 +144,51 @@ pub async fn run(args: RunArgs) -> u8 {
             output::error(&format!("stable-harness run: failed: {message}"));
             exit::FAILED
         }
+    }
+}
+
+/// Decides an approval the run asked for: `--approve-all`, else the terminal's answer, else
+/// (no terminal) a denial.
+async fn answer_approval(runtime: &Runtime, data: &Value, approve_all: bool) {
+    use std::io::IsTerminal;
+    let Some(approval) = data.get("approval") else {
+        return;
+    };
+    let id = approval
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let tool = approval
+        .get("toolId")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let arguments = approval.get("arguments").cloned().unwrap_or(Value::Null);
+    let (approve, reason) = if approve_all {
+        (true, "approved by --approve-all")
+    } else if std::io::stdin().is_terminal() {
+        let question = format!("Run tool `{tool}` with arguments {arguments}?");
+        let approve = tokio::task::spawn_blocking(move || output::confirm(&question))
+            .await
+            .unwrap_or(false);
+        (
+            approve,
+            if approve {
+                "approved on the terminal"
+            } else {
+                "denied on the terminal"
+            },
+        )
+    } else {
+        output::error(&format!(
+            "stable-harness run: tool `{tool}` needs approval and there is no terminal to ask; denied (use --approve-all)"
+        ));
+        (false, "no terminal to ask, and --approve-all was not given")
+    };
+    if let Err(error) = runtime
+        .decide_approval(&id, approve, Some(reason.to_owned()), "cli")
+        .await
+    {
+        output::error(&format!("stable-harness run: {error}"));
     }
 }

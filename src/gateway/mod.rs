@@ -1,5 +1,686 @@
-//! The tool gateway (SPEC section 5): the only path by which any tool runs — allow-list,
-//! argument validation, policy, approval, execution with a timeout, hooks, recording.
+//! The tool gateway (SPEC section 5): the only path by which any tool runs.
 //!
-//! Empty until its issue. The workspace compiler already resolves each tool's single
-//! implementation ([`crate::workspace::ToolImplementation`]) and compiles its argument schema.
+//! Every call goes through the same steps, in order: a call id with a recorded result returns
+//! that result (a resumed run never runs a tool twice); the tool must be in the agent's
+//! `tools`; the arguments must be JSON and valid against the tool's `inputSchema` (errors go
+//! back to the model so it can correct itself); the policy decides (fail closed); a call that
+//! needs approval is parked in the durable approval queue until an operator decides or the
+//! approval times out; the tool runs with its timeout; the result is redacted, recorded and
+//! returned. Each step is an event. Parallel calls of one model turn run concurrently.
+//!
+//! The gateway knows nothing of runs beyond [`RunScope`]: the runtime supplies the identity of
+//! the run and a [`RunHost`] through which events and records are written.
+
+mod approvals;
+mod exec;
+mod redact;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub use approvals::ApprovalWaiters;
+pub use exec::McpClients;
+pub use redact::Redactor;
+
+use crate::governance::{self, PolicyInput, Verdict};
+use crate::runtime::events::{
+    APPROVAL_REQUESTED, APPROVAL_RESOLVED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
+};
+use crate::store::{ApprovalRecord, Store, ToolCallRecord, WriteOp};
+use crate::workspace::{AgentConfig, CompiledWorkspace, Decision, ToolConfig};
+
+/// One call as a model (or a script) asked for it.
+#[derive(Debug, Clone)]
+pub struct ToolCall {
+    /// The caller's id for the call (the model's `tool_call.id`); unique within a run.
+    pub id: String,
+    pub tool_id: String,
+    /// A JSON object, or a string holding one (as models send them).
+    pub arguments: Value,
+}
+
+/// How a call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Completed,
+    /// The tool ran and failed (error result, timeout, bad output).
+    Failed,
+    /// The tool is not in the agent's `tools`.
+    NotAllowed,
+    InvalidArguments,
+    /// Policy denied it, or an operator did, or its approval expired.
+    Denied,
+    /// The run was cancelled while the call waited or ran.
+    Cancelled,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::NotAllowed => "not_allowed",
+            Self::InvalidArguments => "invalid_arguments",
+            Self::Denied => "denied",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    fn parse(text: &str) -> Self {
+        [
+            Self::Completed,
+            Self::NotAllowed,
+            Self::InvalidArguments,
+            Self::Denied,
+            Self::Cancelled,
+        ]
+        .into_iter()
+        .find(|o| o.as_str() == text)
+        .unwrap_or(Self::Failed)
+    }
+}
+
+/// What the caller gets back: `content` is what the model reads as the tool's answer (the
+/// output, or `{"error": {"code", "message", ...}}`), secrets already redacted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolResult {
+    pub outcome: Outcome,
+    pub content: Value,
+}
+
+impl ToolResult {
+    fn error(outcome: Outcome, code: &str, message: impl Into<String>, details: Value) -> Self {
+        let mut error = json!({ "code": code, "message": message.into() });
+        if let Value::Object(extra) = details {
+            for (key, value) in extra {
+                error[key] = value;
+            }
+        }
+        Self {
+            outcome,
+            content: json!({ "error": error }),
+        }
+    }
+
+    /// The tool message text a model reads.
+    pub fn to_model_text(&self) -> String {
+        match &self.content {
+            Value::String(text) => text.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// The runtime's side of a run, as the gateway needs it.
+#[async_trait::async_trait]
+pub trait RunHost: Send + Sync {
+    /// Appends an event to the run (SPEC section 7).
+    async fn emit(&self, event_type: &str, data: Value);
+    /// Queues a store write behind the run's earlier ones.
+    async fn write(&self, op: WriteOp);
+    /// Called with `true` when the first call of the run starts waiting on an approval and
+    /// with `false` when the last one stops: the run is `waiting_approval` in between, and
+    /// its active-time budget is paused.
+    async fn set_waiting(&self, waiting: bool);
+}
+
+/// One run's identity and state, as far as its tool calls go.
+pub struct RunScope<'a> {
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub agent: &'a AgentConfig,
+    /// The request's metadata (policy input).
+    pub metadata: Value,
+    pub host: &'a dyn RunHost,
+    pub cancel: CancellationToken,
+    /// Results recorded by an earlier life of this run (a resumed run), by call id.
+    recorded: HashMap<String, ToolCallRecord>,
+    /// Approvals an earlier life of this run asked for, by call id.
+    approvals: HashMap<String, ApprovalRecord>,
+    waiting: AtomicUsize,
+}
+
+impl std::fmt::Debug for RunScope<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunScope")
+            .field("run_id", &self.run_id)
+            .field("agent", &self.agent.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> RunScope<'a> {
+    pub fn new(
+        request_id: String,
+        run_id: String,
+        session_id: String,
+        agent: &'a AgentConfig,
+        metadata: Value,
+        host: &'a dyn RunHost,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self {
+            request_id,
+            run_id,
+            session_id,
+            agent,
+            metadata,
+            host,
+            cancel,
+            recorded: HashMap::new(),
+            approvals: HashMap::new(),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// Loads what an earlier life of the run recorded (only a resumed run has any).
+    pub async fn load_history(
+        &mut self,
+        store: &dyn Store,
+    ) -> Result<(), crate::store::StoreError> {
+        self.recorded = store
+            .tool_calls_of_run(&self.run_id)
+            .await?
+            .into_iter()
+            .map(|call| (call.tool_call_id.clone(), call))
+            .collect();
+        self.approvals = store
+            .approvals_of_run(&self.run_id)
+            .await?
+            .into_iter()
+            .map(|approval| (approval.tool_call_id.clone(), approval))
+            .collect();
+        Ok(())
+    }
+
+    async fn enter_wait(&self) {
+        if self.waiting.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.host.set_waiting(true).await;
+        }
+    }
+
+    async fn leave_wait(&self) {
+        if self.waiting.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.host.set_waiting(false).await;
+        }
+    }
+}
+
+/// A tool as a model sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub id: String,
+    pub description: String,
+    pub parameters: Value,
+}
+
+/// The gateway; one per runtime, shared by every run.
+#[derive(Debug)]
+pub struct ToolGateway {
+    workspace: Arc<CompiledWorkspace>,
+    store: Arc<dyn Store>,
+    http: reqwest::Client,
+    mcp: McpClients,
+    redactor: Redactor,
+    waiters: Arc<ApprovalWaiters>,
+}
+
+impl ToolGateway {
+    pub fn new(
+        workspace: Arc<CompiledWorkspace>,
+        store: Arc<dyn Store>,
+        http: reqwest::Client,
+        waiters: Arc<ApprovalWaiters>,
+    ) -> Self {
+        Self {
+            mcp: McpClients::new(Arc::clone(&workspace), http.clone()),
+            redactor: Redactor::from_workspace(&workspace),
+            workspace,
+            store,
+            http,
+            waiters,
+        }
+    }
+
+    pub fn redactor(&self) -> &Redactor {
+        &self.redactor
+    }
+
+    /// The tools an agent may call, in its declared order.
+    pub fn specs(&self, agent: &AgentConfig) -> Vec<ToolSpec> {
+        agent
+            .tools
+            .iter()
+            .filter_map(|id| self.workspace.tools.get(id))
+            .map(|tool| ToolSpec {
+                id: tool.id.clone(),
+                description: tool.description.clone().unwrap_or_default(),
+                parameters: if tool.input_schema.is_object() {
+                    tool.input_schema.clone()
+                } else {
+                    json!({ "type": "object" })
+                },
+            })
+            .collect()
+    }
+
+    /// What the gateway would decide for a call, without running anything: the allow-list,
+    /// the argument check, then the policy.
+    pub fn explain(
+        &self,
+        agent: &AgentConfig,
+        tool: &ToolConfig,
+        arguments: &Value,
+        metadata: &Value,
+    ) -> Explanation {
+        let allowed = agent.tools.iter().any(|id| *id == tool.id);
+        let argument_errors = match parse_arguments(arguments) {
+            Ok(arguments) => schema_errors(tool, &arguments),
+            Err(message) => vec![message],
+        };
+        let verdict = if !allowed {
+            not_allowed_verdict(agent, &tool.id)
+        } else {
+            governance::evaluate_or_deny(
+                &self.workspace.runtime.governance,
+                PolicyInput {
+                    agent,
+                    tool,
+                    metadata,
+                },
+            )
+        };
+        Explanation {
+            verdict,
+            allowed_for_agent: allowed,
+            argument_errors,
+        }
+    }
+
+    /// Runs one call through every step; never fails: every problem is a recorded result.
+    #[tracing::instrument(skip_all, fields(tool = %call.tool_id, call_id = %call.id, run_id = %scope.run_id))]
+    pub async fn call(&self, scope: &RunScope<'_>, call: ToolCall) -> ToolResult {
+        if let Some(recorded) = scope.recorded.get(&call.id) {
+            return ToolResult {
+                outcome: Outcome::parse(&recorded.outcome),
+                content: recorded.result.clone(),
+            };
+        }
+        let started = Instant::now();
+        let tool = scope
+            .agent
+            .tools
+            .iter()
+            .any(|id| *id == call.tool_id)
+            .then(|| self.workspace.tools.get(&call.tool_id))
+            .flatten();
+        let Some(tool) = tool else {
+            let verdict = not_allowed_verdict(scope.agent, &call.tool_id);
+            let result = ToolResult::error(
+                Outcome::NotAllowed,
+                "tool_not_allowed",
+                verdict.reason.clone(),
+                json!({ "allowedTools": scope.agent.tools }),
+            );
+            return self
+                .refuse(scope, &call, Value::Null, &verdict, result, started)
+                .await;
+        };
+        let arguments = match parse_arguments(&call.arguments) {
+            Ok(arguments) => arguments,
+            Err(message) => {
+                let result = ToolResult::error(
+                    Outcome::InvalidArguments,
+                    "invalid_arguments",
+                    message,
+                    json!({}),
+                );
+                return self
+                    .finish(scope, &call, &call.arguments, result, started)
+                    .await;
+            }
+        };
+        let stored_arguments = self.redactor.redact(&arguments);
+        let errors = schema_errors(tool, &arguments);
+        if !errors.is_empty() {
+            let result = ToolResult::error(
+                Outcome::InvalidArguments,
+                "invalid_arguments",
+                format!(
+                    "the arguments do not match the input schema of `{}`; correct them and call again",
+                    tool.id
+                ),
+                json!({ "errors": errors }),
+            );
+            return self
+                .finish(scope, &call, &stored_arguments, result, started)
+                .await;
+        }
+        let verdict = governance::evaluate_or_deny(
+            &self.workspace.runtime.governance,
+            PolicyInput {
+                agent: scope.agent,
+                tool,
+                metadata: &scope.metadata,
+            },
+        );
+        match verdict.decision {
+            Decision::Allow => {}
+            Decision::Deny => {
+                let result = ToolResult::error(
+                    Outcome::Denied,
+                    "denied",
+                    verdict.reason.clone(),
+                    json!({ "rule": verdict.rule }),
+                );
+                return self
+                    .refuse(scope, &call, stored_arguments, &verdict, result, started)
+                    .await;
+            }
+            Decision::NeedsApproval => {
+                if let Err(result) = self
+                    .await_approval(scope, &call, &stored_arguments, &verdict)
+                    .await
+                {
+                    return self
+                        .finish(scope, &call, &stored_arguments, result, started)
+                        .await;
+                }
+            }
+        }
+        let result = self
+            .execute(scope, &call, tool, arguments, &stored_arguments)
+            .await;
+        self.finish(scope, &call, &stored_arguments, result, started)
+            .await
+    }
+
+    /// Runs an allowed call with the tool's timeout, between the started/completed events.
+    async fn execute(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        tool: &ToolConfig,
+        arguments: Value,
+        stored_arguments: &Value,
+    ) -> ToolResult {
+        scope
+            .host
+            .emit(
+                TOOL_DIRECT_STARTED,
+                json!({ "toolId": tool.id, "toolCallId": call.id, "arguments": stored_arguments }),
+            )
+            .await;
+        let started = Instant::now();
+        let context = exec::ExecContext {
+            workspace: &self.workspace,
+            agent: scope.agent,
+            http: &self.http,
+            mcp: &self.mcp,
+        };
+        let outcome = tokio::select! {
+            () = scope.cancel.cancelled() => Err(exec::ToolError::new("cancelled", "the run was cancelled while the tool ran")),
+            outcome = tokio::time::timeout(tool.timeout, exec::run(&context, tool, arguments)) => match outcome {
+                Ok(outcome) => outcome,
+                Err(_) => Err(exec::ToolError::new("timeout", format!("tool `{}` did not finish within {}", tool.id, human(tool.timeout)))),
+            },
+        };
+        let result = match outcome {
+            Ok(output) => ToolResult {
+                outcome: Outcome::Completed,
+                content: self.redactor.redact(&output),
+            },
+            Err(error) => {
+                let outcome = if error.code == "cancelled" {
+                    Outcome::Cancelled
+                } else {
+                    Outcome::Failed
+                };
+                ToolResult::error(
+                    outcome,
+                    error.code,
+                    self.redactor.redact_text(&error.message),
+                    json!({}),
+                )
+            }
+        };
+        let mut data = json!({
+            "toolId": tool.id,
+            "toolCallId": call.id,
+            "durationMs": started.elapsed().as_millis() as u64,
+        });
+        match (&result.outcome, result.content.get("error")) {
+            (Outcome::Completed, _) | (_, None) => data["output"] = result.content.clone(),
+            (_, Some(error)) => data["error"] = error.clone(),
+        }
+        scope.host.emit(TOOL_DIRECT_COMPLETED, data).await;
+        tracing::info!(
+            outcome = result.outcome.as_str(),
+            duration_ms = started.elapsed().as_millis() as u64,
+            "tool call"
+        );
+        result
+    }
+
+    /// A call refused before it could run: `runtime.tool.denied`, then recorded.
+    async fn refuse(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        stored_arguments: Value,
+        verdict: &Verdict,
+        result: ToolResult,
+        started: Instant,
+    ) -> ToolResult {
+        scope
+            .host
+            .emit(
+                TOOL_DENIED,
+                json!({ "toolId": call.tool_id, "toolCallId": call.id, "rule": verdict.rule, "reason": verdict.reason }),
+            )
+            .await;
+        tracing::info!(rule = verdict.rule.as_deref(), "tool call denied");
+        self.finish(scope, call, &stored_arguments, result, started)
+            .await
+    }
+
+    /// Records the result under the call id: from now on the call is never run again.
+    async fn finish(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        stored_arguments: &Value,
+        result: ToolResult,
+        started: Instant,
+    ) -> ToolResult {
+        scope
+            .host
+            .write(WriteOp::RecordToolCall(ToolCallRecord {
+                run_id: scope.run_id.clone(),
+                tool_call_id: call.id.clone(),
+                request_id: scope.request_id.clone(),
+                tool_id: call.tool_id.clone(),
+                arguments: stored_arguments.clone(),
+                outcome: result.outcome.as_str().to_owned(),
+                result: result.content.clone(),
+                duration_ms: started.elapsed().as_millis() as i64,
+                recorded_at: Utc::now(),
+            }))
+            .await;
+        result
+    }
+
+    /// Parks the call until its approval is decided. `Ok` means approved (by an operator, or
+    /// by `onTimeout: approve`); `Err` carries the denial result the model gets.
+    async fn await_approval(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        stored_arguments: &Value,
+        verdict: &Verdict,
+    ) -> Result<(), ToolResult> {
+        let governance = &self.workspace.runtime.governance;
+        let approval = match scope.approvals.get(&call.id) {
+            Some(existing) => existing.clone(),
+            None => {
+                let now = Utc::now();
+                let approval = ApprovalRecord {
+                    id: crate::runtime::new_id("apr"),
+                    request_id: scope.request_id.clone(),
+                    run_id: scope.run_id.clone(),
+                    session_id: scope.session_id.clone(),
+                    agent_id: scope.agent.name.clone(),
+                    tool_call_id: call.id.clone(),
+                    tool_id: call.tool_id.clone(),
+                    arguments: stored_arguments.clone(),
+                    rule: verdict.rule.clone(),
+                    status: crate::store::ApprovalStatus::Pending,
+                    reason: Some(verdict.reason.clone()),
+                    decided_by: None,
+                    created_at: now,
+                    expires_at: chrono::Duration::from_std(governance.approval_timeout)
+                        .ok()
+                        .map(|timeout| now + timeout),
+                    decided_at: None,
+                };
+                scope
+                    .host
+                    .write(WriteOp::InsertApproval(approval.clone()))
+                    .await;
+                scope
+                    .host
+                    .emit(APPROVAL_REQUESTED, json!({ "approval": approval }))
+                    .await;
+                approval
+            }
+        };
+        scope.enter_wait().await;
+        let decided = approvals::wait_for_decision(
+            self.store.as_ref(),
+            &self.waiters,
+            &approval,
+            &scope.cancel,
+        )
+        .await;
+        scope.leave_wait().await;
+        let decided = match decided {
+            Ok(decided) => decided,
+            Err(message) => {
+                return Err(ToolResult::error(
+                    Outcome::Cancelled,
+                    "cancelled",
+                    message,
+                    json!({ "approvalId": approval.id }),
+                ));
+            }
+        };
+        scope
+            .host
+            .emit(
+                APPROVAL_RESOLVED,
+                json!({
+                    "approvalId": decided.id,
+                    "toolId": decided.tool_id,
+                    "toolCallId": decided.tool_call_id,
+                    "decision": decided.status,
+                    "reason": decided.reason,
+                    "decidedBy": decided.decided_by,
+                }),
+            )
+            .await;
+        use crate::store::ApprovalStatus as Status;
+        use crate::workspace::TimeoutAction;
+        match decided.status {
+            Status::Approved => Ok(()),
+            Status::Expired if governance.on_timeout == TimeoutAction::Approve => Ok(()),
+            Status::Expired => Err(ToolResult::error(
+                Outcome::Denied,
+                "approval_expired",
+                format!(
+                    "nobody approved the call to `{}` in time, so it was not run",
+                    decided.tool_id
+                ),
+                json!({ "approvalId": decided.id }),
+            )),
+            _ => Err(ToolResult::error(
+                Outcome::Denied,
+                "approval_denied",
+                format!(
+                    "an operator denied the call to `{}`{}",
+                    decided.tool_id,
+                    decided
+                        .reason
+                        .as_deref()
+                        .map(|r| format!(": {r}"))
+                        .unwrap_or_default()
+                ),
+                json!({ "approvalId": decided.id }),
+            )),
+        }
+    }
+}
+
+/// What `explain` found.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Explanation {
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    pub allowed_for_agent: bool,
+    /// Schema errors of the arguments (they would go back to the model, before any policy).
+    pub argument_errors: Vec<String>,
+}
+
+fn not_allowed_verdict(agent: &AgentConfig, tool_id: &str) -> Verdict {
+    Verdict {
+        decision: Decision::Deny,
+        rule: Some("tool_not_allowed".to_owned()),
+        reason: format!(
+            "tool `{tool_id}` is not in the tools of agent `{}`",
+            agent.name
+        ),
+    }
+}
+
+/// The arguments as a JSON object: models send a string holding JSON; an empty one is `{}`.
+fn parse_arguments(arguments: &Value) -> Result<Value, String> {
+    let parsed = match arguments {
+        Value::String(text) if text.trim().is_empty() => json!({}),
+        Value::String(text) => serde_json::from_str(text)
+            .map_err(|error| format!("the arguments are not valid JSON: {error}"))?,
+        Value::Null => json!({}),
+        other => other.clone(),
+    };
+    if parsed.is_object() {
+        Ok(parsed)
+    } else {
+        Err("the arguments must be a JSON object".to_owned())
+    }
+}
+
+fn schema_errors(tool: &ToolConfig, arguments: &Value) -> Vec<String> {
+    tool.input_validator
+        .iter_errors(arguments)
+        .map(|error| {
+            let path = error.instance_path().to_string();
+            if path.is_empty() {
+                error.to_string()
+            } else {
+                format!("{path}: {error}")
+            }
+        })
+        .collect()
+}
+
+fn human(duration: Duration) -> String {
+    format!("{}s", duration.as_secs_f64())
+}

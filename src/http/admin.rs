@@ -1,14 +1,18 @@
 //! The operator API (admin keys; a client key gets 403): list and inspect requests, runs and
-//! their events.
+//! their events; decide approvals; ask the policy to explain a decision.
 
-use axum::Json;
 use axum::extract::{Path, Query, State};
-use serde::Deserialize;
+use axum::{Extension, Json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use super::AppState;
+use super::auth::Operator;
+use super::extract::ApiJson;
 use super::views::{EventPage, EventsQuery, RequestList, RequestView, RunView, request_view};
 use crate::error::{ApiError, ErrorCode};
-use crate::store::{PageRequest, RequestFilter, RunStatus};
+use crate::gateway::Explanation;
+use crate::store::{ApprovalRecord, ApprovalStatus, PageRequest, RequestFilter, RunStatus};
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -46,14 +50,7 @@ pub async fn list_requests(
             .param("status")
         })?),
     };
-    let limit = query.limit.unwrap_or(50);
-    if !(1..=200).contains(&limit) {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "`limit` must be between 1 and 200",
-        )
-        .param("limit"));
-    }
+    let limit = page_limit(query.limit)?;
     let filter = RequestFilter {
         status,
         agent_id: query.agent_id,
@@ -133,4 +130,220 @@ pub async fn run_events(
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(EventPage::new(data, after)))
+}
+
+/// A list page size: 1 to 200, 50 by default.
+fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+    let limit = limit.unwrap_or(50);
+    if (1..=200).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "`limit` must be between 1 and 200",
+        )
+        .param("limit"))
+    }
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ListApprovalsQuery {
+    /// pending | approved | denied | expired | cancelled
+    #[serde(default)]
+    pub status: Option<String>,
+    /// 1 to 200 (default 50).
+    #[serde(default)]
+    pub limit: Option<i64>,
+    /// `nextCursor` of the previous page.
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalList {
+    pub data: Vec<ApprovalRecord>,
+    pub next_cursor: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/approvals", tag = "admin", security(("admin_key" = [])),
+    params(ListApprovalsQuery),
+    responses((status = 200, body = ApprovalList), (status = 401, body = crate::error::ErrorEnvelope),
+        (status = 403, body = crate::error::ErrorEnvelope), (status = 422, body = crate::error::ErrorEnvelope)))]
+pub async fn list_approvals(
+    State(state): State<AppState>,
+    Query(query): Query<ListApprovalsQuery>,
+) -> Result<Json<ApprovalList>, ApiError> {
+    let status = match query.status.as_deref() {
+        None | Some("") => None,
+        Some(text) => Some(ApprovalStatus::parse(text).ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "unknown status `{text}`: one of pending, approved, denied, expired, cancelled"
+                ),
+            )
+            .param("status")
+        })?),
+    };
+    let page = PageRequest {
+        limit: page_limit(query.limit)?,
+        cursor: query.cursor,
+    };
+    let page = state
+        .runtime
+        .store()
+        .approvals(status, &page)
+        .await
+        .map_err(ApiError::internal)?;
+    Ok(Json(ApprovalList {
+        data: page.items,
+        next_cursor: page.next_cursor,
+    }))
+}
+
+#[utoipa::path(get, path = "/admin/approvals/{id}", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Approval id")),
+    responses((status = 200, body = ApprovalRecord), (status = 404, body = crate::error::ErrorEnvelope)))]
+pub async fn get_approval(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<ApprovalRecord>, ApiError> {
+    let approval = state
+        .runtime
+        .store()
+        .approval(&id)
+        .await
+        .map_err(ApiError::internal)?
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ApprovalNotFound,
+                format!("approval `{id}` not found"),
+            )
+            .param("id")
+        })?;
+    Ok(Json(approval))
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DecisionBody {
+    /// Why; recorded with the decision and given to the model on a denial.
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[utoipa::path(post, path = "/admin/approvals/{id}/approve", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Approval id")), request_body = DecisionBody,
+    responses((status = 200, body = ApprovalRecord, description = "Approved; the waiting call runs"),
+        (status = 404, body = crate::error::ErrorEnvelope), (status = 409, body = crate::error::ErrorEnvelope, description = "Already decided")))]
+pub async fn approve(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Extension(operator): Extension<Operator>,
+    ApiJson(body): ApiJson<DecisionBody>,
+) -> Result<Json<ApprovalRecord>, ApiError> {
+    decide(&state, &id, true, body, operator).await
+}
+
+#[utoipa::path(post, path = "/admin/approvals/{id}/deny", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Approval id")), request_body = DecisionBody,
+    responses((status = 200, body = ApprovalRecord, description = "Denied; the model receives the denial"),
+        (status = 404, body = crate::error::ErrorEnvelope), (status = 409, body = crate::error::ErrorEnvelope, description = "Already decided")))]
+pub async fn deny(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Extension(operator): Extension<Operator>,
+    ApiJson(body): ApiJson<DecisionBody>,
+) -> Result<Json<ApprovalRecord>, ApiError> {
+    decide(&state, &id, false, body, operator).await
+}
+
+async fn decide(
+    state: &AppState,
+    id: &str,
+    approve: bool,
+    body: DecisionBody,
+    operator: Operator,
+) -> Result<Json<ApprovalRecord>, ApiError> {
+    let approval = state
+        .runtime
+        .decide_approval(id, approve, body.reason, &operator.0)
+        .await
+        .map_err(|error| ApiError::from(error).param("id"))?;
+    Ok(Json(approval))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ExplainBody {
+    pub agent_id: String,
+    pub tool_id: String,
+    /// The call's arguments (checked against the tool's input schema).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub arguments: Value,
+    /// Request metadata, as a run would carry it (its scalar values act as labels).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub metadata: Value,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExplainResponse {
+    /// allow | deny | needs_approval
+    pub decision: String,
+    /// The rule that matched (`tool_not_allowed` or `policy_error` for the gateway's own
+    /// refusals; `null` when the default decided).
+    pub rule: Option<String>,
+    pub reason: String,
+    pub allowed_for_agent: bool,
+    pub argument_errors: Vec<String>,
+}
+
+#[utoipa::path(post, path = "/admin/policy/explain", tag = "admin", security(("admin_key" = [])),
+    request_body = ExplainBody,
+    responses((status = 200, body = ExplainResponse, description = "What the gateway would decide for this call"),
+        (status = 404, body = crate::error::ErrorEnvelope, description = "Unknown agent or tool")))]
+pub async fn explain_policy(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<ExplainBody>,
+) -> Result<Json<ExplainResponse>, ApiError> {
+    let workspace = state.runtime.workspace();
+    let agent = workspace.agent(&body.agent_id).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::AgentNotFound,
+            format!("agent `{}` not found", body.agent_id),
+        )
+        .param("agentId")
+    })?;
+    let tool = workspace.tools.get(&body.tool_id).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::ToolNotFound,
+            format!("tool `{}` not found", body.tool_id),
+        )
+        .param("toolId")
+    })?;
+    let metadata = if body.metadata.is_null() {
+        serde_json::json!({})
+    } else {
+        body.metadata
+    };
+    let Explanation {
+        verdict,
+        allowed_for_agent,
+        argument_errors,
+    } = state
+        .runtime
+        .gateway()
+        .explain(agent, tool, &body.arguments, &metadata);
+    Ok(Json(ExplainResponse {
+        decision: crate::workspace::wire_name(&verdict.decision),
+        rule: verdict.rule,
+        reason: verdict.reason,
+        allowed_for_agent,
+        argument_errors,
+    }))
 }

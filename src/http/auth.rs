@@ -41,11 +41,17 @@ impl KeySet {
 
     /// Whether `candidate` is one of the keys; every key is compared, in constant time each.
     pub fn contains(&self, candidate: &str) -> bool {
-        let mut found = subtle::Choice::from(0);
-        for key in &self.0 {
-            found |= key.as_bytes().ct_eq(candidate.as_bytes());
+        self.position(candidate).is_some()
+    }
+
+    /// The 1-based number of the matching key (every key is compared, in constant time each).
+    pub fn position(&self, candidate: &str) -> Option<usize> {
+        let mut found = 0usize;
+        for (index, key) in self.0.iter().enumerate() {
+            let matched: bool = key.as_bytes().ct_eq(candidate.as_bytes()).into();
+            found |= usize::from(matched) * (index + 1);
         }
-        found.into()
+        (found != 0).then_some(found)
     }
 }
 
@@ -126,13 +132,24 @@ pub async fn require_client_key(
     }
 }
 
+/// Who called an admin endpoint, as recorded with their decisions: the number of their key
+/// (never the key), or `open-admin` when the admin surface has no keys.
+#[derive(Debug, Clone)]
+pub struct Operator(pub String);
+
 pub async fn require_admin_key(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     match check(&state.keys, Scope::Admin, &request) {
-        Ok(()) => next.run(request).await,
+        Ok(()) => {
+            let operator = bearer(&request)
+                .and_then(|token| state.keys.admin.position(token))
+                .map_or_else(|| "open-admin".to_owned(), |n| format!("admin-key-{n}"));
+            request.extensions_mut().insert(Operator(operator));
+            next.run(request).await
+        }
         Err(error) => error.into_response(),
     }
 }

@@ -73,6 +73,11 @@ pub fn router(state: AppState) -> Router {
         .route("/admin/requests/{id}", get(admin::get_request))
         .route("/admin/runs/{id}", get(admin::get_run))
         .route("/admin/runs/{id}/events", get(admin::run_events))
+        .route("/admin/approvals", get(admin::list_approvals))
+        .route("/admin/approvals/{id}", get(admin::get_approval))
+        .route("/admin/approvals/{id}/approve", post(admin::approve))
+        .route("/admin/approvals/{id}/deny", post(admin::deny))
+        .route("/admin/policy/explain", post(admin::explain_policy))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_admin_key,

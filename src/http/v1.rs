@@ -10,7 +10,6 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -18,8 +17,12 @@ use super::AppState;
 use super::extract::V1Json;
 use super::views::run_failure;
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::events::{ADAPTER_EVENT, PROGRESS_NARRATION, REQUEST_COMPLETED, is_terminal};
-use crate::runtime::{EventStream, NewRequest, Protocol, Submitted};
+use crate::runtime::events::{
+    ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_TOOL_RESULT, PHASE_TOOL_START,
+    PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
+    is_terminal,
+};
+use crate::runtime::{ApprovalWatch, NewRequest, Protocol, Submitted, Watched};
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, wire_name};
 
@@ -280,6 +283,8 @@ pub async fn chat_completions(
         created: chrono::Utc::now().timestamp(),
         model: request.model,
     };
+    let approval_wait = state.runtime.workspace().runtime.openai.approval_wait;
+    let events = ApprovalWatch::new(events, approval_wait);
     let mut response = if stream {
         stream_response(
             events,
@@ -351,13 +356,46 @@ fn terminal_failure(submitted: &Submitted, event: &EventRecord) -> ApiError {
     run_failure(&submitted.request_id, status, &error).on_openai_surface()
 }
 
+/// The 409 of a call that waited `approvalWait` on an approval.
+fn approval_pending(submitted: &Submitted, approval_id: &str) -> ApiError {
+    v1_error(
+        ErrorCode::ApprovalPending,
+        format!(
+            "the run waits on approval `{approval_id}` (protocols.openai.approvalWait passed); it continues, and its result will be at GET /runtime/requests/{}",
+            submitted.request_id
+        ),
+    )
+    .with_request_id(&submitted.request_id)
+}
+
+/// Events a client that opted in receives as `stable_harness.tool.progress`.
+fn is_tool_progress(event: &EventRecord) -> bool {
+    match event.event_type.as_str() {
+        TOOL_DIRECT_STARTED
+        | TOOL_DIRECT_COMPLETED
+        | TOOL_DENIED
+        | APPROVAL_REQUESTED
+        | APPROVAL_RESOLVED => true,
+        ADAPTER_EVENT => matches!(
+            event.data.pointer("/event/phase").and_then(Value::as_str),
+            Some(PHASE_TOOL_START | PHASE_TOOL_RESULT)
+        ),
+        _ => false,
+    }
+}
+
 async fn complete_response(
-    mut events: EventStream,
+    mut events: ApprovalWatch,
     completion: Completion,
     submitted: &Submitted,
 ) -> Result<Response, ApiError> {
-    while let Some(event) = events.next().await {
-        let event = event.map_err(ApiError::internal)?;
+    loop {
+        let event = match events.next().await {
+            Watched::Event(event) => event,
+            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
+            Watched::Failed(error) => return Err(ApiError::internal(error)),
+            Watched::Ended => break,
+        };
         if !is_terminal(&event.event_type) {
             continue;
         }
@@ -387,47 +425,69 @@ async fn complete_response(
 }
 
 async fn stream_response(
-    mut events: EventStream,
+    mut events: ApprovalWatch,
     completion: Completion,
     submitted: Submitted,
     include_usage: bool,
     named_events: bool,
 ) -> Result<Response, ApiError> {
-    // Hold the status line until the run produced text or ended, so that a run failing at
-    // once is answered with a proper error status instead of a broken stream.
+    // Hold the status line until the run produced text, ended or waits on an approval, so
+    // that a run failing at once is answered with a proper error status instead of a broken
+    // stream (and a pending approval gets keep-alives).
     let mut held = Vec::new();
-    let first = loop {
+    loop {
         match events.next().await {
-            None => {
+            Watched::Ended => {
                 return Err(ApiError::internal(
                     "the event stream ended before the request did",
                 ));
             }
-            Some(Err(error)) => return Err(ApiError::internal(error)),
-            Some(Ok(event)) => {
+            Watched::Failed(error) => return Err(ApiError::internal(error)),
+            Watched::StillPending(approval) => return Err(approval_pending(&submitted, &approval)),
+            Watched::Event(event) => {
                 if is_terminal(&event.event_type) && event.event_type != REQUEST_COMPLETED {
                     return Err(terminal_failure(&submitted, &event));
                 }
-                if delta_text(&event).is_some() || is_terminal(&event.event_type) {
-                    break event;
-                }
+                let start = delta_text(&event).is_some()
+                    || is_terminal(&event.event_type)
+                    || event.event_type == APPROVAL_REQUESTED;
                 held.push(event);
+                if start {
+                    break;
+                }
             }
         }
-    };
+    }
+    // Comments keep the connection alive while a call waits on an operator.
+    let keep_alive = (events.approval_wait() / 4).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(15),
+    );
     let body = async_stream::stream! {
         yield Ok::<Event, Infallible>(Event::default().data(completion.chunk(json!({ "role": "assistant", "content": "" }), None, include_usage).to_string()));
-        let pending = held.into_iter().chain(std::iter::once(first)).map(Ok);
-        let mut events = futures::stream::iter(pending).chain(events);
-        while let Some(event) = events.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(error) => {
-                    tracing::error!(%error, "event stream failed");
-                    yield Ok(Event::default().data(ApiError::internal(error).on_openai_surface().body().to_string()));
-                    return;
-                }
+        let mut held = held.into_iter();
+        loop {
+            let event = match held.next() {
+                Some(event) => event,
+                None => match events.next().await {
+                    Watched::Event(event) => event,
+                    Watched::Ended => return,
+                    Watched::StillPending(approval) => {
+                        yield Ok(Event::default().data(approval_pending(&submitted, &approval).body().to_string()));
+                        return;
+                    }
+                    Watched::Failed(error) => {
+                        tracing::error!(%error, "event stream failed");
+                        yield Ok(Event::default().data(ApiError::internal(error).on_openai_surface().body().to_string()));
+                        return;
+                    }
+                },
             };
+            if named_events && is_tool_progress(&event) {
+                let mut data = event.data.clone();
+                data["type"] = Value::String(event.event_type.clone());
+                yield Ok(Event::default().event("stable_harness.tool.progress").data(data.to_string()));
+            }
             if let Some(text) = delta_text(&event) {
                 yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
             } else if named_events && event.event_type == PROGRESS_NARRATION {
@@ -451,6 +511,6 @@ async fn stream_response(
         }
     };
     Ok(Sse::new(body)
-        .keep_alive(KeepAlive::default())
+        .keep_alive(KeepAlive::new().interval(keep_alive))
         .into_response())
 }

@@ -153,6 +153,13 @@ impl From<RuntimeError> for ApiError {
                 ErrorCode::RequestNotFound,
                 format!("request `{id}` not found"),
             ),
+            RuntimeError::ApprovalNotFound(id) => ApiError::new(
+                ErrorCode::ApprovalNotFound,
+                format!("approval `{id}` not found"),
+            ),
+            RuntimeError::ApprovalDecided { .. } => {
+                ApiError::new(ErrorCode::ApprovalDecided, error.to_string())
+            }
             RuntimeError::ShuttingDown => ApiError::new(ErrorCode::ShuttingDown, error.to_string()),
             RuntimeError::Store(error) => ApiError::internal(error),
             RuntimeError::Journal(error) => ApiError::internal(error),

@@ -9,6 +9,16 @@ pub const MODEL_CALL_COMPLETED: &str = "runtime.model.call.completed";
 pub const RETRY_SCHEDULED: &str = "runtime.retry.scheduled";
 pub const ADAPTER_EVENT: &str = "runtime.adapter.event";
 pub const PROGRESS_NARRATION: &str = "runtime.progress.narration";
+pub const TOOL_DIRECT_STARTED: &str = "runtime.tool.direct.started";
+pub const TOOL_DIRECT_COMPLETED: &str = "runtime.tool.direct.completed";
+pub const TOOL_DENIED: &str = "runtime.tool.denied";
+pub const APPROVAL_REQUESTED: &str = "runtime.approval.requested";
+pub const APPROVAL_RESOLVED: &str = "runtime.approval.resolved";
+
+/// Adapter phases (`data.event.phase` of `runtime.adapter.event`).
+pub const PHASE_OUTPUT_DELTA: &str = "agent.output.delta";
+pub const PHASE_TOOL_START: &str = "agent.tool.start";
+pub const PHASE_TOOL_RESULT: &str = "agent.tool.result";
 
 /// Whether an event of this type ends its request (nothing follows it for that run).
 pub fn is_terminal(event_type: &str) -> bool {

@@ -7,11 +7,13 @@
 //! duplicates. Concurrency is bounded: `limits.maxConcurrentRuns` run at once, as many more
 //! wait in line, and beyond that `submit` refuses with [`RuntimeError::Busy`].
 
+mod clock;
 pub mod events;
 mod hub;
 mod journal;
 mod narration;
 mod run;
+mod watch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,14 +26,16 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::adapters::Adapters;
+use crate::gateway::{ApprovalWaiters, ToolGateway};
 use crate::store::{
-    EventRecord, MessageRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
-    StoreError, WriteOp,
+    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, RequestRecord,
+    RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp,
 };
 use crate::workspace::CompiledWorkspace;
 
 pub use hub::EventHub;
 pub use journal::{Journal, JournalError};
+pub use watch::{ApprovalWatch, Watched};
 
 /// Events of one request, in `seq` order, ending after its terminal event.
 pub type EventStream =
@@ -106,6 +110,10 @@ pub enum RuntimeError {
     Busy { running: u32 },
     #[error("request `{0}` not found")]
     RequestNotFound(String),
+    #[error("approval `{0}` not found")]
+    ApprovalNotFound(String),
+    #[error("approval `{id}` was already decided: it is {status}")]
+    ApprovalDecided { id: String, status: &'static str },
     #[error("the runtime is shutting down")]
     ShuttingDown,
     #[error(transparent)]
@@ -127,6 +135,8 @@ struct Inner {
     journal: Journal,
     hub: Arc<EventHub>,
     adapters: Adapters,
+    gateway: ToolGateway,
+    approvals: Arc<ApprovalWaiters>,
     /// Runs executing plus runs waiting for a slot.
     admission: Arc<Semaphore>,
     /// Runs executing.
@@ -153,9 +163,18 @@ impl Runtime {
         let hub = Arc::new(EventHub::default());
         let journal = Journal::start(Arc::clone(&store), Arc::clone(&hub), &tasks);
         let limit = workspace.runtime.limits.max_concurrent_runs as usize;
+        let approvals = Arc::new(ApprovalWaiters::default());
+        let gateway = ToolGateway::new(
+            Arc::clone(&workspace),
+            Arc::clone(&store),
+            http.clone(),
+            Arc::clone(&approvals),
+        );
         Self {
             inner: Arc::new(Inner {
                 adapters: Adapters::new(http),
+                gateway,
+                approvals,
                 admission: Arc::new(Semaphore::new(limit.saturating_mul(2))),
                 slots: Arc::new(Semaphore::new(limit)),
                 workspace,
@@ -171,6 +190,10 @@ impl Runtime {
 
     pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
         &self.inner.workspace
+    }
+
+    pub fn gateway(&self) -> &ToolGateway {
+        &self.inner.gateway
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -237,6 +260,7 @@ impl Runtime {
             updated_at: now,
         })];
         let input = json!({ "messages": messages, "options": request.options });
+        let metadata = request.metadata.clone();
         ops.push(WriteOp::InsertRequest(RequestRecord {
             id: request_id.clone(),
             session_id: session_id.clone(),
@@ -313,6 +337,8 @@ impl Runtime {
             options: request.options,
             next_seq: 1,
             parent_message_id: parent_id,
+            metadata,
+            resumed: false,
             permit,
             slot,
         });
@@ -343,7 +369,11 @@ impl Runtime {
         let runs = self
             .inner
             .store
-            .runs_with_status(&[RunStatus::Queued, RunStatus::Running])
+            .runs_with_status(&[
+                RunStatus::Queued,
+                RunStatus::Running,
+                RunStatus::WaitingApproval,
+            ])
             .await?;
         let mut resumed = 0;
         for run in runs {
@@ -380,6 +410,8 @@ impl Runtime {
                 options,
                 next_seq,
                 parent_message_id: history.last().map(|m| m.id.clone()),
+                metadata: request.metadata.clone(),
+                resumed: true,
                 permit,
                 slot: None,
             });
@@ -462,20 +494,23 @@ impl Runtime {
         })
     }
 
-    /// Waits for a request to end (or `limit` to pass) and returns its record.
+    /// Waits for a request to end (or `limit` to pass, or a call of it to wait
+    /// `protocols.openai.approvalWait` on an approval) and returns its record.
     pub async fn wait(
         &self,
         request_id: &str,
         limit: std::time::Duration,
     ) -> Result<RequestRecord, RuntimeError> {
-        use futures::StreamExt;
-        let events = self.follow(request_id, 0);
+        let approval_wait = self.inner.workspace.runtime.openai.approval_wait;
+        let mut events = ApprovalWatch::new(self.follow(request_id, 0), approval_wait);
         let finished = tokio::time::timeout(limit, async {
-            let mut events = std::pin::pin!(events);
-            while let Some(event) = events.next().await {
-                event?;
+            loop {
+                match events.next().await {
+                    Watched::Event(_) => {}
+                    Watched::Ended | Watched::StillPending(_) => return Ok(()),
+                    Watched::Failed(error) => return Err(error),
+                }
             }
-            Ok::<_, StoreError>(())
         })
         .await;
         if let Ok(result) = finished {
@@ -508,6 +543,46 @@ impl Runtime {
         if let Err(error) = self.inner.journal.flush().await {
             tracing::error!(%error, "could not flush the store journal at shutdown");
         }
+    }
+
+    /// Approves or denies a pending approval, and wakes the call waiting on it (the run
+    /// resumes from the store on whichever instance holds it). Deciding twice is an error.
+    pub async fn decide_approval(
+        &self,
+        approval_id: &str,
+        approve: bool,
+        reason: Option<String>,
+        decided_by: &str,
+    ) -> Result<ApprovalRecord, RuntimeError> {
+        let decision = ApprovalDecision {
+            id: approval_id.to_owned(),
+            status: if approve {
+                ApprovalStatus::Approved
+            } else {
+                ApprovalStatus::Denied
+            },
+            reason,
+            decided_by: decided_by.to_owned(),
+            at: Utc::now(),
+        };
+        // An approval is inserted through the journal: commit what is queued so that a
+        // decision right after `runtime.approval.requested` finds it.
+        self.inner.journal.flush().await?;
+        let decided = self.inner.store.decide_approval(&decision).await?;
+        let approval = self
+            .inner
+            .store
+            .approval(approval_id)
+            .await?
+            .ok_or_else(|| RuntimeError::ApprovalNotFound(approval_id.to_owned()))?;
+        if !decided {
+            return Err(RuntimeError::ApprovalDecided {
+                id: approval.id,
+                status: approval.status.as_str(),
+            });
+        }
+        self.inner.approvals.notify(approval_id);
+        Ok(approval)
     }
 
     /// The number of runs executing or waiting (for health and tests).

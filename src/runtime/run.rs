@@ -1,19 +1,27 @@
 //! One run, from its slot to its terminal event. Every step is written through the journal:
-//! status changes, events (with gapless `seq`), the conversation state, the assistant message.
+//! status changes, events (with gapless `seq`), the conversation state after each step, tool
+//! call records and approvals, the assistant message. The run's tools go through the gateway
+//! bound to this run ([`RunTools`]); while a call waits on an approval the run is
+//! `waiting_approval` and its active-time budget is paused.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
 use serde_json::{Map, Value, json};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
+use super::clock::ActiveClock;
 use super::events::{
     PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
 };
 use super::{Runtime, Submitted, narration, new_id};
-use crate::adapters::{AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput};
+use crate::adapters::{
+    AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
+    ToolResult, ToolSpec,
+};
+use crate::gateway::{RunHost, RunScope, ToolGateway};
 use crate::store::{EventRecord, MessageRecord, RunStatus, WriteOp};
 use crate::workspace::{NarrationConfig, wire_name};
 
@@ -24,6 +32,10 @@ pub(super) struct RunJob {
     /// The `seq` the run's first event gets (1, or after a resumed request's last event).
     pub next_seq: i64,
     pub parent_message_id: Option<String>,
+    /// The request's metadata (policy input).
+    pub metadata: Value,
+    /// A run continued after a restart: its recorded tool calls and approvals are loaded.
+    pub resumed: bool,
     /// Held until the run ends: it counts the run against admission.
     pub permit: OwnedSemaphorePermit,
     /// An execution slot taken at submit time (the run was stored as running).
@@ -36,6 +48,9 @@ struct RunEvents {
     submitted: Submitted,
     seq: AtomicI64,
     narration: NarrationConfig,
+    /// The conversation at the last checkpoint (`None`: the input, untouched).
+    transcript: Mutex<Option<Vec<Value>>>,
+    clock: ActiveClock,
 }
 
 impl RunEvents {
@@ -87,6 +102,90 @@ impl EventSink for RunEvents {
     async fn emit(&self, event_type: &str, data: Value) {
         self.record(event_type, data).await;
     }
+
+    async fn checkpoint(&self, messages: &[Value]) {
+        if let Ok(mut transcript) = self.transcript.lock() {
+            *transcript = Some(messages.to_vec());
+        }
+        self.write(WriteOp::UpdateRun {
+            id: self.submitted.run_id.clone(),
+            status: RunStatus::Running,
+            error: None,
+            state: Some(json!({ "messages": messages })),
+            at: Utc::now(),
+        })
+        .await;
+    }
+}
+
+#[async_trait::async_trait]
+impl RunHost for RunEvents {
+    async fn emit(&self, event_type: &str, data: Value) {
+        self.record(event_type, data).await;
+    }
+
+    async fn write(&self, op: WriteOp) {
+        if let Err(error) = self.runtime.inner.journal.write(op).await {
+            tracing::error!(%error, "a run write could not be journaled");
+        }
+    }
+
+    async fn set_waiting(&self, waiting: bool) {
+        self.clock.pause(waiting);
+        let status = if waiting {
+            RunStatus::WaitingApproval
+        } else {
+            RunStatus::Running
+        };
+        set_status(&self.runtime, &self.submitted, status).await;
+    }
+}
+
+/// Moves a live run (and its request) to `status`.
+async fn set_status(runtime: &Runtime, submitted: &Submitted, status: RunStatus) {
+    let now = Utc::now();
+    let written = runtime
+        .inner
+        .journal
+        .write_all(vec![
+            WriteOp::UpdateRun {
+                id: submitted.run_id.clone(),
+                status,
+                error: None,
+                state: None,
+                at: now,
+            },
+            WriteOp::UpdateRequest {
+                id: submitted.request_id.clone(),
+                status,
+                output: None,
+                error: None,
+                usage: None,
+                at: now,
+            },
+        ])
+        .await;
+    if let Err(error) = written {
+        tracing::error!(%error, status = status.as_str(), "a run status could not be journaled");
+    }
+}
+
+/// The gateway, bound to one run: what the adapter calls tools through.
+struct RunTools<'a> {
+    gateway: &'a ToolGateway,
+    scope: RunScope<'a>,
+    specs: Vec<ToolSpec>,
+}
+
+#[async_trait::async_trait]
+impl ToolInvoker for RunTools<'_> {
+    fn specs(&self) -> &[ToolSpec] {
+        &self.specs
+    }
+
+    async fn call(&self, call: ToolCall) -> ToolResult {
+        self.gateway.call(&self.scope, call).await
+    }
 }
 
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
@@ -97,6 +196,8 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         options,
         next_seq,
         parent_message_id,
+        metadata,
+        resumed,
         permit,
         slot,
     } = job;
@@ -107,9 +208,15 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         submitted: submitted.clone(),
         seq: AtomicI64::new(next_seq),
         narration: inner.workspace.runtime.narration,
+        transcript: Mutex::new(None),
+        clock: ActiveClock::start(std::time::Duration::ZERO),
     };
     let Some(agent) = inner.workspace.agents.get(&submitted.agent_id) else {
         return;
+    };
+    let events = RunEvents {
+        clock: ActiveClock::start(agent.timeout),
+        ..events
     };
     // A run submitted while a slot was free was stored as running already; the others wait.
     let _slot = match slot {
@@ -143,6 +250,36 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
             slot
         }
     };
+    let mut scope = RunScope::new(
+        submitted.request_id.clone(),
+        submitted.run_id.clone(),
+        submitted.session_id.clone(),
+        agent,
+        metadata,
+        &events,
+        cancel.clone(),
+    );
+    if resumed && let Err(error) = scope.load_history(inner.store.as_ref()).await {
+        tracing::error!(%error, "the recorded tool calls of a resumed run could not be read");
+        finish(
+            runtime,
+            &events,
+            &submitted,
+            messages,
+            parent_message_id,
+            Err(AdapterError::new(
+                FailureKind::Unsupported,
+                format!("the run could not be resumed: {error}"),
+            )),
+        )
+        .await;
+        return;
+    }
+    let tools = RunTools {
+        gateway: &inner.gateway,
+        specs: inner.gateway.specs(agent),
+        scope,
+    };
     events
         .record(
             REQUEST_STARTED,
@@ -165,11 +302,12 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
                 messages: &messages,
                 options: &options,
                 events: &events,
+                tools: &tools,
                 cancel: cancel.clone(),
             };
-            match tokio::time::timeout(agent.timeout, adapter.run(context)).await {
-                Ok(result) => result,
-                Err(_) => Err(AdapterError::new(
+            tokio::select! {
+                result = adapter.run(context) => result,
+                () = events.clock.expired() => Err(AdapterError::new(
                     FailureKind::Timeout,
                     format!(
                         "agent `{}` exceeded its timeout of {}s",
@@ -180,6 +318,7 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
             }
         }
     };
+    drop(tools);
     finish(
         runtime,
         &events,
@@ -206,6 +345,9 @@ async fn finish(
     let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
     let mut state = None;
+    if let Some(transcript) = events.transcript.lock().ok().and_then(|mut t| t.take()) {
+        messages = transcript;
+    }
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });

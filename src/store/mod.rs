@@ -72,6 +72,20 @@ pub trait Store: Send + Sync + 'static {
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError>;
     /// The messages of a session, oldest first.
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;
+    async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError>;
+    /// Newest first, optionally only those in `status`; `page.cursor` as for requests.
+    async fn approvals(
+        &self,
+        status: Option<ApprovalStatus>,
+        page: &PageRequest,
+    ) -> Result<Page<ApprovalRecord>, StoreError>;
+    /// The approvals of one run, oldest first.
+    async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError>;
+    /// Moves a pending approval to `decision`. `false` when it was not pending (or does not
+    /// exist): a decision is taken once, whichever instance or operator comes first.
+    async fn decide_approval(&self, decision: &ApprovalDecision) -> Result<bool, StoreError>;
+    /// The recorded tool calls of one run.
+    async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;
     /// Cheap liveness check for `/readyz`.
     async fn ping(&self) -> Result<(), StoreError>;
     /// Where the data lives, for the startup line (never includes credentials).

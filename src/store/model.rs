@@ -121,6 +121,92 @@ pub struct EventRecord {
     pub data: Value,
 }
 
+/// Approval status (SPEC section 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    Pending,
+    Approved,
+    Denied,
+    Expired,
+    Cancelled,
+}
+
+impl ApprovalStatus {
+    pub const ALL: [ApprovalStatus; 5] = [
+        Self::Pending,
+        Self::Approved,
+        Self::Denied,
+        Self::Expired,
+        Self::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Approved => "approved",
+            Self::Denied => "denied",
+            Self::Expired => "expired",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|status| status.as_str() == text)
+    }
+}
+
+/// A human decision about one tool call, pending or taken.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalRecord {
+    pub id: String,
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub agent_id: String,
+    pub tool_call_id: String,
+    pub tool_id: String,
+    /// The call's arguments, secrets redacted.
+    #[schema(value_type = Object)]
+    pub arguments: Value,
+    /// The governance rule that asked for the approval (`None`: the default decision).
+    pub rule: Option<String>,
+    pub status: ApprovalStatus,
+    pub reason: Option<String>,
+    pub decided_by: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub decided_at: Option<DateTime<Utc>>,
+}
+
+/// A decision about a pending approval.
+#[derive(Debug, Clone)]
+pub struct ApprovalDecision {
+    pub id: String,
+    pub status: ApprovalStatus,
+    pub reason: Option<String>,
+    pub decided_by: String,
+    pub at: DateTime<Utc>,
+}
+
+/// A tool call's recorded result: the gateway returns it instead of running the call again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolCallRecord {
+    pub run_id: String,
+    pub tool_call_id: String,
+    pub request_id: String,
+    pub tool_id: String,
+    pub arguments: Value,
+    /// `completed`, `failed`, `denied`, `not_allowed`, `invalid_arguments`.
+    pub outcome: String,
+    /// What the model was given.
+    pub result: Value,
+    pub duration_ms: i64,
+    pub recorded_at: DateTime<Utc>,
+}
+
 /// A write, applied in order within one transaction by [`super::Store::apply`].
 #[derive(Debug, Clone)]
 pub enum WriteOp {
@@ -146,6 +232,9 @@ pub enum WriteOp {
         at: DateTime<Utc>,
     },
     AppendEvent(EventRecord),
+    InsertApproval(ApprovalRecord),
+    /// Inserts or replaces the result of a tool call.
+    RecordToolCall(ToolCallRecord),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -165,4 +254,17 @@ pub struct PageRequest {
 pub struct Page<T> {
     pub items: Vec<T>,
     pub next_cursor: Option<String>,
+}
+
+impl<T> Page<T> {
+    /// A page from `limit + 1` fetched rows: the extra row only says that more follow.
+    pub fn from_overfetch(mut items: Vec<T>, limit: i64, cursor_of: impl Fn(&T) -> String) -> Self {
+        let next_cursor = if items.len() as i64 > limit {
+            items.truncate(limit.max(0) as usize);
+            items.last().map(cursor_of)
+        } else {
+            None
+        };
+        Self { items, next_cursor }
+    }
 }

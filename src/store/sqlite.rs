@@ -19,8 +19,9 @@ use sqlx::{Row, SqlitePool};
 
 use super::sqlite_writer::SqliteWriter;
 use super::{
-    EventRecord, MessageRecord, Page, PageRequest, RequestFilter, RequestRecord, RunRecord,
-    RunStatus, SessionRecord, Store, StoreError, WriteOp,
+    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, Page,
+    PageRequest, RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
+    StoreError, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -162,6 +163,28 @@ fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
     })
 }
 
+fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
+    let status: String = row.try_get("status")?;
+    Ok(ApprovalRecord {
+        id: row.try_get("id")?,
+        request_id: row.try_get("request_id")?,
+        run_id: row.try_get("run_id")?,
+        session_id: row.try_get("session_id")?,
+        agent_id: row.try_get("agent_id")?,
+        tool_call_id: row.try_get("tool_call_id")?,
+        tool_id: row.try_get("tool_id")?,
+        arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
+        rule: row.try_get("rule")?,
+        status: ApprovalStatus::parse(&status)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown approval status `{status}`")))?,
+        reason: row.try_get("reason")?,
+        decided_by: row.try_get("decided_by")?,
+        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
+        expires_at: parse_time_opt(row.try_get("expires_at")?)?,
+        decided_at: parse_time_opt(row.try_get("decided_at")?)?,
+    })
+}
+
 const EVENT_COLUMNS: &str = "id, request_id, run_id, session_id, agent_id, seq, type, at, data";
 
 #[async_trait::async_trait]
@@ -197,17 +220,11 @@ impl Store for SqliteStore {
         .bind(page.limit + 1)
         .fetch_all(&self.reader)
         .await?;
-        let mut items = rows
+        let items = rows
             .iter()
             .map(request_from_row)
             .collect::<Result<Vec<_>, _>>()?;
-        let next_cursor = if items.len() as i64 > page.limit {
-            items.truncate(page.limit as usize);
-            items.last().map(|r| r.id.clone())
-        } else {
-            None
-        };
-        Ok(Page { items, next_cursor })
+        Ok(Page::from_overfetch(items, page.limit, |r| r.id.clone()))
     }
 
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
@@ -313,6 +330,69 @@ impl Store for SqliteStore {
                     role: row.try_get("role")?,
                     content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
                     created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM approvals WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await?;
+        row.as_ref().map(approval_from_row).transpose()
+    }
+
+    async fn approvals(
+        &self,
+        status: Option<ApprovalStatus>,
+        page: &PageRequest,
+    ) -> Result<Page<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM approvals WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR id < ?2)
+             ORDER BY id DESC LIMIT ?3",
+        )
+        .bind(status.map(ApprovalStatus::as_str))
+        .bind(&page.cursor)
+        .bind(page.limit + 1)
+        .fetch_all(&self.reader)
+        .await?;
+        let items = rows
+            .iter()
+            .map(approval_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |a| a.id.clone()))
+    }
+
+    async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = ? ORDER BY id")
+            .bind(run_id)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter().map(approval_from_row).collect()
+    }
+
+    async fn decide_approval(&self, decision: &ApprovalDecision) -> Result<bool, StoreError> {
+        self.writer.decide(decision.clone()).await
+    }
+
+    async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = ?")
+            .bind(run_id)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(ToolCallRecord {
+                    run_id: row.try_get("run_id")?,
+                    tool_call_id: row.try_get("tool_call_id")?,
+                    request_id: row.try_get("request_id")?,
+                    tool_id: row.try_get("tool_id")?,
+                    arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
+                    outcome: row.try_get("outcome")?,
+                    result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
+                    duration_ms: row.try_get("duration_ms")?,
+                    recorded_at: parse_time(&row.try_get::<String, _>("recorded_at")?)?,
                 })
             })
             .collect()

@@ -14,9 +14,12 @@ use rusqlite::{Connection, params};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
-use super::{StoreError, WriteOp};
+use super::{ApprovalDecision, StoreError, WriteOp};
 
-type Job = (Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>);
+enum Job {
+    Apply(Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>),
+    Decide(ApprovalDecision, oneshot::Sender<Result<bool, StoreError>>),
+}
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
 #[derive(Debug)]
@@ -46,13 +49,24 @@ impl SqliteWriter {
     /// Applies `ops` in one transaction on the writer thread.
     pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<(), StoreError> {
         let (done, result) = oneshot::channel();
-        self.jobs
-            .send((ops, done))
-            .map_err(|_| StoreError::Writer("the writer thread stopped".into()))?;
-        result
-            .await
-            .map_err(|_| StoreError::Writer("the writer thread stopped".into()))?
+        self.send(Job::Apply(ops, done))?;
+        result.await.map_err(|_| stopped())?
     }
+
+    /// Moves a pending approval to its decision; `false` if it was not pending.
+    pub async fn decide(&self, decision: ApprovalDecision) -> Result<bool, StoreError> {
+        let (done, result) = oneshot::channel();
+        self.send(Job::Decide(decision, done))?;
+        result.await.map_err(|_| stopped())?
+    }
+
+    fn send(&self, job: Job) -> Result<(), StoreError> {
+        self.jobs.send(job).map_err(|_| stopped())
+    }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Writer("the writer thread stopped".into())
 }
 
 fn writer_error(error: rusqlite::Error) -> StoreError {
@@ -60,10 +74,32 @@ fn writer_error(error: rusqlite::Error) -> StoreError {
 }
 
 fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>) {
-    while let Ok((ops, done)) = queue.recv() {
-        let result = apply(&mut connection, &ops).map_err(writer_error);
-        let _ = done.send(result);
+    while let Ok(job) = queue.recv() {
+        match job {
+            Job::Apply(ops, done) => {
+                let _ = done.send(apply(&mut connection, &ops).map_err(writer_error));
+            }
+            Job::Decide(decision, done) => {
+                let _ = done.send(decide(&connection, &decision).map_err(writer_error));
+            }
+        }
     }
+}
+
+fn decide(connection: &Connection, decision: &ApprovalDecision) -> rusqlite::Result<bool> {
+    let changed = connection
+        .prepare_cached(
+            "UPDATE approvals SET status = ?1, reason = ?2, decided_by = ?3, decided_at = ?4
+             WHERE id = ?5 AND status = 'pending'",
+        )?
+        .execute(params![
+            decision.status.as_str(),
+            decision.reason,
+            decision.decided_by,
+            time(&decision.at),
+            decision.id
+        ])?;
+    Ok(changed == 1)
 }
 
 fn time(value: &DateTime<Utc>) -> String {
@@ -184,6 +220,50 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
                      WHERE id = ?5",
                 )?
                 .execute(params![status.as_str(), json_opt(error), json_opt(state), time(at), id])?;
+            }
+            WriteOp::InsertApproval(approval) => {
+                tx.prepare_cached(
+                    "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
+                     arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                )?
+                .execute(params![
+                    approval.id,
+                    approval.request_id,
+                    approval.run_id,
+                    approval.session_id,
+                    approval.agent_id,
+                    approval.tool_call_id,
+                    approval.tool_id,
+                    json(&approval.arguments),
+                    approval.rule,
+                    approval.status.as_str(),
+                    approval.reason,
+                    approval.decided_by,
+                    time(&approval.created_at),
+                    approval.expires_at.as_ref().map(time),
+                    approval.decided_at.as_ref().map(time)
+                ])?;
+            }
+            WriteOp::RecordToolCall(call) => {
+                tx.prepare_cached(
+                    "INSERT INTO tool_calls (run_id, tool_call_id, request_id, tool_id, arguments, outcome, result,
+                     duration_ms, recorded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                     ON CONFLICT(run_id, tool_call_id) DO UPDATE SET tool_id = excluded.tool_id,
+                     arguments = excluded.arguments, outcome = excluded.outcome, result = excluded.result,
+                     duration_ms = excluded.duration_ms, recorded_at = excluded.recorded_at",
+                )?
+                .execute(params![
+                    call.run_id,
+                    call.tool_call_id,
+                    call.request_id,
+                    call.tool_id,
+                    json(&call.arguments),
+                    call.outcome,
+                    json(&call.result),
+                    call.duration_ms,
+                    time(&call.recorded_at)
+                ])?;
             }
             WriteOp::AppendEvent(event) => {
                 tx.prepare_cached(

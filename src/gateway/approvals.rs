@@ -1,0 +1,95 @@
+//! Waiting on a durable approval. The approval lives in the store; a decision taken in this
+//! process wakes its waiter at once through [`ApprovalWaiters`] (no polling loop), and the
+//! waiter always re-reads the store, which is the only source of truth.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use chrono::Utc;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{ApprovalDecision, ApprovalRecord, ApprovalStatus, Store};
+
+/// Wake-ups for calls waiting on approvals, by approval id.
+#[derive(Debug, Default)]
+pub struct ApprovalWaiters {
+    waiting: Mutex<HashMap<String, Arc<Notify>>>,
+}
+
+impl ApprovalWaiters {
+    fn register(&self, approval_id: &str) -> Arc<Notify> {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(waiting.entry(approval_id.to_owned()).or_default())
+    }
+
+    fn release(&self, approval_id: &str) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        waiting.remove(approval_id);
+    }
+
+    /// Wakes whoever waits on `approval_id` (it then reads the decision from the store).
+    pub fn notify(&self, approval_id: &str) {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(notify) = waiting.get(approval_id) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+/// Waits until the approval is no longer pending and returns it as decided. When it expires
+/// first, this side marks it `expired` (unless a decision wins the race). `Err` when the run
+/// is cancelled meanwhile or the store cannot be read.
+pub(super) async fn wait_for_decision(
+    store: &dyn Store,
+    waiters: &ApprovalWaiters,
+    approval: &ApprovalRecord,
+    cancel: &CancellationToken,
+) -> Result<ApprovalRecord, String> {
+    let notify = waiters.register(&approval.id);
+    let result = async {
+        loop {
+            // Armed before reading, so a decision committed after the read still wakes us.
+            let woken = notify.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let current = store
+                .approval(&approval.id)
+                .await
+                .map_err(|error| format!("the approval could not be read: {error}"))?
+                .unwrap_or_else(|| approval.clone());
+            if current.status != ApprovalStatus::Pending {
+                return Ok(current);
+            }
+            let until_expiry = current
+                .expires_at
+                .map(|at| (at - Utc::now()).to_std().unwrap_or_default());
+            let expiry = async {
+                match until_expiry {
+                    Some(delay) => tokio::time::sleep(delay).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = &mut woken => {}
+                () = cancel.cancelled() => return Err("the run was cancelled while the call waited for approval".to_owned()),
+                () = expiry => {
+                    let decision = ApprovalDecision {
+                        id: approval.id.clone(),
+                        status: ApprovalStatus::Expired,
+                        reason: Some("nobody decided before the approval timeout".to_owned()),
+                        decided_by: "system:timeout".to_owned(),
+                        at: Utc::now(),
+                    };
+                    store
+                        .decide_approval(&decision)
+                        .await
+                        .map_err(|error| format!("the approval could not be expired: {error}"))?;
+                }
+            }
+        }
+    }
+    .await;
+    waiters.release(&approval.id);
+    result
+}

@@ -1,0 +1,183 @@
+//! `mcp` tools: calls to tools of the MCP servers declared in `Runtime.spec.mcpServers`, over
+//! stdio (a child process, scrubbed environment, workspace as cwd) or streamable HTTP, through
+//! the official Rust SDK (`rmcp`). A server is connected on first use and kept; a server that
+//! died is forgotten, so the next call starts it again.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+
+use rmcp::ServiceExt;
+use rmcp::model::{CallToolRequestParams, ContentBlock};
+use rmcp::service::{RoleClient, RunningService, ServiceError};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use serde_json::Value;
+use tokio::sync::Mutex;
+
+use super::ToolError;
+use crate::workspace::{CompiledWorkspace, McpServerConfig, McpTransport};
+
+type Client = RunningService<RoleClient, ()>;
+
+/// Connections to the workspace's MCP servers, by server name.
+pub struct McpClients {
+    workspace: Arc<CompiledWorkspace>,
+    http: reqwest::Client,
+    connected: Mutex<HashMap<String, Arc<Client>>>,
+}
+
+impl std::fmt::Debug for McpClients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpClients").finish_non_exhaustive()
+    }
+}
+
+impl McpClients {
+    pub fn new(workspace: Arc<CompiledWorkspace>, http: reqwest::Client) -> Self {
+        Self {
+            workspace,
+            http,
+            connected: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(super) async fn call(
+        &self,
+        server: &str,
+        tool: &str,
+        arguments: Value,
+    ) -> Result<Value, ToolError> {
+        let client = self.client(server).await?;
+        let mut params = CallToolRequestParams::new(tool.to_owned());
+        if let Value::Object(arguments) = arguments {
+            params = params.with_arguments(arguments);
+        }
+        match client.call_tool(params).await {
+            Ok(result) => {
+                let text: Vec<&str> = result
+                    .content
+                    .iter()
+                    .filter_map(|block| match block {
+                        ContentBlock::Text(text) => Some(text.text.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                let text = text.join("\n");
+                if result.is_error == Some(true) {
+                    return Err(ToolError::new(
+                        "tool_error",
+                        format!("MCP tool `{tool}` on `{server}` reported an error: {text}"),
+                    ));
+                }
+                Ok(match result.structured_content {
+                    Some(structured) => structured,
+                    None => serde_json::from_str(&text).unwrap_or(Value::String(text)),
+                })
+            }
+            Err(ServiceError::McpError(error)) => Err(ToolError::new(
+                "tool_error",
+                format!(
+                    "MCP server `{server}` refused the call to `{tool}`: {}",
+                    error.message
+                ),
+            )),
+            Err(error) => {
+                // The connection is unusable (the server died, the stream broke): start afresh next time.
+                self.forget(server, &client).await;
+                Err(ToolError::new(
+                    "unavailable",
+                    format!("MCP server `{server}` failed during the call to `{tool}`: {error}"),
+                ))
+            }
+        }
+    }
+
+    async fn client(&self, name: &str) -> Result<Arc<Client>, ToolError> {
+        let mut connected = self.connected.lock().await;
+        if let Some(client) = connected.get(name) {
+            if !client.is_transport_closed() {
+                return Ok(Arc::clone(client));
+            }
+            connected.remove(name);
+        }
+        let Some(server) = self.workspace.runtime.mcp_servers.get(name) else {
+            return Err(ToolError::new(
+                "unavailable",
+                format!("MCP server `{name}` is not declared"),
+            ));
+        };
+        let client = tokio::time::timeout(server.timeout, self.connect(server))
+            .await
+            .map_err(|_| {
+                ToolError::new(
+                    "unavailable",
+                    format!(
+                        "MCP server `{name}` did not complete its handshake within {}s",
+                        server.timeout.as_secs_f64()
+                    ),
+                )
+            })??;
+        let client = Arc::new(client);
+        connected.insert(name.to_owned(), Arc::clone(&client));
+        Ok(client)
+    }
+
+    async fn connect(&self, server: &McpServerConfig) -> Result<Client, ToolError> {
+        let failed = |error: &dyn std::fmt::Display| {
+            ToolError::new(
+                "unavailable",
+                format!("cannot connect to MCP server `{}`: {error}", server.name),
+            )
+        };
+        match &server.transport {
+            McpTransport::Stdio(command) => {
+                let mut child = tokio::process::Command::new(&command.program);
+                child
+                    .args(&command.args)
+                    .current_dir(&self.workspace.root)
+                    .env_clear();
+                if let Some(path) = std::env::var_os("PATH") {
+                    child.env("PATH", path);
+                }
+                for variable in &command.env {
+                    if let Some(value) = std::env::var_os(variable) {
+                        child.env(variable, value);
+                    }
+                }
+                let (transport, _) = TokioChildProcess::builder(child)
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .map_err(|e| failed(&e))?;
+                ().serve(transport).await.map_err(|e| failed(&e))
+            }
+            McpTransport::Http { url, headers_env } => {
+                let mut headers = HashMap::new();
+                for (header, variable) in headers_env {
+                    let value = std::env::var(variable).map_err(|_| {
+                        failed(&format!(
+                            "environment variable {variable} (header {header}) is not set"
+                        ))
+                    })?;
+                    let name = reqwest::header::HeaderName::from_bytes(header.as_bytes())
+                        .map_err(|e| failed(&e))?;
+                    let value =
+                        reqwest::header::HeaderValue::from_str(&value).map_err(|e| failed(&e))?;
+                    headers.insert(name, value);
+                }
+                let mut config = StreamableHttpClientTransportConfig::with_uri(url.as_str());
+                config.custom_headers = headers;
+                let transport =
+                    StreamableHttpClientTransport::with_client(self.http.clone(), config);
+                ().serve(transport).await.map_err(|e| failed(&e))
+            }
+        }
+    }
+
+    async fn forget(&self, name: &str, client: &Arc<Client>) {
+        let mut connected = self.connected.lock().await;
+        if connected.get(name).is_some_and(|c| Arc::ptr_eq(c, client)) {
+            connected.remove(name);
+        }
+    }
+}

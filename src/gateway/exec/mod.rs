@@ -1,0 +1,97 @@
+//! Tool implementations: `http`, `command`, `mcp` and `builtin`. Each turns JSON arguments into
+//! a JSON output or a typed [`ToolError`]; the gateway around them owns timeouts, policy,
+//! redaction and recording.
+
+mod builtin;
+mod command;
+mod http;
+mod mcp;
+
+use serde_json::Value;
+
+pub use mcp::McpClients;
+
+use crate::workspace::{AgentConfig, CompiledWorkspace, ToolConfig, ToolImplementation};
+
+/// What an implementation may use.
+pub(super) struct ExecContext<'a> {
+    pub workspace: &'a CompiledWorkspace,
+    pub agent: &'a AgentConfig,
+    pub http: &'a reqwest::Client,
+    pub mcp: &'a McpClients,
+}
+
+/// A tool that ran and failed. `code` is stable (`timeout`, `http_status`, `exit_status`,
+/// `bad_output`, `output_too_large`, `unavailable`, `tool_error`, ...).
+#[derive(Debug, Clone)]
+pub(super) struct ToolError {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ToolError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+pub(super) async fn run(
+    context: &ExecContext<'_>,
+    tool: &ToolConfig,
+    arguments: Value,
+) -> Result<Value, ToolError> {
+    match &tool.implementation {
+        ToolImplementation::Builtin(builtin) => builtin::run(context, *builtin, &arguments).await,
+        ToolImplementation::Http {
+            method,
+            url,
+            headers_env,
+            max_response_bytes,
+        } => {
+            http::run(
+                context.http,
+                http::HttpTool {
+                    method: *method,
+                    url,
+                    headers_env,
+                    max_response_bytes: *max_response_bytes,
+                },
+                &arguments,
+            )
+            .await
+        }
+        ToolImplementation::Command {
+            command,
+            max_output_bytes,
+        } => {
+            command::run(
+                &context.workspace.root,
+                command,
+                *max_output_bytes,
+                &arguments,
+            )
+            .await
+        }
+        ToolImplementation::Mcp { server, tool: name } => {
+            context.mcp.call(server, name, arguments).await
+        }
+    }
+}
+
+/// Parses a tool's output as JSON; text that is not JSON becomes a JSON string.
+fn json_or_text(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned()))
+}
+
+/// At most 300 characters of `text`, for error messages.
+fn excerpt(text: &str) -> String {
+    let trimmed = text.trim();
+    match trimmed.char_indices().nth(300) {
+        Some((index, _)) => format!("{}…", &trimmed[..index]),
+        None => trimmed.to_owned(),
+    }
+}
