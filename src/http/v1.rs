@@ -285,7 +285,7 @@ pub async fn chat_completions(
     };
     let approval_wait = state.runtime.workspace().runtime.openai.approval_wait;
     let events = ApprovalWatch::new(events, approval_wait);
-    let mut response = if stream {
+    let answered = if stream {
         stream_response(
             events,
             completion,
@@ -293,10 +293,12 @@ pub async fn chat_completions(
             include_usage,
             named_events,
         )
-        .await?
+        .await
     } else {
-        complete_response(events, completion, &submitted).await?
+        complete_response(events, completion, &submitted).await
     };
+    // Errors after the submit name the request too: its run may go on (approval_pending).
+    let mut response = answered.unwrap_or_else(IntoResponse::into_response);
     let headers = response.headers_mut();
     for (name, value) in [
         (REQUEST_ID_HEADER, &submitted.request_id),

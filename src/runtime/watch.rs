@@ -55,7 +55,9 @@ impl ApprovalWatch {
             Some(deadline) => match tokio::time::timeout_at(deadline, self.events.next()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    return Watched::StillPending(self.pending.first().cloned().unwrap_or_default());
+                    return Watched::StillPending(
+                        self.pending.first().cloned().unwrap_or_default(),
+                    );
                 }
             },
             None => self.events.next().await,

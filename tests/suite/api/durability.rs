@@ -276,3 +276,95 @@ async fn a_run_interrupted_by_kill_9_resumes_after_restart() {
     assert_eq!(starts, 2, "the resumed run announces itself again");
     terminate(&mut second);
 }
+
+#[tokio::test]
+async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the_tool_once() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    let tools = super::tools::ToolServer::start().await;
+    upstream.push([
+        Reply::call("payments_refund", r#"{"amount":40}"#),
+        Reply::Text("refund done after the crash".into()),
+    ]);
+    let workspace = super::tools::tools_workspace(&upstream, &tools, "");
+    let http = reqwest::Client::new();
+    let (mut first, base) = start_server(workspace.path());
+    let accepted: serde_json::Value = http
+        .post(format!("{base}/runtime/requests"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "agentId": "clerk", "input": { "text": "refund" } }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let pending = |base: String| {
+        let http = http.clone();
+        async move {
+            for _ in 0..400 {
+                let page: serde_json::Value = http
+                    .get(format!("{base}/admin/approvals?status=pending"))
+                    .bearer_auth(ADMIN_KEY)
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                if let Some(approval) = page["data"].as_array().and_then(|d| d.first()) {
+                    return approval.clone();
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            panic!("no pending approval");
+        }
+    };
+    let approval = pending(base.clone()).await;
+    first.kill().unwrap();
+    let _ = first.wait();
+
+    let (mut second, base) = start_server(workspace.path());
+    let again = pending(base.clone()).await;
+    assert_eq!(
+        again["id"], approval["id"],
+        "the same approval survived the crash"
+    );
+    let decided = http
+        .post(format!(
+            "{base}/admin/approvals/{}/approve",
+            approval["id"].as_str().unwrap()
+        ))
+        .bearer_auth(ADMIN_KEY)
+        .json(&json!({ "reason": "after restart" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(decided.status(), 200);
+    let mut view = serde_json::Value::Null;
+    for _ in 0..400 {
+        view = http
+            .get(format!("{base}/runtime/requests/{request_id}"))
+            .bearer_auth(CLIENT_KEY)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if view["status"] == "completed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["output"], "refund done after the crash");
+    assert_eq!(tools.count("/refund"), 1, "the tool ran exactly once");
+    assert_eq!(
+        upstream.calls().len(),
+        2,
+        "the model was not asked again for the call"
+    );
+    terminate(&mut second);
+}

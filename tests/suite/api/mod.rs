@@ -7,6 +7,7 @@ mod admin;
 mod durability;
 mod recovery;
 mod runtime_api;
+pub mod tools;
 mod v1;
 
 use std::sync::Arc;

@@ -31,6 +31,16 @@ pub enum Reply {
     CutAfter(String),
     /// A stream of this text with a pause between words.
     Slow { text: String, pause: Duration },
+    /// A turn that calls tools: (function name, arguments as the JSON text a model sends).
+    /// Streamed as fragments (the arguments cut in two), as OpenAI does.
+    ToolCalls(Vec<(String, String)>),
+}
+
+impl Reply {
+    /// A turn calling one function.
+    pub fn call(name: &str, arguments: &str) -> Self {
+        Self::ToolCalls(vec![(name.to_owned(), arguments.to_owned())])
+    }
 }
 
 /// One call the upstream received.
@@ -103,6 +113,7 @@ async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> R
     match reply {
         Reply::Text(text) => answer(&model, &text, stream, Duration::ZERO),
         Reply::Slow { text, pause } => answer(&model, &text, stream, pause),
+        Reply::ToolCalls(calls) => tool_calls(&model, &calls, stream),
         Reply::Stall(delay) => {
             tokio::time::sleep(delay).await;
             answer(&model, "too late", stream, Duration::ZERO)
@@ -186,6 +197,44 @@ fn answer(model: &str, text: &str, stream: bool, pause: Duration) -> Response {
     parts.push(Ok(format!("data: {usage_chunk}\n\n")));
     parts.push(Ok("data: [DONE]\n\n".into()));
     sse(parts, pause)
+}
+
+fn tool_calls(model: &str, calls: &[(String, String)], stream: bool) -> Response {
+    let id = |index: usize| format!("call_{index}_{}", fastrand::u32(..));
+    if !stream {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(index, (name, arguments))| json!({ "id": id(index), "type": "function", "function": { "name": name, "arguments": arguments } }))
+            .collect();
+        return axum::Json(json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": calls }, "finish_reason": "tool_calls" }],
+            "usage": { "prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25 },
+        }))
+        .into_response();
+    }
+    let mut parts = vec![Ok(chunk(
+        model,
+        json!({ "role": "assistant", "content": null }),
+        None,
+    ))];
+    for (index, (name, arguments)) in calls.iter().enumerate() {
+        let (head, tail) = arguments.split_at(arguments.len() / 2);
+        parts.push(Ok(chunk(
+            model,
+            json!({ "tool_calls": [{ "index": index, "id": id(index), "type": "function", "function": { "name": name, "arguments": head } }] }),
+            None,
+        )));
+        parts.push(Ok(chunk(
+            model,
+            json!({ "tool_calls": [{ "index": index, "function": { "arguments": tail } }] }),
+            None,
+        )));
+    }
+    parts.push(Ok(chunk(model, json!({}), Some("tool_calls"))));
+    parts.push(Ok("data: [DONE]\n\n".into()));
+    sse(parts, Duration::ZERO)
 }
 
 fn sse(parts: Vec<Result<String, std::io::Error>>, pause: Duration) -> Response {
