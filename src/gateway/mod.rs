@@ -282,7 +282,7 @@ impl ToolGateway {
         arguments: &Value,
         metadata: &Value,
     ) -> Explanation {
-        let allowed = agent.tools.iter().any(|id| *id == tool.id);
+        let allowed = agent.tools.contains(&tool.id);
         let argument_errors = match parse_arguments(arguments) {
             Ok(arguments) => schema_errors(tool, &arguments),
             Err(message) => vec![message],
@@ -319,8 +319,7 @@ impl ToolGateway {
         let tool = scope
             .agent
             .tools
-            .iter()
-            .any(|id| *id == call.tool_id)
+            .contains(&call.tool_id)
             .then(|| self.workspace.tools.get(&call.tool_id))
             .flatten();
         let Some(tool) = tool else {

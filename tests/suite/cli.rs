@@ -287,3 +287,38 @@ fn yaml_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     files.sort();
     files
 }
+
+/// A scripted agent whose only step is a tool call that needs approval (`default: needs_approval`).
+fn approval_workspace() -> TestWorkspace {
+    let workspace = TestWorkspace::base();
+    workspace.write(
+        "config/runtime/workspace.yaml",
+        "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  defaultAgent: clockwatcher\n  governance: { default: needs_approval }\n",
+    );
+    workspace.write(
+        "config/agents/clockwatcher.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: clockwatcher }\nspec:\n  backend: scripted\n  tools: [echo]\n  script:\n    - toolCall: { tool: echo, arguments: { said: hi } }\n    - reply: checked\n",
+    );
+    workspace
+}
+
+#[test]
+fn run_asks_for_approval_denies_without_a_terminal_and_approve_all_approves() {
+    let workspace = approval_workspace();
+    let dir = workspace.path().to_str().unwrap();
+    // No terminal on stdin: the call is denied, the run still answers, the exit code says so.
+    let denied = stable_harness(&["run", "-w", dir, "--json", "check"]);
+    assert_eq!(denied.status.code(), Some(3), "{}", stderr(&denied));
+    assert!(
+        stderr(&denied).contains("no terminal"),
+        "{}",
+        stderr(&denied)
+    );
+    let lines = stdout(&denied);
+    assert!(lines.contains("\"decision\":\"denied\""), "{lines}");
+    assert!(lines.contains("approval_denied"), "{lines}");
+
+    let approved = stable_harness(&["run", "-w", dir, "--approve-all", "check"]);
+    assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));
+    assert_eq!(stdout(&approved).trim(), "checked");
+}

@@ -5,6 +5,7 @@ pub mod upstream;
 
 mod admin;
 mod durability;
+mod mcp;
 mod recovery;
 mod runtime_api;
 pub mod tools;

@@ -17,18 +17,21 @@ use super::upstream::{MockUpstream, Reply};
 use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, types};
 use crate::helpers::TestWorkspace;
 
+/// Every call a [`ToolServer`] received: (path, JSON body).
+type CallLog = Arc<Mutex<Vec<(String, Value)>>>;
+
 /// A tool service on loopback that records every call it receives, by path.
 #[derive(Clone, Default)]
 pub struct ToolServer {
     pub url: String,
-    calls: Arc<Mutex<Vec<(String, Value)>>>,
+    calls: CallLog,
 }
 
 impl ToolServer {
     pub async fn start() -> Self {
-        let calls: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+        let calls: CallLog = Arc::default();
         async fn record(
-            State(calls): State<Arc<Mutex<Vec<(String, Value)>>>>,
+            State(calls): State<CallLog>,
             uri: axum::http::Uri,
             Json(body): Json<Value>,
         ) -> Json<Value> {

@@ -1,0 +1,150 @@
+//! MCP tools through the gateway: a real MCP server written with rmcp, served over streamable
+//! HTTP on loopback, and a stdio server that dies in the middle of a call.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
+    PaginatedRequestParams, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{ErrorData, ServerHandler};
+use serde_json::{Value, json};
+
+use super::{CLIENT_KEY, TestApp};
+use crate::helpers::TestWorkspace;
+
+/// An MCP server with `add` (structured result) and `refuse` (an error result); it counts calls.
+#[derive(Clone)]
+struct Calculator {
+    calls: Arc<AtomicUsize>,
+}
+
+impl ServerHandler for Calculator {
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let schema = json!({ "type": "object" });
+        let schema = Arc::new(schema.as_object().unwrap().clone());
+        Ok(ListToolsResult::with_all_items(vec![
+            Tool::new("add", "Adds a and b", Arc::clone(&schema)),
+            Tool::new("refuse", "Always fails", schema),
+        ]))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let arguments = request.arguments.unwrap_or_default();
+        let result = match request.name.as_ref() {
+            "add" => {
+                let sum =
+                    arguments["a"].as_f64().unwrap_or(0.0) + arguments["b"].as_f64().unwrap_or(0.0);
+                let mut result = CallToolResult::success(vec![ContentBlock::text(sum.to_string())]);
+                result.structured_content = Some(json!({ "sum": sum }));
+                result
+            }
+            _ => CallToolResult::error(vec![ContentBlock::text("refused on purpose")]),
+        };
+        Ok(result.into())
+    }
+}
+
+async fn start_calculator() -> (String, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = Calculator {
+        calls: Arc::clone(&calls),
+    };
+    let service = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let app = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/mcp", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (url, calls)
+}
+
+/// A stdio MCP server (Python, no SDK) that answers the handshake and dies on any tool call.
+const DYING_SERVER: &str = r#"import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    method = message.get("method")
+    if method == "initialize":
+        result = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "dying", "version": "1"}}
+        print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}), flush=True)
+    elif method == "tools/call":
+        sys.exit(7)
+    elif "id" in message:
+        print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {}}), flush=True)
+"#;
+
+#[tokio::test]
+async fn mcp_tools_run_over_streamable_http_and_a_dying_stdio_server_is_a_typed_error() {
+    let (url, calls) = start_calculator().await;
+    let workspace = TestWorkspace::empty();
+    workspace.write(
+        "config/runtime/workspace.yaml",
+        format!(
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: mcp-test }}\nspec:\n  mcpServers:\n    - {{ name: calc, url: \"{url}\" }}\n    - {{ name: dying, command: {{ program: python3, args: [resources/dying.py] }} }}\n"
+        ),
+    );
+    workspace.write("resources/dying.py", DYING_SERVER);
+    workspace.write(
+        "config/catalogs/tools.yaml",
+        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: mcp }\nspec:\n  tools:\n    - { id: calc.add, mcp: { server: calc, tool: add } }\n    - { id: calc.refuse, mcp: { server: calc, tool: refuse } }\n    - { id: dying.work, timeout: 5s, mcp: { server: dying, tool: work } }\n",
+    );
+    workspace.write(
+        "config/agents/mathematician.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: mathematician }\nspec:\n  backend: scripted\n  tools: [calc.add, calc.refuse, dying.work]\n  script:\n    - toolCall: { tool: calc.add, arguments: { a: 2, b: 3 } }\n    - toolCall: { tool: calc.refuse, arguments: {} }\n    - toolCall: { tool: dying.work, arguments: {} }\n    - toolCall: { tool: calc.add, arguments: { a: 1, b: 1 } }\n    - reply: done\n",
+    );
+    let app = TestApp::spawn(workspace).await;
+    let (status, view) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "mathematician", "input": { "text": "sum" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "completed", "{view}");
+    let events = app.events(view["requestId"].as_str().unwrap()).await;
+    let completed: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "runtime.tool.direct.completed")
+        .map(|e| &e["data"])
+        .collect();
+    assert_eq!(completed.len(), 4);
+    assert_eq!(completed[0]["output"], json!({ "sum": 5.0 }));
+    assert_eq!(completed[1]["error"]["code"], "tool_error");
+    assert!(
+        completed[1]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("refused on purpose")
+    );
+    assert_eq!(
+        completed[2]["error"]["code"], "unavailable",
+        "{}",
+        completed[2]
+    );
+    assert_eq!(
+        completed[3]["output"],
+        json!({ "sum": 2.0 }),
+        "the run went on after the death"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
