@@ -53,6 +53,12 @@ impl RunHost for JournalHost {
     }
 
     async fn set_waiting(&self, _waiting: bool) {}
+
+    async fn delegate(&self, agent: &str, _input: &str, _call_id: &str) -> Result<Value, String> {
+        Err(format!(
+            "the benchmark has no agent `{agent}` to delegate to"
+        ))
+    }
 }
 
 fn workspace(dir: &std::path::Path) {

@@ -15,7 +15,7 @@ mod approvals;
 mod exec;
 mod redact;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -130,6 +130,9 @@ pub trait RunHost: Send + Sync {
     /// with `false` when the last one stops: the run is `waiting_approval` in between, and
     /// its active-time budget is paused.
     async fn set_waiting(&self, waiting: bool);
+    /// Hands `input` to the subagent `agent` as a request of its own (announced as
+    /// `agent.handoff`) and returns its answer, or why it has none.
+    async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String>;
 }
 
 /// One run's identity and state, as far as its tool calls go.
@@ -232,6 +235,50 @@ pub struct ToolGateway {
     mcp: McpClients,
     redactor: Redactor,
     waiters: Arc<ApprovalWaiters>,
+    /// Every agent as a tool (`agents.<name>`), for the agents that list it in `subagents`.
+    subagents: BTreeMap<String, ToolConfig>,
+}
+
+/// The tool id under which an agent is offered to the agents that may delegate to it.
+pub fn subagent_tool_id(agent: &str) -> String {
+    format!("agents.{agent}")
+}
+
+/// Tools that delegate to agents: one input text, the agent's labels, its timeout (plus a
+/// margin for the child run to be stored).
+fn subagent_tools(workspace: &CompiledWorkspace) -> BTreeMap<String, ToolConfig> {
+    let schema = json!({
+        "type": "object",
+        "properties": { "input": { "type": "string", "description": "What to ask the agent" } },
+        "required": ["input"],
+        "additionalProperties": false,
+    });
+    let Ok(validator) = jsonschema::validator_for(&schema) else {
+        return BTreeMap::new();
+    };
+    let validator = Arc::new(validator);
+    workspace
+        .agents
+        .values()
+        .map(|agent| {
+            let id = subagent_tool_id(&agent.name);
+            let tool = ToolConfig {
+                id: id.clone(),
+                description: Some(
+                    agent.description.clone().unwrap_or_else(|| {
+                        format!("Delegate a task to the agent `{}`", agent.name)
+                    }),
+                ),
+                input_schema: schema.clone(),
+                input_validator: Arc::clone(&validator),
+                risk: crate::workspace::Risk::Low,
+                labels: agent.labels.clone(),
+                timeout: agent.timeout + Duration::from_secs(5),
+                implementation: crate::workspace::ToolImplementation::Subagent(agent.name.clone()),
+            };
+            (id, tool)
+        })
+        .collect()
 }
 
 impl ToolGateway {
@@ -244,6 +291,7 @@ impl ToolGateway {
         Self {
             mcp: McpClients::new(Arc::clone(&workspace), http.clone()),
             redactor: Redactor::from_workspace(&workspace),
+            subagents: subagent_tools(&workspace),
             workspace,
             store,
             http,
@@ -255,12 +303,41 @@ impl ToolGateway {
         &self.redactor
     }
 
-    /// The tools an agent may call, in its declared order.
+    /// A workspace tool, or `agents.<name>` for an agent.
+    pub fn find_tool(&self, tool_id: &str) -> Option<&ToolConfig> {
+        self.workspace
+            .tools
+            .get(tool_id)
+            .or_else(|| self.subagents.get(tool_id))
+    }
+
+    /// The tool `tool_id` if `agent` may call it: one of its `tools`, or `agents.<name>` for
+    /// one of its `subagents`.
+    fn tool_for(&self, agent: &AgentConfig, tool_id: &str) -> Option<&ToolConfig> {
+        if agent.tools.iter().any(|id| id == tool_id) {
+            return self.workspace.tools.get(tool_id);
+        }
+        let name = tool_id.strip_prefix("agents.")?;
+        agent
+            .subagents
+            .iter()
+            .any(|s| s == name)
+            .then(|| self.subagents.get(tool_id))
+            .flatten()
+    }
+
+    /// The tools an agent may call, in its declared order, then its subagents.
     pub fn specs(&self, agent: &AgentConfig) -> Vec<ToolSpec> {
+        let subagents: Vec<String> = agent
+            .subagents
+            .iter()
+            .map(|name| subagent_tool_id(name))
+            .collect();
         agent
             .tools
             .iter()
-            .filter_map(|id| self.workspace.tools.get(id))
+            .chain(subagents.iter())
+            .filter_map(|id| self.tool_for(agent, id))
             .map(|tool| ToolSpec {
                 id: tool.id.clone(),
                 description: tool.description.clone().unwrap_or_default(),
@@ -282,7 +359,7 @@ impl ToolGateway {
         arguments: &Value,
         metadata: &Value,
     ) -> Explanation {
-        let allowed = agent.tools.contains(&tool.id);
+        let allowed = self.tool_for(agent, &tool.id).is_some();
         let argument_errors = match parse_arguments(arguments) {
             Ok(arguments) => schema_errors(tool, &arguments),
             Err(message) => vec![message],
@@ -316,13 +393,7 @@ impl ToolGateway {
             };
         }
         let started = Instant::now();
-        let tool = scope
-            .agent
-            .tools
-            .contains(&call.tool_id)
-            .then(|| self.workspace.tools.get(&call.tool_id))
-            .flatten();
-        let Some(tool) = tool else {
+        let Some(tool) = self.tool_for(scope.agent, &call.tool_id) else {
             let verdict = not_allowed_verdict(scope.agent, &call.tool_id);
             let result = ToolResult::error(
                 Outcome::NotAllowed,
@@ -423,6 +494,8 @@ impl ToolGateway {
         let context = exec::ExecContext {
             workspace: &self.workspace,
             agent: scope.agent,
+            host: scope.host,
+            call_id: &call.id,
             http: &self.http,
             mcp: &self.mcp,
         };

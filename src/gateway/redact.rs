@@ -45,7 +45,9 @@ impl Redactor {
                 ToolImplementation::Command { command, .. } => {
                     names.extend(command.env.iter().map(String::as_str));
                 }
-                ToolImplementation::Mcp { .. } | ToolImplementation::Builtin(_) => {}
+                ToolImplementation::Mcp { .. }
+                | ToolImplementation::Builtin(_)
+                | ToolImplementation::Subagent(_) => {}
             }
         }
         for server in workspace.runtime.mcp_servers.values() {

@@ -319,13 +319,17 @@ pub async fn explain_policy(
         )
         .param("agentId")
     })?;
-    let tool = workspace.tools.get(&body.tool_id).ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::ToolNotFound,
-            format!("tool `{}` not found", body.tool_id),
-        )
-        .param("toolId")
-    })?;
+    let tool = state
+        .runtime
+        .gateway()
+        .find_tool(&body.tool_id)
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ToolNotFound,
+                format!("tool `{}` not found", body.tool_id),
+            )
+            .param("toolId")
+        })?;
     let metadata = if body.metadata.is_null() {
         serde_json::json!({})
     } else {

@@ -18,9 +18,9 @@ use super::extract::V1Json;
 use super::views::run_failure;
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{
-    ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_TOOL_RESULT, PHASE_TOOL_START,
-    PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
-    is_terminal,
+    ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_HANDOFF, PHASE_TOOL_RESULT,
+    PHASE_TOOL_START, PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED,
+    TOOL_DIRECT_STARTED, is_terminal,
 };
 use crate::runtime::{ApprovalWatch, NewRequest, Protocol, Submitted, Watched};
 use crate::store::{EventRecord, RunStatus};
@@ -380,7 +380,7 @@ fn is_tool_progress(event: &EventRecord) -> bool {
         | APPROVAL_RESOLVED => true,
         ADAPTER_EVENT => matches!(
             event.data.pointer("/event/phase").and_then(Value::as_str),
-            Some(PHASE_TOOL_START | PHASE_TOOL_RESULT)
+            Some(PHASE_TOOL_START | PHASE_TOOL_RESULT | PHASE_HANDOFF)
         ),
         _ => false,
     }

@@ -19,6 +19,7 @@ pub const APPROVAL_RESOLVED: &str = "runtime.approval.resolved";
 pub const PHASE_OUTPUT_DELTA: &str = "agent.output.delta";
 pub const PHASE_TOOL_START: &str = "agent.tool.start";
 pub const PHASE_TOOL_RESULT: &str = "agent.tool.result";
+pub const PHASE_HANDOFF: &str = "agent.handoff";
 
 /// Whether an event of this type ends its request (nothing follows it for that run).
 pub fn is_terminal(event_type: &str) -> bool {

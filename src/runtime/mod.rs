@@ -52,6 +52,8 @@ pub enum Protocol {
     V1,
     Runtime,
     Cli,
+    /// Delegated by another agent's run (a subagent call).
+    Agent,
 }
 
 impl Protocol {
@@ -60,6 +62,7 @@ impl Protocol {
             Self::V1 => "v1",
             Self::Runtime => "runtime",
             Self::Cli => "cli",
+            Self::Agent => "agent",
         }
     }
 }
@@ -492,6 +495,31 @@ impl Runtime {
                 yield event;
             }
         })
+    }
+
+    /// Waits for a request to end, however long it waits on approvals, up to `limit`.
+    pub async fn wait_until_ended(
+        &self,
+        request_id: &str,
+        limit: std::time::Duration,
+    ) -> Result<RequestRecord, RuntimeError> {
+        use futures::StreamExt;
+        let mut events = self.follow(request_id, 0);
+        let ended = tokio::time::timeout(limit, async {
+            while let Some(event) = events.next().await {
+                event?;
+            }
+            Ok::<_, StoreError>(())
+        })
+        .await;
+        if let Ok(result) = ended {
+            result?;
+        }
+        self.inner
+            .store
+            .request(request_id)
+            .await?
+            .ok_or_else(|| RuntimeError::RequestNotFound(request_id.to_owned()))
     }
 
     /// Waits for a request to end (or `limit` to pass, or a call of it to wait

@@ -14,9 +14,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::clock::ActiveClock;
 use super::events::{
-    PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
+    ADAPTER_EVENT, PHASE_HANDOFF, PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED,
+    REQUEST_FAILED, REQUEST_STARTED,
 };
-use super::{Runtime, Submitted, narration, new_id};
+use super::{NewRequest, Protocol, Runtime, Submitted, narration, new_id};
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
     ToolResult, ToolSpec,
@@ -139,6 +140,68 @@ impl RunHost for RunEvents {
         };
         set_status(&self.runtime, &self.submitted, status).await;
     }
+
+    async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {
+        let Some(config) = self.runtime.inner.workspace.agents.get(agent) else {
+            return Err(format!("agent `{agent}` does not exist"));
+        };
+        let child = self
+            .runtime
+            .submit(NewRequest {
+                agent_id: Some(agent.to_owned()),
+                session_id: None,
+                with_history: false,
+                messages: vec![json!({ "role": "user", "content": input })],
+                new_messages: 1,
+                options: Map::new(),
+                metadata: json!({
+                    "parentRequestId": self.submitted.request_id,
+                    "parentRunId": self.submitted.run_id,
+                    "toolCallId": call_id,
+                }),
+                protocol: Protocol::Agent,
+                durable_before_return: true,
+            })
+            .await
+            .map_err(|error| format!("agent `{agent}` could not take the task: {error}"))?;
+        self.record(
+            ADAPTER_EVENT,
+            json!({ "event": {
+                "phase": PHASE_HANDOFF,
+                "from": self.submitted.agent_id,
+                "to": agent,
+                "toolCallId": call_id,
+                "requestId": child.request_id,
+            } }),
+        )
+        .await;
+        let ended = self
+            .runtime
+            .wait_until_ended(
+                &child.request_id,
+                config.timeout + std::time::Duration::from_secs(5),
+            )
+            .await
+            .map_err(|error| format!("agent `{agent}`: {error}"))?;
+        match ended.status {
+            RunStatus::Completed => Ok(json!({
+                "agent": agent,
+                "requestId": child.request_id,
+                "output": ended.output,
+            })),
+            status => Err(format!(
+                "agent `{agent}` ended {} (request {}): {}",
+                status.as_str(),
+                child.request_id,
+                ended
+                    .error
+                    .as_ref()
+                    .and_then(|e| e.get("message"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("no answer")
+            )),
+        }
+    }
 }
 
 /// Moves a live run (and its request) to `status`.
@@ -185,6 +248,10 @@ impl ToolInvoker for RunTools<'_> {
 
     async fn call(&self, call: ToolCall) -> ToolResult {
         self.gateway.call(&self.scope, call).await
+    }
+
+    fn redact(&self, value: &Value) -> Value {
+        self.gateway.redactor().redact(value)
     }
 }
 

@@ -285,6 +285,9 @@ pub enum ToolImplementation {
         tool: String,
     },
     Builtin(BuiltinTool),
+    /// Another agent, delegated to: an agent's `subagents` are offered to it as tools
+    /// `agents.<name>` (built by the gateway, never declared in a catalog).
+    Subagent(String),
 }
 
 impl ToolImplementation {
@@ -294,6 +297,7 @@ impl ToolImplementation {
             Self::Command { .. } => "command",
             Self::Mcp { .. } => "mcp",
             Self::Builtin(_) => "builtin",
+            Self::Subagent(_) => "subagent",
         }
     }
 }

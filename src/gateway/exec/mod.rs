@@ -17,6 +17,8 @@ use crate::workspace::{AgentConfig, CompiledWorkspace, ToolConfig, ToolImplement
 pub(super) struct ExecContext<'a> {
     pub workspace: &'a CompiledWorkspace,
     pub agent: &'a AgentConfig,
+    pub host: &'a dyn super::RunHost,
+    pub call_id: &'a str,
     pub http: &'a reqwest::Client,
     pub mcp: &'a McpClients,
 }
@@ -77,6 +79,17 @@ pub(super) async fn run(
         }
         ToolImplementation::Mcp { server, tool: name } => {
             context.mcp.call(server, name, arguments).await
+        }
+        ToolImplementation::Subagent(name) => {
+            let input = arguments
+                .get("input")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            context
+                .host
+                .delegate(name, input, context.call_id)
+                .await
+                .map_err(|message| ToolError::new("subagent_failed", message))
         }
     }
 }

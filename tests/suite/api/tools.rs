@@ -699,3 +699,59 @@ async fn an_unknown_approval_and_list_filters_are_checked() {
         (200, Some(0))
     );
 }
+
+#[tokio::test]
+async fn an_agent_delegates_to_a_subagent_through_the_gateway() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let workspace = tools_workspace(&upstream, &tools, "");
+    workspace.write(
+        "config/agents/manager.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: manager }\nspec:\n  backend: openai\n  model: main\n  subagents: [greeter]\n",
+    );
+    upstream.push([
+        Reply::call("agents_greeter", r#"{"input":"Ada"}"#),
+        Reply::Text("The greeter says hello".into()),
+    ]);
+    let app = TestApp::spawn(workspace).await;
+    let (response, request_id) = app
+        .chat(&json!({ "model": "manager", "messages": [{ "role": "user", "content": "greet Ada" }] }))
+        .await;
+    assert_eq!(response.status(), 200);
+    let offered = &upstream.calls()[0].body["tools"][0]["function"];
+    assert_eq!(offered["name"], "agents_greeter");
+    let result = tool_result(&tool_messages(&upstream, 1)[0]);
+    assert_eq!(result["output"], "Hello Ada!", "{result}");
+
+    let events = app.events(&request_id).await;
+    let handoff = events
+        .iter()
+        .find(|e| e["data"]["event"]["phase"] == "agent.handoff")
+        .expect("an agent.handoff event");
+    assert_eq!(handoff["data"]["event"]["from"], "manager");
+    assert_eq!(handoff["data"]["event"]["to"], "greeter");
+    let child = handoff["data"]["event"]["requestId"].as_str().unwrap();
+    assert_eq!(result["requestId"], child);
+    let (status, child_view) = app
+        .get(&format!("/admin/requests/{child}"), ADMIN_KEY)
+        .await;
+    assert_eq!(status, 200, "{child_view}");
+    assert_eq!(child_view["status"], "completed");
+    assert_eq!(child_view["output"], "Hello Ada!");
+
+    // An agent may only delegate to its declared subagents.
+    let (_, verdict) = app
+        .post(
+            "/admin/policy/explain",
+            ADMIN_KEY,
+            &json!({ "agentId": "clerk", "toolId": "agents.greeter", "arguments": { "input": "x" } }),
+        )
+        .await;
+    assert_eq!(
+        (
+            verdict["decision"].as_str(),
+            verdict["allowedForAgent"].as_bool()
+        ),
+        (Some("deny"), Some(false))
+    );
+}
