@@ -52,6 +52,9 @@ struct RunEvents {
     /// The conversation at the last checkpoint (`None`: the input, untouched).
     transcript: Mutex<Option<Vec<Value>>>,
     clock: ActiveClock,
+    /// The run's execution slot; given back while the run waits on an approval.
+    slot: Mutex<Option<OwnedSemaphorePermit>>,
+    cancel: CancellationToken,
 }
 
 impl RunEvents {
@@ -132,13 +135,23 @@ impl RunHost for RunEvents {
     }
 
     async fn set_waiting(&self, waiting: bool) {
-        self.clock.pause(waiting);
-        let status = if waiting {
-            RunStatus::WaitingApproval
-        } else {
-            RunStatus::Running
+        if waiting {
+            // A run parked on a human gives its execution slot to a run that can use it.
+            self.clock.pause(true);
+            drop(self.slot.lock().ok().and_then(|mut slot| slot.take()));
+            set_status(&self.runtime, &self.submitted, RunStatus::WaitingApproval).await;
+            return;
+        }
+        let slots = Arc::clone(&self.runtime.inner.slots);
+        let slot = tokio::select! {
+            slot = slots.acquire_owned() => slot.ok(),
+            () = self.cancel.cancelled() => None,
         };
-        set_status(&self.runtime, &self.submitted, status).await;
+        if let Ok(mut held) = self.slot.lock() {
+            *held = slot;
+        }
+        self.clock.pause(false);
+        set_status(&self.runtime, &self.submitted, RunStatus::Running).await;
     }
 
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {
@@ -269,24 +282,11 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         slot,
     } = job;
     let inner = &runtime.inner;
-    let journal = &inner.journal;
-    let events = RunEvents {
-        runtime: runtime.clone(),
-        submitted: submitted.clone(),
-        seq: AtomicI64::new(next_seq),
-        narration: inner.workspace.runtime.narration,
-        transcript: Mutex::new(None),
-        clock: ActiveClock::start(std::time::Duration::ZERO),
-    };
     let Some(agent) = inner.workspace.agents.get(&submitted.agent_id) else {
         return;
     };
-    let events = RunEvents {
-        clock: ActiveClock::start(agent.timeout),
-        ..events
-    };
     // A run submitted while a slot was free was stored as running already; the others wait.
-    let _slot = match slot {
+    let slot = match slot {
         Some(slot) => slot,
         None => {
             let slot = tokio::select! {
@@ -294,28 +294,19 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
                 () = cancel.cancelled() => return,
             };
             let Ok(slot) = slot else { return };
-            let now = Utc::now();
-            let _ = journal
-                .write_all(vec![
-                    WriteOp::UpdateRun {
-                        id: submitted.run_id.clone(),
-                        status: RunStatus::Running,
-                        error: None,
-                        state: None,
-                        at: now,
-                    },
-                    WriteOp::UpdateRequest {
-                        id: submitted.request_id.clone(),
-                        status: RunStatus::Running,
-                        output: None,
-                        error: None,
-                        usage: None,
-                        at: now,
-                    },
-                ])
-                .await;
+            set_status(runtime, &submitted, RunStatus::Running).await;
             slot
         }
+    };
+    let events = RunEvents {
+        runtime: runtime.clone(),
+        submitted: submitted.clone(),
+        seq: AtomicI64::new(next_seq),
+        narration: inner.workspace.runtime.narration,
+        transcript: Mutex::new(None),
+        clock: ActiveClock::start(agent.timeout),
+        slot: Mutex::new(Some(slot)),
+        cancel: cancel.clone(),
     };
     let mut scope = RunScope::new(
         submitted.request_id.clone(),

@@ -755,3 +755,46 @@ async fn an_agent_delegates_to_a_subagent_through_the_gateway() {
         (Some("deny"), Some(false))
     );
 }
+
+#[tokio::test]
+async fn a_run_parked_on_an_approval_gives_its_slot_to_other_runs() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    upstream.push([
+        Reply::call("payments_refund", r#"{"amount":7}"#),
+        Reply::Text("refunded in the end".into()),
+    ]);
+    let limits = "  limits: { maxConcurrentRuns: 1 }\n";
+    let app = TestApp::spawn(tools_workspace(&upstream, &tools, limits)).await;
+    let (_, parked) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "clerk", "input": { "text": "refund" } }),
+        )
+        .await;
+    let approval = pending_approval(&app).await;
+
+    // One execution slot, held by nobody while the first run waits on a human.
+    let (status, other) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "greeter", "input": { "text": "Bo" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{other}");
+    assert_eq!(other["output"], "Hello Bo!");
+
+    let id = approval["id"].as_str().unwrap();
+    app.post(
+        &format!("/admin/approvals/{id}/approve"),
+        ADMIN_KEY,
+        &json!({}),
+    )
+    .await;
+    let view = app
+        .wait_until_done(parked["requestId"].as_str().unwrap())
+        .await;
+    assert_eq!(view["output"], "refunded in the end", "{view}");
+}
