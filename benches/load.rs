@@ -132,6 +132,7 @@ async fn run() {
     let _ = server.wait();
 }
 
+#[derive(Clone)]
 struct Target {
     name: &'static str,
     url: String,
@@ -185,11 +186,7 @@ async fn closed_loop(
 ) -> Stats {
     let started = Instant::now();
     let client = Arc::new(client.clone());
-    let target = Arc::new(Target {
-        name: target.name,
-        url: target.url.clone(),
-        body: target.body.clone(),
-    });
+    let target = Arc::new(target.clone());
     let mut handles = Vec::new();
     for _ in 0..workers {
         let (client, target) = (Arc::clone(&client), Arc::clone(&target));
@@ -218,11 +215,7 @@ async fn open_loop(
     let mut interval = tokio::time::interval(Duration::from_secs(1) / rate);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let client = Arc::new(client.clone());
-    let target = Arc::new(Target {
-        name: target.name,
-        url: target.url.clone(),
-        body: target.body.clone(),
-    });
+    let target = Arc::new(target.clone());
     let mut handles = Vec::new();
     while started.elapsed() < duration {
         interval.tick().await;

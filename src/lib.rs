@@ -11,4 +11,5 @@ pub mod http;
 pub mod memory;
 pub mod runtime;
 pub mod store;
+pub mod text;
 pub mod workspace;

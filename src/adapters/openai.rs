@@ -25,6 +25,7 @@ use super::{
     Usage, backoff_delay, call_tools,
 };
 use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED};
+use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
 
 /// Longest `retry-after` honoured; a larger one is capped (the backoff `max` still applies).
@@ -741,12 +742,4 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
         .ok()
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map(Duration::from_secs_f64)
-}
-
-fn excerpt(text: &str) -> String {
-    let trimmed = text.trim();
-    match trimmed.char_indices().nth(300) {
-        Some((index, _)) => format!("{}…", &trimmed[..index]),
-        None => trimmed.to_owned(),
-    }
 }

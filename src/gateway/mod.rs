@@ -237,6 +237,8 @@ pub struct ToolGateway {
     waiters: Arc<ApprovalWaiters>,
     /// Every agent as a tool (`agents.<name>`), for the agents that list it in `subagents`.
     subagents: BTreeMap<String, ToolConfig>,
+    /// What each agent's model is offered, built once (runs share it).
+    specs: HashMap<String, Arc<[ToolSpec]>>,
 }
 
 /// The tool id under which an agent is offered to the agents that may delegate to it.
@@ -288,15 +290,22 @@ impl ToolGateway {
         http: reqwest::Client,
         waiters: Arc<ApprovalWaiters>,
     ) -> Self {
-        Self {
+        let mut gateway = Self {
             mcp: McpClients::new(Arc::clone(&workspace), http.clone()),
             redactor: Redactor::from_workspace(&workspace),
             subagents: subagent_tools(&workspace),
-            workspace,
+            specs: HashMap::new(),
+            workspace: Arc::clone(&workspace),
             store,
             http,
             waiters,
-        }
+        };
+        gateway.specs = workspace
+            .agents
+            .values()
+            .map(|agent| (agent.name.clone(), gateway.build_specs(agent).into()))
+            .collect();
+        gateway
     }
 
     pub fn redactor(&self) -> &Redactor {
@@ -327,7 +336,14 @@ impl ToolGateway {
     }
 
     /// The tools an agent may call, in its declared order, then its subagents.
-    pub fn specs(&self, agent: &AgentConfig) -> Vec<ToolSpec> {
+    pub fn specs(&self, agent: &AgentConfig) -> Arc<[ToolSpec]> {
+        self.specs
+            .get(&agent.name)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(Vec::new()))
+    }
+
+    fn build_specs(&self, agent: &AgentConfig) -> Vec<ToolSpec> {
         let subagents: Vec<String> = agent
             .subagents
             .iter()

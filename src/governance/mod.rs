@@ -91,20 +91,11 @@ pub fn evaluate_or_deny(governance: &GovernanceConfig, input: PolicyInput<'_>) -
 
 /// Every condition of a rule must hold; a list condition holds when any entry matches.
 fn rule_matches(rule: &PolicyRule, input: PolicyInput<'_>) -> Result<bool, PolicyError> {
-    if !rule.tools.is_empty()
-        && !rule
-            .tools
-            .iter()
-            .any(|pattern| glob_matches(pattern, &input.tool.id))
-    {
-        return Ok(false);
-    }
-    if !rule.agents.is_empty()
-        && !rule
-            .agents
-            .iter()
-            .any(|pattern| glob_matches(pattern, &input.agent.name))
-    {
+    // An empty list places no condition.
+    let any_matches = |patterns: &[String], text: &str| {
+        patterns.is_empty() || patterns.iter().any(|pattern| glob_matches(pattern, text))
+    };
+    if !any_matches(&rule.tools, &input.tool.id) || !any_matches(&rule.agents, &input.agent.name) {
         return Ok(false);
     }
     if !rule.risk.is_empty() && !rule.risk.contains(&input.tool.risk) {

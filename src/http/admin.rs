@@ -40,16 +40,7 @@ pub async fn list_requests(
     State(state): State<AppState>,
     Query(query): Query<ListRequestsQuery>,
 ) -> Result<Json<RequestList>, ApiError> {
-    let status = match query.status.as_deref() {
-        None | Some("") => None,
-        Some(text) => Some(RunStatus::parse(text).ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!("unknown status `{text}`: one of queued, running, waiting_approval, completed, failed, cancelled"),
-            )
-            .param("status")
-        })?),
-    };
+    let status = status_filter(query.status.as_deref(), &RunStatus::ALL, RunStatus::as_str)?;
     let limit = page_limit(query.limit)?;
     let filter = RequestFilter {
         status,
@@ -132,6 +123,28 @@ pub async fn run_events(
     Ok(Json(EventPage::new(data, after)))
 }
 
+/// A `status` query filter: absent or empty is no filter, anything else one of `all`.
+fn status_filter<T: Copy>(
+    text: Option<&str>,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<Option<T>, ApiError> {
+    let Some(text) = text.filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    match all.iter().copied().find(|status| name(*status) == text) {
+        Some(status) => Ok(Some(status)),
+        None => {
+            let known: Vec<&str> = all.iter().map(|status| name(*status)).collect();
+            Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!("unknown status `{text}`: one of {}", known.join(", ")),
+            )
+            .param("status"))
+        }
+    }
+}
+
 /// A list page size: 1 to 200, 50 by default.
 fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
     let limit = limit.unwrap_or(50);
@@ -175,18 +188,11 @@ pub async fn list_approvals(
     State(state): State<AppState>,
     Query(query): Query<ListApprovalsQuery>,
 ) -> Result<Json<ApprovalList>, ApiError> {
-    let status = match query.status.as_deref() {
-        None | Some("") => None,
-        Some(text) => Some(ApprovalStatus::parse(text).ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "unknown status `{text}`: one of pending, approved, denied, expired, cancelled"
-                ),
-            )
-            .param("status")
-        })?),
-    };
+    let status = status_filter(
+        query.status.as_deref(),
+        &ApprovalStatus::ALL,
+        ApprovalStatus::as_str,
+    )?;
     let page = PageRequest {
         limit: page_limit(query.limit)?,
         cursor: query.cursor,

@@ -503,23 +503,7 @@ impl Runtime {
         request_id: &str,
         limit: std::time::Duration,
     ) -> Result<RequestRecord, RuntimeError> {
-        use futures::StreamExt;
-        let mut events = self.follow(request_id, 0);
-        let ended = tokio::time::timeout(limit, async {
-            while let Some(event) = events.next().await {
-                event?;
-            }
-            Ok::<_, StoreError>(())
-        })
-        .await;
-        if let Ok(result) = ended {
-            result?;
-        }
-        self.inner
-            .store
-            .request(request_id)
-            .await?
-            .ok_or_else(|| RuntimeError::RequestNotFound(request_id.to_owned()))
+        self.wait_watching(request_id, limit, limit).await
     }
 
     /// Waits for a request to end (or `limit` to pass, or a call of it to wait
@@ -530,6 +514,17 @@ impl Runtime {
         limit: std::time::Duration,
     ) -> Result<RequestRecord, RuntimeError> {
         let approval_wait = self.inner.workspace.runtime.openai.approval_wait;
+        self.wait_watching(request_id, limit, approval_wait).await
+    }
+
+    /// Follows a request until it ends, `limit` passes, or a call has waited `approval_wait`
+    /// on an approval; then reads its record.
+    async fn wait_watching(
+        &self,
+        request_id: &str,
+        limit: std::time::Duration,
+        approval_wait: std::time::Duration,
+    ) -> Result<RequestRecord, RuntimeError> {
         let mut events = ApprovalWatch::new(self.follow(request_id, 0), approval_wait);
         let finished = tokio::time::timeout(limit, async {
             loop {

@@ -24,7 +24,7 @@ use crate::adapters::{
 };
 use crate::gateway::{RunHost, RunScope, ToolGateway};
 use crate::store::{EventRecord, MessageRecord, RunStatus, WriteOp};
-use crate::workspace::{NarrationConfig, wire_name};
+use crate::workspace::{AgentConfig, NarrationConfig, wire_name};
 
 pub(super) struct RunJob {
     pub submitted: Submitted,
@@ -250,7 +250,7 @@ async fn set_status(runtime: &Runtime, submitted: &Submitted, status: RunStatus)
 struct RunTools<'a> {
     gateway: &'a ToolGateway,
     scope: RunScope<'a>,
-    specs: Vec<ToolSpec>,
+    specs: Arc<[ToolSpec]>,
 }
 
 #[async_trait::async_trait]
@@ -308,7 +308,7 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         slot: Mutex::new(Some(slot)),
         cancel: cancel.clone(),
     };
-    let mut scope = RunScope::new(
+    let scope = RunScope::new(
         submitted.request_id.clone(),
         submitted.run_id.clone(),
         submitted.session_id.clone(),
@@ -317,66 +317,7 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         &events,
         cancel.clone(),
     );
-    if resumed && let Err(error) = scope.load_history(inner.store.as_ref()).await {
-        tracing::error!(%error, "the recorded tool calls of a resumed run could not be read");
-        finish(
-            runtime,
-            &events,
-            &submitted,
-            messages,
-            parent_message_id,
-            Err(AdapterError::new(
-                FailureKind::Unsupported,
-                format!("the run could not be resumed: {error}"),
-            )),
-        )
-        .await;
-        return;
-    }
-    let tools = RunTools {
-        gateway: &inner.gateway,
-        specs: inner.gateway.specs(agent),
-        scope,
-    };
-    events
-        .record(
-            REQUEST_STARTED,
-            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1, "runId": submitted.run_id }),
-        )
-        .await;
-
-    let result = match inner.adapters.for_backend(agent.backend) {
-        None => Err(AdapterError::new(
-            FailureKind::Unsupported,
-            format!(
-                "the `{}` backend is not available in this build yet",
-                wire_name(&agent.backend)
-            ),
-        )),
-        Some(adapter) => {
-            let context = AdapterContext {
-                workspace: &inner.workspace,
-                agent,
-                messages: &messages,
-                options: &options,
-                events: &events,
-                tools: &tools,
-                cancel: cancel.clone(),
-            };
-            tokio::select! {
-                result = adapter.run(context) => result,
-                () = events.clock.expired() => Err(AdapterError::new(
-                    FailureKind::Timeout,
-                    format!(
-                        "agent `{}` exceeded its timeout of {}s",
-                        agent.name,
-                        agent.timeout.as_secs_f64()
-                    ),
-                )),
-            }
-        }
-    };
-    drop(tools);
+    let result = run_adapter(runtime, agent, &events, scope, resumed, &messages, &options).await;
     finish(
         runtime,
         &events,
@@ -387,6 +328,73 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
     )
     .await;
     drop(permit);
+}
+
+/// Loads what a resumed run recorded, announces the run and plays the agent's adapter with the
+/// gateway bound to this run, within the agent's active-time budget.
+async fn run_adapter(
+    runtime: &Runtime,
+    agent: &AgentConfig,
+    events: &RunEvents,
+    mut scope: RunScope<'_>,
+    resumed: bool,
+    messages: &[Value],
+    options: &Map<String, Value>,
+) -> Result<RuntimeOutput, AdapterError> {
+    let inner = &runtime.inner;
+    if resumed {
+        scope
+            .load_history(inner.store.as_ref())
+            .await
+            .map_err(|error| {
+                tracing::error!(%error, "the recorded tool calls of a resumed run could not be read");
+                AdapterError::new(
+                    FailureKind::Unsupported,
+                    format!("the run could not be resumed: {error}"),
+                )
+            })?;
+    }
+    let cancel = scope.cancel.clone();
+    let tools = RunTools {
+        gateway: &inner.gateway,
+        specs: inner.gateway.specs(agent),
+        scope,
+    };
+    events
+        .record(
+            REQUEST_STARTED,
+            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1, "runId": events.submitted.run_id }),
+        )
+        .await;
+    let Some(adapter) = inner.adapters.for_backend(agent.backend) else {
+        return Err(AdapterError::new(
+            FailureKind::Unsupported,
+            format!(
+                "the `{}` backend is not available in this build yet",
+                wire_name(&agent.backend)
+            ),
+        ));
+    };
+    let context = AdapterContext {
+        workspace: &inner.workspace,
+        agent,
+        messages,
+        options,
+        events,
+        tools: &tools,
+        cancel,
+    };
+    tokio::select! {
+        result = adapter.run(context) => result,
+        () = events.clock.expired() => Err(AdapterError::new(
+            FailureKind::Timeout,
+            format!(
+                "agent `{}` exceeded its timeout of {}s",
+                agent.name,
+                agent.timeout.as_secs_f64()
+            ),
+        )),
+    }
 }
 
 async fn finish(

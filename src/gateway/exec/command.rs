@@ -37,22 +37,11 @@ pub(super) async fn run(
     max_output_bytes: u64,
     arguments: &Value,
 ) -> Result<Value, ToolError> {
-    let mut command = tokio::process::Command::new(&config.program);
+    let mut command = super::scrubbed_command(root, config);
     command
-        .args(&config.args)
-        .current_dir(root)
-        .env_clear()
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(path) = std::env::var_os("PATH") {
-        command.env("PATH", path);
-    }
-    for variable in &config.env {
-        if let Some(value) = std::env::var_os(variable) {
-            command.env(variable, value);
-        }
-    }
     let mut wrapped = CommandWrap::from(command);
     wrapped.wrap(ProcessGroup::leader()).wrap(KillOnDrop);
     let child = wrapped.spawn().map_err(|error| {

@@ -132,19 +132,7 @@ impl McpClients {
         };
         match &server.transport {
             McpTransport::Stdio(command) => {
-                let mut child = tokio::process::Command::new(&command.program);
-                child
-                    .args(&command.args)
-                    .current_dir(&self.workspace.root)
-                    .env_clear();
-                if let Some(path) = std::env::var_os("PATH") {
-                    child.env("PATH", path);
-                }
-                for variable in &command.env {
-                    if let Some(value) = std::env::var_os(variable) {
-                        child.env(variable, value);
-                    }
-                }
+                let child = super::scrubbed_command(&self.workspace.root, command);
                 let (transport, _) = TokioChildProcess::builder(child)
                     .stderr(Stdio::null())
                     .spawn()

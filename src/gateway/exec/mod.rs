@@ -7,11 +7,16 @@ mod command;
 mod http;
 mod mcp;
 
+use std::path::Path;
+
 use serde_json::Value;
 
 pub use mcp::McpClients;
 
-use crate::workspace::{AgentConfig, CompiledWorkspace, ToolConfig, ToolImplementation};
+use crate::text::excerpt;
+use crate::workspace::{
+    AgentConfig, CommandConfig, CompiledWorkspace, ToolConfig, ToolImplementation,
+};
 
 /// What an implementation may use.
 pub(super) struct ExecContext<'a> {
@@ -100,11 +105,18 @@ fn json_or_text(bytes: &[u8]) -> Value {
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned()))
 }
 
-/// At most 300 characters of `text`, for error messages.
-fn excerpt(text: &str) -> String {
-    let trimmed = text.trim();
-    match trimmed.char_indices().nth(300) {
-        Some((index, _)) => format!("{}…", &trimmed[..index]),
-        None => trimmed.to_owned(),
+/// A program of the workspace, ready to spawn without a shell: the workspace as working
+/// directory and a scrubbed environment (only `PATH` and the variables it declares).
+fn scrubbed_command(root: &Path, config: &CommandConfig) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(&config.program);
+    command.args(&config.args).current_dir(root).env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        command.env("PATH", path);
     }
+    for variable in &config.env {
+        if let Some(value) = std::env::var_os(variable) {
+            command.env(variable, value);
+        }
+    }
+    command
 }

@@ -239,22 +239,7 @@ async fn a_run_interrupted_by_kill_9_resumes_after_restart() {
     let _ = first.wait();
 
     let (mut second, base) = start_server(workspace.path());
-    let mut view = serde_json::Value::Null;
-    for _ in 0..200 {
-        view = http
-            .get(format!("{base}/runtime/requests/{request_id}"))
-            .bearer_auth(CLIENT_KEY)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if view["status"] == "completed" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let view = super::wait_until_done_at(&http, &base, &request_id).await;
     assert_eq!(view["status"], "completed", "{view}");
     assert_eq!(view["output"], "finished after the restart");
     assert_eq!(upstream.calls().len(), 2);
@@ -300,33 +285,12 @@ async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the
         .await
         .unwrap();
     let request_id = accepted["requestId"].as_str().unwrap().to_owned();
-    let pending = |base: String| {
-        let http = http.clone();
-        async move {
-            for _ in 0..400 {
-                let page: serde_json::Value = http
-                    .get(format!("{base}/admin/approvals?status=pending"))
-                    .bearer_auth(ADMIN_KEY)
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
-                if let Some(approval) = page["data"].as_array().and_then(|d| d.first()) {
-                    return approval.clone();
-                }
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            panic!("no pending approval");
-        }
-    };
-    let approval = pending(base.clone()).await;
+    let approval = super::pending_approval_at(&http, &base).await;
     first.kill().unwrap();
     let _ = first.wait();
 
     let (mut second, base) = start_server(workspace.path());
-    let again = pending(base.clone()).await;
+    let again = super::pending_approval_at(&http, &base).await;
     assert_eq!(
         again["id"], approval["id"],
         "the same approval survived the crash"
@@ -342,22 +306,7 @@ async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the
         .await
         .unwrap();
     assert_eq!(decided.status(), 200);
-    let mut view = serde_json::Value::Null;
-    for _ in 0..400 {
-        view = http
-            .get(format!("{base}/runtime/requests/{request_id}"))
-            .bearer_auth(CLIENT_KEY)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if view["status"] == "completed" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let view = super::wait_until_done_at(&http, &base, &request_id).await;
     assert_eq!(view["status"], "completed", "{view}");
     assert_eq!(view["output"], "refund done after the crash");
     assert_eq!(tools.count("/refund"), 1, "the tool ran exactly once");

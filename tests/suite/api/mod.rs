@@ -124,15 +124,7 @@ impl TestApp {
     }
 
     pub async fn get(&self, path: &str, key: &str) -> (u16, Value) {
-        let response = self
-            .http
-            .get(self.url(path))
-            .bearer_auth(key)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(Value::Null))
+        get_json(&self.http, &self.url(path), key).await
     }
 
     pub async fn post(&self, path: &str, key: &str, body: &Value) -> (u16, Value) {
@@ -179,19 +171,12 @@ impl TestApp {
 
     /// Polls the request until it ended (bounded).
     pub async fn wait_until_done(&self, request_id: &str) -> Value {
-        for _ in 0..400 {
-            let (_, view) = self
-                .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
-                .await;
-            if matches!(
-                view["status"].as_str(),
-                Some("completed" | "failed" | "cancelled")
-            ) {
-                return view;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
-        }
-        panic!("request {request_id} did not end");
+        wait_until_done_at(&self.http, &self.base, request_id).await
+    }
+
+    /// Polls the admin API until an approval is pending; returns it.
+    pub async fn pending_approval(&self) -> Value {
+        pending_approval_at(&self.http, &self.base).await
     }
 }
 
@@ -201,6 +186,43 @@ impl Drop for TestApp {
             let _ = stop.send(());
         }
     }
+}
+
+/// `GET url` with a bearer key: the status and the JSON body (`null` if there is none).
+pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
+    let response = http.get(url).bearer_auth(key).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// Polls `GET {base}/runtime/requests/{id}` until the request ended (bounded); its view.
+pub async fn wait_until_done_at(http: &reqwest::Client, base: &str, request_id: &str) -> Value {
+    let url = format!("{base}/runtime/requests/{request_id}");
+    for _ in 0..400 {
+        let (_, view) = get_json(http, &url, CLIENT_KEY).await;
+        if matches!(
+            view["status"].as_str(),
+            Some("completed" | "failed" | "cancelled")
+        ) {
+            return view;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("request {request_id} did not end");
+}
+
+/// Polls `GET {base}/admin/approvals?status=pending` until one is pending; returns it.
+pub async fn pending_approval_at(http: &reqwest::Client, base: &str) -> Value {
+    let url = format!("{base}/admin/approvals?status=pending");
+    for _ in 0..400 {
+        let (status, page) = get_json(http, &url, ADMIN_KEY).await;
+        assert_eq!(status, 200, "{page}");
+        if let Some(first) = page["data"].as_array().and_then(|d| d.first()) {
+            return first.clone();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("no approval became pending");
 }
 
 /// Event types of a list of events, in order.

@@ -102,19 +102,6 @@ fn tool_result(message: &Value) -> Value {
     serde_json::from_str(message["content"].as_str().unwrap()).unwrap()
 }
 
-/// Polls the admin API until an approval is pending; returns it.
-async fn pending_approval(app: &TestApp) -> Value {
-    for _ in 0..400 {
-        let (status, page) = app.get("/admin/approvals?status=pending", ADMIN_KEY).await;
-        assert_eq!(status, 200, "{page}");
-        if let Some(first) = page["data"].as_array().and_then(|d| d.first()) {
-            return first.clone();
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("no approval became pending");
-}
-
 #[tokio::test]
 async fn an_allowed_call_runs_once_and_its_result_goes_back_to_the_model() {
     let upstream = MockUpstream::start().await;
@@ -283,7 +270,7 @@ async fn an_operator_approves_while_the_openai_client_waits() {
         )
     });
 
-    let approval = pending_approval(&app).await;
+    let approval = app.pending_approval().await;
     assert_eq!(approval["toolId"], "payments.refund");
     assert_eq!(approval["rule"], "high-risk-needs-human");
     assert_eq!(approval["arguments"], json!({ "amount": 12.5 }));
@@ -369,7 +356,7 @@ async fn a_denied_approval_gives_the_model_the_reason_and_the_tool_never_runs() 
         )
         .await;
     assert_eq!(status, 202);
-    let approval = pending_approval(&app).await;
+    let approval = app.pending_approval().await;
     let id = approval["id"].as_str().unwrap();
     let (status, _) = app
         .post(
@@ -413,7 +400,7 @@ async fn parallel_calls_go_on_while_one_of_them_waits_for_approval() {
             &json!({ "agentId": "clerk", "input": { "text": "both" } }),
         )
         .await;
-    let approval = pending_approval(&app).await;
+    let approval = app.pending_approval().await;
     // The allowed call of the same batch ran while the other one waits.
     for _ in 0..200 {
         if tools.count("/weather") == 1 {
@@ -468,7 +455,7 @@ async fn v1_answers_409_approval_pending_after_approval_wait_and_the_run_continu
             .contains(&request_id)
     );
 
-    let approval = pending_approval(&app).await;
+    let approval = app.pending_approval().await;
     let id = approval["id"].as_str().unwrap();
     app.post(
         &format!("/admin/approvals/{id}/approve"),
@@ -773,7 +760,7 @@ async fn a_run_parked_on_an_approval_gives_its_slot_to_other_runs() {
             &json!({ "agentId": "clerk", "input": { "text": "refund" } }),
         )
         .await;
-    let approval = pending_approval(&app).await;
+    let approval = app.pending_approval().await;
 
     // One execution slot, held by nobody while the first run waits on a human.
     let (status, other) = app
