@@ -1,14 +1,14 @@
 //! Benchmark: the tool gateway's own cost per allowed call — allow-list, argument parsing and
 //! JSON Schema validation, policy (five rules, none matching, then the default), redaction,
-//! the started/completed events and the tool-call record queued to the store journal — with
+//! the started/completed events, and the call's two commit points — its `started` record
+//! (with the idempotency key) before it runs and its result before it is returned — with
 //! the cheapest tool there is (`clock.now`) so that the tool itself is noise.
 //!
 //! `cargo bench --bench gateway` prints the mean and percentiles per call, measured against
-//! the embedded SQLite store (the journal commits in the background, as in the server).
+//! the embedded SQLite store through the journal, as in the server.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 use stable_harness::gateway::{ApprovalWaiters, RunHost, RunScope, ToolCall, ToolGateway};
 use stable_harness::runtime::{EventHub, Journal};
 use stable_harness::store::{
-    EventRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, WriteOp,
+    ApprovalDecision, ApprovalRecord, EventRecord, RequestRecord, RunRecord, RunStatus,
+    SessionRecord, WriteOp,
 };
 
 const CALLS: usize = 20_000;
@@ -25,7 +26,6 @@ const WARMUP: usize = 1_000;
 /// The runtime's side, as the server has it: events and records go to the journal.
 struct JournalHost {
     journal: Journal,
-    seq: AtomicI64,
 }
 
 #[async_trait::async_trait]
@@ -37,19 +37,30 @@ impl RunHost for JournalHost {
             run_id: "run_bench".into(),
             session_id: "ses_bench".into(),
             agent_id: "bench".into(),
-            seq: self.seq.fetch_add(1, Ordering::SeqCst),
+            seq: 0,
             event_type: event_type.to_owned(),
             at: Utc::now(),
             data,
         };
         self.journal
-            .write(WriteOp::AppendEvent(event))
+            .write(Some("req_bench"), WriteOp::AppendEvent(event))
             .await
             .unwrap();
     }
 
-    async fn write(&self, op: WriteOp) {
-        self.journal.write(op).await.unwrap();
+    async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), String> {
+        self.journal
+            .commit(Some("req_bench"), ops)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn decide(
+        &self,
+        _approval: &ApprovalRecord,
+        _decision: ApprovalDecision,
+    ) -> Result<bool, String> {
+        Err("the benchmark asks for no approval".to_owned())
     }
 
     async fn set_waiting(&self, _waiting: bool) {}
@@ -101,6 +112,7 @@ async fn bench() {
             WriteOp::TouchSession(SessionRecord {
                 id: "ses_bench".into(),
                 agent_id: "bench".into(),
+                owner: "bench".into(),
                 metadata: json!({}),
                 created_at: now,
                 updated_at: now,
@@ -110,6 +122,7 @@ async fn bench() {
                 session_id: "ses_bench".into(),
                 agent_id: "bench".into(),
                 protocol: "bench".into(),
+                owner: "bench".into(),
                 status: RunStatus::Running,
                 input: json!({}),
                 output: None,
@@ -135,16 +148,22 @@ async fn bench() {
         .await
         .unwrap();
     let tracker = tokio_util::task::TaskTracker::new();
-    let journal = Journal::start(Arc::clone(&store), Arc::new(EventHub::default()), &tracker);
+    let redactor = stable_harness::redact::Redactor::from_workspace(&compiled);
+    let journal = Journal::start(
+        Arc::clone(&store),
+        Arc::new(EventHub::default()),
+        redactor.clone(),
+        &tracker,
+    );
     let host = JournalHost {
         journal: journal.clone(),
-        seq: AtomicI64::new(1),
     };
     let gateway = ToolGateway::new(
         Arc::clone(&compiled),
         Arc::clone(&store),
         reqwest::Client::new(),
         Arc::new(ApprovalWaiters::default()),
+        redactor,
     );
     let agent = compiled.agent("bench").unwrap();
     let scope = RunScope::new(
@@ -159,7 +178,8 @@ async fn bench() {
     let mut samples = Vec::with_capacity(CALLS);
     for index in 0..WARMUP + CALLS {
         let call = ToolCall {
-            id: format!("call_{index}"),
+            key: format!("t{index}.0"),
+            id: "call_0".into(),
             tool_id: "clock.now".into(),
             arguments: Value::String(r#"{"timezone":"UTC","precise":true}"#.into()),
         };
@@ -176,7 +196,7 @@ async fn bench() {
     samples.sort();
     let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q) as usize];
     println!(
-        "gateway: {CALLS} allowed calls of clock.now (validation + policy of 5 rules + redaction + 2 events + record): mean {:.1} µs, p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
+        "gateway: {CALLS} allowed calls of clock.now (validation + policy of 5 rules + redaction + 2 events + started and result commits): mean {:.1} µs, p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
         micros(total / CALLS as u32),
         micros(at(0.5)),
         micros(at(0.99)),

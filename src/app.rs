@@ -74,17 +74,24 @@ pub fn upstream_client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
-/// Builds the runtime over the configured (or embedded) store and resumes interrupted runs.
+/// Builds the runtime over the configured (or embedded) store — taking ownership of it, so a
+/// store another process holds is refused before anything is read — and, with `resume`,
+/// resumes the runs a dead process left unfinished.
 pub async fn build_runtime(
     workspace: Arc<CompiledWorkspace>,
     database_url: Option<&str>,
+    resume: bool,
 ) -> Result<(Runtime, usize), AppError> {
     let url = database_url
         .map(str::to_owned)
         .or_else(|| workspace.runtime.store_url.clone());
     let store = crate::store::open(url.as_deref(), &workspace.root).await?;
     let runtime = Runtime::new(workspace, store, upstream_client());
-    let resumed = runtime.resume_interrupted().await?;
+    let resumed = if resume {
+        runtime.resume_interrupted().await?
+    } else {
+        0
+    };
     Ok((runtime, resumed))
 }
 
@@ -103,7 +110,8 @@ impl Application {
         if keys.admin.is_empty() && !loopback {
             return Err(AppError::OpenAdminOnPublicAddress(address));
         }
-        let (runtime, resumed) = build_runtime(workspace, config.database_url.as_deref()).await?;
+        let (runtime, resumed) =
+            build_runtime(workspace, config.database_url.as_deref(), true).await?;
         let listener = TcpListener::bind(&address)
             .await
             .map_err(|source| AppError::Bind {

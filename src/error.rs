@@ -42,6 +42,8 @@ pub enum ErrorCode {
     BackendUnavailable,
     RunFailed,
     ShuttingDown,
+    /// The store cannot write at the moment (full disk, I/O errors): nothing new is accepted.
+    StoreUnavailable,
     Internal,
 }
 
@@ -61,7 +63,7 @@ impl ErrorCode {
             TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
             UpstreamError | RunFailed => StatusCode::BAD_GATEWAY,
             UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            BackendUnavailable | ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            BackendUnavailable | ShuttingDown | StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -78,7 +80,7 @@ impl ErrorCode {
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
             UpstreamError | UpstreamTimeout | RunFailed => "upstream_error",
-            BackendUnavailable | ShuttingDown | Internal => "server_error",
+            BackendUnavailable | ShuttingDown | StoreUnavailable | Internal => "server_error",
         }
     }
 
@@ -110,6 +112,7 @@ impl ErrorCode {
             BackendUnavailable => "backend_unavailable",
             RunFailed => "run_failed",
             ShuttingDown => "shutting_down",
+            StoreUnavailable => "store_unavailable",
             Internal => "internal_error",
         }
     }

@@ -30,9 +30,10 @@ pub use scripted::ScriptedAdapter;
 pub trait EventSink: Send + Sync {
     /// Records an event of `event_type` with `data` (SPEC section 7).
     async fn emit(&self, event_type: &str, data: Value);
-    /// Persists the conversation after a step (a model turn, tool results): a run resumed
-    /// after a crash starts from the last checkpoint.
-    async fn checkpoint(&self, messages: &[Value]);
+    /// Persists the conversation after a step (a model turn, tool results) and waits for the
+    /// commit: a run resumed after a crash starts from the last checkpoint, and a model turn's
+    /// tools never run before the turn is stored. `Err`: the run cannot go on.
+    async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError>;
 }
 
 /// The run's handle on the tool gateway.
@@ -60,16 +61,16 @@ pub async fn call_tools(context: &AdapterContext<'_>, calls: Vec<ToolCall>) -> V
             .events
             .emit(
                 ADAPTER_EVENT,
-                json!({ "event": { "phase": PHASE_TOOL_START, "toolId": call.tool_id, "toolCallId": call.id, "args": args } }),
+                json!({ "event": { "phase": PHASE_TOOL_START, "toolId": call.tool_id, "toolCallId": call.id, "callKey": call.key, "args": args } }),
             )
             .await;
-        let (tool_id, call_id) = (call.tool_id.clone(), call.id.clone());
+        let (tool_id, call_id, key) = (call.tool_id.clone(), call.id.clone(), call.key.clone());
         let result = context.tools.call(call).await;
         context
             .events
             .emit(
                 ADAPTER_EVENT,
-                json!({ "event": { "phase": PHASE_TOOL_RESULT, "toolId": tool_id, "toolCallId": call_id, "outcome": result.outcome, "result": result.content } }),
+                json!({ "event": { "phase": PHASE_TOOL_RESULT, "toolId": tool_id, "toolCallId": call_id, "callKey": key, "outcome": result.outcome, "result": result.content } }),
             )
             .await;
         result
@@ -83,6 +84,10 @@ pub struct AdapterContext<'a> {
     pub agent: &'a AgentConfig,
     /// OpenAI-style messages (`{"role", "content", ...}`), system instructions not included.
     pub messages: &'a [Value],
+    /// Where the run's own messages start in `messages`: earlier ones came from the client
+    /// (tool calls in them are history, never run), later ones from an earlier life of this
+    /// run (a resumed run finishes their unanswered calls).
+    pub own_from: usize,
     /// Generation options from the client (temperature, max_tokens, stop, ...).
     pub options: &'a Map<String, Value>,
     pub events: &'a dyn EventSink,
@@ -142,6 +147,8 @@ pub enum FailureKind {
     Unsupported,
     /// The model still asked for tools after `maxIterations` round trips.
     MaxIterations,
+    /// The store could not record a step, so the run could not go on safely.
+    Store,
 }
 
 impl FailureKind {
@@ -156,6 +163,7 @@ impl FailureKind {
             Self::Cancelled => "cancelled",
             Self::Unsupported => "unsupported",
             Self::MaxIterations => "max_iterations",
+            Self::Store => "store",
         }
     }
 }

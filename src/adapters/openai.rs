@@ -471,8 +471,8 @@ impl RuntimeAdapter for OpenAiAdapter {
         let mut output = RuntimeOutput::default();
         let mut rounds = 0;
         loop {
-            // Calls of the last turn without results (a resumed run) are finished first.
-            let pending = unanswered_calls(&messages, &names);
+            // Calls of the run's last turn without results (a resumed run) are finished first.
+            let pending = unanswered_calls(&messages, context.own_from, &names);
             if !pending.is_empty() {
                 if rounds >= context.agent.max_iterations {
                     return Err(AdapterError::new(
@@ -495,7 +495,7 @@ impl RuntimeAdapter for OpenAiAdapter {
                 for (id, result) in ids.into_iter().zip(results) {
                     messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result.to_model_text() }));
                 }
-                context.events.checkpoint(&messages).await;
+                context.events.checkpoint(&messages).await?;
                 continue;
             }
             let request = TurnRequest {
@@ -509,36 +509,60 @@ impl RuntimeAdapter for OpenAiAdapter {
             if turn.tool_calls.is_empty() {
                 return Ok(output);
             }
+            let mut calls = turn.tool_calls;
+            unique_call_ids(&mut calls, messages.len());
             let assistant = json!({
                 "role": "assistant",
                 "content": if turn.output.text.is_empty() { Value::Null } else { Value::String(turn.output.text) },
-                "tool_calls": turn.tool_calls.iter().map(ModelToolCall::to_json).collect::<Vec<_>>(),
+                "tool_calls": calls.iter().map(ModelToolCall::to_json).collect::<Vec<_>>(),
             });
             messages.push(assistant);
-            context.events.checkpoint(&messages).await;
+            // The turn is stored before any of its tools runs.
+            context.events.checkpoint(&messages).await?;
         }
     }
 }
 
-/// The tool calls of the last assistant message that have no tool message yet.
-fn unanswered_calls(messages: &[Value], names: &FunctionNames) -> Vec<ToolCall> {
-    let Some(position) = messages
+/// Gives every call of a turn an id of its own: models reuse ids (`call_0` every turn) or send
+/// none, and the transcript pairs each tool message with its call by id.
+fn unique_call_ids(calls: &mut [ModelToolCall], turn: usize) {
+    let mut seen = std::collections::HashSet::new();
+    for (position, call) in calls.iter_mut().enumerate() {
+        if call.id.is_empty() || !seen.insert(call.id.clone()) {
+            call.id = format!("call_{turn}_{position}");
+            seen.insert(call.id.clone());
+        }
+    }
+}
+
+/// The stable key of the call at `position` of the assistant message at `turn` in the
+/// transcript: the same whenever the run is resumed from its checkpoint.
+fn call_key(turn: usize, position: usize) -> String {
+    format!("t{turn}.{position}")
+}
+
+/// The tool calls of the run's last assistant message that have no tool message yet (the
+/// calls of a turn a crash interrupted). Calls in the client's own transcript never run.
+fn unanswered_calls(messages: &[Value], own_from: usize, names: &FunctionNames) -> Vec<ToolCall> {
+    let Some(turn) = messages
         .iter()
         .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .filter(|turn| *turn >= own_from)
     else {
         return Vec::new();
     };
-    let answered: Vec<&str> = messages[position + 1..]
+    let answered: Vec<&str> = messages[turn + 1..]
         .iter()
         .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
         .collect();
-    messages[position]
+    messages[turn]
         .get("tool_calls")
         .and_then(Value::as_array)
         .map(|calls| {
             calls
                 .iter()
-                .filter_map(|call| {
+                .enumerate()
+                .filter_map(|(index, call)| {
                     let id = call.get("id").and_then(Value::as_str)?;
                     if answered.contains(&id) {
                         return None;
@@ -548,6 +572,7 @@ fn unanswered_calls(messages: &[Value], names: &FunctionNames) -> Vec<ToolCall> 
                         .and_then(Value::as_str)
                         .unwrap_or_default();
                     Some(ToolCall {
+                        key: call_key(turn, index),
                         id: id.to_owned(),
                         tool_id: names.tool_of(name).to_owned(),
                         arguments: call

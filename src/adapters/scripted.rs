@@ -1,7 +1,7 @@
 //! The `scripted` backend: plays `spec.script` in order for every request, without a model.
 //! A `reply` streams its text (`{{input}}` becomes the last user message); the answer is the
 //! concatenation of the replies. A `toolCall` step runs through the tool gateway exactly like a
-//! model's call; its id (`script-N`, N the step) is stable, so a resumed run never repeats it.
+//! model's call; its key (`sN`, N the step) is stable, so a resumed run never repeats it.
 
 use serde_json::json;
 
@@ -41,6 +41,7 @@ impl RuntimeAdapter for ScriptedAdapter {
                 }
                 ScriptStep::ToolCall { tool, arguments } => {
                     let call = ToolCall {
+                        key: format!("s{}", index + 1),
                         id: format!("script-{}", index + 1),
                         tool_id: tool.clone(),
                         arguments: arguments.clone().into(),

@@ -17,6 +17,9 @@ use crate::runtime::{NewRequest, Protocol, Runtime};
 use crate::store::RunStatus;
 use crate::workspace;
 
+/// The identity that owns what `run` creates.
+const CLI_OWNER: &str = "cli";
+
 pub async fn run(args: RunArgs) -> u8 {
     let compiled = match workspace::load(&args.workspace) {
         Ok(compiled) => Arc::new(compiled),
@@ -35,8 +38,9 @@ pub async fn run(args: RunArgs) -> u8 {
         ));
         return exit::USAGE;
     }
+    // `run` executes only its own request: it never resumes another process's runs.
     let (runtime, _) =
-        match build_runtime(Arc::clone(&compiled), args.database_url.as_deref()).await {
+        match build_runtime(Arc::clone(&compiled), args.database_url.as_deref(), false).await {
             Ok(built) => built,
             Err(error) => {
                 output::error(&format!("stable-harness run: {error}"));
@@ -62,6 +66,7 @@ pub async fn run(args: RunArgs) -> u8 {
         .submit(NewRequest {
             agent_id: args.agent.clone(),
             session_id: args.session.clone(),
+            owner: CLI_OWNER.to_owned(),
             with_history: true,
             messages: vec![json!({ "role": "user", "content": args.message })],
             new_messages: 1,

@@ -42,6 +42,7 @@ impl ApprovalWaiters {
 /// is cancelled meanwhile or the store cannot be read.
 pub(super) async fn wait_for_decision(
     store: &dyn Store,
+    host: &dyn super::RunHost,
     waiters: &ApprovalWaiters,
     approval: &ApprovalRecord,
     cancel: &CancellationToken,
@@ -81,8 +82,9 @@ pub(super) async fn wait_for_decision(
                         decided_by: "system:timeout".to_owned(),
                         at: Utc::now(),
                     };
-                    store
-                        .decide_approval(&decision)
+                    // Through the run's journal: the row and its event commit together; losing
+                    // the race to an operator's decision is fine (the loop reads it).
+                    host.decide(&current, decision)
                         .await
                         .map_err(|error| format!("the approval could not be expired: {error}"))?;
                 }

@@ -1,19 +1,25 @@
 //! The tool gateway (SPEC section 5): the only path by which any tool runs.
 //!
-//! Every call goes through the same steps, in order: a call id with a recorded result returns
+//! Every call goes through the same steps, in order: a call with a recorded result returns
 //! that result (a resumed run never runs a tool twice); the tool must be in the agent's
 //! `tools`; the arguments must be JSON and valid against the tool's `inputSchema` (errors go
 //! back to the model so it can correct itself); the policy decides (fail closed); a call that
 //! needs approval is parked in the durable approval queue until an operator decides or the
-//! approval times out; the tool runs with its timeout; the result is redacted, recorded and
+//! approval times out; a `started` record with the call's idempotency key commits; the tool
+//! runs with its timeout and that key; the result is redacted and committed, and only then
 //! returned. Each step is an event. Parallel calls of one model turn run concurrently.
+//!
+//! Calls are identified by their place in the run (`key`: model turn and position), never by
+//! the id the model gave them — providers reuse `call_0` or send none. A call that started
+//! before a crash and has no result is *interrupted*: it runs again with the same idempotency
+//! key when its tool allows (`onInterrupted: rerun`, never for a high-risk tool), becomes an
+//! approval "outcome unknown after a restart" (`ask`), or gives the model an error (`fail`).
 //!
 //! The gateway knows nothing of runs beyond [`RunScope`]: the runtime supplies the identity of
 //! the run and a [`RunHost`] through which events and records are written.
 
 mod approvals;
 mod exec;
-mod redact;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -25,21 +31,31 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+pub use crate::redact::Redactor;
 pub use approvals::ApprovalWaiters;
 pub use exec::McpClients;
-pub use redact::Redactor;
 
 use crate::governance::{self, PolicyInput, Verdict};
 use crate::runtime::events::{
-    APPROVAL_REQUESTED, APPROVAL_RESOLVED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
+    APPROVAL_REQUESTED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
 };
-use crate::store::{ApprovalRecord, Store, ToolCallRecord, WriteOp};
-use crate::workspace::{AgentConfig, CompiledWorkspace, Decision, ToolConfig};
+use crate::store::{
+    ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, Store, ToolCallRecord, WriteOp,
+};
+use crate::workspace::{
+    AgentConfig, CompiledWorkspace, Decision, InterruptedAction, Risk, ToolConfig,
+};
+
+/// The outcome of a `started` record: the call was about to run, and has no result yet.
+const STARTED: &str = "started";
 
 /// One call as a model (or a script) asked for it.
 #[derive(Debug, Clone)]
 pub struct ToolCall {
-    /// The caller's id for the call (the model's `tool_call.id`); unique within a run.
+    /// The call's stable place in its run (`t3.0`: model turn 3, position 0): how the
+    /// gateway records and finds it, the same when a resumed run asks again.
+    pub key: String,
+    /// The id the caller gave the call (the model's `tool_call.id`), passed through to events.
     pub id: String,
     pub tool_id: String,
     /// A JSON object, or a string holding one (as models send them).
@@ -124,8 +140,16 @@ impl ToolResult {
 pub trait RunHost: Send + Sync {
     /// Appends an event to the run (SPEC section 7).
     async fn emit(&self, event_type: &str, data: Value);
-    /// Queues a store write behind the run's earlier ones.
-    async fn write(&self, op: WriteOp);
+    /// Commits `ops` together, after the run's earlier writes. On `Err` nothing may go on:
+    /// the run is being stopped.
+    async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), String>;
+    /// Takes a decision about a pending approval of this run (its expiry), with its event.
+    /// `Ok(false)`: somebody decided first.
+    async fn decide(
+        &self,
+        approval: &ApprovalRecord,
+        decision: ApprovalDecision,
+    ) -> Result<bool, String>;
     /// Called with `true` when the first call of the run starts waiting on an approval and
     /// with `false` when the last one stops: the run is `waiting_approval` in between, and
     /// its active-time budget is paused.
@@ -145,10 +169,11 @@ pub struct RunScope<'a> {
     pub metadata: Value,
     pub host: &'a dyn RunHost,
     pub cancel: CancellationToken,
-    /// Results recorded by an earlier life of this run (a resumed run), by call id.
+    /// Calls recorded by an earlier life of this run (a resumed run), by call key: results,
+    /// and `started` records of calls a crash interrupted.
     recorded: HashMap<String, ToolCallRecord>,
-    /// Approvals an earlier life of this run asked for, by call id.
-    approvals: HashMap<String, ApprovalRecord>,
+    /// Approvals an earlier life of this run asked for, by call key and kind.
+    approvals: HashMap<(String, ApprovalKind), ApprovalRecord>,
     waiting: AtomicUsize,
 }
 
@@ -194,13 +219,13 @@ impl<'a> RunScope<'a> {
             .tool_calls_of_run(&self.run_id)
             .await?
             .into_iter()
-            .map(|call| (call.tool_call_id.clone(), call))
+            .map(|call| (call.call_key.clone(), call))
             .collect();
         self.approvals = store
             .approvals_of_run(&self.run_id)
             .await?
             .into_iter()
-            .map(|approval| (approval.tool_call_id.clone(), approval))
+            .map(|approval| ((approval.call_key.clone(), approval.kind), approval))
             .collect();
         Ok(())
     }
@@ -277,6 +302,7 @@ fn subagent_tools(workspace: &CompiledWorkspace) -> BTreeMap<String, ToolConfig>
                 labels: agent.labels.clone(),
                 timeout: agent.timeout + Duration::from_secs(5),
                 implementation: crate::workspace::ToolImplementation::Subagent(agent.name.clone()),
+                on_interrupted: InterruptedAction::Rerun,
             };
             (id, tool)
         })
@@ -289,10 +315,11 @@ impl ToolGateway {
         store: Arc<dyn Store>,
         http: reqwest::Client,
         waiters: Arc<ApprovalWaiters>,
+        redactor: Redactor,
     ) -> Self {
         let mut gateway = Self {
             mcp: McpClients::new(Arc::clone(&workspace), http.clone()),
-            redactor: Redactor::from_workspace(&workspace),
+            redactor,
             subagents: subagent_tools(&workspace),
             specs: HashMap::new(),
             workspace: Arc::clone(&workspace),
@@ -400,15 +427,18 @@ impl ToolGateway {
     }
 
     /// Runs one call through every step; never fails: every problem is a recorded result.
-    #[tracing::instrument(skip_all, fields(tool = %call.tool_id, call_id = %call.id, run_id = %scope.run_id))]
+    #[tracing::instrument(skip_all, fields(tool = %call.tool_id, call = %call.key, run_id = %scope.run_id))]
     pub async fn call(&self, scope: &RunScope<'_>, call: ToolCall) -> ToolResult {
-        if let Some(recorded) = scope.recorded.get(&call.id) {
-            return ToolResult {
-                outcome: Outcome::parse(&recorded.outcome),
-                content: recorded.result.clone(),
-            };
-        }
         let started = Instant::now();
+        if let Some(recorded) = scope.recorded.get(&call.key) {
+            if recorded.outcome != STARTED {
+                return ToolResult {
+                    outcome: Outcome::parse(&recorded.outcome),
+                    content: recorded.result.clone(),
+                };
+            }
+            return self.interrupted(scope, &call, recorded, started).await;
+        }
         let Some(tool) = self.tool_for(scope.agent, &call.tool_id) else {
             let verdict = not_allowed_verdict(scope.agent, &call.tool_id);
             let result = ToolResult::error(
@@ -473,8 +503,13 @@ impl ToolGateway {
                     .await;
             }
             Decision::NeedsApproval => {
+                let asked = Ask {
+                    kind: ApprovalKind::Policy,
+                    rule: verdict.rule.clone(),
+                    reason: verdict.reason.clone(),
+                };
                 if let Err(result) = self
-                    .await_approval(scope, &call, &stored_arguments, &verdict)
+                    .await_approval(scope, &call, &stored_arguments, asked)
                     .await
                 {
                     return self
@@ -484,9 +519,113 @@ impl ToolGateway {
             }
         }
         let result = self
-            .execute(scope, &call, tool, arguments, &stored_arguments)
+            .run_recorded(scope, &call, tool, arguments, &stored_arguments)
             .await;
         self.finish(scope, &call, &stored_arguments, result, started)
+            .await
+    }
+
+    /// A call that started in an earlier life of the run and has no result: its outcome is
+    /// unknown. Run it again with the same idempotency key, ask an operator, or tell the model.
+    async fn interrupted(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        record: &ToolCallRecord,
+        started: Instant,
+    ) -> ToolResult {
+        let stored_arguments = record.arguments.clone();
+        let tool = self.tool_for(scope.agent, &call.tool_id);
+        let arguments = parse_arguments(&call.arguments);
+        let (Some(tool), Ok(arguments)) = (tool, arguments) else {
+            // The workspace changed under the run: nothing to run again safely.
+            let result = ToolResult::error(
+                Outcome::Failed,
+                "interrupted",
+                "the call was interrupted by a restart and can no longer run (its tool or arguments are no longer valid)",
+                json!({ "idempotencyKey": record.idempotency_key }),
+            );
+            return self
+                .finish(scope, call, &stored_arguments, result, started)
+                .await;
+        };
+        // A high-risk call is never run again without a human, whatever the tool says.
+        let action = match tool.on_interrupted {
+            InterruptedAction::Rerun if tool.risk == Risk::High => InterruptedAction::Ask,
+            action => action,
+        };
+        tracing::warn!(action = ?action, "a tool call was interrupted by a restart");
+        match action {
+            InterruptedAction::Rerun => {}
+            InterruptedAction::Fail => {
+                let result = ToolResult::error(
+                    Outcome::Failed,
+                    "interrupted",
+                    format!(
+                        "the call to `{}` was interrupted by a restart; its outcome is unknown and it was not run again",
+                        tool.id
+                    ),
+                    json!({ "idempotencyKey": record.idempotency_key }),
+                );
+                return self
+                    .finish(scope, call, &stored_arguments, result, started)
+                    .await;
+            }
+            InterruptedAction::Ask => {
+                let asked = Ask {
+                    kind: ApprovalKind::Interrupted,
+                    rule: Some("interrupted".to_owned()),
+                    reason: INTERRUPTED_REASON.to_owned(),
+                };
+                if let Err(result) = self
+                    .await_approval(scope, call, &stored_arguments, asked)
+                    .await
+                {
+                    return self
+                        .finish(scope, call, &stored_arguments, result, started)
+                        .await;
+                }
+            }
+        }
+        let result = self
+            .run_recorded(scope, call, tool, arguments, &stored_arguments)
+            .await;
+        self.finish(scope, call, &stored_arguments, result, started)
+            .await
+    }
+
+    /// Commits the call's `started` record (with its idempotency key), then runs it.
+    async fn run_recorded(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        tool: &ToolConfig,
+        arguments: Value,
+        stored_arguments: &Value,
+    ) -> ToolResult {
+        let key = idempotency_key(&scope.run_id, &call.key);
+        let start = WriteOp::StartToolCall(ToolCallRecord {
+            run_id: scope.run_id.clone(),
+            call_key: call.key.clone(),
+            model_call_id: call.id.clone(),
+            request_id: scope.request_id.clone(),
+            tool_id: call.tool_id.clone(),
+            arguments: stored_arguments.clone(),
+            idempotency_key: key.clone(),
+            outcome: STARTED.to_owned(),
+            result: Value::Null,
+            duration_ms: 0,
+            recorded_at: Utc::now(),
+        });
+        if let Err(message) = scope.host.commit(vec![start]).await {
+            return ToolResult::error(
+                Outcome::Cancelled,
+                "store_unavailable",
+                format!("the call was not run: its start could not be recorded ({message})"),
+                json!({}),
+            );
+        }
+        self.execute(scope, call, tool, arguments, stored_arguments, &key)
             .await
     }
 
@@ -498,12 +637,13 @@ impl ToolGateway {
         tool: &ToolConfig,
         arguments: Value,
         stored_arguments: &Value,
+        idempotency_key: &str,
     ) -> ToolResult {
         scope
             .host
             .emit(
                 TOOL_DIRECT_STARTED,
-                json!({ "toolId": tool.id, "toolCallId": call.id, "arguments": stored_arguments }),
+                json!({ "toolId": tool.id, "toolCallId": call.id, "callKey": call.key, "idempotencyKey": idempotency_key, "arguments": stored_arguments }),
             )
             .await;
         let started = Instant::now();
@@ -512,6 +652,7 @@ impl ToolGateway {
             agent: scope.agent,
             host: scope.host,
             call_id: &call.id,
+            idempotency_key,
             http: &self.http,
             mcp: &self.mcp,
         };
@@ -544,6 +685,7 @@ impl ToolGateway {
         let mut data = json!({
             "toolId": tool.id,
             "toolCallId": call.id,
+            "callKey": call.key,
             "durationMs": started.elapsed().as_millis() as u64,
         });
         match (&result.outcome, result.content.get("error")) {
@@ -573,7 +715,7 @@ impl ToolGateway {
             .host
             .emit(
                 TOOL_DENIED,
-                json!({ "toolId": call.tool_id, "toolCallId": call.id, "rule": verdict.rule, "reason": verdict.reason }),
+                json!({ "toolId": call.tool_id, "toolCallId": call.id, "callKey": call.key, "rule": verdict.rule, "reason": verdict.reason }),
             )
             .await;
         tracing::info!(rule = verdict.rule.as_deref(), "tool call denied");
@@ -581,7 +723,8 @@ impl ToolGateway {
             .await
     }
 
-    /// Records the result under the call id: from now on the call is never run again.
+    /// Commits the result under the call's key before anyone sees it: from then on the call
+    /// is never run again. A result that cannot be committed is not given to the model.
     async fn finish(
         &self,
         scope: &RunScope<'_>,
@@ -590,34 +733,41 @@ impl ToolGateway {
         result: ToolResult,
         started: Instant,
     ) -> ToolResult {
-        scope
-            .host
-            .write(WriteOp::RecordToolCall(ToolCallRecord {
-                run_id: scope.run_id.clone(),
-                tool_call_id: call.id.clone(),
-                request_id: scope.request_id.clone(),
-                tool_id: call.tool_id.clone(),
-                arguments: stored_arguments.clone(),
-                outcome: result.outcome.as_str().to_owned(),
-                result: result.content.clone(),
-                duration_ms: started.elapsed().as_millis() as i64,
-                recorded_at: Utc::now(),
-            }))
-            .await;
-        result
+        let record = WriteOp::RecordToolCall(ToolCallRecord {
+            run_id: scope.run_id.clone(),
+            call_key: call.key.clone(),
+            model_call_id: call.id.clone(),
+            request_id: scope.request_id.clone(),
+            tool_id: call.tool_id.clone(),
+            arguments: stored_arguments.clone(),
+            idempotency_key: idempotency_key(&scope.run_id, &call.key),
+            outcome: result.outcome.as_str().to_owned(),
+            result: result.content.clone(),
+            duration_ms: started.elapsed().as_millis() as i64,
+            recorded_at: Utc::now(),
+        });
+        match scope.host.commit(vec![record]).await {
+            Ok(()) => result,
+            Err(message) => ToolResult::error(
+                Outcome::Cancelled,
+                "store_unavailable",
+                format!("the call's result could not be recorded ({message})"),
+                json!({}),
+            ),
+        }
     }
 
     /// Parks the call until its approval is decided. `Ok` means approved (by an operator, or
-    /// by `onTimeout: approve`); `Err` carries the denial result the model gets.
+    /// by `onTimeout: approve` for a policy approval); `Err` carries the result the model gets.
     async fn await_approval(
         &self,
         scope: &RunScope<'_>,
         call: &ToolCall,
         stored_arguments: &Value,
-        verdict: &Verdict,
+        asked: Ask,
     ) -> Result<(), ToolResult> {
         let governance = &self.workspace.runtime.governance;
-        let approval = match scope.approvals.get(&call.id) {
+        let approval = match scope.approvals.get(&(call.key.clone(), asked.kind)) {
             Some(existing) => existing.clone(),
             None => {
                 let now = Utc::now();
@@ -627,23 +777,33 @@ impl ToolGateway {
                     run_id: scope.run_id.clone(),
                     session_id: scope.session_id.clone(),
                     agent_id: scope.agent.name.clone(),
+                    call_key: call.key.clone(),
+                    kind: asked.kind,
                     tool_call_id: call.id.clone(),
                     tool_id: call.tool_id.clone(),
                     arguments: stored_arguments.clone(),
-                    rule: verdict.rule.clone(),
-                    status: crate::store::ApprovalStatus::Pending,
-                    reason: Some(verdict.reason.clone()),
+                    rule: asked.rule,
+                    status: ApprovalStatus::Pending,
+                    reason: Some(asked.reason),
                     decided_by: None,
                     created_at: now,
                     expires_at: chrono::Duration::from_std(governance.approval_timeout)
                         .ok()
-                        .map(|timeout| now + timeout),
+                        .and_then(|timeout| now.checked_add_signed(timeout)),
                     decided_at: None,
                 };
-                scope
+                if let Err(message) = scope
                     .host
-                    .write(WriteOp::InsertApproval(approval.clone()))
-                    .await;
+                    .commit(vec![WriteOp::InsertApproval(approval.clone())])
+                    .await
+                {
+                    return Err(ToolResult::error(
+                        Outcome::Cancelled,
+                        "store_unavailable",
+                        format!("the approval could not be recorded ({message})"),
+                        json!({}),
+                    ));
+                }
                 scope
                     .host
                     .emit(APPROVAL_REQUESTED, json!({ "approval": approval }))
@@ -654,6 +814,7 @@ impl ToolGateway {
         scope.enter_wait().await;
         let decided = approvals::wait_for_decision(
             self.store.as_ref(),
+            scope.host,
             &self.waiters,
             &approval,
             &scope.cancel,
@@ -671,26 +832,16 @@ impl ToolGateway {
                 ));
             }
         };
-        scope
-            .host
-            .emit(
-                APPROVAL_RESOLVED,
-                json!({
-                    "approvalId": decided.id,
-                    "toolId": decided.tool_id,
-                    "toolCallId": decided.tool_call_id,
-                    "decision": decided.status,
-                    "reason": decided.reason,
-                    "decidedBy": decided.decided_by,
-                }),
-            )
-            .await;
-        use crate::store::ApprovalStatus as Status;
         use crate::workspace::TimeoutAction;
         match decided.status {
-            Status::Approved => Ok(()),
-            Status::Expired if governance.on_timeout == TimeoutAction::Approve => Ok(()),
-            Status::Expired => Err(ToolResult::error(
+            ApprovalStatus::Approved => Ok(()),
+            ApprovalStatus::Expired
+                if governance.on_timeout == TimeoutAction::Approve
+                    && decided.kind == ApprovalKind::Policy =>
+            {
+                Ok(())
+            }
+            ApprovalStatus::Expired => Err(ToolResult::error(
                 Outcome::Denied,
                 "approval_expired",
                 format!(
@@ -715,6 +866,22 @@ impl ToolGateway {
             )),
         }
     }
+}
+
+/// Why a call is put to a human.
+struct Ask {
+    kind: ApprovalKind,
+    rule: Option<String>,
+    reason: String,
+}
+
+/// The reason an interrupted call's approval gives.
+pub const INTERRUPTED_REASON: &str = "outcome unknown after a restart: the call started before the server stopped and has no recorded result; approve to run it again (with the same idempotency key) or deny";
+
+/// The idempotency key of a call: derived from its stable identity, so every execution of the
+/// same call (a re-run after a crash included) carries the same key.
+pub fn idempotency_key(run_id: &str, call_key: &str) -> String {
+    format!("{run_id}.{call_key}")
 }
 
 /// What `explain` found.

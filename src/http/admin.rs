@@ -24,6 +24,9 @@ pub struct ListRequestsQuery {
     pub agent_id: Option<String>,
     #[serde(default)]
     pub session_id: Option<String>,
+    /// The client key identity that submitted the request.
+    #[serde(default)]
+    pub owner: Option<String>,
     /// 1 to 200 (default 50).
     #[serde(default)]
     pub limit: Option<i64>,
@@ -46,6 +49,7 @@ pub async fn list_requests(
         status,
         agent_id: query.agent_id,
         session_id: query.session_id,
+        owner: query.owner,
     };
     let store = state.runtime.store();
     let page = store
@@ -79,7 +83,7 @@ pub async fn get_request(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<RequestView>, ApiError> {
-    Ok(Json(request_view(&state.runtime, &id).await?))
+    Ok(Json(request_view(&state.runtime, &id, None).await?))
 }
 
 #[utoipa::path(get, path = "/admin/runs/{id}", tag = "admin", security(("admin_key" = [])),

@@ -1,18 +1,38 @@
-//! API keys: client keys for `/v1` and `/runtime`, admin keys for `/admin`, compared in
-//! constant time. No key: 401; a key of the other scope: 403; a surface with no keys
-//! configured is open (and `start` warns loudly about it).
+//! API keys: client keys for `/v1` and `/runtime`, admin keys for `/admin`. No key: 401; a
+//! key of the other scope: 403; a surface with no keys configured is open (and `start` warns
+//! loudly about it).
+//!
+//! Keys are never compared as text: both sides are hashed (SHA-256) and the digests compared
+//! in constant time, so neither a key's content nor its length shows in the timing. Every key
+//! has a stable identity — its configured name, else a fingerprint (a SHA-256 prefix) — which
+//! owns what the key creates and names the operator who decides an approval. An identity
+//! never depends on which other keys exist.
+
+use std::collections::BTreeMap;
 
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use super::AppState;
 use crate::error::{ApiError, ErrorCode};
 
+/// The identity of every caller on a surface that has no keys.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// One accepted key: only its digest is kept.
+#[derive(Clone)]
+struct Key {
+    digest: [u8; 32],
+    identity: String,
+    labels: BTreeMap<String, String>,
+}
+
 /// A set of secret keys; `Debug` never prints them.
 #[derive(Clone, Default)]
-pub struct KeySet(Vec<String>);
+pub struct KeySet(Vec<Key>);
 
 impl std::fmt::Debug for KeySet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -20,8 +40,20 @@ impl std::fmt::Debug for KeySet {
     }
 }
 
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// The identity of an unnamed key: `key-` and the first 12 hex digits of its SHA-256.
+pub fn fingerprint(key: &str) -> String {
+    let digest = digest(key);
+    let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+    format!("key-{hex}")
+}
+
 impl KeySet {
-    /// Keys from explicit values and from the named environment variables (comma-separated).
+    /// Keys from explicit values and from the named environment variables (comma-separated),
+    /// each known by its fingerprint.
     pub fn collect(explicit: &[String], env_vars: &[String]) -> Self {
         let mut keys: Vec<String> = explicit.iter().map(|k| k.trim().to_owned()).collect();
         for var in env_vars {
@@ -32,27 +64,75 @@ impl KeySet {
         keys.retain(|k| !k.is_empty());
         keys.sort();
         keys.dedup();
-        Self(keys)
+        Self(
+            keys.iter()
+                .map(|key| Key {
+                    digest: digest(key),
+                    identity: fingerprint(key),
+                    labels: BTreeMap::new(),
+                })
+                .collect(),
+        )
+    }
+
+    /// Adds a key known by `name`, with `labels` (policy input); a named key wins over the
+    /// same key without a name.
+    pub fn add_named(&mut self, key: &str, name: &str, labels: BTreeMap<String, String>) {
+        let key = key.trim();
+        if key.is_empty() {
+            return;
+        }
+        let digest = digest(key);
+        self.0.retain(|existing| existing.digest != digest);
+        self.0.push(Key {
+            digest,
+            identity: name.to_owned(),
+            labels,
+        });
     }
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
-    /// Whether `candidate` is one of the keys; every key is compared, in constant time each.
-    pub fn contains(&self, candidate: &str) -> bool {
-        self.position(candidate).is_some()
+    pub fn len(&self) -> usize {
+        self.0.len()
     }
 
-    /// The 1-based number of the matching key (every key is compared, in constant time each).
-    pub fn position(&self, candidate: &str) -> Option<usize> {
-        let mut found = 0usize;
-        for (index, key) in self.0.iter().enumerate() {
-            let matched: bool = key.as_bytes().ct_eq(candidate.as_bytes()).into();
-            found |= usize::from(matched) * (index + 1);
-        }
-        (found != 0).then_some(found)
+    /// Whether `candidate` is one of the keys.
+    pub fn contains(&self, candidate: &str) -> bool {
+        self.find(candidate).is_some()
     }
+
+    /// The key `candidate` is, if any. Every key's digest is compared with the candidate's
+    /// in constant time, whatever matches.
+    fn find(&self, candidate: &str) -> Option<&Key> {
+        let wanted = digest(candidate);
+        let mut found = None;
+        for key in &self.0 {
+            let matched: bool = key.digest.ct_eq(&wanted).into();
+            if matched {
+                found = Some(key);
+            }
+        }
+        found
+    }
+
+    /// The identity and labels of every key (for the policy's key labels).
+    pub fn identities(&self) -> impl Iterator<Item = (&str, &BTreeMap<String, String>)> {
+        self.0
+            .iter()
+            .map(|key| (key.identity.as_str(), &key.labels))
+    }
+}
+
+/// Who is calling, as authentication established it (a request extension).
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The key's identity, or [`ANONYMOUS`] on an open surface.
+    pub identity: String,
+    /// The key's labels (trusted policy input).
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The client and admin key sets.
@@ -78,13 +158,17 @@ fn bearer(request: &Request) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<(), ApiError> {
+/// The caller, if the request carries a key of `scope` (or the surface is open).
+fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<Caller, ApiError> {
     let (own, other, surface) = match scope {
         Scope::Client => (&keys.client, &keys.admin, "a client key"),
         Scope::Admin => (&keys.admin, &keys.client, "an admin key"),
     };
     if own.is_empty() {
-        return Ok(());
+        return Ok(Caller {
+            identity: ANONYMOUS.to_owned(),
+            labels: BTreeMap::new(),
+        });
     }
     let Some(token) = bearer(request) else {
         return Err(ApiError::new(
@@ -92,8 +176,11 @@ fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<(), ApiError
             format!("this endpoint needs {surface}: send `Authorization: Bearer <key>`"),
         ));
     };
-    if own.contains(token) {
-        Ok(())
+    if let Some(key) = own.find(token) {
+        Ok(Caller {
+            identity: key.identity.clone(),
+            labels: key.labels.clone(),
+        })
     } else if other.contains(token) {
         Err(ApiError::new(
             ErrorCode::WrongKeyScope,
@@ -112,27 +199,33 @@ fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<(), ApiError
 
 pub async fn require_client_key_v1(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     match check(&state.keys, Scope::Client, &request) {
-        Ok(()) => next.run(request).await,
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
         Err(error) => error.on_openai_surface().into_response(),
     }
 }
 
 pub async fn require_client_key(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     match check(&state.keys, Scope::Client, &request) {
-        Ok(()) => next.run(request).await,
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
         Err(error) => error.into_response(),
     }
 }
 
-/// Who called an admin endpoint, as recorded with their decisions: the number of their key
+/// Who called an admin endpoint, as recorded with their decisions: their key's identity
 /// (never the key), or `open-admin` when the admin surface has no keys.
 #[derive(Debug, Clone)]
 pub struct Operator(pub String);
@@ -143,10 +236,12 @@ pub async fn require_admin_key(
     next: Next,
 ) -> Response {
     match check(&state.keys, Scope::Admin, &request) {
-        Ok(()) => {
-            let operator = bearer(&request)
-                .and_then(|token| state.keys.admin.position(token))
-                .map_or_else(|| "open-admin".to_owned(), |n| format!("admin-key-{n}"));
+        Ok(caller) => {
+            let operator = if caller.identity == ANONYMOUS {
+                "open-admin".to_owned()
+            } else {
+                caller.identity
+            };
             request.extensions_mut().insert(Operator(operator));
             next.run(request).await
         }
@@ -164,5 +259,14 @@ mod tests {
         assert!(keys.contains("alpha") && keys.contains("beta"));
         assert!(!keys.contains("alph") && !keys.contains("alphaa") && !keys.contains(""));
         assert_eq!(format!("{keys:?}"), "KeySet([redacted; 2])");
+        // An identity depends on the key alone, not on which other keys exist.
+        let more = KeySet::collect(&["0-first".into(), "alpha".into()], &[]);
+        let identity = |set: &KeySet| {
+            set.find("alpha")
+                .map(|k| k.identity.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(identity(&keys), identity(&more));
+        assert!(identity(&keys).starts_with("key-") && identity(&keys).len() == 16);
     }
 }

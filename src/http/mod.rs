@@ -18,7 +18,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{get, post};
 
-pub use auth::{ApiKeys, KeySet};
+pub use auth::{ANONYMOUS, ApiKeys, Caller, KeySet, fingerprint};
 
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::Runtime;

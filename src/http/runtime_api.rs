@@ -5,16 +5,17 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
+use super::auth::Caller;
 use super::extract::ApiJson;
 use super::views::{EventPage, EventsQuery, RequestView, request_view};
 use crate::error::{ApiError, ErrorCode};
@@ -69,6 +70,7 @@ pub struct Accepted {
     ))]
 pub async fn create_request(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     ApiJson(body): ApiJson<CreateRequest>,
 ) -> Result<Response, ApiError> {
     let messages = match (body.input.text, body.input.messages) {
@@ -98,28 +100,13 @@ pub async fn create_request(
             .param("input"));
         }
     };
-    if let Some(session_id) = &body.session_id {
-        let exists = state
-            .runtime
-            .store()
-            .session(session_id)
-            .await
-            .map_err(ApiError::internal)?
-            .is_some();
-        if !exists {
-            return Err(ApiError::new(
-                ErrorCode::SessionNotFound,
-                format!("session `{session_id}` not found"),
-            )
-            .param("sessionId"));
-        }
-    }
     let new_messages = messages.len();
     let submitted = state
         .runtime
         .submit(NewRequest {
             agent_id: body.agent_id,
             session_id: body.session_id,
+            owner: caller.identity.clone(),
             with_history: true,
             messages,
             new_messages,
@@ -147,7 +134,7 @@ pub async fn create_request(
                 agent_timeout + Duration::from_secs(5),
             )
             .await?;
-        let view = request_view(&state.runtime, &submitted.request_id).await?;
+        let view = request_view(&state.runtime, &submitted.request_id, None).await?;
         let status = if view.status.is_terminal() {
             StatusCode::OK
         } else {
@@ -169,9 +156,12 @@ pub async fn create_request(
     responses((status = 200, body = RequestView), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn get_request(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<RequestView>, ApiError> {
-    Ok(Json(request_view(&state.runtime, &id).await?))
+    Ok(Json(
+        request_view(&state.runtime, &id, Some(&caller.identity)).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/runtime/requests/{id}/events", tag = "runtime", security(("client_key" = [])),
@@ -182,11 +172,13 @@ pub async fn get_request(
     ))]
 pub async fn request_events(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     headers: HeaderMap,
     Query(query): Query<EventsQuery>,
 ) -> Result<Response, ApiError> {
-    request_view(&state.runtime, &id).await?;
+    // Another key's request does not exist for this caller: 404, like an unknown id.
+    request_view(&state.runtime, &id, Some(&caller.identity)).await?;
     let wants_stream = headers
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok())

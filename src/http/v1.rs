@@ -5,15 +5,16 @@
 
 use std::convert::Infallible;
 
-use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
+use super::auth::Caller;
 use super::extract::V1Json;
 use super::views::run_failure;
 use crate::error::{ApiError, ErrorCode};
@@ -188,8 +189,14 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// A session id from the grouping header or `user`; anything else is a new session.
-fn session_id(headers: &HeaderMap, user: Option<&str>) -> Result<Option<String>, ApiError> {
+/// A session id from the grouping header or `user`; anything else is a new session. A `user`
+/// names a session of the calling key's own (`user:<identity>:<user>`): another key's
+/// `user` of the same name is another session.
+fn session_id(
+    headers: &HeaderMap,
+    user: Option<&str>,
+    owner: &str,
+) -> Result<Option<String>, ApiError> {
     let raw = match headers.get(SESSION_ID_HEADER) {
         Some(value) => Some(
             value
@@ -202,7 +209,7 @@ fn session_id(headers: &HeaderMap, user: Option<&str>) -> Result<Option<String>,
                 })?
                 .to_owned(),
         ),
-        None => user.map(|user| format!("user:{user}")),
+        None => user.map(|user| format!("user:{owner}:{user}")),
     };
     match raw {
         Some(id) if id.is_empty() || id.len() > 200 || id.chars().any(|c| c.is_control()) => {
@@ -227,12 +234,13 @@ fn session_id(headers: &HeaderMap, user: Option<&str>) -> Result<Option<String>,
     ))]
 pub async fn chat_completions(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     headers: HeaderMap,
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     validate(&request)?;
     find_agent(&state, &request.model)?;
-    let session_id = session_id(&headers, request.user.as_deref())?;
+    let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()
         .filter_map(|key| {
@@ -265,6 +273,7 @@ pub async fn chat_completions(
         .submit_and_follow(NewRequest {
             agent_id: Some(request.model.clone()),
             session_id,
+            owner: caller.identity.clone(),
             with_history: false,
             messages: request.messages,
             new_messages,

@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::{Runtime, RuntimeError};
+use crate::runtime::{JournalError, Runtime, RuntimeError};
 use crate::store::{EventRecord, RequestRecord, RunRecord, RunStatus};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -45,6 +45,8 @@ pub struct RequestView {
     pub session_id: String,
     pub agent_id: String,
     pub protocol: String,
+    /// The client key identity that owns the request.
+    pub owner: String,
     pub status: RunStatus,
     pub output: Option<String>,
     #[schema(value_type = Option<Object>)]
@@ -65,6 +67,7 @@ impl RequestView {
             session_id: request.session_id,
             agent_id: request.agent_id,
             protocol: request.protocol,
+            owner: request.owner,
             status: request.status,
             output: request.output,
             error: request.error,
@@ -119,13 +122,19 @@ pub struct RequestList {
     pub next_cursor: Option<String>,
 }
 
-/// The request and its runs, or 404.
-pub async fn request_view(runtime: &Runtime, id: &str) -> Result<RequestView, ApiError> {
+/// The request and its runs, or 404 — also when `owner` is given and the request belongs to
+/// another key identity (ownership, SPEC section 4; admin views pass `None`).
+pub async fn request_view(
+    runtime: &Runtime,
+    id: &str,
+    owner: Option<&str>,
+) -> Result<RequestView, ApiError> {
     let store = runtime.store();
     let request = store
         .request(id)
         .await
         .map_err(ApiError::internal)?
+        .filter(|request| owner.is_none_or(|owner| request.owner == owner))
         .ok_or_else(|| {
             ApiError::new(
                 ErrorCode::RequestNotFound,
@@ -160,7 +169,20 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::ApprovalDecided { .. } => {
                 ApiError::new(ErrorCode::ApprovalDecided, error.to_string())
             }
-            RuntimeError::ShuttingDown => ApiError::new(ErrorCode::ShuttingDown, error.to_string()),
+            RuntimeError::SessionNotFound(id) => ApiError::new(
+                ErrorCode::SessionNotFound,
+                format!("session `{id}` not found"),
+            )
+            .param("sessionId"),
+            RuntimeError::StoreUnavailable => {
+                ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
+            }
+            RuntimeError::ShuttingDown | RuntimeError::Journal(JournalError::Closed) => {
+                ApiError::new(ErrorCode::ShuttingDown, error.to_string())
+            }
+            RuntimeError::Journal(JournalError::Conflict(message)) => {
+                ApiError::new(ErrorCode::ApprovalDecided, message)
+            }
             RuntimeError::Store(error) => ApiError::internal(error),
             RuntimeError::Journal(error) => ApiError::internal(error),
         }

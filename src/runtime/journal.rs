@@ -1,134 +1,448 @@
 //! The journal: the single, ordered path by which the runtime writes to the store.
 //!
-//! Writes are queued (bounded: a slow disk slows producers instead of growing memory) and a
+//! Writes arrive in *groups*: ops that belong together (a submit, a run's end, an approval
+//! decision, a tool call's start) are one group and always commit in one transaction. The
 //! writer task applies whatever is queued as one transaction, so a streaming run costs one
-//! commit per burst of tokens, not one per token. Events are published to live subscribers
-//! only after their transaction committed: a subscriber never sees an event the store lost.
+//! commit per burst of tokens, not one per token.
+//!
+//! What the journal promises:
+//! - **An acknowledged write has committed.** [`Journal::commit`] resolves only after the
+//!   group's transaction committed, and reports a failure to its producer. Fire-and-forget
+//!   writes ([`Journal::write`]) are acknowledged by the producer's next `commit`: if an
+//!   earlier write of the same request failed, that commit fails too (the request is
+//!   *poisoned*) and is not applied, so a run never carries on past a lost write.
+//! - **Gapless `seq`.** The journal numbers events when they commit, per request, so a failed
+//!   group never leaves a hole: numbers are taken only by events that committed.
+//! - **One bad group never fails another.** When a batch fails with an error that is not
+//!   transient (a constraint, a conflicting decision), its groups are applied one by one and
+//!   only the failing group is refused. A transient failure (busy, I/O, full disk) is retried,
+//!   with the store marked unavailable meanwhile: producers wait (the queue is bounded), new
+//!   submits are refused with 503, `/readyz` is red, and service resumes by itself once a
+//!   write succeeds again.
+//! - Events reach live subscribers only after their commit.
+//! - **Nothing secret is stored.** Every write is redacted ([`crate::redact`]) before it is
+//!   applied, whoever produced it: the one choke point for everything persisted.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::events::is_terminal;
 use super::hub::EventHub;
+use crate::redact::{Redactor, Secrets};
 use crate::store::{Store, StoreError, WriteOp};
 
-/// Most writes applied in one transaction.
+/// Most groups applied in one transaction.
 const MAX_BATCH: usize = 512;
-/// Queue length before producers wait.
+/// Queue length (in groups) before producers wait.
 const QUEUE: usize = 8_192;
+/// Longest pause between two tries of a write the store refused for a transient reason.
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
-// Writes are the common case; boxing them would cost an allocation per event for nothing.
-#[allow(clippy::large_enum_variant)]
+/// Why a write was not committed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JournalError {
+    #[error("the store journal is closed")]
+    Closed,
+    /// The write conflicts with the stored state (an approval decided already).
+    #[error("{0}")]
+    Conflict(String),
+    /// The store refused the write; the request cannot go on.
+    #[error("the store refused a write: {0}")]
+    Rejected(String),
+    /// An earlier write of this request was refused, so this one was not applied.
+    #[error("an earlier write of request `{0}` was lost, so the request cannot go on")]
+    Poisoned(String),
+}
+
+/// A group of writes as queued.
+struct Group {
+    /// The request the group belongs to: a failure poisons it.
+    request: Option<String>,
+    ops: Vec<WriteOp>,
+    /// Applied even to a poisoned request (a run's end), and clears the poison.
+    settles: bool,
+    ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+}
+
 enum Item {
-    Write(WriteOp),
-    /// Resolved once everything queued before it is committed.
-    Flush(oneshot::Sender<Result<(), String>>),
+    Group(Group),
+    /// Resolved once everything queued before it is committed (or refused).
+    Flush(oneshot::Sender<()>),
 }
 
 /// Handle to the writer task; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Journal {
     sender: mpsc::Sender<Item>,
+    available: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Item::Write(op) => op.fmt(f),
+            Item::Group(group) => write!(f, "Group({} ops)", group.ops.len()),
             Item::Flush(_) => f.write_str("Flush"),
         }
     }
 }
-
-/// The journal stopped (the server is shutting down) or the store refused a write.
-#[derive(Debug, thiserror::Error)]
-#[error("the store journal failed: {0}")]
-pub struct JournalError(pub String);
 
 impl Journal {
     /// Starts the writer task on `tracker`; it ends when every `Journal` clone is dropped.
     pub fn start(
         store: Arc<dyn Store>,
         hub: Arc<EventHub>,
+        redactor: Redactor,
         tracker: &tokio_util::task::TaskTracker,
     ) -> Self {
         let (sender, receiver) = mpsc::channel(QUEUE);
-        tracker.spawn(write_loop(store, hub, receiver));
-        Self { sender }
+        let available = Arc::new(AtomicBool::new(true));
+        let writer = Writer {
+            store,
+            hub,
+            redactor,
+            available: Arc::clone(&available),
+            next_seq: HashMap::new(),
+            poisoned: HashSet::new(),
+        };
+        tracker.spawn(writer.run(receiver));
+        Self { sender, available }
     }
 
-    /// Queues a write behind every earlier one.
-    pub async fn write(&self, op: WriteOp) -> Result<(), JournalError> {
+    /// Whether the store accepts writes (false while a transient failure is being retried).
+    pub fn is_available(&self) -> bool {
+        self.available.load(Ordering::Relaxed)
+    }
+
+    /// Queues one write of `request` behind every earlier one, without waiting for it to
+    /// commit: the producer learns of a failure at its next [`Journal::commit`].
+    pub async fn write(&self, request: Option<&str>, op: WriteOp) -> Result<(), JournalError> {
+        self.enqueue(request, vec![op], false, None).await
+    }
+
+    /// Queues `ops` as one group (they commit together) without waiting for the commit.
+    pub async fn write_group(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+    ) -> Result<(), JournalError> {
+        self.enqueue(request, ops, false, None).await
+    }
+
+    /// Queues `ops` as one group and waits until they committed together.
+    pub async fn commit(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+    ) -> Result<(), JournalError> {
+        self.commit_group(request, ops, false).await
+    }
+
+    /// Like [`Journal::commit`] for a run's last group: applied even when an earlier write
+    /// of the request was lost (the run ends with what is known), which clears that state.
+    pub async fn settle(&self, request: &str, ops: Vec<WriteOp>) -> Result<(), JournalError> {
+        self.commit_group(Some(request), ops, true).await
+    }
+
+    async fn commit_group(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+        settles: bool,
+    ) -> Result<(), JournalError> {
+        let (ack, done) = oneshot::channel();
+        self.enqueue(request, ops, settles, Some(ack)).await?;
+        done.await.map_err(|_| JournalError::Closed)?
+    }
+
+    async fn enqueue(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+        settles: bool,
+        ack: Option<oneshot::Sender<Result<(), JournalError>>>,
+    ) -> Result<(), JournalError> {
+        let group = Group {
+            request: request.map(str::to_owned),
+            ops,
+            settles,
+            ack,
+        };
         self.sender
-            .send(Item::Write(op))
+            .send(Item::Group(group))
             .await
-            .map_err(|_| JournalError("the journal is closed".into()))
+            .map_err(|_| JournalError::Closed)
     }
 
-    /// Queues several writes; they commit together (or with their neighbours).
-    pub async fn write_all(&self, ops: Vec<WriteOp>) -> Result<(), JournalError> {
-        for op in ops {
-            self.write(op).await?;
-        }
-        Ok(())
-    }
-
-    /// Waits until everything queued so far is committed.
+    /// Waits until everything queued so far has been committed or refused.
     pub async fn flush(&self) -> Result<(), JournalError> {
         let (done, wait) = oneshot::channel();
         self.sender
             .send(Item::Flush(done))
             .await
-            .map_err(|_| JournalError("the journal is closed".into()))?;
-        wait.await
-            .map_err(|_| JournalError("the journal stopped".into()))?
-            .map_err(JournalError)
+            .map_err(|_| JournalError::Closed)?;
+        wait.await.map_err(|_| JournalError::Closed)
     }
 }
 
-async fn write_loop(store: Arc<dyn Store>, hub: Arc<EventHub>, mut receiver: mpsc::Receiver<Item>) {
-    let mut items = Vec::with_capacity(MAX_BATCH);
-    while receiver.recv_many(&mut items, MAX_BATCH).await > 0 {
-        let mut ops = Vec::with_capacity(items.len());
-        let mut flushes = Vec::new();
-        for item in items.drain(..) {
-            match item {
-                Item::Write(op) => ops.push(op),
-                Item::Flush(done) => flushes.push(done),
-            }
-        }
-        let result = apply_with_retry(store.as_ref(), &ops).await;
-        match &result {
-            Ok(()) => {
-                for op in ops {
-                    if let WriteOp::AppendEvent(event) = op {
-                        hub.publish(Arc::new(event));
-                    }
+/// The writer task's state: it alone numbers events and applies writes.
+struct Writer {
+    store: Arc<dyn Store>,
+    hub: Arc<EventHub>,
+    redactor: Redactor,
+    available: Arc<AtomicBool>,
+    /// The next `seq` of each request with a live run (dropped after its terminal event).
+    next_seq: HashMap<String, i64>,
+    /// Requests with a lost write since their last settled group.
+    poisoned: HashSet<String>,
+}
+
+impl Writer {
+    async fn run(mut self, mut receiver: mpsc::Receiver<Item>) {
+        let mut items = Vec::with_capacity(MAX_BATCH);
+        while receiver.recv_many(&mut items, MAX_BATCH).await > 0 {
+            let mut groups = Vec::with_capacity(items.len());
+            let mut flushes = Vec::new();
+            for item in items.drain(..) {
+                match item {
+                    Item::Group(group) => groups.push(group),
+                    Item::Flush(done) => flushes.push(done),
                 }
             }
-            Err(error) => {
-                tracing::error!(%error, writes = ops.len(), "store journal could not commit a batch")
+            self.apply(groups).await;
+            for done in flushes {
+                let _ = done.send(());
             }
         }
-        for done in flushes {
-            let _ = done.send(result.as_ref().map(|_| ()).map_err(ToString::to_string));
+    }
+
+    /// Applies a batch: all groups in one transaction, or, when that fails for a reason
+    /// that is not transient, each group alone.
+    async fn apply(&mut self, groups: Vec<Group>) {
+        let mut groups: Vec<Group> = groups
+            .into_iter()
+            .filter_map(|group| self.refuse_if_poisoned(group))
+            .collect();
+        if groups.is_empty() {
+            return;
+        }
+        let lengths: Vec<usize> = groups.iter().map(|g| g.ops.len()).collect();
+        let mut ops: Vec<WriteOp> = groups.iter_mut().flat_map(|g| g.ops.drain(..)).collect();
+        let secrets = self.redactor.secrets();
+        for op in &mut ops {
+            redact(op, &secrets);
+        }
+        drop(secrets);
+        let applied = match self.number(&mut ops).await {
+            Some(next_seq) => self.apply_retrying(&ops).await.map(|()| next_seq),
+            None => Err(StoreError::Writer("sequence numbers unreadable".into())),
+        };
+        match applied {
+            Ok(next_seq) => {
+                self.committed(next_seq, ops);
+                for group in groups {
+                    self.settled(&group, &Ok(()));
+                    ack(group.ack, Ok(()));
+                }
+            }
+            Err(_) => {
+                // Give every group its ops back, in order, and try them one by one.
+                let mut rest = ops.into_iter();
+                for (group, length) in groups.iter_mut().zip(lengths) {
+                    group.ops = rest.by_ref().take(length).collect();
+                }
+                self.apply_each(groups).await;
+            }
+        }
+    }
+
+    /// The fallback: each group in its own transaction, so only the failing one is refused.
+    async fn apply_each(&mut self, groups: Vec<Group>) {
+        for group in groups {
+            let Some(mut group) = self.refuse_if_poisoned(group) else {
+                continue;
+            };
+            let result = match self.number(&mut group.ops).await {
+                None => Err(JournalError::Rejected(
+                    "the request's last event number could not be read".to_owned(),
+                )),
+                Some(next_seq) => match self.apply_retrying(&group.ops).await {
+                    Ok(()) => {
+                        self.committed(next_seq, std::mem::take(&mut group.ops));
+                        Ok(())
+                    }
+                    Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),
+                    Err(error) => {
+                        tracing::error!(%error, request = group.request.as_deref(), "the store refused a write group");
+                        Err(JournalError::Rejected(error.to_string()))
+                    }
+                },
+            };
+            self.settled(&group, &result);
+            ack(group.ack, result);
+        }
+    }
+
+    /// A settling group that committed clears its request's poison; any other refused group
+    /// poisons it (a conflict is an answer, not a loss).
+    fn settled(&mut self, group: &Group, result: &Result<(), JournalError>) {
+        let Some(request) = &group.request else {
+            return;
+        };
+        match result {
+            Ok(()) if group.settles => {
+                self.poisoned.remove(request);
+            }
+            Err(JournalError::Rejected(_)) if !group.settles => {
+                self.poisoned.insert(request.clone());
+            }
+            _ => {}
+        }
+    }
+
+    /// A group of a poisoned request is refused (unless it settles the request).
+    fn refuse_if_poisoned(&mut self, group: Group) -> Option<Group> {
+        match &group.request {
+            Some(request) if !group.settles && self.poisoned.contains(request) => {
+                ack(group.ack, Err(JournalError::Poisoned(request.clone())));
+                None
+            }
+            _ => Some(group),
+        }
+    }
+
+    /// Numbers the events of `ops` after each request's last committed one. Returns the
+    /// counters as they will be once `ops` commit (`None`: a counter could not be read).
+    async fn number(&mut self, ops: &mut [WriteOp]) -> Option<HashMap<String, i64>> {
+        let mut next: HashMap<String, i64> = HashMap::new();
+        for op in ops.iter_mut() {
+            let event = match op {
+                WriteOp::InsertRequest(request) => {
+                    next.entry(request.id.clone()).or_insert(1);
+                    continue;
+                }
+                WriteOp::AppendEvent(event) => event,
+                _ => continue,
+            };
+            let seq = match next.get_mut(&event.request_id) {
+                Some(seq) => seq,
+                None => {
+                    let first = match self.next_seq.get(&event.request_id) {
+                        Some(seq) => *seq,
+                        None => match self.store.last_seq(&event.request_id).await {
+                            Ok(last) => last + 1,
+                            Err(error) => {
+                                tracing::error!(%error, "cannot read a request's last event number");
+                                return None;
+                            }
+                        },
+                    };
+                    next.entry(event.request_id.clone()).or_insert(first)
+                }
+            };
+            event.seq = *seq;
+            *seq += 1;
+        }
+        Some(next)
+    }
+
+    /// After a commit: keep the counters, publish the events (dropping the counter of a
+    /// request whose terminal event committed).
+    fn committed(&mut self, next_seq: HashMap<String, i64>, ops: Vec<WriteOp>) {
+        self.next_seq.extend(next_seq);
+        for op in ops {
+            if let WriteOp::AppendEvent(event) = op {
+                if is_terminal(&event.event_type) {
+                    self.next_seq.remove(&event.request_id);
+                }
+                self.hub.publish(Arc::new(event));
+            }
+        }
+    }
+
+    /// Applies `ops` in one transaction; a transient failure is retried until it succeeds,
+    /// with the store marked unavailable meanwhile. Other failures are returned.
+    async fn apply_retrying(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+        let mut delay = Duration::from_millis(20);
+        loop {
+            match self.store.apply(ops).await {
+                Ok(()) => {
+                    if !self.available.swap(true, Ordering::Relaxed) {
+                        tracing::info!("the store accepts writes again");
+                    }
+                    return Ok(());
+                }
+                Err(error) if error.is_transient() => {
+                    if self.available.swap(false, Ordering::Relaxed) {
+                        tracing::error!(%error, "the store cannot write; retrying until it can (new requests get 503)");
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(MAX_RETRY_DELAY);
+                }
+                Err(error) => return Err(error),
+            }
         }
     }
 }
 
-/// A transient failure (a locked database, a full disk being cleaned) gets a few tries.
-async fn apply_with_retry(store: &dyn Store, ops: &[WriteOp]) -> Result<(), StoreError> {
-    let mut delay = Duration::from_millis(20);
-    for _ in 0..4 {
-        match store.apply(ops).await {
-            Ok(()) => return Ok(()),
-            Err(error) => {
-                tracing::warn!(%error, "store write failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 4;
+/// Removes secrets from every value a write stores.
+fn redact(op: &mut WriteOp, secrets: &Secrets<'_>) {
+    let text = |text: &mut String| *text = secrets.redact_text(text);
+    match op {
+        WriteOp::TouchSession(session) => secrets.redact_in_place(&mut session.metadata),
+        WriteOp::InsertMessage(message) => secrets.redact_in_place(&mut message.content),
+        WriteOp::InsertRequest(request) => {
+            secrets.redact_in_place(&mut request.input);
+            secrets.redact_in_place(&mut request.metadata);
+            if let Some(value) = request.output.as_mut() {
+                text(value);
+            }
+            if let Some(error) = &mut request.error {
+                secrets.redact_in_place(error);
             }
         }
+        WriteOp::UpdateRequest { output, error, .. } => {
+            if let Some(value) = output.as_mut() {
+                text(value);
+            }
+            if let Some(error) = error {
+                secrets.redact_in_place(error);
+            }
+        }
+        WriteOp::InsertRun(run) => {
+            for value in [&mut run.state, &mut run.error].into_iter().flatten() {
+                secrets.redact_in_place(value);
+            }
+        }
+        WriteOp::UpdateRun { error, state, .. } => {
+            for value in [error, state].into_iter().flatten() {
+                secrets.redact_in_place(value);
+            }
+        }
+        WriteOp::AppendEvent(event) => secrets.redact_in_place(&mut event.data),
+        WriteOp::InsertApproval(approval) => {
+            secrets.redact_in_place(&mut approval.arguments);
+            if let Some(value) = approval.reason.as_mut() {
+                text(value);
+            }
+        }
+        WriteOp::DecideApproval(decision) => {
+            if let Some(value) = decision.reason.as_mut() {
+                text(value);
+            }
+        }
+        WriteOp::StartToolCall(call) | WriteOp::RecordToolCall(call) => {
+            secrets.redact_in_place(&mut call.arguments);
+            secrets.redact_in_place(&mut call.result);
+        }
     }
-    store.apply(ops).await
+}
+
+fn ack(ack: Option<oneshot::Sender<Result<(), JournalError>>>, result: Result<(), JournalError>) {
+    if let Some(ack) = ack {
+        let _ = ack.send(result);
+    }
 }

@@ -27,6 +27,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::adapters::Adapters;
 use crate::gateway::{ApprovalWaiters, ToolGateway};
+use crate::redact::Redactor;
 use crate::store::{
     ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, RequestRecord,
     RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp,
@@ -77,6 +78,9 @@ pub struct NewRequest {
     /// Prepend the session's stored history to `messages` (the native API's behaviour; `/v1`
     /// is stateless and sends the whole transcript).
     pub with_history: bool,
+    /// The client key identity submitting it (SPEC section 4, ownership): it owns the
+    /// request and, when new, the session.
+    pub owner: String,
     /// OpenAI-style messages.
     pub messages: Vec<Value>,
     /// How many of the last `messages` are new to the session (they are stored in it).
@@ -113,6 +117,10 @@ pub enum RuntimeError {
     Busy { running: u32 },
     #[error("request `{0}` not found")]
     RequestNotFound(String),
+    #[error("session `{0}` not found")]
+    SessionNotFound(String),
+    #[error("the store cannot write at the moment; try again shortly")]
+    StoreUnavailable,
     #[error("approval `{0}` not found")]
     ApprovalNotFound(String),
     #[error("approval `{id}` was already decided: it is {status}")]
@@ -164,7 +172,13 @@ impl Runtime {
     ) -> Self {
         let tasks = TaskTracker::new();
         let hub = Arc::new(EventHub::default());
-        let journal = Journal::start(Arc::clone(&store), Arc::clone(&hub), &tasks);
+        let redactor = Redactor::from_workspace(&workspace);
+        let journal = Journal::start(
+            Arc::clone(&store),
+            Arc::clone(&hub),
+            redactor.clone(),
+            &tasks,
+        );
         let limit = workspace.runtime.limits.max_concurrent_runs as usize;
         let approvals = Arc::new(ApprovalWaiters::default());
         let gateway = ToolGateway::new(
@@ -172,6 +186,7 @@ impl Runtime {
             Arc::clone(&store),
             http.clone(),
             Arc::clone(&approvals),
+            redactor,
         );
         Self {
             inner: Arc::new(Inner {
@@ -201,6 +216,11 @@ impl Runtime {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// Whether the store accepts writes (for `/readyz`).
+    pub fn store_available(&self) -> bool {
+        self.inner.journal.is_available()
     }
 
     /// Persists a request and its first run, and starts the run.
@@ -236,6 +256,25 @@ impl Runtime {
         if !inner.workspace.agents.contains_key(&agent_id) {
             return Err(RuntimeError::AgentNotFound(agent_id));
         }
+        if !inner.journal.is_available() {
+            return Err(RuntimeError::StoreUnavailable);
+        }
+        // A session belongs to whoever created it: to anyone else it does not exist.
+        let existing = match &request.session_id {
+            Some(id) => inner.store.session(id).await?,
+            None => None,
+        };
+        if let (Some(id), Some(session)) = (&request.session_id, &existing)
+            && session.owner != request.owner
+        {
+            return Err(RuntimeError::SessionNotFound(id.clone()));
+        }
+        if request.with_history
+            && existing.is_none()
+            && let Some(id) = &request.session_id
+        {
+            return Err(RuntimeError::SessionNotFound(id.clone()));
+        }
         let permit = Arc::clone(&inner.admission)
             .try_acquire_owned()
             .map_err(|_| RuntimeError::Busy {
@@ -255,9 +294,17 @@ impl Runtime {
 
         let request_id = new_id("req");
         let run_id = new_id("run");
+        // With a slot free the run starts now: store it as running and skip a status update.
+        let slot = Arc::clone(&inner.slots).try_acquire_owned().ok();
+        let status = if slot.is_some() {
+            RunStatus::Running
+        } else {
+            RunStatus::Queued
+        };
         let mut ops = vec![WriteOp::TouchSession(SessionRecord {
             id: session_id.clone(),
             agent_id: agent_id.clone(),
+            owner: request.owner.clone(),
             metadata: json!({}),
             created_at: now,
             updated_at: now,
@@ -269,7 +316,8 @@ impl Runtime {
             session_id: session_id.clone(),
             agent_id: agent_id.clone(),
             protocol: request.protocol.as_str().to_owned(),
-            status: RunStatus::Queued,
+            owner: request.owner.clone(),
+            status,
             input,
             output: None,
             error: None,
@@ -295,19 +343,7 @@ impl Runtime {
                 created_at: now,
             }));
         }
-        // With a slot free the run starts now: store it as running and skip a status update.
-        let slot = Arc::clone(&inner.slots).try_acquire_owned().ok();
-        let status = if slot.is_some() {
-            RunStatus::Running
-        } else {
-            RunStatus::Queued
-        };
-        for op in &mut ops {
-            if let WriteOp::InsertRequest(record) = op {
-                record.status = status;
-            }
-        }
-        let run = RunRecord {
+        ops.push(WriteOp::InsertRun(RunRecord {
             id: run_id.clone(),
             request_id: request_id.clone(),
             attempt: 1,
@@ -318,12 +354,13 @@ impl Runtime {
             updated_at: now,
             started_at: slot.is_some().then_some(now),
             ended_at: None,
-        };
-        ops.push(WriteOp::InsertRun(run.clone()));
-        inner.journal.write_all(ops).await?;
+        }));
+        // Session, request, messages and run commit in one transaction. Surfaces that answer
+        // before the run ends (202) wait for that commit: accepted means durable.
         if request.durable_before_return {
-            // Accepted means durable and readable: the caller answers 202 and may be asked about it.
-            inner.journal.flush().await?;
+            inner.journal.commit(Some(&request_id), ops).await?;
+        } else {
+            inner.journal.write_group(Some(&request_id), ops).await?;
         }
 
         let submitted = Submitted {
@@ -334,13 +371,15 @@ impl Runtime {
             status,
         };
         let live = subscribe.then(|| inner.hub.subscribe(&submitted.request_id));
+        let own_from = messages.len();
         self.start_run(run::RunJob {
             submitted: submitted.clone(),
             messages,
+            own_from,
             options: request.options,
-            next_seq: 1,
             parent_message_id: parent_id,
             metadata,
+            owner: request.owner,
             resumed: false,
             permit,
             slot,
@@ -399,7 +438,11 @@ impl Runtime {
                 .cloned()
                 .unwrap_or_default();
             let history = self.inner.store.messages(&request.session_id).await?;
-            let next_seq = self.inner.store.last_seq(&request.id).await? + 1;
+            let own_from = request
+                .input
+                .get("messages")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len);
             tracing::info!(request_id = %request.id, run_id = %run.id, "resuming an interrupted run");
             self.start_run(run::RunJob {
                 submitted: Submitted {
@@ -410,10 +453,11 @@ impl Runtime {
                     status: RunStatus::Queued,
                 },
                 messages,
+                own_from,
                 options,
-                next_seq,
                 parent_message_id: history.last().map(|m| m.id.clone()),
                 metadata: request.metadata.clone(),
+                owner: request.owner.clone(),
                 resumed: true,
                 permit,
                 slot: None,
@@ -577,6 +621,15 @@ impl Runtime {
         reason: Option<String>,
         decided_by: &str,
     ) -> Result<ApprovalRecord, RuntimeError> {
+        // An approval is inserted through the journal: commit what is queued so that a
+        // decision right after `runtime.approval.requested` finds it.
+        self.inner.journal.flush().await?;
+        let approval = self
+            .inner
+            .store
+            .approval(approval_id)
+            .await?
+            .ok_or_else(|| RuntimeError::ApprovalNotFound(approval_id.to_owned()))?;
         let decision = ApprovalDecision {
             id: approval_id.to_owned(),
             status: if approve {
@@ -588,24 +641,62 @@ impl Runtime {
             decided_by: decided_by.to_owned(),
             at: Utc::now(),
         };
-        // An approval is inserted through the journal: commit what is queued so that a
-        // decision right after `runtime.approval.requested` finds it.
-        self.inner.journal.flush().await?;
-        let decided = self.inner.store.decide_approval(&decision).await?;
-        let approval = self
-            .inner
-            .store
-            .approval(approval_id)
-            .await?
-            .ok_or_else(|| RuntimeError::ApprovalNotFound(approval_id.to_owned()))?;
-        if !decided {
-            return Err(RuntimeError::ApprovalDecided {
-                id: approval.id,
-                status: approval.status.as_str(),
-            });
+        self.decide(&approval, decision).await
+    }
+
+    /// Takes `decision` about `approval`: the approval row and its `runtime.approval.resolved`
+    /// event commit in one transaction, through the journal, and only while the approval is
+    /// still pending (else [`RuntimeError::ApprovalDecided`]). The waiting call is woken.
+    pub(crate) async fn decide(
+        &self,
+        approval: &ApprovalRecord,
+        decision: ApprovalDecision,
+    ) -> Result<ApprovalRecord, RuntimeError> {
+        let event = EventRecord {
+            id: new_id("evt"),
+            request_id: approval.request_id.clone(),
+            run_id: approval.run_id.clone(),
+            session_id: approval.session_id.clone(),
+            agent_id: approval.agent_id.clone(),
+            seq: 0,
+            event_type: events::APPROVAL_RESOLVED.to_owned(),
+            at: decision.at,
+            data: json!({
+                "approvalId": approval.id,
+                "kind": approval.kind,
+                "toolId": approval.tool_id,
+                "toolCallId": approval.tool_call_id,
+                "callKey": approval.call_key,
+                "decision": decision.status,
+                "reason": decision.reason,
+                "decidedBy": decision.decided_by,
+            }),
+        };
+        let mut decided = approval.clone();
+        decided.status = decision.status;
+        decided.reason = decision.reason.clone();
+        decided.decided_by = Some(decision.decided_by.clone());
+        decided.decided_at = Some(decision.at);
+        let ops = vec![
+            WriteOp::DecideApproval(decision),
+            WriteOp::AppendEvent(event),
+        ];
+        match self.inner.journal.commit(None, ops).await {
+            Ok(()) => {}
+            Err(JournalError::Conflict(_)) => {
+                let status = match self.inner.store.approval(&approval.id).await? {
+                    Some(current) => current.status.as_str(),
+                    None => "gone",
+                };
+                return Err(RuntimeError::ApprovalDecided {
+                    id: approval.id.clone(),
+                    status,
+                });
+            }
+            Err(error) => return Err(error.into()),
         }
-        self.inner.approvals.notify(approval_id);
-        Ok(approval)
+        self.inner.approvals.notify(&approval.id);
+        Ok(decided)
     }
 
     /// The number of runs executing or waiting (for health and tests).

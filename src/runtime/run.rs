@@ -1,10 +1,13 @@
 //! One run, from its slot to its terminal event. Every step is written through the journal:
-//! status changes, events (with gapless `seq`), the conversation state after each step, tool
-//! call records and approvals, the assistant message. The run's tools go through the gateway
+//! status changes, events (numbered by the journal, gapless), the conversation state after
+//! each step, tool call records and approvals, and at the end statuses, the assistant message
+//! and the terminal event in one transaction. The steps that must be durable before the run
+//! goes on — a model turn's checkpoint, a tool call's start and its result, an approval — are
+//! committed and waited for; if one cannot be committed the run stops and fails (kind
+//! `store`) instead of carrying on past a lost write. The run's tools go through the gateway
 //! bound to this run ([`RunTools`]); while a call waits on an approval the run is
 //! `waiting_approval` and its active-time budget is paused.
 
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
@@ -17,24 +20,30 @@ use super::events::{
     ADAPTER_EVENT, PHASE_HANDOFF, PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED,
     REQUEST_FAILED, REQUEST_STARTED,
 };
-use super::{NewRequest, Protocol, Runtime, Submitted, narration, new_id};
+use super::{
+    JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration, new_id,
+};
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
     ToolResult, ToolSpec,
 };
 use crate::gateway::{RunHost, RunScope, ToolGateway};
-use crate::store::{EventRecord, MessageRecord, RunStatus, WriteOp};
+use crate::store::{
+    ApprovalDecision, ApprovalRecord, EventRecord, MessageRecord, RunStatus, WriteOp,
+};
 use crate::workspace::{AgentConfig, NarrationConfig, wire_name};
 
 pub(super) struct RunJob {
     pub submitted: Submitted,
     pub messages: Vec<Value>,
+    /// Where the run's own messages start (see [`AdapterContext::own_from`]).
+    pub own_from: usize,
     pub options: Map<String, Value>,
-    /// The `seq` the run's first event gets (1, or after a resumed request's last event).
-    pub next_seq: i64,
     pub parent_message_id: Option<String>,
     /// The request's metadata (policy input).
     pub metadata: Value,
+    /// The client key identity that owns the request (delegated requests inherit it).
+    pub owner: String,
     /// A run continued after a restart: its recorded tool calls and approvals are loaded.
     pub resumed: bool,
     /// Held until the run ends: it counts the run against admission.
@@ -43,34 +52,44 @@ pub(super) struct RunJob {
     pub slot: Option<OwnedSemaphorePermit>,
 }
 
-/// Assigns `seq` and writes events of one run; narrates the ones the narrator knows.
+/// Writes the events and steps of one run; narrates the events the narrator knows.
 struct RunEvents {
     runtime: Runtime,
     submitted: Submitted,
-    seq: AtomicI64,
+    owner: String,
     narration: NarrationConfig,
     /// The conversation at the last checkpoint (`None`: the input, untouched).
     transcript: Mutex<Option<Vec<Value>>>,
     clock: ActiveClock,
     /// The run's execution slot; given back while the run waits on an approval.
     slot: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The run's cancellation (an operator's cancel, or shutdown).
     cancel: CancellationToken,
+    /// Stops the adapter when a write the run depends on was lost (a child of `cancel`).
+    stop: CancellationToken,
+    /// The lost write that stopped the run, if one did.
+    lost: Mutex<Option<JournalError>>,
 }
 
 impl RunEvents {
-    async fn record(&self, event_type: &str, data: Value) -> String {
-        let id = new_id("evt");
-        let event = EventRecord {
-            id: id.clone(),
+    /// An event of this run; the journal gives it its `seq` when it commits.
+    fn event(&self, event_type: &str, data: Value) -> EventRecord {
+        EventRecord {
+            id: new_id("evt"),
             request_id: self.submitted.request_id.clone(),
             run_id: self.submitted.run_id.clone(),
             session_id: self.submitted.session_id.clone(),
             agent_id: self.submitted.agent_id.clone(),
-            seq: self.seq.fetch_add(1, Ordering::SeqCst),
+            seq: 0,
             event_type: event_type.to_owned(),
             at: Utc::now(),
             data,
-        };
+        }
+    }
+
+    async fn record(&self, event_type: &str, data: Value) -> String {
+        let event = self.event(event_type, data);
+        let id = event.id.clone();
         let narration = self
             .narration
             .enabled
@@ -80,7 +99,10 @@ impl RunEvents {
             .runtime
             .inner
             .journal
-            .write(WriteOp::AppendEvent(event))
+            .write(
+                Some(&self.submitted.request_id),
+                WriteOp::AppendEvent(event),
+            )
             .await
         {
             tracing::error!(%error, event_type, "event could not be journaled");
@@ -99,6 +121,25 @@ impl RunEvents {
         }
         id
     }
+
+    /// Commits `ops` after the run's earlier writes. A failure stops the run: nothing it
+    /// does next may rest on a write that was lost.
+    async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), JournalError> {
+        let result = self
+            .runtime
+            .inner
+            .journal
+            .commit(Some(&self.submitted.request_id), ops)
+            .await;
+        if let Err(error) = &result {
+            tracing::error!(%error, "a run step could not be committed; stopping the run");
+            if let Ok(mut lost) = self.lost.lock() {
+                lost.get_or_insert_with(|| error.clone());
+            }
+            self.stop.cancel();
+        }
+        result
+    }
 }
 
 #[async_trait::async_trait]
@@ -107,19 +148,28 @@ impl EventSink for RunEvents {
         self.record(event_type, data).await;
     }
 
-    async fn checkpoint(&self, messages: &[Value]) {
+    async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError> {
         if let Ok(mut transcript) = self.transcript.lock() {
             *transcript = Some(messages.to_vec());
         }
-        self.write(WriteOp::UpdateRun {
+        self.commit(vec![WriteOp::UpdateRun {
             id: self.submitted.run_id.clone(),
             status: RunStatus::Running,
             error: None,
             state: Some(json!({ "messages": messages })),
             at: Utc::now(),
-        })
-        .await;
+        }])
+        .await
+        .map_err(|error| store_failure(&error))
     }
+}
+
+/// The error a run fails with when one of its writes was lost.
+fn store_failure(error: &JournalError) -> AdapterError {
+    AdapterError::new(
+        FailureKind::Store,
+        format!("the run stopped because the store did not record one of its steps: {error}"),
+    )
 }
 
 #[async_trait::async_trait]
@@ -128,9 +178,21 @@ impl RunHost for RunEvents {
         self.record(event_type, data).await;
     }
 
-    async fn write(&self, op: WriteOp) {
-        if let Err(error) = self.runtime.inner.journal.write(op).await {
-            tracing::error!(%error, "a run write could not be journaled");
+    async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), String> {
+        RunEvents::commit(self, ops)
+            .await
+            .map_err(|error| error.to_string())
+    }
+
+    async fn decide(
+        &self,
+        approval: &ApprovalRecord,
+        decision: ApprovalDecision,
+    ) -> Result<bool, String> {
+        match self.runtime.decide(approval, decision).await {
+            Ok(_) => Ok(true),
+            Err(RuntimeError::ApprovalDecided { .. }) => Ok(false),
+            Err(error) => Err(error.to_string()),
         }
     }
 
@@ -163,6 +225,7 @@ impl RunHost for RunEvents {
             .submit(NewRequest {
                 agent_id: Some(agent.to_owned()),
                 session_id: None,
+                owner: self.owner.clone(),
                 with_history: false,
                 messages: vec![json!({ "role": "user", "content": input })],
                 new_messages: 1,
@@ -223,23 +286,26 @@ async fn set_status(runtime: &Runtime, submitted: &Submitted, status: RunStatus)
     let written = runtime
         .inner
         .journal
-        .write_all(vec![
-            WriteOp::UpdateRun {
-                id: submitted.run_id.clone(),
-                status,
-                error: None,
-                state: None,
-                at: now,
-            },
-            WriteOp::UpdateRequest {
-                id: submitted.request_id.clone(),
-                status,
-                output: None,
-                error: None,
-                usage: None,
-                at: now,
-            },
-        ])
+        .write_group(
+            Some(&submitted.request_id),
+            vec![
+                WriteOp::UpdateRun {
+                    id: submitted.run_id.clone(),
+                    status,
+                    error: None,
+                    state: None,
+                    at: now,
+                },
+                WriteOp::UpdateRequest {
+                    id: submitted.request_id.clone(),
+                    status,
+                    output: None,
+                    error: None,
+                    usage: None,
+                    at: now,
+                },
+            ],
+        )
         .await;
     if let Err(error) = written {
         tracing::error!(%error, status = status.as_str(), "a run status could not be journaled");
@@ -273,18 +339,17 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
     let RunJob {
         submitted,
         messages,
+        own_from,
         options,
-        next_seq,
         parent_message_id,
         metadata,
+        owner,
         resumed,
         permit,
         slot,
     } = job;
     let inner = &runtime.inner;
-    let Some(agent) = inner.workspace.agents.get(&submitted.agent_id) else {
-        return;
-    };
+    let agent = inner.workspace.agents.get(&submitted.agent_id);
     // A run submitted while a slot was free was stored as running already; the others wait.
     let slot = match slot {
         Some(slot) => slot,
@@ -301,23 +366,44 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
     let events = RunEvents {
         runtime: runtime.clone(),
         submitted: submitted.clone(),
-        seq: AtomicI64::new(next_seq),
+        owner,
         narration: inner.workspace.runtime.narration,
         transcript: Mutex::new(None),
-        clock: ActiveClock::start(agent.timeout),
+        clock: ActiveClock::start(agent.map_or(std::time::Duration::ZERO, |a| a.timeout)),
         slot: Mutex::new(Some(slot)),
+        stop: cancel.child_token(),
         cancel: cancel.clone(),
+        lost: Mutex::new(None),
     };
-    let scope = RunScope::new(
-        submitted.request_id.clone(),
-        submitted.run_id.clone(),
-        submitted.session_id.clone(),
-        agent,
-        metadata,
-        &events,
-        cancel.clone(),
-    );
-    let result = run_adapter(runtime, agent, &events, scope, resumed, &messages, &options).await;
+    let result = match agent {
+        Some(agent) => {
+            let scope = RunScope::new(
+                submitted.request_id.clone(),
+                submitted.run_id.clone(),
+                submitted.session_id.clone(),
+                agent,
+                metadata,
+                &events,
+                events.stop.clone(),
+            );
+            let run = AdapterRun {
+                agent,
+                resumed,
+                messages: &messages,
+                own_from,
+                options: &options,
+            };
+            run_adapter(runtime, &events, scope, run).await
+        }
+        // The workspace changed while the run was interrupted: say so instead of hanging.
+        None => Err(AdapterError::new(
+            FailureKind::Unsupported,
+            format!(
+                "agent `{}` no longer exists in the workspace, so its run cannot resume",
+                submitted.agent_id
+            ),
+        )),
+    };
     finish(
         runtime,
         &events,
@@ -330,17 +416,30 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
     drop(permit);
 }
 
+/// What a run gives its adapter.
+struct AdapterRun<'a> {
+    agent: &'a AgentConfig,
+    resumed: bool,
+    messages: &'a [Value],
+    own_from: usize,
+    options: &'a Map<String, Value>,
+}
+
 /// Loads what a resumed run recorded, announces the run and plays the agent's adapter with the
 /// gateway bound to this run, within the agent's active-time budget.
 async fn run_adapter(
     runtime: &Runtime,
-    agent: &AgentConfig,
     events: &RunEvents,
     mut scope: RunScope<'_>,
-    resumed: bool,
-    messages: &[Value],
-    options: &Map<String, Value>,
+    run: AdapterRun<'_>,
 ) -> Result<RuntimeOutput, AdapterError> {
+    let AdapterRun {
+        agent,
+        resumed,
+        messages,
+        own_from,
+        options,
+    } = run;
     let inner = &runtime.inner;
     if resumed {
         scope
@@ -379,6 +478,7 @@ async fn run_adapter(
         workspace: &inner.workspace,
         agent,
         messages,
+        own_from,
         options,
         events,
         tools: &tools,
@@ -397,6 +497,9 @@ async fn run_adapter(
     }
 }
 
+/// Ends the run: statuses, the assistant message and the terminal event commit in one
+/// transaction (statuses are in place before anyone sees the event). A run stopped by a lost
+/// write fails with kind `store`, after the writes that did commit.
 async fn finish(
     runtime: &Runtime,
     events: &RunEvents,
@@ -405,7 +508,6 @@ async fn finish(
     parent_message_id: Option<String>,
     result: Result<RuntimeOutput, AdapterError>,
 ) {
-    let journal = &runtime.inner.journal;
     let now = Utc::now();
     let run_id = submitted.run_id.clone();
     let request_id = submitted.request_id.clone();
@@ -414,6 +516,11 @@ async fn finish(
     if let Some(transcript) = events.transcript.lock().ok().and_then(|mut t| t.take()) {
         messages = transcript;
     }
+    let lost = events.lost.lock().ok().and_then(|mut lost| lost.take());
+    let result = match (result, lost) {
+        (_, Some(error)) => Err(store_failure(&error)),
+        (result, None) => result,
+    };
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });
@@ -451,7 +558,8 @@ async fn finish(
             )
         }
         Err(error) => {
-            tracing::warn!(kind = error.kind.as_str(), message = %error.message, "run failed");
+            let message = runtime.inner.gateway.redactor().redact_text(&error.message);
+            tracing::warn!(kind = error.kind.as_str(), %message, "run failed");
             let error = error.to_json();
             (
                 RunStatus::Failed,
@@ -471,26 +579,21 @@ async fn finish(
         at: now,
     });
     ops.push(WriteOp::UpdateRequest {
-        id: request_id,
+        id: request_id.clone(),
         status,
         output,
         error,
         usage,
         at: now,
     });
-    // Statuses first, then the terminal event: whoever sees the event (published after its
-    // commit) and then reads the request finds it already ended.
-    if journal.write_all(ops).await.is_err() {
+    ops.push(WriteOp::AppendEvent(
+        events.event(terminal_type, terminal_data),
+    ));
+    if let Err(error) = runtime.inner.journal.settle(&request_id, ops).await {
         tracing::error!(
+            %error,
             status = status.as_str(),
-            "the end of a run could not be journaled"
-        );
-    }
-    events.record(terminal_type, terminal_data).await;
-    if journal.flush().await.is_err() {
-        tracing::error!(
-            status = status.as_str(),
-            "the end of a run could not be persisted"
+            "the end of a run could not be committed; it resumes at the next start"
         );
     }
 }

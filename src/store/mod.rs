@@ -29,6 +29,22 @@ pub enum StoreError {
     UnsupportedUrl(String),
     #[error("store writer: {0}")]
     Writer(String),
+    /// The database cannot write for now (busy, I/O error, full disk): worth retrying.
+    #[error("the store cannot write for now: {0}")]
+    Unavailable(String),
+    /// A conditional write found the state changed (an approval decided already).
+    #[error("{0}")]
+    Conflict(String),
+    #[error("cannot lock the store with {path}: {source}")]
+    Lock {
+        path: String,
+        source: std::io::Error,
+    },
+    /// Another process holds the store.
+    #[error(
+        "the store {0} is in use by another stable-harness process (one process owns a store's runs); stop it first or use another store"
+    )]
+    InUse(String),
     #[error("cannot create the store folder {path}: {source}")]
     Folder {
         path: String,
@@ -36,10 +52,22 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether the same write may succeed if tried again later (the disk frees up, a lock is
+    /// released), as opposed to a write the store will always refuse.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Self::Unavailable(_) | Self::Database(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut)
+        )
+    }
+}
+
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Applies every op in order, in one transaction.
+    /// Applies every op in order, in one transaction: all or nothing. Only the runtime's
+    /// journal calls it.
     async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError>;
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
@@ -81,10 +109,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Page<ApprovalRecord>, StoreError>;
     /// The approvals of one run, oldest first.
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError>;
-    /// Moves a pending approval to `decision`. `false` when it was not pending (or does not
-    /// exist): a decision is taken once, whichever instance or operator comes first.
-    async fn decide_approval(&self, decision: &ApprovalDecision) -> Result<bool, StoreError>;
-    /// The recorded tool calls of one run.
+    /// The recorded tool calls of one run (started ones included).
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;
     /// Cheap liveness check for `/readyz`.
     async fn ping(&self) -> Result<(), StoreError>;

@@ -51,6 +51,8 @@ impl RunStatus {
 pub struct SessionRecord {
     pub id: String,
     pub agent_id: String,
+    /// The client key identity that created it (SPEC section 4, ownership).
+    pub owner: String,
     pub metadata: Value,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -77,6 +79,8 @@ pub struct RequestRecord {
     pub agent_id: String,
     /// Which surface submitted it: `v1`, `runtime` or `cli`.
     pub protocol: String,
+    /// The client key identity that submitted it; only it (and admin keys) may see it.
+    pub owner: String,
     pub status: RunStatus,
     /// The transcript the run starts from.
     pub input: Value,
@@ -156,6 +160,32 @@ impl ApprovalStatus {
     }
 }
 
+/// Why a human is asked about a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalKind {
+    /// The policy decided `needs_approval`.
+    Policy,
+    /// The call started before a crash and its outcome is unknown: running it again is the
+    /// operator's decision (a high-risk tool, or `onInterrupted: ask`).
+    Interrupted,
+}
+
+impl ApprovalKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Policy => "policy",
+            Self::Interrupted => "interrupted",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        [Self::Policy, Self::Interrupted]
+            .into_iter()
+            .find(|kind| kind.as_str() == text)
+    }
+}
+
 /// A human decision about one tool call, pending or taken.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -165,6 +195,10 @@ pub struct ApprovalRecord {
     pub run_id: String,
     pub session_id: String,
     pub agent_id: String,
+    /// The call's place in its run: model turn and position (`t3.0`).
+    pub call_key: String,
+    pub kind: ApprovalKind,
+    /// The id the model gave the call (informative only: models reuse ids).
     pub tool_call_id: String,
     pub tool_id: String,
     /// The call's arguments, secrets redacted.
@@ -190,16 +224,23 @@ pub struct ApprovalDecision {
     pub at: DateTime<Utc>,
 }
 
-/// A tool call's recorded result: the gateway returns it instead of running the call again.
+/// A tool call's record: written as `started` (with its idempotency key) before the tool
+/// runs, then with its result; a call with a result is never run again.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ToolCallRecord {
     pub run_id: String,
-    pub tool_call_id: String,
+    /// The call's place in its run: model turn and position (`t3.0`).
+    pub call_key: String,
+    /// The id the model gave the call (informative only).
+    pub model_call_id: String,
     pub request_id: String,
     pub tool_id: String,
     pub arguments: Value,
-    /// `completed`, `failed`, `denied`, `not_allowed`, `invalid_arguments`.
+    /// Sent with every execution of this call (`Idempotency-Key`, ...): the same after a crash.
+    pub idempotency_key: String,
+    /// `started` (no result yet), `completed`, `failed`, `denied`, `not_allowed`,
+    /// `invalid_arguments`, `cancelled`.
     pub outcome: String,
     /// What the model was given.
     pub result: Value,
@@ -233,13 +274,36 @@ pub enum WriteOp {
     },
     AppendEvent(EventRecord),
     InsertApproval(ApprovalRecord),
+    /// Moves a pending approval to its decision. Conditional: when the approval is not
+    /// pending, the whole group it belongs to is refused with [`super::StoreError::Conflict`].
+    DecideApproval(ApprovalDecision),
+    /// Records that a call is about to run (outcome `started`); a record that exists is kept.
+    StartToolCall(ToolCallRecord),
     /// Inserts or replaces the result of a tool call.
     RecordToolCall(ToolCallRecord),
+}
+
+impl WriteOp {
+    /// The request this write belongs to, if one.
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            Self::TouchSession(_) | Self::DecideApproval(_) => None,
+            Self::InsertMessage(message) => message.request_id.as_deref(),
+            Self::InsertRequest(request) => Some(&request.id),
+            Self::UpdateRequest { id, .. } => Some(id),
+            Self::InsertRun(run) => Some(&run.request_id),
+            Self::UpdateRun { .. } => None,
+            Self::AppendEvent(event) => Some(&event.request_id),
+            Self::InsertApproval(approval) => Some(&approval.request_id),
+            Self::StartToolCall(call) | Self::RecordToolCall(call) => Some(&call.request_id),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct RequestFilter {
     pub status: Option<RunStatus>,
+    pub owner: Option<String>,
     pub agent_id: Option<String>,
     pub session_id: Option<String>,
 }

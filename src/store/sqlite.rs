@@ -19,9 +19,9 @@ use sqlx::{Row, SqlitePool};
 
 use super::sqlite_writer::SqliteWriter;
 use super::{
-    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, Page,
-    PageRequest, RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
-    StoreError, ToolCallRecord, WriteOp,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, Page, PageRequest,
+    RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError,
+    ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -31,10 +31,14 @@ pub struct SqliteStore {
     path: PathBuf,
     writer: Arc<SqliteWriter>,
     reader: SqlitePool,
+    /// This process's ownership of the store, held for the store's life.
+    _owner: Arc<StoreOwnership>,
 }
 
 impl SqliteStore {
-    /// Opens (creating the file and its folder if needed) and migrates the database at `path`.
+    /// Opens (creating the file and its folder if needed) and migrates the database at `path`,
+    /// after taking ownership of it: a second process gets [`StoreError::InUse`] before
+    /// anything is read or written.
     pub async fn open_file(path: &Path) -> Result<Self, StoreError> {
         if let Some(parent) = path.parent()
             && !parent.as_os_str().is_empty()
@@ -44,6 +48,7 @@ impl SqliteStore {
                 source,
             })?;
         }
+        let owner = Arc::new(StoreOwnership::take(path)?);
         let options = SqliteConnectOptions::from_str("sqlite://")?
             .filename(path)
             .create_if_missing(true)
@@ -70,7 +75,43 @@ impl SqliteStore {
             path: path.to_path_buf(),
             writer,
             reader,
+            _owner: owner,
         })
+    }
+}
+
+/// Exclusive ownership of a store by this process: an advisory lock (`flock`) on the file
+/// `state.db.lock` beside the database, released when the process exits however it exits
+/// (even `kill -9`), so a crashed server never blocks its successor.
+#[derive(Debug)]
+struct StoreOwnership {
+    _file: std::fs::File,
+}
+
+impl StoreOwnership {
+    fn take(database: &Path) -> Result<Self, StoreError> {
+        let mut name = database.as_os_str().to_owned();
+        name.push(".lock");
+        let path = PathBuf::from(name);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| StoreError::Lock {
+                path: path.display().to_string(),
+                source,
+            })?;
+        match file.try_lock() {
+            Ok(()) => Ok(Self { _file: file }),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                Err(StoreError::InUse(database.display().to_string()))
+            }
+            Err(std::fs::TryLockError::Error(source)) => Err(StoreError::Lock {
+                path: path.display().to_string(),
+                source,
+            }),
+        }
     }
 }
 
@@ -123,6 +164,7 @@ fn request_from_row(row: &SqliteRow) -> Result<RequestRecord, StoreError> {
         session_id: row.try_get("session_id")?,
         agent_id: row.try_get("agent_id")?,
         protocol: row.try_get("protocol")?,
+        owner: row.try_get("owner")?,
         status: parse_status(&row.try_get::<String, _>("status")?)?,
         input: parse_json(row.try_get("input")?)?.unwrap_or(Value::Null),
         output: row.try_get("output")?,
@@ -165,12 +207,16 @@ fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
 
 fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
     let status: String = row.try_get("status")?;
+    let kind: String = row.try_get("kind")?;
     Ok(ApprovalRecord {
         id: row.try_get("id")?,
         request_id: row.try_get("request_id")?,
         run_id: row.try_get("run_id")?,
         session_id: row.try_get("session_id")?,
         agent_id: row.try_get("agent_id")?,
+        call_key: row.try_get("call_key")?,
+        kind: ApprovalKind::parse(&kind)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown approval kind `{kind}`")))?,
         tool_call_id: row.try_get("tool_call_id")?,
         tool_id: row.try_get("tool_id")?,
         arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
@@ -211,6 +257,7 @@ impl Store for SqliteStore {
             "SELECT * FROM requests
              WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
                AND (?3 IS NULL OR session_id = ?3) AND (?4 IS NULL OR id < ?4)
+               AND (?6 IS NULL OR owner = ?6)
              ORDER BY id DESC LIMIT ?5",
         )
         .bind(filter.status.map(RunStatus::as_str))
@@ -218,6 +265,7 @@ impl Store for SqliteStore {
         .bind(&filter.session_id)
         .bind(&page.cursor)
         .bind(page.limit + 1)
+        .bind(&filter.owner)
         .fetch_all(&self.reader)
         .await?;
         let items = rows
@@ -306,6 +354,7 @@ impl Store for SqliteStore {
             Ok(SessionRecord {
                 id: row.try_get("id")?,
                 agent_id: row.try_get("agent_id")?,
+                owner: row.try_get("owner")?,
                 metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
                 created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
                 updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
@@ -372,10 +421,6 @@ impl Store for SqliteStore {
         rows.iter().map(approval_from_row).collect()
     }
 
-    async fn decide_approval(&self, decision: &ApprovalDecision) -> Result<bool, StoreError> {
-        self.writer.decide(decision.clone()).await
-    }
-
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = ?")
             .bind(run_id)
@@ -385,10 +430,12 @@ impl Store for SqliteStore {
             .map(|row| {
                 Ok(ToolCallRecord {
                     run_id: row.try_get("run_id")?,
-                    tool_call_id: row.try_get("tool_call_id")?,
+                    call_key: row.try_get("call_key")?,
+                    model_call_id: row.try_get("model_call_id")?,
                     request_id: row.try_get("request_id")?,
                     tool_id: row.try_get("tool_id")?,
                     arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
+                    idempotency_key: row.try_get("idempotency_key")?,
                     outcome: row.try_get("outcome")?,
                     result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
                     duration_ms: row.try_get("duration_ms")?,

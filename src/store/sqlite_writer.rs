@@ -18,7 +18,6 @@ use super::{ApprovalDecision, StoreError, WriteOp};
 
 enum Job {
     Apply(Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>),
-    Decide(ApprovalDecision, oneshot::Sender<Result<bool, StoreError>>),
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
@@ -53,13 +52,6 @@ impl SqliteWriter {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Moves a pending approval to its decision; `false` if it was not pending.
-    pub async fn decide(&self, decision: ApprovalDecision) -> Result<bool, StoreError> {
-        let (done, result) = oneshot::channel();
-        self.send(Job::Decide(decision, done))?;
-        result.await.map_err(|_| stopped())?
-    }
-
     fn send(&self, job: Job) -> Result<(), StoreError> {
         self.jobs.send(job).map_err(|_| stopped())
     }
@@ -69,25 +61,53 @@ fn stopped() -> StoreError {
     StoreError::Writer("the writer thread stopped".into())
 }
 
+/// A write failure, classified: the database being busy, out of space or failing I/O may pass
+/// (the journal retries); anything else (a constraint, a malformed value) will not.
 fn writer_error(error: rusqlite::Error) -> StoreError {
-    StoreError::Writer(error.to_string())
+    use rusqlite::ErrorCode as Code;
+    match error.sqlite_error_code() {
+        Some(
+            Code::DatabaseBusy
+            | Code::DatabaseLocked
+            | Code::DiskFull
+            | Code::SystemIoFailure
+            | Code::CannotOpen
+            | Code::OutOfMemory,
+        ) => StoreError::Unavailable(error.to_string()),
+        _ => StoreError::Writer(error.to_string()),
+    }
+}
+
+/// Why a transaction was abandoned: a database error, or a conditional write that found the
+/// state changed.
+enum Abandon {
+    Sqlite(rusqlite::Error),
+    Conflict(String),
+}
+
+impl From<rusqlite::Error> for Abandon {
+    fn from(error: rusqlite::Error) -> Self {
+        Self::Sqlite(error)
+    }
 }
 
 fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>) {
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
-                let _ = done.send(apply(&mut connection, &ops).map_err(writer_error));
-            }
-            Job::Decide(decision, done) => {
-                let _ = done.send(decide(&connection, &decision).map_err(writer_error));
+                let result = apply(&mut connection, &ops).map_err(|abandon| match abandon {
+                    Abandon::Sqlite(error) => writer_error(error),
+                    Abandon::Conflict(message) => StoreError::Conflict(message),
+                });
+                let _ = done.send(result);
             }
         }
     }
 }
 
-fn decide(connection: &Connection, decision: &ApprovalDecision) -> rusqlite::Result<bool> {
-    let changed = connection
+/// Moves a pending approval to its decision; a conflict when it is not pending.
+fn decide(tx: &rusqlite::Transaction<'_>, decision: &ApprovalDecision) -> Result<(), Abandon> {
+    let changed = tx
         .prepare_cached(
             "UPDATE approvals SET status = ?1, reason = ?2, decided_by = ?3, decided_at = ?4
              WHERE id = ?5 AND status = 'pending'",
@@ -99,7 +119,14 @@ fn decide(connection: &Connection, decision: &ApprovalDecision) -> rusqlite::Res
             time(&decision.at),
             decision.id
         ])?;
-    Ok(changed == 1)
+    if changed == 1 {
+        Ok(())
+    } else {
+        Err(Abandon::Conflict(format!(
+            "approval `{}` is not pending",
+            decision.id
+        )))
+    }
 }
 
 fn time(value: &DateTime<Utc>) -> String {
@@ -114,18 +141,19 @@ fn json_opt(value: &Option<Value>) -> Option<String> {
     value.as_ref().map(json)
 }
 
-fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
+fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
     let tx = connection.transaction()?;
     for op in ops {
         match op {
             WriteOp::TouchSession(session) => {
                 tx.prepare_cached(
-                    "INSERT INTO sessions (id, agent_id, metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5)
+                    "INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                      ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
                 )?
                 .execute(params![
                     session.id,
                     session.agent_id,
+                    session.owner,
                     json(&session.metadata),
                     time(&session.created_at),
                     time(&session.updated_at)
@@ -149,7 +177,7 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
             WriteOp::InsertRequest(request) => {
                 tx.prepare_cached(
                     "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
-                     metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                     metadata, created_at, updated_at, owner) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
                 )?
                 .execute(params![
                     request.id,
@@ -163,7 +191,8 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
                     json_opt(&request.usage),
                     json(&request.metadata),
                     time(&request.created_at),
-                    time(&request.updated_at)
+                    time(&request.updated_at),
+                    request.owner
                 ])?;
             }
             WriteOp::UpdateRequest {
@@ -224,8 +253,8 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
             WriteOp::InsertApproval(approval) => {
                 tx.prepare_cached(
                     "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
-                     arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+                     arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
                 )?
                 .execute(params![
                     approval.id,
@@ -242,23 +271,49 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
                     approval.decided_by,
                     time(&approval.created_at),
                     approval.expires_at.as_ref().map(time),
-                    approval.decided_at.as_ref().map(time)
+                    approval.decided_at.as_ref().map(time),
+                    approval.call_key,
+                    approval.kind.as_str()
+                ])?;
+            }
+            WriteOp::DecideApproval(decision) => decide(&tx, decision)?,
+            WriteOp::StartToolCall(call) => {
+                tx.prepare_cached(
+                    "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                     idempotency_key, outcome, result, duration_ms, recorded_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'started', 'null', 0, ?8)
+                     ON CONFLICT(run_id, call_key) DO NOTHING",
+                )?
+                .execute(params![
+                    call.run_id,
+                    call.call_key,
+                    call.model_call_id,
+                    call.request_id,
+                    call.tool_id,
+                    json(&call.arguments),
+                    call.idempotency_key,
+                    time(&call.recorded_at)
                 ])?;
             }
             WriteOp::RecordToolCall(call) => {
                 tx.prepare_cached(
-                    "INSERT INTO tool_calls (run_id, tool_call_id, request_id, tool_id, arguments, outcome, result,
-                     duration_ms, recorded_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
-                     ON CONFLICT(run_id, tool_call_id) DO UPDATE SET tool_id = excluded.tool_id,
-                     arguments = excluded.arguments, outcome = excluded.outcome, result = excluded.result,
-                     duration_ms = excluded.duration_ms, recorded_at = excluded.recorded_at",
+                    "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                     idempotency_key, outcome, result, duration_ms, recorded_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                     ON CONFLICT(run_id, call_key) DO UPDATE SET tool_id = excluded.tool_id,
+                     model_call_id = excluded.model_call_id, arguments = excluded.arguments,
+                     idempotency_key = excluded.idempotency_key, outcome = excluded.outcome,
+                     result = excluded.result, duration_ms = excluded.duration_ms,
+                     recorded_at = excluded.recorded_at",
                 )?
                 .execute(params![
                     call.run_id,
-                    call.tool_call_id,
+                    call.call_key,
+                    call.model_call_id,
                     call.request_id,
                     call.tool_id,
                     json(&call.arguments),
+                    call.idempotency_key,
                     call.outcome,
                     json(&call.result),
                     call.duration_ms,
@@ -284,5 +339,6 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> rusqlite::Result<()> {
             }
         }
     }
-    tx.commit()
+    tx.commit()?;
+    Ok(())
 }

@@ -681,6 +681,11 @@ impl Compiler<'_> {
             labels: spec.labels.clone(),
             timeout,
             implementation,
+            on_interrupted: if spec.risk == Some(Risk::High) {
+                InterruptedAction::Ask
+            } else {
+                InterruptedAction::Rerun
+            },
         })
     }
 

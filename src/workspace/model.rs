@@ -255,6 +255,16 @@ pub struct ToolConfig {
     pub labels: BTreeMap<String, String>,
     pub timeout: Duration,
     pub implementation: ToolImplementation,
+    pub on_interrupted: InterruptedAction,
+}
+
+/// What happens to a call a crash interrupted (MERGE-A placeholder).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InterruptedAction {
+    Rerun,
+    Ask,
+    Fail,
 }
 
 impl fmt::Debug for ToolConfig {

@@ -31,14 +31,19 @@ impl Drop for GroupGuard {
     }
 }
 
+/// The variable holding the call's idempotency key (the same on a re-run after a crash).
+pub const IDEMPOTENCY_KEY_VAR: &str = "STABLE_HARNESS_IDEMPOTENCY_KEY";
+
 pub(super) async fn run(
     root: &Path,
     config: &CommandConfig,
     max_output_bytes: u64,
+    idempotency_key: &str,
     arguments: &Value,
 ) -> Result<Value, ToolError> {
     let mut command = super::scrubbed_command(root, config);
     command
+        .env(IDEMPOTENCY_KEY_VAR, idempotency_key)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -14,6 +14,7 @@ pub(super) struct HttpTool<'a> {
     pub url: &'a str,
     pub headers_env: &'a BTreeMap<String, String>,
     pub max_response_bytes: u64,
+    pub idempotency_key: &'a str,
 }
 
 pub(super) async fn run(
@@ -50,6 +51,7 @@ pub(super) async fn run(
     } else {
         request.json(arguments)
     };
+    request = request.header("idempotency-key", tool.idempotency_key);
     for (header, variable) in tool.headers_env {
         let value = std::env::var(variable).map_err(|_| {
             ToolError::new(

@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 
 use rmcp::ServiceExt;
-use rmcp::model::{CallToolRequestParams, ContentBlock};
+use rmcp::model::{CallToolRequestParams, ContentBlock, MetaObject, RequestMetaObject};
 use rmcp::service::{RoleClient, RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
@@ -47,9 +47,13 @@ impl McpClients {
         server: &str,
         tool: &str,
         arguments: Value,
+        idempotency_key: &str,
     ) -> Result<Value, ToolError> {
         let client = self.client(server).await?;
+        let mut meta = serde_json::Map::new();
+        meta.insert("idempotencyKey".to_owned(), idempotency_key.into());
         let mut params = CallToolRequestParams::new(tool.to_owned());
+        params.meta = Some(RequestMetaObject(MetaObject(meta)));
         if let Value::Object(arguments) = arguments {
             params = params.with_arguments(arguments);
         }

@@ -24,6 +24,8 @@ pub(super) struct ExecContext<'a> {
     pub agent: &'a AgentConfig,
     pub host: &'a dyn super::RunHost,
     pub call_id: &'a str,
+    /// Sent with every execution of the call, the same after a crash (SPEC section 4).
+    pub idempotency_key: &'a str,
     pub http: &'a reqwest::Client,
     pub mcp: &'a McpClients,
 }
@@ -65,6 +67,7 @@ pub(super) async fn run(
                     url,
                     headers_env,
                     max_response_bytes: *max_response_bytes,
+                    idempotency_key: context.idempotency_key,
                 },
                 &arguments,
             )
@@ -78,12 +81,16 @@ pub(super) async fn run(
                 &context.workspace.root,
                 command,
                 *max_output_bytes,
+                context.idempotency_key,
                 &arguments,
             )
             .await
         }
         ToolImplementation::Mcp { server, tool: name } => {
-            context.mcp.call(server, name, arguments).await
+            context
+                .mcp
+                .call(server, name, arguments, context.idempotency_key)
+                .await
         }
         ToolImplementation::Subagent(name) => {
             let input = arguments

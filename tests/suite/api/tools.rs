@@ -294,7 +294,11 @@ async fn an_operator_approves_while_the_openai_client_waits() {
         .await;
     assert_eq!(status, 200, "{decided}");
     assert_eq!(decided["status"], "approved");
-    assert_eq!(decided["decidedBy"], "admin-key-1");
+    // The operator is named by their key's stable identity (a fingerprint), never the key.
+    assert_eq!(
+        decided["decidedBy"],
+        stable_harness::http::fingerprint(ADMIN_KEY)
+    );
 
     let (status, completion, request_id) = waiting.await.unwrap();
     assert_eq!(status, 200, "{completion}");
@@ -336,7 +340,10 @@ async fn an_operator_approves_while_the_openai_client_waits() {
         .find(|e| e["type"] == "runtime.approval.resolved")
         .unwrap();
     assert_eq!(resolved["data"]["decision"], "approved");
-    assert_eq!(resolved["data"]["decidedBy"], "admin-key-1");
+    assert_eq!(
+        resolved["data"]["decidedBy"],
+        stable_harness::http::fingerprint(ADMIN_KEY)
+    );
 }
 
 #[tokio::test]

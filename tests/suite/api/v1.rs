@@ -342,11 +342,12 @@ async fn session_header_groups_requests_and_v1_stays_stateless() {
         .await;
     assert_eq!(status, 200);
     assert_eq!(list["data"].as_array().unwrap().len(), 2);
-    // The `user` field groups too.
+    // The `user` field groups too, within the calling key's own sessions.
     let (status, _) = app.post("/v1/chat/completions", CLIENT_KEY, &json!({ "model": "greeter", "user": "ada", "messages": [{ "role": "user", "content": "hi" }] })).await;
     assert_eq!(status, 200);
+    let session = format!("user:{}:ada", stable_harness::http::fingerprint(CLIENT_KEY));
     let (_, list) = app
-        .get("/admin/requests?sessionId=user:ada", ADMIN_KEY)
+        .get(&format!("/admin/requests?sessionId={session}"), ADMIN_KEY)
         .await;
     assert_eq!(list["data"].as_array().unwrap().len(), 1);
 }

@@ -1,0 +1,321 @@
+//! Redaction: secret values never land in anything stored or logged.
+//!
+//! Secrets are (1) the values of every environment variable the workspace names for
+//! credentials (`apiKeyEnv`, `headersEnv`, an MCP server's headers, a command's declared
+//! `env`), found wherever they appear in text; (2) whatever matches one of
+//! `governance.redact.patterns`; and (3) the values of object keys that name a credential
+//! (`password`, `token`, `apiKey`, `authorization`, ...), matched on word boundaries so that
+//! `max_tokens` or `total_tokens` are not mistaken for one.
+//!
+//! Variable values are read when redaction happens, not once at start: a rotated key is
+//! redacted from the moment it is in the environment. The journal redacts every write before
+//! it reaches the store (one choke point for everything persisted); the gateway redacts what
+//! a tool returns before the model sees it; log lines that quote outside text go through
+//! [`Redactor::redact_text`].
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::workspace::{CompiledWorkspace, McpTransport, ToolImplementation};
+
+pub const REDACTED: &str = "[redacted]";
+
+/// Secrets shorter than this are not searched for in text: they would match by accident.
+const MIN_SECRET_LEN: usize = 6;
+
+/// What to redact; cheap to clone.
+#[derive(Clone, Default)]
+pub struct Redactor {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Names of the credential variables (their values are read at each use).
+    variables: Vec<String>,
+    patterns: Vec<regex::Regex>,
+}
+
+impl std::fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Redactor({} variables, {} patterns)",
+            self.inner.variables.len(),
+            self.inner.patterns.len()
+        )
+    }
+}
+
+/// The secrets in force for one redaction pass (variable values read now).
+#[derive(Default)]
+pub struct Secrets<'a> {
+    values: Vec<String>,
+    patterns: &'a [regex::Regex],
+}
+
+impl std::fmt::Debug for Secrets<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secrets([redacted; {}])", self.values.len())
+    }
+}
+
+impl Redactor {
+    /// The credential variables the workspace names, and its redaction patterns.
+    pub fn from_workspace(workspace: &CompiledWorkspace) -> Self {
+        let mut names: Vec<String> = Vec::new();
+        for model in workspace.models.values() {
+            names.extend(model.api_key_env.clone());
+        }
+        for agent in workspace.agents.values() {
+            if let Some(endpoint) = &agent.endpoint {
+                names.extend(endpoint.api_key_env.clone());
+            }
+        }
+        for tool in workspace.tools.values() {
+            match &tool.implementation {
+                ToolImplementation::Http { headers_env, .. } => {
+                    names.extend(headers_env.values().cloned());
+                }
+                ToolImplementation::Command { command, .. } => {
+                    names.extend(command.env.iter().cloned());
+                }
+                ToolImplementation::Mcp { .. }
+                | ToolImplementation::Builtin(_)
+                | ToolImplementation::Subagent(_) => {}
+            }
+        }
+        for server in workspace.runtime.mcp_servers.values() {
+            match &server.transport {
+                McpTransport::Http { headers_env, .. } => {
+                    names.extend(headers_env.values().cloned());
+                }
+                McpTransport::Stdio(command) => names.extend(command.env.iter().cloned()),
+            }
+        }
+        names.sort();
+        names.dedup();
+        Self::new(
+            names,
+            Vec::new(), /* MERGE-A: governance.redact_patterns */
+        )
+    }
+
+    pub fn new(variables: Vec<String>, patterns: Vec<regex::Regex>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                variables,
+                patterns,
+            }),
+        }
+    }
+
+    /// The secrets as they are now: read once per pass, used for many values.
+    pub fn secrets(&self) -> Secrets<'_> {
+        let mut values: Vec<String> = self
+            .inner
+            .variables
+            .iter()
+            .filter_map(|name| std::env::var(name).ok())
+            .filter(|value| value.len() >= MIN_SECRET_LEN)
+            .collect();
+        // Longest first, so a secret containing another is replaced whole.
+        values.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        values.dedup();
+        Secrets {
+            values,
+            patterns: &self.inner.patterns,
+        }
+    }
+
+    /// A copy of `value` with secrets replaced.
+    pub fn redact(&self, value: &Value) -> Value {
+        let mut value = value.clone();
+        self.secrets().redact_in_place(&mut value);
+        value
+    }
+
+    pub fn redact_text(&self, text: &str) -> String {
+        self.secrets().redact_text(text)
+    }
+}
+
+impl Secrets<'_> {
+    /// Whether a pass would change nothing but credential-named keys.
+    fn has_text_secrets(&self) -> bool {
+        !self.values.is_empty() || !self.patterns.is_empty()
+    }
+
+    /// Replaces secrets inside `value`.
+    pub fn redact_in_place(&self, value: &mut Value) {
+        match value {
+            Value::String(text) => {
+                if self.has_text_secrets()
+                    && let Some(redacted) = self.redact_changed(text)
+                {
+                    *text = redacted;
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| self.redact_in_place(v)),
+            Value::Object(fields) => {
+                for (key, field) in fields.iter_mut() {
+                    if is_credential_key(key) && !field.is_null() {
+                        *field = Value::String(REDACTED.to_owned());
+                    } else {
+                        self.redact_in_place(field);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub fn redact_text(&self, text: &str) -> String {
+        self.redact_changed(text).unwrap_or_else(|| text.to_owned())
+    }
+
+    /// The redacted text, or `None` when nothing in it is secret.
+    fn redact_changed(&self, text: &str) -> Option<String> {
+        let mut current: Option<String> = None;
+        for secret in &self.values {
+            let source = current.as_deref().unwrap_or(text);
+            if source.contains(secret.as_str()) {
+                current = Some(source.replace(secret.as_str(), REDACTED));
+            }
+        }
+        for pattern in self.patterns {
+            let source = current.as_deref().unwrap_or(text);
+            if pattern.is_match(source) {
+                current = Some(pattern.replace_all(source, REDACTED).into_owned());
+            }
+        }
+        current
+    }
+}
+
+/// Credential words, matched against the words of a key (`apiKey`, `api_key`, `x-api-key`
+/// and `APIKEY` all have the words `api` `key`).
+const CREDENTIAL_WORDS: &[&[&str]] = &[
+    &["password"],
+    &["passwd"],
+    &["passphrase"],
+    &["secret"],
+    &["token"],
+    &["apikey"],
+    &["api", "key"],
+    &["authorization"],
+    &["auth"],
+    &["credential"],
+    &["credentials"],
+    &["private", "key"],
+    &["privatekey"],
+    &["cookie"],
+];
+
+/// Whether an object key names a credential, judged on its words: `access_token`,
+/// `clientSecret` and `X-Api-Key` do; `max_tokens`, `total_tokens` and `secretary` do not.
+pub fn is_credential_key(key: &str) -> bool {
+    let words = words(key);
+    CREDENTIAL_WORDS.iter().any(|wanted| {
+        words
+            .windows(wanted.len())
+            .any(|window| window.iter().zip(wanted.iter()).all(|(a, b)| a == b))
+    })
+}
+
+/// The lower-case words of an identifier: split on non-alphanumerics and on lower-to-upper
+/// case changes.
+fn words(key: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut previous_lower = false;
+    for c in key.chars() {
+        if !c.is_ascii_alphanumeric() {
+            if !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+            previous_lower = false;
+            continue;
+        }
+        if c.is_ascii_uppercase() && previous_lower && !word.is_empty() {
+            words.push(std::mem::take(&mut word));
+        }
+        previous_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
+        word.push(c.to_ascii_lowercase());
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn redacts_secret_values_patterns_and_credential_keys() {
+        let redactor = Redactor::new(
+            vec!["STABLE_HARNESS_REDACT_UNIT_TEST".to_owned()],
+            vec![regex::Regex::new(r"ssn-\d{3}").unwrap()],
+        );
+        assert_eq!(
+            redactor.redact_text("use sk-live-123456"),
+            "use sk-live-123456"
+        );
+        let mut secrets = redactor.secrets();
+        secrets.values.push("sk-live-123456".to_owned());
+        let mut value = json!({
+            "query": "use sk-live-123456 please, ssn-123",
+            "api_key": "anything",
+            "nested": [{ "Authorization": "Bearer x" }, "plain"],
+            "count": 3,
+            "max_tokens": 10,
+            "usage": { "total_tokens": 12, "prompt_tokens": 3 },
+            "accessToken": "t",
+            "X-Api-Key": "k",
+            "secretary": "Ann",
+        });
+        secrets.redact_in_place(&mut value);
+        assert_eq!(
+            value,
+            json!({
+                "query": "use [redacted] please, [redacted]",
+                "api_key": "[redacted]",
+                "nested": [{ "Authorization": "[redacted]" }, "plain"],
+                "count": 3,
+                "max_tokens": 10,
+                "usage": { "total_tokens": 12, "prompt_tokens": 3 },
+                "accessToken": "[redacted]",
+                "X-Api-Key": "[redacted]",
+                "secretary": "Ann",
+            })
+        );
+    }
+
+    #[test]
+    fn credential_keys_are_judged_on_words() {
+        for key in [
+            "password",
+            "clientSecret",
+            "api-key",
+            "APIKEY",
+            "refresh_token",
+            "auth",
+        ] {
+            assert!(is_credential_key(key), "{key}");
+        }
+        for key in [
+            "max_tokens",
+            "total_tokens",
+            "tokens",
+            "author",
+            "keyboard",
+            "secretary",
+        ] {
+            assert!(!is_credential_key(key), "{key}");
+        }
+    }
+}
