@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::http::{ApiKeys, AppState, KeySet};
+use crate::redact::Secret;
 use crate::runtime::{Runtime, RuntimeError};
 use crate::store::StoreError;
 use crate::workspace::CompiledWorkspace;
@@ -24,9 +25,9 @@ pub struct ServerConfig {
     pub port: u16,
     pub database_url: Option<String>,
     /// Client keys in addition to those the workspace names.
-    pub api_keys: Vec<String>,
+    pub api_keys: Vec<Secret>,
     /// Admin keys in addition to those the workspace names.
-    pub admin_keys: Vec<String>,
+    pub admin_keys: Vec<Secret>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -21,6 +21,42 @@ use crate::workspace::{CompiledWorkspace, McpTransport, ToolImplementation};
 
 pub const REDACTED: &str = "[redacted]";
 
+/// A secret value given on the command line or in code (an API key): `Debug` prints
+/// `[redacted]`, so no config or argument struct that holds one can leak it into a log.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The value itself, for the one place that needs it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        Ok(Self::new(value))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self::new(value)
+    }
+}
+
 /// Secrets shorter than this are not searched for in text: they would match by accident.
 const MIN_SECRET_LEN: usize = 6;
 

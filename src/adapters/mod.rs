@@ -125,6 +125,9 @@ impl Usage {
 pub struct RuntimeOutput {
     pub text: String,
     pub usage: Usage,
+    /// What the model calls cost in USD, from each answering model's `pricing`; `None` when
+    /// a call's model has no pricing (or no model was called).
+    pub cost_usd: Option<f64>,
     /// `stop`, `length`, ... as the upstream reported it.
     pub finish_reason: String,
 }

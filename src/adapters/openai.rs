@@ -128,7 +128,7 @@ impl OpenAiAdapter {
                 retry_after,
             });
         }
-        let output = if streaming {
+        let mut output = if streaming {
             self.read_stream(context, model, response).await?
         } else {
             let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
@@ -140,6 +140,9 @@ impl OpenAiAdapter {
             }
             turn
         };
+        output.output.cost_usd = model
+            .pricing
+            .map(|pricing| pricing.cost_usd(&output.output.usage));
         context
             .events
             .emit(
@@ -149,6 +152,7 @@ impl OpenAiAdapter {
                     "upstreamModel": model.upstream_model,
                     "latencyMs": started.elapsed().as_millis() as u64,
                     "usage": output.output.usage,
+                    "costUsd": output.output.cost_usd,
                     "attempt": attempt,
                     "toolCalls": output.tool_calls.len(),
                 }),
@@ -469,6 +473,8 @@ impl RuntimeAdapter for OpenAiAdapter {
         };
         let mut messages = context.messages.to_vec();
         let mut output = RuntimeOutput::default();
+        // Whether every model call so far had a price (the cost is known).
+        let mut rounds_priced = true;
         let mut rounds = 0;
         loop {
             // Calls of the run's last turn without results (a resumed run) are finished first.
@@ -505,6 +511,11 @@ impl RuntimeAdapter for OpenAiAdapter {
             let turn = self.call_model(&context, &request, primary).await?;
             output.text.push_str(&turn.output.text);
             output.usage.add(turn.output.usage);
+            output.cost_usd = match (rounds_priced, turn.output.cost_usd) {
+                (true, Some(cost)) => Some(output.cost_usd.unwrap_or(0.0) + cost),
+                _ => None,
+            };
+            rounds_priced = output.cost_usd.is_some();
             output.finish_reason = turn.output.finish_reason;
             if turn.tool_calls.is_empty() {
                 return Ok(output);
@@ -668,6 +679,7 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
         })
         .unwrap_or_default();
     let output = RuntimeOutput {
+        cost_usd: None,
         text: choice
             .pointer("/message/content")
             .and_then(Value::as_str)

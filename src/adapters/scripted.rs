@@ -52,6 +52,7 @@ impl RuntimeAdapter for ScriptedAdapter {
         }
         Ok(RuntimeOutput {
             text,
+            cost_usd: None,
             usage: Default::default(),
             finish_reason: "stop".to_owned(),
         })

@@ -14,6 +14,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::redact::Secret;
+
 /// Exit codes shared by every subcommand.
 pub mod exit {
     pub const OK: u8 = 0;
@@ -70,7 +72,7 @@ pub struct StartArgs {
         value_delimiter = ',',
         hide_env_values = true
     )]
-    pub api_keys: Vec<String>,
+    pub api_keys: Vec<Secret>,
     /// Operator key accepted on /admin (repeatable; adds to the workspace's keys).
     #[arg(
         long = "admin-key",
@@ -78,7 +80,7 @@ pub struct StartArgs {
         value_delimiter = ',',
         hide_env_values = true
     )]
-    pub admin_keys: Vec<String>,
+    pub admin_keys: Vec<Secret>,
     /// Serve /metrics without an admin key.
     #[arg(long)]
     pub metrics_public: bool,
@@ -211,4 +213,32 @@ fn init_logging(default_level: &str) {
     } else {
         builder.try_init()
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Cli, Command};
+
+    #[test]
+    fn keys_given_on_the_command_line_never_show_in_debug_output() {
+        let cli = Cli::try_parse_from([
+            "stable-harness",
+            "start",
+            "--api-key",
+            "client-secret-123",
+            "--admin-key",
+            "admin-secret-456,admin-secret-789",
+        ])
+        .unwrap();
+        let Command::Start(args) = &cli.command else {
+            panic!("not a start command");
+        };
+        assert_eq!(args.admin_keys.len(), 2);
+        assert_eq!(args.api_keys[0].expose(), "client-secret-123");
+        let printed = format!("{cli:?}");
+        assert!(!printed.contains("secret-"), "{printed}");
+        assert!(printed.contains("[redacted]"), "{printed}");
+    }
 }

@@ -18,6 +18,7 @@ use subtle::ConstantTimeEq;
 
 use super::AppState;
 use crate::error::{ApiError, ErrorCode};
+use crate::redact::Secret;
 
 /// The identity of every caller on a surface that has no keys.
 pub const ANONYMOUS: &str = "anonymous";
@@ -54,8 +55,11 @@ pub fn fingerprint(key: &str) -> String {
 impl KeySet {
     /// Keys from explicit values and from the named environment variables (comma-separated),
     /// each known by its fingerprint.
-    pub fn collect(explicit: &[String], env_vars: &[String]) -> Self {
-        let mut keys: Vec<String> = explicit.iter().map(|k| k.trim().to_owned()).collect();
+    pub fn collect(explicit: &[Secret], env_vars: &[String]) -> Self {
+        let mut keys: Vec<String> = explicit
+            .iter()
+            .map(|k| k.expose().trim().to_owned())
+            .collect();
         for var in env_vars {
             if let Ok(value) = std::env::var(var) {
                 keys.extend(value.split(',').map(|k| k.trim().to_owned()));
@@ -255,7 +259,7 @@ mod tests {
 
     #[test]
     fn keys_match_exactly() {
-        let keys = KeySet::collect(&["alpha".into(), " beta ".into(), String::new()], &[]);
+        let keys = KeySet::collect(&["alpha".into(), " beta ".into(), "".into()], &[]);
         assert!(keys.contains("alpha") && keys.contains("beta"));
         assert!(!keys.contains("alph") && !keys.contains("alphaa") && !keys.contains(""));
         assert_eq!(format!("{keys:?}"), "KeySet([redacted; 2])");

@@ -53,6 +53,9 @@ pub struct RequestView {
     pub error: Option<Value>,
     #[schema(value_type = Option<Object>)]
     pub usage: Option<Value>,
+    /// What the request's model calls cost in USD, from the models' `pricing` (`null` when a
+    /// model has no pricing or the request has not completed).
+    pub cost_usd: Option<f64>,
     #[schema(value_type = Object)]
     pub metadata: Value,
     pub created_at: DateTime<Utc>,
@@ -71,6 +74,11 @@ impl RequestView {
             status: request.status,
             output: request.output,
             error: request.error,
+            cost_usd: request
+                .usage
+                .as_ref()
+                .and_then(|usage| usage.get("costUsd"))
+                .and_then(Value::as_f64),
             usage: request.usage,
             metadata: request.metadata,
             created_at: request.created_at,

@@ -446,3 +446,177 @@ fn ack(ack: Option<oneshot::Sender<Result<(), JournalError>>>, result: Result<()
         let _ = ack.send(result);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use chrono::Utc;
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::{
+        EventRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, SqliteStore,
+    };
+
+    fn request_ops(id: &str) -> Vec<WriteOp> {
+        let now = Utc::now();
+        vec![
+            WriteOp::TouchSession(SessionRecord {
+                id: format!("ses_{id}"),
+                agent_id: "a".into(),
+                owner: "o".into(),
+                metadata: json!({}),
+                created_at: now,
+                updated_at: now,
+            }),
+            WriteOp::InsertRequest(RequestRecord {
+                id: id.into(),
+                session_id: format!("ses_{id}"),
+                agent_id: "a".into(),
+                protocol: "test".into(),
+                owner: "o".into(),
+                status: RunStatus::Running,
+                input: json!({ "password": "hunter22" }),
+                output: None,
+                error: None,
+                usage: None,
+                metadata: json!({}),
+                created_at: now,
+                updated_at: now,
+            }),
+        ]
+    }
+
+    fn event(request: &str, event_type: &str) -> WriteOp {
+        WriteOp::AppendEvent(EventRecord {
+            id: crate::runtime::new_id("evt"),
+            request_id: request.into(),
+            run_id: "run".into(),
+            session_id: format!("ses_{request}"),
+            agent_id: "a".into(),
+            seq: 0,
+            event_type: event_type.into(),
+            at: Utc::now(),
+            data: json!({}),
+        })
+    }
+
+    /// A run of a request that does not exist: the store refuses it (foreign key), always.
+    fn orphan_run() -> WriteOp {
+        let now = Utc::now();
+        WriteOp::InsertRun(RunRecord {
+            id: "run_orphan".into(),
+            request_id: "req_missing".into(),
+            attempt: 1,
+            status: RunStatus::Running,
+            state: None,
+            error: None,
+            created_at: now,
+            updated_at: now,
+            started_at: None,
+            ended_at: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_refused_group_fails_alone_poisons_its_request_and_leaves_no_seq_hole() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open_file(&dir.path().join("state.db"))
+                .await
+                .unwrap(),
+        );
+        let tracker = tokio_util::task::TaskTracker::new();
+        let journal = Journal::start(
+            Arc::clone(&store),
+            Arc::new(EventHub::default()),
+            Redactor::default(),
+            &tracker,
+        );
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        journal
+            .commit(Some("req_b"), request_ops("req_b"))
+            .await
+            .unwrap();
+
+        // Queued together, so they share a batch: only the bad group is refused.
+        let good = journal.commit(Some("req_a"), vec![event("req_a", "one")]);
+        let bad = journal.commit(Some("req_b"), vec![event("req_b", "lost"), orphan_run()]);
+        let also_good = journal.commit(Some("req_a"), vec![event("req_a", "two")]);
+        let (good, bad, also_good) = tokio::join!(good, bad, also_good);
+        good.unwrap();
+        also_good.unwrap();
+        assert!(matches!(bad, Err(JournalError::Rejected(_))), "{bad:?}");
+
+        // The request whose write was lost cannot go on...
+        let after = journal
+            .commit(Some("req_b"), vec![event("req_b", "next")])
+            .await;
+        assert!(matches!(after, Err(JournalError::Poisoned(_))), "{after:?}");
+        // ...until its end settles it, numbered right after its last committed event.
+        journal
+            .settle("req_b", vec![event("req_b", "runtime.request.failed")])
+            .await
+            .unwrap();
+        journal
+            .commit(Some("req_b"), vec![event("req_b", "later")])
+            .await
+            .unwrap();
+
+        let seqs = |events: Vec<EventRecord>| {
+            events
+                .into_iter()
+                .map(|e| (e.seq, e.event_type))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            seqs(store.events("req_a", 0, 10).await.unwrap()),
+            vec![(1, "one".to_owned()), (2, "two".to_owned())]
+        );
+        assert_eq!(
+            seqs(store.events("req_b", 0, 10).await.unwrap()),
+            vec![
+                (1, "runtime.request.failed".to_owned()),
+                (2, "later".to_owned())
+            ]
+        );
+        // Redacted before it was stored.
+        let stored = store.request("req_a").await.unwrap().unwrap();
+        assert_eq!(stored.input, json!({ "password": "[redacted]" }));
+        assert!(journal.is_available());
+    }
+
+    #[tokio::test]
+    async fn a_conditional_decision_is_a_conflict_the_second_time_and_poisons_nothing() {
+        use crate::store::{ApprovalDecision, ApprovalStatus};
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open_file(&dir.path().join("state.db"))
+                .await
+                .unwrap(),
+        );
+        let tracker = tokio_util::task::TaskTracker::new();
+        let journal = Journal::start(
+            Arc::clone(&store),
+            Arc::new(EventHub::default()),
+            Redactor::default(),
+            &tracker,
+        );
+        let decision = ApprovalDecision {
+            id: "apr_missing".into(),
+            status: ApprovalStatus::Approved,
+            reason: None,
+            decided_by: "ops".into(),
+            at: Utc::now(),
+        };
+        let result = journal
+            .commit(None, vec![WriteOp::DecideApproval(decision)])
+            .await;
+        assert!(
+            matches!(result, Err(JournalError::Conflict(_))),
+            "{result:?}"
+        );
+    }
+}

@@ -535,7 +535,10 @@ async fn finish(
                 content: reply,
                 created_at: now,
             }));
-            let usage = serde_json::to_value(output.usage).unwrap_or(Value::Null);
+            let mut usage = serde_json::to_value(output.usage).unwrap_or(Value::Null);
+            if let Some(cost) = output.cost_usd {
+                usage["costUsd"] = json!(cost);
+            }
             let data = json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason });
             (
                 RunStatus::Completed,

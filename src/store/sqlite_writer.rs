@@ -30,10 +30,13 @@ impl SqliteWriter {
     /// Opens the (already migrated) database and starts the writer thread.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let connection = Connection::open(path).map_err(writer_error)?;
+        // This process owns the store (a lock file), so only an outside tool holding the
+        // database can make the writer wait: after 2s that is reported as the store being
+        // unavailable (and retried by the journal) rather than a request hanging.
         connection
             .execute_batch(
                 "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
-                 PRAGMA busy_timeout = 10000; PRAGMA wal_autocheckpoint = 0;",
+                 PRAGMA busy_timeout = 2000; PRAGMA wal_autocheckpoint = 0;",
             )
             .map_err(writer_error)?;
         connection.set_prepared_statement_cache_capacity(32);

@@ -244,6 +244,15 @@ pub struct Pricing {
     pub output_per_m_tok: f64,
 }
 
+impl Pricing {
+    /// The price of one call's usage, in USD.
+    pub fn cost_usd(&self, usage: &crate::adapters::Usage) -> f64 {
+        (usage.prompt_tokens as f64 * self.input_per_m_tok
+            + usage.completion_tokens as f64 * self.output_per_m_tok)
+            / 1_000_000.0
+    }
+}
+
 #[derive(Clone)]
 pub struct ToolConfig {
     pub id: String,

@@ -77,8 +77,8 @@ impl TestApp {
             host: "127.0.0.1".into(),
             port: 0,
             database_url: None,
-            api_keys: client.iter().map(|k| (*k).to_owned()).collect(),
-            admin_keys: admin.iter().map(|k| (*k).to_owned()).collect(),
+            api_keys: client.iter().map(|k| (*k).into()).collect(),
+            admin_keys: admin.iter().map(|k| (*k).into()).collect(),
         })
         .await
         .unwrap();
