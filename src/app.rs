@@ -28,6 +28,9 @@ pub struct ServerConfig {
     pub api_keys: Vec<Secret>,
     /// Admin keys in addition to those the workspace names.
     pub admin_keys: Vec<Secret>,
+    /// Serve a surface that has no keys on a non-loopback address anyway
+    /// (`start --insecure-open-surfaces`); without it such a start is refused.
+    pub insecure_open_surfaces: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +43,13 @@ pub enum AppError {
         source: std::io::Error,
     },
     #[error(
-        "refusing to serve an open admin surface on the non-loopback address {0}: set admin keys (--admin-key or the workspace's protocols.admin.apiKeysEnv)"
+        "refusing to serve open surfaces on the non-loopback address {address}: {open}; set the keys, bind a loopback address (--host 127.0.0.1), or pass --insecure-open-surfaces to serve them open anyway"
     )]
-    OpenAdminOnPublicAddress(String),
+    OpenSurfacesOnPublicAddress {
+        address: String,
+        /// Which surfaces are open and which keys would close them.
+        open: String,
+    },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error("HTTP server failed: {0}")]
@@ -96,7 +103,36 @@ pub async fn build_runtime(
     Ok((runtime, resumed))
 }
 
+/// Whether `host` only ever reaches this machine. A name other than `localhost` may resolve
+/// anywhere, so it counts as public.
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    }
+}
+
+/// The surfaces anyone who can reach the server may use, each with the keys that close it.
+/// No client keys opens `/runtime` (and `/v1` unless disabled), and with them tool execution.
+fn open_surfaces(keys: &ApiKeys, v1_enabled: bool) -> Vec<&'static str> {
+    let mut open = Vec::new();
+    if keys.client.is_empty() {
+        open.push(if v1_enabled {
+            "/v1 and /runtime (and so tool execution) have no client keys (--api-key or protocols.openai.apiKeysEnv)"
+        } else {
+            "/runtime (and so tool execution) has no client keys (--api-key or protocols.openai.apiKeysEnv)"
+        });
+    }
+    if keys.admin.is_empty() {
+        open.push("/admin has no admin keys (--admin-key or protocols.admin.apiKeysEnv)");
+    }
+    open
+}
+
 impl Application {
+    /// Checks the exposure (before anything is opened or bound), opens the store, resumes
+    /// interrupted runs and binds the listener.
     pub async fn build(config: ServerConfig) -> Result<Self, AppError> {
         let workspace = Arc::clone(&config.workspace);
         let keys = ApiKeys {
@@ -104,12 +140,12 @@ impl Application {
             admin: KeySet::collect(&config.admin_keys, &workspace.runtime.admin_api_keys_env),
         };
         let address = format!("{}:{}", config.host, config.port);
-        let loopback = match config.host.parse::<std::net::IpAddr>() {
-            Ok(ip) => ip.is_loopback(),
-            Err(_) => config.host == "localhost",
-        };
-        if keys.admin.is_empty() && !loopback {
-            return Err(AppError::OpenAdminOnPublicAddress(address));
+        let open = open_surfaces(&keys, workspace.runtime.openai.enabled);
+        if !open.is_empty() && !is_loopback(&config.host) && !config.insecure_open_surfaces {
+            return Err(AppError::OpenSurfacesOnPublicAddress {
+                address,
+                open: open.join("; "),
+            });
         }
         let (runtime, resumed) =
             build_runtime(workspace, config.database_url.as_deref(), true).await?;
@@ -153,16 +189,22 @@ impl Application {
         self.resumed
     }
 
-    /// Serves until `shutdown` completes, then stops accepting connections, gives in-flight
-    /// responses a bounded grace period, and leaves unfinished runs resumable.
+    /// Serves until `shutdown` completes, then stops admitting requests (503
+    /// `shutting_down`) and accepting connections, gives in-flight responses a bounded grace
+    /// period, waits (bounded too) only for runs actively executing — a run parked on an
+    /// approval is left as it is stored — and leaves unfinished runs resumable.
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AppError> {
         let router = crate::http::router(self.state.clone());
         let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
+        let runtime = self.runtime.clone();
         let signal = async move {
             shutdown.await;
+            // Refuse new work before HTTP starts draining: a request still in flight that has
+            // not submitted yet gets 503 `shutting_down` instead of starting a run now.
+            runtime.stop_admitting();
             tracing::info!(
                 "shutting down: no new connections; in-flight responses get {}s",
                 SHUTDOWN_GRACE.as_secs()

@@ -15,6 +15,13 @@ pub enum ErrorCode {
     InvalidRequest,
     /// A field the endpoint does not know (400).
     UnknownField,
+    /// A query-string or path parameter that does not parse (`?limit=abc`, invalid UTF-8 in an
+    /// id): 400, with the parameter as `param`. A value that parses but is out of range is
+    /// `InvalidRequest` (422).
+    InvalidParameter,
+    /// A chat message no model can be given (unknown role, missing or mistyped content): 400 on
+    /// every surface, as OpenAI answers it, so that it never reaches an upstream.
+    InvalidMessage,
     /// Client-supplied `tools` on `/v1`: the workspace inventory decides what is callable.
     ToolsNotSupported,
     MissingApiKey,
@@ -29,6 +36,8 @@ pub enum ErrorCode {
     ApprovalNotFound,
     ToolNotFound,
     RouteNotFound,
+    /// A whole surface switched off by the workspace (`protocols.openai.enabled: false`).
+    SurfaceDisabled,
     MethodNotAllowed,
     BodyTooLarge,
     /// The approval was decided already (deciding twice).
@@ -51,12 +60,16 @@ impl ErrorCode {
     pub fn status(self) -> StatusCode {
         use ErrorCode::*;
         match self {
-            InvalidJson | UnknownField | ToolsNotSupported => StatusCode::BAD_REQUEST,
+            InvalidJson | UnknownField | InvalidParameter | InvalidMessage | ToolsNotSupported => {
+                StatusCode::BAD_REQUEST
+            }
             InvalidRequest => StatusCode::UNPROCESSABLE_ENTITY,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
-            | ApprovalNotFound | ToolNotFound | RouteNotFound => StatusCode::NOT_FOUND,
+            | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled => {
+                StatusCode::NOT_FOUND
+            }
             ApprovalDecided | ApprovalPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -72,10 +85,11 @@ impl ErrorCode {
     pub fn error_type(self) -> &'static str {
         use ErrorCode::*;
         match self {
-            InvalidJson | InvalidRequest | UnknownField | ToolsNotSupported | ModelNotFound
-            | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
-            | ApprovalNotFound | ToolNotFound | RouteNotFound | MethodNotAllowed | BodyTooLarge
-            | ApprovalDecided | ApprovalPending => "invalid_request_error",
+            InvalidJson | InvalidRequest | UnknownField | InvalidParameter | InvalidMessage
+            | ToolsNotSupported | ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound
+            | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
+            | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
+            | ApprovalPending => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -90,6 +104,8 @@ impl ErrorCode {
             InvalidJson => "invalid_json",
             InvalidRequest => "invalid_request",
             UnknownField => "unknown_field",
+            InvalidParameter => "invalid_parameter",
+            InvalidMessage => "invalid_message",
             ToolsNotSupported => "tools_not_supported",
             MissingApiKey => "missing_api_key",
             InvalidApiKey => "invalid_api_key",
@@ -104,6 +120,7 @@ impl ErrorCode {
             ApprovalDecided => "approval_already_decided",
             ApprovalPending => "approval_pending",
             RouteNotFound => "route_not_found",
+            SurfaceDisabled => "surface_disabled",
             MethodNotAllowed => "method_not_allowed",
             BodyTooLarge => "body_too_large",
             TooManyRuns => "too_many_runs",

@@ -1,12 +1,22 @@
-//! `stable-harness start`: serve the workspace until SIGINT/SIGTERM.
+//! `stable-harness start`: serve the workspace until SIGINT/SIGTERM. Exit 2 for what the
+//! command line or the keys got wrong (an invalid workspace, a flag not supported yet, open
+//! surfaces on a non-loopback address without `--insecure-open-surfaces`), 1 for a failure
+//! to serve.
 
 use std::sync::Arc;
 
 use super::{StartArgs, exit, output};
-use crate::app::{Application, ServerConfig};
+use crate::app::{AppError, Application, ServerConfig};
 use crate::workspace;
 
 pub async fn run(args: StartArgs) -> u8 {
+    if args.metrics_public {
+        // Accepting a flag that changes nothing would let an operator believe it did.
+        output::error(
+            "stable-harness start: --metrics-public is not supported yet: /metrics does not exist in this build",
+        );
+        return exit::USAGE;
+    }
     let compiled = match workspace::load(&args.workspace) {
         Ok(compiled) => Arc::new(compiled),
         Err(diagnostics) => {
@@ -21,12 +31,17 @@ pub async fn run(args: StartArgs) -> u8 {
         database_url: args.database_url,
         api_keys: args.api_keys,
         admin_keys: args.admin_keys,
+        insecure_open_surfaces: args.insecure_open_surfaces,
     };
     let app = match Application::build(config).await {
         Ok(app) => app,
         Err(error) => {
             output::error(&format!("stable-harness start: {error}"));
-            return exit::FAILED;
+            // Refused exposure is a matter of flags and keys: bad usage, like an invalid workspace.
+            return match error {
+                AppError::OpenSurfacesOnPublicAddress { .. } => exit::USAGE,
+                _ => exit::FAILED,
+            };
         }
     };
     let agents: Vec<&str> = compiled.agents.keys().map(String::as_str).collect();

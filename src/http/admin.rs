@@ -1,14 +1,14 @@
 //! The operator API (admin keys; a client key gets 403): list and inspect requests, runs and
 //! their events; decide approvals; ask the policy to explain a decision.
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::AppState;
 use super::auth::Operator;
-use super::extract::ApiJson;
+use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::views::{EventPage, EventsQuery, RequestList, RequestView, RunView, request_view};
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::Explanation;
@@ -37,11 +37,11 @@ pub struct ListRequestsQuery {
 
 #[utoipa::path(get, path = "/admin/requests", tag = "admin", security(("admin_key" = [])),
     params(ListRequestsQuery),
-    responses((status = 200, body = RequestList), (status = 401, body = crate::error::ErrorEnvelope),
+    responses((status = 200, body = RequestList), (status = 400, body = crate::error::ErrorEnvelope), (status = 401, body = crate::error::ErrorEnvelope),
         (status = 403, body = crate::error::ErrorEnvelope), (status = 422, body = crate::error::ErrorEnvelope)))]
 pub async fn list_requests(
     State(state): State<AppState>,
-    Query(query): Query<ListRequestsQuery>,
+    ApiQuery(query): ApiQuery<ListRequestsQuery>,
 ) -> Result<Json<RequestList>, ApiError> {
     let status = status_filter(query.status.as_deref(), &RunStatus::ALL, RunStatus::as_str)?;
     let limit = page_limit(query.limit)?;
@@ -81,7 +81,7 @@ pub async fn list_requests(
     responses((status = 200, body = RequestView), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn get_request(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<RequestView>, ApiError> {
     Ok(Json(request_view(&state.runtime, &id, None).await?))
 }
@@ -91,7 +91,7 @@ pub async fn get_request(
     responses((status = 200, body = RunView), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn get_run(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<RunView>, ApiError> {
     let run = state
         .runtime
@@ -107,21 +107,22 @@ pub async fn get_run(
 
 #[utoipa::path(get, path = "/admin/runs/{id}/events", tag = "admin", security(("admin_key" = [])),
     params(("id" = String, Path, description = "Run id"), EventsQuery),
-    responses((status = 200, body = EventPage), (status = 404, body = crate::error::ErrorEnvelope)))]
+    responses((status = 200, body = EventPage), (status = 400, body = crate::error::ErrorEnvelope),
+        (status = 404, body = crate::error::ErrorEnvelope), (status = 422, body = crate::error::ErrorEnvelope)))]
 pub async fn run_events(
     State(state): State<AppState>,
-    Path(id): Path<String>,
-    Query(query): Query<EventsQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<EventsQuery>,
 ) -> Result<Json<EventPage>, ApiError> {
+    let (after, limit) = query.checked()?;
     let store = state.runtime.store();
     if store.run(&id).await.map_err(ApiError::internal)?.is_none() {
         return Err(
             ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id"),
         );
     }
-    let after = query.after.unwrap_or(0).max(0);
     let data = store
-        .run_events(&id, after, query.limit())
+        .run_events(&id, after, limit)
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(EventPage::new(data, after)))
@@ -186,11 +187,11 @@ pub struct ApprovalList {
 
 #[utoipa::path(get, path = "/admin/approvals", tag = "admin", security(("admin_key" = [])),
     params(ListApprovalsQuery),
-    responses((status = 200, body = ApprovalList), (status = 401, body = crate::error::ErrorEnvelope),
+    responses((status = 200, body = ApprovalList), (status = 400, body = crate::error::ErrorEnvelope), (status = 401, body = crate::error::ErrorEnvelope),
         (status = 403, body = crate::error::ErrorEnvelope), (status = 422, body = crate::error::ErrorEnvelope)))]
 pub async fn list_approvals(
     State(state): State<AppState>,
-    Query(query): Query<ListApprovalsQuery>,
+    ApiQuery(query): ApiQuery<ListApprovalsQuery>,
 ) -> Result<Json<ApprovalList>, ApiError> {
     let status = status_filter(
         query.status.as_deref(),
@@ -218,7 +219,7 @@ pub async fn list_approvals(
     responses((status = 200, body = ApprovalRecord), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn get_approval(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<ApprovalRecord>, ApiError> {
     let approval = state
         .runtime
@@ -250,7 +251,7 @@ pub struct DecisionBody {
         (status = 404, body = crate::error::ErrorEnvelope), (status = 409, body = crate::error::ErrorEnvelope, description = "Already decided")))]
 pub async fn approve(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     Extension(operator): Extension<Operator>,
     ApiJson(body): ApiJson<DecisionBody>,
 ) -> Result<Json<ApprovalRecord>, ApiError> {
@@ -263,7 +264,7 @@ pub async fn approve(
         (status = 404, body = crate::error::ErrorEnvelope), (status = 409, body = crate::error::ErrorEnvelope, description = "Already decided")))]
 pub async fn deny(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     Extension(operator): Extension<Operator>,
     ApiJson(body): ApiJson<DecisionBody>,
 ) -> Result<Json<ApprovalRecord>, ApiError> {

@@ -1,9 +1,19 @@
-//! Request bodies: read within `limits.maxRequestBytes` (413 beyond), parsed as JSON with the
-//! path of the offending field as the error's `param`. Malformed JSON and unknown fields are
-//! 400; well-formed but invalid content is 422 (400 on `/v1`, as OpenAI does).
+//! Extractors that answer in the error envelope, never in axum's plain-text rejections.
+//!
+//! - Bodies ([`ApiJson`], [`V1Json`]): read within `limits.maxRequestBytes` (413 beyond),
+//!   parsed as JSON with the path of the offending field as the error's `param`. Malformed JSON
+//!   and unknown fields are 400; well-formed but invalid content is 422 (400 on `/v1`, as
+//!   OpenAI does).
+//! - Query strings ([`ApiQuery`]): a value that does not parse is 400 `invalid_parameter`, an
+//!   unknown parameter 400 `unknown_field`, both naming the parameter. Range checks (422) are
+//!   the handler's, on the parsed value.
+//! - Path parameters ([`ApiPath`]): a segment that does not decode or parse (invalid UTF-8
+//!   after percent-decoding) is 400 `invalid_parameter` naming the parameter.
 
 use axum::body::Body;
-use axum::extract::{FromRequest, Request};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 
 use super::AppState;
@@ -92,4 +102,97 @@ pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             Err(error)
         }
     }
+}
+
+/// A query string (`?after=3&limit=10`) whose rejections use the envelope.
+#[derive(Debug)]
+pub struct ApiQuery<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        from_query(parts.uri.query().unwrap_or_default()).map(ApiQuery)
+    }
+}
+
+/// Parses a query string, naming the parameter at fault.
+pub fn from_query<T: DeserializeOwned>(query: &str) -> Result<T, ApiError> {
+    let deserializer =
+        serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+    serde_path_to_error::deserialize::<_, T>(deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let message = error.into_inner().to_string();
+        // serde names an unknown field in the message; the path stops before it.
+        let unknown = message
+            .strip_prefix("unknown field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field.to_owned());
+        let (code, param) = match unknown {
+            Some(field) => (ErrorCode::UnknownField, Some(field)),
+            None => (
+                ErrorCode::InvalidParameter,
+                (!path.is_empty() && path != ".").then_some(path),
+            ),
+        };
+        let described = match &param {
+            Some(param) => format!("invalid query parameter `{param}`: {message}"),
+            None => format!("invalid query string: {message}"),
+        };
+        let mut error = ApiError::new(code, described);
+        error.param = param;
+        error
+    })
+}
+
+/// Path parameters (`/requests/{id}`) whose rejections use the envelope.
+#[derive(Debug)]
+pub struct ApiPath<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ApiPath<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(rejection) => {
+                // A route with one parameter names it even when the error does not.
+                let raw = axum::extract::RawPathParams::from_request_parts(parts, state).await;
+                let only = raw.ok().and_then(|params| {
+                    let mut names = params.iter().map(|(name, _)| name.to_owned());
+                    match (names.next(), names.next()) {
+                        (Some(only), None) => Some(only),
+                        _ => None,
+                    }
+                });
+                Err(path_error(rejection, only))
+            }
+        }
+    }
+}
+
+fn path_error(rejection: PathRejection, only_param: Option<String>) -> ApiError {
+    use axum::extract::path::ErrorKind;
+    let PathRejection::FailedToDeserializePathParams(failed) = rejection else {
+        // Only a handler mounted without its route's parameters gets here: our bug, not input.
+        return ApiError::internal(rejection.body_text());
+    };
+    let message = failed.kind().to_string();
+    let key = match failed.into_kind() {
+        ErrorKind::ParseErrorAtKey { key, .. }
+        | ErrorKind::InvalidUtf8InPathParam { key }
+        | ErrorKind::DeserializeError { key, .. } => Some(key),
+        _ => None,
+    };
+    let param = key.or(only_param);
+    let mut error = ApiError::new(
+        ErrorCode::InvalidParameter,
+        format!("invalid path parameter: {message}"),
+    );
+    error.param = param;
+    error
 }

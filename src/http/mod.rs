@@ -2,12 +2,15 @@
 //! API and the operator `/admin` API, plus health and the OpenAPI document.
 //!
 //! Handlers are thin: extract, call the runtime, map the result. Only this module knows wire
-//! types; every error leaves through [`crate::error::ApiError`]'s envelope.
+//! types; every error leaves through [`crate::error::ApiError`]'s envelope — axum's own
+//! rejections never reach a client (see `extract`). Each surface authenticates before it
+//! routes; `protocols.openai.enabled: false` removes `/v1` (404 `surface_disabled`).
 
 mod admin;
 mod auth;
 mod extract;
 mod health;
+mod messages;
 pub mod openapi;
 mod runtime_api;
 mod v1;
@@ -16,6 +19,7 @@ mod views;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::OriginalUri;
 use axum::routing::{get, post};
 
 pub use auth::{ANONYMOUS, ApiKeys, Caller, KeySet, fingerprint};
@@ -47,64 +51,96 @@ impl AppState {
 }
 
 /// The whole HTTP surface.
+///
+/// Each protocol surface is a nested router whose key check is a layer over all of it, its
+/// own 404/405 fallbacks included: a path under `/v1/`, `/runtime/` or `/admin/` is judged by
+/// its key first (401 without one, 403 with one of the other scope) and only then routed, so
+/// an unauthenticated caller cannot map the surface by probing paths.
 pub fn router(state: AppState) -> Router {
-    let v1 = Router::new()
-        .route("/v1/models", get(v1::list_models))
-        .route("/v1/models/{id}", get(v1::get_model))
-        .route("/v1/capabilities", get(v1::capabilities))
-        .route("/v1/chat/completions", post(v1::chat_completions))
-        .route_layer(axum::middleware::from_fn_with_state(
+    let v1 = if state.runtime.workspace().runtime.openai.enabled {
+        with_fallbacks(
+            Router::new()
+                .route("/models", get(v1::list_models))
+                .route("/models/{id}", get(v1::get_model))
+                .route("/capabilities", get(v1::capabilities))
+                .route("/chat/completions", post(v1::chat_completions)),
+        )
+        .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_client_key_v1,
-        ));
-    let runtime = Router::new()
-        .route("/runtime/requests", post(runtime_api::create_request))
-        .route("/runtime/requests/{id}", get(runtime_api::get_request))
-        .route(
-            "/runtime/requests/{id}/events",
-            get(runtime_api::request_events),
-        )
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_client_key,
-        ));
-    let admin = Router::new()
-        .route("/admin/requests", get(admin::list_requests))
-        .route("/admin/requests/{id}", get(admin::get_request))
-        .route("/admin/runs/{id}", get(admin::get_run))
-        .route("/admin/runs/{id}/events", get(admin::run_events))
-        .route("/admin/approvals", get(admin::list_approvals))
-        .route("/admin/approvals/{id}", get(admin::get_approval))
-        .route("/admin/approvals/{id}/approve", post(admin::approve))
-        .route("/admin/approvals/{id}/deny", post(admin::deny))
-        .route("/admin/policy/explain", post(admin::explain_policy))
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_admin_key,
-        ));
+        ))
+    } else {
+        // Switched off: no route exists, whoever asks and with whatever key.
+        Router::new().fallback(surface_disabled)
+    };
+    let runtime = with_fallbacks(
+        Router::new()
+            .route("/requests", post(runtime_api::create_request))
+            .route("/requests/{id}", get(runtime_api::get_request))
+            .route("/requests/{id}/events", get(runtime_api::request_events)),
+    )
+    .layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_client_key,
+    ));
+    let admin = with_fallbacks(
+        Router::new()
+            .route("/requests", get(admin::list_requests))
+            .route("/requests/{id}", get(admin::get_request))
+            .route("/runs/{id}", get(admin::get_run))
+            .route("/runs/{id}/events", get(admin::run_events))
+            .route("/approvals", get(admin::list_approvals))
+            .route("/approvals/{id}", get(admin::get_approval))
+            .route("/approvals/{id}/approve", post(admin::approve))
+            .route("/approvals/{id}/deny", post(admin::deny))
+            .route("/policy/explain", post(admin::explain_policy)),
+    )
+    .layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_admin_key,
+    ));
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.json", get(openapi::serve))
-        .merge(v1)
-        .merge(runtime)
-        .merge(admin)
+        .nest("/v1", v1)
+        .nest("/runtime", runtime)
+        .nest("/admin", admin)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
 }
 
-async fn not_found(uri: axum::http::Uri) -> ApiError {
+/// A surface's own 404 and 405, set before its key check is layered over it.
+fn with_fallbacks(routes: Router<AppState>) -> Router<AppState> {
+    routes
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+}
+
+// Nested routers see their path without the surface prefix: the messages quote the original.
+async fn not_found(OriginalUri(uri): OriginalUri) -> ApiError {
     ApiError::new(
         ErrorCode::RouteNotFound,
         format!("no route for {}", uri.path()),
     )
 }
 
-async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+async fn method_not_allowed(method: axum::http::Method, OriginalUri(uri): OriginalUri) -> ApiError {
     ApiError::new(
         ErrorCode::MethodNotAllowed,
         format!("{method} is not allowed on {}", uri.path()),
     )
+}
+
+async fn surface_disabled(OriginalUri(uri): OriginalUri) -> ApiError {
+    ApiError::new(
+        ErrorCode::SurfaceDisabled,
+        format!(
+            "no route for {}: the OpenAI-compatible surface /v1 is disabled in this workspace (protocols.openai.enabled: false)",
+            uri.path()
+        ),
+    )
+    .on_openai_surface()
 }

@@ -5,18 +5,19 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
+use axum::{Extension, Json};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
 use super::auth::Caller;
-use super::extract::ApiJson;
+use super::extract::{ApiJson, ApiPath, ApiQuery};
+use super::messages::validate_messages;
 use super::views::{EventPage, EventsQuery, RequestView, request_view};
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{NewRequest, Protocol};
@@ -76,20 +77,7 @@ pub async fn create_request(
     let messages = match (body.input.text, body.input.messages) {
         (Some(text), None) => vec![json!({ "role": "user", "content": text })],
         (None, Some(messages)) if !messages.is_empty() => {
-            for (index, message) in messages.iter().enumerate() {
-                let valid = message.get("role").and_then(Value::as_str).is_some()
-                    && matches!(
-                        message.get("content"),
-                        Some(Value::String(_) | Value::Array(_))
-                    );
-                if !valid {
-                    return Err(ApiError::new(
-                        ErrorCode::InvalidRequest,
-                        "each message needs a `role` and a string or array `content`",
-                    )
-                    .param(format!("input.messages[{index}]")));
-                }
-            }
+            validate_messages(&messages, "input.messages")?;
             messages
         }
         _ => {
@@ -157,7 +145,7 @@ pub async fn create_request(
 pub async fn get_request(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<RequestView>, ApiError> {
     Ok(Json(
         request_view(&state.runtime, &id, Some(&caller.identity)).await?,
@@ -168,14 +156,16 @@ pub async fn get_request(
     params(("id" = String, Path, description = "Request id"), EventsQuery),
     responses(
         (status = 200, body = EventPage, description = "A page of events; with `Accept: text/event-stream`, a live SSE stream ending after the terminal event"),
+        (status = 400, body = crate::error::ErrorEnvelope, description = "A parameter that does not parse"),
         (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 422, body = crate::error::ErrorEnvelope, description = "`after` or `limit` out of range"),
     ))]
 pub async fn request_events(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
-    Query(query): Query<EventsQuery>,
+    ApiQuery(query): ApiQuery<EventsQuery>,
 ) -> Result<Response, ApiError> {
     // Another key's request does not exist for this caller: 404, like an unknown id.
     request_view(&state.runtime, &id, Some(&caller.identity)).await?;
@@ -183,11 +173,11 @@ pub async fn request_events(
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
-    let last_event_id = headers
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<i64>().ok());
-    let after = last_event_id.or(query.after).unwrap_or(0).max(0);
+    let (after, limit) = query.checked()?;
+    let after = match last_event_id(&headers)? {
+        Some(seq) => seq,
+        None => after,
+    };
     if wants_stream {
         let events = state.runtime.follow(&id, after);
         let body = events.map(|event| {
@@ -208,7 +198,6 @@ pub async fn request_events(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let limit = query.limit();
     let data = state
         .runtime
         .store()
@@ -216,4 +205,25 @@ pub async fn request_events(
         .await
         .map_err(ApiError::internal)?;
     Ok(Json(EventPage::new(data, after)).into_response())
+}
+
+/// The `Last-Event-ID` an SSE client resumes from: a seq this server sent, so anything else is
+/// a client bug worth a 400 rather than a silent replay from the start.
+fn last_event_id(headers: &HeaderMap) -> Result<Option<i64>, ApiError> {
+    let Some(value) = headers.get("last-event-id") else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .filter(|seq| *seq >= 0)
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::InvalidParameter,
+                "Last-Event-ID must be the seq of an event (an integer, 0 or more)",
+            )
+            .param("Last-Event-ID")
+        })
 }

@@ -5,17 +5,18 @@
 
 use std::convert::Infallible;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
+use axum::{Extension, Json};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
 use super::auth::Caller;
-use super::extract::V1Json;
+use super::extract::{ApiPath, V1Json};
+use super::messages::validate_messages;
 use super::views::run_failure;
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{
@@ -98,7 +99,7 @@ pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
     responses((status = 200, description = "The agent, as a model"), (status = 404, body = crate::error::ErrorEnvelope)))]
 pub async fn get_model(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let agent = find_agent(&state, &id)?;
     Ok(Json(model_json(&state, agent)))
@@ -158,31 +159,7 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
         )
         .param("messages"));
     }
-    for (index, message) in request.messages.iter().enumerate() {
-        let role = message.get("role").and_then(Value::as_str);
-        let Some(role) =
-            role.filter(|r| ["system", "developer", "user", "assistant", "tool"].contains(r))
-        else {
-            return Err(v1_error(
-                ErrorCode::InvalidRequest,
-                format!(
-                    "messages[{index}].role must be one of system, developer, user, assistant, tool"
-                ),
-            )
-            .param(format!("messages[{index}].role")));
-        };
-        match message.get("content") {
-            Some(Value::String(_) | Value::Array(_)) => {}
-            None | Some(Value::Null) if role == "assistant" => {}
-            _ => {
-                return Err(v1_error(
-                    ErrorCode::InvalidRequest,
-                    format!("messages[{index}].content must be a string or an array of parts"),
-                )
-                .param(format!("messages[{index}].content")));
-            }
-        }
-    }
+    validate_messages(&request.messages, "messages").map_err(ApiError::on_openai_surface)?;
     if request.n.is_some_and(|n| n != 1) {
         return Err(v1_error(ErrorCode::InvalidRequest, "only n = 1 is supported").param("n"));
     }

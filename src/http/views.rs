@@ -100,17 +100,34 @@ pub struct EventPage {
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct EventsQuery {
-    /// Only events with a greater seq.
+    /// Only events with a greater seq (0 or more; default 0).
     #[serde(default)]
     pub after: Option<i64>,
-    /// At most this many (JSON only; default 500, at most 1000).
+    /// At most this many, 1 to 1000 (JSON only; default 500).
     #[serde(default)]
     pub limit: Option<i64>,
 }
 
 impl EventsQuery {
-    pub fn limit(&self) -> i64 {
-        self.limit.unwrap_or(500).clamp(1, 1000)
+    /// `after` (0 when absent) and `limit` (500 when absent), or 422 naming the parameter out
+    /// of range.
+    pub fn checked(&self) -> Result<(i64, i64), ApiError> {
+        let after = self.after.unwrap_or(0);
+        if after < 0 {
+            return Err(
+                ApiError::new(ErrorCode::InvalidRequest, "`after` is a seq: 0 or more")
+                    .param("after"),
+            );
+        }
+        let limit = self.limit.unwrap_or(500);
+        if !(1..=1000).contains(&limit) {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "`limit` must be between 1 and 1000",
+            )
+            .param("limit"));
+        }
+        Ok((after, limit))
     }
 }
 

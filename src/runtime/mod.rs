@@ -5,7 +5,9 @@
 //! batched, published after commit) and ends with exactly one terminal event.
 //! [`Runtime::follow`] replays stored events and then follows live ones without gaps or
 //! duplicates. Concurrency is bounded: `limits.maxConcurrentRuns` run at once, as many more
-//! wait in line, and beyond that `submit` refuses with [`RuntimeError::Busy`].
+//! wait in line, and beyond that `submit` refuses with [`RuntimeError::Busy`]. At shutdown,
+//! [`Runtime::stop_admitting`] refuses new requests ([`RuntimeError::ShuttingDown`]) and
+//! [`Runtime::shutdown`] waits, bounded, only for runs holding an execution slot.
 
 mod clock;
 pub mod events;
@@ -153,6 +155,9 @@ struct Inner {
     /// Runs executing.
     slots: Arc<Semaphore>,
     tasks: TaskTracker,
+    /// Cancelled when the server starts shutting down: new requests are refused from then on
+    /// (runs already admitted go on; see [`Runtime::stop_admitting`]).
+    admitting_stopped: CancellationToken,
     shutdown: CancellationToken,
     /// Cancellation of each live run, by request id.
     live: Mutex<HashMap<String, CancellationToken>>,
@@ -200,6 +205,7 @@ impl Runtime {
                 journal,
                 hub,
                 tasks,
+                admitting_stopped: CancellationToken::new(),
                 shutdown: CancellationToken::new(),
                 live: Mutex::new(HashMap::new()),
             }),
@@ -241,7 +247,9 @@ impl Runtime {
         RuntimeError,
     > {
         let inner = &self.inner;
-        if inner.shutdown.is_cancelled() {
+        // A run already executing may still hand work to a subagent during the drain: refusing
+        // it would fail a run that the shutdown is waiting on to finish.
+        if inner.admitting_stopped.is_cancelled() && request.protocol != Protocol::Agent {
             return Err(RuntimeError::ShuttingDown);
         }
         let agent_id = match request.agent_id {
@@ -590,17 +598,27 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::RequestNotFound(request_id.to_owned()))
     }
 
-    /// Stops accepting requests and waits up to `grace` for runs to finish; runs still going
-    /// stay `running` in the store and resume at the next start. Everything queued for the
-    /// store is committed before this returns.
+    /// Refuses new requests from now on: `submit` answers [`RuntimeError::ShuttingDown`]
+    /// (503 `shutting_down`). Runs already admitted go on. Called at the shutdown signal,
+    /// before HTTP drains, so a request still in flight cannot start a run the shutdown would
+    /// then wait on. Idempotent.
+    pub fn stop_admitting(&self) {
+        self.inner.admitting_stopped.cancel();
+    }
+
+    /// Stops admitting requests and waits up to `grace` for the runs actively executing (those
+    /// holding an execution slot) to finish. A run parked on an approval holds no slot and is
+    /// not waited on: it stays `waiting_approval` in the store and resumes at the next start,
+    /// as do runs still going when the grace runs out (`running`) or still waiting for a slot
+    /// (`queued`). Everything queued for the store is committed before this returns.
     pub async fn shutdown(&self, grace: std::time::Duration) {
+        self.stop_admitting();
         self.inner.tasks.close();
+        let slots = self.inner.workspace.runtime.limits.max_concurrent_runs as usize;
         let idle = async {
-            loop {
-                let busy = self.inner.live.lock().map(|live| live.len()).unwrap_or(0);
-                if busy == 0 {
-                    break;
-                }
+            // A slot given back goes straight to a run waiting for one, so every slot free
+            // means nothing is executing and nothing is about to.
+            while self.inner.slots.available_permits() < slots {
                 tokio::time::sleep(std::time::Duration::from_millis(25)).await;
             }
         };

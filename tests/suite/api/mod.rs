@@ -5,6 +5,7 @@ pub mod upstream;
 
 mod admin;
 mod durability;
+mod errors;
 mod mcp;
 mod recovery;
 mod runtime_api;
@@ -79,6 +80,7 @@ impl TestApp {
             database_url: None,
             api_keys: client.iter().map(|k| (*k).into()).collect(),
             admin_keys: admin.iter().map(|k| (*k).into()).collect(),
+            insecure_open_surfaces: false,
         })
         .await
         .unwrap();

@@ -145,9 +145,9 @@ async fn bad_input_is_400_or_422_with_the_field_named() {
         ),
         (
             json!({ "input": { "messages": [{ "content": "no role" }] } }),
-            422,
-            "invalid_request",
-            json!("input.messages[0]"),
+            400,
+            "invalid_message",
+            json!("input.messages[0].role"),
         ),
     ];
     for (body, status, code, param) in cases {

@@ -217,7 +217,7 @@ async fn every_error_uses_the_envelope_with_code_and_param() {
         ("malformed JSON", Some(CLIENT_KEY), "{\"model\": ".into(), 400, "invalid_json", Value::Null),
         ("wrong type", Some(CLIENT_KEY), json!({ "model": 5, "messages": [] }).to_string(), 400, "invalid_request", json!("model")),
         ("client tools", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "hi" }], "tools": [{ "type": "function", "function": { "name": "x" } }] }).to_string(), 400, "tools_not_supported", json!("tools")),
-        ("bad role", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "wizard", "content": "hi" }] }).to_string(), 400, "invalid_request", json!("messages[0].role")),
+        ("bad role", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "wizard", "content": "hi" }] }).to_string(), 400, "invalid_message", json!("messages[0].role")),
         ("too large", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "x".repeat(4096) }] }).to_string(), 413, "body_too_large", Value::Null),
     ];
     for (name, key, body, status, code, param) in cases {
