@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{Map, Value, json};
 
-use super::sse::SseDecoder;
+use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, ToolSpec,
     Usage, backoff_delay, call_tools,
@@ -32,6 +32,16 @@ use crate::workspace::{ModelConfig, UpstreamUrl};
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// Largest non-streaming upstream body read.
 const MAX_BODY_BYTES: usize = 16 << 20;
+/// Most tool calls one streamed turn may hold: a fragment's `index` must be below it. The
+/// index sizes a vector, so an upstream must not choose it freely.
+pub const MAX_TOOL_CALLS_PER_TURN: usize = 128;
+/// Longest tool-call id accepted (providers send a few dozen characters).
+pub const MAX_TOOL_CALL_ID_BYTES: usize = 512;
+/// Longest function name accepted (OpenAI allows 64; ours are at most 64 too).
+pub const MAX_FUNCTION_NAME_BYTES: usize = 256;
+/// Most bytes of arguments all the tool calls of one streamed turn may hold together: one
+/// event's worth, so a turn never holds more than the decoder would.
+pub const MAX_TURN_ARGUMENT_BYTES: usize = MAX_EVENT_BYTES;
 
 #[derive(Debug, Clone)]
 pub struct OpenAiAdapter {
@@ -170,11 +180,18 @@ impl OpenAiAdapter {
         let mut output = RuntimeOutput::default();
         let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
+        let mut events = Vec::new();
         let mut body = response.bytes_stream();
         let fail = |error: AdapterError, delivered: bool| AttemptError {
             error,
             delivered_text: delivered,
             retry_after: None,
+        };
+        let malformed = |message: String, delivered: bool| {
+            fail(
+                AdapterError::new(FailureKind::Malformed, message),
+                delivered,
+            )
         };
         loop {
             let next = tokio::select! {
@@ -201,23 +218,23 @@ impl OpenAiAdapter {
                 }
                 Ok(Some(Ok(chunk))) => chunk,
             };
-            for data in decoder.feed(&chunk) {
+            // Events completed before a decoding error still count: one may be `[DONE]`.
+            events.clear();
+            let decoded = decoder.feed(&chunk, &mut events);
+            for data in &events {
                 if data.trim() == "[DONE]" {
                     return Ok(Turn {
                         output,
                         tool_calls: calls.finish(),
                     });
                 }
-                let parsed: Value = serde_json::from_str(&data).map_err(|_| {
+                let parsed: Value = serde_json::from_str(data).map_err(|_| {
                     let message = format!(
                         "upstream model `{}` sent a malformed stream chunk: {}",
                         model.id,
-                        excerpt(&data)
+                        excerpt(data)
                     );
-                    fail(
-                        AdapterError::new(FailureKind::Malformed, message),
-                        !output.text.is_empty(),
-                    )
+                    malformed(message, !output.text.is_empty())
                 })?;
                 if let Some(error) = parsed.get("error") {
                     let message = format!(
@@ -246,11 +263,18 @@ impl OpenAiAdapter {
                     .pointer("/delta/tool_calls")
                     .and_then(Value::as_array)
                 {
-                    calls.feed(fragments);
+                    calls.feed(fragments).map_err(|error| {
+                        let message = format!("upstream model `{}` sent {error}", model.id);
+                        malformed(message, !output.text.is_empty())
+                    })?;
                 }
                 if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
                     output.finish_reason = reason.to_owned();
                 }
+            }
+            if let Err(error) = decoded {
+                let message = format!("upstream model `{}` sent {error}", model.id);
+                return Err(malformed(message, !output.text.is_empty()));
             }
         }
     }
@@ -282,36 +306,96 @@ impl ModelToolCall {
     }
 }
 
-/// Tool-call fragments of a stream, assembled by their `index`.
+/// Tool-call fragments of a stream, assembled by their `index`, within the per-turn bounds
+/// (an upstream's numbers and lengths never size an allocation unchecked).
 #[derive(Default)]
 struct StreamedCalls {
     calls: Vec<ModelToolCall>,
+    argument_bytes: usize,
+}
+
+/// A tool-call fragment the turn cannot take; the attempt fails as malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum StreamedCallError {
+    #[error("a tool-call fragment that is not an object: {0}")]
+    NotAnObject(String),
+    #[error("a tool-call `index` that is not a non-negative integer: {0}")]
+    BadIndex(String),
+    #[error(
+        "a tool-call `index` of {0}; at most {MAX_TOOL_CALLS_PER_TURN} tool calls per turn are accepted"
+    )]
+    IndexTooLarge(String),
+    #[error("more than {MAX_TOOL_CALLS_PER_TURN} tool calls in one turn")]
+    TooManyCalls,
+    #[error("a tool-call {field} longer than {limit} bytes")]
+    FieldTooLong { field: &'static str, limit: usize },
+    #[error("tool-call arguments longer than {MAX_TURN_ARGUMENT_BYTES} bytes in one turn")]
+    ArgumentsTooLong,
 }
 
 impl StreamedCalls {
-    fn feed(&mut self, fragments: &[Value]) {
+    fn feed(&mut self, fragments: &[Value]) -> Result<(), StreamedCallError> {
         for fragment in fragments {
-            let index = fragment
-                .get("index")
-                .and_then(Value::as_u64)
-                .unwrap_or(self.calls.len() as u64) as usize;
-            if index >= self.calls.len() {
-                self.calls.resize_with(index + 1, ModelToolCall::default);
+            if !fragment.is_object() {
+                return Err(StreamedCallError::NotAnObject(excerpt(
+                    &fragment.to_string(),
+                )));
             }
-            let call = &mut self.calls[index];
+            let index = self.slot(fragment.get("index"))?;
+            let Some(call) = self.calls.get_mut(index) else {
+                return Err(StreamedCallError::TooManyCalls);
+            };
             if let Some(id) = fragment.get("id").and_then(Value::as_str) {
-                call.id.push_str(id);
+                append_bounded(&mut call.id, id, "id", MAX_TOOL_CALL_ID_BYTES)?;
             }
             if let Some(name) = fragment.pointer("/function/name").and_then(Value::as_str) {
-                call.name.push_str(name);
+                append_bounded(&mut call.name, name, "name", MAX_FUNCTION_NAME_BYTES)?;
             }
             if let Some(arguments) = fragment
                 .pointer("/function/arguments")
                 .and_then(Value::as_str)
             {
+                self.argument_bytes = self.argument_bytes.saturating_add(arguments.len());
+                if self.argument_bytes > MAX_TURN_ARGUMENT_BYTES {
+                    return Err(StreamedCallError::ArgumentsTooLong);
+                }
                 call.arguments.push_str(arguments);
             }
         }
+        Ok(())
+    }
+
+    /// The position of the call a fragment continues: its `index`, or a new call when it has
+    /// none. The call exists once this returns.
+    fn slot(&mut self, index: Option<&Value>) -> Result<usize, StreamedCallError> {
+        let index = match index {
+            None | Some(Value::Null) => {
+                if self.calls.len() >= MAX_TOOL_CALLS_PER_TURN {
+                    return Err(StreamedCallError::TooManyCalls);
+                }
+                self.calls.len()
+            }
+            Some(value) => {
+                let Some(index) = value.as_u64() else {
+                    // A number too large for u64 is still a number: say so, not "not an integer".
+                    return Err(
+                        if value.as_f64().is_some_and(|n| n >= 0.0 && n.fract() == 0.0) {
+                            StreamedCallError::IndexTooLarge(excerpt(&value.to_string()))
+                        } else {
+                            StreamedCallError::BadIndex(excerpt(&value.to_string()))
+                        },
+                    );
+                };
+                match usize::try_from(index) {
+                    Ok(index) if index < MAX_TOOL_CALLS_PER_TURN => index,
+                    _ => return Err(StreamedCallError::IndexTooLarge(index.to_string())),
+                }
+            }
+        };
+        if index >= self.calls.len() {
+            self.calls.resize_with(index + 1, ModelToolCall::default);
+        }
+        Ok(index)
     }
 
     fn finish(self) -> Vec<ModelToolCall> {
@@ -320,6 +404,20 @@ impl StreamedCalls {
             .filter(|call| !call.name.is_empty())
             .collect()
     }
+}
+
+/// Appends a fragment of a call's `field`, refusing to grow it past `limit` bytes.
+fn append_bounded(
+    target: &mut String,
+    fragment: &str,
+    field: &'static str,
+    limit: usize,
+) -> Result<(), StreamedCallError> {
+    if target.len().saturating_add(fragment.len()) > limit {
+        return Err(StreamedCallError::FieldTooLong { field, limit });
+    }
+    target.push_str(fragment);
+    Ok(())
 }
 
 /// Tool ids <-> OpenAI function names (`[a-zA-Z0-9_-]`, at most 64 characters). Names are
@@ -779,4 +877,195 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
         .ok()
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map(Duration::from_secs_f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::{
+        MAX_FUNCTION_NAME_BYTES, MAX_TOOL_CALLS_PER_TURN, MAX_TURN_ARGUMENT_BYTES,
+        StreamedCallError, StreamedCalls,
+    };
+
+    fn feed(fragments: Value) -> Result<StreamedCalls, StreamedCallError> {
+        let mut calls = StreamedCalls::default();
+        calls.feed(fragments.as_array().map_or(&[][..], Vec::as_slice))?;
+        Ok(calls)
+    }
+
+    #[test]
+    fn fragments_assemble_by_index() {
+        let calls = feed(json!([
+            { "index": 1, "id": "b", "function": { "name": "two", "arguments": "{\"x\"" } },
+            { "index": 0, "id": "a", "function": { "name": "one", "arguments": "{}" } },
+            { "index": 1, "function": { "arguments": ":1}" } },
+            { "index": null, "id": "c", "function": { "name": "three" } },
+        ]))
+        .unwrap()
+        .finish();
+        let got: Vec<(&str, &str, &str)> = calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a", "one", "{}"),
+                ("b", "two", "{\"x\":1}"),
+                ("c", "three", "")
+            ]
+        );
+    }
+
+    #[test]
+    fn hostile_fragments_are_refused_without_allocating() {
+        let cases = [
+            (
+                json!([{ "index": 4_000_000_000u64 }]),
+                "`index` of 4000000000",
+            ),
+            (
+                json!([{ "index": u64::MAX }]),
+                "`index` of 18446744073709551615",
+            ),
+            (json!([{ "index": 1e300 }]), "`index` of 1e+300"),
+            (
+                json!([{ "index": MAX_TOOL_CALLS_PER_TURN }]),
+                "at most 128 tool calls",
+            ),
+            (json!([{ "index": -1 }]), "not a non-negative integer: -1"),
+            (json!([{ "index": "0" }]), "not a non-negative integer"),
+            (json!([{ "index": 0.5 }]), "not a non-negative integer: 0.5"),
+            (json!(["call"]), "not an object"),
+            (
+                json!([{ "index": 0, "function": { "name": "n".repeat(MAX_FUNCTION_NAME_BYTES + 1) } }]),
+                "tool-call name longer than 256 bytes",
+            ),
+            (
+                json!([{ "index": 0, "id": "i".repeat(513) }]),
+                "tool-call id longer than 512 bytes",
+            ),
+        ];
+        for (fragments, expected) in cases {
+            let error = feed(fragments.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{fragments} was accepted"));
+            assert!(error.to_string().contains(expected), "{fragments}: {error}");
+        }
+        // Calls without an index each open a new call, up to the bound.
+        let many = Value::Array(vec![json!({ "id": "x" }); MAX_TOOL_CALLS_PER_TURN + 1]);
+        assert_eq!(feed(many).err(), Some(StreamedCallError::TooManyCalls));
+        // Arguments are bounded over the whole turn, not per fragment.
+        let half = "a".repeat(MAX_TURN_ARGUMENT_BYTES / 2 + 1);
+        let error = feed(json!([
+            { "index": 0, "function": { "arguments": half } },
+            { "index": 1, "function": { "arguments": half } },
+        ]))
+        .err();
+        assert_eq!(error, Some(StreamedCallError::ArgumentsTooLong));
+    }
+
+    /// Cases per property: few by default so `cargo test` stays fast; `PROPTEST_CASES` sets it.
+    fn config() -> ProptestConfig {
+        let mut config = ProptestConfig::default();
+        if std::env::var_os("PROPTEST_CASES").is_none() {
+            config.cases = 256;
+        }
+        config
+    }
+
+    /// Any JSON value, nested a few levels, with the numbers an upstream could send.
+    fn junk() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            ".{0,40}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::btree_map(
+                    prop_oneof![
+                        Just("index".to_owned()),
+                        Just("id".to_owned()),
+                        Just("function".to_owned()),
+                        Just("name".to_owned()),
+                        Just("arguments".to_owned()),
+                        "[a-z]{1,8}",
+                    ],
+                    inner,
+                    0..6,
+                )
+                .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// A fragment shaped like a real one, with hostile values in any field.
+    fn fragment() -> impl Strategy<Value = Value> {
+        let index = prop_oneof![
+            4 => (0u64..200).prop_map(Value::from),
+            1 => any::<u64>().prop_map(Value::from),
+            1 => any::<i64>().prop_map(Value::from),
+            1 => any::<f64>().prop_map(Value::from),
+            1 => junk(),
+        ];
+        let text = prop_oneof![".{0,24}".prop_map(Value::String), junk()];
+        (
+            proptest::option::of(index),
+            proptest::option::of(text.clone()),
+            proptest::option::of(text.clone()),
+            proptest::option::of(text),
+        )
+            .prop_map(|(index, id, name, arguments)| {
+                let mut fragment = serde_json::Map::new();
+                if let Some(index) = index {
+                    fragment.insert("index".into(), index);
+                }
+                if let Some(id) = id {
+                    fragment.insert("id".into(), id);
+                }
+                let mut function = serde_json::Map::new();
+                if let Some(name) = name {
+                    function.insert("name".into(), name);
+                }
+                if let Some(arguments) = arguments {
+                    function.insert("arguments".into(), arguments);
+                }
+                fragment.insert("function".into(), Value::Object(function));
+                Value::Object(fragment)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Whatever the chunks hold, feeding them never panics, and an accepted turn stays
+        /// within every bound.
+        #[test]
+        fn any_chunks_stay_bounded(
+            chunks in proptest::collection::vec(
+                proptest::collection::vec(prop_oneof![3 => fragment(), 1 => junk()], 0..8),
+                0..8,
+            )
+        ) {
+            let mut calls = StreamedCalls::default();
+            for chunk in &chunks {
+                if calls.feed(chunk).is_err() {
+                    break;
+                }
+                prop_assert!(calls.calls.len() <= MAX_TOOL_CALLS_PER_TURN);
+                prop_assert!(calls.argument_bytes <= MAX_TURN_ARGUMENT_BYTES);
+                let arguments: usize = calls.calls.iter().map(|c| c.arguments.len()).sum();
+                prop_assert_eq!(arguments, calls.argument_bytes);
+                prop_assert!(calls.calls.iter().all(|c| c.name.len() <= MAX_FUNCTION_NAME_BYTES));
+            }
+            let _ = calls.finish();
+        }
+    }
 }

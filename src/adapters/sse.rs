@@ -1,75 +1,349 @@
-//! A minimal incremental Server-Sent Events decoder for upstream Chat Completions streams:
-//! bytes in, the `data` of each complete event out.
+//! The incremental Server-Sent Events decoder for upstream Chat Completions streams: bytes in,
+//! the `data` of each complete event out, in one pass and within a fixed memory bound.
+//!
+//! It follows the WHATWG event-stream rules that matter for a client that only wants `data`:
+//! lines end with `\n`, `\r\n` or a bare `\r` (a `\r\n` split across two reads is one line
+//! end); a blank line dispatches the event; `:` starts a comment; a field without `:` has an
+//! empty value; one space after the colon is dropped; `data` lines are joined with `\n`; an
+//! event with no `data` line dispatches nothing; one leading byte-order mark is ignored. Other
+//! fields (`event`, `id`, `retry`) are skipped: Chat Completions streams carry everything in
+//! `data`. Bytes are decoded as UTF-8 per event with replacement, so where a read splits a
+//! character never changes the result.
+//!
+//! Why not a crate: `eventsource-stream` and `sse-stream` (both already in the lock file through
+//! other dependencies) buffer a line or an event without any bound and cannot be told one, and
+//! bounding them from outside would mean finding the blank lines ourselves, which is the whole
+//! job. `eventsource-stream` also re-parses a partial line from its start on every read.
+//!
+//! Linear: every byte is looked at once. The decoder keeps only the current line and the
+//! current event's data; once the bytes read since the last blank line pass
+//! [`MAX_EVENT_BYTES`], [`SseDecoder::feed`] fails with [`SseError::EventTooLarge`] and the
+//! decoder stays failed (it holds nothing more).
 
-/// Accumulates bytes and yields complete events' data (multi-line data joined with `\n`).
-#[derive(Debug, Default)]
+/// Largest event accepted, counting every byte since the previous blank line (its lines,
+/// comments and line ends, a `\r\n` as one). A hostile or broken upstream that never ends an event is refused
+/// here instead of growing a buffer without end.
+pub const MAX_EVENT_BYTES: usize = 8 << 20;
+
+/// The UTF-8 byte-order mark, ignored once at the start of a stream.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Why a stream cannot be decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SseError {
+    /// The upstream sent more than `limit` bytes without ending the event with a blank line.
+    #[error("an SSE event larger than {limit} bytes")]
+    EventTooLarge { limit: usize },
+}
+
+/// Decodes an SSE byte stream read in arbitrary pieces into the `data` of its events.
+#[derive(Debug)]
 pub struct SseDecoder {
-    buffer: Vec<u8>,
+    limit: usize,
+    /// The current, unfinished line.
+    line: Vec<u8>,
+    /// The current event's `data` lines, each followed by `\n`; `None` before its first.
+    data: Option<Vec<u8>>,
+    /// Bytes read since the last blank line, including the ones still in `line` (a line end
+    /// counts as one).
+    event_bytes: usize,
+    /// The last byte read was a `\r`: a `\n` right after it ends no further line.
+    after_cr: bool,
+    /// No line has ended yet: the first one may start with a byte-order mark.
+    first_line: bool,
+    failed: Option<SseError>,
+}
+
+impl Default for SseDecoder {
+    fn default() -> Self {
+        Self::with_limit(MAX_EVENT_BYTES)
+    }
 }
 
 impl SseDecoder {
-    /// Adds `bytes` and returns the data of every event they complete.
-    pub fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buffer.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some((end, separator)) = find_event_end(&self.buffer) {
-            let block: Vec<u8> = self.buffer.drain(..end + separator).collect();
-            let block = String::from_utf8_lossy(&block[..end]);
-            let mut data: Option<String> = None;
-            for line in block.split('\n') {
-                let line = line.strip_suffix('\r').unwrap_or(line);
-                if let Some(value) = line.strip_prefix("data:") {
-                    let value = value.strip_prefix(' ').unwrap_or(value);
-                    match &mut data {
-                        Some(existing) => {
-                            existing.push('\n');
-                            existing.push_str(value);
+    /// A decoder refusing events larger than `limit` bytes.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            limit,
+            line: Vec::new(),
+            data: None,
+            event_bytes: 0,
+            after_cr: false,
+            first_line: true,
+            failed: None,
+        }
+    }
+
+    /// Reads `bytes`, appending the data of every event they complete to `events`. Events
+    /// completed before an error are still appended; after an error the decoder stays failed.
+    pub fn feed(&mut self, mut bytes: &[u8], events: &mut Vec<String>) -> Result<(), SseError> {
+        if let Some(error) = self.failed {
+            return Err(error);
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        if std::mem::replace(&mut self.after_cr, false) && bytes[0] == b'\n' {
+            bytes = &bytes[1..];
+        }
+        while !bytes.is_empty() {
+            match bytes.iter().position(|b| *b == b'\n' || *b == b'\r') {
+                None => {
+                    self.count(bytes.len())?;
+                    self.line.extend_from_slice(bytes);
+                    return Ok(());
+                }
+                Some(end) => {
+                    let terminator = match (bytes[end], bytes.get(end + 1)) {
+                        (b'\r', Some(b'\n')) => 2,
+                        (b'\r', None) => {
+                            // A `\n` may follow in the next read: it belongs to this line end.
+                            self.after_cr = true;
+                            1
                         }
-                        None => data = Some(value.to_owned()),
-                    }
+                        _ => 1,
+                    };
+                    // A line end counts as one byte whatever its form, so that the count
+                    // (and where the limit strikes) never depends on how reads were cut.
+                    self.count(end + 1)?;
+                    self.line.extend_from_slice(&bytes[..end]);
+                    self.end_line(events);
+                    bytes = &bytes[end + terminator..];
                 }
             }
-            if let Some(data) = data {
-                events.push(data);
-            }
         }
-        events
+        Ok(())
+    }
+
+    /// Bytes held right now (the current line and event data): never more than the limit.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.line.len() + self.data.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Counts `bytes` more into the current event, failing once it passes the limit.
+    fn count(&mut self, bytes: usize) -> Result<(), SseError> {
+        self.event_bytes = self.event_bytes.saturating_add(bytes);
+        if self.event_bytes > self.limit {
+            let error = SseError::EventTooLarge { limit: self.limit };
+            self.failed = Some(error);
+            self.line = Vec::new();
+            self.data = None;
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    /// Interprets the line just completed (held in `self.line`).
+    fn end_line(&mut self, events: &mut Vec<String>) {
+        let mut line = std::mem::take(&mut self.line);
+        if std::mem::replace(&mut self.first_line, false) && line.starts_with(BOM) {
+            line.drain(..BOM.len());
+        }
+        if line.is_empty() {
+            self.event_bytes = 0;
+            if let Some(mut data) = self.data.take() {
+                data.pop(); // the `\n` after the last data line
+                events.push(String::from_utf8_lossy(&data).into_owned());
+            }
+        } else if let Some(value) = data_value(&line) {
+            let data = self.data.get_or_insert_with(Vec::new);
+            data.extend_from_slice(value);
+            data.push(b'\n');
+        }
+        // Keep the allocation for the next line.
+        line.clear();
+        self.line = line;
     }
 }
 
-/// Position and length of the first blank-line separator (`\n\n` or `\r\n\r\n`).
-fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
-    let mut index = 0;
-    while index + 1 < buffer.len() {
-        if buffer[index] == b'\n' {
-            if buffer[index + 1] == b'\n' {
-                return Some((index, 2));
-            }
-            if buffer[index + 1] == b'\r' && buffer.get(index + 2) == Some(&b'\n') {
-                return Some((index, 3));
-            }
-        }
-        index += 1;
+/// The value of a `data` field line; `None` for comments and other fields.
+fn data_value(line: &[u8]) -> Option<&[u8]> {
+    let (name, value) = match line.iter().position(|b| *b == b':') {
+        Some(0) => return None,
+        Some(colon) => (&line[..colon], &line[colon + 1..]),
+        None => (line, &line[line.len()..]),
+    };
+    if name != b"data" {
+        return None;
     }
-    None
+    Some(value.strip_prefix(b" ").unwrap_or(value))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::SseDecoder;
+    use proptest::prelude::*;
+
+    use super::{SseDecoder, SseError};
+
+    fn decode_all(decoder: &mut SseDecoder, bytes: &[u8]) -> (Vec<String>, Result<(), SseError>) {
+        let mut events = Vec::new();
+        let result = decoder.feed(bytes, &mut events);
+        (events, result)
+    }
 
     #[test]
     fn decodes_split_events_and_crlf() {
         let mut decoder = SseDecoder::default();
-        assert!(decoder.feed(b"data: {\"a\"").is_empty());
-        assert_eq!(
-            decoder.feed(b":1}\n\n: keep-alive\n\ndata: [DONE]\r\n\r\n"),
-            vec!["{\"a\":1}", "[DONE]"]
+        let mut events = Vec::new();
+        decoder.feed(b"data: {\"a\"", &mut events).unwrap();
+        assert!(events.is_empty());
+        decoder
+            .feed(b":1}\n\n: keep-alive\n\ndata: [DONE]\r\n\r\n", &mut events)
+            .unwrap();
+        assert_eq!(events, vec!["{\"a\":1}", "[DONE]"]);
+        events.clear();
+        decoder
+            .feed(b"event: x\ndata: one\ndata: two\n\n", &mut events)
+            .unwrap();
+        assert_eq!(events, vec!["one\ntwo"]);
+        assert_eq!(decoder.held(), 0);
+    }
+
+    #[test]
+    fn follows_the_event_stream_rules() {
+        let cases: &[(&[u8], &[&str])] = &[
+            // Bare `\r` line ends, and a `\r\n` is one line end, not two.
+            (b"data: a\rdata: b\r\rdata: c\r\n\r\n", &["a\nb", "c"]),
+            // Only one space after the colon is dropped; no colon means an empty value.
+            (
+                b"data:  two spaces\n\ndata\n\ndata:\n\n",
+                &[" two spaces", "", ""],
+            ),
+            // Comments, other fields and fields that merely start with `data` carry nothing.
+            (b": hi\nevent: e\nid: 1\nretry: 5\ndatax: no\n\n", &[]),
+            // A leading byte-order mark is ignored once.
+            (
+                b"\xEF\xBB\xBFdata: first\n\n\xEF\xBB\xBFdata: x\n\n",
+                &["first"],
+            ),
+            // Invalid UTF-8 is replaced, never an error.
+            (b"data: \xFF\n\n", &["\u{FFFD}"]),
+            // An event without its blank line is not dispatched.
+            (b"data: unfinished\n", &[]),
+        ];
+        for (input, expected) in cases {
+            let (events, result) = decode_all(&mut SseDecoder::default(), input);
+            assert_eq!(result, Ok(()));
+            assert_eq!(&events, expected, "{:?}", String::from_utf8_lossy(input));
+        }
+    }
+
+    #[test]
+    fn a_crlf_split_between_reads_is_one_line_end() {
+        let mut decoder = SseDecoder::default();
+        let mut events = Vec::new();
+        decoder.feed(b"data: a\r", &mut events).unwrap();
+        decoder.feed(b"", &mut events).unwrap();
+        decoder.feed(b"\n", &mut events).unwrap();
+        assert!(events.is_empty(), "{events:?}");
+        decoder.feed(b"\r", &mut events).unwrap();
+        assert_eq!(events, vec!["a"]);
+    }
+
+    #[test]
+    fn an_event_past_the_limit_fails_and_stays_failed() {
+        let mut decoder = SseDecoder::with_limit(16);
+        let mut events = Vec::new();
+        // Events before the error in the same read are kept.
+        let result = decoder.feed(b"data: ok\n\ndata: 0123456789abcdef", &mut events);
+        assert_eq!(result, Err(SseError::EventTooLarge { limit: 16 }));
+        assert_eq!(events, vec!["ok"]);
+        assert_eq!(decoder.held(), 0);
+        assert!(decoder.feed(b"\n\n", &mut events).is_err());
+        // Comment lines without a blank line count too: the limit is per event, not per line.
+        let mut decoder = SseDecoder::with_limit(16);
+        assert!(
+            decoder
+                .feed(b": ping\n: ping\n: ping\n", &mut events)
+                .is_err()
         );
-        assert_eq!(
-            decoder.feed(b"event: x\ndata: one\ndata: two\n\n"),
-            vec!["one\ntwo"]
-        );
-        assert!(decoder.buffer.is_empty());
+        // A blank line resets the count.
+        let mut decoder = SseDecoder::with_limit(16);
+        for _ in 0..10 {
+            decoder.feed(b"data: 0123456\n\n", &mut events).unwrap();
+        }
+    }
+
+    #[test]
+    fn error_message_names_the_limit() {
+        let error = SseError::EventTooLarge { limit: 8 << 20 };
+        assert_eq!(error.to_string(), "an SSE event larger than 8388608 bytes");
+    }
+
+    /// Cases per property: few by default so `cargo test` stays fast; `PROPTEST_CASES` sets it.
+    fn config() -> ProptestConfig {
+        let mut config = ProptestConfig::default();
+        if std::env::var_os("PROPTEST_CASES").is_none() {
+            config.cases = 256;
+        }
+        config
+    }
+
+    /// Bytes that look like an event stream more often than random bytes would.
+    fn stream_bytes() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            Just(b"data: ".to_vec()),
+            Just(b"data:".to_vec()),
+            Just(b": comment".to_vec()),
+            Just(b"event: x".to_vec()),
+            Just(b"\n".to_vec()),
+            Just(b"\r".to_vec()),
+            Just(b"\r\n".to_vec()),
+            Just(b"\n\n".to_vec()),
+            Just(b"[DONE]".to_vec()),
+            Just(b"\xEF\xBB\xBF".to_vec()),
+            Just("é€😀".as_bytes().to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..48),
+        ];
+        proptest::collection::vec(piece, 0..64).prop_map(|pieces| pieces.concat())
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Whatever the bytes and however they are cut, `feed` never panics, never holds more
+        /// than its limit, and yields the same events (and the same error) as one single read.
+        #[test]
+        fn any_split_decodes_the_same(
+            bytes in prop_oneof![stream_bytes(), proptest::collection::vec(any::<u8>(), 0..512)],
+            cuts in proptest::collection::vec(
+                (any::<prop::sample::Index>(), any::<bool>(), any::<bool>()),
+                0..12,
+            ),
+            limit in prop_oneof![Just(super::MAX_EVENT_BYTES), 1usize..96],
+        ) {
+            let (whole, whole_result) = decode_all(&mut SseDecoder::with_limit(limit), &bytes);
+
+            // Half the cuts fall right after a `\r` (the one place where a cut changes what a
+            // byte means); each cut may also bring an empty read, as a body stream can.
+            let after_cr: Vec<usize> =
+                (0..bytes.len()).filter(|i| bytes[*i] == b'\r').map(|i| i + 1).collect();
+            let mut cuts: Vec<(usize, bool)> = cuts
+                .iter()
+                .map(|(i, at_cr, empty)| match (at_cr, after_cr.is_empty()) {
+                    (true, false) => (after_cr[i.index(after_cr.len())], *empty),
+                    _ => (i.index(bytes.len() + 1), *empty),
+                })
+                .collect();
+            cuts.sort_unstable();
+            let mut decoder = SseDecoder::with_limit(limit);
+            let mut pieces = Vec::new();
+            let mut result = Ok(());
+            let mut start = 0;
+            for (end, empty) in cuts.into_iter().chain([(bytes.len(), false)]) {
+                result = decoder.feed(&bytes[start..end], &mut pieces);
+                if empty && result.is_ok() {
+                    result = decoder.feed(&[], &mut pieces);
+                }
+                prop_assert!(decoder.held() <= limit);
+                if result.is_err() {
+                    break;
+                }
+                start = end;
+            }
+            prop_assert_eq!(&pieces, &whole);
+            prop_assert_eq!(result, whole_result);
+        }
     }
 }

@@ -8,4 +8,6 @@ mod helpers;
 
 mod api;
 mod cli;
+mod fuzz;
+mod hostile_upstream;
 mod workspace_checks;

@@ -1,8 +1,10 @@
 //! A real OpenAI-compatible upstream on loopback for tests and benchmarks: it speaks Chat
 //! Completions (JSON and SSE), plays scripted replies in order, can be told to fail, stall,
-//! cut a stream or send garbage, and records every call it received.
+//! cut a stream or send garbage (raw SSE of a test's choosing, an event that never ends), and
+//! records every call it received.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,12 @@ pub enum Reply {
     /// A turn that calls tools: (function name, arguments as the JSON text a model sends).
     /// Streamed as fragments (the arguments cut in two), as OpenAI does.
     ToolCalls(Vec<(String, String)>),
+    /// A stream of exactly these parts, whatever they hold (a hostile or broken upstream).
+    Raw(Vec<String>),
+    /// One `data:` line that never ends: 64 KiB pieces with no line break until `max_bytes`
+    /// were sent or the client hung up, then the connection drops.
+    /// [`MockUpstream::endless_bytes_sent`] tells how far it got.
+    EndlessEvent { max_bytes: usize },
 }
 
 impl Reply {
@@ -55,6 +63,7 @@ struct MockState {
     script: Mutex<VecDeque<Reply>>,
     fallback: Mutex<Reply>,
     calls: Mutex<Vec<Call>>,
+    endless_sent: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, Clone)]
@@ -71,6 +80,7 @@ impl MockUpstream {
             script: Mutex::new(VecDeque::new()),
             fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
             calls: Mutex::new(Vec::new()),
+            endless_sent: Arc::new(AtomicUsize::new(0)),
         });
         let app = axum::Router::new()
             .route("/v1/chat/completions", post(chat_completions))
@@ -95,6 +105,11 @@ impl MockUpstream {
 
     pub fn calls(&self) -> Vec<Call> {
         self.state.calls.lock().unwrap().clone()
+    }
+
+    /// Bytes handed to the connection by `Reply::EndlessEvent` replies so far.
+    pub fn endless_bytes_sent(&self) -> usize {
+        self.state.endless_sent.load(Ordering::SeqCst)
     }
 }
 
@@ -145,6 +160,8 @@ async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> R
             ],
             Duration::ZERO,
         ),
+        Reply::Raw(parts) => sse(parts.into_iter().map(Ok).collect(), Duration::ZERO),
+        Reply::EndlessEvent { max_bytes } => endless_event(max_bytes, &state.endless_sent),
         Reply::CutAfter(text) => {
             let mut parts: Vec<Result<String, std::io::Error>> = words(&text)
                 .into_iter()
@@ -235,6 +252,35 @@ fn tool_calls(model: &str, calls: &[(String, String)], stream: bool) -> Response
     parts.push(Ok(chunk(model, json!({}), Some("tool_calls"))));
     parts.push(Ok("data: [DONE]\n\n".into()));
     sse(parts, Duration::ZERO)
+}
+
+fn endless_event(max_bytes: usize, sent: &Arc<AtomicUsize>) -> Response {
+    const PIECE: usize = 64 << 10;
+    let sent = Arc::clone(sent);
+    let mut first = true;
+    let mut left = max_bytes;
+    // Produced one piece per poll: a client that stops reading stops the production (hyper
+    // polls the body only as the connection drains), and a dropped connection drops it.
+    let stream = futures::stream::poll_fn(move |_| {
+        if left == 0 {
+            return std::task::Poll::Ready(Some(Err(std::io::Error::other(
+                "the endless event reached its end",
+            ))));
+        }
+        let mut piece = if std::mem::take(&mut first) {
+            b"data: ".to_vec()
+        } else {
+            Vec::new()
+        };
+        piece.resize(PIECE.min(left), b'x');
+        left -= piece.len();
+        sent.fetch_add(piece.len(), Ordering::SeqCst);
+        std::task::Poll::Ready(Some(Ok::<_, std::io::Error>(Bytes::from(piece))))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
 }
 
 fn sse(parts: Vec<Result<String, std::io::Error>>, pause: Duration) -> Response {
