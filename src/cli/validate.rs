@@ -75,7 +75,7 @@ pub fn summary(name: &str, workspace: &CompiledWorkspace) -> String {
     }
     for tool in workspace.tools.values() {
         let detail = match &tool.implementation {
-            ToolImplementation::Mcp { server, tool } => format!("mcp {server}/{tool}"),
+            ToolImplementation::Mcp { server, tool, .. } => format!("mcp {server}/{tool}"),
             other => other.kind().to_owned(),
         };
         lines.push(format!(

@@ -276,6 +276,7 @@ fn subagent_tools(workspace: &CompiledWorkspace) -> BTreeMap<String, ToolConfig>
                 risk: crate::workspace::Risk::Low,
                 labels: agent.labels.clone(),
                 timeout: agent.timeout + Duration::from_secs(5),
+                on_interrupted: crate::workspace::InterruptedAction::Rerun,
                 implementation: crate::workspace::ToolImplementation::Subagent(agent.name.clone()),
             };
             (id, tool)
@@ -388,6 +389,8 @@ impl ToolGateway {
                 PolicyInput {
                     agent,
                     tool,
+                    runtime_labels: &self.workspace.runtime.labels,
+                    key_labels: &BTreeMap::new(),
                     metadata,
                 },
             )
@@ -456,6 +459,8 @@ impl ToolGateway {
             PolicyInput {
                 agent: scope.agent,
                 tool,
+                runtime_labels: &self.workspace.runtime.labels,
+                key_labels: &BTreeMap::new(),
                 metadata: &scope.metadata,
             },
         );

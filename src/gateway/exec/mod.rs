@@ -82,9 +82,9 @@ pub(super) async fn run(
             )
             .await
         }
-        ToolImplementation::Mcp { server, tool: name } => {
-            context.mcp.call(server, name, arguments).await
-        }
+        ToolImplementation::Mcp {
+            server, tool: name, ..
+        } => context.mcp.call(server, name, arguments).await,
         ToolImplementation::Subagent(name) => {
             let input = arguments
                 .get("input")
