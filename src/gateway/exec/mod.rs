@@ -83,8 +83,15 @@ pub(super) async fn run(
             .await
         }
         ToolImplementation::Mcp {
-            server, tool: name, ..
-        } => context.mcp.call(server, name, arguments).await,
+            server,
+            tool: name,
+            max_output_bytes,
+        } => {
+            context
+                .mcp
+                .call(server, name, *max_output_bytes, arguments)
+                .await
+        }
         ToolImplementation::Subagent(name) => {
             let input = arguments
                 .get("input")
