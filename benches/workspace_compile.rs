@@ -74,10 +74,15 @@ fn generate(root: &Path) {
         write(
             &format!("config/agents/agent-{i}.yaml"),
             &format!(
-                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata:\n  name: agent-{i}\n  labels: {{ team: t{} }}\nspec:\n  description: Generated agent {i}.\n  backend: openai\n  model: main\n  instructions: |\n    You are generated agent {i}. Use your tools carefully.\n  tools: [{}]\n  subagents: [agent-{}]\n  maxIterations: 8\n  timeout: 120s\n  backendConfig: {{ temperature: 0.2 }}\n",
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata:\n  name: agent-{i}\n  labels: {{ team: t{} }}\nspec:\n  description: Generated agent {i}.\n  backend: openai\n  model: main\n  instructions: |\n    You are generated agent {i}. Use your tools carefully.\n  tools: [{}]\n  subagents: [{}]\n  maxIterations: 8\n  timeout: 120s\n  backendConfig: {{ temperature: 0.2 }}\n",
                 i % 10,
                 picked.join(", "),
-                (i + 1) % AGENTS
+                // A chain, not a ring: delegation cycles are compile errors.
+                if i + 1 < AGENTS {
+                    format!("agent-{}", i + 1)
+                } else {
+                    String::new()
+                }
             ),
         );
     }

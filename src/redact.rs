@@ -134,7 +134,7 @@ impl Redactor {
         names.dedup();
         Self::new(
             names,
-            Vec::new(), /* MERGE-A: governance.redact_patterns */
+            workspace.runtime.governance.redact_patterns.clone(),
         )
     }
 

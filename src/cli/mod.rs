@@ -119,7 +119,7 @@ pub struct ValidateArgs {
     /// Workspace folder.
     #[arg(short = 'w', long = "workspace", default_value = ".")]
     pub workspace: PathBuf,
-    /// Print the diagnostics as a JSON array (empty when the workspace is valid).
+    /// Print JSON: the diagnostics as an array, or the inventory when the workspace is valid.
     #[arg(long)]
     pub json: bool,
 }

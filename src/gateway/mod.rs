@@ -415,6 +415,8 @@ impl ToolGateway {
                 PolicyInput {
                     agent,
                     tool,
+                    runtime_labels: &self.workspace.runtime.labels,
+                    key_labels: &BTreeMap::new(),
                     metadata,
                 },
             )
@@ -486,6 +488,8 @@ impl ToolGateway {
             PolicyInput {
                 agent: scope.agent,
                 tool,
+                runtime_labels: &self.workspace.runtime.labels,
+                key_labels: &BTreeMap::new(),
                 metadata: &scope.metadata,
             },
         );

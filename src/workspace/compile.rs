@@ -1,9 +1,13 @@
 //! Compilation: raw documents -> [`CompiledWorkspace`]. Every check of SPEC section 3 lives
 //! here: one Runtime, unique and well-formed names, resolved references, files that exist and
-//! stay inside the workspace, durations and sizes, JSON Schemas, backend-specific fields and
-//! tool implementations. Checks never stop early; each problem becomes one diagnostic.
+//! stay inside the workspace, durations (at most 30 days) and sizes, JSON Schemas,
+//! backend-specific fields and tool implementations. So do the checks that keep trust honest:
+//! a field this build parses but does not enforce is rejected ("not supported yet"), a rule
+//! on client-supplied metadata may only tighten, delegation cycles are errors, redaction
+//! patterns compile, and named keys have one identity each. Checks never stop early; each
+//! problem becomes one diagnostic.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +17,9 @@ use super::located::Located;
 use super::model::*;
 use super::raw::{self, API_VERSION, ByteSizeText, DurationText};
 use super::source::{Document, Documents, Origin};
-use super::units::{is_valid_env_var, is_valid_name, parse_byte_size, parse_duration};
+use super::units::{
+    MAX_DURATION, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
+};
 
 /// Compiles the documents read from `root`; `None` when any diagnostic was reported.
 pub fn compile(
@@ -36,6 +42,7 @@ pub fn compile(
     let tools = compiler.tools(&documents, &inventory);
     let runtime = compiler.runtime(&documents, &inventory);
     let agents = compiler.agents(&documents, &inventory, &tools, &models);
+    compiler.delegation_cycles(&documents);
     let workflows = compiler.workflows(&documents, &inventory);
     if compiler.diagnostics.len() > before {
         return None;
@@ -235,6 +242,16 @@ impl Compiler<'_> {
         false
     }
 
+    /// A field that parses but that this build does not enforce yet: accepting it silently
+    /// would promise behaviour that does not exist, so it is an error at its position.
+    fn not_supported<T>(&mut self, origin: &Origin, at: &Located<T>, field: &str, hint: &str) {
+        self.report(
+            origin
+                .at(at, format!("`{field}` is not supported yet"))
+                .with_hint(hint.to_owned()),
+        );
+    }
+
     fn duration(
         &mut self,
         origin: &Origin,
@@ -248,21 +265,22 @@ impl Compiler<'_> {
                 self.report(origin.at(text, format!("`{field}` must be greater than zero")));
                 default
             }
+            Ok(duration) if duration > MAX_DURATION => {
+                self.report(origin.at(
+                    text,
+                    format!(
+                        "`{field}` ({}) is longer than the 30-day maximum",
+                        text.0.trim()
+                    ),
+                ));
+                default
+            }
             Ok(duration) => duration,
             Err(message) => {
                 self.report(origin.at(text, format!("`{field}`: {message}")));
                 default
             }
         }
-    }
-
-    fn required_duration(
-        &mut self,
-        origin: &Origin,
-        value: &Located<DurationText>,
-        field: &str,
-    ) -> Duration {
-        self.duration(origin, &Some(value.clone()), Duration::ZERO, field)
     }
 
     fn byte_size(
@@ -584,6 +602,13 @@ impl Compiler<'_> {
         inventory: &Inventory,
     ) -> Option<ToolConfig> {
         let id = &spec.id.value;
+        if id.starts_with(DELEGATION_PREFIX) {
+            self.report(
+                origin
+                    .at(&spec.id, format!("tool id `{id}` is reserved: `{DELEGATION_PREFIX}<name>` names delegation to an agent"))
+                    .with_hint("give the tool another id; list the agent in `subagents` to delegate to it"),
+            );
+        }
         let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(30), "timeout");
         let (input_schema, input_validator) = self.input_schema(origin, spec)?;
         let declared: Vec<&str> = [
@@ -650,6 +675,13 @@ impl Compiler<'_> {
             ToolImplementation::Mcp {
                 server: mcp.server.value.clone(),
                 tool: mcp.tool.clone(),
+                // The same default bound as command output: a result is model input either way.
+                max_output_bytes: self.byte_size(
+                    origin,
+                    &mcp.max_output_bytes,
+                    1 << 20,
+                    "maxOutputBytes",
+                ),
             }
         } else if let Some(builtin) = &spec.builtin {
             match BuiltinTool::parse(builtin) {
@@ -672,20 +704,23 @@ impl Compiler<'_> {
         } else {
             return None;
         };
+        let risk = spec.risk.unwrap_or(Risk::Low);
+        // A high-risk call is never re-run silently after a crash unless the tool says so.
+        let on_interrupted = spec.on_interrupted.unwrap_or(if risk == Risk::High {
+            InterruptedAction::Ask
+        } else {
+            InterruptedAction::Rerun
+        });
         Some(ToolConfig {
             id: id.clone(),
             description: spec.description.clone(),
             input_schema,
             input_validator,
-            risk: spec.risk.unwrap_or(Risk::Low),
+            risk,
             labels: spec.labels.clone(),
             timeout,
+            on_interrupted,
             implementation,
-            on_interrupted: if spec.risk == Some(Risk::High) {
-                InterruptedAction::Ask
-            } else {
-                InterruptedAction::Rerun
-            },
         })
     }
 
@@ -773,7 +808,7 @@ impl Compiler<'_> {
             None if inventory.agents.len() == 1 => inventory.agents.keys().next().cloned(),
             None => None,
         };
-        let (store_url, lease_duration) = match &spec.store {
+        let store_url = match &spec.store {
             Some(store) => {
                 if let Some(url) = &store.url
                     && !["sqlite:", "postgres://", "postgresql://"]
@@ -786,19 +821,23 @@ impl Compiler<'_> {
                             .with_hint("use sqlite://PATH or postgres://USER@HOST/DB"),
                     );
                 }
-                let lease = self.duration(
-                    origin,
-                    &store.lease_duration,
-                    Duration::from_secs(30),
-                    "leaseDuration",
-                );
-                (store.url.as_ref().map(|u| u.value.clone()), lease)
+                if let Some(lease) = &store.lease_duration {
+                    self.not_supported(
+                        origin,
+                        lease,
+                        "store.leaseDuration",
+                        "remove it: leases arrive with the PostgreSQL store; SQLite locks the store instead",
+                    );
+                }
+                store.url.as_ref().map(|u| u.value.clone())
             }
-            None => (None, Duration::from_secs(30)),
+            None => None,
         };
+        let (client_keys, admin_keys) = self.keys(origin, &spec.protocols);
         let openai = OpenAiProtocolConfig {
             enabled: spec.protocols.openai.enabled.unwrap_or(true),
             api_keys_env: self.env_vars(origin, &spec.protocols.openai.api_keys_env, "apiKeysEnv"),
+            keys: client_keys,
             approval_wait: self.duration(
                 origin,
                 &spec.protocols.openai.approval_wait,
@@ -824,23 +863,35 @@ impl Compiler<'_> {
                 "maxRequestBytes",
             ),
             max_concurrent_runs,
+            max_output_bytes: self.byte_size(
+                origin,
+                &spec.limits.max_output_bytes,
+                1 << 20,
+                "maxOutputBytes",
+            ),
         };
         let governance = self.governance(origin, &spec.governance, inventory);
         let recovery = self.recovery(origin, &spec.recovery);
-        let budgets = spec
-            .budgets
-            .iter()
-            .map(|budget| {
-                if budget.max_tokens.value == 0 {
-                    self.report(origin.at(&budget.max_tokens, "`maxTokens` must be at least 1"));
-                }
-                BudgetConfig {
-                    scope: budget.scope,
-                    max_tokens: budget.max_tokens.value,
-                    window: self.required_duration(origin, &budget.window, "window"),
-                }
-            })
-            .collect();
+        if let Some(budgets) = &spec.budgets
+            && !budgets.is_empty()
+        {
+            self.not_supported(
+                origin,
+                budgets,
+                "budgets",
+                "remove it: token budgets are not enforced by this build",
+            );
+        }
+        if let Some(enabled) = &spec.memory.enabled
+            && enabled.value
+        {
+            self.not_supported(
+                origin,
+                enabled,
+                "memory.enabled: true",
+                "set `enabled: false` or remove `memory`: memory is not built yet",
+            );
+        }
         let mut cli_event_types = Vec::new();
         for event_type in &spec.cli.events.include {
             if crate::runtime::events::EVENT_TYPES.contains(&event_type.as_str()) {
@@ -903,17 +954,18 @@ impl Compiler<'_> {
             labels: doc.raw.metadata.labels.clone(),
             default_agent,
             store_url,
-            lease_duration,
+            lease_duration: Duration::from_secs(30),
             openai,
             admin_api_keys_env,
+            admin_keys,
             limits,
             governance,
             recovery,
             memory: MemoryConfig {
-                enabled: spec.memory.enabled.unwrap_or(false),
+                enabled: false,
                 write_requires_approval: spec.memory.write.require_approval.unwrap_or(true),
             },
-            budgets,
+            budgets: Vec::new(),
             narration: NarrationConfig {
                 enabled: spec.progress.narration.enabled.unwrap_or(false),
                 style: spec
@@ -927,6 +979,71 @@ impl Compiler<'_> {
         })
     }
 
+    /// Named keys of both surfaces. Names are identities, unique across client and admin keys;
+    /// a variable may back only one key of a surface, so a presented key has one identity.
+    fn keys(
+        &mut self,
+        origin: &Origin,
+        spec: &raw::ProtocolsSpec,
+    ) -> (Vec<KeyConfig>, Vec<KeyConfig>) {
+        let mut names = BTreeMap::new();
+        let client = spec
+            .openai
+            .keys
+            .iter()
+            .map(|key| (&key.name, &key.key_env, Some(&key.labels)));
+        let client = self.key_list(origin, &mut names, client, &spec.openai.api_keys_env);
+        let admin = spec
+            .admin
+            .keys
+            .iter()
+            .map(|key| (&key.name, &key.key_env, None));
+        let admin = self.key_list(origin, &mut names, admin, &spec.admin.api_keys_env);
+        (client, admin)
+    }
+
+    fn key_list<'k>(
+        &mut self,
+        origin: &Origin,
+        names: &mut BTreeMap<String, String>,
+        keys: impl Iterator<
+            Item = (
+                &'k Located<String>,
+                &'k Located<String>,
+                Option<&'k BTreeMap<String, String>>,
+            ),
+        >,
+        unnamed: &[Located<String>],
+    ) -> Vec<KeyConfig> {
+        let mut variables: BTreeMap<String, String> = unnamed
+            .iter()
+            .map(|variable| (variable.value.clone(), "`apiKeysEnv`".to_owned()))
+            .collect();
+        let mut compiled = Vec::new();
+        for (name, key_env, labels) in keys {
+            self.register(names, "API key", origin, name);
+            let variable = self.env_var(origin, key_env, "keyEnv");
+            if let Some(user) = variables.get(&variable) {
+                self.report(
+                    origin
+                        .at(
+                            key_env,
+                            format!("`keyEnv` {variable} is already used by {user}"),
+                        )
+                        .with_hint("one variable backs one key, so that a key has one identity"),
+                );
+            } else {
+                variables.insert(variable.clone(), format!("key `{}`", name.value));
+            }
+            compiled.push(KeyConfig {
+                name: name.value.clone(),
+                key_env: variable,
+                labels: labels.cloned().unwrap_or_default(),
+            });
+        }
+        compiled
+    }
+
     fn governance(
         &mut self,
         origin: &Origin,
@@ -935,6 +1052,13 @@ impl Compiler<'_> {
     ) -> GovernanceConfig {
         let mut rule_names = BTreeMap::new();
         let mut rules = Vec::new();
+        // Delegation tools `agents.<name>` are built by the gateway for every agent; rules
+        // may name them like catalog tools.
+        let delegations: BTreeMap<String, String> = inventory
+            .agents
+            .iter()
+            .map(|(name, at)| (format!("{DELEGATION_PREFIX}{name}"), at.clone()))
+            .collect();
         for rule in &spec.rules {
             self.register(&mut rule_names, "governance rule", origin, &rule.name);
             for pattern in &rule.matches.tools {
@@ -942,19 +1066,46 @@ impl Compiler<'_> {
                     let matches_any = inventory
                         .tools
                         .keys()
+                        .chain(delegations.keys())
                         .any(|tool| glob_matches(pattern, tool));
-                    if !matches_any && !self.unreadable.contains(&"ToolCatalog") {
+                    let unknown = self.unreadable.contains(&"ToolCatalog")
+                        || self.unreadable.contains(&"Agent");
+                    if !matches_any && !unknown {
                         self.report(origin.at(
                             pattern,
                             format!("tool pattern `{}` matches no tool", pattern.value),
                         ));
                     }
+                } else if pattern.starts_with(DELEGATION_PREFIX) {
+                    self.reference(origin, pattern, &delegations, "delegation tool", "Agent");
                 } else {
                     self.reference(origin, pattern, &inventory.tools, "tool", "ToolCatalog");
                 }
             }
             for agent in &rule.matches.agents {
                 self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+            }
+            let metadata = rule
+                .matches
+                .metadata
+                .as_ref()
+                .map(|m| m.value.clone())
+                .unwrap_or_default();
+            if let Some(at) = &rule.matches.metadata
+                && !at.is_empty()
+                && rule.decision == Decision::Allow
+            {
+                self.report(
+                    origin
+                        .at(
+                            at,
+                            format!(
+                                "rule `{}` decides allow on client-supplied request metadata; such rules may only deny or ask for approval",
+                                rule.name.value
+                            ),
+                        )
+                        .with_hint("decide `deny` or `needs_approval`, or match trusted `labels` (tool, agent, key, runtime) instead"),
+                );
             }
             rules.push(PolicyRule {
                 name: rule.name.value.clone(),
@@ -967,6 +1118,7 @@ impl Compiler<'_> {
                     .collect(),
                 risk: rule.matches.risk.clone(),
                 labels: rule.matches.labels.clone(),
+                metadata,
                 decision: rule.decision,
                 reason: rule.reason.clone(),
             });
@@ -987,7 +1139,53 @@ impl Compiler<'_> {
                 Duration::from_secs(5),
                 "policyTimeout",
             ),
+            redact_patterns: spec
+                .redact
+                .patterns
+                .iter()
+                .filter_map(|pattern| self.redact_pattern(origin, pattern))
+                .collect(),
         }
+    }
+
+    /// One secret pattern, compiled with a size limit so a hostile or careless pattern
+    /// cannot blow up memory; one that matches the empty string would redact nothing useful
+    /// and mangle every text, so it is refused too.
+    fn redact_pattern(
+        &mut self,
+        origin: &Origin,
+        pattern: &Located<String>,
+    ) -> Option<regex::Regex> {
+        let problem = match regex::RegexBuilder::new(pattern)
+            .size_limit(REDACT_PATTERN_SIZE_LIMIT)
+            .build()
+        {
+            Ok(regex) if regex.is_match("") => "it matches the empty string".to_owned(),
+            Ok(regex) => return Some(regex),
+            Err(regex::Error::CompiledTooBig(_)) => format!(
+                "it compiles to more than the {} KiB limit",
+                REDACT_PATTERN_SIZE_LIMIT >> 10
+            ),
+            Err(error) => {
+                // The syntax error quotes the pattern over several lines; keep its last line.
+                let text = error.to_string();
+                text.lines()
+                    .rev()
+                    .find(|line| !line.trim().is_empty())
+                    .unwrap_or_default()
+                    .trim()
+                    .trim_start_matches("error: ")
+                    .to_owned()
+            }
+        };
+        self.report(origin.at(
+            pattern,
+            format!(
+                "`redact.patterns`: invalid pattern `{}`: {problem}",
+                pattern.value
+            ),
+        ));
+        None
     }
 
     fn recovery(&mut self, origin: &Origin, spec: &raw::RecoverySpec) -> RecoveryConfig {
@@ -1128,13 +1326,9 @@ impl Compiler<'_> {
                 agent_tools.push(tool.value.clone());
             }
         }
+        // Self-delegation is reported with the other delegation cycles.
         for subagent in &spec.subagents {
-            if &subagent.value == name {
-                self.report(origin.at(
-                    subagent,
-                    format!("agent `{name}` cannot be its own subagent"),
-                ));
-            } else {
+            if &subagent.value != name {
                 self.reference(origin, subagent, &inventory.agents, "agent", "Agent");
             }
         }
@@ -1160,33 +1354,26 @@ impl Compiler<'_> {
             None => 8,
         };
         let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(120), "timeout");
-        let memory_spec = spec.memory.clone().unwrap_or_default();
-        let namespace = match &memory_spec.namespace {
-            Some(ns) => {
-                if ns.is_empty() || ns.split('/').any(|part| !is_valid_name(part)) {
-                    self.report(origin.at(ns, format!("invalid memory namespace `{}`: `/`-separated names like `agent/assistant`", ns.value)));
-                }
-                ns.value.clone()
-            }
-            None => format!("agent/{name}"),
-        };
-        let mut required_evidence_tools = Vec::new();
-        for tool in spec
+        if let Some(memory) = &spec.memory {
+            self.not_supported(
+                origin,
+                memory,
+                "memory",
+                "remove it: agent memory is not built yet",
+            );
+        }
+        if let Some(tools) = spec
             .contract
-            .iter()
-            .flat_map(|c| &c.required_evidence_tools)
+            .as_ref()
+            .and_then(|c| c.required_evidence_tools.as_ref())
+            && !tools.is_empty()
         {
-            if spec.tools.iter().any(|t| t.value == tool.value) {
-                required_evidence_tools.push(tool.value.clone());
-            } else {
-                self.report(origin.at(
-                    tool,
-                    format!(
-                        "required evidence tool `{}` is not in this agent's `tools`",
-                        tool.value
-                    ),
-                ));
-            }
+            self.not_supported(
+                origin,
+                tools,
+                "contract.requiredEvidenceTools",
+                "remove it: execution contracts are not checked by this build",
+            );
         }
         let script = match &spec.script {
             Some(steps) => self.script(origin, steps, &spec.tools, tools),
@@ -1218,11 +1405,11 @@ impl Compiler<'_> {
             max_iterations,
             timeout,
             memory: AgentMemoryConfig {
-                namespace,
-                recall: memory_spec.recall.unwrap_or(false),
-                max_recall: memory_spec.max_recall.unwrap_or(5),
+                namespace: format!("agent/{name}"),
+                recall: false,
+                max_recall: 5,
             },
-            required_evidence_tools,
+            required_evidence_tools: Vec::new(),
             backend_config: spec
                 .backend_config
                 .as_ref()
@@ -1230,6 +1417,79 @@ impl Compiler<'_> {
                 .unwrap_or_default(),
             script,
             endpoint,
+        }
+    }
+
+    /// Delegation cycles through `subagents` (`a -> b -> a`, and `a -> a`) would delegate
+    /// forever: each is reported once, at the `subagents` entry that closes it. A depth-first
+    /// walk (iterative, so a long chain cannot overflow the stack) finds one cycle per back
+    /// edge; that is every cycle in the common case, and at least one per tangle otherwise.
+    fn delegation_cycles(&mut self, documents: &Documents) {
+        #[derive(Clone, Copy, PartialEq, Eq)]
+        enum Visit {
+            OnPath,
+            Done,
+        }
+        // The first document of each name, as everywhere else; duplicates are reported already.
+        let mut graph: BTreeMap<&str, (&Origin, &[Located<String>])> = BTreeMap::new();
+        for doc in &documents.agents {
+            graph
+                .entry(doc.raw.metadata.name.value.as_str())
+                .or_insert((&doc.origin, &doc.raw.spec.subagents));
+        }
+        let mut visits: BTreeMap<&str, Visit> = BTreeMap::new();
+        let mut reported: BTreeSet<Vec<&str>> = BTreeSet::new();
+        for &start in graph.keys() {
+            if visits.contains_key(start) {
+                continue;
+            }
+            visits.insert(start, Visit::OnPath);
+            // The current path, each agent with the index of its next `subagents` entry.
+            let mut path: Vec<(&str, usize)> = vec![(start, 0)];
+            while let Some(&(agent, index)) = path.last() {
+                let Some(&(origin, subagents)) = graph.get(agent) else {
+                    path.pop();
+                    continue;
+                };
+                let Some(entry) = subagents.get(index) else {
+                    visits.insert(agent, Visit::Done);
+                    path.pop();
+                    continue;
+                };
+                if let Some(top) = path.last_mut() {
+                    top.1 += 1;
+                }
+                let next = entry.value.as_str();
+                match visits.get(next) {
+                    None if graph.contains_key(next) => {
+                        visits.insert(next, Visit::OnPath);
+                        path.push((next, 0));
+                    }
+                    Some(Visit::OnPath) => {
+                        let from = path.iter().position(|(a, _)| *a == next).unwrap_or(0);
+                        let cycle: Vec<&str> = path[from..].iter().map(|(a, _)| *a).collect();
+                        // The same cycle seen from another agent is the same problem.
+                        let mut key = cycle.clone();
+                        let smallest = (0..key.len()).min_by_key(|&i| key[i]).unwrap_or(0);
+                        key.rotate_left(smallest);
+                        if reported.insert(key) {
+                            let mut names = cycle;
+                            names.push(next);
+                            self.report(
+                                origin
+                                    .at(
+                                        entry,
+                                        format!("delegation cycle: {}", names.join(" -> ")),
+                                    )
+                                    .with_hint(
+                                        "an agent may not delegate, directly or through others, back to itself",
+                                    ),
+                            );
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
     }
 
@@ -1338,6 +1598,12 @@ impl Compiler<'_> {
         workflows
     }
 }
+
+/// Tool ids `agents.<name>` are the gateway's delegation tools, one per agent.
+const DELEGATION_PREFIX: &str = "agents.";
+
+/// Largest compiled size of one `redact.patterns` entry.
+const REDACT_PATTERN_SIZE_LIMIT: usize = 1 << 20;
 
 /// `*` matches any run of characters; everything else matches itself.
 pub fn glob_matches(pattern: &str, text: &str) -> bool {

@@ -22,7 +22,7 @@ pub use diagnostics::{Diagnostic, Diagnostics};
 pub use model::*;
 pub use raw::API_VERSION;
 pub use schema::document_schema;
-pub use units::{is_valid_name, parse_byte_size, parse_duration};
+pub use units::{MAX_DURATION, is_valid_name, parse_byte_size, parse_duration};
 
 /// Reads, checks and compiles the workspace at `root`.
 pub fn load(root: &Path) -> Result<CompiledWorkspace, Diagnostics> {

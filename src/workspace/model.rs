@@ -10,8 +10,8 @@ use std::time::Duration;
 use serde::Serialize;
 
 pub use super::raw::{
-    Backend, BudgetScope, Decision, HttpMethod, NarrationStyle, NodeOutcome, Provider, RetryKind,
-    Risk, TimeoutAction,
+    Backend, BudgetScope, Decision, HttpMethod, InterruptedAction, NarrationStyle, NodeOutcome,
+    Provider, RetryKind, Risk, TimeoutAction,
 };
 
 /// The name a config enum has in YAML and on the wire (`needs_approval`, `openai`, `high`).
@@ -54,13 +54,18 @@ pub struct RuntimeConfig {
     pub default_agent: Option<String>,
     /// `store.url` as written (relative SQLite paths are resolved by the store).
     pub store_url: Option<String>,
+    /// Always the default (30s) for now: `store.leaseDuration` is rejected until leases exist.
     pub lease_duration: Duration,
     pub openai: OpenAiProtocolConfig,
     pub admin_api_keys_env: Vec<String>,
+    /// `protocols.admin.keys`: named operator keys (labels are always empty).
+    pub admin_keys: Vec<KeyConfig>,
     pub limits: LimitsConfig,
     pub governance: GovernanceConfig,
     pub recovery: RecoveryConfig,
+    /// Always disabled for now: `memory.enabled: true` is rejected until memory exists.
     pub memory: MemoryConfig,
+    /// Always empty for now: `budgets` is rejected until budgets exist.
     pub budgets: Vec<BudgetConfig>,
     pub narration: NarrationConfig,
     pub cli_event_types: Vec<String>,
@@ -71,13 +76,27 @@ pub struct RuntimeConfig {
 pub struct OpenAiProtocolConfig {
     pub enabled: bool,
     pub api_keys_env: Vec<String>,
+    /// `protocols.openai.keys`: named client keys.
+    pub keys: Vec<KeyConfig>,
     pub approval_wait: Duration,
+}
+
+/// A named key: its name is its stable identity; `key_env` names the variable holding it
+/// (the secret itself is read at start, never kept here).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyConfig {
+    pub name: String,
+    pub key_env: String,
+    /// Trusted labels of callers using this key, matched by governance `match.labels`.
+    pub labels: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub struct LimitsConfig {
     pub max_request_bytes: u64,
     pub max_concurrent_runs: u32,
+    /// Longest output text of a run (`limits.maxOutputBytes`, default 1MiB).
+    pub max_output_bytes: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -87,6 +106,8 @@ pub struct GovernanceConfig {
     pub approval_timeout: Duration,
     pub on_timeout: TimeoutAction,
     pub policy_timeout: Duration,
+    /// `redact.patterns`, compiled (with a size limit) at load.
+    pub redact_patterns: Vec<regex::Regex>,
 }
 
 #[derive(Debug, Clone)]
@@ -96,7 +117,10 @@ pub struct PolicyRule {
     pub tools: Vec<String>,
     pub agents: Vec<String>,
     pub risk: Vec<Risk>,
+    /// Trusted labels: tool, agent, caller's key, Runtime.
     pub labels: BTreeMap<String, String>,
+    /// Client-supplied request metadata; only `deny`/`needs_approval` rules carry it.
+    pub metadata: BTreeMap<String, String>,
     pub decision: Decision,
     pub reason: Option<String>,
 }
@@ -171,7 +195,9 @@ pub struct AgentConfig {
     pub skills: Vec<SkillFile>,
     pub max_iterations: u32,
     pub timeout: Duration,
+    /// Always the default for now: an agent's `memory` is rejected until memory exists.
     pub memory: AgentMemoryConfig,
+    /// Always empty for now: a non-empty `contract.requiredEvidenceTools` is rejected.
     pub required_evidence_tools: Vec<String>,
     pub backend_config: serde_json::Map<String, serde_json::Value>,
     pub script: Vec<ScriptStep>,
@@ -263,17 +289,9 @@ pub struct ToolConfig {
     pub risk: Risk,
     pub labels: BTreeMap<String, String>,
     pub timeout: Duration,
-    pub implementation: ToolImplementation,
+    /// What a resumed run does with a call of this tool that was interrupted by a crash.
     pub on_interrupted: InterruptedAction,
-}
-
-/// What happens to a call a crash interrupted (MERGE-A placeholder).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum InterruptedAction {
-    Rerun,
-    Ask,
-    Fail,
+    pub implementation: ToolImplementation,
 }
 
 impl fmt::Debug for ToolConfig {
@@ -282,6 +300,7 @@ impl fmt::Debug for ToolConfig {
             .field("id", &self.id)
             .field("risk", &self.risk)
             .field("timeout", &self.timeout)
+            .field("on_interrupted", &self.on_interrupted)
             .field("implementation", &self.implementation)
             .finish_non_exhaustive()
     }
@@ -302,6 +321,8 @@ pub enum ToolImplementation {
     Mcp {
         server: String,
         tool: String,
+        /// Largest result accepted, as serialized JSON.
+        max_output_bytes: u64,
     },
     Builtin(BuiltinTool),
     /// Another agent, delegated to: an agent's `subagents` are offered to it as tools

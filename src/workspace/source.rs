@@ -495,6 +495,12 @@ fn yaml_diagnostic(origin: &Origin, error: &serde_saphyr::Error) -> Diagnostic {
             formatted(inner),
             did_you_mean(field, expected.iter().copied()),
         ),
+        E::SerdeUnknownVariant {
+            variant, expected, ..
+        } => (
+            formatted(inner),
+            did_you_mean(variant, expected.iter().copied()),
+        ),
         E::Budget { .. } => (
             formatted(inner),
             Some("workspace YAML is limited in nesting depth, size and alias expansion".to_owned()),

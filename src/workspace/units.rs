@@ -22,7 +22,12 @@ pub fn is_valid_env_var(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
+/// The longest duration any workspace field accepts: 30 days. Capping at compile time means
+/// no `Instant`/`chrono` addition with a configured duration can overflow later.
+pub const MAX_DURATION: Duration = Duration::from_secs(30 * 86_400);
+
 /// Parses a duration: one or more `<integer><unit>` parts, units `ms`, `s`, `m`, `h`, `d`.
+/// Arithmetic saturates, so absurd values come out huge (for the caller's cap), never wrapped.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text.is_empty() {
@@ -119,6 +124,14 @@ mod tests {
         );
         assert!(parse_duration("").is_err());
         assert!(parse_duration("s").is_err());
+        // Huge numbers are an error or saturate; they never panic or wrap around.
+        assert!(
+            parse_duration("99999999999999999999s")
+                .unwrap_err()
+                .contains("number too large")
+        );
+        assert!(parse_duration("18446744073709551615d").unwrap() > MAX_DURATION);
+        assert!(parse_duration("18446744073709551615d18446744073709551615ms").is_ok());
     }
 
     #[test]

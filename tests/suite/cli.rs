@@ -1,5 +1,7 @@
 //! The command line, run as a user runs it: the compiled binary, exit codes and output.
 
+use serde_json::json;
+
 use crate::helpers::{TestWorkspace, example_workspace, stable_harness, stderr, stdout};
 
 #[test]
@@ -54,17 +56,119 @@ fn validate_reports_every_problem_with_exit_code_2() {
 }
 
 #[test]
-fn validate_json_of_a_valid_workspace_is_an_empty_array() {
+fn validate_json_of_a_valid_workspace_prints_the_inventory() {
     let output = stable_harness(&[
         "validate",
         "--json",
         "-w",
         example_workspace().to_str().unwrap(),
     ]);
-    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(output.stderr.is_empty(), "{}", stderr(&output));
+    let inventory: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(inventory["valid"], true);
+    let find = |list: &str, key: &str, value: &str| -> serde_json::Value {
+        inventory[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|item| item[key] == value)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {list} with {key} {value}: {inventory:#}"))
+    };
+    let names = |list: &str, key: &str| -> Vec<String> {
+        inventory[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|item| item[key].as_str().unwrap().to_owned())
+            .collect()
+    };
     assert_eq!(
-        serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap(),
-        serde_json::json!([])
+        names("agents", "name"),
+        [
+            "assistant",
+            "billing",
+            "greeter",
+            "researcher",
+            "timekeeper"
+        ]
+    );
+    assert_eq!(names("models", "id"), ["default", "fast", "local"]);
+    assert_eq!(names("tools", "id").len(), 6);
+
+    let assistant = find("agents", "name", "assistant");
+    assert_eq!(assistant["backend"], "openai");
+    assert_eq!(assistant["model"], "default");
+    assert_eq!(
+        assistant["tools"],
+        json!(["weather.lookup", "clock.now", "skills.get", "docs.search"])
+    );
+    assert_eq!(assistant["subagents"], json!(["researcher"]));
+    assert_eq!(find("agents", "name", "billing")["backend"], "http");
+    assert_eq!(
+        find("models", "id", "default")["baseUrlEnv"],
+        "OPENAI_BASE_URL"
+    );
+
+    let docs = find("tools", "id", "docs.search");
+    assert_eq!(
+        (&docs["kind"], &docs["server"], &docs["tool"]),
+        (&json!("mcp"), &json!("docs"), &json!("search"))
+    );
+    assert_eq!(docs["maxOutputBytes"], 256 * 1024);
+    let delete = find("tools", "id", "files.delete");
+    assert_eq!(
+        (&delete["risk"], &delete["onInterrupted"]),
+        (&json!("high"), &json!("fail"))
+    );
+    assert_eq!(delete["program"], "resources/tools/delete-file.sh");
+    assert_eq!(
+        find("tools", "id", "weather.lookup")["onInterrupted"],
+        "rerun"
+    );
+
+    let runtime = &inventory["runtime"];
+    assert_eq!(runtime["defaultAgent"], "assistant");
+    let rules: Vec<&str> = runtime["governance"]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|rule| rule["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            "no-deletes",
+            "high-risk-needs-human",
+            "researcher-files-need-human",
+            "external-network-reviewed",
+            "sandbox-requests-never-delegate"
+        ]
+    );
+    assert_eq!(
+        runtime["governance"]["rules"][4]["metadata"],
+        json!({ "sandbox": "true" })
+    );
+    assert_eq!(
+        runtime["governance"]["redactPatterns"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(
+        runtime["protocols"]["openai"]["keys"][0],
+        json!({ "name": "web-frontend", "keyEnv": "STABLE_HARNESS_WEB_KEY", "labels": { "channel": "web" } })
+    );
+    assert_eq!(
+        runtime["protocols"]["admin"]["keys"],
+        json!([{ "name": "on-call", "keyEnv": "STABLE_HARNESS_ONCALL_KEY" }])
+    );
+    assert_eq!(runtime["limits"]["maxOutputBytes"], 1 << 20);
+    assert_eq!(
+        inventory["workflows"][0]["nodes"][3],
+        json!({ "id": "timestamp", "tool": "clock.now" })
     );
 }
 

@@ -293,11 +293,11 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
-        name: "governance, budgets, mcp servers and cli events",
+        name: "governance, mcp servers and cli events",
         files: &[(
             RUNTIME,
             Some(
-                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  governance:\n    rules:\n      - { name: r1, match: { tools: [ech] }, decision: deny }\n      - { name: r1, match: { tools: [\"files.*\"], agents: [nobody] }, decision: needs_approval }\n  budgets:\n    - { scope: agent, maxTokens: 0, window: 1h }\n  mcpServers:\n    - { name: both, url: \"http://127.0.0.1:9/mcp\", command: { program: npx } }\n  cli: { events: { include: [runtime.request.complete] } }\n  store: { url: \"mysql://db\" }\n",
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  governance:\n    rules:\n      - { name: r1, match: { tools: [ech] }, decision: deny }\n      - { name: r1, match: { tools: [\"files.*\"], agents: [nobody] }, decision: needs_approval }\n  budgets: []\n  mcpServers:\n    - { name: both, url: \"http://127.0.0.1:9/mcp\", command: { program: npx } }\n  cli: { events: { include: [runtime.request.complete] } }\n  store: { url: \"mysql://db\" }\n",
             ),
         )],
         expected: &[
@@ -305,10 +305,201 @@ const CASES: &[Case] = &[
             "config/runtime/workspace.yaml:8:17: duplicate governance rule `r1` (first defined at config/runtime/workspace.yaml:7:17)",
             "config/runtime/workspace.yaml:8:38: tool pattern `files.*` matches no tool",
             "config/runtime/workspace.yaml:8:59: unknown agent `nobody`",
-            "config/runtime/workspace.yaml:10:34: `maxTokens` must be at least 1",
-            "config/runtime/workspace.yaml:12:15: MCP server `both` needs exactly one of `command` (stdio) or `url` (streamable HTTP)",
-            "config/runtime/workspace.yaml:13:30: unknown event type `runtime.request.complete` (hint: did you mean `runtime.request.completed`?)",
-            "config/runtime/workspace.yaml:14:17: unsupported store url `mysql://db` (hint: use sqlite://PATH or postgres://USER@HOST/DB)",
+            "config/runtime/workspace.yaml:11:15: MCP server `both` needs exactly one of `command` (stdio) or `url` (streamable HTTP)",
+            "config/runtime/workspace.yaml:12:30: unknown event type `runtime.request.complete` (hint: did you mean `runtime.request.completed`?)",
+            "config/runtime/workspace.yaml:13:17: unsupported store url `mysql://db` (hint: use sqlite://PATH or postgres://USER@HOST/DB)",
+        ],
+    },
+    Case {
+        name: "durations are capped at 30 days, and huge numbers are diagnostics",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  protocols:\n    openai: { approvalWait: 31d }\n  governance:\n    approvals: { timeout: 720h }\n    policyTimeout: 18446744073709551615d\n  recovery:\n    backoff: { initial: 99999999999999999999s, max: 720h1ms }\n",
+                ),
+            ),
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now, timeout: 45d }\n    - { id: clock.now, builtin: clock.now }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/catalogs/tools.yaml:6:48: `timeout` (45d) is longer than the 30-day maximum",
+            "config/runtime/workspace.yaml:6:29: `approvalWait` (31d) is longer than the 30-day maximum",
+            "config/runtime/workspace.yaml:9:20: `policyTimeout` (18446744073709551615d) is longer than the 30-day maximum",
+            "config/runtime/workspace.yaml:11:25: `backoff.initial`: invalid duration `99999999999999999999s`: number too large",
+            "config/runtime/workspace.yaml:11:53: `backoff.max` (720h1ms) is longer than the 30-day maximum",
+        ],
+    },
+    Case {
+        name: "fields that parse but are not enforced yet are rejected",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store: { url: \"sqlite://state.db\", leaseDuration: 30s }\n  memory: { enabled: true }\n  budgets:\n    - { scope: agent, maxTokens: 1000, window: 1h }\n",
+                ),
+            ),
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  tools: [echo]\n  memory: { recall: true }\n  contract: { requiredEvidenceTools: [echo] }\n",
+                ),
+            ),
+            (
+                "config/agents/fine.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: fine }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  contract: { requiredEvidenceTools: [] }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/assistant.yaml:8:11: `memory` is not supported yet (hint: remove it: agent memory is not built yet)",
+            "config/agents/assistant.yaml:9:38: `contract.requiredEvidenceTools` is not supported yet (hint: remove it: execution contracts are not checked by this build)",
+            "config/runtime/workspace.yaml:5:53: `store.leaseDuration` is not supported yet (hint: remove it: leases arrive with the PostgreSQL store; SQLite locks the store instead)",
+            "config/runtime/workspace.yaml:6:22: `memory.enabled: true` is not supported yet (hint: set `enabled: false` or remove `memory`: memory is not built yet)",
+            "config/runtime/workspace.yaml:8:5: `budgets` is not supported yet (hint: remove it: token budgets are not enforced by this build)",
+        ],
+    },
+    Case {
+        name: "onInterrupted takes rerun, ask or fail",
+        files: &[
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now, onInterrupted: retry }\n    - { id: clock.now, builtin: clock.now, onInterrupted: fail }\n",
+                ),
+            ),
+            (
+                "config/catalogs/more.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: more }\nspec:\n  tools:\n    - { id: x, builtin: clock.now, onInterrupted: ask }\n    - { id: y, builtin: clock.now, onInterrupted: asks }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/catalogs/more.yaml:7:51: unknown variant `asks`, expected one of rerun, ask, fail (hint: did you mean `ask`?)",
+            "config/catalogs/tools.yaml:6:54: unknown variant `retry`, expected one of rerun, ask, fail",
+        ],
+    },
+    Case {
+        name: "named keys: names, variables and one identity per key",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  protocols:\n    openai:\n      apiKeysEnv: [SHARED_KEY]\n      keys:\n        - { name: web, keyEnv: WEB_KEY, labels: { channel: web } }\n        - { name: Mobile App, keyEnv: MOBILE_KEY }\n        - { name: batch, keyEnv: sk-live-123 }\n        - { name: again, keyEnv: WEB_KEY }\n        - { name: shared, keyEnv: SHARED_KEY }\n    admin:\n      keys:\n        - { name: web, keyEnv: OPS_KEY }\n        - { name: ops, keyEnv: OPS_KEY2 }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:10:19: invalid API key name `Mobile App`: names match [a-z0-9][a-z0-9._-]* (hint: did you mean `mobile-app`?)",
+            "config/runtime/workspace.yaml:11:34: `keyEnv` must name an environment variable, got `sk-live-123` (hint: fields ending in `Env` hold a variable name such as OPENAI_API_KEY, never the secret itself)",
+            "config/runtime/workspace.yaml:12:34: `keyEnv` WEB_KEY is already used by key `web` (hint: one variable backs one key, so that a key has one identity)",
+            "config/runtime/workspace.yaml:13:35: `keyEnv` SHARED_KEY is already used by `apiKeysEnv` (hint: one variable backs one key, so that a key has one identity)",
+            "config/runtime/workspace.yaml:16:19: duplicate API key `web` (first defined at config/runtime/workspace.yaml:9:19)",
+        ],
+    },
+    Case {
+        name: "admin keys carry no labels",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  protocols:\n    admin:\n      keys:\n        - { name: ops, keyEnv: OPS_KEY, labels: { team: ops } }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:8:41: unknown field `labels`, expected one of name, keyEnv",
+        ],
+    },
+    Case {
+        name: "client metadata may only tighten policy",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  governance:\n    rules:\n      - { name: trusted-clients, match: { metadata: { trusted: \"yes\" } }, decision: allow }\n      - { name: sandbox, match: { metadata: { sandbox: \"true\" } }, decision: deny }\n      - { name: vip, match: { metadata: { tier: vip } }, decision: needs_approval }\n      - { name: labelled, match: { labels: { tier: vip }, metadata: {} }, decision: allow }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:7:53: rule `trusted-clients` decides allow on client-supplied request metadata; such rules may only deny or ask for approval (hint: decide `deny` or `needs_approval`, or match trusted `labels` (tool, agent, key, runtime) instead)",
+        ],
+    },
+    Case {
+        name: "rules may name delegation tools; delegation cycles are errors",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  defaultAgent: assistant\n  governance:\n    rules:\n      - { name: d1, match: { tools: [agents.planner, \"agents.*\", agents.plannr] }, decision: needs_approval }\n      - { name: d2, match: { tools: [\"agents.x*\"] }, decision: deny }\n",
+                ),
+            ),
+            (
+                "config/agents/planner.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: planner }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  subagents: [writer]\n",
+                ),
+            ),
+            (
+                "config/agents/writer.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: writer }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  subagents: [assistant, writer]\n",
+                ),
+            ),
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  subagents: [planner]\n",
+                ),
+            ),
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now }\n    - { id: agents.helper, builtin: clock.now }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/writer.yaml:7:15: delegation cycle: assistant -> planner -> writer -> assistant (hint: an agent may not delegate, directly or through others, back to itself)",
+            "config/agents/writer.yaml:7:26: delegation cycle: writer -> writer (hint: an agent may not delegate, directly or through others, back to itself)",
+            "config/catalogs/tools.yaml:7:13: tool id `agents.helper` is reserved: `agents.<name>` names delegation to an agent (hint: give the tool another id; list the agent in `subagents` to delegate to it)",
+            "config/runtime/workspace.yaml:8:66: unknown delegation tool `agents.plannr` (hint: did you mean `agents.planner`?)",
+            "config/runtime/workspace.yaml:9:38: tool pattern `agents.x*` matches no tool",
+        ],
+    },
+    Case {
+        name: "redaction patterns are regular expressions",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  governance:\n    redact:\n      patterns:\n        - 'sk-[A-Za-z0-9]{20,}'\n        - '(unclosed'\n        - 'x*'\n        - '(?:\\w{100}){100}'\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:9:11: `redact.patterns`: invalid pattern `(unclosed`: unclosed group",
+            "config/runtime/workspace.yaml:10:11: `redact.patterns`: invalid pattern `x*`: it matches the empty string",
+            "config/runtime/workspace.yaml:11:11: `redact.patterns`: invalid pattern `(?:\\w{100}){100}`: it compiles to more than the 1024 KiB limit",
+        ],
+    },
+    Case {
+        name: "output caps are byte sizes",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  limits: { maxOutputBytes: 0 }\n  mcpServers:\n    - { name: docs, url: \"http://127.0.0.1:9/mcp\" }\n",
+                ),
+            ),
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, mcp: { server: docs, tool: echo, maxOutputBytes: 2 pages } }\n    - { id: clock.now, mcp: { server: docs, tool: now, maxOutputBytes: 64KiB } }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/catalogs/tools.yaml:6:68: `maxOutputBytes`: invalid size `2 pages`: unknown unit `pages` (use B, KB, MB, GB, KiB, MiB or GiB)",
+            "config/runtime/workspace.yaml:5:29: `maxOutputBytes` must be greater than zero",
         ],
     },
     Case {
@@ -529,4 +720,63 @@ spec:
             "config/everything.yml:31:29: unknown agent `three`",
         ]
     );
+}
+
+/// What the new fields compile to, defaults included: what the runtime, the gateway and
+/// authentication read.
+#[test]
+fn trust_fields_compile_with_their_defaults() {
+    use stable_harness::workspace::{
+        InterruptedAction, KeyConfig, MAX_DURATION, ToolImplementation, load,
+    };
+    let workspace = TestWorkspace::base();
+    let compiled = load(workspace.path()).unwrap();
+    assert_eq!(compiled.runtime.limits.max_output_bytes, 1 << 20);
+    assert!(compiled.runtime.openai.keys.is_empty());
+    assert!(compiled.runtime.admin_keys.is_empty());
+    assert!(compiled.runtime.governance.redact_patterns.is_empty());
+    assert_eq!(
+        compiled.tools["echo"].on_interrupted,
+        InterruptedAction::Rerun
+    );
+
+    workspace.write(
+        RUNTIME,
+        "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test, labels: { env: prod } }\nspec:\n  defaultAgent: assistant\n  protocols:\n    openai:\n      keys:\n        - { name: web, keyEnv: WEB_KEY, labels: { channel: web } }\n    admin:\n      keys: [{ name: ops, keyEnv: OPS_KEY }]\n  limits: { maxOutputBytes: 64KiB }\n  memory: { enabled: false }\n  budgets: []\n  mcpServers:\n    - { name: docs, url: \"http://127.0.0.1:9/mcp\", timeout: 30d }\n  governance:\n    redact: { patterns: ['sk-[a-z0-9]{8,}'] }\n    rules:\n      - { name: sandbox, match: { tools: [\"agents.*\"], metadata: { sandbox: \"true\" } }, decision: deny }\n",
+    );
+    workspace.write(
+        TOOLS,
+        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, risk: high, builtin: clock.now }\n    - { id: clock.now, risk: high, onInterrupted: rerun, builtin: clock.now }\n    - { id: search, onInterrupted: fail, mcp: { server: docs, tool: search } }\n    - { id: fetch, mcp: { server: docs, tool: fetch, maxOutputBytes: 2KiB } }\n",
+    );
+    let compiled = load(workspace.path()).unwrap_or_else(|d| panic!("{d}"));
+    let runtime = &compiled.runtime;
+    assert_eq!(
+        runtime.openai.keys,
+        [KeyConfig {
+            name: "web".into(),
+            key_env: "WEB_KEY".into(),
+            labels: [("channel".to_owned(), "web".to_owned())].into(),
+        }]
+    );
+    assert_eq!(runtime.admin_keys[0].name, "ops");
+    assert!(runtime.admin_keys[0].labels.is_empty());
+    assert_eq!(runtime.limits.max_output_bytes, 64 * 1024);
+    assert_eq!(runtime.mcp_servers["docs"].timeout, MAX_DURATION);
+    let redact = &runtime.governance.redact_patterns;
+    assert!(redact[0].is_match("key sk-abcdef123 here"));
+    let rule = &runtime.governance.rules[0];
+    assert_eq!(rule.metadata["sandbox"], "true");
+    assert!(rule.labels.is_empty());
+
+    let tools = &compiled.tools;
+    assert_eq!(tools["echo"].on_interrupted, InterruptedAction::Ask);
+    assert_eq!(tools["clock.now"].on_interrupted, InterruptedAction::Rerun);
+    assert_eq!(tools["search"].on_interrupted, InterruptedAction::Fail);
+    let bound = |id: &str| match &tools[id].implementation {
+        ToolImplementation::Mcp {
+            max_output_bytes, ..
+        } => *max_output_bytes,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!((bound("search"), bound("fetch")), (1 << 20, 2048));
 }

@@ -1,7 +1,9 @@
 //! `mcp` tools: calls to tools of the MCP servers declared in `Runtime.spec.mcpServers`, over
 //! stdio (a child process, scrubbed environment, workspace as cwd) or streamable HTTP, through
 //! the official Rust SDK (`rmcp`). A server is connected on first use and kept; a server that
-//! died is forgotten, so the next call starts it again.
+//! died is forgotten, so the next call starts it again. A result is bounded like command
+//! output: larger than the tool's `maxOutputBytes` as serialized JSON, it is an
+//! `output_too_large` error rather than model input.
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -46,6 +48,7 @@ impl McpClients {
         &self,
         server: &str,
         tool: &str,
+        max_output_bytes: u64,
         arguments: Value,
         idempotency_key: &str,
     ) -> Result<Value, ToolError> {
@@ -74,10 +77,19 @@ impl McpClients {
                         format!("MCP tool `{tool}` on `{server}` reported an error: {text}"),
                     ));
                 }
-                Ok(match result.structured_content {
+                let output = match result.structured_content {
                     Some(structured) => structured,
                     None => serde_json::from_str(&text).unwrap_or(Value::String(text)),
-                })
+                };
+                if !fits(&output, max_output_bytes) {
+                    return Err(ToolError::new(
+                        "output_too_large",
+                        format!(
+                            "MCP tool `{tool}` on `{server}` returned more than {max_output_bytes} bytes"
+                        ),
+                    ));
+                }
+                Ok(output)
             }
             Err(ServiceError::McpError(error)) => Err(ToolError::new(
                 "tool_error",
@@ -171,5 +183,43 @@ impl McpClients {
         if connected.get(name).is_some_and(|c| Arc::ptr_eq(c, client)) {
             connected.remove(name);
         }
+    }
+}
+
+/// Whether `value` serializes to at most `limit` bytes of JSON. Serializing into a counter
+/// that refuses to go past the limit stops early, so an oversized result is never copied.
+fn fits(value: &Value, limit: u64) -> bool {
+    struct Counter {
+        written: u64,
+        limit: u64,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.written = self.written.saturating_add(bytes.len() as u64);
+            if self.written > self.limit {
+                return Err(std::io::Error::other("over the limit"));
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    serde_json::to_writer(&mut Counter { written: 0, limit }, value).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::fits;
+
+    #[test]
+    fn results_are_measured_as_serialized_json() {
+        let value = json!({ "text": "abc" });
+        let size = serde_json::to_vec(&value).unwrap().len() as u64;
+        assert!(fits(&value, size));
+        assert!(!fits(&value, size - 1));
+        assert!(!fits(&json!("x".repeat(10_000)), 9_999));
     }
 }

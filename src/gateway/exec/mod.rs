@@ -86,10 +86,14 @@ pub(super) async fn run(
             )
             .await
         }
-        ToolImplementation::Mcp { server, tool: name } => {
+        ToolImplementation::Mcp {
+            server,
+            tool: name,
+            max_output_bytes,
+        } => {
             context
                 .mcp
-                .call(server, name, arguments, context.idempotency_key)
+                .call(server, name, *max_output_bytes, arguments, context.idempotency_key)
                 .await
         }
         ToolImplementation::Subagent(name) => {

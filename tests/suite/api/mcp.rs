@@ -17,7 +17,8 @@ use serde_json::{Value, json};
 use super::{CLIENT_KEY, TestApp};
 use crate::helpers::TestWorkspace;
 
-/// An MCP server with `add` (structured result) and `refuse` (an error result); it counts calls.
+/// An MCP server with `add` (structured result), `refuse` (an error result) and `repeat`
+/// (`size` characters of text); it counts calls.
 #[derive(Clone)]
 struct Calculator {
     calls: Arc<AtomicUsize>,
@@ -33,7 +34,8 @@ impl ServerHandler for Calculator {
         let schema = Arc::new(schema.as_object().unwrap().clone());
         Ok(ListToolsResult::with_all_items(vec![
             Tool::new("add", "Adds a and b", Arc::clone(&schema)),
-            Tool::new("refuse", "Always fails", schema),
+            Tool::new("refuse", "Always fails", Arc::clone(&schema)),
+            Tool::new("repeat", "Returns `size` characters", schema),
         ]))
     }
 
@@ -51,6 +53,10 @@ impl ServerHandler for Calculator {
                 let mut result = CallToolResult::success(vec![ContentBlock::text(sum.to_string())]);
                 result.structured_content = Some(json!({ "sum": sum }));
                 result
+            }
+            "repeat" => {
+                let size = arguments["size"].as_u64().unwrap_or(0) as usize;
+                CallToolResult::success(vec![ContentBlock::text("x".repeat(size))])
             }
             _ => CallToolResult::error(vec![ContentBlock::text("refused on purpose")]),
         };
@@ -146,5 +152,53 @@ async fn mcp_tools_run_over_streamable_http_and_a_dying_stdio_server_is_a_typed_
         json!({ "sum": 2.0 }),
         "the run went on after the death"
     );
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn an_mcp_result_larger_than_its_bound_is_output_too_large() {
+    let (url, calls) = start_calculator().await;
+    let workspace = TestWorkspace::empty();
+    workspace.write(
+        "config/runtime/workspace.yaml",
+        format!(
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: mcp-test }}\nspec:\n  mcpServers:\n    - {{ name: calc, url: \"{url}\" }}\n"
+        ),
+    );
+    workspace.write(
+        "config/catalogs/tools.yaml",
+        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: mcp }\nspec:\n  tools:\n    - { id: calc.repeat, mcp: { server: calc, tool: repeat, maxOutputBytes: 1KiB } }\n    - { id: calc.repeat-default, mcp: { server: calc, tool: repeat } }\n",
+    );
+    workspace.write(
+        "config/agents/echoer.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: echoer }\nspec:\n  backend: scripted\n  tools: [calc.repeat, calc.repeat-default]\n  script:\n    - toolCall: { tool: calc.repeat, arguments: { size: 1000 } }\n    - toolCall: { tool: calc.repeat, arguments: { size: 4096 } }\n    - toolCall: { tool: calc.repeat-default, arguments: { size: 4096 } }\n    - reply: done\n",
+    );
+    let app = TestApp::spawn(workspace).await;
+    let (status, view) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "echoer", "input": { "text": "go" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "completed", "{view}");
+    let events = app.events(view["requestId"].as_str().unwrap()).await;
+    let completed: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "runtime.tool.direct.completed")
+        .map(|e| &e["data"])
+        .collect();
+    assert_eq!(completed.len(), 3);
+    // 1,000 characters serialize to 1,002 bytes of JSON: within 1KiB.
+    assert_eq!(completed[0]["output"], json!("x".repeat(1000)));
+    assert_eq!(
+        completed[1]["error"]["code"], "output_too_large",
+        "{}",
+        completed[1]
+    );
+    assert!(completed[1]["output"].is_null(), "{}", completed[1]);
+    // The default bound (1MiB, like command output) lets the same result through.
+    assert_eq!(completed[2]["output"], json!("x".repeat(4096)));
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }

@@ -71,7 +71,7 @@ pub fn tools_workspace(
     tools: &ToolServer,
     runtime_extra: &str,
 ) -> TestWorkspace {
-    let governance = "  governance:\n    default: allow\n    rules:\n      - { name: no-deletes, match: { tools: [\"files.*\"] }, decision: deny, reason: deleting files is never allowed }\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n      - { name: vip-tier, match: { labels: { tier: vip } }, decision: deny }\n";
+    let governance = "  governance:\n    default: allow\n    rules:\n      - { name: no-deletes, match: { tools: [\"files.*\"] }, decision: deny, reason: deleting files is never allowed }\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n      - { name: vip-tier, match: { metadata: { tier: vip } }, decision: deny }\n";
     let workspace = api_workspace(upstream, &format!("{governance}{runtime_extra}"));
     workspace.write(
         "config/catalogs/tools.yaml",
