@@ -789,7 +789,7 @@ async fn a_client_key_sees_and_continues_only_its_own_requests_and_sessions() {
     let (_, of_bob) = app
         .get(&format!("/admin/requests?owner={bob}"), ADMIN_KEY)
         .await;
-    assert_eq!(owners(&of_bob), [bob.clone()], "{of_bob}");
+    assert_eq!(owners(&of_bob), [bob], "{of_bob}");
 
     // An approval's decision names the admin key's identity.
     upstream.push([
@@ -1014,4 +1014,80 @@ async fn a_credential_named_argument_never_reaches_the_checkpoint() {
         .map(|(table, column, text)| format!("{table}.{column}: {text}"))
         .collect();
     assert!(leaks.is_empty(), "stored:\n{}", leaks.join("\n"));
+}
+
+#[allow(clippy::print_stderr)]
+#[tokio::test]
+async fn while_the_store_refuses_writes_readyz_is_red_and_submits_get_503_until_it_recovers() {
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    let app = std::sync::Arc::new(TestApp::spawn(plain_workspace(&upstream, &tools)).await);
+    let (status, _) = app.get("/readyz", CLIENT_KEY).await;
+    assert_eq!(status, 200);
+
+    // Another connection holds the database's write lock: the server's writes get SQLITE_BUSY.
+    let db = store_path(app.workspace.path());
+    let blocker = rusqlite::Connection::open(&db).unwrap();
+    blocker.busy_timeout(Duration::from_secs(30)).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let locked = std::time::Instant::now();
+
+    // A submit waits for its durable write; meanwhile readiness turns red.
+    let client = std::sync::Arc::clone(&app);
+    let waiting = tokio::spawn(async move {
+        client
+            .post(
+                "/runtime/requests",
+                CLIENT_KEY,
+                &json!({ "agentId": "greeter", "input": { "text": "Ida" } }),
+            )
+            .await
+    });
+    let mut red = None;
+    for _ in 0..2400 {
+        let (status, body) = app.get("/readyz", CLIENT_KEY).await;
+        if status == 503 {
+            red = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let red = red.expect("/readyz turned red while the store refused writes");
+    eprintln!(
+        "the store was reported unavailable {:?} after its write lock was taken",
+        locked.elapsed()
+    );
+    assert_eq!(red["status"], "unavailable", "{red}");
+    let (status, refused) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "greeter", "input": { "text": "Max" } }),
+        )
+        .await;
+    assert_eq!(
+        (status, refused["error"]["code"].as_str()),
+        (503, Some("store_unavailable")),
+        "{refused}"
+    );
+
+    // The lock goes away: service resumes by itself, and the waiting submit was not lost.
+    blocker.execute_batch("ROLLBACK").unwrap();
+    drop(blocker);
+    let (status, accepted) = waiting.await.unwrap();
+    assert_eq!(status, 202, "{accepted}");
+    let view = app
+        .wait_until_done(accepted["requestId"].as_str().unwrap())
+        .await;
+    assert_eq!(view["output"], "Hello Ida!", "{view}");
+    let (status, _) = app.get("/readyz", CLIENT_KEY).await;
+    assert_eq!(status, 200);
+    let (status, _) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "greeter", "input": { "text": "Max" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200);
 }
