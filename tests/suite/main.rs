@@ -8,4 +8,5 @@ mod helpers;
 
 mod api;
 mod cli;
+mod crash;
 mod workspace_checks;
