@@ -1,5 +1,7 @@
-//! HTTP API tests: the real application on a random port, a real loopback upstream, and
-//! clients speaking HTTP (async-openai where OpenAI's SDK fits, reqwest elsewhere).
+//! HTTP API tests: the real application on a random port (in-process, or the binary as a
+//! [`ServerProcess`] that can be killed), a real loopback upstream, tool services that record
+//! every execution, and clients speaking HTTP (async-openai where OpenAI's SDK fits, reqwest
+//! elsewhere).
 
 pub mod upstream;
 

@@ -1,6 +1,7 @@
 //! A real OpenAI-compatible upstream on loopback for tests and benchmarks: it speaks Chat
-//! Completions (JSON and SSE), plays scripted replies in order, can be told to fail, stall,
-//! cut a stream or send garbage, and records every call it received.
+//! Completions (JSON and SSE), plays scripted replies in order (or lets a [`Responder`] pick
+//! each reply from the call's transcript), can be told to fail, stall, cut a stream or send
+//! garbage, and records every call it received.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
