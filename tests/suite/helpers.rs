@@ -138,3 +138,104 @@ pub fn stderr(output: &Output) -> String {
 pub fn example_workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("workspace-example")
 }
+
+/// Runs `command` to its end with its output captured, failing the test if it has not ended
+/// within `limit` (a command that must refuse at once, not a timing measurement).
+pub fn output_within(mut command: Command, limit: std::time::Duration) -> Output {
+    use std::process::Stdio;
+    let stdout = tempfile::tempfile().unwrap();
+    let stderr = tempfile::tempfile().unwrap();
+    let mut child = command
+        .env_remove("STABLE_HARNESS_DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(stdout.try_clone().unwrap())
+        .stderr(stderr.try_clone().unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {command:?}: {e}"));
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command:?} did not end within {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let read = |mut file: std::fs::File| {
+        use std::io::{Read, Seek};
+        let mut bytes = Vec::new();
+        file.seek(std::io::SeekFrom::Start(0)).unwrap();
+        file.read_to_end(&mut bytes).unwrap();
+        bytes
+    };
+    Output {
+        status,
+        stdout: read(stdout),
+        stderr: read(stderr),
+    }
+}
+
+/// The embedded store of the workspace at `root`.
+pub fn store_path(root: &Path) -> PathBuf {
+    root.join(".stable-harness").join("state.db")
+}
+
+/// The rows `sql` selects from the SQLite store at `db`, opened read-only (a live server's
+/// store may be read too): each row as a JSON object by column name.
+pub fn store_rows(db: &Path, sql: &str) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    use rusqlite::types::ValueRef;
+    use serde_json::Value;
+    let connection =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap_or_else(|e| panic!("open {db:?}: {e}"));
+    let mut statement = connection
+        .prepare(sql)
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let names: Vec<String> = statement
+        .column_names()
+        .iter()
+        .map(|n| (*n).to_owned())
+        .collect();
+    let rows = statement
+        .query_map([], |row| {
+            let mut object = serde_json::Map::new();
+            for (index, name) in names.iter().enumerate() {
+                let value = match row.get_ref(index)? {
+                    ValueRef::Null => Value::Null,
+                    ValueRef::Integer(i) => Value::from(i),
+                    ValueRef::Real(f) => Value::from(f),
+                    ValueRef::Text(t) | ValueRef::Blob(t) => {
+                        Value::String(String::from_utf8_lossy(t).into_owned())
+                    }
+                };
+                object.insert(name.clone(), value);
+            }
+            Ok(object)
+        })
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    rows.map(|row| row.unwrap()).collect()
+}
+
+/// Every text or blob value of every column of every table of the store at `db`, as
+/// `(table, column, text)`: what a search for leaked secrets must cover.
+pub fn store_texts(db: &Path) -> Vec<(String, String, String)> {
+    let tables = store_rows(
+        db,
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'",
+    );
+    let mut texts = Vec::new();
+    for table in tables {
+        let table = table["name"].as_str().unwrap().to_owned();
+        for row in store_rows(db, &format!("SELECT * FROM \"{table}\"")) {
+            for (column, value) in row {
+                if let serde_json::Value::String(text) = value {
+                    texts.push((table.clone(), column, text));
+                }
+            }
+        }
+    }
+    texts
+}

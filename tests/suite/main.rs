@@ -8,6 +8,7 @@ mod helpers;
 
 mod api;
 mod cli;
+mod crash;
 mod fuzz;
 mod hostile_upstream;
 mod workspace_checks;

@@ -1,5 +1,7 @@
-//! HTTP API tests: the real application on a random port, a real loopback upstream, and
-//! clients speaking HTTP (async-openai where OpenAI's SDK fits, reqwest elsewhere).
+//! HTTP API tests: the real application on a random port (in-process, or the binary as a
+//! [`ServerProcess`] that can be killed), a real loopback upstream, tool services that record
+//! every execution, and clients speaking HTTP (async-openai where OpenAI's SDK fits, reqwest
+//! elsewhere).
 
 pub mod upstream;
 
@@ -10,6 +12,7 @@ mod mcp;
 mod recovery;
 mod runtime_api;
 pub mod tools;
+mod trust;
 mod v1;
 
 use std::sync::Arc;
@@ -243,4 +246,288 @@ pub fn assert_gapless(events: &[Value]) {
         (1..=events.len() as i64).collect::<Vec<_>>(),
         "events are not gapless"
     );
+}
+
+/// The real binary serving a workspace on a random loopback port, with the test keys: killed
+/// with SIGKILL on drop (a test that fails midway leaves no server behind).
+pub struct ServerProcess {
+    child: std::process::Child,
+    pub base: String,
+    stderr: tempfile::NamedTempFile,
+}
+
+impl ServerProcess {
+    /// `stable-harness start` on `dir` with `env` added to its environment; returns once it
+    /// printed its address.
+    pub fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> Self {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let stderr = tempfile::NamedTempFile::new().unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+        command
+            .args([
+                "start",
+                "-w",
+                dir.to_str().unwrap(),
+                "--port",
+                "0",
+                "--api-key",
+                CLIENT_KEY,
+                "--admin-key",
+                ADMIN_KEY,
+            ])
+            .env_remove("STABLE_HARNESS_DATABASE_URL")
+            .env("STABLE_HARNESS_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr.reopen().unwrap());
+        let mut child = command.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let Some(address) = line.split_whitespace().find(|w| w.starts_with("http://")) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "no address in {line:?}; stderr: {}",
+                std::fs::read_to_string(stderr.path()).unwrap_or_default()
+            );
+        };
+        Self {
+            base: address.to_owned(),
+            child,
+            stderr,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `kill -9`: no chance to clean up or finish anything.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then waits: the server drains and exits 0.
+    pub fn terminate(mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "start exits 0 on SIGTERM, got {status}");
+    }
+
+    /// Everything the server logged so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One execution a [`RecordingTools`] service received.
+#[derive(Debug, Clone)]
+pub struct Execution {
+    pub path: String,
+    /// The `Idempotency-Key` header, if the call had one.
+    pub idempotency_key: Option<String>,
+    pub headers: std::collections::BTreeMap<String, String>,
+    pub body: Value,
+    /// When the execution arrived (wall clock, comparable with the store's timestamps).
+    pub at: chrono::DateTime<chrono::Utc>,
+}
+
+struct RecordingState {
+    executions: std::sync::Mutex<Vec<Execution>>,
+    /// Paths whose executions wait until released.
+    held: std::sync::Mutex<std::collections::HashSet<String>>,
+    released: tokio::sync::watch::Sender<u64>,
+    /// Fixed answers by path (default: an echo of the call).
+    answers: std::sync::Mutex<std::collections::HashMap<String, Value>>,
+}
+
+/// An `http` tool service on loopback that records every execution (path, idempotency key,
+/// headers, body, arrival time). A body's `sleep_ms` makes that execution slow; a held path
+/// keeps its executions waiting (so a test can kill the server while a tool runs) until
+/// released. It answers `{ok, path, idempotencyKey, echo}` unless told otherwise.
+#[derive(Clone)]
+pub struct RecordingTools {
+    pub url: String,
+    state: Arc<RecordingState>,
+}
+
+impl RecordingTools {
+    pub async fn start() -> Self {
+        let (released, _) = tokio::sync::watch::channel(0);
+        let state = Arc::new(RecordingState {
+            executions: Default::default(),
+            held: Default::default(),
+            released,
+            answers: Default::default(),
+        });
+        let app = axum::Router::new()
+            .route("/{*path}", axum::routing::any(record_execution))
+            .with_state(Arc::clone(&state));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { url, state }
+    }
+
+    pub fn executions(&self) -> Vec<Execution> {
+        self.state.executions.lock().unwrap().clone()
+    }
+
+    /// The executions that reached `path`.
+    pub fn at(&self, path: &str) -> Vec<Execution> {
+        self.executions()
+            .into_iter()
+            .filter(|e| e.path == path)
+            .collect()
+    }
+
+    /// Executions of `path` wait from now on until [`Self::release`].
+    pub fn hold(&self, path: &str) {
+        self.state.held.lock().unwrap().insert(path.to_owned());
+    }
+
+    pub fn release(&self, path: &str) {
+        self.state.held.lock().unwrap().remove(path);
+        self.state
+            .released
+            .send_modify(|generation| *generation += 1);
+    }
+
+    /// Executions of `path` are answered with `body`.
+    pub fn answer(&self, path: &str, body: Value) {
+        self.state
+            .answers
+            .lock()
+            .unwrap()
+            .insert(path.to_owned(), body);
+    }
+
+    /// Polls until `path` received `count` executions (bounded); returns them.
+    pub async fn wait_for(&self, path: &str, count: usize) -> Vec<Execution> {
+        for _ in 0..1200 {
+            let executions = self.at(path);
+            if executions.len() >= count {
+                return executions;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+        panic!("{path} never received {count} execution(s)");
+    }
+}
+
+async fn record_execution(
+    axum::extract::State(state): axum::extract::State<Arc<RecordingState>>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> axum::Json<Value> {
+    let path = uri.path().to_owned();
+    let body: Value = serde_json::from_slice(&body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    let idempotency_key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let headers = headers
+        .iter()
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    state.executions.lock().unwrap().push(Execution {
+        path: path.clone(),
+        idempotency_key: idempotency_key.clone(),
+        headers,
+        body: body.clone(),
+        at: chrono::Utc::now(),
+    });
+    loop {
+        // Subscribed before looking, so a release in between is not missed.
+        let mut changed = state.released.subscribe();
+        if !state.held.lock().unwrap().contains(&path) {
+            break;
+        }
+        let _ = changed.changed().await;
+    }
+    if let Some(ms) = body.get("sleep_ms").and_then(Value::as_u64) {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    if let Some(answer) = state.answers.lock().unwrap().get(&path) {
+        return axum::Json(answer.clone());
+    }
+    axum::Json(
+        serde_json::json!({ "ok": true, "path": path, "idempotencyKey": idempotency_key, "echo": body }),
+    )
+}
+
+/// Approves every pending approval at `base` (one page); how many it approved. Errors (a
+/// server being killed) count as nothing approved.
+pub async fn approve_pending(http: &reqwest::Client, base: &str) -> usize {
+    let Ok(response) = http
+        .get(format!("{base}/admin/approvals?status=pending&limit=200"))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+    else {
+        return 0;
+    };
+    let Ok(page) = response.json::<Value>().await else {
+        return 0;
+    };
+    let mut approved = 0;
+    for approval in page["data"].as_array().cloned().unwrap_or_default() {
+        let Some(id) = approval["id"].as_str() else {
+            continue;
+        };
+        let decided = http
+            .post(format!("{base}/admin/approvals/{id}/approve"))
+            .bearer_auth(ADMIN_KEY)
+            .json(&serde_json::json!({ "reason": "operator loop" }))
+            .send()
+            .await;
+        if decided.is_ok_and(|r| r.status().is_success()) {
+            approved += 1;
+        }
+    }
+    approved
+}
+
+/// Every stored event of a request, page after page, with the client key.
+pub async fn all_events(http: &reqwest::Client, base: &str, request_id: &str) -> Vec<Value> {
+    let mut events = Vec::new();
+    let mut after = 0;
+    loop {
+        let (status, page) = get_json(
+            http,
+            &format!("{base}/runtime/requests/{request_id}/events?after={after}&limit=1000"),
+            CLIENT_KEY,
+        )
+        .await;
+        assert_eq!(status, 200, "{page}");
+        let data = page["data"].as_array().cloned().unwrap_or_default();
+        if data.is_empty() {
+            return events;
+        }
+        after = page["nextAfter"].as_i64().unwrap();
+        events.extend(data);
+    }
 }

@@ -1,7 +1,8 @@
 //! A real OpenAI-compatible upstream on loopback for tests and benchmarks: it speaks Chat
-//! Completions (JSON and SSE), plays scripted replies in order, can be told to fail, stall,
-//! cut a stream or send garbage (raw SSE of a test's choosing, an event that never ends), and
-//! records every call it received.
+//! Completions (JSON and SSE), plays scripted replies in order (or lets a [`Responder`] pick
+//! each reply from the call's transcript), can be told to fail, stall, cut a stream or send
+//! garbage (raw SSE of a test's choosing, an event that never ends), and records every call
+//! it received.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +43,11 @@ pub enum Reply {
     /// were sent or the client hung up, then the connection drops.
     /// [`MockUpstream::endless_bytes_sent`] tells how far it got.
     EndlessEvent { max_bytes: usize },
+    /// Like `ToolCalls`, with the ids the model gives its calls: (id, function name, arguments).
+    /// Real providers reuse `call_0` every turn or send empty ids.
+    ToolCallsWithIds(Vec<(String, String, String)>),
+    /// An error status with this body, as a provider's 4xx explains itself.
+    StatusBody { status: u16, body: String },
 }
 
 impl Reply {
@@ -64,6 +70,24 @@ struct MockState {
     fallback: Mutex<Reply>,
     calls: Mutex<Vec<Call>>,
     endless_sent: Arc<AtomicUsize>,
+    responder: Mutex<Option<Responder>>,
+}
+
+/// Decides the reply from the call's body (its transcript): for upstreams shared by many
+/// concurrent requests, where a queue's order would not say which request gets what.
+#[derive(Clone)]
+pub struct Responder(Arc<dyn Fn(&Value) -> Reply + Send + Sync>);
+
+impl Responder {
+    pub fn new(decide: impl Fn(&Value) -> Reply + Send + Sync + 'static) -> Self {
+        Self(Arc::new(decide))
+    }
+}
+
+impl std::fmt::Debug for Responder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Responder")
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -81,6 +105,7 @@ impl MockUpstream {
             fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
             calls: Mutex::new(Vec::new()),
             endless_sent: Arc::new(AtomicUsize::new(0)),
+            responder: Mutex::new(None),
         });
         let app = axum::Router::new()
             .route("/v1/chat/completions", post(chat_completions))
@@ -111,6 +136,11 @@ impl MockUpstream {
     pub fn endless_bytes_sent(&self) -> usize {
         self.state.endless_sent.load(Ordering::SeqCst)
     }
+
+    /// From now on every call is answered by `responder` (the queue and default are unused).
+    pub fn set_responder(&self, responder: Responder) {
+        *self.state.responder.lock().unwrap() = Some(responder);
+    }
 }
 
 async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
@@ -119,9 +149,13 @@ async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> R
         body: body.clone(),
         at: Instant::now(),
     });
-    let reply = {
-        let next = state.script.lock().unwrap().pop_front();
-        next.unwrap_or_else(|| state.fallback.lock().unwrap().clone())
+    let responder = state.responder.lock().unwrap().clone();
+    let reply = match responder {
+        Some(responder) => (responder.0)(&body),
+        None => {
+            let next = state.script.lock().unwrap().pop_front();
+            next.unwrap_or_else(|| state.fallback.lock().unwrap().clone())
+        }
     };
     let stream = body["stream"].as_bool().unwrap_or(false);
     let model = body["model"].as_str().unwrap_or("mock").to_owned();
@@ -170,6 +204,13 @@ async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> R
             parts.push(Err(std::io::Error::other("connection cut by the mock")));
             sse(parts, Duration::from_millis(5))
         }
+        Reply::ToolCallsWithIds(calls) => tool_calls_with_ids(&model, &calls, stream),
+        Reply::StatusBody { status, body } => (
+            StatusCode::from_u16(status).unwrap(),
+            [("content-type", "application/json")],
+            body,
+        )
+            .into_response(),
     }
 }
 
@@ -294,6 +335,43 @@ fn sse(parts: Vec<Result<String, std::io::Error>>, pause: Duration) -> Response 
         .header("content-type", "text/event-stream")
         .body(Body::from_stream(stream))
         .unwrap()
+}
+
+/// A tool-call turn whose calls carry the given ids, streamed as fragments like `tool_calls`.
+fn tool_calls_with_ids(model: &str, calls: &[(String, String, String)], stream: bool) -> Response {
+    if !stream {
+        let calls: Vec<Value> = calls
+            .iter()
+            .map(|(id, name, arguments)| json!({ "id": id, "type": "function", "function": { "name": name, "arguments": arguments } }))
+            .collect();
+        return axum::Json(json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{ "index": 0, "message": { "role": "assistant", "content": null, "tool_calls": calls }, "finish_reason": "tool_calls" }],
+            "usage": { "prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25 },
+        }))
+        .into_response();
+    }
+    let mut parts = vec![Ok(chunk(
+        model,
+        json!({ "role": "assistant", "content": null }),
+        None,
+    ))];
+    for (index, (id, name, arguments)) in calls.iter().enumerate() {
+        let (head, tail) = arguments.split_at(arguments.len() / 2);
+        parts.push(Ok(chunk(
+            model,
+            json!({ "tool_calls": [{ "index": index, "id": id, "type": "function", "function": { "name": name, "arguments": head } }] }),
+            None,
+        )));
+        parts.push(Ok(chunk(
+            model,
+            json!({ "tool_calls": [{ "index": index, "function": { "arguments": tail } }] }),
+            None,
+        )));
+    }
+    parts.push(Ok(chunk(model, json!({}), Some("tool_calls"))));
+    parts.push(Ok("data: [DONE]\n\n".into()));
+    sse(parts, Duration::ZERO)
 }
 
 use futures::StreamExt as _;
