@@ -132,10 +132,7 @@ impl Redactor {
         }
         names.sort();
         names.dedup();
-        Self::new(
-            names,
-            workspace.runtime.governance.redact_patterns.clone(),
-        )
+        Self::new(names, workspace.runtime.governance.redact_patterns.clone())
     }
 
     pub fn new(variables: Vec<String>, patterns: Vec<regex::Regex>) -> Self {
@@ -198,6 +195,11 @@ impl Secrets<'_> {
                 for (key, field) in fields.iter_mut() {
                     if is_credential_key(key) && !field.is_null() {
                         *field = Value::String(REDACTED.to_owned());
+                    } else if key == "arguments"
+                        && let Value::String(text) = field
+                        && let Some(redacted) = self.redact_encoded(text)
+                    {
+                        *text = redacted;
                     } else {
                         self.redact_in_place(field);
                     }
@@ -205,6 +207,17 @@ impl Secrets<'_> {
             }
             _ => {}
         }
+    }
+
+    /// Tool-call arguments as models write them: JSON inside a string. Parsed, redacted like
+    /// any value (credential keys included) and written back; `None` when not a JSON object.
+    fn redact_encoded(&self, text: &str) -> Option<String> {
+        if !text.trim_start().starts_with('{') {
+            return None;
+        }
+        let mut value: Value = serde_json::from_str(text).ok()?;
+        self.redact_in_place(&mut value);
+        Some(value.to_string())
     }
 
     pub fn redact_text(&self, text: &str) -> String {

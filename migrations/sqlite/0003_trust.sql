@@ -6,9 +6,12 @@
 ALTER TABLE tool_calls RENAME COLUMN tool_call_id TO call_key;
 ALTER TABLE tool_calls ADD COLUMN model_call_id TEXT NOT NULL DEFAULT '';
 ALTER TABLE tool_calls ADD COLUMN idempotency_key TEXT NOT NULL DEFAULT '';
+-- How many times the call was started (a re-run after a crash starts it again).
+ALTER TABLE tool_calls ADD COLUMN executions INTEGER NOT NULL DEFAULT 0;
 
--- Approvals are rebuilt: one per (run, call, kind), where kind says why a human is asked
--- (`policy`, or `interrupted`: the call's outcome is unknown after a restart).
+-- Approvals are rebuilt: one per (run, call, kind, execution), where kind says why a human is
+-- asked (`policy`, or `interrupted`: the call's outcome is unknown after a restart) and an
+-- interrupted approval concerns one execution: each interruption needs its own decision.
 CREATE TABLE approvals_v3 (
     id            TEXT PRIMARY KEY,
     request_id    TEXT NOT NULL REFERENCES requests(id),
@@ -17,6 +20,7 @@ CREATE TABLE approvals_v3 (
     agent_id      TEXT NOT NULL,
     call_key      TEXT NOT NULL,
     kind          TEXT NOT NULL,
+    execution     INTEGER NOT NULL DEFAULT 0,
     tool_call_id  TEXT NOT NULL,
     tool_id       TEXT NOT NULL,
     arguments     TEXT NOT NULL,
@@ -27,7 +31,7 @@ CREATE TABLE approvals_v3 (
     created_at    TEXT NOT NULL,
     expires_at    TEXT,
     decided_at    TEXT,
-    UNIQUE (run_id, call_key, kind)
+    UNIQUE (run_id, call_key, kind, execution)
 );
 INSERT INTO approvals_v3 (id, request_id, run_id, session_id, agent_id, call_key, kind, tool_call_id,
     tool_id, arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at)

@@ -172,8 +172,8 @@ pub struct RunScope<'a> {
     /// Calls recorded by an earlier life of this run (a resumed run), by call key: results,
     /// and `started` records of calls a crash interrupted.
     recorded: HashMap<String, ToolCallRecord>,
-    /// Approvals an earlier life of this run asked for, by call key and kind.
-    approvals: HashMap<(String, ApprovalKind), ApprovalRecord>,
+    /// Approvals an earlier life of this run asked for, by call key, kind and execution.
+    approvals: HashMap<(String, ApprovalKind, i64), ApprovalRecord>,
     waiting: AtomicUsize,
 }
 
@@ -225,7 +225,10 @@ impl<'a> RunScope<'a> {
             .approvals_of_run(&self.run_id)
             .await?
             .into_iter()
-            .map(|approval| ((approval.call_key.clone(), approval.kind), approval))
+            .map(|approval| {
+                let key = (approval.call_key.clone(), approval.kind, approval.execution);
+                (key, approval)
+            })
             .collect();
         Ok(())
     }
@@ -509,6 +512,7 @@ impl ToolGateway {
             Decision::NeedsApproval => {
                 let asked = Ask {
                     kind: ApprovalKind::Policy,
+                    execution: 0,
                     rule: verdict.rule.clone(),
                     reason: verdict.reason.clone(),
                 };
@@ -576,8 +580,11 @@ impl ToolGateway {
                     .await;
             }
             InterruptedAction::Ask => {
+                // Each interruption is its own question: an approval given for an earlier
+                // execution does not cover this one.
                 let asked = Ask {
                     kind: ApprovalKind::Interrupted,
+                    execution: record.executions,
                     rule: Some("interrupted".to_owned()),
                     reason: INTERRUPTED_REASON.to_owned(),
                 };
@@ -616,6 +623,7 @@ impl ToolGateway {
             tool_id: call.tool_id.clone(),
             arguments: stored_arguments.clone(),
             idempotency_key: key.clone(),
+            executions: 1,
             outcome: STARTED.to_owned(),
             result: Value::Null,
             duration_ms: 0,
@@ -745,6 +753,7 @@ impl ToolGateway {
             tool_id: call.tool_id.clone(),
             arguments: stored_arguments.clone(),
             idempotency_key: idempotency_key(&scope.run_id, &call.key),
+            executions: 0,
             outcome: result.outcome.as_str().to_owned(),
             result: result.content.clone(),
             duration_ms: started.elapsed().as_millis() as i64,
@@ -771,7 +780,10 @@ impl ToolGateway {
         asked: Ask,
     ) -> Result<(), ToolResult> {
         let governance = &self.workspace.runtime.governance;
-        let approval = match scope.approvals.get(&(call.key.clone(), asked.kind)) {
+        let approval = match scope
+            .approvals
+            .get(&(call.key.clone(), asked.kind, asked.execution))
+        {
             Some(existing) => existing.clone(),
             None => {
                 let now = Utc::now();
@@ -783,6 +795,7 @@ impl ToolGateway {
                     agent_id: scope.agent.name.clone(),
                     call_key: call.key.clone(),
                     kind: asked.kind,
+                    execution: asked.execution,
                     tool_call_id: call.id.clone(),
                     tool_id: call.tool_id.clone(),
                     arguments: stored_arguments.clone(),
@@ -875,6 +888,8 @@ impl ToolGateway {
 /// Why a call is put to a human.
 struct Ask {
     kind: ApprovalKind,
+    /// The execution an `interrupted` approval concerns (0 for policy).
+    execution: i64,
     rule: Option<String>,
     reason: String,
 }

@@ -6,10 +6,10 @@
 use std::convert::Infallible;
 
 use axum::extract::State;
-use axum::{Extension, Json};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 

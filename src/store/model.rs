@@ -198,6 +198,9 @@ pub struct ApprovalRecord {
     /// The call's place in its run: model turn and position (`t3.0`).
     pub call_key: String,
     pub kind: ApprovalKind,
+    /// For an `interrupted` approval, the execution of the call it concerns (the number of
+    /// times the call had started); 0 for a policy approval.
+    pub execution: i64,
     /// The id the model gave the call (informative only: models reuse ids).
     pub tool_call_id: String,
     pub tool_id: String,
@@ -239,6 +242,8 @@ pub struct ToolCallRecord {
     pub arguments: Value,
     /// Sent with every execution of this call (`Idempotency-Key`, ...): the same after a crash.
     pub idempotency_key: String,
+    /// How many times the call was started.
+    pub executions: i64,
     /// `started` (no result yet), `completed`, `failed`, `denied`, `not_allowed`,
     /// `invalid_arguments`, `cancelled`.
     pub outcome: String,
@@ -277,7 +282,8 @@ pub enum WriteOp {
     /// Moves a pending approval to its decision. Conditional: when the approval is not
     /// pending, the whole group it belongs to is refused with [`super::StoreError::Conflict`].
     DecideApproval(ApprovalDecision),
-    /// Records that a call is about to run (outcome `started`); a record that exists is kept.
+    /// Records that a call is about to run (outcome `started`); a record that exists only
+    /// counts one more execution.
     StartToolCall(ToolCallRecord),
     /// Inserts or replaces the result of a tool call.
     RecordToolCall(ToolCallRecord),

@@ -215,6 +215,7 @@ fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
         session_id: row.try_get("session_id")?,
         agent_id: row.try_get("agent_id")?,
         call_key: row.try_get("call_key")?,
+        execution: row.try_get("execution")?,
         kind: ApprovalKind::parse(&kind)
             .ok_or_else(|| StoreError::Corrupt(format!("unknown approval kind `{kind}`")))?,
         tool_call_id: row.try_get("tool_call_id")?,
@@ -436,6 +437,7 @@ impl Store for SqliteStore {
                     tool_id: row.try_get("tool_id")?,
                     arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
                     idempotency_key: row.try_get("idempotency_key")?,
+                    executions: row.try_get("executions")?,
                     outcome: row.try_get("outcome")?,
                     result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
                     duration_ms: row.try_get("duration_ms")?,

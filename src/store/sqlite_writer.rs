@@ -256,8 +256,8 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
             WriteOp::InsertApproval(approval) => {
                 tx.prepare_cached(
                     "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
-                     arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+                     arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind, execution)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
                 )?
                 .execute(params![
                     approval.id,
@@ -276,16 +276,17 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                     approval.expires_at.as_ref().map(time),
                     approval.decided_at.as_ref().map(time),
                     approval.call_key,
-                    approval.kind.as_str()
+                    approval.kind.as_str(),
+                    approval.execution
                 ])?;
             }
             WriteOp::DecideApproval(decision) => decide(&tx, decision)?,
             WriteOp::StartToolCall(call) => {
                 tx.prepare_cached(
                     "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
-                     idempotency_key, outcome, result, duration_ms, recorded_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'started', 'null', 0, ?8)
-                     ON CONFLICT(run_id, call_key) DO NOTHING",
+                     idempotency_key, outcome, result, duration_ms, recorded_at, executions)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'started', 'null', 0, ?8, 1)
+                     ON CONFLICT(run_id, call_key) DO UPDATE SET executions = executions + 1",
                 )?
                 .execute(params![
                     call.run_id,

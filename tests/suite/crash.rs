@@ -270,7 +270,7 @@ impl Checks {
 
 #[allow(clippy::print_stderr)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: a high-risk call interrupted a second time re-runs on its first interrupted approval (src/gateway/mod.rs await_approval); fails about 1 run in 10 at the default size, every run at N=60 M=10"]
+
 async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked() {
     stable_harness::app::install_crypto_provider();
     let sizes = Sizes::from_env();

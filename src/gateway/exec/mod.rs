@@ -93,7 +93,13 @@ pub(super) async fn run(
         } => {
             context
                 .mcp
-                .call(server, name, *max_output_bytes, arguments, context.idempotency_key)
+                .call(
+                    server,
+                    name,
+                    *max_output_bytes,
+                    arguments,
+                    context.idempotency_key,
+                )
                 .await
         }
         ToolImplementation::Subagent(name) => {

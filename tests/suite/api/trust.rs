@@ -501,7 +501,7 @@ async fn an_interrupted_call_reruns_with_its_key_or_waits_for_a_human_when_high_
 }
 
 #[tokio::test]
-#[ignore = "bug: a second interruption re-runs a high-risk call on the first interruption's approval (src/gateway/mod.rs await_approval reuses the decided (run, call, interrupted) approval)"]
+
 async fn a_high_risk_call_interrupted_twice_is_put_to_a_human_twice() {
     stable_harness::app::install_crypto_provider();
     let upstream = MockUpstream::start().await;
@@ -985,7 +985,7 @@ async fn secrets_never_reach_the_store_wherever_they_appear() {
 }
 
 #[tokio::test]
-#[ignore = "bug: a credential-named key inside a model's tool-call arguments (JSON text) stays in the run checkpoint (src/redact.rs redact_in_place only redacts object keys)"]
+
 async fn a_credential_named_argument_never_reaches_the_checkpoint() {
     let upstream = MockUpstream::start().await;
     let tools = RecordingTools::start().await;
