@@ -135,10 +135,21 @@ impl Application {
     /// interrupted runs and binds the listener.
     pub async fn build(config: ServerConfig) -> Result<Self, AppError> {
         let workspace = Arc::clone(&config.workspace);
-        let keys = ApiKeys {
+        let mut keys = ApiKeys {
             client: KeySet::collect(&config.api_keys, &workspace.runtime.openai.api_keys_env),
             admin: KeySet::collect(&config.admin_keys, &workspace.runtime.admin_api_keys_env),
         };
+        // Keys the workspace names are known by their names (and carry their labels).
+        for (set, named) in [
+            (&mut keys.client, &workspace.runtime.openai.keys),
+            (&mut keys.admin, &workspace.runtime.admin_keys),
+        ] {
+            for key in named {
+                if let Ok(value) = std::env::var(&key.key_env) {
+                    set.add_named(&value, &key.name, key.labels.clone());
+                }
+            }
+        }
         let address = format!("{}:{}", config.host, config.port);
         let open = open_surfaces(&keys, workspace.runtime.openai.enabled);
         if !open.is_empty() && !is_loopback(&config.host) && !config.insecure_open_surfaces {

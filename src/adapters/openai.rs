@@ -93,6 +93,7 @@ impl OpenAiAdapter {
         let url = format!("{}/chat/completions", base_url.trim_end_matches('/'));
         let streaming = model.capabilities.streaming;
         let body = request_body(context, request, model, streaming);
+        let output_budget = request.output_budget;
         let mut request = self.http.post(&url).json(&body);
         if let Some(var) = &model.api_key_env
             && let Ok(key) = std::env::var(var)
@@ -139,12 +140,29 @@ impl OpenAiAdapter {
             });
         }
         let mut output = if streaming {
-            self.read_stream(context, model, response).await?
+            self.read_stream(context, model, response, output_budget)
+                .await?
         } else {
             let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
                 .await
                 .map_err(AttemptError::from)?;
-            let turn = parse_completion(model, &text)?;
+            let mut turn = parse_completion(model, &text)?;
+            if turn.output.text.len() > output_budget {
+                let kept = prefix_within(&turn.output.text, output_budget).len();
+                turn.output.text.truncate(kept);
+                turn.output.finish_reason = "length".to_owned();
+                turn.tool_calls.clear();
+            }
+            if turn.tool_calls.len() > MAX_TOOL_CALLS_PER_TURN {
+                return Err(AttemptError::from(AdapterError::new(
+                    FailureKind::Malformed,
+                    format!(
+                        "upstream model `{}` asked for {} tool calls in one turn; at most {MAX_TOOL_CALLS_PER_TURN} are accepted",
+                        model.id,
+                        turn.tool_calls.len()
+                    ),
+                )));
+            }
             if !turn.output.text.is_empty() {
                 emit_delta(context, &turn.output.text).await;
             }
@@ -176,6 +194,7 @@ impl OpenAiAdapter {
         context: &AdapterContext<'_>,
         model: &ModelConfig,
         response: reqwest::Response,
+        output_budget: usize,
     ) -> Result<Turn, AttemptError> {
         let mut output = RuntimeOutput::default();
         let mut calls = StreamedCalls::default();
@@ -256,6 +275,21 @@ impl OpenAiAdapter {
                 if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str)
                     && !text.is_empty()
                 {
+                    let room = output_budget.saturating_sub(output.text.len());
+                    if text.len() > room {
+                        // The run's output is capped: keep what fits and end the answer
+                        // here, as a model does at its token limit.
+                        let kept = prefix_within(text, room);
+                        if !kept.is_empty() {
+                            emit_delta(context, kept).await;
+                            output.text.push_str(kept);
+                        }
+                        output.finish_reason = "length".to_owned();
+                        return Ok(Turn {
+                            output,
+                            tool_calls: Vec::new(),
+                        });
+                    }
                     emit_delta(context, text).await;
                     output.text.push_str(text);
                 }
@@ -284,6 +318,8 @@ impl OpenAiAdapter {
 struct TurnRequest<'a> {
     messages: &'a [Value],
     functions: &'a [Value],
+    /// Bytes of text the run may still produce (`limits.maxOutputBytes`).
+    output_budget: usize,
 }
 
 /// One model turn: its text (already streamed as deltas) and the tools it asked for.
@@ -602,9 +638,12 @@ impl RuntimeAdapter for OpenAiAdapter {
                 context.events.checkpoint(&messages).await?;
                 continue;
             }
+            let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
+                .unwrap_or(usize::MAX);
             let request = TurnRequest {
                 messages: &messages,
                 functions: &functions,
+                output_budget: cap.saturating_sub(output.text.len()),
             };
             let turn = self.call_model(&context, &request, primary).await?;
             output.text.push_str(&turn.output.text);
@@ -794,6 +833,15 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
             .to_owned(),
     };
     Ok(Turn { output, tool_calls })
+}
+
+/// The longest prefix of `text` within `limit` bytes that ends on a character boundary.
+fn prefix_within(text: &str, limit: usize) -> &str {
+    let mut end = limit.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 async fn emit_delta(context: &AdapterContext<'_>, text: &str) {

@@ -174,6 +174,8 @@ pub struct RunScope<'a> {
     recorded: HashMap<String, ToolCallRecord>,
     /// Approvals an earlier life of this run asked for, by call key, kind and execution.
     approvals: HashMap<(String, ApprovalKind, i64), ApprovalRecord>,
+    /// The labels of the key that owns the request (trusted policy input).
+    key_labels: BTreeMap<String, String>,
     waiting: AtomicUsize,
 }
 
@@ -207,7 +209,14 @@ impl<'a> RunScope<'a> {
             recorded: HashMap::new(),
             approvals: HashMap::new(),
             waiting: AtomicUsize::new(0),
+            key_labels: BTreeMap::new(),
         }
+    }
+
+    /// The owning key's labels, which policy rules may match with `labels`.
+    pub fn with_key_labels(mut self, labels: BTreeMap<String, String>) -> Self {
+        self.key_labels = labels;
+        self
     }
 
     /// Loads what an earlier life of the run recorded (only a resumed run has any).
@@ -492,7 +501,7 @@ impl ToolGateway {
                 agent: scope.agent,
                 tool,
                 runtime_labels: &self.workspace.runtime.labels,
-                key_labels: &BTreeMap::new(),
+                key_labels: &scope.key_labels,
                 metadata: &scope.metadata,
             },
         );

@@ -55,14 +55,22 @@ pub enum PolicyError {
         key: String,
         found: &'static str,
     },
+    #[error("the policy did not decide within policyTimeout ({0:?})")]
+    Timeout(std::time::Duration),
 }
 
-/// Decides for one call. First matching rule wins, else the default.
+/// Decides for one call. First matching rule wins, else the default. Evaluation is bounded
+/// by `policyTimeout`: past it, no further rule is tried and the answer is an error (which
+/// [`evaluate_or_deny`] turns into a denial).
 pub fn evaluate(
     governance: &GovernanceConfig,
     input: PolicyInput<'_>,
 ) -> Result<Verdict, PolicyError> {
+    let started = std::time::Instant::now();
     for rule in &governance.rules {
+        if started.elapsed() >= governance.policy_timeout {
+            return Err(PolicyError::Timeout(governance.policy_timeout));
+        }
         if rule_matches(rule, input)? {
             let reason = rule.reason.clone().unwrap_or_else(|| {
                 format!(
@@ -93,7 +101,13 @@ pub fn evaluate(
 pub fn evaluate_or_deny(governance: &GovernanceConfig, input: PolicyInput<'_>) -> Verdict {
     evaluate(governance, input).unwrap_or_else(|error| Verdict {
         decision: Decision::Deny,
-        rule: Some("policy_error".to_owned()),
+        rule: Some(
+            match error {
+                PolicyError::Timeout(_) => "policy_timeout",
+                PolicyError::MetadataNotScalar { .. } => "policy_error",
+            }
+            .to_owned(),
+        ),
         reason: format!("the policy could not decide, so the call is denied: {error}"),
     })
 }
@@ -271,5 +285,21 @@ mod tests {
         let verdict = evaluate_or_deny(&ws.runtime.governance, input);
         assert_eq!(verdict.decision, Decision::Deny);
         assert_eq!(verdict.rule.as_deref(), Some("policy_error"));
+    }
+
+    #[test]
+    fn a_policy_out_of_time_denies_with_rule_policy_timeout() {
+        let (_dir, mut ws) = workspace();
+        ws.runtime.governance.policy_timeout = std::time::Duration::ZERO;
+        let input = PolicyInput {
+            agent: &ws.agents["assistant"],
+            tool: &ws.tools["echo"],
+            runtime_labels: &ws.runtime.labels,
+            key_labels: &BTreeMap::new(),
+            metadata: &json!({}),
+        };
+        let verdict = evaluate_or_deny(&ws.runtime.governance, input);
+        assert_eq!(verdict.decision, Decision::Deny);
+        assert_eq!(verdict.rule.as_deref(), Some("policy_timeout"));
     }
 }

@@ -224,6 +224,19 @@ impl Runtime {
         &self.inner.store
     }
 
+    /// The labels of the named key whose identity is `owner` (none for unnamed keys).
+    pub fn key_labels(&self, owner: &str) -> std::collections::BTreeMap<String, String> {
+        self.inner
+            .workspace
+            .runtime
+            .openai
+            .keys
+            .iter()
+            .find(|key| key.name == owner)
+            .map(|key| key.labels.clone())
+            .unwrap_or_default()
+    }
+
     /// Whether the store accepts writes (for `/readyz`).
     pub fn store_available(&self) -> bool {
         self.inner.journal.is_available()

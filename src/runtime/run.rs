@@ -385,7 +385,8 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
                 metadata,
                 &events,
                 events.stop.clone(),
-            );
+            )
+            .with_key_labels(runtime.key_labels(&events.owner));
             let run = AdapterRun {
                 agent,
                 resumed,

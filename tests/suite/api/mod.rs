@@ -7,6 +7,7 @@ pub mod upstream;
 
 mod admin;
 mod durability;
+mod enforced;
 mod errors;
 mod mcp;
 mod recovery;
