@@ -438,17 +438,28 @@ async fn build_on(
     insecure_open_surfaces: bool,
 ) -> Result<Application, AppError> {
     stable_harness::app::install_crypto_provider();
-    let compiled = stable_harness::workspace::load(workspace.path()).unwrap();
-    Application::build(ServerConfig {
-        workspace: Arc::new(compiled),
-        host: host.into(),
-        port: 0,
-        database_url: None,
-        api_keys: client.iter().map(|k| (*k).into()).collect(),
-        admin_keys: admin.iter().map(|k| (*k).into()).collect(),
-        insecure_open_surfaces,
-    })
-    .await
+    let compiled = Arc::new(stable_harness::workspace::load(workspace.path()).unwrap());
+    // The previous build on this workspace releases its store (and lock) once its writer
+    // task has seen the runtime go: wait for that instead of failing with "in use".
+    for _ in 0..100 {
+        let built = Application::build(ServerConfig {
+            workspace: Arc::clone(&compiled),
+            host: host.into(),
+            port: 0,
+            database_url: None,
+            api_keys: client.iter().map(|k| (*k).into()).collect(),
+            admin_keys: admin.iter().map(|k| (*k).into()).collect(),
+            insecure_open_surfaces,
+        })
+        .await;
+        match built {
+            Err(AppError::Store(stable_harness::store::StoreError::InUse(_))) => {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            other => return other,
+        }
+    }
+    panic!("the store of an earlier build was never released");
 }
 
 #[tokio::test]
