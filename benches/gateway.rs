@@ -31,17 +31,7 @@ struct JournalHost {
 #[async_trait::async_trait]
 impl RunHost for JournalHost {
     async fn emit(&self, event_type: &str, data: Value) {
-        let event = EventRecord {
-            id: stable_harness::runtime::new_id("evt"),
-            request_id: "req_bench".into(),
-            run_id: "run_bench".into(),
-            session_id: "ses_bench".into(),
-            agent_id: "bench".into(),
-            seq: 0,
-            event_type: event_type.to_owned(),
-            at: Utc::now(),
-            data,
-        };
+        let event = event(event_type, data);
         self.journal
             .write(Some("req_bench"), WriteOp::AppendEvent(event))
             .await
@@ -53,6 +43,16 @@ impl RunHost for JournalHost {
             .commit(Some("req_bench"), ops)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    async fn commit_with_event(
+        &self,
+        mut ops: Vec<WriteOp>,
+        event_type: &str,
+        data: Value,
+    ) -> Result<(), String> {
+        ops.push(WriteOp::AppendEvent(event(event_type, data)));
+        self.commit(ops).await
     }
 
     async fn decide(
@@ -69,6 +69,21 @@ impl RunHost for JournalHost {
         Err(format!(
             "the benchmark has no agent `{agent}` to delegate to"
         ))
+    }
+}
+
+/// An event of the benchmark's run.
+fn event(event_type: &str, data: Value) -> EventRecord {
+    EventRecord {
+        id: stable_harness::runtime::new_id("evt"),
+        request_id: "req_bench".into(),
+        run_id: "run_bench".into(),
+        session_id: "ses_bench".into(),
+        agent_id: "bench".into(),
+        seq: 0,
+        event_type: event_type.to_owned(),
+        at: Utc::now(),
+        data,
     }
 }
 

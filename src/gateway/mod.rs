@@ -143,6 +143,14 @@ pub trait RunHost: Send + Sync {
     /// Commits `ops` together, after the run's earlier writes. On `Err` nothing may go on:
     /// the run is being stopped.
     async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), String>;
+    /// Commits `ops` together with an event of the run (a call's start and its
+    /// `runtime.tool.direct.started`: an execution never happens without its event stored).
+    async fn commit_with_event(
+        &self,
+        ops: Vec<WriteOp>,
+        event_type: &str,
+        data: Value,
+    ) -> Result<(), String>;
     /// Takes a decision about a pending approval of this run (its expiry), with its event.
     /// `Ok(false)`: somebody decided first.
     async fn decide(
@@ -535,10 +543,7 @@ impl ToolGateway {
                 }
             }
         }
-        let result = self
-            .run_recorded(scope, &call, tool, arguments, &stored_arguments)
-            .await;
-        self.finish(scope, &call, &stored_arguments, result, started)
+        self.run_and_finish(scope, &call, tool, arguments, &stored_arguments, started)
             .await
     }
 
@@ -607,10 +612,24 @@ impl ToolGateway {
                 }
             }
         }
+        self.run_and_finish(scope, call, tool, arguments, &stored_arguments, started)
+            .await
+    }
+
+    /// Runs an allowed call (its start recorded first) and records its result.
+    async fn run_and_finish(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        tool: &ToolConfig,
+        arguments: Value,
+        stored_arguments: &Value,
+        started: Instant,
+    ) -> ToolResult {
         let result = self
-            .run_recorded(scope, call, tool, arguments, &stored_arguments)
+            .run_recorded(scope, call, tool, arguments, stored_arguments)
             .await;
-        self.finish(scope, call, &stored_arguments, result, started)
+        self.finish(scope, call, stored_arguments, result, started)
             .await
     }
 
@@ -624,21 +643,20 @@ impl ToolGateway {
         stored_arguments: &Value,
     ) -> ToolResult {
         let key = idempotency_key(&scope.run_id, &call.key);
-        let start = WriteOp::StartToolCall(ToolCallRecord {
-            run_id: scope.run_id.clone(),
-            call_key: call.key.clone(),
-            model_call_id: call.id.clone(),
-            request_id: scope.request_id.clone(),
-            tool_id: call.tool_id.clone(),
-            arguments: stored_arguments.clone(),
-            idempotency_key: key.clone(),
-            executions: 1,
-            outcome: STARTED.to_owned(),
-            result: Value::Null,
-            duration_ms: 0,
-            recorded_at: Utc::now(),
-        });
-        if let Err(message) = scope.host.commit(vec![start]).await {
+        let start = WriteOp::StartToolCall(call_record(
+            scope,
+            call,
+            stored_arguments,
+            STARTED,
+            Value::Null,
+            0,
+        ));
+        let started_event = json!({ "toolId": tool.id, "toolCallId": call.id, "callKey": call.key, "idempotencyKey": key, "arguments": stored_arguments });
+        if let Err(message) = scope
+            .host
+            .commit_with_event(vec![start], TOOL_DIRECT_STARTED, started_event)
+            .await
+        {
             return ToolResult::error(
                 Outcome::Cancelled,
                 "store_unavailable",
@@ -646,27 +664,19 @@ impl ToolGateway {
                 json!({}),
             );
         }
-        self.execute(scope, call, tool, arguments, stored_arguments, &key)
-            .await
+        self.execute(scope, call, tool, arguments, &key).await
     }
 
-    /// Runs an allowed call with the tool's timeout, between the started/completed events.
+    /// Runs an allowed call (its start and started event committed) with the tool's timeout;
+    /// ends with `runtime.tool.direct.completed`.
     async fn execute(
         &self,
         scope: &RunScope<'_>,
         call: &ToolCall,
         tool: &ToolConfig,
         arguments: Value,
-        stored_arguments: &Value,
         idempotency_key: &str,
     ) -> ToolResult {
-        scope
-            .host
-            .emit(
-                TOOL_DIRECT_STARTED,
-                json!({ "toolId": tool.id, "toolCallId": call.id, "callKey": call.key, "idempotencyKey": idempotency_key, "arguments": stored_arguments }),
-            )
-            .await;
         let started = Instant::now();
         let context = exec::ExecContext {
             workspace: &self.workspace,
@@ -754,20 +764,14 @@ impl ToolGateway {
         result: ToolResult,
         started: Instant,
     ) -> ToolResult {
-        let record = WriteOp::RecordToolCall(ToolCallRecord {
-            run_id: scope.run_id.clone(),
-            call_key: call.key.clone(),
-            model_call_id: call.id.clone(),
-            request_id: scope.request_id.clone(),
-            tool_id: call.tool_id.clone(),
-            arguments: stored_arguments.clone(),
-            idempotency_key: idempotency_key(&scope.run_id, &call.key),
-            executions: 0,
-            outcome: result.outcome.as_str().to_owned(),
-            result: result.content.clone(),
-            duration_ms: started.elapsed().as_millis() as i64,
-            recorded_at: Utc::now(),
-        });
+        let record = WriteOp::RecordToolCall(call_record(
+            scope,
+            call,
+            stored_arguments,
+            result.outcome.as_str(),
+            result.content.clone(),
+            i64::try_from(started.elapsed().as_millis()).unwrap_or(i64::MAX),
+        ));
         match scope.host.commit(vec![record]).await {
             Ok(()) => result,
             Err(message) => ToolResult::error(
@@ -905,6 +909,32 @@ struct Ask {
 
 /// The reason an interrupted call's approval gives.
 pub const INTERRUPTED_REASON: &str = "outcome unknown after a restart: the call started before the server stopped and has no recorded result; approve to run it again (with the same idempotency key) or deny";
+
+/// The record of a call in the store, with `outcome` and `result` (a start counts one
+/// execution; a result leaves the count as it is).
+fn call_record(
+    scope: &RunScope<'_>,
+    call: &ToolCall,
+    stored_arguments: &Value,
+    outcome: &str,
+    result: Value,
+    duration_ms: i64,
+) -> ToolCallRecord {
+    ToolCallRecord {
+        run_id: scope.run_id.clone(),
+        call_key: call.key.clone(),
+        model_call_id: call.id.clone(),
+        request_id: scope.request_id.clone(),
+        tool_id: call.tool_id.clone(),
+        arguments: stored_arguments.clone(),
+        idempotency_key: idempotency_key(&scope.run_id, &call.key),
+        executions: i64::from(outcome == STARTED),
+        outcome: outcome.to_owned(),
+        result,
+        duration_ms,
+        recorded_at: Utc::now(),
+    }
+}
 
 /// The idempotency key of a call: derived from its stable identity, so every execution of the
 /// same call (a re-run after a crash included) carries the same key.

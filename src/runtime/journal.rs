@@ -457,6 +457,23 @@ mod tests {
         EventRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, SqliteStore,
     };
 
+    async fn journal_on_a_fresh_store() -> (tempfile::TempDir, Arc<dyn Store>, Journal) {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open_file(&dir.path().join("state.db"))
+                .await
+                .unwrap(),
+        );
+        let tracker = tokio_util::task::TaskTracker::new();
+        let journal = Journal::start(
+            Arc::clone(&store),
+            Arc::new(EventHub::default()),
+            Redactor::default(),
+            &tracker,
+        );
+        (dir, store, journal)
+    }
+
     fn request_ops(id: &str) -> Vec<WriteOp> {
         let now = Utc::now();
         vec![
@@ -519,19 +536,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_group_fails_alone_poisons_its_request_and_leaves_no_seq_hole() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open_file(&dir.path().join("state.db"))
-                .await
-                .unwrap(),
-        );
-        let tracker = tokio_util::task::TaskTracker::new();
-        let journal = Journal::start(
-            Arc::clone(&store),
-            Arc::new(EventHub::default()),
-            Redactor::default(),
-            &tracker,
-        );
+        let (_dir, store, journal) = journal_on_a_fresh_store().await;
         journal
             .commit(Some("req_a"), request_ops("req_a"))
             .await
@@ -591,19 +596,7 @@ mod tests {
     #[tokio::test]
     async fn a_conditional_decision_is_a_conflict_the_second_time_and_poisons_nothing() {
         use crate::store::{ApprovalDecision, ApprovalStatus};
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open_file(&dir.path().join("state.db"))
-                .await
-                .unwrap(),
-        );
-        let tracker = tokio_util::task::TaskTracker::new();
-        let journal = Journal::start(
-            Arc::clone(&store),
-            Arc::new(EventHub::default()),
-            Redactor::default(),
-            &tracker,
-        );
+        let (_dir, _store, journal) = journal_on_a_fresh_store().await;
         let decision = ApprovalDecision {
             id: "apr_missing".into(),
             status: ApprovalStatus::Approved,

@@ -184,6 +184,18 @@ impl RunHost for RunEvents {
             .map_err(|error| error.to_string())
     }
 
+    async fn commit_with_event(
+        &self,
+        mut ops: Vec<WriteOp>,
+        event_type: &str,
+        data: Value,
+    ) -> Result<(), String> {
+        ops.push(WriteOp::AppendEvent(self.event(event_type, data)));
+        RunEvents::commit(self, ops)
+            .await
+            .map_err(|error| error.to_string())
+    }
+
     async fn decide(
         &self,
         approval: &ApprovalRecord,
