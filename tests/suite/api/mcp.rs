@@ -18,10 +18,12 @@ use super::{CLIENT_KEY, TestApp};
 use crate::helpers::TestWorkspace;
 
 /// An MCP server with `add` (structured result), `refuse` (an error result) and `repeat`
-/// (`size` characters of text); it counts calls.
+/// (`size` characters of text); it counts calls and keeps the idempotency key each call's
+/// `_meta` carried.
 #[derive(Clone)]
 struct Calculator {
     calls: Arc<AtomicUsize>,
+    keys: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl ServerHandler for Calculator {
@@ -42,9 +44,20 @@ impl ServerHandler for Calculator {
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        // rmcp hands a request's `_meta` to the handler in its context.
+        let key = context
+            .meta
+            .0
+            .0
+            .get("idempotencyKey")
+            .or_else(|| request.meta.as_ref()?.0.0.get("idempotencyKey"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        self.keys.lock().unwrap().push(key);
         let arguments = request.arguments.unwrap_or_default();
         let result = match request.name.as_ref() {
             "add" => {
@@ -64,10 +77,14 @@ impl ServerHandler for Calculator {
     }
 }
 
-async fn start_calculator() -> (String, Arc<AtomicUsize>) {
+type Keys = Arc<std::sync::Mutex<Vec<String>>>;
+
+async fn start_calculator() -> (String, Arc<AtomicUsize>, Keys) {
     let calls = Arc::new(AtomicUsize::new(0));
+    let keys: Keys = Arc::default();
     let handler = Calculator {
         calls: Arc::clone(&calls),
+        keys: Arc::clone(&keys),
     };
     let service = StreamableHttpService::new(
         move || Ok(handler.clone()),
@@ -80,7 +97,7 @@ async fn start_calculator() -> (String, Arc<AtomicUsize>) {
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    (url, calls)
+    (url, calls, keys)
 }
 
 /// A stdio MCP server (Python, no SDK) that answers the handshake and dies on any tool call.
@@ -100,7 +117,7 @@ for line in sys.stdin:
 
 #[tokio::test]
 async fn mcp_tools_run_over_streamable_http_and_a_dying_stdio_server_is_a_typed_error() {
-    let (url, calls) = start_calculator().await;
+    let (url, calls, keys) = start_calculator().await;
     let workspace = TestWorkspace::empty();
     workspace.write(
         "config/runtime/workspace.yaml",
@@ -153,11 +170,21 @@ async fn mcp_tools_run_over_streamable_http_and_a_dying_stdio_server_is_a_typed_
         "the run went on after the death"
     );
     assert_eq!(calls.load(Ordering::SeqCst), 3);
+    // Every call carried its idempotency key in `_meta`: the run and the script step.
+    let run_id = view["runs"][0]["runId"].as_str().unwrap();
+    assert_eq!(
+        *keys.lock().unwrap(),
+        [
+            format!("{run_id}.s1"),
+            format!("{run_id}.s2"),
+            format!("{run_id}.s4")
+        ]
+    );
 }
 
 #[tokio::test]
 async fn an_mcp_result_larger_than_its_bound_is_output_too_large() {
-    let (url, calls) = start_calculator().await;
+    let (url, calls, _keys) = start_calculator().await;
     let workspace = TestWorkspace::empty();
     workspace.write(
         "config/runtime/workspace.yaml",
