@@ -51,6 +51,7 @@ pub async fn run(args: StartArgs) -> u8 {
         .as_deref()
         .map(|a| format!(" (default {a})"))
         .unwrap_or_default();
+    let shutdown = shutdown_signal();
     output::print(&format!(
         "stable-harness listening on http://{} — store: {} — agents: {}{default}",
         app.address(),
@@ -71,7 +72,7 @@ pub async fn run(args: StartArgs) -> u8 {
             "resumed runs interrupted by the previous process"
         );
     }
-    match app.run_until(shutdown_signal()).await {
+    match app.run_until(shutdown).await {
         Ok(()) => exit::OK,
         Err(error) => {
             output::error(&format!("stable-harness start: {error}"));
@@ -80,25 +81,32 @@ pub async fn run(args: StartArgs) -> u8 {
     }
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
+/// Completes on SIGINT or SIGTERM. The handlers are installed when this is called, not when
+/// the future is first polled: a signal sent right after the startup line is a clean stop.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let interrupt = signal(SignalKind::interrupt());
+        let terminate = signal(SignalKind::terminate());
+        async move {
+            match (interrupt, terminate) {
+                (Ok(mut interrupt), Ok(mut terminate)) => {
+                    tokio::select! {
+                        _ = interrupt.recv() => {}
+                        _ = terminate.recv() => {}
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = interrupt.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
