@@ -146,7 +146,7 @@ impl Application {
         ] {
             for key in named {
                 if let Ok(value) = std::env::var(&key.key_env) {
-                    set.add_named(&value, &key.name, key.labels.clone());
+                    set.add_named(&value, &key.name);
                 }
             }
         }

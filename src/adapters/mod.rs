@@ -43,20 +43,18 @@ pub trait ToolInvoker: Send + Sync {
     fn specs(&self) -> &[ToolSpec];
     /// Runs one call through the gateway; every problem comes back as a result.
     async fn call(&self, call: ToolCall) -> ToolResult;
-    /// `value` with secrets removed, for anything an adapter stores (its own events).
-    fn redact(&self, value: &Value) -> Value;
 }
 
 /// Runs a batch of calls concurrently, announcing each as `agent.tool.start` and
 /// `agent.tool.result`; results come back in the batch's order.
 pub async fn call_tools(context: &AdapterContext<'_>, calls: Vec<ToolCall>) -> Vec<ToolResult> {
     let runs = calls.into_iter().map(|call| async move {
-        // Models send arguments as JSON text: parse it so credential keys are found too.
-        let arguments = match &call.arguments {
+        // Models send arguments as JSON text: the event carries them parsed. (Secrets are
+        // removed by the journal, like from everything stored.)
+        let args = match &call.arguments {
             Value::String(text) => serde_json::from_str(text).unwrap_or_else(|_| call.arguments.clone()),
             other => other.clone(),
         };
-        let args = context.tools.redact(&arguments);
         context
             .events
             .emit(

@@ -487,7 +487,8 @@ impl ToolGateway {
                     .await;
             }
         };
-        let stored_arguments = self.redactor.redact(&arguments);
+        // What is stored of the arguments; the journal redacts it on the way to the store.
+        let stored_arguments = arguments.clone();
         let errors = schema_errors(tool, &arguments);
         if !errors.is_empty() {
             let result = ToolResult::error(

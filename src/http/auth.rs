@@ -8,8 +8,6 @@
 //! owns what the key creates and names the operator who decides an approval. An identity
 //! never depends on which other keys exist.
 
-use std::collections::BTreeMap;
-
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -23,12 +21,12 @@ use crate::redact::Secret;
 /// The identity of every caller on a surface that has no keys.
 pub const ANONYMOUS: &str = "anonymous";
 
-/// One accepted key: only its digest is kept.
+/// One accepted key: only its digest is kept. (A named key's labels live in the workspace;
+/// the runtime looks them up by identity.)
 #[derive(Clone)]
 struct Key {
     digest: [u8; 32],
     identity: String,
-    labels: BTreeMap<String, String>,
 }
 
 /// A set of secret keys; `Debug` never prints them.
@@ -73,15 +71,13 @@ impl KeySet {
                 .map(|key| Key {
                     digest: digest(key),
                     identity: fingerprint(key),
-                    labels: BTreeMap::new(),
                 })
                 .collect(),
         )
     }
 
-    /// Adds a key known by `name`, with `labels` (policy input); a named key wins over the
-    /// same key without a name.
-    pub fn add_named(&mut self, key: &str, name: &str, labels: BTreeMap<String, String>) {
+    /// Adds a key known by `name`; a named key wins over the same key without a name.
+    pub fn add_named(&mut self, key: &str, name: &str) {
         let key = key.trim();
         if key.is_empty() {
             return;
@@ -91,16 +87,11 @@ impl KeySet {
         self.0.push(Key {
             digest,
             identity: name.to_owned(),
-            labels,
         });
     }
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
     }
 
     /// Whether `candidate` is one of the keys.
@@ -121,13 +112,6 @@ impl KeySet {
         }
         found
     }
-
-    /// The identity and labels of every key (for the policy's key labels).
-    pub fn identities(&self) -> impl Iterator<Item = (&str, &BTreeMap<String, String>)> {
-        self.0
-            .iter()
-            .map(|key| (key.identity.as_str(), &key.labels))
-    }
 }
 
 /// Who is calling, as authentication established it (a request extension).
@@ -135,8 +119,6 @@ impl KeySet {
 pub struct Caller {
     /// The key's identity, or [`ANONYMOUS`] on an open surface.
     pub identity: String,
-    /// The key's labels (trusted policy input).
-    pub labels: BTreeMap<String, String>,
 }
 
 /// The client and admin key sets.
@@ -171,7 +153,6 @@ fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<Caller, ApiE
     if own.is_empty() {
         return Ok(Caller {
             identity: ANONYMOUS.to_owned(),
-            labels: BTreeMap::new(),
         });
     }
     let Some(token) = bearer(request) else {
@@ -183,7 +164,6 @@ fn check(keys: &ApiKeys, scope: Scope, request: &Request) -> Result<Caller, ApiE
     if let Some(key) = own.find(token) {
         Ok(Caller {
             identity: key.identity.clone(),
-            labels: key.labels.clone(),
         })
     } else if other.contains(token) {
         Err(ApiError::new(

@@ -280,21 +280,18 @@ impl Runtime {
         if !inner.journal.is_available() {
             return Err(RuntimeError::StoreUnavailable);
         }
-        // A session belongs to whoever created it: to anyone else it does not exist.
-        let existing = match &request.session_id {
-            Some(id) => inner.store.session(id).await?,
-            None => None,
-        };
-        if let (Some(id), Some(session)) = (&request.session_id, &existing)
-            && session.owner != request.owner
-        {
-            return Err(RuntimeError::SessionNotFound(id.clone()));
-        }
-        if request.with_history
-            && existing.is_none()
-            && let Some(id) = &request.session_id
-        {
-            return Err(RuntimeError::SessionNotFound(id.clone()));
+        // A session belongs to whoever created it: to anyone else it does not exist. Only a
+        // surface that continues a stored history needs it to exist already.
+        if let Some(id) = &request.session_id {
+            match inner.store.session(id).await? {
+                Some(session) if session.owner != request.owner => {
+                    return Err(RuntimeError::SessionNotFound(id.clone()));
+                }
+                None if request.with_history => {
+                    return Err(RuntimeError::SessionNotFound(id.clone()));
+                }
+                _ => {}
+            }
         }
         let permit = Arc::clone(&inner.admission)
             .try_acquire_owned()

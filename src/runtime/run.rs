@@ -340,10 +340,6 @@ impl ToolInvoker for RunTools<'_> {
     async fn call(&self, call: ToolCall) -> ToolResult {
         self.gateway.call(&self.scope, call).await
     }
-
-    fn redact(&self, value: &Value) -> Value {
-        self.gateway.redactor().redact(value)
-    }
 }
 
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]

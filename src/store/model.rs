@@ -289,23 +289,6 @@ pub enum WriteOp {
     RecordToolCall(ToolCallRecord),
 }
 
-impl WriteOp {
-    /// The request this write belongs to, if one.
-    pub fn request_id(&self) -> Option<&str> {
-        match self {
-            Self::TouchSession(_) | Self::DecideApproval(_) => None,
-            Self::InsertMessage(message) => message.request_id.as_deref(),
-            Self::InsertRequest(request) => Some(&request.id),
-            Self::UpdateRequest { id, .. } => Some(id),
-            Self::InsertRun(run) => Some(&run.request_id),
-            Self::UpdateRun { .. } => None,
-            Self::AppendEvent(event) => Some(&event.request_id),
-            Self::InsertApproval(approval) => Some(&approval.request_id),
-            Self::StartToolCall(call) | Self::RecordToolCall(call) => Some(&call.request_id),
-        }
-    }
-}
-
 #[derive(Debug, Clone, Default)]
 pub struct RequestFilter {
     pub status: Option<RunStatus>,
