@@ -24,7 +24,7 @@ use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, ToolSpec,
     Usage, backoff_delay, call_tools,
 };
-use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED};
+use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED, output_delta};
 use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
 
@@ -845,13 +845,7 @@ fn prefix_within(text: &str, limit: usize) -> &str {
 }
 
 async fn emit_delta(context: &AdapterContext<'_>, text: &str) {
-    context
-        .events
-        .emit(
-            ADAPTER_EVENT,
-            json!({ "event": { "phase": "agent.output.delta", "text": text } }),
-        )
-        .await;
+    context.events.emit(ADAPTER_EVENT, output_delta(text)).await;
 }
 
 async fn read_limited(

@@ -3,13 +3,11 @@
 //! concatenation of the replies. A `toolCall` step runs through the tool gateway exactly like a
 //! model's call; its key (`sN`, N the step) is stable, so a resumed run never repeats it.
 
-use serde_json::json;
-
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, call_tools,
     last_user_text,
 };
-use crate::runtime::events::ADAPTER_EVENT;
+use crate::runtime::events::{ADAPTER_EVENT, output_delta};
 use crate::workspace::ScriptStep;
 
 #[derive(Debug, Clone, Copy)]
@@ -32,10 +30,7 @@ impl RuntimeAdapter for ScriptedAdapter {
                     let reply = template.replace("{{input}}", &input);
                     context
                         .events
-                        .emit(
-                            ADAPTER_EVENT,
-                            json!({ "event": { "phase": "agent.output.delta", "text": reply } }),
-                        )
+                        .emit(ADAPTER_EVENT, output_delta(&reply))
                         .await;
                     text.push_str(&reply);
                 }

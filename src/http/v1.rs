@@ -22,7 +22,7 @@ use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{
     ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_HANDOFF, PHASE_TOOL_RESULT,
     PHASE_TOOL_START, PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED,
-    TOOL_DIRECT_STARTED, is_terminal,
+    TOOL_DIRECT_STARTED, is_terminal, output_delta_text,
 };
 use crate::runtime::{ApprovalWatch, NewRequest, Protocol, Submitted, Watched};
 use crate::store::{EventRecord, RunStatus};
@@ -321,10 +321,9 @@ impl Completion {
 }
 
 fn delta_text(event: &EventRecord) -> Option<&str> {
-    (event.event_type == ADAPTER_EVENT
-        && event.data.pointer("/event/phase").and_then(Value::as_str) == Some("agent.output.delta"))
-    .then(|| event.data.pointer("/event/text").and_then(Value::as_str))
-    .flatten()
+    (event.event_type == ADAPTER_EVENT)
+        .then(|| output_delta_text(&event.data))
+        .flatten()
 }
 
 /// The API error a terminal event that is not `completed` stands for.

@@ -21,6 +21,21 @@ pub const PHASE_TOOL_START: &str = "agent.tool.start";
 pub const PHASE_TOOL_RESULT: &str = "agent.tool.result";
 pub const PHASE_HANDOFF: &str = "agent.handoff";
 
+/// The data of a `runtime.adapter.event` carrying output text.
+pub fn output_delta(text: &str) -> serde_json::Value {
+    serde_json::json!({ "event": { "phase": PHASE_OUTPUT_DELTA, "text": text } })
+}
+
+/// The text of an output delta event's data, when `data` is exactly that.
+pub fn output_delta_text(data: &serde_json::Value) -> Option<&str> {
+    let outer = data.as_object()?;
+    let event = outer.get("event")?.as_object()?;
+    let exact = outer.len() == 1
+        && event.len() == 2
+        && event.get("phase").and_then(serde_json::Value::as_str) == Some(PHASE_OUTPUT_DELTA);
+    exact.then(|| event.get("text")?.as_str()).flatten()
+}
+
 /// Whether an event of this type ends its request (nothing follows it for that run).
 pub fn is_terminal(event_type: &str) -> bool {
     matches!(

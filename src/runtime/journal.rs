@@ -20,6 +20,11 @@
 //!   submits are refused with 503, `/readyz` is red, and service resumes by itself once a
 //!   write succeeds again.
 //! - Events reach live subscribers only after their commit.
+//! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
+//!   `agent.output.delta` events queued while the previous commit was in flight become one
+//!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
+//!   the same order, for live subscribers and replay alike, in a row per commit instead of a
+//!   row per token.
 //! - **Nothing secret is stored.** Every write is redacted ([`crate::redact`]) before it is
 //!   applied, whoever produced it: the one choke point for everything persisted.
 
@@ -28,9 +33,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use super::events::is_terminal;
+use super::events::{ADAPTER_EVENT, is_terminal, output_delta_text};
 use super::hub::EventHub;
 use crate::redact::{Redactor, Secrets};
 use crate::store::{Store, StoreError, WriteOp};
@@ -39,6 +45,8 @@ use crate::store::{Store, StoreError, WriteOp};
 const MAX_BATCH: usize = 512;
 /// Queue length (in groups) before producers wait.
 const QUEUE: usize = 8_192;
+/// Largest text of a delta event made of several (a longer one starts a new event).
+const MAX_MERGED_DELTA: usize = 64 * 1024;
 /// Longest pause between two tries of a write the store refused for a transient reason.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -205,10 +213,11 @@ impl Writer {
         let mut items = Vec::with_capacity(MAX_BATCH);
         while receiver.recv_many(&mut items, MAX_BATCH).await > 0 {
             let mut groups = Vec::with_capacity(items.len());
+            let mut last_delta: HashMap<String, usize> = HashMap::new();
             let mut flushes = Vec::new();
             for item in items.drain(..) {
                 match item {
-                    Item::Group(group) => groups.push(group),
+                    Item::Group(group) => push_merging_deltas(&mut groups, &mut last_delta, group),
                     Item::Flush(done) => flushes.push(done),
                 }
             }
@@ -388,6 +397,47 @@ impl Writer {
     }
 }
 
+/// Adds `group` to the batch, or, when it is a lone output delta following another of the
+/// same run with nothing of its request in between, appends its text to that one.
+/// `last_delta` holds, per request, the index of its last group when that is a lone delta.
+fn push_merging_deltas(
+    groups: &mut Vec<Group>,
+    last_delta: &mut HashMap<String, usize>,
+    group: Group,
+) {
+    let Some(request) = group.request.clone() else {
+        groups.push(group);
+        return;
+    };
+    let Some((run, text)) = lone_delta(&group) else {
+        last_delta.remove(&request);
+        groups.push(group);
+        return;
+    };
+    if let Some(previous) = last_delta.get(&request).and_then(|&i| groups.get_mut(i))
+        && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
+        && event.run_id == run
+        && let Some(Value::String(joined)) = event.data.pointer_mut("/event/text")
+        && joined.len().saturating_add(text.len()) <= MAX_MERGED_DELTA
+    {
+        joined.push_str(text);
+        return;
+    }
+    last_delta.insert(request, groups.len());
+    groups.push(group);
+}
+
+/// The run and text of a group that is exactly one output delta event, unacknowledged.
+fn lone_delta(group: &Group) -> Option<(&str, &str)> {
+    let [WriteOp::AppendEvent(event)] = group.ops.as_slice() else {
+        return None;
+    };
+    if group.ack.is_some() || group.settles || event.event_type != ADAPTER_EVENT {
+        return None;
+    }
+    Some((event.run_id.as_str(), output_delta_text(&event.data)?))
+}
+
 /// Removes secrets from every value a write stores.
 fn redact(op: &mut WriteOp, secrets: &Secrets<'_>) {
     let text = |text: &mut String| *text = secrets.redact_text(text);
@@ -515,6 +565,61 @@ mod tests {
             at: Utc::now(),
             data: json!({}),
         })
+    }
+
+    fn delta(request: &str, run: &str, text: &str) -> WriteOp {
+        let mut op = event(request, ADAPTER_EVENT);
+        if let WriteOp::AppendEvent(event) = &mut op {
+            event.run_id = run.into();
+            event.data = crate::runtime::events::output_delta(text);
+        }
+        op
+    }
+
+    #[tokio::test]
+    async fn deltas_queued_together_are_stored_as_one_event_per_stretch() {
+        let (_dir, store, journal) = journal_on_a_fresh_store().await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        // Queued before the writer task runs, so they share a batch.
+        for text in ["The ", "quick ", "fox"] {
+            journal
+                .write(Some("req_a"), delta("req_a", "run", text))
+                .await
+                .unwrap();
+        }
+        journal
+            .write(Some("req_a"), event("req_a", "between"))
+            .await
+            .unwrap();
+        for (run, text) in [("run", " jumps"), ("run", " over"), ("run_2", " again")] {
+            journal
+                .write(Some("req_a"), delta("req_a", run, text))
+                .await
+                .unwrap();
+        }
+        journal.flush().await.unwrap();
+
+        let stored = store.events("req_a", 0, 100).await.unwrap();
+        let summary: Vec<(i64, String, Option<String>)> = stored
+            .iter()
+            .map(|e| {
+                let text = output_delta_text(&e.data).map(str::to_owned);
+                (e.seq, e.event_type.clone(), text)
+            })
+            .collect();
+        let delta = |seq, text: &str| (seq, ADAPTER_EVENT.to_owned(), Some(text.to_owned()));
+        assert_eq!(
+            summary,
+            vec![
+                delta(1, "The quick fox"),
+                (2, "between".to_owned(), None),
+                delta(3, " jumps over"),
+                delta(4, " again"),
+            ]
+        );
     }
 
     /// A run of a request that does not exist: the store refuses it (foreign key), always.

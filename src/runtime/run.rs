@@ -58,8 +58,6 @@ struct RunEvents {
     submitted: Submitted,
     owner: String,
     narration: NarrationConfig,
-    /// The conversation at the last checkpoint (`None`: the input, untouched).
-    transcript: Mutex<Option<Vec<Value>>>,
     clock: ActiveClock,
     /// The run's execution slot; given back while the run waits on an approval.
     slot: Mutex<Option<OwnedSemaphorePermit>>,
@@ -149,9 +147,6 @@ impl EventSink for RunEvents {
     }
 
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError> {
-        if let Ok(mut transcript) = self.transcript.lock() {
-            *transcript = Some(messages.to_vec());
-        }
         self.commit(vec![WriteOp::UpdateRun {
             id: self.submitted.run_id.clone(),
             status: RunStatus::Running,
@@ -376,7 +371,6 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         submitted: submitted.clone(),
         owner,
         narration: inner.workspace.runtime.narration,
-        transcript: Mutex::new(None),
         clock: ActiveClock::start(agent.map_or(std::time::Duration::ZERO, |a| a.timeout)),
         slot: Mutex::new(Some(slot)),
         stop: cancel.child_token(),
@@ -413,15 +407,7 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
             ),
         )),
     };
-    finish(
-        runtime,
-        &events,
-        &submitted,
-        messages,
-        parent_message_id,
-        result,
-    )
-    .await;
+    finish(runtime, &events, &submitted, parent_message_id, result).await;
     drop(permit);
 }
 
@@ -513,7 +499,6 @@ async fn finish(
     runtime: &Runtime,
     events: &RunEvents,
     submitted: &Submitted,
-    mut messages: Vec<Value>,
     parent_message_id: Option<String>,
     result: Result<RuntimeOutput, AdapterError>,
 ) {
@@ -521,10 +506,6 @@ async fn finish(
     let run_id = submitted.run_id.clone();
     let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
-    let mut state = None;
-    if let Some(transcript) = events.transcript.lock().ok().and_then(|mut t| t.take()) {
-        messages = transcript;
-    }
     let lost = events.lost.lock().ok().and_then(|mut lost| lost.take());
     let result = match (result, lost) {
         (_, Some(error)) => Err(store_failure(&error)),
@@ -533,8 +514,6 @@ async fn finish(
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });
-            messages.push(reply.clone());
-            state = Some(json!({ "messages": messages }));
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: new_id("msg"),
                 session_id: submitted.session_id.clone(),
@@ -587,7 +566,7 @@ async fn finish(
         id: run_id,
         status,
         error: error.clone(),
-        state,
+        state: None,
         at: now,
     });
     ops.push(WriteOp::UpdateRequest {

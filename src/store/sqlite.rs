@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
-use super::sqlite_writer::SqliteWriter;
+use super::sqlite_writer::{CATCH_UP_PAGES, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, Page, PageRequest,
     RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError,
@@ -56,8 +56,7 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        // Migrations and background checkpoints share one sqlx connection; the writer thread
-        // never checkpoints inside a commit (that fsync would be a spike on the request path).
+        // Migrations and background checkpoints share one sqlx connection.
         let checkpointer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
@@ -70,7 +69,7 @@ impl SqliteStore {
             .min_connections(1)
             .connect_with(options.read_only(true))
             .await?;
-        tokio::spawn(checkpoint_loop(checkpointer));
+        tokio::spawn(checkpoint_loop(checkpointer, Arc::clone(&writer)));
         Ok(Self {
             path: path.to_path_buf(),
             writer,
@@ -115,24 +114,35 @@ impl StoreOwnership {
     }
 }
 
-/// Folds the write-ahead log back into the database once a second, off the request path.
-/// PASSIVE never blocks the writer; it stops by itself when the store is dropped (pool closed).
-async fn checkpoint_loop(pool: SqlitePool) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+/// Copies the write-ahead log's frames back into the database ten times a second, off the
+/// request path, and asks the writer to catch up (which restarts the WAL, see
+/// [`super::sqlite_writer`]) once the WAL is past [`CATCH_UP_PAGES`]: the writer then has
+/// only the frames of the last moment left to copy. PASSIVE never blocks the writer or
+/// readers; the loop stops by itself when the store is dropped (pool closed).
+async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         if pool.is_closed() {
             return;
         }
-        if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-            .execute(&pool)
+        match sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .fetch_one(&pool)
             .await
         {
-            if pool.is_closed() {
-                return;
+            Ok(row) => {
+                let frames: i64 = row.try_get(1).unwrap_or(0);
+                if frames >= CATCH_UP_PAGES {
+                    writer.catch_up();
+                }
             }
-            tracing::warn!(%error, "WAL checkpoint failed");
+            Err(error) => {
+                if pool.is_closed() {
+                    return;
+                }
+                tracing::warn!(%error, "WAL checkpoint failed");
+            }
         }
     }
 }
@@ -232,7 +242,10 @@ fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
     })
 }
 
-const EVENT_COLUMNS: &str = "id, request_id, run_id, session_id, agent_id, seq, type, at, data";
+/// An event row with the session and agent of its request (events do not repeat them).
+const EVENT_SELECT: &str =
+    "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
+     FROM events e JOIN requests r ON r.id = e.request_id";
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
@@ -307,9 +320,8 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE request_id = ? AND seq > ? ORDER BY seq LIMIT ?"
-        );
+        let sql =
+            format!("{EVENT_SELECT} WHERE e.request_id = ? AND e.seq > ? ORDER BY e.seq LIMIT ?");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(request_id)
             .bind(after)
@@ -325,8 +337,10 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
+        // Within the run's request's key range: events have no index by run.
         let sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+            "{EVENT_SELECT} WHERE e.request_id = (SELECT request_id FROM runs WHERE id = ?1)
+             AND e.run_id = ?1 AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(run_id)

@@ -5,9 +5,22 @@
 //! thread, so a batch of N statements costs N + 2 cross-thread round trips. Measured with
 //! `benches/load.rs`, those hops were most of the latency stable-harness added to a request.
 //! Here a batch costs one round trip, whatever its size. Reads and migrations stay on sqlx.
+//!
+//! The writer also keeps the write-ahead log bounded. SQLite reuses the WAL from its start
+//! only when a checkpoint has copied every frame and then a write begins with no reader on
+//! the old frames; a checkpoint on another connection never wins that race while writes keep
+//! coming (the WAL grew by gigabytes under sustained load). So the bulk copying runs on the
+//! store's checkpointer connection, off the request path; when that finds the WAL past
+//! [`CATCH_UP_PAGES`], it asks the writer ([`SqliteWriter::catch_up`]) to copy the few frames
+//! written since, between two transactions: no other write can slip in before the writer's
+//! next one, which then starts the WAL over from its beginning.
+//! `journal_size_limit` gives the file's space back after a restart. Should readers starve
+//! the restart (a long backup read), the writer waits for them, briefly, with a RESTART
+//! checkpoint once the file passes [`STARVED_WAL_BYTES`].
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use rusqlite::{Connection, params};
@@ -16,8 +29,20 @@ use tokio::sync::oneshot;
 
 use super::{ApprovalDecision, StoreError, WriteOp};
 
+/// WAL size, in pages, past which the writer is asked to catch up and restart the WAL
+/// (SQLite's own default auto-checkpoint size: 4 MiB with 4 KiB pages).
+pub const CATCH_UP_PAGES: i64 = 1_000;
+/// The WAL file is cut back to this size after each restart.
+const WAL_SIZE_LIMIT: u64 = 16 * 1024 * 1024;
+/// A WAL file this large means restarts are being starved by readers.
+const STARVED_WAL_BYTES: u64 = 32 * 1024 * 1024;
+/// Least time between two waits for readers (each waits at most the busy timeout).
+const STARVED_RETRY: Duration = Duration::from_secs(5);
+
 enum Job {
     Apply(Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>),
+    /// Copy the WAL's last frames so that the next write restarts it.
+    CatchUp,
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
@@ -34,16 +59,18 @@ impl SqliteWriter {
         // database can make the writer wait: after 2s that is reported as the store being
         // unavailable (and retried by the journal) rather than a request hanging.
         connection
-            .execute_batch(
+            .execute_batch(&format!(
                 "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
-                 PRAGMA busy_timeout = 2000; PRAGMA wal_autocheckpoint = 0;",
-            )
+                 PRAGMA busy_timeout = 2000; PRAGMA wal_autocheckpoint = 0;
+                 PRAGMA journal_size_limit = {WAL_SIZE_LIMIT};"
+            ))
             .map_err(writer_error)?;
         connection.set_prepared_statement_cache_capacity(32);
         let (jobs, queue) = mpsc::channel::<Job>();
+        let wal = WalWatch::new(path);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || write_loop(connection, queue))
+            .spawn(move || write_loop(connection, queue, wal))
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self { jobs })
     }
@@ -53,6 +80,12 @@ impl SqliteWriter {
         let (done, result) = oneshot::channel();
         self.send(Job::Apply(ops, done))?;
         result.await.map_err(|_| stopped())?
+    }
+
+    /// Asks the writer to copy the WAL's remaining frames between two transactions (the
+    /// checkpointer has copied the rest), so that its next write starts the WAL over.
+    pub fn catch_up(&self) {
+        let _ = self.send(Job::CatchUp);
     }
 
     fn send(&self, job: Job) -> Result<(), StoreError> {
@@ -94,7 +127,7 @@ impl From<rusqlite::Error> for Abandon {
     }
 }
 
-fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>) {
+fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>, mut wal: WalWatch) {
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
@@ -103,7 +136,68 @@ fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>) {
                     Abandon::Conflict(message) => StoreError::Conflict(message),
                 });
                 let _ = done.send(result);
+                wal.after_commit(&connection);
             }
+            Job::CatchUp => {
+                if let Err(error) =
+                    connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                {
+                    tracing::warn!(%error, "WAL catch-up checkpoint failed");
+                }
+            }
+        }
+    }
+}
+
+/// Watches the WAL file's size for restarts starved by readers.
+struct WalWatch {
+    path: PathBuf,
+    last_wait: Option<Instant>,
+}
+
+impl WalWatch {
+    fn new(database: &Path) -> Self {
+        let mut name = database.as_os_str().to_owned();
+        name.push("-wal");
+        Self {
+            path: PathBuf::from(name),
+            last_wait: None,
+        }
+    }
+
+    /// After a commit: if the WAL file is past [`STARVED_WAL_BYTES`], waits (at most the busy
+    /// timeout) for the readers still on old frames, copies everything and restarts the WAL.
+    fn after_commit(&mut self, connection: &Connection) {
+        let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        if size < STARVED_WAL_BYTES
+            || self
+                .last_wait
+                .is_some_and(|at| at.elapsed() < STARVED_RETRY)
+        {
+            return;
+        }
+        self.last_wait = Some(Instant::now());
+        let started = Instant::now();
+        let result = connection.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |row| {
+            Ok((
+                row.get::<_, i64>(0)?,
+                row.get::<_, i64>(1)?,
+                row.get::<_, i64>(2)?,
+            ))
+        });
+        match result {
+            Ok((0, _, _)) => tracing::info!(
+                wal_bytes = size,
+                waited_ms = started.elapsed().as_millis() as u64,
+                "the WAL was restarted after waiting for readers"
+            ),
+            Ok((_, frames, copied)) => tracing::warn!(
+                wal_bytes = size,
+                frames,
+                copied,
+                "the WAL cannot restart: readers hold old frames; retrying in a few seconds"
+            ),
+            Err(error) => tracing::warn!(%error, "WAL restart failed"),
         }
     }
 }
@@ -245,7 +339,9 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                 at,
             } => {
                 tx.prepare_cached(
-                    "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = COALESCE(?3, state),
+                    // An ended run keeps no checkpoint: only a live run is ever resumed.
+                    "UPDATE runs SET status = ?1, error = COALESCE(?2, error),
+                     state = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE(?3, state) END,
                      updated_at = ?4,
                      started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
                      ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END
@@ -326,15 +422,13 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
             }
             WriteOp::AppendEvent(event) => {
                 tx.prepare_cached(
-                    "INSERT INTO events (id, request_id, run_id, session_id, agent_id, seq, type, at, data)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                    "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                 )?
                 .execute(params![
                     event.id,
                     event.request_id,
                     event.run_id,
-                    event.session_id,
-                    event.agent_id,
                     event.seq,
                     event.event_type,
                     time(&event.at),

@@ -11,4 +11,5 @@ mod cli;
 mod crash;
 mod fuzz;
 mod hostile_upstream;
+mod soak;
 mod workspace_checks;

@@ -307,6 +307,10 @@ impl ServerProcess {
         format!("{}{path}", self.base)
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `kill -9`: no chance to clean up or finish anything.
     pub fn kill9(mut self) {
         let _ = self.child.kill();
