@@ -93,7 +93,10 @@ pub async fn build_runtime(
     let url = database_url
         .map(str::to_owned)
         .or_else(|| workspace.runtime.store_url.clone());
-    let store = crate::store::open(url.as_deref(), &workspace.root).await?;
+    let options = crate::store::OpenOptions {
+        max_bytes: workspace.runtime.store_max_bytes,
+    };
+    let store = crate::store::open(url.as_deref(), &workspace.root, &options).await?;
     let runtime = Runtime::new(workspace, store, upstream_client());
     let resumed = if resume {
         runtime.resume_interrupted().await?

@@ -42,6 +42,8 @@ pub enum ErrorCode {
     BodyTooLarge,
     /// The approval was decided already (deciding twice).
     ApprovalDecided,
+    /// A file the request would create exists already (a backup never overwrites).
+    AlreadyExists,
     /// A `/v1` call waited `approvalWait` and the run still waits on an operator.
     ApprovalPending,
     TooManyRuns,
@@ -70,7 +72,7 @@ impl ErrorCode {
             | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled => {
                 StatusCode::NOT_FOUND
             }
-            ApprovalDecided | ApprovalPending => StatusCode::CONFLICT,
+            ApprovalDecided | ApprovalPending | AlreadyExists => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
@@ -89,7 +91,7 @@ impl ErrorCode {
             | ToolsNotSupported | ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound
             | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
-            | ApprovalPending => "invalid_request_error",
+            | ApprovalPending | AlreadyExists => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -118,6 +120,7 @@ impl ErrorCode {
             ApprovalNotFound => "approval_not_found",
             ToolNotFound => "tool_not_found",
             ApprovalDecided => "approval_already_decided",
+            AlreadyExists => "already_exists",
             ApprovalPending => "approval_pending",
             RouteNotFound => "route_not_found",
             SurfaceDisabled => "surface_disabled",

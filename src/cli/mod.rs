@@ -7,6 +7,7 @@ mod output;
 mod run;
 mod schema;
 mod start;
+mod store;
 mod validate;
 
 use std::path::PathBuf;
@@ -51,6 +52,47 @@ pub enum Command {
     Schema,
     /// Apply the store migrations to a database.
     Migrate(MigrateArgs),
+    /// Look after the store: prune by the retention policy, or copy an online backup.
+    #[command(subcommand)]
+    Store(StoreCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Remove what the workspace's retention lets go (`--dry-run` only reports it).
+    Prune(PruneArgs),
+    /// Copy a consistent snapshot of the store to a new file (works beside a running server).
+    Backup(BackupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PruneArgs {
+    /// Workspace folder (its `store.retention` and agents' windows are the policy).
+    #[arg(short = 'w', long = "workspace", default_value = ".")]
+    pub workspace: PathBuf,
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Only report what would be removed.
+    #[arg(long, conflicts_with = "now", required_unless_present = "now")]
+    pub dry_run: bool,
+    /// Remove it now.
+    #[arg(long)]
+    pub now: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BackupArgs {
+    /// Workspace folder (for its store).
+    #[arg(short = 'w', long = "workspace", default_value = ".")]
+    pub workspace: PathBuf,
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// The new file to write (never overwritten); it opens as a store.
+    #[arg(long)]
+    pub to: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -172,6 +214,8 @@ pub fn run(command: Command) -> u8 {
         Command::Start(args) => block_on(start::run(args)),
         Command::Run(args) => block_on(run::run(args)),
         Command::Migrate(args) => block_on(migrate(args)),
+        Command::Store(StoreCommand::Prune(args)) => block_on(store::prune(args)),
+        Command::Store(StoreCommand::Backup(args)) => block_on(store::backup(args)),
     }
 }
 
@@ -192,7 +236,8 @@ fn block_on(future: impl std::future::Future<Output = u8>) -> u8 {
 
 /// `migrate`: creates or upgrades the store at `--database-url`.
 async fn migrate(args: MigrateArgs) -> u8 {
-    match crate::store::open(Some(&args.database_url), std::path::Path::new(".")).await {
+    let options = crate::store::OpenOptions::default();
+    match crate::store::open(Some(&args.database_url), std::path::Path::new("."), &options).await {
         Ok(store) => {
             output::print(&format!("migrated: {}", store.describe()));
             exit::OK

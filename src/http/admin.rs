@@ -1,5 +1,6 @@
 //! The operator API (admin keys; a client key gets 403): list and inspect requests, runs and
-//! their events; decide approvals; ask the policy to explain a decision.
+//! their events; decide approvals; ask the policy to explain a decision; look after the
+//! store (sizes and maintenance passes, pruning, online backup).
 
 use axum::extract::State;
 use axum::{Extension, Json};
@@ -12,7 +13,11 @@ use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::views::{EventPage, EventsQuery, RequestList, RequestView, RunView, request_view};
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::Explanation;
-use crate::store::{ApprovalRecord, ApprovalStatus, PageRequest, RequestFilter, RunStatus};
+use crate::store::retention::{BackupReport, PruneReport};
+use crate::store::{
+    ApprovalRecord, ApprovalStatus, MaintenanceRecord, PageRequest, RequestFilter, RunStatus,
+    StoreError, StoreStats,
+};
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -361,4 +366,143 @@ pub async fn explain_policy(
         allowed_for_agent,
         argument_errors,
     }))
+}
+
+/// The store, its retention and its last maintenance passes.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StoreView {
+    /// Where the data lives (never with credentials).
+    pub store: String,
+    pub stats: StoreStats,
+    pub retention: RetentionView,
+    /// The last 20 prunes and backups, newest first.
+    pub maintenance: Vec<MaintenanceRecord>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetentionView {
+    /// Whether any window is set (else nothing is ever pruned).
+    pub enabled: bool,
+    /// `store.retention.requests`, in seconds.
+    pub requests_seconds: Option<u64>,
+    /// Agents with their own window, in seconds.
+    pub agent_seconds: std::collections::BTreeMap<String, u64>,
+    pub min_keep: u64,
+    pub every_seconds: u64,
+    pub archive_dir: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/store", tag = "admin", security(("admin_key" = [])),
+    responses((status = 200, body = StoreView), (status = 401, body = crate::error::ErrorEnvelope)))]
+pub async fn get_store(State(state): State<AppState>) -> Result<Json<StoreView>, ApiError> {
+    let store = state.runtime.store();
+    let stats = store.stats().await.map_err(store_error)?;
+    let maintenance = store.maintenance(20).await.map_err(store_error)?;
+    let policy = crate::runtime::retention_policy(state.runtime.workspace());
+    Ok(Json(StoreView {
+        store: store.describe(),
+        stats,
+        retention: RetentionView {
+            enabled: policy.is_active(),
+            requests_seconds: policy.default_window.map(|w| w.as_secs()),
+            agent_seconds: policy
+                .agent_windows
+                .iter()
+                .map(|(agent, window)| (agent.clone(), window.as_secs()))
+                .collect(),
+            min_keep: policy.min_keep,
+            every_seconds: state.runtime.workspace().runtime.retention.every.as_secs(),
+            archive_dir: policy.archive_dir.map(|dir| dir.display().to_string()),
+        },
+        maintenance,
+    }))
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PruneBody {
+    /// Only count what would go (default false).
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+#[utoipa::path(post, path = "/admin/store/prune", tag = "admin", security(("admin_key" = [])),
+    request_body = PruneBody,
+    responses((status = 200, body = PruneReport, description = "What the pass removed, or would remove"),
+        (status = 503, body = crate::error::ErrorEnvelope, description = "The store cannot write")))]
+pub async fn prune_store(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<PruneBody>,
+) -> Result<Json<PruneReport>, ApiError> {
+    Ok(Json(
+        state
+            .runtime
+            .prune(body.dry_run)
+            .await
+            .map_err(store_error)?,
+    ))
+}
+
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BackupBody {
+    /// A file name (letters, digits, `.`, `_`, `-`) in the workspace's
+    /// `.stable-harness/backups/`; default `state-<UTC time>.db`.
+    #[serde(default)]
+    pub file: Option<String>,
+}
+
+#[utoipa::path(post, path = "/admin/store/backup", tag = "admin", security(("admin_key" = [])),
+    request_body = BackupBody,
+    responses((status = 201, body = BackupReport, description = "The snapshot was written; it opens as a store"),
+        (status = 400, body = crate::error::ErrorEnvelope, description = "The file name is not a plain name"),
+        (status = 409, body = crate::error::ErrorEnvelope, description = "The file exists")))]
+pub async fn backup_store(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<BackupBody>,
+) -> Result<(axum::http::StatusCode, Json<BackupReport>), ApiError> {
+    let name = body
+        .file
+        .unwrap_or_else(|| format!("state-{}.db", chrono::Utc::now().format("%Y%m%dT%H%M%SZ")));
+    // A plain name, so the copy stays in the backups folder whatever the body says.
+    let plain = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !plain {
+        return Err(ApiError::new(
+            ErrorCode::InvalidParameter,
+            "`file` must be a plain file name: letters, digits, `.`, `_` and `-`, not starting with `.`",
+        )
+        .param("file"));
+    }
+    let file = state
+        .runtime
+        .workspace()
+        .root
+        .join(".stable-harness")
+        .join("backups")
+        .join(&name);
+    if file.exists() {
+        return Err(ApiError::new(
+            ErrorCode::AlreadyExists,
+            format!("backup `{name}` exists already; a backup never overwrites"),
+        )
+        .param("file"));
+    }
+    let report = state.runtime.backup(&file).await.map_err(store_error)?;
+    Ok((axum::http::StatusCode::CREATED, Json(report)))
+}
+
+/// A maintenance failure: 503 when the store cannot write for now, else internal.
+fn store_error(error: StoreError) -> ApiError {
+    if error.is_transient() {
+        ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
+    } else {
+        ApiError::internal(error)
+    }
 }

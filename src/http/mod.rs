@@ -93,7 +93,10 @@ pub fn router(state: AppState) -> Router {
             .route("/approvals/{id}", get(admin::get_approval))
             .route("/approvals/{id}/approve", post(admin::approve))
             .route("/approvals/{id}/deny", post(admin::deny))
-            .route("/policy/explain", post(admin::explain_policy)),
+            .route("/policy/explain", post(admin::explain_policy))
+            .route("/store", get(admin::get_store))
+            .route("/store/prune", post(admin::prune_store))
+            .route("/store/backup", post(admin::backup_store)),
     )
     .layer(axum::middleware::from_fn_with_state(
         state.clone(),

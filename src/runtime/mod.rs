@@ -13,6 +13,7 @@ mod clock;
 pub mod events;
 mod hub;
 mod journal;
+mod maintenance;
 mod narration;
 mod run;
 mod watch;
@@ -38,6 +39,7 @@ use crate::workspace::CompiledWorkspace;
 
 pub use hub::EventHub;
 pub use journal::{Journal, JournalError};
+pub use maintenance::retention_policy;
 pub use watch::{ApprovalWatch, Watched};
 
 /// Events of one request, in `seq` order, ending after its terminal event.
@@ -161,6 +163,8 @@ struct Inner {
     shutdown: CancellationToken,
     /// Cancellation of each live run, by request id.
     live: Mutex<HashMap<String, CancellationToken>>,
+    /// Held by a store maintenance pass (prune, backup): one at a time.
+    maintenance: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for dyn Store {
@@ -193,7 +197,7 @@ impl Runtime {
             Arc::clone(&approvals),
             redactor,
         );
-        Self {
+        let runtime = Self {
             inner: Arc::new(Inner {
                 adapters: Adapters::new(http),
                 gateway,
@@ -208,8 +212,11 @@ impl Runtime {
                 admitting_stopped: CancellationToken::new(),
                 shutdown: CancellationToken::new(),
                 live: Mutex::new(HashMap::new()),
+                maintenance: tokio::sync::Mutex::new(()),
             }),
-        }
+        };
+        runtime.start_retention();
+        runtime
     }
 
     pub fn workspace(&self) -> &Arc<CompiledWorkspace> {

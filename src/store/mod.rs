@@ -7,10 +7,11 @@
 //! `migrations/<database>/` and run when a store is opened.
 
 mod model;
+pub mod retention;
 mod sqlite;
 mod sqlite_writer;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use model::*;
@@ -45,6 +46,12 @@ pub enum StoreError {
         "the store {0} is in use by another stable-harness process (one process owns a store's runs); stop it first or use another store"
     )]
     InUse(String),
+    /// A file of the store's maintenance (archive, backup) cannot be written.
+    #[error("cannot write {path}: {source}")]
+    Archive {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot create the store folder {path}: {source}")]
     Folder {
         path: String,
@@ -113,29 +120,69 @@ pub trait Store: Send + Sync + 'static {
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;
     /// Cheap liveness check for `/readyz`.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    // Maintenance (retention, backup): see [`retention`].
+
+    /// Sessions `filter` lets go, in id order after `after`, at most `limit`.
+    async fn prunable_sessions(
+        &self,
+        filter: &PruneFilter,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError>;
+    /// What the sessions own, counted (a dry run's report).
+    async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError>;
+    /// Deletes the sessions with every request, run, event, tool call, approval, artifact and
+    /// message they own, in one transaction.
+    async fn delete_sessions(&self, sessions: &[String]) -> Result<PruneCounts, StoreError>;
+    /// Gives up to `max_pages` free pages back to the filesystem; returns the bytes given back.
+    async fn reclaim_space(&self, max_pages: i64) -> Result<u64, StoreError>;
+    /// Writes a consistent snapshot of the whole store to the new file `path` while serving;
+    /// returns its size.
+    async fn backup_to(&self, path: &Path) -> Result<u64, StoreError>;
+    async fn stats(&self) -> Result<StoreStats, StoreError>;
+    async fn record_maintenance(&self, record: &MaintenanceRecord) -> Result<(), StoreError>;
+    /// The newest maintenance passes first.
+    async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError>;
     /// Where the data lives, for the startup line (never includes credentials).
     fn describe(&self) -> String;
 }
 
+/// How a store is opened, from the workspace's `store` settings.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    /// `store.maxSize`: past it, writes wait as on a full disk.
+    pub max_bytes: Option<u64>,
+}
+
 /// Opens (creating and migrating) the store `url` names, or the embedded SQLite file of the
 /// workspace at `workspace_root` when there is no url.
-pub async fn open(url: Option<&str>, workspace_root: &Path) -> Result<Arc<dyn Store>, StoreError> {
+pub async fn open(
+    url: Option<&str>,
+    workspace_root: &Path,
+    options: &OpenOptions,
+) -> Result<Arc<dyn Store>, StoreError> {
+    let path = sqlite_path(url, workspace_root)?;
+    Ok(Arc::new(
+        SqliteStore::open_file_with(&path, options.max_bytes).await?,
+    ))
+}
+
+/// The SQLite file `url` names (relative paths are under the workspace), or the workspace's
+/// embedded store when there is no url.
+pub fn sqlite_path(url: Option<&str>, workspace_root: &Path) -> Result<PathBuf, StoreError> {
     match url {
-        None => {
-            let path = workspace_root.join(".stable-harness").join("state.db");
-            Ok(Arc::new(SqliteStore::open_file(&path).await?))
-        }
+        None => Ok(workspace_root.join(".stable-harness").join("state.db")),
         Some(url) if url.starts_with("sqlite:") => {
             let path = url
                 .trim_start_matches("sqlite://")
                 .trim_start_matches("sqlite:");
             let path = Path::new(path);
-            let path = if path.is_absolute() {
+            Ok(if path.is_absolute() {
                 path.to_path_buf()
             } else {
                 workspace_root.join(path)
-            };
-            Ok(Arc::new(SqliteStore::open_file(&path).await?))
+            })
         }
         Some(other) => Err(StoreError::UnsupportedUrl(redact_url(other))),
     }

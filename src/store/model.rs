@@ -321,3 +321,74 @@ impl<T> Page<T> {
         Self { items, next_cursor }
     }
 }
+
+/// What a prune may remove: sessions idle past their window whose every request ended past
+/// it, with nothing pending, outside the newest `min_keep` (SPEC: a live session's history is
+/// never pruned, so a session goes whole or not at all). Cutoffs are RFC 3339 UTC timestamps
+/// as the store writes them.
+#[derive(Debug, Clone)]
+pub struct PruneFilter {
+    /// Cutoff of agents without their own window (`None`: keep theirs forever).
+    pub default_cutoff: Option<String>,
+    /// Cutoff per agent with its own window.
+    pub agent_cutoffs: std::collections::BTreeMap<String, String>,
+    /// The newest ended requests kept whatever their age.
+    pub min_keep: u64,
+}
+
+/// Rows removed (or that a dry run would remove), by table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PruneCounts {
+    pub sessions: u64,
+    pub requests: u64,
+    pub runs: u64,
+    pub events: u64,
+    pub tool_calls: u64,
+    pub approvals: u64,
+    pub artifacts: u64,
+    pub messages: u64,
+}
+
+impl PruneCounts {
+    pub fn add(&mut self, other: &Self) {
+        self.sessions += other.sessions;
+        self.requests += other.requests;
+        self.runs += other.runs;
+        self.events += other.events;
+        self.tool_calls += other.tool_calls;
+        self.approvals += other.approvals;
+        self.artifacts += other.artifacts;
+        self.messages += other.messages;
+    }
+}
+
+/// The store's size on disk and what it holds, for operators.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StoreStats {
+    pub database_bytes: u64,
+    /// The write-ahead log (SQLite).
+    pub wal_bytes: u64,
+    /// Space inside the database that is free for reuse (not yet given back).
+    pub free_bytes: u64,
+    pub requests: u64,
+    pub sessions: u64,
+    pub events: u64,
+}
+
+/// One maintenance pass (a prune or a backup), as recorded in the store.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MaintenanceRecord {
+    pub id: String,
+    /// `prune` or `backup`.
+    pub operation: String,
+    /// `completed` or `failed`.
+    pub status: String,
+    pub started_at: DateTime<Utc>,
+    pub ended_at: DateTime<Utc>,
+    /// What the pass did (counts, sizes, file) or why it failed.
+    #[schema(value_type = Object)]
+    pub report: Value,
+}

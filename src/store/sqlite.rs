@@ -13,15 +13,16 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+    SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
 };
 use sqlx::{Row, SqlitePool};
 
 use super::sqlite_writer::{CATCH_UP_PAGES, SqliteWriter};
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, Page, PageRequest,
-    RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError,
-    ToolCallRecord, WriteOp,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MaintenanceRecord, MessageRecord,
+    Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord, RunRecord,
+    RunStatus, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -40,6 +41,11 @@ impl SqliteStore {
     /// after taking ownership of it: a second process gets [`StoreError::InUse`] before
     /// anything is read or written.
     pub async fn open_file(path: &Path) -> Result<Self, StoreError> {
+        Self::open_file_with(path, None).await
+    }
+
+    /// [`SqliteStore::open_file`], with the database capped at `max_bytes` (`store.maxSize`).
+    pub async fn open_file_with(path: &Path, max_bytes: Option<u64>) -> Result<Self, StoreError> {
         if let Some(parent) = path.parent()
             && !parent.as_os_str().is_empty()
         {
@@ -60,10 +66,13 @@ impl SqliteStore {
         let checkpointer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
-            .connect_with(options.clone())
+            // Pruned space goes back to the filesystem in small steps (takes effect when the
+            // file is created; an older store is converted once, below).
+            .connect_with(options.clone().auto_vacuum(SqliteAutoVacuum::Incremental))
             .await?;
         MIGRATOR.run(&checkpointer).await?;
-        let writer = Arc::new(SqliteWriter::open(path)?);
+        convert_to_incremental_vacuum(&checkpointer).await?;
+        let writer = Arc::new(SqliteWriter::open(path, max_bytes)?);
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
             .min_connections(1)
@@ -77,6 +86,49 @@ impl SqliteStore {
             _owner: owner,
         })
     }
+}
+
+impl SqliteStore {
+    /// Copies a consistent snapshot of the database at `database` to the new file `to`,
+    /// reading only: it needs no ownership, so it works beside the server that owns it.
+    pub async fn backup_file(database: &Path, to: &Path) -> Result<u64, StoreError> {
+        if !database.exists() {
+            return Err(StoreError::Archive {
+                path: database.display().to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no store there"),
+            });
+        }
+        if to.exists() {
+            return Err(StoreError::Archive {
+                path: to.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the file exists; a backup never overwrites",
+                ),
+            });
+        }
+        let options = SqliteConnectOptions::from_str("sqlite://")?
+            .filename(database)
+            .read_only(true)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await?;
+        let result = vacuum_into(&pool, to).await;
+        pool.close().await;
+        result
+    }
+}
+
+/// `VACUUM INTO`: one read transaction (a consistent snapshot) written out as a compact new
+/// database; SQLite refuses to overwrite an existing file.
+async fn vacuum_into(pool: &SqlitePool, to: &Path) -> Result<u64, StoreError> {
+    sqlx::query("VACUUM INTO ?")
+        .bind(to.to_string_lossy().into_owned())
+        .execute(pool)
+        .await?;
+    Ok(std::fs::metadata(to).map_or(0, |m| m.len()))
 }
 
 /// Exclusive ownership of a store by this process: an advisory lock (`flock`) on the file
@@ -145,6 +197,104 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
             }
         }
     }
+}
+
+/// A store created before retention existed has `auto_vacuum = NONE`, which never gives
+/// pruned space back; converting it takes one `VACUUM` (a full rewrite), once, at start.
+async fn convert_to_incremental_vacuum(pool: &SqlitePool) -> Result<(), StoreError> {
+    let mode: i64 = sqlx::query_scalar("PRAGMA auto_vacuum").fetch_one(pool).await?;
+    if mode != 2 {
+        tracing::info!("converting the store to incremental vacuum (once; rewrites the file)");
+        sqlx::query("PRAGMA auto_vacuum = INCREMENTAL")
+            .execute(pool)
+            .await?;
+        sqlx::query("VACUUM").execute(pool).await?;
+    }
+    Ok(())
+}
+
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// The sessions a prune may remove: idle past the cutoff of their agent, with every request
+/// ended past the cutoff of its own agent, none among the newest `min_keep` ended requests,
+/// no pending approval and no live run. An agent without a cutoff keeps everything (`?1`:
+/// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL).
+const PRUNABLE_SESSIONS: &str = r#"
+WITH kept AS (
+    SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
+    ORDER BY id DESC LIMIT ?3
+)
+SELECT s.id FROM sessions s
+WHERE (?4 IS NULL OR s.id > ?4)
+  AND s.updated_at < COALESCE(json_extract(?1, '$."' || s.agent_id || '"'), ?2, '')
+  AND NOT EXISTS (
+    SELECT 1 FROM requests r WHERE r.session_id = s.id AND (
+        r.status NOT IN ('completed', 'failed', 'cancelled')
+        OR r.updated_at >= COALESCE(json_extract(?1, '$."' || r.agent_id || '"'), ?2, '~')
+        OR r.id IN kept
+        OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
+        OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
+                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
+ORDER BY s.id LIMIT ?5"#;
+
+/// Per table: what the sessions in `?1` (a JSON array) own, in deletion order (children
+/// first, so every foreign key holds at each statement's end).
+const OWNED_BY_SESSIONS: [(&str, &str); 8] = [
+    (
+        "events",
+        "events WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
+    ),
+    (
+        "tool_calls",
+        "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id
+         WHERE r.session_id IN (SELECT value FROM json_each(?1)))",
+    ),
+    (
+        "approvals",
+        "approvals WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
+    ),
+    (
+        "artifacts",
+        "artifacts WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
+    ),
+    (
+        "runs",
+        "runs WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
+    ),
+    (
+        "messages",
+        "messages WHERE session_id IN (SELECT value FROM json_each(?1))",
+    ),
+    (
+        "requests",
+        "requests WHERE session_id IN (SELECT value FROM json_each(?1))",
+    ),
+    (
+        "sessions",
+        "sessions WHERE id IN (SELECT value FROM json_each(?1))",
+    ),
+];
+
+fn counts_from(pairs: impl IntoIterator<Item = (&'static str, u64)>) -> PruneCounts {
+    let mut counts = PruneCounts::default();
+    for (table, n) in pairs {
+        let slot = match table {
+            "events" => &mut counts.events,
+            "tool_calls" => &mut counts.tool_calls,
+            "approvals" => &mut counts.approvals,
+            "artifacts" => &mut counts.artifacts,
+            "runs" => &mut counts.runs,
+            "messages" => &mut counts.messages,
+            "requests" => &mut counts.requests,
+            _ => &mut counts.sessions,
+        };
+        *slot += n;
+    }
+    counts
 }
 
 fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
@@ -464,6 +614,140 @@ impl Store for SqliteStore {
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.reader).await?;
         Ok(())
+    }
+
+    async fn prunable_sessions(
+        &self,
+        filter: &PruneFilter,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let agents = serde_json::to_string(&filter.agent_cutoffs)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let rows = sqlx::query(PRUNABLE_SESSIONS)
+            .bind(agents)
+            .bind(&filter.default_cutoff)
+            .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| Ok(row.try_get("id")?))
+            .collect()
+    }
+
+    async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
+        let ids = serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let mut pairs = Vec::new();
+        for (table, rows) in OWNED_BY_SESSIONS {
+            let sql = format!("SELECT COUNT(*) FROM {rows}");
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(&ids)
+                .fetch_one(&self.reader)
+                .await?;
+            pairs.push((table, n.max(0) as u64));
+        }
+        Ok(counts_from(pairs))
+    }
+
+    async fn delete_sessions(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
+        let ids = serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        self.writer
+            .maintain(move |connection| {
+                let tx = connection.transaction()?;
+                let mut pairs = Vec::new();
+                for (table, rows) in OWNED_BY_SESSIONS {
+                    let n = tx.execute(&format!("DELETE FROM {rows}"), [&ids])?;
+                    pairs.push((table, n as u64));
+                }
+                tx.commit()?;
+                Ok(counts_from(pairs))
+            })
+            .await
+    }
+
+    async fn reclaim_space(&self, max_pages: i64) -> Result<u64, StoreError> {
+        self.writer
+            .maintain(move |connection| {
+                let free = |c: &rusqlite::Connection| {
+                    c.query_row("PRAGMA freelist_count", [], |row| row.get::<_, i64>(0))
+                };
+                let page_size: i64 = connection.query_row("PRAGMA page_size", [], |row| row.get(0))?;
+                let before = free(connection)?;
+                connection.execute_batch(&format!("PRAGMA incremental_vacuum({max_pages});"))?;
+                let after = free(connection)?;
+                Ok((before - after).max(0) as u64 * page_size.max(0) as u64)
+            })
+            .await
+    }
+
+    async fn backup_to(&self, path: &Path) -> Result<u64, StoreError> {
+        vacuum_into(&self.reader, path).await
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let row = sqlx::query(
+            "SELECT (SELECT page_size FROM pragma_page_size) AS page_size,
+                    (SELECT freelist_count FROM pragma_freelist_count) AS free_pages,
+                    (SELECT COUNT(*) FROM requests) AS requests,
+                    (SELECT COUNT(*) FROM sessions) AS sessions,
+                    (SELECT COUNT(*) FROM events) AS events",
+        )
+        .fetch_one(&self.reader)
+        .await?;
+        let number = |name: &str| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name)?.max(0) as u64)
+        };
+        let file_size = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
+        Ok(StoreStats {
+            database_bytes: file_size(&self.path),
+            wal_bytes: file_size(&with_suffix(&self.path, "-wal")),
+            free_bytes: number("free_pages")? * number("page_size")?,
+            requests: number("requests")?,
+            sessions: number("sessions")?,
+            events: number("events")?,
+        })
+    }
+
+    async fn record_maintenance(&self, record: &MaintenanceRecord) -> Result<(), StoreError> {
+        let record = record.clone();
+        self.writer
+            .maintain(move |connection| {
+                connection.execute(
+                    "INSERT INTO maintenance (id, operation, status, started_at, ended_at, report)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    rusqlite::params![
+                        record.id,
+                        record.operation,
+                        record.status,
+                        record.started_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        record.ended_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        record.report.to_string()
+                    ],
+                )?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT ?")
+            .bind(limit)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(MaintenanceRecord {
+                    id: row.try_get("id")?,
+                    operation: row.try_get("operation")?,
+                    status: row.try_get("status")?,
+                    started_at: parse_time(&row.try_get::<String, _>("started_at")?)?,
+                    ended_at: parse_time(&row.try_get::<String, _>("ended_at")?)?,
+                    report: parse_json(row.try_get("report")?)?.unwrap_or(Value::Null),
+                })
+            })
+            .collect()
     }
 
     fn describe(&self) -> String {

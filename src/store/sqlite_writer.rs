@@ -43,6 +43,8 @@ enum Job {
     Apply(Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>),
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
+    /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
+    Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
@@ -53,7 +55,7 @@ pub struct SqliteWriter {
 
 impl SqliteWriter {
     /// Opens the (already migrated) database and starts the writer thread.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
+    pub fn open(path: &Path, max_bytes: Option<u64>) -> Result<Self, StoreError> {
         let connection = Connection::open(path).map_err(writer_error)?;
         // This process owns the store (a lock file), so only an outside tool holding the
         // database can make the writer wait: after 2s that is reported as the store being
@@ -65,6 +67,17 @@ impl SqliteWriter {
                  PRAGMA journal_size_limit = {WAL_SIZE_LIMIT};"
             ))
             .map_err(writer_error)?;
+        if let Some(max_bytes) = max_bytes {
+            // Past the cap SQLite answers SQLITE_FULL, which the journal handles as a full
+            // disk: writes wait, new requests get 503, service resumes once there is room.
+            let page_size: i64 = connection
+                .query_row("PRAGMA page_size", [], |row| row.get(0))
+                .map_err(writer_error)?;
+            let pages = (max_bytes / page_size.max(1) as u64).max(1);
+            connection
+                .execute_batch(&format!("PRAGMA max_page_count = {pages};"))
+                .map_err(writer_error)?;
+        }
         connection.set_prepared_statement_cache_capacity(32);
         let (jobs, queue) = mpsc::channel::<Job>();
         let wal = WalWatch::new(path);
@@ -79,6 +92,18 @@ impl SqliteWriter {
     pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<(), StoreError> {
         let (done, result) = oneshot::channel();
         self.send(Job::Apply(ops, done))?;
+        result.await.map_err(|_| stopped())?
+    }
+
+    /// Runs `work` on the writer's connection between two transactions and returns its result.
+    pub async fn maintain<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> Result<T, rusqlite::Error> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (done, result) = oneshot::channel();
+        self.send(Job::Maintain(Box::new(move |connection| {
+            let _ = done.send(work(connection).map_err(writer_error));
+        })))?;
         result.await.map_err(|_| stopped())?
     }
 
@@ -138,6 +163,7 @@ fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>, mut wal: W
                 let _ = done.send(result);
                 wal.after_commit(&connection);
             }
+            Job::Maintain(work) => work(&mut connection),
             Job::CatchUp => {
                 if let Err(error) =
                     connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))

@@ -15,10 +15,10 @@ use std::time::Duration;
 use super::diagnostics::{Diagnostic, Diagnostics, did_you_mean};
 use super::located::Located;
 use super::model::*;
-use super::raw::{self, API_VERSION, ByteSizeText, DurationText};
+use super::raw::{self, API_VERSION, ByteSizeText, DurationText, RetentionSpec};
 use super::source::{Document, Documents, Origin};
 use super::units::{
-    MAX_DURATION, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
+    MAX_DURATION, MAX_RETENTION, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
 };
 
 /// Compiles the documents read from `root`; `None` when any diagnostic was reported.
@@ -259,18 +259,30 @@ impl Compiler<'_> {
         default: Duration,
         field: &str,
     ) -> Duration {
+        self.duration_up_to(origin, value, default, field, MAX_DURATION)
+    }
+
+    fn duration_up_to(
+        &mut self,
+        origin: &Origin,
+        value: &Option<Located<DurationText>>,
+        default: Duration,
+        field: &str,
+        max: Duration,
+    ) -> Duration {
         let Some(text) = value else { return default };
         match parse_duration(&text.0) {
             Ok(duration) if duration.is_zero() => {
                 self.report(origin.at(text, format!("`{field}` must be greater than zero")));
                 default
             }
-            Ok(duration) if duration > MAX_DURATION => {
+            Ok(duration) if duration > max => {
                 self.report(origin.at(
                     text,
                     format!(
-                        "`{field}` ({}) is longer than the 30-day maximum",
-                        text.0.trim()
+                        "`{field}` ({}) is longer than the {}-day maximum",
+                        text.0.trim(),
+                        max.as_secs() / 86_400
                     ),
                 ));
                 default
@@ -336,6 +348,64 @@ impl Compiler<'_> {
             ));
         }
         url.value.clone()
+    }
+
+    fn retention(&mut self, origin: &Origin, spec: &RetentionSpec) -> RetentionConfig {
+        let defaults = RetentionConfig::default();
+        let requests = spec.requests.as_ref().map(|_| {
+            self.duration_up_to(
+                origin,
+                &spec.requests,
+                MAX_RETENTION,
+                "store.retention.requests",
+                MAX_RETENTION,
+            )
+        });
+        let every = self.duration(
+            origin,
+            &spec.every,
+            defaults.every,
+            "store.retention.every",
+        );
+        let archive_dir = spec
+            .archive
+            .as_ref()
+            .and_then(|archive| self.workspace_folder(origin, &archive.dir, "store.retention.archive.dir"));
+        RetentionConfig {
+            requests,
+            min_keep: spec.min_keep.as_ref().map_or(defaults.min_keep, |n| n.value),
+            every,
+            archive_dir,
+        }
+    }
+
+    /// Resolves a workspace-relative folder that may not exist yet, refusing `..`, absolute
+    /// paths and (when it exists) symlink escapes.
+    fn workspace_folder(
+        &mut self,
+        origin: &Origin,
+        path: &Located<String>,
+        field: &str,
+    ) -> Option<PathBuf> {
+        let relative = Path::new(&path.value);
+        let escapes = path.is_empty()
+            || relative.is_absolute()
+            || relative
+                .components()
+                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir));
+        let joined = self.root.join(relative);
+        let through_link = joined
+            .canonicalize()
+            .is_ok_and(|resolved| !resolved.starts_with(self.root));
+        if escapes || through_link {
+            self.report(
+                origin
+                    .at(path, format!("`{field}` path `{}` escapes the workspace", path.value))
+                    .with_hint("paths are relative to the workspace folder and may not use `..`, start with `/` or lead out through a link"),
+            );
+            return None;
+        }
+        Some(joined)
     }
 
     /// Resolves a workspace-relative file path, refusing `..`, absolute paths and symlink escapes.
@@ -833,6 +903,16 @@ impl Compiler<'_> {
             }
             None => None,
         };
+        let store_max_bytes = spec.store.as_ref().and_then(|store| {
+            store
+                .max_size
+                .as_ref()
+                .map(|_| self.byte_size(origin, &store.max_size, u64::MAX, "store.maxSize"))
+        });
+        let retention = match spec.store.as_ref().and_then(|s| s.retention.as_ref()) {
+            Some(retention) => self.retention(origin, retention),
+            None => RetentionConfig::default(),
+        };
         let (client_keys, admin_keys) = self.keys(origin, &spec.protocols);
         let openai = OpenAiProtocolConfig {
             enabled: spec.protocols.openai.enabled.unwrap_or(true),
@@ -955,6 +1035,8 @@ impl Compiler<'_> {
             default_agent,
             store_url,
             lease_duration: Duration::from_secs(30),
+            store_max_bytes,
+            retention,
             openai,
             admin_api_keys_env,
             admin_keys,
@@ -1354,6 +1436,10 @@ impl Compiler<'_> {
             None => 8,
         };
         let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(120), "timeout");
+        let retention = spec.retention.as_ref().map(|retention| {
+            let window = Some(retention.requests.clone());
+            self.duration_up_to(origin, &window, MAX_RETENTION, "retention.requests", MAX_RETENTION)
+        });
         if let Some(memory) = &spec.memory {
             self.not_supported(
                 origin,
@@ -1417,6 +1503,7 @@ impl Compiler<'_> {
                 .unwrap_or_default(),
             script,
             endpoint,
+            retention,
         }
     }
 

@@ -56,6 +56,9 @@ pub struct RuntimeConfig {
     pub store_url: Option<String>,
     /// Always the default (30s) for now: `store.leaseDuration` is rejected until leases exist.
     pub lease_duration: Duration,
+    /// `store.maxSize` in bytes.
+    pub store_max_bytes: Option<u64>,
+    pub retention: RetentionConfig,
     pub openai: OpenAiProtocolConfig,
     pub admin_api_keys_env: Vec<String>,
     /// `protocols.admin.keys`: named operator keys (labels are always empty).
@@ -202,6 +205,32 @@ pub struct AgentConfig {
     pub backend_config: serde_json::Map<String, serde_json::Value>,
     pub script: Vec<ScriptStep>,
     pub endpoint: Option<EndpointConfig>,
+    /// How long this agent's ended requests are kept (`None`: the store's window).
+    pub retention: Option<Duration>,
+}
+
+/// `store.retention`, compiled. Pruning runs when any window is set (here or on an agent).
+#[derive(Debug, Clone)]
+pub struct RetentionConfig {
+    /// How long an ended request is kept (`None`: forever, unless its agent says otherwise).
+    pub requests: Option<Duration>,
+    /// The newest ended requests kept whatever their age.
+    pub min_keep: u64,
+    /// Time between two pruning passes.
+    pub every: Duration,
+    /// Where pruned requests are archived first (absolute, inside the workspace).
+    pub archive_dir: Option<PathBuf>,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            requests: None,
+            min_keep: 1_000,
+            every: Duration::from_secs(600),
+            archive_dir: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -138,6 +138,45 @@ pub struct StoreSpec {
     /// before another instance may take it over.
     #[serde(default)]
     pub lease_duration: Option<Located<DurationText>>,
+    /// The most the database may hold (e.g. `10GiB`): past it, writes wait as on a full disk
+    /// (new requests get 503) until pruning frees room or the limit is raised.
+    #[serde(default)]
+    pub max_size: Option<Located<ByteSizeText>>,
+    /// What is kept, and for how long; without it, everything is kept.
+    #[serde(default)]
+    pub retention: Option<RetentionSpec>,
+}
+
+/// `store.retention`: ended requests past the window are pruned with everything they own.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RetentionSpec {
+    /// How long an ended request is kept (e.g. `30d`; agents may override it).
+    #[serde(default)]
+    pub requests: Option<Located<DurationText>>,
+    /// The newest ended requests kept whatever their age (default 1000).
+    #[serde(default)]
+    pub min_keep: Option<Located<u64>>,
+    /// How often a pruning pass runs (default `10m`).
+    #[serde(default)]
+    pub every: Option<Located<DurationText>>,
+    /// Pruned requests are first written here as JSON Lines.
+    #[serde(default)]
+    pub archive: Option<ArchiveSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ArchiveSpec {
+    /// A folder of the workspace (created when missing).
+    pub dir: Located<String>,
+}
+
+/// An agent's own retention window, overriding `store.retention.requests`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentRetentionSpec {
+    pub requests: Located<DurationText>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
@@ -518,6 +557,9 @@ pub struct AgentSpec {
     /// `http` only: the agent service.
     #[serde(default)]
     pub endpoint: Option<Located<EndpointSpec>>,
+    /// How long this agent's ended requests are kept (overrides `store.retention.requests`).
+    #[serde(default)]
+    pub retention: Option<AgentRetentionSpec>,
 }
 
 /// An agent's memory. Not supported yet: `memory` is rejected by `validate`.

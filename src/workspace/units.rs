@@ -26,6 +26,9 @@ pub fn is_valid_env_var(name: &str) -> bool {
 /// no `Instant`/`chrono` addition with a configured duration can overflow later.
 pub const MAX_DURATION: Duration = Duration::from_secs(30 * 86_400);
 
+/// The longest retention window: ten years (pruning does its date arithmetic with this cap).
+pub const MAX_RETENTION: Duration = Duration::from_secs(3_650 * 86_400);
+
 /// Parses a duration: one or more `<integer><unit>` parts, units `ms`, `s`, `m`, `h`, `d`.
 /// Arithmetic saturates, so absurd values come out huge (for the caller's cap), never wrapped.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {

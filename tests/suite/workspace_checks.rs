@@ -258,7 +258,7 @@ const CASES: &[Case] = &[
             ),
         ],
         expected: &[
-            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint (hint: did you mean `tools`?)",
+            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention (hint: did you mean `tools`?)",
             "config/agents/typed.yaml:7:18: invalid value: expected a whole number (0 or more)",
         ],
     },
@@ -715,7 +715,7 @@ spec:
             "config/everything.yml:6:10: unknown model `missing`",
             "config/everything.yml:7:17: unknown tool `gone`",
             "config/everything.yml:8:12: `timeout`: invalid duration `forever`: expected a number before `forever`",
-            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint",
+            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention",
             "config/everything.yml:23:20: tool `broken`: invalid JSON Schema at `/required`: 5 is not of type \"array\"",
             "config/everything.yml:31:29: unknown agent `three`",
         ]

@@ -183,7 +183,7 @@ async fn shutdown_lets_in_flight_responses_finish() {
     // The server no longer accepts connections, and the store holds the finished request.
     assert!(reqwest::get(format!("{base}/healthz")).await.is_err());
     let compiled = stable_harness::workspace::load(workspace.path()).unwrap();
-    let store = stable_harness::store::open(None, &compiled.root)
+    let store = stable_harness::store::open(None, &compiled.root, &Default::default())
         .await
         .unwrap();
     let page = store

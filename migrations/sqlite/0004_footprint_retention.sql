@@ -1,4 +1,4 @@
--- Footprint (issue 9): what a request stores, without what is stored elsewhere already.
+-- Footprint and retention (issue 9): what a request stores, without what is stored elsewhere.
 -- Events lose the columns their request holds (session and agent, read through a join), the
 -- unique index on their id (ids are time-ordered UUIDs, unique by construction, and nothing
 -- looks an event up by id) and the index by run (a run's events are read within its
@@ -20,3 +20,15 @@ DROP TABLE events;
 ALTER TABLE events_v4 RENAME TO events;
 
 UPDATE runs SET state = NULL WHERE status IN ('completed', 'failed', 'cancelled');
+
+-- Retention (issue 9): pruning finds a request's approvals, and records each maintenance pass.
+CREATE INDEX approvals_by_request ON approvals(request_id);
+
+CREATE TABLE maintenance (
+    id          TEXT PRIMARY KEY,
+    operation   TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    started_at  TEXT NOT NULL,
+    ended_at    TEXT NOT NULL,
+    report      TEXT NOT NULL
+);

@@ -1,0 +1,288 @@
+//! Store maintenance: retention (pruning ended requests in small batches, archiving them
+//! first when asked, giving the space back) and online backup. Both work through the
+//! [`Store`] interface, so every store behaves the same; each pass is recorded in the store
+//! ([`MaintenanceRecord`]) and logged.
+//!
+//! What a prune never removes: a session with a live run, a pending approval or a request
+//! still inside its window (a live session's history stays whole), and the newest
+//! `minKeep` ended requests. Each batch is one short transaction on the writer, between the
+//! runtime's own writes, so the write path never stalls behind a pass.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::{
+    MaintenanceRecord, PageRequest, PruneCounts, PruneFilter, RequestFilter, Store, StoreError,
+};
+
+/// Sessions removed per transaction.
+const BATCH: i64 = 200;
+/// Free pages given back to the filesystem per step (4 MiB with 4 KiB pages).
+const RECLAIM_STEP: i64 = 1_024;
+
+/// What is kept and for how long (from the workspace's `store.retention` and agents).
+#[derive(Debug, Clone, Default)]
+pub struct RetentionPolicy {
+    /// The window of agents without their own (`None`: they keep everything).
+    pub default_window: Option<Duration>,
+    pub agent_windows: BTreeMap<String, Duration>,
+    pub min_keep: u64,
+    /// Pruned sessions are written here as JSON Lines first.
+    pub archive_dir: Option<PathBuf>,
+}
+
+impl RetentionPolicy {
+    /// Whether any window is set: without one, nothing is ever pruned.
+    pub fn is_active(&self) -> bool {
+        self.default_window.is_some() || !self.agent_windows.is_empty()
+    }
+
+    /// The cutoffs as of `now`.
+    pub fn filter(&self, now: DateTime<Utc>) -> PruneFilter {
+        let cutoff = |window: &Duration| {
+            let window = chrono::Duration::from_std(*window).unwrap_or(chrono::Duration::MAX);
+            now.checked_sub_signed(window)
+                .unwrap_or(DateTime::<Utc>::MIN_UTC)
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+        };
+        PruneFilter {
+            default_cutoff: self.default_window.as_ref().map(cutoff),
+            agent_cutoffs: self
+                .agent_windows
+                .iter()
+                .map(|(agent, window)| (agent.clone(), cutoff(window)))
+                .collect(),
+            min_keep: self.min_keep,
+        }
+    }
+}
+
+/// What a pruning pass removed (or, dry, would remove).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PruneReport {
+    pub dry_run: bool,
+    pub removed: PruneCounts,
+    /// Sessions written to the archive before they were removed.
+    pub archived_sessions: u64,
+    pub archive_file: Option<String>,
+    /// Space given back to the filesystem.
+    pub reclaimed_bytes: u64,
+    pub took_ms: u64,
+}
+
+/// An online backup.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupReport {
+    pub file: String,
+    pub bytes: u64,
+    pub took_ms: u64,
+}
+
+/// One pruning pass under `policy`: batch by batch until nothing more may go, then the
+/// space is given back. Recorded in the store and logged, whether it succeeds or fails.
+pub async fn prune(
+    store: &dyn Store,
+    policy: &RetentionPolicy,
+    dry_run: bool,
+) -> Result<PruneReport, StoreError> {
+    let started_at = Utc::now();
+    let started = Instant::now();
+    let result = prune_batches(store, policy, dry_run, started_at).await;
+    let result = result.map(|mut report| {
+        report.took_ms = started.elapsed().as_millis() as u64;
+        report
+    });
+    if dry_run {
+        return result;
+    }
+    match &result {
+        Ok(report) => tracing::info!(
+            sessions = report.removed.sessions,
+            requests = report.removed.requests,
+            events = report.removed.events,
+            archived = report.archived_sessions,
+            reclaimed_bytes = report.reclaimed_bytes,
+            took_ms = report.took_ms,
+            "retention pass"
+        ),
+        Err(error) => tracing::error!(%error, "retention pass failed"),
+    }
+    record(store, "prune", started_at, &result).await;
+    result
+}
+
+async fn prune_batches(
+    store: &dyn Store,
+    policy: &RetentionPolicy,
+    dry_run: bool,
+    now: DateTime<Utc>,
+) -> Result<PruneReport, StoreError> {
+    let mut report = PruneReport {
+        dry_run,
+        ..PruneReport::default()
+    };
+    if !policy.is_active() {
+        return Ok(report);
+    }
+    let filter = policy.filter(now);
+    let archive = match (&policy.archive_dir, dry_run) {
+        (Some(dir), false) => Some(dir.join(format!("sessions-{}.jsonl", now.format("%Y-%m-%d")))),
+        _ => None,
+    };
+    let mut after: Option<String> = None;
+    loop {
+        let batch = store
+            .prunable_sessions(&filter, after.as_deref(), BATCH)
+            .await?;
+        let Some(last) = batch.last().cloned() else {
+            break;
+        };
+        if dry_run {
+            report.removed.add(&store.count_owned(&batch).await?);
+        } else {
+            if let Some(file) = &archive {
+                write_archive(store, &batch, file).await?;
+                report.archived_sessions += batch.len() as u64;
+                report.archive_file = Some(file.display().to_string());
+            }
+            report.removed.add(&store.delete_sessions(&batch).await?);
+        }
+        after = Some(last);
+    }
+    if !dry_run && report.removed.sessions > 0 {
+        loop {
+            let freed = store.reclaim_space(RECLAIM_STEP).await?;
+            report.reclaimed_bytes += freed;
+            if freed == 0 {
+                break;
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Appends one JSON line per session (its messages and its requests, each with runs, events,
+/// tool calls and approvals), synced to disk before the sessions are deleted.
+async fn write_archive(store: &dyn Store, sessions: &[String], file: &Path) -> Result<(), StoreError> {
+    let archive_error = |source: std::io::Error| StoreError::Archive {
+        path: file.display().to_string(),
+        source,
+    };
+    let mut lines = Vec::new();
+    for id in sessions {
+        let session = store.session(id).await?;
+        let messages = store.messages(id).await?;
+        let filter = RequestFilter {
+            session_id: Some(id.clone()),
+            ..RequestFilter::default()
+        };
+        let mut requests = Vec::new();
+        let mut page = PageRequest {
+            limit: 500,
+            cursor: None,
+        };
+        loop {
+            let found = store.requests(&filter, &page).await?;
+            for request in found.items {
+                let runs = store.runs_of(&request.id).await?;
+                let mut tool_calls = Vec::new();
+                let mut approvals = Vec::new();
+                for run in &runs {
+                    tool_calls.extend(store.tool_calls_of_run(&run.id).await?);
+                    approvals.extend(store.approvals_of_run(&run.id).await?);
+                }
+                let events = store.events(&request.id, 0, i64::MAX).await?;
+                requests.push(json!({ "request": request, "runs": runs, "events": events,
+                    "toolCalls": tool_calls, "approvals": approvals }));
+            }
+            match found.next_cursor {
+                Some(cursor) => page.cursor = Some(cursor),
+                None => break,
+            }
+        }
+        let line = json!({ "session": session, "messages": messages, "requests": requests });
+        lines.push(line.to_string());
+    }
+    if let Some(parent) = file.parent() {
+        std::fs::create_dir_all(parent).map_err(archive_error)?;
+    }
+    let mut out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .map_err(archive_error)?;
+    for line in lines {
+        writeln!(out, "{line}").map_err(archive_error)?;
+    }
+    out.sync_all().map_err(archive_error)
+}
+
+/// Copies a consistent snapshot of the store to the new file `file` while it serves.
+pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, StoreError> {
+    let started_at = Utc::now();
+    let started = Instant::now();
+    let result = async {
+        if file.exists() {
+            return Err(StoreError::Archive {
+                path: file.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the file exists; a backup never overwrites",
+                ),
+            });
+        }
+        if let Some(parent) = file.parent()
+            && !parent.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(parent).map_err(|source| StoreError::Archive {
+                path: parent.display().to_string(),
+                source,
+            })?;
+        }
+        let bytes = store.backup_to(file).await?;
+        Ok(BackupReport {
+            file: file.display().to_string(),
+            bytes,
+            took_ms: started.elapsed().as_millis() as u64,
+        })
+    }
+    .await;
+    match &result {
+        Ok(report) => tracing::info!(file = %report.file, bytes = report.bytes, took_ms = report.took_ms, "backup written"),
+        Err(error) => tracing::error!(%error, "backup failed"),
+    }
+    record(store, "backup", started_at, &result).await;
+    result
+}
+
+/// Records a maintenance pass; a failure to record is logged, never the pass's failure.
+async fn record<T: Serialize>(
+    store: &dyn Store,
+    operation: &str,
+    started_at: DateTime<Utc>,
+    result: &Result<T, StoreError>,
+) {
+    let (status, report) = match result {
+        Ok(report) => ("completed", serde_json::to_value(report).unwrap_or(Value::Null)),
+        Err(error) => ("failed", json!({ "error": error.to_string() })),
+    };
+    let record = MaintenanceRecord {
+        id: crate::runtime::new_id("mnt"),
+        operation: operation.to_owned(),
+        status: status.to_owned(),
+        started_at,
+        ended_at: Utc::now(),
+        report,
+    };
+    if let Err(error) = store.record_maintenance(&record).await {
+        tracing::warn!(%error, operation, "cannot record a maintenance pass");
+    }
+}
