@@ -120,7 +120,9 @@ async fn bench() {
     let dir = tempfile::tempdir().unwrap();
     workspace(dir.path());
     let compiled = Arc::new(stable_harness::workspace::load(dir.path()).unwrap());
-    let store = stable_harness::store::open(None, dir.path(), &Default::default()).await.unwrap();
+    let store = stable_harness::store::open(None, dir.path(), &Default::default())
+        .await
+        .unwrap();
     let now = Utc::now();
     store
         .apply(&[

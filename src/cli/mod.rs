@@ -237,7 +237,13 @@ fn block_on(future: impl std::future::Future<Output = u8>) -> u8 {
 /// `migrate`: creates or upgrades the store at `--database-url`.
 async fn migrate(args: MigrateArgs) -> u8 {
     let options = crate::store::OpenOptions::default();
-    match crate::store::open(Some(&args.database_url), std::path::Path::new("."), &options).await {
+    match crate::store::open(
+        Some(&args.database_url),
+        std::path::Path::new("."),
+        &options,
+    )
+    .await
+    {
         Ok(store) => {
             output::print(&format!("migrated: {}", store.describe()));
             exit::OK

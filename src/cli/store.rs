@@ -43,7 +43,11 @@ pub async fn prune(args: PruneArgs) -> u8 {
         }
         Ok(report) => {
             let removed = &report.removed;
-            let verb = if report.dry_run { "would remove" } else { "removed" };
+            let verb = if report.dry_run {
+                "would remove"
+            } else {
+                "removed"
+            };
             output::print(&format!(
                 "{verb}: {} sessions, {} requests, {} runs, {} events, {} tool calls, {} approvals, {} messages",
                 removed.sessions,
@@ -55,7 +59,10 @@ pub async fn prune(args: PruneArgs) -> u8 {
                 removed.messages
             ));
             if let Some(file) = &report.archive_file {
-                output::print(&format!("archived {} sessions to {file}", report.archived_sessions));
+                output::print(&format!(
+                    "archived {} sessions to {file}",
+                    report.archived_sessions
+                ));
             }
             if !report.dry_run {
                 output::print(&format!(

@@ -171,7 +171,11 @@ async fn prune_batches(
 
 /// Appends one JSON line per session (its messages and its requests, each with runs, events,
 /// tool calls and approvals), synced to disk before the sessions are deleted.
-async fn write_archive(store: &dyn Store, sessions: &[String], file: &Path) -> Result<(), StoreError> {
+async fn write_archive(
+    store: &dyn Store,
+    sessions: &[String],
+    file: &Path,
+) -> Result<(), StoreError> {
     let archive_error = |source: std::io::Error| StoreError::Archive {
         path: file.display().to_string(),
         source,
@@ -256,7 +260,9 @@ pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, Stor
     }
     .await;
     match &result {
-        Ok(report) => tracing::info!(file = %report.file, bytes = report.bytes, took_ms = report.took_ms, "backup written"),
+        Ok(report) => {
+            tracing::info!(file = %report.file, bytes = report.bytes, took_ms = report.took_ms, "backup written")
+        }
         Err(error) => tracing::error!(%error, "backup failed"),
     }
     record(store, "backup", started_at, &result).await;
@@ -271,7 +277,10 @@ async fn record<T: Serialize>(
     result: &Result<T, StoreError>,
 ) {
     let (status, report) = match result {
-        Ok(report) => ("completed", serde_json::to_value(report).unwrap_or(Value::Null)),
+        Ok(report) => (
+            "completed",
+            serde_json::to_value(report).unwrap_or(Value::Null),
+        ),
         Err(error) => ("failed", json!({ "error": error.to_string() })),
     };
     let record = MaintenanceRecord {

@@ -202,7 +202,9 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
 /// A store created before retention existed has `auto_vacuum = NONE`, which never gives
 /// pruned space back; converting it takes one `VACUUM` (a full rewrite), once, at start.
 async fn convert_to_incremental_vacuum(pool: &SqlitePool) -> Result<(), StoreError> {
-    let mode: i64 = sqlx::query_scalar("PRAGMA auto_vacuum").fetch_one(pool).await?;
+    let mode: i64 = sqlx::query_scalar("PRAGMA auto_vacuum")
+        .fetch_one(pool)
+        .await?;
     if mode != 2 {
         tracing::info!("converting the store to incremental vacuum (once; rewrites the file)");
         sqlx::query("PRAGMA auto_vacuum = INCREMENTAL")
@@ -632,13 +634,12 @@ impl Store for SqliteStore {
             .bind(limit)
             .fetch_all(&self.reader)
             .await?;
-        rows.iter()
-            .map(|row| Ok(row.try_get("id")?))
-            .collect()
+        rows.iter().map(|row| Ok(row.try_get("id")?)).collect()
     }
 
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
-        let ids = serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let ids =
+            serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut pairs = Vec::new();
         for (table, rows) in OWNED_BY_SESSIONS {
             let sql = format!("SELECT COUNT(*) FROM {rows}");
@@ -652,7 +653,8 @@ impl Store for SqliteStore {
     }
 
     async fn delete_sessions(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
-        let ids = serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let ids =
+            serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         self.writer
             .maintain(move |connection| {
                 let tx = connection.transaction()?;
@@ -673,10 +675,16 @@ impl Store for SqliteStore {
                 let free = |c: &rusqlite::Connection| {
                     c.query_row("PRAGMA freelist_count", [], |row| row.get::<_, i64>(0))
                 };
-                let page_size: i64 = connection.query_row("PRAGMA page_size", [], |row| row.get(0))?;
+                let page_size: i64 =
+                    connection.query_row("PRAGMA page_size", [], |row| row.get(0))?;
                 let before = free(connection)?;
                 connection.execute_batch(&format!("PRAGMA incremental_vacuum({max_pages});"))?;
                 let after = free(connection)?;
+                if after < before {
+                    // In WAL mode the file shrinks when a checkpoint copies the shorter
+                    // database back: do it now rather than at the next background pass.
+                    connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+                }
                 Ok((before - after).max(0) as u64 * page_size.max(0) as u64)
             })
             .await
@@ -721,8 +729,12 @@ impl Store for SqliteStore {
                         record.id,
                         record.operation,
                         record.status,
-                        record.started_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                        record.ended_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        record
+                            .started_at
+                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        record
+                            .ended_at
+                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                         record.report.to_string()
                     ],
                 )?;

@@ -361,19 +361,16 @@ impl Compiler<'_> {
                 MAX_RETENTION,
             )
         });
-        let every = self.duration(
-            origin,
-            &spec.every,
-            defaults.every,
-            "store.retention.every",
-        );
-        let archive_dir = spec
-            .archive
-            .as_ref()
-            .and_then(|archive| self.workspace_folder(origin, &archive.dir, "store.retention.archive.dir"));
+        let every = self.duration(origin, &spec.every, defaults.every, "store.retention.every");
+        let archive_dir = spec.archive.as_ref().and_then(|archive| {
+            self.workspace_folder(origin, &archive.dir, "store.retention.archive.dir")
+        });
         RetentionConfig {
             requests,
-            min_keep: spec.min_keep.as_ref().map_or(defaults.min_keep, |n| n.value),
+            min_keep: spec
+                .min_keep
+                .as_ref()
+                .map_or(defaults.min_keep, |n| n.value),
             every,
             archive_dir,
         }
@@ -1438,7 +1435,13 @@ impl Compiler<'_> {
         let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(120), "timeout");
         let retention = spec.retention.as_ref().map(|retention| {
             let window = Some(retention.requests.clone());
-            self.duration_up_to(origin, &window, MAX_RETENTION, "retention.requests", MAX_RETENTION)
+            self.duration_up_to(
+                origin,
+                &window,
+                MAX_RETENTION,
+                "retention.requests",
+                MAX_RETENTION,
+            )
         });
         if let Some(memory) = &spec.memory {
             self.not_supported(

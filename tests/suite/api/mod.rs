@@ -9,6 +9,7 @@ mod admin;
 mod durability;
 mod enforced;
 mod errors;
+mod maintenance;
 mod mcp;
 mod recovery;
 mod runtime_api;
