@@ -188,6 +188,20 @@ pub fn sqlite_path(url: Option<&str>, workspace_root: &Path) -> Result<PathBuf, 
     }
 }
 
+/// A backup never overwrites: an error when `path` exists.
+pub(crate) fn refuse_existing(path: &Path) -> Result<(), StoreError> {
+    if path.exists() {
+        return Err(StoreError::Archive {
+            path: path.display().to_string(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "the file exists; a backup never overwrites",
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A URL without its password, for messages and logs.
 pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {

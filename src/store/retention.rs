@@ -234,15 +234,7 @@ pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, Stor
     let started_at = Utc::now();
     let started = Instant::now();
     let result = async {
-        if file.exists() {
-            return Err(StoreError::Archive {
-                path: file.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "the file exists; a backup never overwrites",
-                ),
-            });
-        }
+        super::refuse_existing(file)?;
         if let Some(parent) = file.parent()
             && !parent.as_os_str().is_empty()
         {

@@ -98,15 +98,7 @@ impl SqliteStore {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no store there"),
             });
         }
-        if to.exists() {
-            return Err(StoreError::Archive {
-                path: to.display().to_string(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "the file exists; a backup never overwrites",
-                ),
-            });
-        }
+        super::refuse_existing(to)?;
         let options = SqliteConnectOptions::from_str("sqlite://")?
             .filename(database)
             .read_only(true)

@@ -15,11 +15,12 @@
 //! written since, between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning.
 //! `journal_size_limit` gives the file's space back after a restart. Should readers starve
-//! the restart (a long backup read), the writer waits for them, briefly, with a RESTART
+//! the restart (a long backup read), the writer waits for them, briefly, with a TRUNCATE
 //! checkpoint once the file passes [`STARVED_WAL_BYTES`].
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -51,6 +52,8 @@ enum Job {
 #[derive(Debug)]
 pub struct SqliteWriter {
     jobs: mpsc::Sender<Job>,
+    /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
+    catch_up_queued: Arc<AtomicBool>,
 }
 
 impl SqliteWriter {
@@ -81,11 +84,16 @@ impl SqliteWriter {
         connection.set_prepared_statement_cache_capacity(32);
         let (jobs, queue) = mpsc::channel::<Job>();
         let wal = WalWatch::new(path);
+        let catch_up_queued = Arc::new(AtomicBool::new(false));
+        let queued = Arc::clone(&catch_up_queued);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || write_loop(connection, queue, wal))
+            .spawn(move || write_loop(connection, queue, wal, &queued))
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
-        Ok(Self { jobs })
+        Ok(Self {
+            jobs,
+            catch_up_queued,
+        })
     }
 
     /// Applies `ops` in one transaction on the writer thread.
@@ -110,7 +118,9 @@ impl SqliteWriter {
     /// Asks the writer to copy the WAL's remaining frames between two transactions (the
     /// checkpointer has copied the rest), so that its next write starts the WAL over.
     pub fn catch_up(&self) {
-        let _ = self.send(Job::CatchUp);
+        if !self.catch_up_queued.swap(true, Ordering::AcqRel) {
+            let _ = self.send(Job::CatchUp);
+        }
     }
 
     fn send(&self, job: Job) -> Result<(), StoreError> {
@@ -152,7 +162,12 @@ impl From<rusqlite::Error> for Abandon {
     }
 }
 
-fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>, mut wal: WalWatch) {
+fn write_loop(
+    mut connection: Connection,
+    queue: mpsc::Receiver<Job>,
+    mut wal: WalWatch,
+    catch_up_queued: &AtomicBool,
+) {
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
@@ -165,6 +180,7 @@ fn write_loop(mut connection: Connection, queue: mpsc::Receiver<Job>, mut wal: W
             }
             Job::Maintain(work) => work(&mut connection),
             Job::CatchUp => {
+                catch_up_queued.store(false, Ordering::Release);
                 if let Err(error) =
                     connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
                 {
