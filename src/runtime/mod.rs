@@ -46,6 +46,24 @@ pub use watch::{ApprovalWatch, Watched};
 pub type EventStream =
     std::pin::Pin<Box<dyn Stream<Item = Result<Arc<EventRecord>, StoreError>> + Send + 'static>>;
 
+/// The key of a stored request input naming the session message its history runs through.
+const HISTORY_THROUGH: &str = "historyThrough";
+
+/// The messages a request's run started from: the session's history through the message the
+/// input names (if any), then the input's own messages.
+fn input_messages(input: &Value, session: &[MessageRecord]) -> Vec<Value> {
+    let mut messages = Vec::new();
+    if let Some(through) = input.get(HISTORY_THROUGH).and_then(Value::as_str)
+        && let Some(end) = session.iter().position(|m| m.id == through)
+    {
+        messages.extend(session[..=end].iter().map(|m| m.content.clone()));
+    }
+    if let Some(own) = input.get("messages").and_then(Value::as_array) {
+        messages.extend(own.iter().cloned());
+    }
+    messages
+}
+
 /// A new id: a prefix and a time-ordered UUID (v7), so ids sort by creation.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
@@ -334,7 +352,15 @@ impl Runtime {
             created_at: now,
             updated_at: now,
         })];
-        let input = json!({ "messages": messages, "options": request.options });
+        // The input is what the request brought; history the session holds already is named
+        // by its last message, never copied (a long session would store it again per turn).
+        let input = match (&parent_id, request.with_history) {
+            (Some(through), true) => {
+                json!({ "messages": request.messages, "options": request.options,
+                HISTORY_THROUGH: through })
+            }
+            _ => json!({ "messages": messages, "options": request.options }),
+        };
         let metadata = request.metadata.clone();
         ops.push(WriteOp::InsertRequest(RequestRecord {
             id: request_id.clone(),
@@ -450,24 +476,24 @@ impl Runtime {
             let Ok(permit) = Arc::clone(&self.inner.admission).try_acquire_owned() else {
                 break;
             };
-            let input = run.state.clone().unwrap_or_else(|| request.input.clone());
-            let messages = input
-                .get("messages")
+            let history = self.inner.store.messages(&request.session_id).await?;
+            let input = input_messages(&request.input, &history);
+            let own_from = input.len();
+            let messages = match run
+                .state
+                .as_ref()
+                .and_then(|state| state.get("messages"))
                 .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default();
+            {
+                Some(checkpoint) => checkpoint.clone(),
+                None => input,
+            };
             let options = request
                 .input
                 .get("options")
                 .and_then(Value::as_object)
                 .cloned()
                 .unwrap_or_default();
-            let history = self.inner.store.messages(&request.session_id).await?;
-            let own_from = request
-                .input
-                .get("messages")
-                .and_then(Value::as_array)
-                .map_or(0, Vec::len);
             tracing::info!(request_id = %request.id, run_id = %run.id, "resuming an interrupted run");
             self.start_run(run::RunJob {
                 submitted: Submitted {

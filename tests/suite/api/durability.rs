@@ -263,6 +263,80 @@ async fn a_run_interrupted_by_kill_9_resumes_after_restart() {
 }
 
 #[tokio::test]
+async fn a_session_turn_stores_only_its_own_messages_and_resumes_with_the_whole_history() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    upstream.push([
+        Reply::Text("first answer".into()),
+        Reply::Slow {
+            text: "never finished because the server dies".into(),
+            pause: Duration::from_millis(300),
+        },
+    ]);
+    upstream.set_default(Reply::Text("second answer after the restart".into()));
+    let workspace = api_workspace(&upstream, "");
+    let http = reqwest::Client::new();
+    let (mut first, base) = start_server(workspace.path());
+    let submit = |body: serde_json::Value| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            http.post(format!("{base}/runtime/requests"))
+                .bearer_auth(CLIENT_KEY)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let opening = submit(json!({ "input": { "text": "one" }, "wait": true })).await;
+    assert_eq!(opening["output"], "first answer", "{opening}");
+    let session = opening["sessionId"].as_str().unwrap();
+    let accepted = submit(json!({ "sessionId": session, "input": { "text": "two" } })).await;
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    while upstream.calls().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    first.kill().unwrap();
+    let _ = first.wait();
+
+    // The turn's stored input is its own message, naming the history it continues.
+    let db = crate::helpers::store_path(workspace.path());
+    let input: serde_json::Value = serde_json::from_str(
+        crate::helpers::store_rows(
+            &db,
+            &format!("SELECT input FROM requests WHERE id = '{request_id}'"),
+        )[0]["input"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        input["messages"],
+        json!([{ "role": "user", "content": "two" }]),
+        "{input}"
+    );
+    assert!(input["historyThrough"].is_string(), "{input}");
+
+    let (mut second, base) = start_server(workspace.path());
+    let view = super::wait_until_done_at(&http, &base, &request_id).await;
+    assert_eq!(view["output"], "second answer after the restart", "{view}");
+    let resumed = upstream.calls().last().unwrap().body["messages"].clone();
+    let contents: Vec<&str> = resumed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, ["one", "first answer", "two"], "{resumed}");
+    terminate(&mut second);
+}
+
+#[tokio::test]
 async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the_tool_once() {
     stable_harness::app::install_crypto_provider();
     let upstream = MockUpstream::start().await;
