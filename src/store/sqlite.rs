@@ -165,6 +165,8 @@ impl StoreOwnership {
 /// readers; the loop stops by itself when the store is dropped (pool closed).
 async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    // A failing checkpoint (a full disk) is said once, and again when it passes.
+    let mut failing = false;
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -176,6 +178,9 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
             .await
         {
             Ok(row) => {
+                if std::mem::take(&mut failing) {
+                    tracing::info!("WAL checkpoints succeed again");
+                }
                 let frames: i64 = row.try_get(1).unwrap_or(0);
                 if frames >= CATCH_UP_PAGES {
                     writer.catch_up();
@@ -185,7 +190,9 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
                 if pool.is_closed() {
                     return;
                 }
-                tracing::warn!(%error, "WAL checkpoint failed");
+                if !std::mem::replace(&mut failing, true) {
+                    tracing::warn!(%error, "WAL checkpoint failed; retrying quietly until it passes");
+                }
             }
         }
     }
