@@ -105,6 +105,8 @@ pub async fn prune(
     }
     match &result {
         Ok(report) => tracing::info!(
+            event = "runtime.store.maintenance.completed",
+            operation = "prune",
             sessions = report.removed.sessions,
             requests = report.removed.requests,
             events = report.removed.events,
@@ -113,7 +115,12 @@ pub async fn prune(
             took_ms = report.took_ms,
             "retention pass"
         ),
-        Err(error) => tracing::error!(%error, "retention pass failed"),
+        Err(error) => tracing::error!(
+            event = "runtime.store.maintenance.failed",
+            operation = "prune",
+            %error,
+            "retention pass failed"
+        ),
     }
     record(store, "prune", started_at, &result).await;
     result
@@ -252,10 +259,20 @@ pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, Stor
     }
     .await;
     match &result {
-        Ok(report) => {
-            tracing::info!(file = %report.file, bytes = report.bytes, took_ms = report.took_ms, "backup written")
-        }
-        Err(error) => tracing::error!(%error, "backup failed"),
+        Ok(report) => tracing::info!(
+            event = "runtime.store.maintenance.completed",
+            operation = "backup",
+            file = %report.file,
+            bytes = report.bytes,
+            took_ms = report.took_ms,
+            "backup written"
+        ),
+        Err(error) => tracing::error!(
+            event = "runtime.store.maintenance.failed",
+            operation = "backup",
+            %error,
+            "backup failed"
+        ),
     }
     record(store, "backup", started_at, &result).await;
     result

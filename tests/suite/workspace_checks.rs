@@ -335,6 +335,30 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
+        name: "retention windows, the archive folder and the store size are checked",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store:\n    maxSize: 0MiB\n    retention: { requests: 4000d, every: 0s, archive: { dir: ../outside } }\n",
+                ),
+            ),
+            (
+                "config/agents/fine.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: fine }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  retention: { requests: soon }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/fine.yaml:7:26: `retention.requests`: invalid duration `soon`: expected a number before `soon`",
+            "config/runtime/workspace.yaml:6:14: `store.maxSize` must be greater than zero",
+            "config/runtime/workspace.yaml:7:28: `store.retention.requests` (4000d) is longer than the 3650-day maximum",
+            "config/runtime/workspace.yaml:7:42: `store.retention.every` must be greater than zero",
+            "config/runtime/workspace.yaml:7:62: `store.retention.archive.dir` path `../outside` escapes the workspace (hint: paths are relative to the workspace folder and may not use `..`, start with `/` or lead out through a link)",
+        ],
+    },
+    Case {
         name: "fields that parse but are not enforced yet are rejected",
         files: &[
             (
