@@ -163,6 +163,7 @@ impl Application {
         }
         let (runtime, resumed) =
             build_runtime(workspace, config.database_url.as_deref(), true).await?;
+        runtime.start_retention();
         let listener = TcpListener::bind(&address)
             .await
             .map_err(|source| AppError::Bind {

@@ -406,11 +406,12 @@ fn push_merging_deltas(
     group: Group,
 ) {
     let Some(request) = group.request.clone() else {
+        end_delta_stretches(last_delta, &group);
         groups.push(group);
         return;
     };
     let Some((run, text)) = lone_delta(&group) else {
-        last_delta.remove(&request);
+        end_delta_stretches(last_delta, &group);
         groups.push(group);
         return;
     };
@@ -425,6 +426,19 @@ fn push_merging_deltas(
     }
     last_delta.insert(request, groups.len());
     groups.push(group);
+}
+
+/// Any other group ends the stretch of deltas of its request and of every request it has an
+/// event of, whoever queued it (an approval decision carries its request's event).
+fn end_delta_stretches(last_delta: &mut HashMap<String, usize>, group: &Group) {
+    if let Some(request) = &group.request {
+        last_delta.remove(request);
+    }
+    for op in &group.ops {
+        if let WriteOp::AppendEvent(event) = op {
+            last_delta.remove(&event.request_id);
+        }
+    }
 }
 
 /// The run and text of a group that is exactly one output delta event, unacknowledged.

@@ -31,8 +31,9 @@ pub fn retention_policy(workspace: &CompiledWorkspace) -> RetentionPolicy {
 }
 
 impl Runtime {
-    /// Starts the background pruning loop when the workspace sets a retention window.
-    pub(super) fn start_retention(&self) {
+    /// Starts the background pruning loop when the workspace sets a retention window (the
+    /// server does; one-shot commands like `run` and `store prune` never do).
+    pub fn start_retention(&self) {
         let policy = retention_policy(&self.inner.workspace);
         if !policy.is_active() {
             return;
@@ -51,6 +52,9 @@ impl Runtime {
                 }
                 wait = every;
                 let Some(inner) = inner.upgrade() else { return };
+                if shutdown.is_cancelled() {
+                    return;
+                }
                 // A failed pass is logged and recorded; the next one tries again.
                 let _ = Runtime { inner }.prune(false).await;
             }

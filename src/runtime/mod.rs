@@ -51,12 +51,19 @@ const HISTORY_THROUGH: &str = "historyThrough";
 
 /// The messages a request's run started from: the session's history through the message the
 /// input names (if any), then the input's own messages.
-fn input_messages(input: &Value, session: &[MessageRecord]) -> Vec<Value> {
+fn input_messages(request_id: &str, input: &Value, session: &[MessageRecord]) -> Vec<Value> {
     let mut messages = Vec::new();
     if let Some(through) = input.get(HISTORY_THROUGH).and_then(Value::as_str)
         && let Some(end) = session.iter().position(|m| m.id == through)
     {
-        messages.extend(session[..=end].iter().map(|m| m.content.clone()));
+        // A concurrent turn of the same session may sort among the history (its clock was
+        // earlier, its commit later): the request's own messages come from its input only.
+        messages.extend(
+            session[..=end]
+                .iter()
+                .filter(|m| m.request_id.as_deref() != Some(request_id))
+                .map(|m| m.content.clone()),
+        );
     }
     if let Some(own) = input.get("messages").and_then(Value::as_array) {
         messages.extend(own.iter().cloned());
@@ -215,7 +222,7 @@ impl Runtime {
             Arc::clone(&approvals),
             redactor,
         );
-        let runtime = Self {
+        Self {
             inner: Arc::new(Inner {
                 adapters: Adapters::new(http),
                 gateway,
@@ -232,9 +239,7 @@ impl Runtime {
                 live: Mutex::new(HashMap::new()),
                 maintenance: tokio::sync::Mutex::new(()),
             }),
-        };
-        runtime.start_retention();
-        runtime
+        }
     }
 
     pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
@@ -477,7 +482,7 @@ impl Runtime {
                 break;
             };
             let history = self.inner.store.messages(&request.session_id).await?;
-            let input = input_messages(&request.input, &history);
+            let input = input_messages(&request.id, &request.input, &history);
             let own_from = input.len();
             let messages = match run
                 .state

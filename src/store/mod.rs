@@ -132,9 +132,14 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Vec<String>, StoreError>;
     /// What the sessions own, counted (a dry run's report).
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError>;
-    /// Deletes the sessions with every request, run, event, tool call, approval, artifact and
-    /// message they own, in one transaction.
-    async fn delete_sessions(&self, sessions: &[String]) -> Result<PruneCounts, StoreError>;
+    /// Deletes those of the sessions `filter` still lets go — judged again in the deleting
+    /// transaction, so a session continued meanwhile stays — with every request, run, event,
+    /// tool call, approval, artifact and message they own, in one transaction.
+    async fn delete_sessions(
+        &self,
+        filter: &PruneFilter,
+        sessions: &[String],
+    ) -> Result<PruneCounts, StoreError>;
     /// Gives up to `max_pages` free pages back to the filesystem; returns the bytes given back.
     async fn reclaim_space(&self, max_pages: i64) -> Result<u64, StoreError>;
     /// Writes a consistent snapshot of the whole store to the new file `path` while serving;
@@ -188,8 +193,9 @@ pub fn sqlite_path(url: Option<&str>, workspace_root: &Path) -> Result<PathBuf, 
     }
 }
 
-/// A backup never overwrites: an error when `path` exists.
-pub(crate) fn refuse_existing(path: &Path) -> Result<(), StoreError> {
+/// Readies the path of a new backup: an error when it exists (a backup never overwrites);
+/// its folder is created when missing.
+pub(crate) fn prepare_new_file(path: &Path) -> Result<(), StoreError> {
     if path.exists() {
         return Err(StoreError::Archive {
             path: path.display().to_string(),
@@ -199,7 +205,15 @@ pub(crate) fn refuse_existing(path: &Path) -> Result<(), StoreError> {
             ),
         });
     }
-    Ok(())
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => {
+            std::fs::create_dir_all(parent).map_err(|source| StoreError::Archive {
+                path: parent.display().to_string(),
+                source,
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A URL without its password, for messages and logs.

@@ -374,7 +374,6 @@ pub struct StoreStats {
     pub free_bytes: u64,
     pub requests: u64,
     pub sessions: u64,
-    pub events: u64,
 }
 
 /// One maintenance pass (a prune or a backup), as recorded in the store.

@@ -160,7 +160,9 @@ async fn prune_batches(
                 report.archived_sessions += batch.len() as u64;
                 report.archive_file = Some(file.display().to_string());
             }
-            report.removed.add(&store.delete_sessions(&batch).await?);
+            report
+                .removed
+                .add(&store.delete_sessions(&filter, &batch).await?);
         }
         after = Some(last);
     }
@@ -177,7 +179,9 @@ async fn prune_batches(
 }
 
 /// Appends one JSON line per session (its messages and its requests, each with runs, events,
-/// tool calls and approvals), synced to disk before the sessions are deleted.
+/// tool calls and approvals), one session at a time, synced to disk before the sessions are
+/// deleted. At least once: a session continued between listing and deleting stays in the
+/// store and may be archived again by a later pass.
 async fn write_archive(
     store: &dyn Store,
     sessions: &[String],
@@ -187,41 +191,6 @@ async fn write_archive(
         path: file.display().to_string(),
         source,
     };
-    let mut lines = Vec::new();
-    for id in sessions {
-        let session = store.session(id).await?;
-        let messages = store.messages(id).await?;
-        let filter = RequestFilter {
-            session_id: Some(id.clone()),
-            ..RequestFilter::default()
-        };
-        let mut requests = Vec::new();
-        let mut page = PageRequest {
-            limit: 500,
-            cursor: None,
-        };
-        loop {
-            let found = store.requests(&filter, &page).await?;
-            for request in found.items {
-                let runs = store.runs_of(&request.id).await?;
-                let mut tool_calls = Vec::new();
-                let mut approvals = Vec::new();
-                for run in &runs {
-                    tool_calls.extend(store.tool_calls_of_run(&run.id).await?);
-                    approvals.extend(store.approvals_of_run(&run.id).await?);
-                }
-                let events = store.events(&request.id, 0, i64::MAX).await?;
-                requests.push(json!({ "request": request, "runs": runs, "events": events,
-                    "toolCalls": tool_calls, "approvals": approvals }));
-            }
-            match found.next_cursor {
-                Some(cursor) => page.cursor = Some(cursor),
-                None => break,
-            }
-        }
-        let line = json!({ "session": session, "messages": messages, "requests": requests });
-        lines.push(line.to_string());
-    }
     if let Some(parent) = file.parent() {
         std::fs::create_dir_all(parent).map_err(archive_error)?;
     }
@@ -230,10 +199,46 @@ async fn write_archive(
         .append(true)
         .open(file)
         .map_err(archive_error)?;
-    for line in lines {
+    for id in sessions {
+        let line = archived_session(store, id).await?;
         writeln!(out, "{line}").map_err(archive_error)?;
     }
     out.sync_all().map_err(archive_error)
+}
+
+/// One session as an archive line.
+async fn archived_session(store: &dyn Store, id: &str) -> Result<Value, StoreError> {
+    let session = store.session(id).await?;
+    let messages = store.messages(id).await?;
+    let filter = RequestFilter {
+        session_id: Some(id.to_owned()),
+        ..RequestFilter::default()
+    };
+    let mut requests = Vec::new();
+    let mut page = PageRequest {
+        limit: 500,
+        cursor: None,
+    };
+    loop {
+        let found = store.requests(&filter, &page).await?;
+        for request in found.items {
+            let runs = store.runs_of(&request.id).await?;
+            let mut tool_calls = Vec::new();
+            let mut approvals = Vec::new();
+            for run in &runs {
+                tool_calls.extend(store.tool_calls_of_run(&run.id).await?);
+                approvals.extend(store.approvals_of_run(&run.id).await?);
+            }
+            let events = store.events(&request.id, 0, i64::MAX).await?;
+            requests.push(json!({ "request": request, "runs": runs, "events": events,
+                "toolCalls": tool_calls, "approvals": approvals }));
+        }
+        match found.next_cursor {
+            Some(cursor) => page.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    Ok(json!({ "session": session, "messages": messages, "requests": requests }))
 }
 
 /// Copies a consistent snapshot of the store to the new file `file` while it serves.
@@ -241,15 +246,7 @@ pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, Stor
     let started_at = Utc::now();
     let started = Instant::now();
     let result = async {
-        super::refuse_existing(file)?;
-        if let Some(parent) = file.parent()
-            && !parent.as_os_str().is_empty()
-        {
-            std::fs::create_dir_all(parent).map_err(|source| StoreError::Archive {
-                path: parent.display().to_string(),
-                source,
-            })?;
-        }
+        super::prepare_new_file(file)?;
         let bytes = store.backup_to(file).await?;
         Ok(BackupReport {
             file: file.display().to_string(),
@@ -302,5 +299,101 @@ async fn record<T: Serialize>(
     };
     if let Err(error) = store.record_maintenance(&record).await {
         tracing::warn!(%error, operation, "cannot record a maintenance pass");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use chrono::{Duration as Age, Utc};
+
+    use super::*;
+    use crate::store::{RequestRecord, RunStatus, SessionRecord, SqliteStore, WriteOp};
+
+    fn session_and_request(
+        session: &str,
+        request: &str,
+        status: RunStatus,
+        age: Age,
+    ) -> Vec<WriteOp> {
+        let at = Utc::now() - age;
+        vec![
+            WriteOp::TouchSession(SessionRecord {
+                id: session.into(),
+                agent_id: "a".into(),
+                owner: "o".into(),
+                metadata: json!({}),
+                created_at: at,
+                updated_at: at,
+            }),
+            WriteOp::InsertRequest(RequestRecord {
+                id: request.into(),
+                session_id: session.into(),
+                agent_id: "a".into(),
+                protocol: "test".into(),
+                owner: "o".into(),
+                status,
+                input: json!({}),
+                output: None,
+                error: None,
+                usage: None,
+                metadata: json!({}),
+                created_at: at,
+                updated_at: at,
+            }),
+        ]
+    }
+
+    #[tokio::test]
+    async fn a_session_continued_after_it_was_listed_is_not_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open_file(&dir.path().join("state.db"))
+                .await
+                .unwrap(),
+        );
+        store
+            .apply(&session_and_request(
+                "ses_old",
+                "req_1",
+                RunStatus::Completed,
+                Age::hours(2),
+            ))
+            .await
+            .unwrap();
+        store
+            .apply(&session_and_request(
+                "ses_gone",
+                "req_2",
+                RunStatus::Completed,
+                Age::hours(2),
+            ))
+            .await
+            .unwrap();
+        let policy = RetentionPolicy {
+            default_window: Some(Duration::from_secs(3_600)),
+            min_keep: 0,
+            ..RetentionPolicy::default()
+        };
+        let filter = policy.filter(Utc::now());
+        let listed = store.prunable_sessions(&filter, None, 10).await.unwrap();
+        assert_eq!(listed, ["ses_gone", "ses_old"]);
+
+        // A client continues one of them before the delete runs.
+        store
+            .apply(&session_and_request(
+                "ses_old",
+                "req_3",
+                RunStatus::Running,
+                Age::zero(),
+            ))
+            .await
+            .unwrap();
+        let removed = store.delete_sessions(&filter, &listed).await.unwrap();
+        assert_eq!((removed.sessions, removed.requests), (1, 1));
+        assert!(store.session("ses_old").await.unwrap().is_some());
+        assert!(store.request("req_1").await.unwrap().is_some());
+        assert!(store.session("ses_gone").await.unwrap().is_none());
     }
 }

@@ -98,7 +98,7 @@ impl SqliteStore {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no store there"),
             });
         }
-        super::refuse_existing(to)?;
+        super::prepare_new_file(to)?;
         let options = SqliteConnectOptions::from_str("sqlite://")?
             .filename(database)
             .read_only(true)
@@ -209,7 +209,12 @@ async fn convert_to_incremental_vacuum(pool: &SqlitePool) -> Result<(), StoreErr
         sqlx::query("PRAGMA auto_vacuum = INCREMENTAL")
             .execute(pool)
             .await?;
-        sqlx::query("VACUUM").execute(pool).await?;
+        // The rewrite needs about the store's size again in free space; without it the store
+        // still serves (pruned pages are reused, only not given back) and the next start
+        // tries again.
+        if let Err(error) = sqlx::query("VACUUM").execute(pool).await {
+            tracing::warn!(%error, "cannot convert the store to incremental vacuum now; pruned space is reused but not given back until it can");
+        }
     }
     Ok(())
 }
@@ -223,7 +228,8 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
 /// The sessions a prune may remove: idle past the cutoff of their agent, with every request
 /// ended past the cutoff of its own agent, none among the newest `min_keep` ended requests,
 /// no pending approval and no live run. An agent without a cutoff keeps everything (`?1`:
-/// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL).
+/// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL; `?6`: only among these
+/// ids, a JSON array, or NULL).
 const PRUNABLE_SESSIONS: &str = r#"
 WITH kept AS (
     SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
@@ -231,6 +237,7 @@ WITH kept AS (
 )
 SELECT s.id FROM sessions s
 WHERE (?4 IS NULL OR s.id > ?4)
+  AND (?6 IS NULL OR s.id IN (SELECT value FROM json_each(?6)))
   AND s.updated_at < COALESCE(json_extract(?1, '$."' || s.agent_id || '"'), ?2, '')
   AND NOT EXISTS (
     SELECT 1 FROM requests r WHERE r.session_id = s.id AND (
@@ -241,6 +248,9 @@ WHERE (?4 IS NULL OR s.id > ?4)
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
                    AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
 ORDER BY s.id LIMIT ?5"#;
+
+/// Maintenance records kept (the newest).
+const MAINTENANCE_KEPT: u32 = 1_000;
 
 /// Per table: what the sessions in `?1` (a JSON array) own, in deletion order (children
 /// first, so every foreign key holds at each statement's end).
@@ -631,6 +641,7 @@ impl Store for SqliteStore {
             .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
             .bind(after)
             .bind(limit)
+            .bind(None::<String>)
             .fetch_all(&self.reader)
             .await?;
         rows.iter().map(|row| Ok(row.try_get("id")?)).collect()
@@ -651,12 +662,38 @@ impl Store for SqliteStore {
         Ok(counts_from(pairs))
     }
 
-    async fn delete_sessions(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
-        let ids =
+    async fn delete_sessions(
+        &self,
+        filter: &PruneFilter,
+        sessions: &[String],
+    ) -> Result<PruneCounts, StoreError> {
+        let candidates =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let agents = serde_json::to_string(&filter.agent_cutoffs)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let default_cutoff = filter.default_cutoff.clone();
+        let min_keep = i64::try_from(filter.min_keep).unwrap_or(i64::MAX);
+        let limit = i64::try_from(sessions.len()).unwrap_or(i64::MAX);
         self.writer
             .maintain(move |connection| {
                 let tx = connection.transaction()?;
+                // Judged again inside the writer's transaction: a session continued since it
+                // was listed is live again and stays.
+                let still: Vec<String> = tx
+                    .prepare(PRUNABLE_SESSIONS)?
+                    .query_map(
+                        rusqlite::params![
+                            agents,
+                            default_cutoff,
+                            min_keep,
+                            None::<String>,
+                            limit,
+                            candidates
+                        ],
+                        |row| row.get(0),
+                    )?
+                    .collect::<Result<_, _>>()?;
+                let ids = serde_json::to_string(&still).unwrap_or_else(|_| "[]".to_owned());
                 let mut pairs = Vec::new();
                 for (table, rows) in OWNED_BY_SESSIONS {
                     let n = tx.execute(&format!("DELETE FROM {rows}"), [&ids])?;
@@ -677,7 +714,13 @@ impl Store for SqliteStore {
                 let page_size: i64 =
                     connection.query_row("PRAGMA page_size", [], |row| row.get(0))?;
                 let before = free(connection)?;
-                connection.execute_batch(&format!("PRAGMA incremental_vacuum({max_pages});"))?;
+                // One row per page freed: step to the end, or only one page goes.
+                let mut vacuum =
+                    connection.prepare(&format!("PRAGMA incremental_vacuum({max_pages})"))?;
+                let mut freed = vacuum.query([])?;
+                while freed.next()?.is_some() {}
+                drop(freed);
+                drop(vacuum);
                 let after = free(connection)?;
                 if after < before {
                     // In WAL mode the file shrinks when a checkpoint copies the shorter
@@ -698,8 +741,7 @@ impl Store for SqliteStore {
             "SELECT (SELECT page_size FROM pragma_page_size) AS page_size,
                     (SELECT freelist_count FROM pragma_freelist_count) AS free_pages,
                     (SELECT COUNT(*) FROM requests) AS requests,
-                    (SELECT COUNT(*) FROM sessions) AS sessions,
-                    (SELECT COUNT(*) FROM events) AS events",
+                    (SELECT COUNT(*) FROM sessions) AS sessions",
         )
         .fetch_one(&self.reader)
         .await?;
@@ -713,7 +755,6 @@ impl Store for SqliteStore {
             free_bytes: number("free_pages")? * number("page_size")?,
             requests: number("requests")?,
             sessions: number("sessions")?,
-            events: number("events")?,
         })
     }
 
@@ -736,6 +777,11 @@ impl Store for SqliteStore {
                             .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                         record.report.to_string()
                     ],
+                )?;
+                // The record is a log, kept to its newest entries.
+                connection.execute(
+                    &format!("DELETE FROM maintenance WHERE id NOT IN (SELECT id FROM maintenance ORDER BY id DESC LIMIT {MAINTENANCE_KEPT})"),
+                    [],
                 )?;
                 Ok(())
             })

@@ -15,8 +15,8 @@
 //! written since, between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning.
 //! `journal_size_limit` gives the file's space back after a restart. Should readers starve
-//! the restart (a long backup read), the writer waits for them, briefly, with a TRUNCATE
-//! checkpoint once the file passes [`STARVED_WAL_BYTES`].
+//! the restart (a long backup read), the writer waits for them with a TRUNCATE checkpoint
+//! once the file passes [`STARVED_WAL_BYTES`], for at most [`STARVED_WAIT`].
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +37,11 @@ pub const CATCH_UP_PAGES: i64 = 1_000;
 const WAL_SIZE_LIMIT: u64 = 16 * 1024 * 1024;
 /// A WAL file this large means restarts are being starved by readers.
 const STARVED_WAL_BYTES: u64 = 32 * 1024 * 1024;
-/// Least time between two waits for readers (each waits at most the busy timeout).
+/// How long the writer waits on a busy database before reporting it unavailable.
+const BUSY_TIMEOUT: Duration = Duration::from_millis(2_000);
+/// How long the writer waits for readers to leave old WAL frames.
+const STARVED_WAIT: Duration = Duration::from_millis(50);
+/// Least time between two waits for readers.
 const STARVED_RETRY: Duration = Duration::from_secs(5);
 
 enum Job {
@@ -66,9 +70,12 @@ impl SqliteWriter {
         connection
             .execute_batch(&format!(
                 "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
-                 PRAGMA busy_timeout = 2000; PRAGMA wal_autocheckpoint = 0;
+                 PRAGMA wal_autocheckpoint = 0;
                  PRAGMA journal_size_limit = {WAL_SIZE_LIMIT};"
             ))
+            .map_err(writer_error)?;
+        connection
+            .busy_timeout(BUSY_TIMEOUT)
             .map_err(writer_error)?;
         if let Some(max_bytes) = max_bytes {
             // Past the cap SQLite answers SQLITE_FULL, which the journal handles as a full
@@ -220,6 +227,8 @@ impl WalWatch {
         }
         self.last_wait = Some(Instant::now());
         let started = Instant::now();
+        // A short wait: a reader that holds on (a backup's long read) must not stall writes.
+        let _ = connection.busy_timeout(STARVED_WAIT);
         let result = connection.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |row| {
             Ok((
                 row.get::<_, i64>(0)?,
@@ -227,6 +236,7 @@ impl WalWatch {
                 row.get::<_, i64>(2)?,
             ))
         });
+        let _ = connection.busy_timeout(BUSY_TIMEOUT);
         match result {
             Ok((0, _, _)) => tracing::info!(
                 wal_bytes = size,
