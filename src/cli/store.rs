@@ -90,6 +90,12 @@ pub async fn backup(args: BackupArgs) -> u8 {
             }
         },
     };
+    if url.as_deref().is_some_and(store::is_postgres) {
+        output::error(
+            "stable-harness store backup: back a PostgreSQL store up with pg_dump (or the database's own backups)",
+        );
+        return exit::FAILED;
+    }
     let result = match store::sqlite_path(url.as_deref(), &args.workspace) {
         Ok(database) => store::SqliteStore::backup_file(&database, &args.to).await,
         Err(error) => Err(error),

@@ -498,11 +498,14 @@ pub async fn backup_store(
     Ok((axum::http::StatusCode::CREATED, Json(report)))
 }
 
-/// A maintenance failure: 503 when the store cannot write for now, else internal.
+/// A maintenance failure: 422 when this store has no such operation, 503 when it cannot
+/// write for now, else internal.
 fn store_error(error: StoreError) -> ApiError {
-    if error.is_transient() {
-        ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
-    } else {
-        ApiError::internal(error)
+    match error {
+        StoreError::Unsupported(message) => ApiError::new(ErrorCode::InvalidRequest, message),
+        error if error.is_transient() => {
+            ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
+        }
+        error => ApiError::internal(error),
     }
 }

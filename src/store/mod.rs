@@ -7,6 +7,7 @@
 //! `migrations/<database>/` and run when a store is opened.
 
 mod model;
+mod postgres;
 pub mod retention;
 mod sqlite;
 mod sqlite_writer;
@@ -15,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use model::*;
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 
 /// Why a store operation failed. Never caused by client input: the layers above validate.
@@ -26,8 +28,11 @@ pub enum StoreError {
     Migration(#[from] sqlx::migrate::MigrateError),
     #[error("stored data is unreadable: {0}")]
     Corrupt(String),
-    #[error("unsupported store url `{0}`: use sqlite://PATH (PostgreSQL arrives with its issue)")]
+    #[error("unsupported store url `{0}`: use sqlite://PATH or postgres://USER@HOST/DB")]
     UnsupportedUrl(String),
+    /// The operation does not exist on this store.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("store writer: {0}")]
     Writer(String),
     /// The database cannot write for now (busy, I/O error, full disk): worth retrying.
@@ -167,10 +172,25 @@ pub async fn open(
     workspace_root: &Path,
     options: &OpenOptions,
 ) -> Result<Arc<dyn Store>, StoreError> {
+    if let Some(url) = url
+        && is_postgres(url)
+    {
+        if options.max_bytes.is_some() {
+            return Err(StoreError::Unsupported(
+                "`store.maxSize` caps the embedded store; size a PostgreSQL database with its own quotas".into(),
+            ));
+        }
+        return Ok(Arc::new(PostgresStore::connect(url).await?));
+    }
     let path = sqlite_path(url, workspace_root)?;
     Ok(Arc::new(
         SqliteStore::open_file_with(&path, options.max_bytes).await?,
     ))
+}
+
+/// Whether `url` names a PostgreSQL database.
+pub fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 /// The SQLite file `url` names (relative paths are under the workspace), or the workspace's

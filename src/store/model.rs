@@ -351,6 +351,25 @@ pub struct PruneCounts {
 }
 
 impl PruneCounts {
+    /// Counts from `(table, rows)` pairs.
+    pub fn from_tables(pairs: impl IntoIterator<Item = (&'static str, u64)>) -> Self {
+        let mut counts = Self::default();
+        for (table, n) in pairs {
+            let slot = match table {
+                "events" => &mut counts.events,
+                "tool_calls" => &mut counts.tool_calls,
+                "approvals" => &mut counts.approvals,
+                "artifacts" => &mut counts.artifacts,
+                "runs" => &mut counts.runs,
+                "messages" => &mut counts.messages,
+                "requests" => &mut counts.requests,
+                _ => &mut counts.sessions,
+            };
+            *slot += n;
+        }
+        counts
+    }
+
     pub fn add(&mut self, other: &Self) {
         self.sessions += other.sessions;
         self.requests += other.requests;

@@ -290,24 +290,6 @@ const OWNED_BY_SESSIONS: [(&str, &str); 8] = [
     ),
 ];
 
-fn counts_from(pairs: impl IntoIterator<Item = (&'static str, u64)>) -> PruneCounts {
-    let mut counts = PruneCounts::default();
-    for (table, n) in pairs {
-        let slot = match table {
-            "events" => &mut counts.events,
-            "tool_calls" => &mut counts.tool_calls,
-            "approvals" => &mut counts.approvals,
-            "artifacts" => &mut counts.artifacts,
-            "runs" => &mut counts.runs,
-            "messages" => &mut counts.messages,
-            "requests" => &mut counts.requests,
-            _ => &mut counts.sessions,
-        };
-        *slot += n;
-    }
-    counts
-}
-
 fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
     text.map(|t| {
         serde_json::from_str(&t).map_err(|e| StoreError::Corrupt(format!("JSON column: {e}")))
@@ -659,7 +641,7 @@ impl Store for SqliteStore {
                 .await?;
             pairs.push((table, n.max(0) as u64));
         }
-        Ok(counts_from(pairs))
+        Ok(PruneCounts::from_tables(pairs))
     }
 
     async fn delete_sessions(
@@ -700,7 +682,7 @@ impl Store for SqliteStore {
                     pairs.push((table, n as u64));
                 }
                 tx.commit()?;
-                Ok(counts_from(pairs))
+                Ok(PruneCounts::from_tables(pairs))
             })
             .await
     }

@@ -11,5 +11,7 @@ mod cli;
 mod crash;
 mod fuzz;
 mod hostile_upstream;
+mod pg;
 mod soak;
+mod store_conformance;
 mod workspace_checks;

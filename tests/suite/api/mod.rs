@@ -11,6 +11,7 @@ mod enforced;
 mod errors;
 mod maintenance;
 mod mcp;
+mod postgres;
 mod recovery;
 mod runtime_api;
 pub mod tools;

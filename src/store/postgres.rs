@@ -1,0 +1,836 @@
+//! The PostgreSQL store: the same [`Store`] behaviour as the embedded one, on a server
+//! database (`postgres://` URLs).
+//!
+//! A batch is one transaction. Migrations run at open under sqlx's advisory lock, so
+//! concurrent starts never race. Until runs are claimed with leases, one process owns the
+//! database's runs as it owns an embedded store: a session-level advisory lock held on a
+//! connection of its own for the store's life (released by the server when the process dies
+//! however it dies), so a second instance is refused at once rather than running the same
+//! runs twice.
+//!
+//! PostgreSQL text cannot hold U+0000, which clients may send; it is stored as U+FFFD.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
+use tokio::sync::Mutex;
+
+use super::{
+    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MaintenanceRecord, MessageRecord,
+    Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord, RunRecord,
+    RunStatus, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
+};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
+
+/// The advisory lock key of a store's ownership (until leases).
+const OWNERSHIP_LOCK: i64 = 0x5354_4142_4c45_4852; // "STABLEHR"
+
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    url: String,
+    pool: PgPool,
+    /// The connection holding this process's ownership lock.
+    _owner: Arc<Mutex<PgConnection>>,
+}
+
+impl PostgresStore {
+    /// Connects, takes ownership of the database's runs, and migrates.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = PgConnectOptions::from_str(url)?;
+        let mut owner = PgConnection::connect_with(&options).await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(OWNERSHIP_LOCK)
+            .fetch_one(&mut owner)
+            .await?;
+        if !locked {
+            return Err(StoreError::InUse(redact_url(url)));
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .min_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Self {
+            url: redact_url(url),
+            pool,
+            _owner: Arc::new(Mutex::new(owner)),
+        })
+    }
+}
+
+/// Text as PostgreSQL can hold it.
+fn text(value: &str) -> String {
+    value.replace('\0', "\u{FFFD}")
+}
+
+/// JSON as PostgreSQL can hold it (no U+0000 in any string).
+fn json(value: &Value) -> Value {
+    match value {
+        Value::String(s) if s.contains('\0') => Value::String(text(s)),
+        Value::Array(items) => Value::Array(items.iter().map(json).collect()),
+        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (text(k), json(v))).collect()),
+        other => other.clone(),
+    }
+}
+
+fn json_opt(value: &Option<Value>) -> Option<Value> {
+    value.as_ref().map(json)
+}
+
+/// A database error, classified: connection trouble and a full disk may pass.
+fn classify(error: sqlx::Error) -> StoreError {
+    if let sqlx::Error::Database(db) = &error
+        && let Some(code) = db.code()
+        && (code.starts_with("08") || code.starts_with("53") || code.starts_with("57P"))
+    {
+        return StoreError::Unavailable(db.message().to_owned());
+    }
+    StoreError::Database(error)
+}
+
+fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
+    RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
+}
+
+fn request_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
+    Ok(RequestRecord {
+        id: row.try_get("id")?,
+        session_id: row.try_get("session_id")?,
+        agent_id: row.try_get("agent_id")?,
+        protocol: row.try_get("protocol")?,
+        owner: row.try_get("owner")?,
+        status: parse_status(&row.try_get::<String, _>("status")?)?,
+        input: row.try_get("input")?,
+        output: row.try_get("output")?,
+        error: row.try_get("error")?,
+        usage: row.try_get("usage")?,
+        metadata: row.try_get("metadata")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+fn run_from_row(row: &PgRow) -> Result<RunRecord, StoreError> {
+    Ok(RunRecord {
+        id: row.try_get("id")?,
+        request_id: row.try_get("request_id")?,
+        attempt: row.try_get("attempt")?,
+        status: parse_status(&row.try_get::<String, _>("status")?)?,
+        state: row.try_get("state")?,
+        error: row.try_get("error")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        started_at: row.try_get("started_at")?,
+        ended_at: row.try_get("ended_at")?,
+    })
+}
+
+fn event_from_row(row: &PgRow) -> Result<EventRecord, StoreError> {
+    Ok(EventRecord {
+        id: row.try_get("id")?,
+        request_id: row.try_get("request_id")?,
+        run_id: row.try_get("run_id")?,
+        session_id: row.try_get("session_id")?,
+        agent_id: row.try_get("agent_id")?,
+        seq: row.try_get("seq")?,
+        event_type: row.try_get("type")?,
+        at: row.try_get("at")?,
+        data: row.try_get("data")?,
+    })
+}
+
+fn approval_from_row(row: &PgRow) -> Result<ApprovalRecord, StoreError> {
+    let status: String = row.try_get("status")?;
+    let kind: String = row.try_get("kind")?;
+    Ok(ApprovalRecord {
+        id: row.try_get("id")?,
+        request_id: row.try_get("request_id")?,
+        run_id: row.try_get("run_id")?,
+        session_id: row.try_get("session_id")?,
+        agent_id: row.try_get("agent_id")?,
+        call_key: row.try_get("call_key")?,
+        execution: row.try_get("execution")?,
+        kind: ApprovalKind::parse(&kind)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown approval kind `{kind}`")))?,
+        tool_call_id: row.try_get("tool_call_id")?,
+        tool_id: row.try_get("tool_id")?,
+        arguments: row.try_get("arguments")?,
+        rule: row.try_get("rule")?,
+        status: ApprovalStatus::parse(&status)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown approval status `{status}`")))?,
+        reason: row.try_get("reason")?,
+        decided_by: row.try_get("decided_by")?,
+        created_at: row.try_get("created_at")?,
+        expires_at: row.try_get("expires_at")?,
+        decided_at: row.try_get("decided_at")?,
+    })
+}
+
+/// An event row with the session and agent of its request (events do not repeat them).
+const EVENT_SELECT: &str =
+    "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
+     FROM events e JOIN requests r ON r.id = e.request_id";
+
+/// The sessions a prune may remove; the same conditions as the embedded store's
+/// (`$1`: per-agent cutoffs, a JSON object; `$2`: everyone else's or NULL; `$3`: minKeep;
+/// `$4`: after this id; `$5`: limit; `$6`: only among these ids, or NULL).
+const PRUNABLE_SESSIONS: &str = "
+WITH kept AS (
+    SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
+    ORDER BY id DESC LIMIT $3
+)
+SELECT s.id FROM sessions s
+WHERE ($4::text IS NULL OR s.id > $4)
+  AND ($6::text[] IS NULL OR s.id = ANY($6))
+  AND s.updated_at < COALESCE(($1::jsonb ->> s.agent_id)::timestamptz, $2::timestamptz, '-infinity')
+  AND NOT EXISTS (
+    SELECT 1 FROM requests r WHERE r.session_id = s.id AND (
+        r.status NOT IN ('completed', 'failed', 'cancelled')
+        OR r.updated_at >= COALESCE(($1::jsonb ->> r.agent_id)::timestamptz, $2::timestamptz, 'infinity')
+        OR r.id IN (SELECT id FROM kept)
+        OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
+        OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
+                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
+ORDER BY s.id LIMIT $5";
+
+/// Per table: what the sessions in `$1` (a text array) own, children first.
+const OWNED_BY_SESSIONS: [(&str, &str); 8] = [
+    (
+        "events",
+        "events WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
+    ),
+    (
+        "tool_calls",
+        "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id WHERE r.session_id = ANY($1))",
+    ),
+    (
+        "approvals",
+        "approvals WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
+    ),
+    (
+        "artifacts",
+        "artifacts WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
+    ),
+    (
+        "runs",
+        "runs WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
+    ),
+    ("messages", "messages WHERE session_id = ANY($1)"),
+    ("requests", "requests WHERE session_id = ANY($1)"),
+    ("sessions", "sessions WHERE id = ANY($1)"),
+];
+
+fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
+    Value::Object(
+        cutoffs
+            .iter()
+            .map(|(agent, cutoff)| (agent.clone(), Value::String(cutoff.clone())))
+            .collect(),
+    )
+}
+
+async fn apply_op(tx: &mut PgConnection, op: &WriteOp) -> Result<(), StoreError> {
+    match op {
+        WriteOp::TouchSession(session) => {
+            sqlx::query(
+                "INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
+            )
+            .bind(text(&session.id))
+            .bind(&session.agent_id)
+            .bind(&session.owner)
+            .bind(json(&session.metadata))
+            .bind(session.created_at)
+            .bind(session.updated_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::InsertMessage(message) => {
+            sqlx::query(
+                "INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&message.id)
+            .bind(text(&message.session_id))
+            .bind(&message.parent_id)
+            .bind(&message.request_id)
+            .bind(text(&message.role))
+            .bind(json(&message.content))
+            .bind(message.created_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::InsertRequest(request) => {
+            sqlx::query(
+                "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
+                 metadata, created_at, updated_at, owner) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            )
+            .bind(&request.id)
+            .bind(text(&request.session_id))
+            .bind(&request.agent_id)
+            .bind(&request.protocol)
+            .bind(request.status.as_str())
+            .bind(json(&request.input))
+            .bind(request.output.as_deref().map(text))
+            .bind(json_opt(&request.error))
+            .bind(json_opt(&request.usage))
+            .bind(json(&request.metadata))
+            .bind(request.created_at)
+            .bind(request.updated_at)
+            .bind(&request.owner)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::UpdateRequest {
+            id,
+            status,
+            output,
+            error,
+            usage,
+            at,
+        } => {
+            sqlx::query(
+                "UPDATE requests SET status = $1, output = COALESCE($2, output), error = $3,
+                 usage = COALESCE($4, usage), updated_at = $5 WHERE id = $6",
+            )
+            .bind(status.as_str())
+            .bind(output.as_deref().map(text))
+            .bind(json_opt(error))
+            .bind(json_opt(usage))
+            .bind(at)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::InsertRun(run) => {
+            sqlx::query(
+                "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
+                 started_at, ended_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(&run.id)
+            .bind(&run.request_id)
+            .bind(run.attempt)
+            .bind(run.status.as_str())
+            .bind(json_opt(&run.state))
+            .bind(json_opt(&run.error))
+            .bind(run.created_at)
+            .bind(run.updated_at)
+            .bind(run.started_at)
+            .bind(run.ended_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::UpdateRun {
+            id,
+            status,
+            error,
+            state,
+            at,
+        } => {
+            // An ended run keeps no checkpoint: only a live run is ever resumed.
+            sqlx::query(
+                "UPDATE runs SET status = $1, error = COALESCE($2, error),
+                 state = CASE WHEN $1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE($3, state) END,
+                 updated_at = $4,
+                 started_at = CASE WHEN $1 = 'running' THEN COALESCE(started_at, $4) ELSE started_at END,
+                 ended_at = CASE WHEN $1 IN ('completed', 'failed', 'cancelled') THEN $4 ELSE ended_at END
+                 WHERE id = $5",
+            )
+            .bind(status.as_str())
+            .bind(json_opt(error))
+            .bind(json_opt(state))
+            .bind(at)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::InsertApproval(approval) => {
+            sqlx::query(
+                "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
+                 arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind, execution)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
+            )
+            .bind(&approval.id)
+            .bind(&approval.request_id)
+            .bind(&approval.run_id)
+            .bind(text(&approval.session_id))
+            .bind(&approval.agent_id)
+            .bind(text(&approval.tool_call_id))
+            .bind(&approval.tool_id)
+            .bind(json(&approval.arguments))
+            .bind(&approval.rule)
+            .bind(approval.status.as_str())
+            .bind(approval.reason.as_deref().map(text))
+            .bind(&approval.decided_by)
+            .bind(approval.created_at)
+            .bind(approval.expires_at)
+            .bind(approval.decided_at)
+            .bind(&approval.call_key)
+            .bind(approval.kind.as_str())
+            .bind(approval.execution)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::DecideApproval(decision) => {
+            let changed = sqlx::query(
+                "UPDATE approvals SET status = $1, reason = $2, decided_by = $3, decided_at = $4
+                 WHERE id = $5 AND status = 'pending'",
+            )
+            .bind(decision.status.as_str())
+            .bind(decision.reason.as_deref().map(text))
+            .bind(&decision.decided_by)
+            .bind(decision.at)
+            .bind(&decision.id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if changed != 1 {
+                return Err(StoreError::Conflict(format!(
+                    "approval `{}` is not pending",
+                    decision.id
+                )));
+            }
+        }
+        WriteOp::StartToolCall(call) => {
+            sqlx::query(
+                "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                 idempotency_key, outcome, result, duration_ms, recorded_at, executions)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'started', 'null', 0, $8, 1)
+                 ON CONFLICT (run_id, call_key) DO UPDATE SET executions = tool_calls.executions + 1",
+            )
+            .bind(&call.run_id)
+            .bind(&call.call_key)
+            .bind(text(&call.model_call_id))
+            .bind(&call.request_id)
+            .bind(&call.tool_id)
+            .bind(json(&call.arguments))
+            .bind(&call.idempotency_key)
+            .bind(call.recorded_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::RecordToolCall(call) => {
+            sqlx::query(
+                "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                 idempotency_key, outcome, result, duration_ms, recorded_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+                 ON CONFLICT (run_id, call_key) DO UPDATE SET tool_id = excluded.tool_id,
+                 model_call_id = excluded.model_call_id, arguments = excluded.arguments,
+                 idempotency_key = excluded.idempotency_key, outcome = excluded.outcome,
+                 result = excluded.result, duration_ms = excluded.duration_ms,
+                 recorded_at = excluded.recorded_at",
+            )
+            .bind(&call.run_id)
+            .bind(&call.call_key)
+            .bind(text(&call.model_call_id))
+            .bind(&call.request_id)
+            .bind(&call.tool_id)
+            .bind(json(&call.arguments))
+            .bind(&call.idempotency_key)
+            .bind(&call.outcome)
+            .bind(json(&call.result))
+            .bind(call.duration_ms)
+            .bind(call.recorded_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        WriteOp::AppendEvent(event) => {
+            sqlx::query(
+                "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&event.id)
+            .bind(&event.request_id)
+            .bind(&event.run_id)
+            .bind(event.seq)
+            .bind(&event.event_type)
+            .bind(event.at)
+            .bind(json(&event.data))
+            .execute(&mut *tx)
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        for op in ops {
+            match apply_op(&mut tx, op).await {
+                Ok(()) => {}
+                Err(StoreError::Database(error)) => return Err(classify(error)),
+                Err(other) => return Err(other),
+            }
+        }
+        tx.commit().await.map_err(classify)
+    }
+
+    async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM requests WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(request_from_row).transpose()
+    }
+
+    async fn requests(
+        &self,
+        filter: &RequestFilter,
+        page: &PageRequest,
+    ) -> Result<Page<RequestRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM requests
+             WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR agent_id = $2)
+               AND ($3::text IS NULL OR session_id = $3) AND ($4::text IS NULL OR id < $4)
+               AND ($6::text IS NULL OR owner = $6)
+             ORDER BY id DESC LIMIT $5",
+        )
+        .bind(filter.status.map(RunStatus::as_str))
+        .bind(&filter.agent_id)
+        .bind(&filter.session_id)
+        .bind(&page.cursor)
+        .bind(page.limit + 1)
+        .bind(&filter.owner)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows
+            .iter()
+            .map(request_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |r| r.id.clone()))
+    }
+
+    async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(run_from_row).transpose()
+    }
+
+    async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM runs WHERE request_id = $1 ORDER BY attempt")
+            .bind(request_id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError> {
+        let wanted: Vec<&str> = statuses.iter().map(|s| s.as_str()).collect();
+        let rows = sqlx::query("SELECT * FROM runs WHERE status = ANY($1) ORDER BY created_at")
+            .bind(wanted)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn events(
+        &self,
+        request_id: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<EventRecord>, StoreError> {
+        let sql = format!(
+            "{EVENT_SELECT} WHERE e.request_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(request_id)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    async fn run_events(
+        &self,
+        run_id: &str,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<EventRecord>, StoreError> {
+        let sql = format!(
+            "{EVENT_SELECT} WHERE e.request_id = (SELECT request_id FROM runs WHERE id = $1)
+             AND e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(run_id)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
+        let seq: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE request_id = $1",
+        )
+        .bind(request_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(seq)
+    }
+
+    async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM sessions WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|row| {
+            Ok(SessionRecord {
+                id: row.try_get("id")?,
+                agent_id: row.try_get("agent_id")?,
+                owner: row.try_get("owner")?,
+                metadata: row.try_get("metadata")?,
+                created_at: row.try_get("created_at")?,
+                updated_at: row.try_get("updated_at")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
+        let rows =
+            sqlx::query("SELECT * FROM messages WHERE session_id = $1 ORDER BY created_at, id")
+                .bind(session_id)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(MessageRecord {
+                    id: row.try_get("id")?,
+                    session_id: row.try_get("session_id")?,
+                    parent_id: row.try_get("parent_id")?,
+                    request_id: row.try_get("request_id")?,
+                    role: row.try_get("role")?,
+                    content: row.try_get("content")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM approvals WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(approval_from_row).transpose()
+    }
+
+    async fn approvals(
+        &self,
+        status: Option<ApprovalStatus>,
+        page: &PageRequest,
+    ) -> Result<Page<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM approvals WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR id < $2)
+             ORDER BY id DESC LIMIT $3",
+        )
+        .bind(status.map(ApprovalStatus::as_str))
+        .bind(&page.cursor)
+        .bind(page.limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows
+            .iter()
+            .map(approval_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |a| a.id.clone()))
+    }
+
+    async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = $1 ORDER BY id")
+            .bind(run_id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(approval_from_row).collect()
+    }
+
+    async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(ToolCallRecord {
+                    run_id: row.try_get("run_id")?,
+                    call_key: row.try_get("call_key")?,
+                    model_call_id: row.try_get("model_call_id")?,
+                    request_id: row.try_get("request_id")?,
+                    tool_id: row.try_get("tool_id")?,
+                    arguments: row.try_get("arguments")?,
+                    idempotency_key: row.try_get("idempotency_key")?,
+                    executions: row.try_get("executions")?,
+                    outcome: row.try_get("outcome")?,
+                    result: row.try_get("result")?,
+                    duration_ms: row.try_get("duration_ms")?,
+                    recorded_at: row.try_get("recorded_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn prunable_sessions(
+        &self,
+        filter: &PruneFilter,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        let ids: Vec<String> = sqlx::query_scalar(PRUNABLE_SESSIONS)
+            .bind(agent_cutoffs(&filter.agent_cutoffs))
+            .bind(&filter.default_cutoff)
+            .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
+            .bind(after)
+            .bind(limit)
+            .bind(None::<Vec<String>>)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(ids)
+    }
+
+    async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
+        let mut pairs = Vec::new();
+        for (table, rows) in OWNED_BY_SESSIONS {
+            let sql = format!("SELECT COUNT(*) FROM {rows}");
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(sessions)
+                .fetch_one(&self.pool)
+                .await?;
+            pairs.push((table, n.max(0) as u64));
+        }
+        Ok(PruneCounts::from_tables(pairs))
+    }
+
+    async fn delete_sessions(
+        &self,
+        filter: &PruneFilter,
+        sessions: &[String],
+    ) -> Result<PruneCounts, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        // Judged again, with the sessions locked: one continued meanwhile stays.
+        let locked: Vec<String> =
+            sqlx::query_scalar("SELECT id FROM sessions WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+                .bind(sessions)
+                .fetch_all(&mut *tx)
+                .await?;
+        let still: Vec<String> = sqlx::query_scalar(PRUNABLE_SESSIONS)
+            .bind(agent_cutoffs(&filter.agent_cutoffs))
+            .bind(&filter.default_cutoff)
+            .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
+            .bind(None::<String>)
+            .bind(i64::try_from(locked.len()).unwrap_or(i64::MAX))
+            .bind(&locked)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut pairs = Vec::new();
+        for (table, rows) in OWNED_BY_SESSIONS {
+            let n = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
+                .bind(&still)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            pairs.push((table, n));
+        }
+        tx.commit().await.map_err(classify)?;
+        Ok(PruneCounts::from_tables(pairs))
+    }
+
+    async fn reclaim_space(&self, _max_pages: i64) -> Result<u64, StoreError> {
+        // PostgreSQL's autovacuum makes deleted rows' space reusable; giving it back to the
+        // filesystem takes `VACUUM FULL`, an operator's decision (it locks the tables).
+        Ok(0)
+    }
+
+    async fn backup_to(&self, _path: &Path) -> Result<u64, StoreError> {
+        Err(StoreError::Unsupported(
+            "back a PostgreSQL store up with pg_dump (or the database's own backups)".into(),
+        ))
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let row = sqlx::query(
+            "SELECT pg_database_size(current_database())::bigint AS size,
+                    (SELECT COUNT(*) FROM requests) AS requests,
+                    (SELECT COUNT(*) FROM sessions) AS sessions",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        let number = |name: &str| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name)?.max(0) as u64)
+        };
+        Ok(StoreStats {
+            database_bytes: number("size")?,
+            wal_bytes: 0,
+            free_bytes: 0,
+            requests: number("requests")?,
+            sessions: number("sessions")?,
+        })
+    }
+
+    async fn record_maintenance(&self, record: &MaintenanceRecord) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        sqlx::query(
+            "INSERT INTO maintenance (id, operation, status, started_at, ended_at, report)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(&record.id)
+        .bind(&record.operation)
+        .bind(&record.status)
+        .bind(record.started_at)
+        .bind(record.ended_at)
+        .bind(json(&record.report))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "DELETE FROM maintenance WHERE id NOT IN (SELECT id FROM maintenance ORDER BY id DESC LIMIT 1000)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await.map_err(classify)
+    }
+
+    async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT $1")
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(MaintenanceRecord {
+                    id: row.try_get("id")?,
+                    operation: row.try_get("operation")?,
+                    status: row.try_get("status")?,
+                    started_at: row.try_get("started_at")?,
+                    ended_at: row.try_get("ended_at")?,
+                    report: row.try_get("report")?,
+                })
+            })
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        format!("postgres {}", self.url)
+    }
+}

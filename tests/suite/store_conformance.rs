@@ -1,0 +1,542 @@
+//! One conformance suite for the `Store` interface, run against both stores: the embedded
+//! SQLite file and a real PostgreSQL (see `pg.rs`). Every test here runs twice, once per
+//! store, from the same body: no behaviour is tested on one store only.
+
+use std::sync::Arc;
+
+use chrono::{Duration as Age, Utc};
+use serde_json::json;
+use stable_harness::store::{
+    ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord,
+    PageRequest, RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
+    StoreError, ToolCallRecord, WriteOp,
+};
+
+async fn sqlite_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = stable_harness::store::open(None, dir.path(), &Default::default())
+        .await
+        .unwrap();
+    (store, Some(dir))
+}
+
+async fn postgres_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
+    let url = crate::pg::fresh_database();
+    let dir = std::path::Path::new(".");
+    let store = stable_harness::store::open(Some(&url), dir, &Default::default())
+        .await
+        .unwrap();
+    (store, None)
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let (store, _dir) = super::sqlite_store().await;
+                super::$name(store).await;
+            })*
+        }
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let (store, _dir) = super::postgres_store().await;
+                super::$name(store).await;
+            })*
+        }
+    };
+}
+
+conformance!(
+    seq_stays_gapless_under_concurrent_appends,
+    pages_and_filters_list_requests_newest_first,
+    an_approval_is_decided_once_under_concurrent_deciders,
+    messages_form_a_tree_read_in_order,
+    tool_call_records_count_executions_and_keep_results,
+    a_batch_is_all_or_nothing,
+    pruning_takes_idle_sessions_whole_and_judges_again_before_deleting,
+);
+
+fn session(id: &str, owner: &str, age: Age) -> WriteOp {
+    let at = Utc::now() - age;
+    WriteOp::TouchSession(SessionRecord {
+        id: id.into(),
+        agent_id: "assistant".into(),
+        owner: owner.into(),
+        metadata: json!({}),
+        created_at: at,
+        updated_at: at,
+    })
+}
+
+fn request(id: &str, session: &str, owner: &str, status: RunStatus, age: Age) -> WriteOp {
+    let at = Utc::now() - age;
+    WriteOp::InsertRequest(RequestRecord {
+        id: id.into(),
+        session_id: session.into(),
+        agent_id: if id.ends_with('b') {
+            "billing"
+        } else {
+            "assistant"
+        }
+        .into(),
+        protocol: "runtime".into(),
+        owner: owner.into(),
+        status,
+        input: json!({ "messages": [{ "role": "user", "content": "hi\u{0}there" }] }),
+        output: None,
+        error: None,
+        usage: None,
+        metadata: json!({}),
+        created_at: at,
+        updated_at: at,
+    })
+}
+
+fn run(id: &str, request: &str, status: RunStatus) -> WriteOp {
+    let now = Utc::now();
+    WriteOp::InsertRun(RunRecord {
+        id: id.into(),
+        request_id: request.into(),
+        attempt: 1,
+        status,
+        state: None,
+        error: None,
+        created_at: now,
+        updated_at: now,
+        started_at: None,
+        ended_at: None,
+    })
+}
+
+fn event(request: &str, run: &str, seq: i64) -> WriteOp {
+    WriteOp::AppendEvent(EventRecord {
+        id: stable_harness::runtime::new_id("evt"),
+        request_id: request.into(),
+        run_id: run.into(),
+        session_id: String::new(),
+        agent_id: String::new(),
+        seq,
+        event_type: "runtime.adapter.event".into(),
+        at: Utc::now(),
+        data: json!({ "n": seq }),
+    })
+}
+
+/// A session with one request and its run.
+async fn seed(store: &Arc<dyn Store>, name: &str, status: RunStatus) {
+    store
+        .apply(&[
+            session(&format!("ses_{name}"), "alice", Age::zero()),
+            request(
+                &format!("req_{name}"),
+                &format!("ses_{name}"),
+                "alice",
+                status,
+                Age::zero(),
+            ),
+            run(&format!("run_{name}"), &format!("req_{name}"), status),
+        ])
+        .await
+        .unwrap();
+}
+
+async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    let tracker = tokio_util::task::TaskTracker::new();
+    let journal = stable_harness::runtime::Journal::start(
+        Arc::clone(&store),
+        Arc::new(stable_harness::runtime::EventHub::default()),
+        stable_harness::redact::Redactor::default(),
+        &tracker,
+    );
+    let mut writers = Vec::new();
+    for _ in 0..8 {
+        let journal = journal.clone();
+        writers.push(tokio::spawn(async move {
+            for _ in 0..25 {
+                journal
+                    .write(Some("req_a"), event("req_a", "run_a", 0))
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    journal.flush().await.unwrap();
+    let events = store.events("req_a", 0, 1_000).await.unwrap();
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+    assert_eq!(store.last_seq("req_a").await.unwrap(), 200);
+    // Events carry their request's session and agent, and are read by run too.
+    assert_eq!(events[0].session_id, "ses_a");
+    assert_eq!(events[0].agent_id, "assistant");
+    assert_eq!(store.run_events("run_a", 190, 100).await.unwrap().len(), 10);
+}
+
+async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
+    for (name, owner, status) in [
+        ("1", "alice", RunStatus::Completed),
+        ("2b", "bob", RunStatus::Failed),
+        ("3", "alice", RunStatus::Completed),
+        ("4b", "alice", RunStatus::Running),
+        ("5", "bob", RunStatus::Completed),
+    ] {
+        store
+            .apply(&[
+                session(&format!("ses_{name}"), owner, Age::zero()),
+                request(
+                    &format!("req_{name}"),
+                    &format!("ses_{name}"),
+                    owner,
+                    status,
+                    Age::zero(),
+                ),
+            ])
+            .await
+            .unwrap();
+    }
+    let mut page = PageRequest {
+        limit: 2,
+        cursor: None,
+    };
+    let mut seen = Vec::new();
+    loop {
+        let found = store
+            .requests(&RequestFilter::default(), &page)
+            .await
+            .unwrap();
+        seen.extend(found.items.iter().map(|r| r.id.clone()));
+        match found.next_cursor {
+            Some(cursor) => page.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["req_5", "req_4b", "req_3", "req_2b", "req_1"]);
+    let all = PageRequest {
+        limit: 50,
+        cursor: None,
+    };
+    let ids = |items: Vec<RequestRecord>| items.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let alice = RequestFilter {
+        owner: Some("alice".into()),
+        ..RequestFilter::default()
+    };
+    assert_eq!(
+        ids(store.requests(&alice, &all).await.unwrap().items),
+        ["req_4b", "req_3", "req_1"]
+    );
+    let completed_alice = RequestFilter {
+        status: Some(RunStatus::Completed),
+        owner: Some("alice".into()),
+        ..RequestFilter::default()
+    };
+    assert_eq!(
+        ids(store.requests(&completed_alice, &all).await.unwrap().items),
+        ["req_3", "req_1"]
+    );
+    let billing = RequestFilter {
+        agent_id: Some("billing".into()),
+        ..RequestFilter::default()
+    };
+    assert_eq!(
+        ids(store.requests(&billing, &all).await.unwrap().items),
+        ["req_4b", "req_2b"]
+    );
+    let one_session = RequestFilter {
+        session_id: Some("ses_3".into()),
+        ..RequestFilter::default()
+    };
+    assert_eq!(
+        ids(store.requests(&one_session, &all).await.unwrap().items),
+        ["req_3"]
+    );
+    // Ownership is kept as given, and text a client sent survives the store.
+    let stored = store.request("req_1").await.unwrap().unwrap();
+    assert_eq!(stored.owner, "alice");
+    assert_eq!(store.session("ses_2b").await.unwrap().unwrap().owner, "bob");
+    assert!(
+        stored.input["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with("hi")
+    );
+}
+
+async fn an_approval_is_decided_once_under_concurrent_deciders(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::WaitingApproval).await;
+    store
+        .apply(&[WriteOp::InsertApproval(ApprovalRecord {
+            id: "apr_1".into(),
+            request_id: "req_a".into(),
+            run_id: "run_a".into(),
+            session_id: "ses_a".into(),
+            agent_id: "assistant".into(),
+            call_key: "t1.0".into(),
+            kind: ApprovalKind::Policy,
+            execution: 0,
+            tool_call_id: "call_0".into(),
+            tool_id: "payments.refund".into(),
+            arguments: json!({ "amount": 12.5 }),
+            rule: Some("high-risk".into()),
+            status: ApprovalStatus::Pending,
+            reason: None,
+            decided_by: None,
+            created_at: Utc::now(),
+            expires_at: None,
+            decided_at: None,
+        })])
+        .await
+        .unwrap();
+    let mut deciders = Vec::new();
+    for index in 0..8 {
+        let store = Arc::clone(&store);
+        deciders.push(tokio::spawn(async move {
+            store
+                .apply(&[WriteOp::DecideApproval(ApprovalDecision {
+                    id: "apr_1".into(),
+                    status: if index % 2 == 0 {
+                        ApprovalStatus::Approved
+                    } else {
+                        ApprovalStatus::Denied
+                    },
+                    reason: Some(format!("decider {index}")),
+                    decided_by: format!("op{index}"),
+                    at: Utc::now(),
+                })])
+                .await
+        }));
+    }
+    let mut won = 0;
+    for decider in deciders {
+        match decider.await.unwrap() {
+            Ok(()) => won += 1,
+            Err(StoreError::Conflict(_)) => {}
+            Err(other) => panic!("a decider failed otherwise: {other}"),
+        }
+    }
+    assert_eq!(won, 1, "exactly one decision is taken");
+    let approval = store.approval("apr_1").await.unwrap().unwrap();
+    assert_ne!(approval.status, ApprovalStatus::Pending);
+    assert_eq!(store.approvals_of_run("run_a").await.unwrap().len(), 1);
+    let pending = store
+        .approvals(
+            Some(ApprovalStatus::Pending),
+            &PageRequest {
+                limit: 10,
+                cursor: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(pending.items.is_empty());
+}
+
+async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Completed).await;
+    let now = Utc::now();
+    let message = |id: &str, parent: Option<&str>, offset: i64| {
+        WriteOp::InsertMessage(MessageRecord {
+            id: id.into(),
+            session_id: "ses_a".into(),
+            parent_id: parent.map(str::to_owned),
+            request_id: Some("req_a".into()),
+            role: "user".into(),
+            content: json!({ "role": "user", "content": id }),
+            created_at: now + Age::milliseconds(offset),
+        })
+    };
+    // A fork: two children of the same message.
+    store
+        .apply(&[
+            message("msg_1", None, 0),
+            message("msg_2", Some("msg_1"), 1),
+            message("msg_3", Some("msg_1"), 2),
+        ])
+        .await
+        .unwrap();
+    let messages = store.messages("ses_a").await.unwrap();
+    let tree: Vec<(String, Option<String>)> = messages
+        .iter()
+        .map(|m| (m.id.clone(), m.parent_id.clone()))
+        .collect();
+    assert_eq!(
+        tree,
+        [
+            ("msg_1".to_owned(), None),
+            ("msg_2".to_owned(), Some("msg_1".to_owned())),
+            ("msg_3".to_owned(), Some("msg_1".to_owned())),
+        ]
+    );
+    // A parent that does not exist is refused.
+    assert!(
+        store
+            .apply(&[message("msg_4", Some("msg_missing"), 3)])
+            .await
+            .is_err()
+    );
+}
+
+async fn tool_call_records_count_executions_and_keep_results(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    let call = |outcome: &str, result: serde_json::Value| ToolCallRecord {
+        run_id: "run_a".into(),
+        call_key: "t1.0".into(),
+        model_call_id: "call_0".into(),
+        request_id: "req_a".into(),
+        tool_id: "weather.lookup".into(),
+        arguments: json!({ "city": "Oslo" }),
+        idempotency_key: "run_a.t1.0".into(),
+        executions: 0,
+        outcome: outcome.into(),
+        result,
+        duration_ms: 12,
+        recorded_at: Utc::now(),
+    };
+    store
+        .apply(&[WriteOp::StartToolCall(call("started", json!(null)))])
+        .await
+        .unwrap();
+    store
+        .apply(&[WriteOp::StartToolCall(call("started", json!(null)))])
+        .await
+        .unwrap();
+    let started = store.tool_calls_of_run("run_a").await.unwrap();
+    assert_eq!(
+        (started[0].outcome.as_str(), started[0].executions),
+        ("started", 2)
+    );
+    store
+        .apply(&[WriteOp::RecordToolCall(call("ok", json!({ "temp": 3 })))])
+        .await
+        .unwrap();
+    let recorded = store.tool_calls_of_run("run_a").await.unwrap();
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].outcome, "ok");
+    assert_eq!(recorded[0].result, json!({ "temp": 3 }));
+    assert_eq!(recorded[0].executions, 2);
+    assert_eq!(recorded[0].idempotency_key, "run_a.t1.0");
+}
+
+async fn a_batch_is_all_or_nothing(store: Arc<dyn Store>) {
+    // The second op refers to a request that does not exist: nothing of the batch stays.
+    let result = store
+        .apply(&[
+            session("ses_x", "alice", Age::zero()),
+            run("run_x", "req_missing", RunStatus::Running),
+        ])
+        .await;
+    assert!(result.is_err());
+    assert!(store.session("ses_x").await.unwrap().is_none());
+    // Runs left live are found for resuming; ended ones are not.
+    seed(&store, "live", RunStatus::Running).await;
+    seed(&store, "done", RunStatus::Completed).await;
+    let live = store
+        .runs_with_status(&[RunStatus::Queued, RunStatus::Running])
+        .await
+        .unwrap();
+    assert_eq!(
+        live.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["run_live"]
+    );
+    store
+        .apply(&[WriteOp::UpdateRun {
+            id: "run_live".into(),
+            status: RunStatus::Completed,
+            error: None,
+            state: Some(json!({ "messages": [] })),
+            at: Utc::now(),
+        }])
+        .await
+        .unwrap();
+    let ended = store.run("run_live").await.unwrap().unwrap();
+    assert_eq!(ended.status, RunStatus::Completed);
+    assert!(ended.state.is_none(), "an ended run keeps no checkpoint");
+    assert!(ended.ended_at.is_some());
+}
+
+async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(store: Arc<dyn Store>) {
+    let old = Age::hours(2);
+    // Ids sort by age: old1 < old2 < old3.
+    for name in ["old1", "old2", "old3"] {
+        store
+            .apply(&[
+                session(&format!("ses_{name}"), "alice", old),
+                request(
+                    &format!("req_{name}"),
+                    &format!("ses_{name}"),
+                    "alice",
+                    RunStatus::Completed,
+                    old,
+                ),
+                run(
+                    &format!("run_{name}"),
+                    &format!("req_{name}"),
+                    RunStatus::Completed,
+                ),
+                event(&format!("req_{name}"), &format!("run_{name}"), 1),
+            ])
+            .await
+            .unwrap();
+    }
+    // A live one and a recent one stay whatever happens.
+    seed(&store, "live", RunStatus::Running).await;
+    let policy = stable_harness::store::retention::RetentionPolicy {
+        default_window: Some(std::time::Duration::from_secs(3_600)),
+        min_keep: 3,
+        ..Default::default()
+    };
+    let filter = policy.filter(Utc::now());
+    // minKeep 3 keeps the three ended requests there are: nothing goes.
+    assert!(
+        store
+            .prunable_sessions(&filter, None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let policy = stable_harness::store::retention::RetentionPolicy {
+        min_keep: 1,
+        ..policy
+    };
+    let filter = policy.filter(Utc::now());
+    let listed = store.prunable_sessions(&filter, None, 10).await.unwrap();
+    assert_eq!(listed, ["ses_old1", "ses_old2"]);
+    let counts = store.count_owned(&listed).await.unwrap();
+    assert_eq!((counts.sessions, counts.requests, counts.events), (2, 2, 2));
+    // ses_old2 is continued before the delete: it stays.
+    store
+        .apply(&[
+            session("ses_old2", "alice", Age::zero()),
+            request(
+                "req_new",
+                "ses_old2",
+                "alice",
+                RunStatus::Running,
+                Age::zero(),
+            ),
+        ])
+        .await
+        .unwrap();
+    let removed = store.delete_sessions(&filter, &listed).await.unwrap();
+    assert_eq!(
+        (
+            removed.sessions,
+            removed.requests,
+            removed.events,
+            removed.runs
+        ),
+        (1, 1, 1, 1)
+    );
+    assert!(store.request("req_old1").await.unwrap().is_none());
+    assert!(store.request("req_old2").await.unwrap().is_some());
+    assert!(
+        store.request("req_old3").await.unwrap().is_some(),
+        "the newest ended stays (minKeep 1)"
+    );
+    assert!(store.request("req_live").await.unwrap().is_some());
+    assert!(store.events("req_old1", 0, 10).await.unwrap().is_empty());
+}
