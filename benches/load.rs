@@ -4,7 +4,8 @@
 //! `cargo bench --bench load` measures, through stable-harness and directly: requests per
 //! second and p50/p99 latency at concurrency 1 and 32, and at a fixed 200 requests/second;
 //! then prints the added latency, and the server's idle and loaded RSS. Every request is a
-//! full run: request, run and every event persisted in the embedded SQLite store.
+//! full run: request, run and every event persisted in the embedded SQLite store, or in the
+//! PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL` names.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -39,8 +40,13 @@ async fn run() {
     let dir = tempfile::tempdir().unwrap();
     write_workspace(dir.path(), &upstream.url);
 
+    // `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...` measures the PostgreSQL store.
+    let store_args: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
+        .map(|url| vec!["--database-url".to_owned(), url])
+        .unwrap_or_default();
     let mut server = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
         .args(["start", "-w", dir.path().to_str().unwrap(), "--port", "0"])
+        .args(&store_args)
         .env("STABLE_HARNESS_LOG", "error")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -443,22 +443,28 @@ async fn apply_op(tx: &mut PgConnection, op: &WriteOp) -> Result<(), StoreError>
             .execute(&mut *tx)
             .await?;
         }
-        WriteOp::AppendEvent(event) => {
-            sqlx::query(
-                "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(&event.id)
-            .bind(&event.request_id)
-            .bind(&event.run_id)
-            .bind(event.seq)
-            .bind(&event.event_type)
-            .bind(event.at)
-            .bind(json(&event.data))
-            .execute(&mut *tx)
-            .await?;
-        }
+        WriteOp::AppendEvent(event) => insert_events(tx, &[event]).await?,
     }
+    Ok(())
+}
+
+/// Inserts events in one statement (`UNNEST` of one array per column).
+async fn insert_events(tx: &mut PgConnection, events: &[&EventRecord]) -> Result<(), sqlx::Error> {
+    let column =
+        |pick: fn(&EventRecord) -> String| events.iter().map(|e| pick(e)).collect::<Vec<_>>();
+    sqlx::query(
+        "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::timestamptz[], $7::jsonb[])",
+    )
+    .bind(column(|e| e.id.clone()))
+    .bind(column(|e| e.request_id.clone()))
+    .bind(column(|e| e.run_id.clone()))
+    .bind(events.iter().map(|e| e.seq).collect::<Vec<_>>())
+    .bind(column(|e| e.event_type.clone()))
+    .bind(events.iter().map(|e| e.at).collect::<Vec<_>>())
+    .bind(events.iter().map(|e| json(&e.data)).collect::<Vec<_>>())
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }
 
@@ -466,12 +472,22 @@ async fn apply_op(tx: &mut PgConnection, op: &WriteOp) -> Result<(), StoreError>
 impl Store for PostgresStore {
     async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(classify)?;
+        // Events only need their request to exist, which an earlier op of the batch or the
+        // store provides: they all go in one statement at the end (most of a batch's rows).
+        let mut events = Vec::new();
         for op in ops {
+            if let WriteOp::AppendEvent(event) = op {
+                events.push(event);
+                continue;
+            }
             match apply_op(&mut tx, op).await {
                 Ok(()) => {}
                 Err(StoreError::Database(error)) => return Err(classify(error)),
                 Err(other) => return Err(other),
             }
+        }
+        if !events.is_empty() {
+            insert_events(&mut tx, &events).await.map_err(classify)?;
         }
         tx.commit().await.map_err(classify)
     }
