@@ -1,9 +1,11 @@
 -- The whole lifecycle schema of SPEC section 8 on PostgreSQL: the same tables, keys and
 -- meanings as the embedded store's migrations up to 0004 (one migration here, since nothing
 -- was released on PostgreSQL before). Never edit once released: add a migration instead.
+-- Keys compare byte by byte (COLLATE "C"), as SQLite compares them, whatever the database's
+-- locale: ids sort by creation and cursors page the same on both stores.
 
 CREATE TABLE sessions (
-    id          TEXT PRIMARY KEY,
+    id          TEXT COLLATE "C" PRIMARY KEY,
     agent_id    TEXT NOT NULL,
     owner       TEXT NOT NULL DEFAULT '',
     metadata    JSONB NOT NULL DEFAULT '{}',
@@ -13,7 +15,7 @@ CREATE TABLE sessions (
 
 -- Messages form a tree per session: each names its parent.
 CREATE TABLE messages (
-    id          TEXT PRIMARY KEY,
+    id          TEXT COLLATE "C" PRIMARY KEY,
     session_id  TEXT NOT NULL REFERENCES sessions(id),
     parent_id   TEXT REFERENCES messages(id) DEFERRABLE INITIALLY DEFERRED,
     request_id  TEXT,
@@ -25,7 +27,7 @@ CREATE INDEX messages_by_session ON messages(session_id, created_at, id);
 CREATE INDEX messages_by_parent ON messages(parent_id);
 
 CREATE TABLE requests (
-    id          TEXT PRIMARY KEY,
+    id          TEXT COLLATE "C" PRIMARY KEY,
     session_id  TEXT NOT NULL REFERENCES sessions(id),
     agent_id    TEXT NOT NULL,
     protocol    TEXT NOT NULL,
@@ -47,7 +49,7 @@ CREATE INDEX requests_by_owner ON requests(owner, id);
 -- One execution attempt of a request; `state` is the conversation after the last step of a
 -- live run (an ended run keeps none).
 CREATE TABLE runs (
-    id          TEXT PRIMARY KEY,
+    id          TEXT COLLATE "C" PRIMARY KEY,
     request_id  TEXT NOT NULL REFERENCES requests(id),
     attempt     BIGINT NOT NULL,
     status      TEXT NOT NULL,
@@ -64,7 +66,7 @@ CREATE INDEX runs_by_status ON runs(status) WHERE status IN ('queued', 'running'
 -- Events are gapless per request: (request_id, seq) is the key, seq counts from 1. Session
 -- and agent are read from the request.
 CREATE TABLE events (
-    request_id  TEXT NOT NULL REFERENCES requests(id),
+    request_id  TEXT COLLATE "C" NOT NULL REFERENCES requests(id),
     seq         BIGINT NOT NULL,
     id          TEXT NOT NULL,
     run_id      TEXT NOT NULL,
@@ -75,7 +77,7 @@ CREATE TABLE events (
 );
 
 CREATE TABLE approvals (
-    id            TEXT PRIMARY KEY,
+    id            TEXT COLLATE "C" PRIMARY KEY,
     request_id    TEXT NOT NULL REFERENCES requests(id),
     run_id        TEXT NOT NULL REFERENCES runs(id),
     session_id    TEXT NOT NULL,
@@ -129,7 +131,7 @@ CREATE TABLE tool_calls (
 );
 
 CREATE TABLE maintenance (
-    id          TEXT PRIMARY KEY,
+    id          TEXT COLLATE "C" PRIMARY KEY,
     operation   TEXT NOT NULL,
     status      TEXT NOT NULL,
     started_at  TIMESTAMPTZ NOT NULL,

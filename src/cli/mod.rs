@@ -70,7 +70,7 @@ pub struct PruneArgs {
     /// Workspace folder (its `store.retention` and agents' windows are the policy).
     #[arg(short = 'w', long = "workspace", default_value = ".")]
     pub workspace: PathBuf,
-    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Only report what would be removed.
     #[arg(long, conflicts_with = "now", required_unless_present = "now")]
@@ -88,7 +88,7 @@ pub struct BackupArgs {
     /// Workspace folder (for its store).
     #[arg(short = 'w', long = "workspace", default_value = ".")]
     pub workspace: PathBuf,
-    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// The new file to write (never overwritten); it opens as a store.
     #[arg(long)]
@@ -105,7 +105,7 @@ pub struct StartArgs {
     #[arg(long, default_value_t = 8642)]
     pub port: u16,
     /// Store URL (sqlite://PATH or postgres://...); default: DIR/.stable-harness/state.db.
-    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// Client key accepted on /v1 and /runtime (repeatable; adds to the workspace's keys).
     #[arg(
@@ -150,7 +150,7 @@ pub struct RunArgs {
     /// Approve every tool call that needs approval.
     #[arg(long)]
     pub approve_all: bool,
-    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
     /// The user message.
     pub message: String,
@@ -174,7 +174,7 @@ pub struct InitArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct MigrateArgs {
-    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL")]
+    #[arg(long, env = "STABLE_HARNESS_DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
 }
 

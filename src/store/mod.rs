@@ -68,11 +68,25 @@ impl StoreError {
     /// Whether the same write may succeed if tried again later (the disk frees up, a lock is
     /// released), as opposed to a write the store will always refuse.
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Self::Unavailable(_) | Self::Database(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut)
-        )
+        match self {
+            Self::Unavailable(_)
+            | Self::Database(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut) => true,
+            Self::Database(sqlx::Error::Database(error)) => error
+                .code()
+                .is_some_and(|code| is_transient_sqlstate(&code)),
+            _ => false,
+        }
     }
+}
+
+/// PostgreSQL conditions that pass by themselves: connection trouble (but not a protocol
+/// violation), insufficient resources (a full disk, too many connections), the server
+/// shutting down, serialization failures, deadlocks, lock and statement timeouts.
+fn is_transient_sqlstate(code: &str) -> bool {
+    (code.starts_with("08") && code != "08P01")
+        || code.starts_with("53")
+        || code.starts_with("57P")
+        || matches!(code, "40001" | "40P01" | "55P03" | "57014")
 }
 
 /// One store, whatever the database behind it.
@@ -236,16 +250,52 @@ pub(crate) fn prepare_new_file(path: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// A URL without its password, for messages and logs.
+/// A URL without its password (in the authority or a `password=` query pair), for messages
+/// and logs.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let base = match (base.find("://"), base.rfind('@')) {
         (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let credentials = &url[scheme_end + 3..at];
+            let credentials = &base[scheme_end + 3..at];
             match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..]),
-                None => url.to_owned(),
+                Some((user, _)) => format!("{}{user}:***{}", &base[..scheme_end + 3], &base[at..]),
+                None => base.to_owned(),
             }
         }
-        _ => url.to_owned(),
+        _ => base.to_owned(),
+    };
+    match query {
+        None => base,
+        Some(query) => {
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                    _ => pair.to_owned(),
+                })
+                .collect();
+            format!("{base}?{}", pairs.join("&"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn a_url_loses_its_password_wherever_it_is() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:5432/harness"),
+            "postgres://app:***@db:5432/harness"
+        );
+        assert_eq!(
+            redact_url("postgres://app@db/harness?sslmode=require&password=s3cret"),
+            "postgres://app@db/harness?sslmode=require&password=***"
+        );
+        assert_eq!(redact_url("sqlite://state.db"), "sqlite://state.db");
     }
 }

@@ -1,12 +1,14 @@
 //! The PostgreSQL store: the same [`Store`] behaviour as the embedded one, on a server
 //! database (`postgres://` URLs).
 //!
-//! A batch is one transaction. Migrations run at open under sqlx's advisory lock, so
-//! concurrent starts never race. Until runs are claimed with leases, one process owns the
-//! database's runs as it owns an embedded store: a session-level advisory lock held on a
-//! connection of its own for the store's life (released by the server when the process dies
-//! however it dies), so a second instance is refused at once rather than running the same
-//! runs twice.
+//! A batch is one transaction. Migrations run at open under sqlx's advisory lock. Until runs
+//! are claimed with leases, one process owns the database's runs as it owns an embedded
+//! store: a session-level advisory lock held on a connection of its own for the store's life
+//! (released by the server when the process dies however it dies), so a second instance is
+//! refused at once rather than running the same runs twice. That connection is checked every
+//! few seconds: a lock lost with its connection is taken again, or, if another instance took
+//! it meanwhile, this one refuses every write (a window of a few seconds that leases with
+//! fencing will close).
 //!
 //! PostgreSQL text cannot hold U+0000, which clients may send; it is stored as U+FFFD.
 
@@ -14,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -36,33 +39,93 @@ const OWNERSHIP_LOCK: i64 = 0x5354_4142_4c45_4852; // "STABLEHR"
 pub struct PostgresStore {
     url: String,
     pool: PgPool,
-    /// The connection holding this process's ownership lock.
+    /// The connection holding this process's ownership lock (kept alive by holding it; the
+    /// checking task only has a weak reference).
     _owner: Arc<Mutex<PgConnection>>,
+    /// Set when the ownership was lost to another instance: every write is refused from then.
+    lost: Arc<AtomicBool>,
+}
+
+/// How often the ownership lock's connection is checked.
+const OWNERSHIP_CHECK: Duration = Duration::from_secs(5);
+
+/// Opens a connection and takes the ownership lock on it (`None`: another instance has it).
+async fn take_ownership(options: &PgConnectOptions) -> Result<Option<PgConnection>, StoreError> {
+    let mut owner = PgConnection::connect_with(options).await?;
+    // The lock lives as long as this idle connection: never let the server time it out.
+    let _ = sqlx::query("SET idle_session_timeout = 0")
+        .execute(&mut owner)
+        .await;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(OWNERSHIP_LOCK)
+        .fetch_one(&mut owner)
+        .await?;
+    Ok(locked.then_some(owner))
+}
+
+/// Checks the ownership lock's connection every few seconds. When it died (a database
+/// restart, a dropped connection), the lock died with it: it is taken again, or, when another
+/// instance took it meanwhile, this one refuses every write from then on. Ends with the store.
+async fn keep_ownership(
+    owner: std::sync::Weak<Mutex<PgConnection>>,
+    lost: Arc<AtomicBool>,
+    options: PgConnectOptions,
+    url: String,
+) {
+    loop {
+        tokio::time::sleep(OWNERSHIP_CHECK).await;
+        let Some(owner) = owner.upgrade() else { return };
+        let mut connection = owner.lock().await;
+        if sqlx::query("SELECT 1")
+            .execute(&mut *connection)
+            .await
+            .is_ok()
+        {
+            continue;
+        }
+        match take_ownership(&options).await {
+            Ok(Some(fresh)) => {
+                tracing::warn!(store = %url, "the store's ownership lock was lost with its connection and taken again");
+                *connection = fresh;
+            }
+            Ok(None) => {
+                tracing::error!(store = %url, "another instance took this store's ownership; refusing every write");
+                lost.store(true, Ordering::SeqCst);
+                return;
+            }
+            // The database does not answer: writes fail (and are retried) meanwhile.
+            Err(_) => {}
+        }
+    }
 }
 
 impl PostgresStore {
     /// Connects, takes ownership of the database's runs, and migrates.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url)?;
-        let mut owner = PgConnection::connect_with(&options).await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(OWNERSHIP_LOCK)
-            .fetch_one(&mut owner)
-            .await?;
-        if !locked {
+        let Some(owner) = take_ownership(&options).await? else {
             return Err(StoreError::InUse(redact_url(url)));
-        }
+        };
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
+            .connect_with(options.clone())
             .await?;
         MIGRATOR.run(&pool).await?;
+        let owner = Arc::new(Mutex::new(owner));
+        let lost = Arc::new(AtomicBool::new(false));
+        tokio::spawn(keep_ownership(
+            Arc::downgrade(&owner),
+            Arc::clone(&lost),
+            options,
+            redact_url(url),
+        ));
         Ok(Self {
             url: redact_url(url),
             pool,
-            _owner: Arc::new(Mutex::new(owner)),
+            _owner: owner,
+            lost,
         })
     }
 }
@@ -86,15 +149,20 @@ fn json_opt(value: &Option<Value>) -> Option<Value> {
     value.as_ref().map(json)
 }
 
-/// A database error, classified: connection trouble and a full disk may pass.
+/// A database error, with what passes by itself marked so ([`StoreError::is_transient`]).
 fn classify(error: sqlx::Error) -> StoreError {
-    if let sqlx::Error::Database(db) = &error
-        && let Some(code) = db.code()
-        && (code.starts_with("08") || code.starts_with("53") || code.starts_with("57P"))
-    {
-        return StoreError::Unavailable(db.message().to_owned());
+    let error = StoreError::Database(error);
+    if error.is_transient() {
+        StoreError::Unavailable(error.to_string())
+    } else {
+        error
     }
-    StoreError::Database(error)
+}
+
+/// An id or filter value as bound in a read: PostgreSQL refuses U+0000 in text, and no stored
+/// key has one, so it reads as a value that matches nothing.
+fn key(value: &str) -> String {
+    text(value)
 }
 
 fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
@@ -471,6 +539,9 @@ async fn insert_events(tx: &mut PgConnection, events: &[&EventRecord]) -> Result
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(StoreError::InUse(self.url.clone()));
+        }
         let mut tx = self.pool.begin().await.map_err(classify)?;
         // Events only need their request to exist, which an earlier op of the batch or the
         // store provides: they all go in one statement at the end (most of a batch's rows).
@@ -494,7 +565,7 @@ impl Store for PostgresStore {
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM requests WHERE id = $1")
-            .bind(id)
+            .bind(key(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(request_from_row).transpose()
@@ -513,11 +584,11 @@ impl Store for PostgresStore {
              ORDER BY id DESC LIMIT $5",
         )
         .bind(filter.status.map(RunStatus::as_str))
-        .bind(&filter.agent_id)
-        .bind(&filter.session_id)
-        .bind(&page.cursor)
+        .bind(filter.agent_id.as_deref().map(key))
+        .bind(filter.session_id.as_deref().map(key))
+        .bind(page.cursor.as_deref().map(key))
         .bind(page.limit + 1)
-        .bind(&filter.owner)
+        .bind(filter.owner.as_deref().map(key))
         .fetch_all(&self.pool)
         .await?;
         let items = rows
@@ -529,7 +600,7 @@ impl Store for PostgresStore {
 
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
-            .bind(id)
+            .bind(key(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(run_from_row).transpose()
@@ -537,7 +608,7 @@ impl Store for PostgresStore {
 
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM runs WHERE request_id = $1 ORDER BY attempt")
-            .bind(request_id)
+            .bind(key(request_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(run_from_row).collect()
@@ -562,7 +633,7 @@ impl Store for PostgresStore {
             "{EVENT_SELECT} WHERE e.request_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(request_id)
+            .bind(key(request_id))
             .bind(after)
             .bind(limit)
             .fetch_all(&self.pool)
@@ -581,7 +652,7 @@ impl Store for PostgresStore {
              AND e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(run_id)
+            .bind(key(run_id))
             .bind(after)
             .bind(limit)
             .fetch_all(&self.pool)
@@ -593,7 +664,7 @@ impl Store for PostgresStore {
         let seq: i64 = sqlx::query_scalar(
             "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE request_id = $1",
         )
-        .bind(request_id)
+        .bind(key(request_id))
         .fetch_one(&self.pool)
         .await?;
         Ok(seq)
@@ -601,7 +672,7 @@ impl Store for PostgresStore {
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM sessions WHERE id = $1")
-            .bind(id)
+            .bind(key(id))
             .fetch_optional(&self.pool)
             .await?;
         row.map(|row| {
@@ -620,7 +691,7 @@ impl Store for PostgresStore {
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
         let rows =
             sqlx::query("SELECT * FROM messages WHERE session_id = $1 ORDER BY created_at, id")
-                .bind(session_id)
+                .bind(key(session_id))
                 .fetch_all(&self.pool)
                 .await?;
         rows.iter()
@@ -640,7 +711,7 @@ impl Store for PostgresStore {
 
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM approvals WHERE id = $1")
-            .bind(id)
+            .bind(key(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(approval_from_row).transpose()
@@ -656,7 +727,7 @@ impl Store for PostgresStore {
              ORDER BY id DESC LIMIT $3",
         )
         .bind(status.map(ApprovalStatus::as_str))
-        .bind(&page.cursor)
+        .bind(page.cursor.as_deref().map(key))
         .bind(page.limit + 1)
         .fetch_all(&self.pool)
         .await?;
@@ -669,7 +740,7 @@ impl Store for PostgresStore {
 
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = $1 ORDER BY id")
-            .bind(run_id)
+            .bind(key(run_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(approval_from_row).collect()
@@ -677,7 +748,7 @@ impl Store for PostgresStore {
 
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = $1")
-            .bind(run_id)
+            .bind(key(run_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter()

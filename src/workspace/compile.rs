@@ -884,7 +884,13 @@ impl Compiler<'_> {
                 {
                     self.report(
                         origin
-                            .at(url, format!("unsupported store url `{}`", url.value))
+                            .at(
+                                url,
+                                format!(
+                                    "unsupported store url `{}`",
+                                    crate::store::redact_url(&url.value)
+                                ),
+                            )
                             .with_hint("use sqlite://PATH or postgres://USER@HOST/DB"),
                     );
                 }

@@ -29,18 +29,22 @@ pub fn fresh_database() -> String {
         std::process::id(),
         NEXT_DATABASE.fetch_add(1, Ordering::Relaxed)
     );
-    let status = Command::new(tool("psql"))
-        .args([
-            &server.admin_url,
-            "-q",
-            "-c",
-            &format!("CREATE DATABASE {name}"),
-        ])
-        .stdout(Stdio::null())
-        .status()
-        .unwrap_or_else(|e| panic!("psql: {e}"));
-    assert!(status.success(), "cannot create database {name}");
+    psql(&server.admin_url, &format!("CREATE DATABASE {name}"));
     format!("{}/{name}", server.base)
+}
+
+/// Runs `sql` on the database at `url` with psql; its output.
+pub fn psql(url: &str, sql: &str) -> String {
+    let output = Command::new(tool("psql"))
+        .args([url, "-q", "-t", "-A", "-c", sql])
+        .output()
+        .unwrap_or_else(|e| panic!("psql: {e}"));
+    assert!(
+        output.status.success(),
+        "psql {sql}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 fn start() -> Server {
@@ -55,9 +59,11 @@ fn start() -> Server {
             base,
         };
     }
+    // Under /tmp, whatever TMPDIR says: the `postgres` user must reach it, and the socket
+    // path must stay short.
     let dir = tempfile::Builder::new()
         .prefix("sh-pg-")
-        .tempdir()
+        .tempdir_in("/tmp")
         .unwrap()
         .keep();
     let data = dir.join("data");
@@ -72,6 +78,9 @@ fn start() -> Server {
         "trust",
         "-U",
         "postgres",
+        "-E",
+        "UTF8",
+        "--locale=C",
         "--no-sync",
     ]));
     let port = free_port();
@@ -101,26 +110,24 @@ fn start() -> Server {
 // The watchdog outlives this process on purpose: nobody is left to wait for it.
 #[allow(clippy::zombie_processes)]
 fn watch(data: &Path, dir: &Path, as_root: bool) {
-    let stop = if as_root {
-        format!(
-            "runuser -u postgres -- {} -D {} -m immediate stop",
-            tool("pg_ctl").display(),
-            data.display()
-        )
-    } else {
-        format!(
-            "{} -D {} -m immediate stop",
-            tool("pg_ctl").display(),
-            data.display()
-        )
-    };
+    let stop = format!(
+        "{}'{}' -D '{}' -m immediate stop",
+        if as_root {
+            "runuser -u postgres -- "
+        } else {
+            ""
+        },
+        tool("pg_ctl").display(),
+        data.display()
+    );
     let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf '{dir}'",
         pid = std::process::id(),
         dir = dir.display()
     );
-    Command::new("sh")
-        .args(["-c", &script])
+    // Its own session, so an interrupt of the test run does not take the watchdog with it.
+    Command::new("setsid")
+        .args(["sh", "-c", &script])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -159,18 +166,29 @@ fn tool(name: &str) -> PathBuf {
     if let Some(found) = on_path {
         return found;
     }
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+    // The newest installed version that has the program (versions compare as numbers).
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|entries| {
             entries
-                .filter_map(|e| e.ok().map(|e| e.path().join("bin").join(name)))
+                .filter_map(|entry| {
+                    let entry = entry.ok()?;
+                    let version = entry
+                        .file_name()
+                        .to_str()?
+                        .split('.')
+                        .next()?
+                        .parse()
+                        .ok()?;
+                    let program = entry.path().join("bin").join(name);
+                    program.is_file().then_some((version, program))
+                })
                 .collect()
         })
         .unwrap_or_default();
-    versions.sort();
-    versions
+    found.sort();
+    found
         .pop()
-        .filter(|candidate| candidate.is_file())
-        .unwrap_or_else(|| PathBuf::from(name))
+        .map_or_else(|| PathBuf::from(name), |(_, program)| program)
 }
 
 fn is_root() -> bool {

@@ -97,5 +97,41 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_and_owns_its_databas
     assert!(said.contains("in use"), "{said}");
     assert!(!said.contains("hunter2secret"), "{said}");
     assert!(!server.stderr().contains("hunter2secret"));
+
+    // The ownership lock's connection dies (a database restart would do the same): the
+    // instance takes the lock again and keeps serving; a newcomer is still refused.
+    let killed = crate::pg::psql(
+        &url,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+    );
+    assert!(killed.trim().parse::<u32>().unwrap() >= 1, "{killed}");
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let held = crate::pg::psql(
+        &url,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+    );
+    assert_eq!(held.trim(), "1", "the lock was taken again");
+    let mut third = std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+    third
+        .args([
+            "start",
+            "-w",
+            workspace.path().to_str().unwrap(),
+            "--port",
+            "0",
+        ])
+        .args(["--database-url", &url])
+        .env("STABLE_HARNESS_LOG", "error");
+    let refused = output_within(third, Duration::from_secs(30));
+    assert!(!refused.status.success());
+    upstream.set_default(Reply::Text("still serving".into()));
+    let response = http
+        .post(server.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "clerk", "messages": [{ "role": "user", "content": "still there?" }] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
     server.terminate();
 }
