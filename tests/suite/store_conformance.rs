@@ -56,6 +56,8 @@ conformance!(
     tool_call_records_count_executions_and_keep_results,
     a_batch_is_all_or_nothing,
     pruning_takes_idle_sessions_whole_and_judges_again_before_deleting,
+    approvals_page_newest_first_by_status,
+    maintenance_records_and_stats_are_kept,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -539,4 +541,96 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
     );
     assert!(store.request("req_live").await.unwrap().is_some());
     assert!(store.events("req_old1", 0, 10).await.unwrap().is_empty());
+}
+
+fn approval(id: &str, status: ApprovalStatus) -> WriteOp {
+    WriteOp::InsertApproval(ApprovalRecord {
+        id: id.into(),
+        request_id: "req_a".into(),
+        run_id: "run_a".into(),
+        session_id: "ses_a".into(),
+        agent_id: "assistant".into(),
+        call_key: format!("t1.{id}"),
+        kind: ApprovalKind::Policy,
+        execution: 0,
+        tool_call_id: "call_0".into(),
+        tool_id: "payments.refund".into(),
+        arguments: json!({}),
+        rule: None,
+        status,
+        reason: None,
+        decided_by: None,
+        created_at: Utc::now(),
+        expires_at: None,
+        decided_at: None,
+    })
+}
+
+async fn approvals_page_newest_first_by_status(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::WaitingApproval).await;
+    store
+        .apply(&[
+            approval("apr_1", ApprovalStatus::Pending),
+            approval("apr_2", ApprovalStatus::Approved),
+            approval("apr_3", ApprovalStatus::Pending),
+            approval("apr_4", ApprovalStatus::Pending),
+        ])
+        .await
+        .unwrap();
+    let mut page = PageRequest {
+        limit: 2,
+        cursor: None,
+    };
+    let mut pending = Vec::new();
+    loop {
+        let found = store
+            .approvals(Some(ApprovalStatus::Pending), &page)
+            .await
+            .unwrap();
+        pending.extend(found.items.into_iter().map(|a| a.id));
+        match found.next_cursor {
+            Some(cursor) => page.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    assert_eq!(pending, ["apr_4", "apr_3", "apr_1"]);
+    let all = store
+        .approvals(
+            None,
+            &PageRequest {
+                limit: 10,
+                cursor: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(all.items.len(), 4);
+    assert!(store.approval("apr_missing").await.unwrap().is_none());
+    // A key no store holds (U+0000) reads as not found, never as an error.
+    assert!(store.request("req_\u{0}").await.unwrap().is_none());
+}
+
+async fn maintenance_records_and_stats_are_kept(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Completed).await;
+    for (index, operation) in ["prune", "backup", "prune"].into_iter().enumerate() {
+        let at = Utc::now() + Age::milliseconds(index as i64);
+        store
+            .record_maintenance(&stable_harness::store::MaintenanceRecord {
+                id: stable_harness::runtime::new_id("mnt"),
+                operation: operation.into(),
+                status: "completed".into(),
+                started_at: at,
+                ended_at: at,
+                report: json!({ "index": index }),
+            })
+            .await
+            .unwrap();
+    }
+    let records = store.maintenance(2).await.unwrap();
+    assert_eq!(records.len(), 2);
+    assert_eq!(records[0].report, json!({ "index": 2 }), "newest first");
+    assert_eq!(records[1].operation, "backup");
+    let stats = store.stats().await.unwrap();
+    assert_eq!((stats.requests, stats.sessions), (1, 1));
+    assert!(stats.database_bytes > 0);
 }
