@@ -9,7 +9,7 @@
 //! `STABLE_HARNESS_CRASH_SEED` (default: random), `STABLE_HARNESS_CRASH_REQUESTS` (N,
 //! default 12) and `STABLE_HARNESS_CRASH_KILLS` (M, default 3). The moments of the kills and
 //! each request's plan of tool calls follow from the seed; where a kill lands in the work also
-//! depends on the machine's timing.
+//! depends on the machine's timing. It runs on the embedded store and on PostgreSQL.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -268,11 +268,55 @@ impl Checks {
     }
 }
 
-#[allow(clippy::print_stderr)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-
 async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked() {
+    crash_test(None).await;
+}
+
+/// The same crash test with the store on PostgreSQL: each restarted instance takes the
+/// database over once the killed one's connection (and its ownership lock) is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked()
+ {
+    crash_test(Some(crate::pg::fresh_database())).await;
+}
+
+/// The store's rows `sql` selects, whichever store it is, as the embedded store reads them
+/// (JSON columns as JSON text, times as RFC 3339 text).
+fn rows(
+    db: &std::path::Path,
+    postgres: Option<&str>,
+    sql: &str,
+) -> Vec<serde_json::Map<String, Value>> {
+    let Some(url) = postgres else {
+        return store_rows(db, sql);
+    };
+    let out = crate::pg::psql(
+        url,
+        &format!("SELECT coalesce(json_agg(t), '[]') FROM ({sql}) t"),
+    );
+    let rows: Vec<serde_json::Map<String, Value>> = serde_json::from_str(out.trim()).unwrap();
+    rows.into_iter()
+        .map(|row| {
+            row.into_iter()
+                .map(|(column, value)| match value {
+                    Value::Object(_) | Value::Array(_) => {
+                        (column, Value::String(value.to_string()))
+                    }
+                    other => (column, other),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[allow(clippy::print_stderr)]
+async fn crash_test(postgres: Option<String>) {
     stable_harness::app::install_crypto_provider();
+    let server_env: Vec<(&str, &str)> = postgres
+        .as_deref()
+        .map(|url| vec![("STABLE_HARNESS_DATABASE_URL", url)])
+        .unwrap_or_default();
     let sizes = Sizes::from_env();
     eprintln!(
         "crash test: seed {} (replay: STABLE_HARNESS_CRASH_SEED={} STABLE_HARNESS_CRASH_REQUESTS={} STABLE_HARNESS_CRASH_KILLS={})",
@@ -287,7 +331,7 @@ async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twic
     let traffic = Arc::new(Traffic::default());
     let base: Base = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut server = ServerProcess::start(workspace.path(), &[]);
+    let mut server = ServerProcess::start(workspace.path(), &server_env);
     *base.lock().unwrap() = Some(server.base.clone());
     let submitting = tokio::spawn(submitter(
         Arc::clone(&base),
@@ -307,7 +351,7 @@ async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twic
         tokio::time::sleep(Duration::from_millis(rng.u64(150..=1200))).await;
         *base.lock().unwrap() = None;
         server.kill9();
-        server = ServerProcess::start(workspace.path(), &[]);
+        server = ServerProcess::start(workspace.path(), &server_env);
         *base.lock().unwrap() = Some(server.base.clone());
     }
     tokio::time::timeout(Duration::from_secs(300), submitting)
@@ -428,8 +472,9 @@ async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twic
 
     // What the store recorded, and what the tool service saw.
     let db = store_path(workspace.path());
-    let calls: Vec<StoredCall> = store_rows(
+    let calls: Vec<StoredCall> = rows(
         &db,
+        postgres.as_deref(),
         "SELECT run_id, call_key, idempotency_key, arguments, outcome, recorded_at FROM tool_calls",
     )
     .into_iter()
@@ -450,8 +495,9 @@ async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twic
         .map(|call| (format!("{}.{}", call.run_id, call.call_key), call))
         .collect();
     let mut approvals: HashMap<(String, String), Vec<StoredApproval>> = HashMap::new();
-    for row in store_rows(
+    for row in rows(
         &db,
+        postgres.as_deref(),
         "SELECT run_id, call_key, kind, status, decided_at FROM approvals",
     ) {
         approvals
