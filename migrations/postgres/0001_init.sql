@@ -138,3 +138,96 @@ CREATE TABLE maintenance (
     ended_at    TIMESTAMPTZ NOT NULL,
     report      JSONB NOT NULL
 );
+
+-- A batch of writes in one round trip: the store sends the ops as one JSON array and this
+-- applies them in order, in the statement's transaction. A decision on an approval that is
+-- not pending raises SQLSTATE SH409, which the store reports as a conflict.
+CREATE FUNCTION stable_harness_apply(batch jsonb) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    op jsonb;
+    changed integer;
+BEGIN
+    FOR op IN SELECT value FROM jsonb_array_elements(batch) LOOP
+        CASE op->>'op'
+        WHEN 'touch_session' THEN
+            INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at)
+            VALUES (op->>'id', op->>'agent_id', op->>'owner', op->'metadata',
+                    (op->>'created_at')::timestamptz, (op->>'updated_at')::timestamptz)
+            ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at;
+        WHEN 'insert_message' THEN
+            INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
+            VALUES (op->>'id', op->>'session_id', op->>'parent_id', op->>'request_id', op->>'role',
+                    op->'content', (op->>'created_at')::timestamptz);
+        WHEN 'insert_request' THEN
+            INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error,
+                                  usage, metadata, created_at, updated_at, owner)
+            VALUES (op->>'id', op->>'session_id', op->>'agent_id', op->>'protocol', op->>'status',
+                    op->'input', op->>'output', op->'error', op->'usage', op->'metadata',
+                    (op->>'created_at')::timestamptz, (op->>'updated_at')::timestamptz, op->>'owner');
+        WHEN 'update_request' THEN
+            UPDATE requests SET status = op->>'status', output = COALESCE(op->>'output', output),
+                   error = op->'error', usage = COALESCE(op->'usage', usage),
+                   updated_at = (op->>'at')::timestamptz
+             WHERE id = op->>'id';
+        WHEN 'insert_run' THEN
+            INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
+                              started_at, ended_at)
+            VALUES (op->>'id', op->>'request_id', (op->>'attempt')::bigint, op->>'status',
+                    op->'state', op->'error', (op->>'created_at')::timestamptz,
+                    (op->>'updated_at')::timestamptz, (op->>'started_at')::timestamptz,
+                    (op->>'ended_at')::timestamptz);
+        WHEN 'update_run' THEN
+            -- An ended run keeps no checkpoint: only a live run is ever resumed.
+            UPDATE runs SET status = op->>'status', error = COALESCE(op->'error', error),
+                   state = CASE WHEN op->>'status' IN ('completed', 'failed', 'cancelled') THEN NULL
+                                ELSE COALESCE(op->'state', state) END,
+                   updated_at = (op->>'at')::timestamptz,
+                   started_at = CASE WHEN op->>'status' = 'running'
+                                     THEN COALESCE(started_at, (op->>'at')::timestamptz) ELSE started_at END,
+                   ended_at = CASE WHEN op->>'status' IN ('completed', 'failed', 'cancelled')
+                                   THEN (op->>'at')::timestamptz ELSE ended_at END
+             WHERE id = op->>'id';
+        WHEN 'insert_approval' THEN
+            INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
+                                   arguments, rule, status, reason, decided_by, created_at, expires_at,
+                                   decided_at, call_key, kind, execution)
+            VALUES (op->>'id', op->>'request_id', op->>'run_id', op->>'session_id', op->>'agent_id',
+                    op->>'tool_call_id', op->>'tool_id', op->'arguments', op->>'rule', op->>'status',
+                    op->>'reason', op->>'decided_by', (op->>'created_at')::timestamptz,
+                    (op->>'expires_at')::timestamptz, (op->>'decided_at')::timestamptz,
+                    op->>'call_key', op->>'kind', (op->>'execution')::bigint);
+        WHEN 'decide_approval' THEN
+            UPDATE approvals SET status = op->>'status', reason = op->>'reason',
+                   decided_by = op->>'decided_by', decided_at = (op->>'at')::timestamptz
+             WHERE id = op->>'id' AND status = 'pending';
+            GET DIAGNOSTICS changed = ROW_COUNT;
+            IF changed <> 1 THEN
+                RAISE EXCEPTION 'approval `%` is not pending', op->>'id' USING ERRCODE = 'SH409';
+            END IF;
+        WHEN 'start_tool_call' THEN
+            INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                                    idempotency_key, outcome, result, duration_ms, recorded_at, executions)
+            VALUES (op->>'run_id', op->>'call_key', op->>'model_call_id', op->>'request_id',
+                    op->>'tool_id', op->'arguments', op->>'idempotency_key', 'started', 'null', 0,
+                    (op->>'recorded_at')::timestamptz, 1)
+            ON CONFLICT (run_id, call_key) DO UPDATE SET executions = tool_calls.executions + 1;
+        WHEN 'record_tool_call' THEN
+            INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                                    idempotency_key, outcome, result, duration_ms, recorded_at)
+            VALUES (op->>'run_id', op->>'call_key', op->>'model_call_id', op->>'request_id',
+                    op->>'tool_id', op->'arguments', op->>'idempotency_key', op->>'outcome',
+                    op->'result', (op->>'duration_ms')::bigint, (op->>'recorded_at')::timestamptz)
+            ON CONFLICT (run_id, call_key) DO UPDATE SET tool_id = excluded.tool_id,
+                   model_call_id = excluded.model_call_id, arguments = excluded.arguments,
+                   idempotency_key = excluded.idempotency_key, outcome = excluded.outcome,
+                   result = excluded.result, duration_ms = excluded.duration_ms,
+                   recorded_at = excluded.recorded_at;
+        WHEN 'append_events' THEN
+            INSERT INTO events (id, request_id, run_id, seq, type, at, data)
+            SELECT e.id, e.request_id, e.run_id, e.seq, e.type, e.at, e.data
+              FROM jsonb_to_recordset(op->'events')
+                   AS e(id text, request_id text, run_id text, seq bigint, type text,
+                        at timestamptz, data jsonb);
+        END CASE;
+    END LOOP;
+END $$;

@@ -1,7 +1,9 @@
 //! The PostgreSQL store: the same [`Store`] behaviour as the embedded one, on a server
 //! database (`postgres://` URLs).
 //!
-//! A batch is one transaction. Migrations run at open under sqlx's advisory lock. Until runs
+//! A batch is one transaction and one round trip: the ops go as one JSON array to the
+//! `stable_harness_apply` function (`migrations/postgres`), which applies them in order.
+//! Migrations run at open under sqlx's advisory lock. Until runs
 //! are claimed with leases, one process owns the database's runs as it owns an embedded
 //! store: a session-level advisory lock held on a connection of its own for the store's life
 //! (released by the server when the process dies however it dies), so a second instance is
@@ -19,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Connection, Row};
 use tokio::sync::Mutex;
@@ -143,10 +145,6 @@ fn json(value: &Value) -> Value {
         Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (text(k), json(v))).collect()),
         other => other.clone(),
     }
-}
-
-fn json_opt(value: &Option<Value>) -> Option<Value> {
-    value.as_ref().map(json)
 }
 
 /// A database error, with what passes by itself marked so ([`StoreError::is_transient`]).
@@ -306,58 +304,23 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
     )
 }
 
-async fn apply_op(tx: &mut PgConnection, op: &WriteOp) -> Result<(), StoreError> {
-    match op {
-        WriteOp::TouchSession(session) => {
-            sqlx::query(
-                "INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at",
-            )
-            .bind(text(&session.id))
-            .bind(&session.agent_id)
-            .bind(&session.owner)
-            .bind(json(&session.metadata))
-            .bind(session.created_at)
-            .bind(session.updated_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::InsertMessage(message) => {
-            sqlx::query(
-                "INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(&message.id)
-            .bind(text(&message.session_id))
-            .bind(&message.parent_id)
-            .bind(&message.request_id)
-            .bind(text(&message.role))
-            .bind(json(&message.content))
-            .bind(message.created_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::InsertRequest(request) => {
-            sqlx::query(
-                "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
-                 metadata, created_at, updated_at, owner) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-            )
-            .bind(&request.id)
-            .bind(text(&request.session_id))
-            .bind(&request.agent_id)
-            .bind(&request.protocol)
-            .bind(request.status.as_str())
-            .bind(json(&request.input))
-            .bind(request.output.as_deref().map(text))
-            .bind(json_opt(&request.error))
-            .bind(json_opt(&request.usage))
-            .bind(json(&request.metadata))
-            .bind(request.created_at)
-            .bind(request.updated_at)
-            .bind(&request.owner)
-            .execute(&mut *tx)
-            .await?;
-        }
+/// One op as `stable_harness_apply` reads it (see `migrations/postgres`): `None` fields are
+/// left out, so they read as SQL NULL; every string is made storable.
+fn op_json(op: &WriteOp) -> Value {
+    let mut value = match op {
+        WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
+            "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
+            "created_at": session.created_at, "updated_at": session.updated_at }),
+        WriteOp::InsertMessage(message) => json!({ "op": "insert_message", "id": message.id,
+            "session_id": message.session_id, "parent_id": message.parent_id,
+            "request_id": message.request_id, "role": message.role, "content": message.content,
+            "created_at": message.created_at }),
+        WriteOp::InsertRequest(request) => json!({ "op": "insert_request", "id": request.id,
+            "session_id": request.session_id, "agent_id": request.agent_id,
+            "protocol": request.protocol, "status": request.status.as_str(), "input": request.input,
+            "output": request.output, "error": request.error, "usage": request.usage,
+            "metadata": request.metadata, "created_at": request.created_at,
+            "updated_at": request.updated_at, "owner": request.owner }),
         WriteOp::UpdateRequest {
             id,
             status,
@@ -365,175 +328,71 @@ async fn apply_op(tx: &mut PgConnection, op: &WriteOp) -> Result<(), StoreError>
             error,
             usage,
             at,
-        } => {
-            sqlx::query(
-                "UPDATE requests SET status = $1, output = COALESCE($2, output), error = $3,
-                 usage = COALESCE($4, usage), updated_at = $5 WHERE id = $6",
-            )
-            .bind(status.as_str())
-            .bind(output.as_deref().map(text))
-            .bind(json_opt(error))
-            .bind(json_opt(usage))
-            .bind(at)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::InsertRun(run) => {
-            sqlx::query(
-                "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
-                 started_at, ended_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-            )
-            .bind(&run.id)
-            .bind(&run.request_id)
-            .bind(run.attempt)
-            .bind(run.status.as_str())
-            .bind(json_opt(&run.state))
-            .bind(json_opt(&run.error))
-            .bind(run.created_at)
-            .bind(run.updated_at)
-            .bind(run.started_at)
-            .bind(run.ended_at)
-            .execute(&mut *tx)
-            .await?;
-        }
+        } => json!({
+            "op": "update_request", "id": id, "status": status.as_str(), "output": output,
+            "error": error, "usage": usage, "at": at }),
+        WriteOp::InsertRun(run) => json!({ "op": "insert_run", "id": run.id,
+            "request_id": run.request_id, "attempt": run.attempt, "status": run.status.as_str(),
+            "state": run.state, "error": run.error, "created_at": run.created_at,
+            "updated_at": run.updated_at, "started_at": run.started_at, "ended_at": run.ended_at }),
         WriteOp::UpdateRun {
             id,
             status,
             error,
             state,
             at,
-        } => {
-            // An ended run keeps no checkpoint: only a live run is ever resumed.
-            sqlx::query(
-                "UPDATE runs SET status = $1, error = COALESCE($2, error),
-                 state = CASE WHEN $1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE($3, state) END,
-                 updated_at = $4,
-                 started_at = CASE WHEN $1 = 'running' THEN COALESCE(started_at, $4) ELSE started_at END,
-                 ended_at = CASE WHEN $1 IN ('completed', 'failed', 'cancelled') THEN $4 ELSE ended_at END
-                 WHERE id = $5",
-            )
-            .bind(status.as_str())
-            .bind(json_opt(error))
-            .bind(json_opt(state))
-            .bind(at)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
+        } => json!({ "op": "update_run",
+            "id": id, "status": status.as_str(), "error": error, "state": state, "at": at }),
+        WriteOp::InsertApproval(approval) => json!({ "op": "insert_approval", "id": approval.id,
+            "request_id": approval.request_id, "run_id": approval.run_id,
+            "session_id": approval.session_id, "agent_id": approval.agent_id,
+            "tool_call_id": approval.tool_call_id, "tool_id": approval.tool_id,
+            "arguments": approval.arguments, "rule": approval.rule,
+            "status": approval.status.as_str(), "reason": approval.reason,
+            "decided_by": approval.decided_by, "created_at": approval.created_at,
+            "expires_at": approval.expires_at, "decided_at": approval.decided_at,
+            "call_key": approval.call_key, "kind": approval.kind.as_str(),
+            "execution": approval.execution }),
+        WriteOp::DecideApproval(decision) => json!({ "op": "decide_approval", "id": decision.id,
+            "status": decision.status.as_str(), "reason": decision.reason,
+            "decided_by": decision.decided_by, "at": decision.at }),
+        WriteOp::StartToolCall(call) | WriteOp::RecordToolCall(call) => json!({
+            "op": if matches!(op, WriteOp::StartToolCall(_)) { "start_tool_call" } else { "record_tool_call" },
+            "run_id": call.run_id, "call_key": call.call_key, "model_call_id": call.model_call_id,
+            "request_id": call.request_id, "tool_id": call.tool_id, "arguments": call.arguments,
+            "idempotency_key": call.idempotency_key, "outcome": call.outcome,
+            "result": call.result, "duration_ms": call.duration_ms,
+            "recorded_at": call.recorded_at }),
+        WriteOp::AppendEvent(event) => {
+            json!({ "op": "append_events", "events": [event_json(event)] })
         }
-        WriteOp::InsertApproval(approval) => {
-            sqlx::query(
-                "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
-                 arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind, execution)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
-            )
-            .bind(&approval.id)
-            .bind(&approval.request_id)
-            .bind(&approval.run_id)
-            .bind(text(&approval.session_id))
-            .bind(&approval.agent_id)
-            .bind(text(&approval.tool_call_id))
-            .bind(&approval.tool_id)
-            .bind(json(&approval.arguments))
-            .bind(&approval.rule)
-            .bind(approval.status.as_str())
-            .bind(approval.reason.as_deref().map(text))
-            .bind(&approval.decided_by)
-            .bind(approval.created_at)
-            .bind(approval.expires_at)
-            .bind(approval.decided_at)
-            .bind(&approval.call_key)
-            .bind(approval.kind.as_str())
-            .bind(approval.execution)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::DecideApproval(decision) => {
-            let changed = sqlx::query(
-                "UPDATE approvals SET status = $1, reason = $2, decided_by = $3, decided_at = $4
-                 WHERE id = $5 AND status = 'pending'",
-            )
-            .bind(decision.status.as_str())
-            .bind(decision.reason.as_deref().map(text))
-            .bind(&decision.decided_by)
-            .bind(decision.at)
-            .bind(&decision.id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if changed != 1 {
-                return Err(StoreError::Conflict(format!(
-                    "approval `{}` is not pending",
-                    decision.id
-                )));
-            }
-        }
-        WriteOp::StartToolCall(call) => {
-            sqlx::query(
-                "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
-                 idempotency_key, outcome, result, duration_ms, recorded_at, executions)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'started', 'null', 0, $8, 1)
-                 ON CONFLICT (run_id, call_key) DO UPDATE SET executions = tool_calls.executions + 1",
-            )
-            .bind(&call.run_id)
-            .bind(&call.call_key)
-            .bind(text(&call.model_call_id))
-            .bind(&call.request_id)
-            .bind(&call.tool_id)
-            .bind(json(&call.arguments))
-            .bind(&call.idempotency_key)
-            .bind(call.recorded_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::RecordToolCall(call) => {
-            sqlx::query(
-                "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
-                 idempotency_key, outcome, result, duration_ms, recorded_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-                 ON CONFLICT (run_id, call_key) DO UPDATE SET tool_id = excluded.tool_id,
-                 model_call_id = excluded.model_call_id, arguments = excluded.arguments,
-                 idempotency_key = excluded.idempotency_key, outcome = excluded.outcome,
-                 result = excluded.result, duration_ms = excluded.duration_ms,
-                 recorded_at = excluded.recorded_at",
-            )
-            .bind(&call.run_id)
-            .bind(&call.call_key)
-            .bind(text(&call.model_call_id))
-            .bind(&call.request_id)
-            .bind(&call.tool_id)
-            .bind(json(&call.arguments))
-            .bind(&call.idempotency_key)
-            .bind(&call.outcome)
-            .bind(json(&call.result))
-            .bind(call.duration_ms)
-            .bind(call.recorded_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        WriteOp::AppendEvent(event) => insert_events(tx, &[event]).await?,
+    };
+    // SQL NULL for what is absent: a JSON null stays only where the value is JSON itself.
+    if let Value::Object(fields) = &mut value {
+        let nullable_text = [
+            "output",
+            "parent_id",
+            "request_id",
+            "rule",
+            "reason",
+            "decided_by",
+            "started_at",
+            "ended_at",
+            "expires_at",
+            "decided_at",
+        ];
+        fields.retain(|key, field| {
+            !(field.is_null()
+                && (nullable_text.contains(&key.as_str())
+                    || matches!(key.as_str(), "error" | "usage" | "state")))
+        });
     }
-    Ok(())
+    json(&value)
 }
 
-/// Inserts events in one statement (`UNNEST` of one array per column).
-async fn insert_events(tx: &mut PgConnection, events: &[&EventRecord]) -> Result<(), sqlx::Error> {
-    let column =
-        |pick: fn(&EventRecord) -> String| events.iter().map(|e| pick(e)).collect::<Vec<_>>();
-    sqlx::query(
-        "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
-         SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::timestamptz[], $7::jsonb[])",
-    )
-    .bind(column(|e| e.id.clone()))
-    .bind(column(|e| e.request_id.clone()))
-    .bind(column(|e| e.run_id.clone()))
-    .bind(events.iter().map(|e| e.seq).collect::<Vec<_>>())
-    .bind(column(|e| e.event_type.clone()))
-    .bind(events.iter().map(|e| e.at).collect::<Vec<_>>())
-    .bind(events.iter().map(|e| json(&e.data)).collect::<Vec<_>>())
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
+fn event_json(event: &EventRecord) -> Value {
+    json!({ "id": event.id, "request_id": event.request_id, "run_id": event.run_id,
+        "seq": event.seq, "type": event.event_type, "at": event.at, "data": event.data })
 }
 
 #[async_trait::async_trait]
@@ -542,25 +401,34 @@ impl Store for PostgresStore {
         if self.lost.load(Ordering::SeqCst) {
             return Err(StoreError::InUse(self.url.clone()));
         }
-        let mut tx = self.pool.begin().await.map_err(classify)?;
-        // Events only need their request to exist, which an earlier op of the batch or the
-        // store provides: they all go in one statement at the end (most of a batch's rows).
-        let mut events = Vec::new();
-        for op in ops {
-            if let WriteOp::AppendEvent(event) = op {
-                events.push(event);
-                continue;
-            }
-            match apply_op(&mut tx, op).await {
-                Ok(()) => {}
-                Err(StoreError::Database(error)) => return Err(classify(error)),
-                Err(other) => return Err(other),
-            }
-        }
+        // One round trip: the ops in order, then the batch's events in one insert (they only
+        // need their request, which an earlier op or the store provides).
+        let mut batch: Vec<Value> = ops
+            .iter()
+            .filter(|op| !matches!(op, WriteOp::AppendEvent(_)))
+            .map(op_json)
+            .collect();
+        let events: Vec<Value> = ops
+            .iter()
+            .filter_map(|op| match op {
+                WriteOp::AppendEvent(event) => Some(json(&event_json(event))),
+                _ => None,
+            })
+            .collect();
         if !events.is_empty() {
-            insert_events(&mut tx, &events).await.map_err(classify)?;
+            batch.push(json!({ "op": "append_events", "events": events }));
         }
-        tx.commit().await.map_err(classify)
+        match sqlx::query("SELECT stable_harness_apply($1)")
+            .bind(Value::Array(batch))
+            .execute(&self.pool)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH409") => {
+                Err(StoreError::Conflict(error.message().to_owned()))
+            }
+            Err(error) => Err(classify(error)),
+        }
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
