@@ -140,7 +140,8 @@ CREATE TABLE maintenance (
 );
 
 -- A batch of writes in one round trip: the store sends the ops as one JSON array and this
--- applies them in order, in the statement's transaction. A decision on an approval that is
+-- applies them in order, in the statement's transaction. A JSON null field is SQL NULL
+-- (`->>` gives NULL for it; JSON-valued fields go through NULLIF). A decision on an approval that is
 -- not pending raises SQLSTATE SH409, which the store reports as a conflict.
 CREATE FUNCTION stable_harness_apply(batch jsonb) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -162,25 +163,25 @@ BEGIN
             INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error,
                                   usage, metadata, created_at, updated_at, owner)
             VALUES (op->>'id', op->>'session_id', op->>'agent_id', op->>'protocol', op->>'status',
-                    op->'input', op->>'output', op->'error', op->'usage', op->'metadata',
+                    op->'input', op->>'output', NULLIF(op->'error', 'null'), NULLIF(op->'usage', 'null'), op->'metadata',
                     (op->>'created_at')::timestamptz, (op->>'updated_at')::timestamptz, op->>'owner');
         WHEN 'update_request' THEN
             UPDATE requests SET status = op->>'status', output = COALESCE(op->>'output', output),
-                   error = op->'error', usage = COALESCE(op->'usage', usage),
+                   error = NULLIF(op->'error', 'null'), usage = COALESCE(NULLIF(op->'usage', 'null'), usage),
                    updated_at = (op->>'at')::timestamptz
              WHERE id = op->>'id';
         WHEN 'insert_run' THEN
             INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
                               started_at, ended_at)
             VALUES (op->>'id', op->>'request_id', (op->>'attempt')::bigint, op->>'status',
-                    op->'state', op->'error', (op->>'created_at')::timestamptz,
+                    NULLIF(op->'state', 'null'), NULLIF(op->'error', 'null'), (op->>'created_at')::timestamptz,
                     (op->>'updated_at')::timestamptz, (op->>'started_at')::timestamptz,
                     (op->>'ended_at')::timestamptz);
         WHEN 'update_run' THEN
             -- An ended run keeps no checkpoint: only a live run is ever resumed.
-            UPDATE runs SET status = op->>'status', error = COALESCE(op->'error', error),
+            UPDATE runs SET status = op->>'status', error = COALESCE(NULLIF(op->'error', 'null'), error),
                    state = CASE WHEN op->>'status' IN ('completed', 'failed', 'cancelled') THEN NULL
-                                ELSE COALESCE(op->'state', state) END,
+                                ELSE COALESCE(NULLIF(op->'state', 'null'), state) END,
                    updated_at = (op->>'at')::timestamptz,
                    started_at = CASE WHEN op->>'status' = 'running'
                                      THEN COALESCE(started_at, (op->>'at')::timestamptz) ELSE started_at END,

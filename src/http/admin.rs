@@ -487,14 +487,22 @@ pub async fn backup_store(
         .join(".stable-harness")
         .join("backups")
         .join(&name);
-    if file.exists() {
-        return Err(ApiError::new(
-            ErrorCode::AlreadyExists,
-            format!("backup `{name}` exists already; a backup never overwrites"),
-        )
-        .param("file"));
-    }
-    let report = state.runtime.backup(&file).await.map_err(store_error)?;
+    let report = state
+        .runtime
+        .backup(&file)
+        .await
+        .map_err(|error| match error {
+            StoreError::Archive { source, .. }
+                if source.kind() == std::io::ErrorKind::AlreadyExists =>
+            {
+                ApiError::new(
+                    ErrorCode::AlreadyExists,
+                    format!("backup `{name}` exists already; a backup never overwrites"),
+                )
+                .param("file")
+            }
+            error => store_error(error),
+        })?;
     Ok((axum::http::StatusCode::CREATED, Json(report)))
 }
 

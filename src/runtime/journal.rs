@@ -405,17 +405,12 @@ fn push_merging_deltas(
     last_delta: &mut HashMap<String, usize>,
     group: Group,
 ) {
-    let Some(request) = group.request.clone() else {
+    let (Some(request), Some((run, text))) = (group.request.as_deref(), lone_delta(&group)) else {
         end_delta_stretches(last_delta, &group);
         groups.push(group);
         return;
     };
-    let Some((run, text)) = lone_delta(&group) else {
-        end_delta_stretches(last_delta, &group);
-        groups.push(group);
-        return;
-    };
-    if let Some(previous) = last_delta.get(&request).and_then(|&i| groups.get_mut(i))
+    if let Some(previous) = last_delta.get(request).and_then(|&i| groups.get_mut(i))
         && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
         && event.run_id == run
         && let Some(Value::String(joined)) = event.data.pointer_mut("/event/text")
@@ -424,7 +419,7 @@ fn push_merging_deltas(
         joined.push_str(text);
         return;
     }
-    last_delta.insert(request, groups.len());
+    last_delta.insert(request.to_owned(), groups.len());
     groups.push(group);
 }
 

@@ -227,6 +227,25 @@ pub fn sqlite_path(url: Option<&str>, workspace_root: &Path) -> Result<PathBuf, 
     }
 }
 
+/// What the sessions a prune takes own, table by table, children first (so every foreign key
+/// holds at each statement's end): `FROM`-clauses for a count or a delete. `in_sessions` is
+/// how the store's SQL names the set of session ids (`IN (...)` or `= ANY($1)`).
+pub(crate) fn owned_by_sessions(in_sessions: &str) -> [String; 8] {
+    let of_requests = format!("(SELECT id FROM requests WHERE session_id {in_sessions})");
+    [
+        format!("events WHERE request_id IN {of_requests}"),
+        format!(
+            "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id WHERE r.session_id {in_sessions})"
+        ),
+        format!("approvals WHERE request_id IN {of_requests}"),
+        format!("artifacts WHERE request_id IN {of_requests}"),
+        format!("runs WHERE request_id IN {of_requests}"),
+        format!("messages WHERE session_id {in_sessions}"),
+        format!("requests WHERE session_id {in_sessions}"),
+        format!("sessions WHERE id {in_sessions}"),
+    ]
+}
+
 /// Readies the path of a new backup: an error when it exists (a backup never overwrites);
 /// its folder is created when missing.
 pub(crate) fn prepare_new_file(path: &Path) -> Result<(), StoreError> {

@@ -351,23 +351,29 @@ pub struct PruneCounts {
 }
 
 impl PruneCounts {
-    /// Counts from `(table, rows)` pairs.
-    pub fn from_tables(pairs: impl IntoIterator<Item = (&'static str, u64)>) -> Self {
-        let mut counts = Self::default();
-        for (table, n) in pairs {
-            let slot = match table {
-                "events" => &mut counts.events,
-                "tool_calls" => &mut counts.tool_calls,
-                "approvals" => &mut counts.approvals,
-                "artifacts" => &mut counts.artifacts,
-                "runs" => &mut counts.runs,
-                "messages" => &mut counts.messages,
-                "requests" => &mut counts.requests,
-                _ => &mut counts.sessions,
-            };
-            *slot += n;
+    /// Counts in the order of [`super::owned_by_sessions`]'s tables.
+    pub fn from_owned(
+        [
+            events,
+            tool_calls,
+            approvals,
+            artifacts,
+            runs,
+            messages,
+            requests,
+            sessions,
+        ]: [u64; 8],
+    ) -> Self {
+        Self {
+            sessions,
+            requests,
+            runs,
+            events,
+            tool_calls,
+            approvals,
+            artifacts,
+            messages,
         }
-        counts
     }
 
     pub fn add(&mut self, other: &Self) {

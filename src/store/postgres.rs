@@ -132,7 +132,8 @@ impl PostgresStore {
     }
 }
 
-/// Text as PostgreSQL can hold it.
+/// Text as PostgreSQL can hold it. Also applied to keys a read binds: no stored key holds
+/// U+0000, so one that does matches nothing instead of failing.
 fn text(value: &str) -> String {
     value.replace('\0', "\u{FFFD}")
 }
@@ -145,22 +146,6 @@ fn json(value: &Value) -> Value {
         Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (text(k), json(v))).collect()),
         other => other.clone(),
     }
-}
-
-/// A database error, with what passes by itself marked so ([`StoreError::is_transient`]).
-fn classify(error: sqlx::Error) -> StoreError {
-    let error = StoreError::Database(error);
-    if error.is_transient() {
-        StoreError::Unavailable(error.to_string())
-    } else {
-        error
-    }
-}
-
-/// An id or filter value as bound in a read: PostgreSQL refuses U+0000 in text, and no stored
-/// key has one, so it reads as a value that matches nothing.
-fn key(value: &str) -> String {
-    text(value)
 }
 
 fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
@@ -268,32 +253,8 @@ WHERE ($4::text IS NULL OR s.id > $4)
                    AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
 ORDER BY s.id LIMIT $5";
 
-/// Per table: what the sessions in `$1` (a text array) own, children first.
-const OWNED_BY_SESSIONS: [(&str, &str); 8] = [
-    (
-        "events",
-        "events WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
-    ),
-    (
-        "tool_calls",
-        "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id WHERE r.session_id = ANY($1))",
-    ),
-    (
-        "approvals",
-        "approvals WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
-    ),
-    (
-        "artifacts",
-        "artifacts WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
-    ),
-    (
-        "runs",
-        "runs WHERE request_id IN (SELECT id FROM requests WHERE session_id = ANY($1))",
-    ),
-    ("messages", "messages WHERE session_id = ANY($1)"),
-    ("requests", "requests WHERE session_id = ANY($1)"),
-    ("sessions", "sessions WHERE id = ANY($1)"),
-];
+/// How this store's SQL names the set of session ids a prune counts or deletes.
+const IN_SESSIONS: &str = "= ANY($1)";
 
 fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
     Value::Object(
@@ -304,10 +265,10 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
     )
 }
 
-/// One op as `stable_harness_apply` reads it (see `migrations/postgres`): `None` fields are
-/// left out, so they read as SQL NULL; every string is made storable.
+/// One op as `stable_harness_apply` reads it (see `migrations/postgres`): a `None` field is
+/// a JSON null, which the function reads as SQL NULL; every string is made storable.
 fn op_json(op: &WriteOp) -> Value {
-    let mut value = match op {
+    let value = match op {
         WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
             "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
             "created_at": session.created_at, "updated_at": session.updated_at }),
@@ -367,26 +328,6 @@ fn op_json(op: &WriteOp) -> Value {
             json!({ "op": "append_events", "events": [event_json(event)] })
         }
     };
-    // SQL NULL for what is absent: a JSON null stays only where the value is JSON itself.
-    if let Value::Object(fields) = &mut value {
-        let nullable_text = [
-            "output",
-            "parent_id",
-            "request_id",
-            "rule",
-            "reason",
-            "decided_by",
-            "started_at",
-            "ended_at",
-            "expires_at",
-            "decided_at",
-        ];
-        fields.retain(|key, field| {
-            !(field.is_null()
-                && (nullable_text.contains(&key.as_str())
-                    || matches!(key.as_str(), "error" | "usage" | "state")))
-        });
-    }
     json(&value)
 }
 
@@ -427,13 +368,13 @@ impl Store for PostgresStore {
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH409") => {
                 Err(StoreError::Conflict(error.message().to_owned()))
             }
-            Err(error) => Err(classify(error)),
+            Err(error) => Err(error.into()),
         }
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM requests WHERE id = $1")
-            .bind(key(id))
+            .bind(text(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(request_from_row).transpose()
@@ -452,11 +393,11 @@ impl Store for PostgresStore {
              ORDER BY id DESC LIMIT $5",
         )
         .bind(filter.status.map(RunStatus::as_str))
-        .bind(filter.agent_id.as_deref().map(key))
-        .bind(filter.session_id.as_deref().map(key))
-        .bind(page.cursor.as_deref().map(key))
+        .bind(filter.agent_id.as_deref().map(text))
+        .bind(filter.session_id.as_deref().map(text))
+        .bind(page.cursor.as_deref().map(text))
         .bind(page.limit + 1)
-        .bind(filter.owner.as_deref().map(key))
+        .bind(filter.owner.as_deref().map(text))
         .fetch_all(&self.pool)
         .await?;
         let items = rows
@@ -468,7 +409,7 @@ impl Store for PostgresStore {
 
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
-            .bind(key(id))
+            .bind(text(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(run_from_row).transpose()
@@ -476,7 +417,7 @@ impl Store for PostgresStore {
 
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM runs WHERE request_id = $1 ORDER BY attempt")
-            .bind(key(request_id))
+            .bind(text(request_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(run_from_row).collect()
@@ -501,7 +442,7 @@ impl Store for PostgresStore {
             "{EVENT_SELECT} WHERE e.request_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(key(request_id))
+            .bind(text(request_id))
             .bind(after)
             .bind(limit)
             .fetch_all(&self.pool)
@@ -520,7 +461,7 @@ impl Store for PostgresStore {
              AND e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(key(run_id))
+            .bind(text(run_id))
             .bind(after)
             .bind(limit)
             .fetch_all(&self.pool)
@@ -532,7 +473,7 @@ impl Store for PostgresStore {
         let seq: i64 = sqlx::query_scalar(
             "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE request_id = $1",
         )
-        .bind(key(request_id))
+        .bind(text(request_id))
         .fetch_one(&self.pool)
         .await?;
         Ok(seq)
@@ -540,7 +481,7 @@ impl Store for PostgresStore {
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM sessions WHERE id = $1")
-            .bind(key(id))
+            .bind(text(id))
             .fetch_optional(&self.pool)
             .await?;
         row.map(|row| {
@@ -559,7 +500,7 @@ impl Store for PostgresStore {
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
         let rows =
             sqlx::query("SELECT * FROM messages WHERE session_id = $1 ORDER BY created_at, id")
-                .bind(key(session_id))
+                .bind(text(session_id))
                 .fetch_all(&self.pool)
                 .await?;
         rows.iter()
@@ -579,7 +520,7 @@ impl Store for PostgresStore {
 
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM approvals WHERE id = $1")
-            .bind(key(id))
+            .bind(text(id))
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(approval_from_row).transpose()
@@ -595,7 +536,7 @@ impl Store for PostgresStore {
              ORDER BY id DESC LIMIT $3",
         )
         .bind(status.map(ApprovalStatus::as_str))
-        .bind(page.cursor.as_deref().map(key))
+        .bind(page.cursor.as_deref().map(text))
         .bind(page.limit + 1)
         .fetch_all(&self.pool)
         .await?;
@@ -608,7 +549,7 @@ impl Store for PostgresStore {
 
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = $1 ORDER BY id")
-            .bind(key(run_id))
+            .bind(text(run_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(approval_from_row).collect()
@@ -616,7 +557,7 @@ impl Store for PostgresStore {
 
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = $1")
-            .bind(key(run_id))
+            .bind(text(run_id))
             .fetch_all(&self.pool)
             .await?;
         rows.iter()
@@ -640,10 +581,7 @@ impl Store for PostgresStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.pool)
-            .await
-            .map_err(classify)?;
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
     }
 
@@ -666,16 +604,16 @@ impl Store for PostgresStore {
     }
 
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
-        let mut pairs = Vec::new();
-        for (table, rows) in OWNED_BY_SESSIONS {
+        let mut counts = [0; 8];
+        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
             let sql = format!("SELECT COUNT(*) FROM {rows}");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(sessions)
                 .fetch_one(&self.pool)
                 .await?;
-            pairs.push((table, n.max(0) as u64));
+            *count = n.max(0) as u64;
         }
-        Ok(PruneCounts::from_tables(pairs))
+        Ok(PruneCounts::from_owned(counts))
     }
 
     async fn delete_sessions(
@@ -683,7 +621,7 @@ impl Store for PostgresStore {
         filter: &PruneFilter,
         sessions: &[String],
     ) -> Result<PruneCounts, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let mut tx = self.pool.begin().await?;
         // Judged again, with the sessions locked: one continued meanwhile stays.
         let locked: Vec<String> =
             sqlx::query_scalar("SELECT id FROM sessions WHERE id = ANY($1) ORDER BY id FOR UPDATE")
@@ -699,17 +637,16 @@ impl Store for PostgresStore {
             .bind(&locked)
             .fetch_all(&mut *tx)
             .await?;
-        let mut pairs = Vec::new();
-        for (table, rows) in OWNED_BY_SESSIONS {
-            let n = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
+        let mut counts = [0; 8];
+        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+            *count = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
                 .bind(&still)
                 .execute(&mut *tx)
                 .await?
                 .rows_affected();
-            pairs.push((table, n));
         }
-        tx.commit().await.map_err(classify)?;
-        Ok(PruneCounts::from_tables(pairs))
+        tx.commit().await?;
+        Ok(PruneCounts::from_owned(counts))
     }
 
     async fn reclaim_space(&self, _max_pages: i64) -> Result<u64, StoreError> {
@@ -745,7 +682,7 @@ impl Store for PostgresStore {
     }
 
     async fn record_maintenance(&self, record: &MaintenanceRecord) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO maintenance (id, operation, status, started_at, ended_at, report)
              VALUES ($1, $2, $3, $4, $5, $6)",
@@ -763,7 +700,7 @@ impl Store for PostgresStore {
         )
         .execute(&mut *tx)
         .await?;
-        tx.commit().await.map_err(classify)
+        Ok(tx.commit().await?)
     }
 
     async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError> {

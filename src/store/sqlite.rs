@@ -252,43 +252,8 @@ ORDER BY s.id LIMIT ?5"#;
 /// Maintenance records kept (the newest).
 const MAINTENANCE_KEPT: u32 = 1_000;
 
-/// Per table: what the sessions in `?1` (a JSON array) own, in deletion order (children
-/// first, so every foreign key holds at each statement's end).
-const OWNED_BY_SESSIONS: [(&str, &str); 8] = [
-    (
-        "events",
-        "events WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
-    ),
-    (
-        "tool_calls",
-        "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id
-         WHERE r.session_id IN (SELECT value FROM json_each(?1)))",
-    ),
-    (
-        "approvals",
-        "approvals WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
-    ),
-    (
-        "artifacts",
-        "artifacts WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
-    ),
-    (
-        "runs",
-        "runs WHERE request_id IN (SELECT id FROM requests WHERE session_id IN (SELECT value FROM json_each(?1)))",
-    ),
-    (
-        "messages",
-        "messages WHERE session_id IN (SELECT value FROM json_each(?1))",
-    ),
-    (
-        "requests",
-        "requests WHERE session_id IN (SELECT value FROM json_each(?1))",
-    ),
-    (
-        "sessions",
-        "sessions WHERE id IN (SELECT value FROM json_each(?1))",
-    ),
-];
+/// How this store's SQL names the set of session ids a prune counts or deletes.
+const IN_SESSIONS: &str = "IN (SELECT value FROM json_each(?1))";
 
 fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
     text.map(|t| {
@@ -632,16 +597,16 @@ impl Store for SqliteStore {
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let mut pairs = Vec::new();
-        for (table, rows) in OWNED_BY_SESSIONS {
+        let mut counts = [0; 8];
+        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
             let sql = format!("SELECT COUNT(*) FROM {rows}");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_one(&self.reader)
                 .await?;
-            pairs.push((table, n.max(0) as u64));
+            *count = n.max(0) as u64;
         }
-        Ok(PruneCounts::from_tables(pairs))
+        Ok(PruneCounts::from_owned(counts))
     }
 
     async fn delete_sessions(
@@ -676,13 +641,12 @@ impl Store for SqliteStore {
                     )?
                     .collect::<Result<_, _>>()?;
                 let ids = serde_json::to_string(&still).unwrap_or_else(|_| "[]".to_owned());
-                let mut pairs = Vec::new();
-                for (table, rows) in OWNED_BY_SESSIONS {
-                    let n = tx.execute(&format!("DELETE FROM {rows}"), [&ids])?;
-                    pairs.push((table, n as u64));
+                let mut counts = [0; 8];
+                for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+                    *count = tx.execute(&format!("DELETE FROM {rows}"), [&ids])? as u64;
                 }
                 tx.commit()?;
-                Ok(PruneCounts::from_tables(pairs))
+                Ok(PruneCounts::from_owned(counts))
             })
             .await
     }

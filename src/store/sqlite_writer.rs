@@ -15,10 +15,10 @@
 //! written since, between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning.
 //! `journal_size_limit` gives the file's space back after a restart. Should readers starve
-//! the restart (a long backup read), the writer waits for them with a TRUNCATE checkpoint
-//! once the file passes [`STARVED_WAL_BYTES`], for at most [`STARVED_WAIT`].
+//! the restart (a long backup read), the catch-up finds the WAL past [`STARVED_PAGES`] and
+//! waits for them with a TRUNCATE checkpoint, for at most [`STARVED_WAIT`].
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -35,8 +35,8 @@ use super::{ApprovalDecision, StoreError, WriteOp};
 pub const CATCH_UP_PAGES: i64 = 1_000;
 /// The WAL file is cut back to this size after each restart.
 const WAL_SIZE_LIMIT: u64 = 16 * 1024 * 1024;
-/// A WAL file this large means restarts are being starved by readers.
-const STARVED_WAL_BYTES: u64 = 32 * 1024 * 1024;
+/// A WAL this long (32 MiB with 4 KiB pages) means restarts are being starved by readers.
+const STARVED_PAGES: i64 = 8_192;
 /// How long the writer waits on a busy database before reporting it unavailable.
 const BUSY_TIMEOUT: Duration = Duration::from_millis(2_000);
 /// How long the writer waits for readers to leave old WAL frames.
@@ -90,12 +90,11 @@ impl SqliteWriter {
         }
         connection.set_prepared_statement_cache_capacity(32);
         let (jobs, queue) = mpsc::channel::<Job>();
-        let wal = WalWatch::new(path);
         let catch_up_queued = Arc::new(AtomicBool::new(false));
         let queued = Arc::clone(&catch_up_queued);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || write_loop(connection, queue, wal, &queued))
+            .spawn(move || write_loop(connection, queue, &queued))
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             jobs,
@@ -172,9 +171,9 @@ impl From<rusqlite::Error> for Abandon {
 fn write_loop(
     mut connection: Connection,
     queue: mpsc::Receiver<Job>,
-    mut wal: WalWatch,
     catch_up_queued: &AtomicBool,
 ) {
+    let mut last_wait: Option<Instant> = None;
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
@@ -183,74 +182,54 @@ fn write_loop(
                     Abandon::Conflict(message) => StoreError::Conflict(message),
                 });
                 let _ = done.send(result);
-                wal.after_commit(&connection);
             }
             Job::Maintain(work) => work(&mut connection),
             Job::CatchUp => {
                 catch_up_queued.store(false, Ordering::Release);
-                if let Err(error) =
-                    connection.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                {
-                    tracing::warn!(%error, "WAL catch-up checkpoint failed");
+                match checkpoint(&connection, "PASSIVE") {
+                    Ok((_, frames, _)) if frames >= STARVED_PAGES => {
+                        wait_for_readers(&connection, &mut last_wait, frames);
+                    }
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "WAL catch-up checkpoint failed"),
                 }
             }
         }
     }
 }
 
-/// Watches the WAL file's size for restarts starved by readers.
-struct WalWatch {
-    path: PathBuf,
-    last_wait: Option<Instant>,
+/// A checkpoint in `mode`: (busy, frames in the WAL, frames copied).
+fn checkpoint(connection: &Connection, mode: &str) -> Result<(i64, i64, i64), rusqlite::Error> {
+    connection.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |row| {
+        Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+    })
 }
 
-impl WalWatch {
-    fn new(database: &Path) -> Self {
-        let mut name = database.as_os_str().to_owned();
-        name.push("-wal");
-        Self {
-            path: PathBuf::from(name),
-            last_wait: None,
-        }
+/// The WAL is past [`STARVED_PAGES`]: readers hold old frames and keep it from restarting.
+/// Waits for them (at most [`STARVED_WAIT`], at most once per [`STARVED_RETRY`]), copies
+/// everything and restarts the WAL.
+fn wait_for_readers(connection: &Connection, last_wait: &mut Option<Instant>, frames: i64) {
+    if last_wait.is_some_and(|at| at.elapsed() < STARVED_RETRY) {
+        return;
     }
-
-    /// After a commit: if the WAL file is past [`STARVED_WAL_BYTES`], waits (at most the busy
-    /// timeout) for the readers still on old frames, copies everything and restarts the WAL.
-    fn after_commit(&mut self, connection: &Connection) {
-        let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
-        if size < STARVED_WAL_BYTES
-            || self
-                .last_wait
-                .is_some_and(|at| at.elapsed() < STARVED_RETRY)
-        {
-            return;
-        }
-        self.last_wait = Some(Instant::now());
-        let started = Instant::now();
-        // A short wait: a reader that holds on (a backup's long read) must not stall writes.
-        let _ = connection.busy_timeout(STARVED_WAIT);
-        let result = connection.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |row| {
-            Ok((
-                row.get::<_, i64>(0)?,
-                row.get::<_, i64>(1)?,
-                row.get::<_, i64>(2)?,
-            ))
-        });
-        let _ = connection.busy_timeout(BUSY_TIMEOUT);
-        match result {
-            Ok((0, _, _)) => tracing::info!(
-                wal_bytes = size,
-                waited_ms = started.elapsed().as_millis() as u64,
-                "the WAL was restarted after waiting for readers"
-            ),
-            Ok((_, frames, copied)) => tracing::warn!(
-                wal_bytes = size,
-                frames,
-                copied,
-                "the WAL cannot restart: readers hold old frames; retrying in a few seconds"
-            ),
-            Err(error) => tracing::warn!(%error, "WAL restart failed"),
-        }
+    *last_wait = Some(Instant::now());
+    let started = Instant::now();
+    // A short wait: a reader that holds on (a backup's long read) must not stall writes.
+    let _ = connection.busy_timeout(STARVED_WAIT);
+    let result = checkpoint(connection, "TRUNCATE");
+    let _ = connection.busy_timeout(BUSY_TIMEOUT);
+    match result {
+        Ok((0, _, _)) => tracing::info!(
+            frames,
+            waited_ms = started.elapsed().as_millis() as u64,
+            "the WAL was restarted after waiting for readers"
+        ),
+        Ok((_, frames, copied)) => tracing::warn!(
+            frames,
+            copied,
+            "the WAL cannot restart: readers hold old frames; retrying in a few seconds"
+        ),
+        Err(error) => tracing::warn!(%error, "WAL restart failed"),
     }
 }
 

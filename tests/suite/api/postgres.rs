@@ -80,18 +80,7 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_and_owns_its_databas
     assert_eq!(ready.status(), 200);
 
     // A second instance on the same database is refused, and says why.
-    let mut second = std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"));
-    second
-        .args([
-            "start",
-            "-w",
-            workspace.path().to_str().unwrap(),
-            "--port",
-            "0",
-        ])
-        .args(["--database-url", &with_password])
-        .env("STABLE_HARNESS_LOG", "error");
-    let refused = output_within(second, Duration::from_secs(30));
+    let refused = start_beside(workspace.path(), &with_password);
     assert!(!refused.status.success());
     let said = String::from_utf8_lossy(&refused.stderr).into_owned();
     assert!(said.contains("in use"), "{said}");
@@ -111,18 +100,7 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_and_owns_its_databas
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
     );
     assert_eq!(held.trim(), "1", "the lock was taken again");
-    let mut third = std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"));
-    third
-        .args([
-            "start",
-            "-w",
-            workspace.path().to_str().unwrap(),
-            "--port",
-            "0",
-        ])
-        .args(["--database-url", &url])
-        .env("STABLE_HARNESS_LOG", "error");
-    let refused = output_within(third, Duration::from_secs(30));
+    let refused = start_beside(workspace.path(), &url);
     assert!(!refused.status.success());
     upstream.set_default(Reply::Text("still serving".into()));
     let response = http
@@ -134,4 +112,14 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_and_owns_its_databas
         .unwrap();
     assert_eq!(response.status(), 200);
     server.terminate();
+}
+
+/// `start` on the same database as a running instance; its output once it exits.
+fn start_beside(workspace: &std::path::Path, url: &str) -> std::process::Output {
+    let mut start = std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+    start
+        .args(["start", "-w", workspace.to_str().unwrap(), "--port", "0"])
+        .args(["--database-url", url])
+        .env("STABLE_HARNESS_LOG", "error");
+    output_within(start, Duration::from_secs(30))
 }
