@@ -160,6 +160,7 @@ async fn bench() {
                 updated_at: now,
                 started_at: Some(now),
                 ended_at: None,
+                lease: None,
             }),
         ])
         .await

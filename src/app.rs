@@ -82,9 +82,9 @@ pub fn upstream_client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
-/// Builds the runtime over the configured (or embedded) store — taking ownership of it, so a
-/// store another process holds is refused before anything is read — and, with `resume`,
-/// resumes the runs a dead process left unfinished.
+/// Builds the runtime over the configured (or embedded) store and keeps its run leases. With
+/// `resume`, it also claims — now and from then on — the runs no instance executes: those a
+/// dead process left unfinished (on a shared store, once their lease expired).
 pub async fn build_runtime(
     workspace: Arc<CompiledWorkspace>,
     database_url: Option<&str>,
@@ -95,14 +95,16 @@ pub async fn build_runtime(
         .or_else(|| workspace.runtime.store_url.clone());
     let options = crate::store::OpenOptions {
         max_bytes: workspace.runtime.store_max_bytes,
+        lease: workspace.runtime.lease_duration,
     };
     let store = crate::store::open(url.as_deref(), &workspace.root, &options).await?;
     let runtime = Runtime::new(workspace, store, upstream_client());
-    let resumed = if resume {
-        runtime.resume_interrupted().await?
+    let resumed = if resume && runtime.workspace().runtime.recovery.resume_on_start {
+        runtime.claim_runs().await?
     } else {
         0
     };
+    runtime.start_leases(resume);
     Ok((runtime, resumed))
 }
 

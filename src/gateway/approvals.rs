@@ -1,6 +1,8 @@
 //! Waiting on a durable approval. The approval lives in the store; a decision taken in this
-//! process wakes its waiter at once through [`ApprovalWaiters`] (no polling loop), and the
-//! waiter always re-reads the store, which is the only source of truth.
+//! process wakes its waiter at once through [`ApprovalWaiters`], one taken on another instance
+//! through the store's announcement of its event, and the waiter always re-reads the store,
+//! which is the only source of truth. On a store several instances share, the waiter also
+//! reads it every few seconds, so a lost announcement costs latency, never the decision.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,16 +13,19 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store::{ApprovalDecision, ApprovalRecord, ApprovalStatus, Store};
 
-/// Wake-ups for calls waiting on approvals, by approval id.
+/// Wake-ups for calls waiting on approvals, by approval id (with the approval's request).
 #[derive(Debug, Default)]
 pub struct ApprovalWaiters {
-    waiting: Mutex<HashMap<String, Arc<Notify>>>,
+    waiting: Mutex<HashMap<String, (String, Arc<Notify>)>>,
 }
 
 impl ApprovalWaiters {
-    fn register(&self, approval_id: &str) -> Arc<Notify> {
+    fn register(&self, approval: &ApprovalRecord) -> Arc<Notify> {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(waiting.entry(approval_id.to_owned()).or_default())
+        let (_, notify) = waiting
+            .entry(approval.id.clone())
+            .or_insert_with(|| (approval.request_id.clone(), Arc::default()));
+        Arc::clone(notify)
     }
 
     fn release(&self, approval_id: &str) {
@@ -31,11 +36,32 @@ impl ApprovalWaiters {
     /// Wakes whoever waits on `approval_id` (it then reads the decision from the store).
     pub fn notify(&self, approval_id: &str) {
         let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(notify) = waiting.get(approval_id) {
+        if let Some((_, notify)) = waiting.get(approval_id) {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Wakes whoever waits on an approval of `request_id` (another instance wrote to it).
+    pub fn notify_request(&self, request_id: &str) {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        for (request, notify) in waiting.values() {
+            if request == request_id {
+                notify.notify_waiters();
+            }
+        }
+    }
+
+    /// Wakes every waiter (announcements may have been missed).
+    pub fn notify_all(&self) {
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        for (_, notify) in waiting.values() {
             notify.notify_waiters();
         }
     }
 }
+
+/// How often a waiter reads a store other instances share when nothing woke it.
+const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Waits until the approval is no longer pending and returns it as decided. When it expires
 /// first, this side marks it `expired` (unless a decision wins the race). `Err` when the run
@@ -47,7 +73,8 @@ pub(super) async fn wait_for_decision(
     approval: &ApprovalRecord,
     cancel: &CancellationToken,
 ) -> Result<ApprovalRecord, String> {
-    let notify = waiters.register(&approval.id);
+    let notify = waiters.register(approval);
+    let poll = store.is_shared();
     let result = async {
         loop {
             // Armed before reading, so a decision committed after the read still wakes us.
@@ -73,6 +100,7 @@ pub(super) async fn wait_for_decision(
             };
             tokio::select! {
                 () = &mut woken => {}
+                () = tokio::time::sleep(SHARED_POLL), if poll => {}
                 () = cancel.cancelled() => return Err("the run was cancelled while the call waited for approval".to_owned()),
                 () = expiry => {
                     let decision = ApprovalDecision {

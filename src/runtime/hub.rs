@@ -59,6 +59,18 @@ impl EventHub {
         }
     }
 
+    /// Whether anyone here follows `request_id`.
+    pub fn has_subscribers(&self, request_id: &str) -> bool {
+        self.channels
+            .lock()
+            .map(|channels| {
+                channels
+                    .get(request_id)
+                    .is_some_and(|sender| sender.receiver_count() > 0)
+            })
+            .unwrap_or(false)
+    }
+
     /// Requests with live subscribers (for tests and metrics).
     pub fn channel_count(&self) -> usize {
         self.channels.lock().map(|c| c.len()).unwrap_or(0)

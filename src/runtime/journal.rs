@@ -11,8 +11,10 @@
 //!   writes ([`Journal::write`]) are acknowledged by the producer's next `commit`: if an
 //!   earlier write of the same request failed, that commit fails too (the request is
 //!   *poisoned*) and is not applied, so a run never carries on past a lost write.
-//! - **Gapless `seq`.** The journal numbers events when they commit, per request, so a failed
-//!   group never leaves a hole: numbers are taken only by events that committed.
+//! - **Gapless `seq`.** The store numbers events in the transaction that commits them, after
+//!   the request's last stored one, so a failed group never leaves a hole, and a request
+//!   written from two instances (its run's holder, an operator deciding an approval
+//!   elsewhere) still counts 1, 2, 3...
 //! - **One bad group never fails another.** When a batch fails with an error that is not
 //!   transient (a constraint, a conflicting decision), its groups are applied one by one and
 //!   only the failing group is refused. A transient failure (busy, I/O, full disk) is retried,
@@ -36,7 +38,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use super::events::{ADAPTER_EVENT, is_terminal, output_delta_text};
+use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
 use crate::redact::{Redactor, Secrets};
 use crate::store::{Store, StoreError, WriteOp};
@@ -64,6 +66,9 @@ pub enum JournalError {
     /// An earlier write of this request was refused, so this one was not applied.
     #[error("an earlier write of request `{0}` was lost, so the request cannot go on")]
     Poisoned(String),
+    /// The run's lease is held by another instance now: it executes the run from here on.
+    #[error("{0}")]
+    LeaseLost(String),
 }
 
 /// A group of writes as queued.
@@ -80,6 +85,9 @@ enum Item {
     Group(Group),
     /// Resolved once everything queued before it is committed (or refused).
     Flush(oneshot::Sender<()>),
+    /// Forgets a request's lost writes: this instance claimed its run again, and the run
+    /// goes on from what the store holds.
+    Forgive(String),
 }
 
 /// Handle to the writer task; cheap to clone.
@@ -94,6 +102,7 @@ impl std::fmt::Debug for Item {
         match self {
             Item::Group(group) => write!(f, "Group({} ops)", group.ops.len()),
             Item::Flush(_) => f.write_str("Flush"),
+            Item::Forgive(request) => write!(f, "Forgive({request})"),
         }
     }
 }
@@ -113,7 +122,6 @@ impl Journal {
             hub,
             redactor,
             available: Arc::clone(&available),
-            next_seq: HashMap::new(),
             poisoned: HashSet::new(),
         };
         tracker.spawn(writer.run(receiver));
@@ -185,6 +193,15 @@ impl Journal {
             .map_err(|_| JournalError::Closed)
     }
 
+    /// Clears the lost-write state of `request`, behind everything queued so far: a run this
+    /// instance lost and then claimed again starts over from the store.
+    pub async fn forgive(&self, request: &str) -> Result<(), JournalError> {
+        self.sender
+            .send(Item::Forgive(request.to_owned()))
+            .await
+            .map_err(|_| JournalError::Closed)
+    }
+
     /// Waits until everything queued so far has been committed or refused.
     pub async fn flush(&self) -> Result<(), JournalError> {
         let (done, wait) = oneshot::channel();
@@ -196,14 +213,12 @@ impl Journal {
     }
 }
 
-/// The writer task's state: it alone numbers events and applies writes.
+/// The writer task's state: it alone applies writes.
 struct Writer {
     store: Arc<dyn Store>,
     hub: Arc<EventHub>,
     redactor: Redactor,
     available: Arc<AtomicBool>,
-    /// The next `seq` of each request with a live run (dropped after its terminal event).
-    next_seq: HashMap<String, i64>,
     /// Requests with a lost write since their last settled group.
     poisoned: HashSet<String>,
 }
@@ -219,6 +234,11 @@ impl Writer {
                 match item {
                     Item::Group(group) => push_merging_deltas(&mut groups, &mut last_delta, group),
                     Item::Flush(done) => flushes.push(done),
+                    Item::Forgive(request) => {
+                        self.apply(std::mem::take(&mut groups)).await;
+                        last_delta.clear();
+                        self.poisoned.remove(&request);
+                    }
                 }
             }
             self.apply(groups).await;
@@ -245,13 +265,9 @@ impl Writer {
             redact(op, &secrets);
         }
         drop(secrets);
-        let applied = match self.number(&mut ops).await {
-            Some(next_seq) => self.apply_retrying(&ops).await.map(|()| next_seq),
-            None => Err(StoreError::Writer("sequence numbers unreadable".into())),
-        };
-        match applied {
-            Ok(next_seq) => {
-                self.committed(next_seq, ops);
+        match self.apply_retrying(&ops).await {
+            Ok(numbers) => {
+                self.committed(&numbers, ops);
                 for group in groups {
                     self.settled(&group, &Ok(()));
                     ack(group.ack, Ok(()));
@@ -274,21 +290,17 @@ impl Writer {
             let Some(mut group) = self.refuse_if_poisoned(group) else {
                 continue;
             };
-            let result = match self.number(&mut group.ops).await {
-                None => Err(JournalError::Rejected(
-                    "the request's last event number could not be read".to_owned(),
-                )),
-                Some(next_seq) => match self.apply_retrying(&group.ops).await {
-                    Ok(()) => {
-                        self.committed(next_seq, std::mem::take(&mut group.ops));
-                        Ok(())
-                    }
-                    Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),
-                    Err(error) => {
-                        tracing::error!(%error, request = group.request.as_deref(), "the store refused a write group");
-                        Err(JournalError::Rejected(error.to_string()))
-                    }
-                },
+            let result = match self.apply_retrying(&group.ops).await {
+                Ok(numbers) => {
+                    self.committed(&numbers, std::mem::take(&mut group.ops));
+                    Ok(())
+                }
+                Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),
+                Err(StoreError::LeaseLost(message)) => Err(JournalError::LeaseLost(message)),
+                Err(error) => {
+                    tracing::error!(%error, request = group.request.as_deref(), "the store refused a write group");
+                    Err(JournalError::Rejected(error.to_string()))
+                }
             };
             self.settled(&group, &result);
             ack(group.ack, result);
@@ -305,7 +317,7 @@ impl Writer {
             Ok(()) if group.settles => {
                 self.poisoned.remove(request);
             }
-            Err(JournalError::Rejected(_)) if !group.settles => {
+            Err(JournalError::Rejected(_) | JournalError::LeaseLost(_)) if !group.settles => {
                 self.poisoned.insert(request.clone());
             }
             _ => {}
@@ -323,49 +335,13 @@ impl Writer {
         }
     }
 
-    /// Numbers the events of `ops` after each request's last committed one. Returns the
-    /// counters as they will be once `ops` commit (`None`: a counter could not be read).
-    async fn number(&mut self, ops: &mut [WriteOp]) -> Option<HashMap<String, i64>> {
-        let mut next: HashMap<String, i64> = HashMap::new();
-        for op in ops.iter_mut() {
-            let event = match op {
-                WriteOp::InsertRequest(request) => {
-                    next.entry(request.id.clone()).or_insert(1);
-                    continue;
-                }
-                WriteOp::AppendEvent(event) => event,
-                _ => continue,
-            };
-            let seq = match next.get_mut(&event.request_id) {
-                Some(seq) => seq,
-                None => {
-                    let first = match self.next_seq.get(&event.request_id) {
-                        Some(seq) => *seq,
-                        None => match self.store.last_seq(&event.request_id).await {
-                            Ok(last) => last + 1,
-                            Err(error) => {
-                                tracing::error!(%error, "cannot read a request's last event number");
-                                return None;
-                            }
-                        },
-                    };
-                    next.entry(event.request_id.clone()).or_insert(first)
-                }
-            };
-            event.seq = *seq;
-            *seq += 1;
-        }
-        Some(next)
-    }
-
-    /// After a commit: keep the counters, publish the events (dropping the counter of a
-    /// request whose terminal event committed).
-    fn committed(&mut self, next_seq: HashMap<String, i64>, ops: Vec<WriteOp>) {
-        self.next_seq.extend(next_seq);
+    /// After a commit: give the events the numbers the store gave them and publish them.
+    fn committed(&mut self, numbers: &[i64], ops: Vec<WriteOp>) {
+        let mut numbers = numbers.iter();
         for op in ops {
-            if let WriteOp::AppendEvent(event) = op {
-                if is_terminal(&event.event_type) {
-                    self.next_seq.remove(&event.request_id);
+            if let WriteOp::AppendEvent(mut event) = op {
+                if let Some(seq) = numbers.next() {
+                    event.seq = *seq;
                 }
                 self.hub.publish(Arc::new(event));
             }
@@ -374,15 +350,15 @@ impl Writer {
 
     /// Applies `ops` in one transaction; a transient failure is retried until it succeeds,
     /// with the store marked unavailable meanwhile. Other failures are returned.
-    async fn apply_retrying(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+    async fn apply_retrying(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         let mut delay = Duration::from_millis(20);
         loop {
             match self.store.apply(ops).await {
-                Ok(()) => {
+                Ok(numbers) => {
                     if !self.available.swap(true, Ordering::Relaxed) {
                         tracing::info!("the store accepts writes again");
                     }
-                    return Ok(());
+                    return Ok(numbers);
                 }
                 Err(error) if error.is_transient() => {
                     if self.available.swap(false, Ordering::Relaxed) {
@@ -645,6 +621,7 @@ mod tests {
             updated_at: now,
             started_at: None,
             ended_at: None,
+            lease: None,
         })
     }
 

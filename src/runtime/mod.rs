@@ -11,8 +11,10 @@
 
 mod clock;
 pub mod events;
+mod fanout;
 mod hub;
 mod journal;
+mod leases;
 mod maintenance;
 mod narration;
 mod run;
@@ -186,11 +188,27 @@ struct Inner {
     /// (runs already admitted go on; see [`Runtime::stop_admitting`]).
     admitting_stopped: CancellationToken,
     shutdown: CancellationToken,
-    /// Cancellation of each live run, by request id.
-    live: Mutex<HashMap<String, CancellationToken>>,
+    /// The runs executing or waiting here, by request id.
+    live: Mutex<HashMap<String, LiveRun>>,
+    /// Cancelled at shutdown, once the leases were given back: the lease loop ends.
+    leasing: CancellationToken,
+    /// Other instances write to the store too: followers and approval waiters also read it
+    /// now and then, so a lost notification costs latency, never an event.
+    shared: bool,
     /// Held by a store maintenance pass (prune, backup): one at a time.
     maintenance: tokio::sync::Mutex<()>,
 }
+
+/// A run executing or waiting in this process.
+#[derive(Debug)]
+struct LiveRun {
+    run_id: String,
+    cancel: CancellationToken,
+}
+
+/// How often a follower or an approval waiter of a shared store reads it when no
+/// notification came (the fallback for a notification lost with a connection).
+const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl std::fmt::Debug for dyn Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -222,8 +240,11 @@ impl Runtime {
             Arc::clone(&approvals),
             redactor,
         );
-        Self {
+        let changes = store.changes();
+        let runtime = Self {
             inner: Arc::new(Inner {
+                shared: store.is_shared(),
+                leasing: CancellationToken::new(),
                 adapters: Adapters::new(http),
                 gateway,
                 approvals,
@@ -239,7 +260,11 @@ impl Runtime {
                 live: Mutex::new(HashMap::new()),
                 maintenance: tokio::sync::Mutex::new(()),
             }),
+        };
+        if let Some(changes) = changes {
+            fanout::start(&runtime, changes);
         }
+        runtime
     }
 
     pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
@@ -410,6 +435,7 @@ impl Runtime {
             updated_at: now,
             started_at: slot.is_some().then_some(now),
             ended_at: None,
+            lease: None,
         }));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable.
@@ -446,7 +472,13 @@ impl Runtime {
     fn start_run(&self, job: run::RunJob) {
         let cancel = self.inner.shutdown.child_token();
         if let Ok(mut live) = self.inner.live.lock() {
-            live.insert(job.submitted.request_id.clone(), cancel.clone());
+            live.insert(
+                job.submitted.request_id.clone(),
+                LiveRun {
+                    run_id: job.submitted.run_id.clone(),
+                    cancel: cancel.clone(),
+                },
+            );
         }
         let runtime = self.clone();
         self.inner.tasks.spawn(async move {
@@ -456,71 +488,6 @@ impl Runtime {
                 live.remove(&request_id);
             }
         });
-    }
-
-    /// Restarts runs a previous process left queued or running (`recovery.resumeOnStart`).
-    /// Their events continue the request's sequence; the transcript is the persisted state.
-    pub async fn resume_interrupted(&self) -> Result<usize, RuntimeError> {
-        if !self.inner.workspace.runtime.recovery.resume_on_start {
-            return Ok(0);
-        }
-        let runs = self
-            .inner
-            .store
-            .runs_with_status(&[
-                RunStatus::Queued,
-                RunStatus::Running,
-                RunStatus::WaitingApproval,
-            ])
-            .await?;
-        let mut resumed = 0;
-        for run in runs {
-            let Some(request) = self.inner.store.request(&run.request_id).await? else {
-                continue;
-            };
-            let Ok(permit) = Arc::clone(&self.inner.admission).try_acquire_owned() else {
-                break;
-            };
-            let history = self.inner.store.messages(&request.session_id).await?;
-            let input = input_messages(&request.id, &request.input, &history);
-            let own_from = input.len();
-            let messages = match run
-                .state
-                .as_ref()
-                .and_then(|state| state.get("messages"))
-                .and_then(Value::as_array)
-            {
-                Some(checkpoint) => checkpoint.clone(),
-                None => input,
-            };
-            let options = request
-                .input
-                .get("options")
-                .and_then(Value::as_object)
-                .cloned()
-                .unwrap_or_default();
-            tracing::info!(request_id = %request.id, run_id = %run.id, "resuming an interrupted run");
-            self.start_run(run::RunJob {
-                submitted: Submitted {
-                    request_id: request.id.clone(),
-                    run_id: run.id.clone(),
-                    session_id: request.session_id.clone(),
-                    agent_id: request.agent_id.clone(),
-                    status: RunStatus::Queued,
-                },
-                messages,
-                own_from,
-                options,
-                parent_message_id: history.last().map(|m| m.id.clone()),
-                metadata: request.metadata.clone(),
-                owner: request.owner.clone(),
-                resumed: true,
-                permit,
-                slot: None,
-            });
-            resumed += 1;
-        }
-        Ok(resumed)
     }
 
     /// Stored events of a request after `after`, then live ones, ending after the terminal
@@ -568,7 +535,22 @@ impl Runtime {
                 }
             }
             while !ended {
-                let event = match live.recv().await {
+                let received = if inner.shared {
+                    tokio::time::timeout(SHARED_POLL, live.recv()).await.ok()
+                } else {
+                    Some(live.recv().await)
+                };
+                let Some(received) = received else {
+                    // Nothing announced for a while: read the store in case a notification
+                    // from another instance was lost.
+                    for event in inner.store.events(&request_id, last, 500).await? {
+                        last = event.seq;
+                        ended = events::is_terminal(&event.event_type);
+                        yield Arc::new(event);
+                    }
+                    continue;
+                };
+                let event = match received {
                     Ok(event) => event,
                     Err(error) => {
                         // Fell behind (`Lagged`), or the channel closed after the terminal
@@ -676,6 +658,7 @@ impl Runtime {
         if let Err(error) = self.inner.journal.flush().await {
             tracing::error!(%error, "could not flush the store journal at shutdown");
         }
+        self.release_leases().await;
     }
 
     /// Approves or denies a pending approval, and wakes the call waiting on it (the run

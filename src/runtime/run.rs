@@ -507,6 +507,11 @@ async fn finish(
     let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
     let lost = events.lost.lock().ok().and_then(|mut lost| lost.take());
+    if let Some(JournalError::LeaseLost(reason)) = &lost {
+        // Another instance holds the run now and ends it there.
+        tracing::info!(%reason, "the run stopped here: another instance took its lease over");
+        return;
+    }
     let result = match (result, lost) {
         (_, Some(error)) => Err(store_failure(&error)),
         (result, None) => result,
@@ -580,11 +585,15 @@ async fn finish(
     ops.push(WriteOp::AppendEvent(
         events.event(terminal_type, terminal_data),
     ));
-    if let Err(error) = runtime.inner.journal.settle(&request_id, ops).await {
-        tracing::error!(
+    match runtime.inner.journal.settle(&request_id, ops).await {
+        Ok(()) => {}
+        Err(JournalError::LeaseLost(reason)) => {
+            tracing::info!(%reason, "the run ended here after another instance took its lease over; it goes on there");
+        }
+        Err(error) => tracing::error!(
             %error,
             status = status.as_str(),
-            "the end of a run could not be committed; it resumes at the next start"
-        );
+            "the end of a run could not be committed; it resumes when its lease is claimed again"
+        ),
     }
 }

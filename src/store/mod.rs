@@ -41,6 +41,9 @@ pub enum StoreError {
     /// A conditional write found the state changed (an approval decided already).
     #[error("{0}")]
     Conflict(String),
+    /// A run's write from an instance that no longer holds its lease (another took it over).
+    #[error("{0}")]
+    LeaseLost(String),
     #[error("cannot lock the store with {path}: {source}")]
     Lock {
         path: String,
@@ -92,9 +95,10 @@ fn is_transient_sqlstate(code: &str) -> bool {
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Applies every op in order, in one transaction: all or nothing. Only the runtime's
-    /// journal calls it.
-    async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError>;
+    /// Applies every op in order, in one transaction: all or nothing. Returns the `seq` the
+    /// store gave each [`WriteOp::AppendEvent`], in order: a request's events are numbered
+    /// after its last stored one, whoever writes them. Only the runtime's journal calls it.
+    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError>;
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     async fn requests(
@@ -105,8 +109,32 @@ pub trait Store: Send + Sync + 'static {
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError>;
     /// The runs of a request, oldest first.
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError>;
-    /// Runs in any of `statuses`, oldest first (used to resume after a restart).
+    /// Runs in any of `statuses`, oldest first.
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError>;
+
+    // Leases (SPEC section 8): a live run is executed by the holder of its lease only.
+
+    /// The identity this store handle holds leases as (one per process).
+    fn holder(&self) -> &str;
+    /// Takes up to `limit` live runs nobody holds or whose lease expired, oldest first, and
+    /// leases them to this holder. Concurrent claimers, here or on other instances, never get
+    /// the same run.
+    async fn claim_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError>;
+    /// Extends every lease this holder has on a live run; returns those runs' ids.
+    async fn renew_leases(&self) -> Result<Vec<String>, StoreError>;
+    /// Gives every lease this holder has back (graceful shutdown), so another instance may
+    /// claim the runs at once; returns how many.
+    async fn release_leases(&self) -> Result<u64, StoreError>;
+    /// What other instances commit, for a store several instances share (`None`: only this
+    /// process writes to it).
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
+        None
+    }
+    /// Whether other instances may write to this store.
+    fn is_shared(&self) -> bool {
+        false
+    }
+
     /// Events of a request with `seq > after`, in order, at most `limit`.
     async fn events(
         &self,
@@ -173,10 +201,26 @@ pub trait Store: Send + Sync + 'static {
 }
 
 /// How a store is opened, from the workspace's `store` settings.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct OpenOptions {
     /// `store.maxSize`: past it, writes wait as on a full disk.
     pub max_bytes: Option<u64>,
+    /// `store.leaseDuration`: how long a run stays leased without a renewal.
+    pub lease: std::time::Duration,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        Self {
+            max_bytes: None,
+            lease: std::time::Duration::from_secs(30),
+        }
+    }
+}
+
+/// A new lease holder identity: one per opened store, so per process.
+fn new_holder() -> String {
+    format!("ins_{}", uuid::Uuid::now_v7().simple())
 }
 
 /// Opens (creating and migrating) the store `url` names, or the embedded SQLite file of the
@@ -194,12 +238,10 @@ pub async fn open(
                 "`store.maxSize` caps the embedded store; size a PostgreSQL database with its own quotas".into(),
             ));
         }
-        return Ok(Arc::new(PostgresStore::connect(url).await?));
+        return Ok(Arc::new(PostgresStore::connect(url, options.lease).await?));
     }
     let path = sqlite_path(url, workspace_root)?;
-    Ok(Arc::new(
-        SqliteStore::open_file_with(&path, options.max_bytes).await?,
-    ))
+    Ok(Arc::new(SqliteStore::open_file_with(&path, options).await?))
 }
 
 /// Whether `url` names a PostgreSQL database.

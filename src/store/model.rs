@@ -106,6 +106,31 @@ pub struct RunRecord {
     pub updated_at: DateTime<Utc>,
     pub started_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
+    /// Who executes the live run, and until when (SPEC section 8). Set by the store: a new run
+    /// is leased to the instance that inserts it, whatever the record says.
+    pub lease: Option<Lease>,
+}
+
+/// A live run's lease: the instance holding it and when it expires unless renewed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    pub holder: String,
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What another instance changed in a shared store, as its notifications tell.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoreChange {
+    /// Events `first..=last` of a request were committed by another instance.
+    Events {
+        request_id: String,
+        first: i64,
+        last: i64,
+    },
+    /// Notifications may have been missed (the listening connection was lost): whoever waits
+    /// on the store should read it again.
+    Resync,
 }
 
 /// One immutable event (SPEC section 7).
@@ -268,8 +293,11 @@ pub enum WriteOp {
         usage: Option<Value>,
         at: DateTime<Utc>,
     },
+    /// Inserts a run leased to this store's holder (the record's `lease` is not read).
     InsertRun(RunRecord),
     /// Moves a run to `status`; `state` (when given) is the conversation after its last step.
+    /// Fenced: refused with [`super::StoreError::LeaseLost`] unless this store's holder holds
+    /// the run's lease. An ended run keeps no lease.
     UpdateRun {
         id: String,
         status: RunStatus,
@@ -277,13 +305,16 @@ pub enum WriteOp {
         state: Option<Value>,
         at: DateTime<Utc>,
     },
+    /// Appends an event; the store numbers it after its request's last one (`seq` is not
+    /// read) and [`super::Store::apply`] returns the number.
     AppendEvent(EventRecord),
     InsertApproval(ApprovalRecord),
     /// Moves a pending approval to its decision. Conditional: when the approval is not
     /// pending, the whole group it belongs to is refused with [`super::StoreError::Conflict`].
     DecideApproval(ApprovalDecision),
     /// Records that a call is about to run (outcome `started`); a record that exists only
-    /// counts one more execution.
+    /// counts one more execution. Fenced like [`WriteOp::UpdateRun`]: a tool runs only for
+    /// its run's holder.
     StartToolCall(ToolCallRecord),
     /// Inserts or replaces the result of a tool call.
     RecordToolCall(ToolCallRecord),

@@ -1,16 +1,21 @@
 //! The PostgreSQL store: the same [`Store`] behaviour as the embedded one, on a server
-//! database (`postgres://` URLs).
+//! database (`postgres://` URLs) that several instances share.
 //!
 //! A batch is one transaction and one round trip: the ops go as one JSON array to the
-//! `stable_harness_apply` function (`migrations/postgres`), which applies them in order.
-//! Migrations run at open under sqlx's advisory lock. Until runs
-//! are claimed with leases, one process owns the database's runs as it owns an embedded
-//! store: a session-level advisory lock held on a connection of its own for the store's life
-//! (released by the server when the process dies however it dies), so a second instance is
-//! refused at once rather than running the same runs twice. That connection is checked every
-//! few seconds: a lock lost with its connection is taken again, or, if another instance took
-//! it meanwhile, this one refuses every write (a window of a few seconds that leases with
-//! fencing will close).
+//! `stable_harness_apply` function (`migrations/postgres`), which applies them in order as
+//! this instance, numbers the events after their request's last ones and announces them with
+//! `NOTIFY`. Migrations run at open under sqlx's advisory lock, so instances starting together
+//! migrate once.
+//!
+//! Runs are owned through leases (SPEC section 8): a run is leased to the instance that
+//! inserts it; [`Store::claim_runs`] takes runs whose lease expired with
+//! `FOR UPDATE SKIP LOCKED`; only the holder may change a run or start one of its tool calls
+//! (the function refuses others with SQLSTATE SH410, reported as [`StoreError::LeaseLost`]).
+//! Lease times are the database's clock, so instances' clocks never have to agree.
+//!
+//! A listener connection follows the `stable_harness_events` channel and hands other
+//! instances' appends to the runtime as [`StoreChange`]s; when it loses its connection it
+//! says so ([`StoreChange::Resync`]) and reconnects.
 //!
 //! PostgreSQL text cannot hold U+0000, which clients may send; it is stored as U+FFFD.
 
@@ -18,117 +23,113 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Connection, Row};
-use tokio::sync::Mutex;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+use tokio::sync::broadcast;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MaintenanceRecord, MessageRecord,
-    Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord, RunRecord,
-    RunStatus, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
+    MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord,
+    RunRecord, RunStatus, SessionRecord, Store, StoreChange, StoreError, StoreStats,
+    ToolCallRecord, WriteOp, redact_url,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
-/// The advisory lock key of a store's ownership (until leases).
-const OWNERSHIP_LOCK: i64 = 0x5354_4142_4c45_4852; // "STABLEHR"
+/// The channel on which `stable_harness_apply` announces appended events.
+const EVENTS_CHANNEL: &str = "stable_harness_events";
+/// Changes buffered for the runtime; one that falls behind is told to read the store again.
+const CHANGES_CAPACITY: usize = 4_096;
 
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     url: String,
     pool: PgPool,
-    /// The connection holding this process's ownership lock (kept alive by holding it; the
-    /// checking task only has a weak reference).
-    _owner: Arc<Mutex<PgConnection>>,
-    /// Set when the ownership was lost to another instance: every write is refused from then.
-    lost: Arc<AtomicBool>,
-}
-
-/// How often the ownership lock's connection is checked.
-const OWNERSHIP_CHECK: Duration = Duration::from_secs(5);
-
-/// Opens a connection and takes the ownership lock on it (`None`: another instance has it).
-async fn take_ownership(options: &PgConnectOptions) -> Result<Option<PgConnection>, StoreError> {
-    let mut owner = PgConnection::connect_with(options).await?;
-    // The lock lives as long as this idle connection: never let the server time it out.
-    let _ = sqlx::query("SET idle_session_timeout = 0")
-        .execute(&mut owner)
-        .await;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(OWNERSHIP_LOCK)
-        .fetch_one(&mut owner)
-        .await?;
-    Ok(locked.then_some(owner))
-}
-
-/// Checks the ownership lock's connection every few seconds. When it died (a database
-/// restart, a dropped connection), the lock died with it: it is taken again, or, when another
-/// instance took it meanwhile, this one refuses every write from then on. Ends with the store.
-async fn keep_ownership(
-    owner: std::sync::Weak<Mutex<PgConnection>>,
-    lost: Arc<AtomicBool>,
-    options: PgConnectOptions,
-    url: String,
-) {
-    loop {
-        tokio::time::sleep(OWNERSHIP_CHECK).await;
-        let Some(owner) = owner.upgrade() else { return };
-        let mut connection = owner.lock().await;
-        if sqlx::query("SELECT 1")
-            .execute(&mut *connection)
-            .await
-            .is_ok()
-        {
-            continue;
-        }
-        match take_ownership(&options).await {
-            Ok(Some(fresh)) => {
-                tracing::warn!(store = %url, "the store's ownership lock was lost with its connection and taken again");
-                *connection = fresh;
-            }
-            Ok(None) => {
-                tracing::error!(store = %url, "another instance took this store's ownership; refusing every write");
-                lost.store(true, Ordering::SeqCst);
-                return;
-            }
-            // The database does not answer: writes fail (and are retried) meanwhile.
-            Err(_) => {}
-        }
-    }
+    holder: String,
+    lease_ms: i64,
+    changes: broadcast::Sender<StoreChange>,
+    /// Stops the listener when the last handle of the store is dropped.
+    _listening: Arc<DropGuard>,
 }
 
 impl PostgresStore {
-    /// Connects, takes ownership of the database's runs, and migrates.
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+    /// Connects, migrates and starts listening for other instances' events; runs are leased
+    /// for `lease`.
+    pub async fn connect(url: &str, lease: Duration) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url)?;
-        let Some(owner) = take_ownership(&options).await? else {
-            return Err(StoreError::InUse(redact_url(url)));
-        };
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options.clone())
+            .connect_with(options)
             .await?;
         MIGRATOR.run(&pool).await?;
-        let owner = Arc::new(Mutex::new(owner));
-        let lost = Arc::new(AtomicBool::new(false));
-        tokio::spawn(keep_ownership(
-            Arc::downgrade(&owner),
-            Arc::clone(&lost),
-            options,
-            redact_url(url),
-        ));
+        let holder = super::new_holder();
+        let (changes, _) = broadcast::channel(CHANGES_CAPACITY);
+        let stop = CancellationToken::new();
+        let mut listener = PgListener::connect_with(&pool).await?;
+        listener.listen(EVENTS_CHANNEL).await?;
+        tokio::spawn(listen(listener, holder.clone(), changes.clone(), stop.clone()));
         Ok(Self {
             url: redact_url(url),
             pool,
-            _owner: owner,
-            lost,
+            holder,
+            lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
+            changes,
+            _listening: Arc::new(stop.drop_guard()),
         })
+    }
+}
+
+/// Forwards other instances' announcements (`holder request first last`) until `stop`.
+async fn listen(
+    mut listener: PgListener,
+    holder: String,
+    changes: broadcast::Sender<StoreChange>,
+    stop: CancellationToken,
+) {
+    loop {
+        let received = tokio::select! {
+            () = stop.cancelled() => return,
+            received = listener.try_recv() => received,
+        };
+        match received {
+            Ok(Some(notification)) => {
+                let mut fields = notification.payload().split(' ');
+                let (Some(from), Some(request_id), Some(first), Some(last)) =
+                    (fields.next(), fields.next(), fields.next(), fields.next())
+                else {
+                    continue;
+                };
+                if from == holder {
+                    continue;
+                }
+                if let (Ok(first), Ok(last)) = (first.parse(), last.parse()) {
+                    let _ = changes.send(StoreChange::Events {
+                        request_id: request_id.to_owned(),
+                        first,
+                        last,
+                    });
+                }
+            }
+            // The connection was lost: anything announced meanwhile is missed. The next call
+            // reconnects and listens again.
+            Ok(None) => {
+                let _ = changes.send(StoreChange::Resync);
+            }
+            Err(error) => {
+                tracing::debug!(%error, "the store's listener cannot reach the database");
+                let _ = changes.send(StoreChange::Resync);
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
     }
 }
 
@@ -182,6 +183,13 @@ fn run_from_row(row: &PgRow) -> Result<RunRecord, StoreError> {
         updated_at: row.try_get("updated_at")?,
         started_at: row.try_get("started_at")?,
         ended_at: row.try_get("ended_at")?,
+        lease: match (
+            row.try_get::<Option<String>, _>("lease_holder")?,
+            row.try_get("lease_expires_at")?,
+        ) {
+            (Some(holder), Some(expires_at)) => Some(Lease { holder, expires_at }),
+            _ => None,
+        },
     })
 }
 
@@ -338,10 +346,7 @@ fn event_json(event: &EventRecord) -> Value {
 
 #[async_trait::async_trait]
 impl Store for PostgresStore {
-    async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
-        if self.lost.load(Ordering::SeqCst) {
-            return Err(StoreError::InUse(self.url.clone()));
-        }
+    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides).
         let mut batch: Vec<Value> = ops
@@ -359,14 +364,19 @@ impl Store for PostgresStore {
         if !events.is_empty() {
             batch.push(json!({ "op": "append_events", "events": events }));
         }
-        match sqlx::query("SELECT stable_harness_apply($1)")
+        let applied = sqlx::query_scalar::<_, Vec<i64>>("SELECT stable_harness_apply($1, $2, $3)")
             .bind(Value::Array(batch))
-            .execute(&self.pool)
-            .await
-        {
-            Ok(_) => Ok(()),
+            .bind(&self.holder)
+            .bind(self.lease_ms)
+            .fetch_one(&self.pool)
+            .await;
+        match applied {
+            Ok(numbers) => Ok(numbers),
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH409") => {
                 Err(StoreError::Conflict(error.message().to_owned()))
+            }
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH410") => {
+                Err(StoreError::LeaseLost(error.message().to_owned()))
             }
             Err(error) => Err(error.into()),
         }
@@ -430,6 +440,59 @@ impl Store for PostgresStore {
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(run_from_row).collect()
+    }
+
+    fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    async fn claim_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError> {
+        let rows = sqlx::query(
+            "UPDATE runs SET lease_holder = $1, lease_expires_at = now() + $2 * interval '1 millisecond'
+             WHERE id IN (SELECT id FROM runs
+                          WHERE status IN ('queued', 'running', 'waiting_approval')
+                            AND (lease_holder IS NULL OR lease_expires_at < now())
+                          ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED)
+             RETURNING *",
+        )
+        .bind(&self.holder)
+        .bind(self.lease_ms)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut runs = rows.iter().map(run_from_row).collect::<Result<Vec<_>, _>>()?;
+        runs.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(runs)
+    }
+
+    async fn renew_leases(&self) -> Result<Vec<String>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "UPDATE runs SET lease_expires_at = now() + $2 * interval '1 millisecond'
+             WHERE lease_holder = $1 AND status IN ('queued', 'running', 'waiting_approval')
+             RETURNING id",
+        )
+        .bind(&self.holder)
+        .bind(self.lease_ms)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn release_leases(&self) -> Result<u64, StoreError> {
+        Ok(sqlx::query(
+            "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL WHERE lease_holder = $1",
+        )
+        .bind(&self.holder)
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
+    fn changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
+        Some(self.changes.subscribe())
+    }
+
+    fn is_shared(&self) -> bool {
+        true
     }
 
     async fn events(

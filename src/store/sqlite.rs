@@ -18,9 +18,10 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
-use super::sqlite_writer::{CATCH_UP_PAGES, SqliteWriter};
+use super::sqlite_writer::{CATCH_UP_PAGES, Leases, SqliteWriter};
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MaintenanceRecord, MessageRecord,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
+    MessageRecord, OpenOptions,
     Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord, RunRecord,
     RunStatus, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
@@ -32,6 +33,8 @@ pub struct SqliteStore {
     path: PathBuf,
     writer: Arc<SqliteWriter>,
     reader: SqlitePool,
+    /// Who this process holds leases as, and for how long.
+    leases: Leases,
     /// This process's ownership of the store, held for the store's life.
     _owner: Arc<StoreOwnership>,
 }
@@ -41,11 +44,15 @@ impl SqliteStore {
     /// after taking ownership of it: a second process gets [`StoreError::InUse`] before
     /// anything is read or written.
     pub async fn open_file(path: &Path) -> Result<Self, StoreError> {
-        Self::open_file_with(path, None).await
+        Self::open_file_with(path, &OpenOptions::default()).await
     }
 
-    /// [`SqliteStore::open_file`], with the database capped at `max_bytes` (`store.maxSize`).
-    pub async fn open_file_with(path: &Path, max_bytes: Option<u64>) -> Result<Self, StoreError> {
+    /// [`SqliteStore::open_file`], with the workspace's `store` settings: the database capped
+    /// at `store.maxSize`, runs leased for `store.leaseDuration`.
+    ///
+    /// One process owns the file, so every lease found at open belongs to a process that is
+    /// gone: they are voided, and this process claims those runs at once.
+    pub async fn open_file_with(path: &Path, open: &OpenOptions) -> Result<Self, StoreError> {
         if let Some(parent) = path.parent()
             && !parent.as_os_str().is_empty()
         {
@@ -72,7 +79,14 @@ impl SqliteStore {
             .await?;
         MIGRATOR.run(&checkpointer).await?;
         convert_to_incremental_vacuum(&checkpointer).await?;
-        let writer = Arc::new(SqliteWriter::open(path, max_bytes)?);
+        sqlx::query("UPDATE runs SET lease_expires_at = NULL, lease_holder = NULL WHERE lease_holder IS NOT NULL")
+            .execute(&checkpointer)
+            .await?;
+        let leases = Leases {
+            holder: super::new_holder(),
+            duration: open.lease,
+        };
+        let writer = Arc::new(SqliteWriter::open(path, open.max_bytes, leases.clone())?);
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
             .min_connections(1)
@@ -83,12 +97,27 @@ impl SqliteStore {
             path: path.to_path_buf(),
             writer,
             reader,
+            leases,
             _owner: owner,
         })
     }
 }
 
 impl SqliteStore {
+    /// The runs with these ids, oldest first.
+    async fn runs_by_id(&self, ids: &[String]) -> Result<Vec<RunRecord>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id",
+        )
+        .bind(serde_json::to_string(ids).unwrap_or_default())
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
     /// Copies a consistent snapshot of the database at `database` to the new file `to`,
     /// reading only: it needs no ownership, so it works beside the server that owns it.
     pub async fn backup_file(database: &Path, to: &Path) -> Result<u64, StoreError> {
@@ -306,6 +335,13 @@ fn run_from_row(row: &SqliteRow) -> Result<RunRecord, StoreError> {
         updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
         started_at: parse_time_opt(row.try_get("started_at")?)?,
         ended_at: parse_time_opt(row.try_get("ended_at")?)?,
+        lease: match (
+            row.try_get::<Option<String>, _>("lease_holder")?,
+            parse_time_opt(row.try_get("lease_expires_at")?)?,
+        ) {
+            (Some(holder), Some(expires_at)) => Some(Lease { holder, expires_at }),
+            _ => None,
+        },
     })
 }
 
@@ -357,7 +393,7 @@ const EVENT_SELECT: &str =
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
-    async fn apply(&self, ops: &[WriteOp]) -> Result<(), StoreError> {
+    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         self.writer.apply(ops.to_vec()).await
     }
 
@@ -420,6 +456,69 @@ impl Store for SqliteStore {
             .fetch_all(&self.reader)
             .await?;
         rows.iter().map(run_from_row).collect()
+    }
+
+    fn holder(&self) -> &str {
+        &self.leases.holder
+    }
+
+    async fn claim_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError> {
+        let leases = self.leases.clone();
+        let claimed: Vec<String> = self
+            .writer
+            .maintain(move |connection| {
+                let now = super::sqlite_writer::now();
+                let mut claim = connection.prepare_cached(
+                    "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
+                     WHERE id IN (SELECT id FROM runs
+                                  WHERE status IN ('queued', 'running', 'waiting_approval')
+                                    AND (lease_holder IS NULL OR lease_expires_at < ?3)
+                                  ORDER BY id LIMIT ?4)
+                     RETURNING id",
+                )?;
+                let ids = claim
+                    .query_map(
+                        rusqlite::params![leases.holder, leases.expiry(), now, limit],
+                        |row| row.get(0),
+                    )?
+                    .collect::<Result<Vec<String>, _>>()?;
+                Ok(ids)
+            })
+            .await?;
+        self.runs_by_id(&claimed).await
+    }
+
+    async fn renew_leases(&self) -> Result<Vec<String>, StoreError> {
+        let leases = self.leases.clone();
+        self.writer
+            .maintain(move |connection| {
+                let mut renew = connection.prepare_cached(
+                    "UPDATE runs SET lease_expires_at = ?2
+                     WHERE lease_holder = ?1 AND status IN ('queued', 'running', 'waiting_approval')
+                     RETURNING id",
+                )?;
+                let ids = renew
+                    .query_map(rusqlite::params![leases.holder, leases.expiry()], |row| {
+                        row.get(0)
+                    })?
+                    .collect::<Result<Vec<String>, _>>()?;
+                Ok(ids)
+            })
+            .await
+    }
+
+    async fn release_leases(&self) -> Result<u64, StoreError> {
+        let leases = self.leases.clone();
+        self.writer
+            .maintain(move |connection| {
+                connection
+                    .prepare_cached(
+                        "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL WHERE lease_holder = ?1",
+                    )?
+                    .execute(rusqlite::params![leases.holder])
+                    .map(|released| released as u64)
+            })
+            .await
     }
 
     async fn events(

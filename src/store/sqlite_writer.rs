@@ -18,6 +18,7 @@
 //! the restart (a long backup read), the catch-up finds the WAL past [`STARVED_PAGES`] and
 //! waits for them with a TRUNCATE checkpoint, for at most [`STARVED_WAIT`].
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
@@ -45,7 +46,7 @@ const STARVED_WAIT: Duration = Duration::from_millis(50);
 const STARVED_RETRY: Duration = Duration::from_secs(5);
 
 enum Job {
-    Apply(Vec<WriteOp>, oneshot::Sender<Result<(), StoreError>>),
+    Apply(Vec<WriteOp>, oneshot::Sender<Result<Vec<i64>, StoreError>>),
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
@@ -62,7 +63,7 @@ pub struct SqliteWriter {
 
 impl SqliteWriter {
     /// Opens the (already migrated) database and starts the writer thread.
-    pub fn open(path: &Path, max_bytes: Option<u64>) -> Result<Self, StoreError> {
+    pub fn open(path: &Path, max_bytes: Option<u64>, leases: Leases) -> Result<Self, StoreError> {
         let connection = Connection::open(path).map_err(writer_error)?;
         // This process owns the store (a lock file), so only an outside tool holding the
         // database can make the writer wait: after 2s that is reported as the store being
@@ -94,7 +95,7 @@ impl SqliteWriter {
         let queued = Arc::clone(&catch_up_queued);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || write_loop(connection, queue, &queued))
+            .spawn(move || write_loop(connection, queue, &queued, &leases))
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             jobs,
@@ -102,8 +103,8 @@ impl SqliteWriter {
         })
     }
 
-    /// Applies `ops` in one transaction on the writer thread.
-    pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<(), StoreError> {
+    /// Applies `ops` in one transaction on the writer thread; returns the events' numbers.
+    pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<Vec<i64>, StoreError> {
         let (done, result) = oneshot::channel();
         self.send(Job::Apply(ops, done))?;
         result.await.map_err(|_| stopped())?
@@ -155,11 +156,32 @@ fn writer_error(error: rusqlite::Error) -> StoreError {
     }
 }
 
-/// Why a transaction was abandoned: a database error, or a conditional write that found the
-/// state changed.
+/// The lease identity the writer writes as: new runs are leased to `holder` for `duration`,
+/// and only runs it holds may change.
+#[derive(Debug, Clone)]
+pub struct Leases {
+    pub holder: String,
+    pub duration: Duration,
+}
+
+impl Leases {
+    /// When a lease taken or renewed now expires.
+    pub fn expiry(&self) -> String {
+        let duration = chrono::Duration::from_std(self.duration).unwrap_or(chrono::Duration::MAX);
+        time(&Utc::now().checked_add_signed(duration).unwrap_or(DateTime::<Utc>::MAX_UTC))
+    }
+}
+
+/// Why a transaction was abandoned: a database error, a conditional write that found the
+/// state changed, or a run's write from an instance that does not hold its lease.
 enum Abandon {
     Sqlite(rusqlite::Error),
     Conflict(String),
+    LeaseLost(String),
+}
+
+fn lease_lost(run_id: &str) -> Abandon {
+    Abandon::LeaseLost(format!("run `{run_id}` is not held by this instance"))
 }
 
 impl From<rusqlite::Error> for Abandon {
@@ -172,14 +194,16 @@ fn write_loop(
     mut connection: Connection,
     queue: mpsc::Receiver<Job>,
     catch_up_queued: &AtomicBool,
+    leases: &Leases,
 ) {
     let mut last_wait: Option<Instant> = None;
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
-                let result = apply(&mut connection, &ops).map_err(|abandon| match abandon {
+                let result = apply(&mut connection, &ops, leases).map_err(|abandon| match abandon {
                     Abandon::Sqlite(error) => writer_error(error),
                     Abandon::Conflict(message) => StoreError::Conflict(message),
+                    Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
                 });
                 let _ = done.send(result);
             }
@@ -257,6 +281,11 @@ fn decide(tx: &rusqlite::Transaction<'_>, decision: &ApprovalDecision) -> Result
     }
 }
 
+/// The current time as the store writes times.
+pub fn now() -> String {
+    time(&Utc::now())
+}
+
 fn time(value: &DateTime<Utc>) -> String {
     value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
@@ -269,8 +298,16 @@ fn json_opt(value: &Option<Value>) -> Option<String> {
     value.as_ref().map(json)
 }
 
-fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
+fn apply(
+    connection: &mut Connection,
+    ops: &[WriteOp],
+    leases: &Leases,
+) -> Result<Vec<i64>, Abandon> {
     let tx = connection.transaction()?;
+    let mut numbers = Vec::new();
+    // The next number of each request the batch appends to (this writer is the store's only
+    // one, so the stored last number plus what the batch appended is exact).
+    let mut next_seq: HashMap<&str, i64> = HashMap::new();
     for op in ops {
         match op {
             WriteOp::TouchSession(session) => {
@@ -347,7 +384,8 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
             WriteOp::InsertRun(run) => {
                 tx.prepare_cached(
                     "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
-                     started_at, ended_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                     started_at, ended_at, lease_holder, lease_expires_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
                 )?
                 .execute(params![
                     run.id,
@@ -359,7 +397,9 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                     time(&run.created_at),
                     time(&run.updated_at),
                     run.started_at.as_ref().map(time),
-                    run.ended_at.as_ref().map(time)
+                    run.ended_at.as_ref().map(time),
+                    leases.holder,
+                    leases.expiry()
                 ])?;
             }
             WriteOp::UpdateRun {
@@ -369,16 +409,30 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                 state,
                 at,
             } => {
-                tx.prepare_cached(
-                    // An ended run keeps no checkpoint: only a live run is ever resumed.
-                    "UPDATE runs SET status = ?1, error = COALESCE(?2, error),
-                     state = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE(?3, state) END,
-                     updated_at = ?4,
-                     started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
-                     ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END
-                     WHERE id = ?5",
-                )?
-                .execute(params![status.as_str(), json_opt(error), json_opt(state), time(at), id])?;
+                let changed = tx
+                    .prepare_cached(
+                        // Only the holder changes a run. An ended run keeps no checkpoint (only a
+                        // live run is ever resumed) and no lease.
+                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error),
+                         state = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE(?3, state) END,
+                         updated_at = ?4,
+                         started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
+                         ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END,
+                         lease_holder = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE lease_holder END,
+                         lease_expires_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE lease_expires_at END
+                         WHERE id = ?5 AND lease_holder = ?6",
+                    )?
+                    .execute(params![
+                        status.as_str(),
+                        json_opt(error),
+                        json_opt(state),
+                        time(at),
+                        id,
+                        leases.holder
+                    ])?;
+                if changed != 1 {
+                    return Err(lease_lost(id));
+                }
             }
             WriteOp::InsertApproval(approval) => {
                 tx.prepare_cached(
@@ -409,6 +463,12 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
             }
             WriteOp::DecideApproval(decision) => decide(&tx, decision)?,
             WriteOp::StartToolCall(call) => {
+                let held = tx
+                    .prepare_cached("SELECT 1 FROM runs WHERE id = ?1 AND lease_holder = ?2")?
+                    .exists(params![call.run_id, leases.holder])?;
+                if !held {
+                    return Err(lease_lost(&call.run_id));
+                }
                 tx.prepare_cached(
                     "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                      idempotency_key, outcome, result, duration_ms, recorded_at, executions)
@@ -452,6 +512,20 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                 ])?;
             }
             WriteOp::AppendEvent(event) => {
+                let seq = match next_seq.get_mut(event.request_id.as_str()) {
+                    Some(seq) => seq,
+                    None => {
+                        let last: i64 = tx
+                            .prepare_cached(
+                                "SELECT COALESCE(MAX(seq), 0) FROM events WHERE request_id = ?1",
+                            )?
+                            .query_row(params![event.request_id], |row| row.get(0))?;
+                        next_seq.entry(&event.request_id).or_insert(last + 1)
+                    }
+                };
+                let number = *seq;
+                *seq += 1;
+                numbers.push(number);
                 tx.prepare_cached(
                     "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
@@ -460,7 +534,7 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
                     event.id,
                     event.request_id,
                     event.run_id,
-                    event.seq,
+                    number,
                     event.event_type,
                     time(&event.at),
                     json(&event.data)
@@ -469,5 +543,5 @@ fn apply(connection: &mut Connection, ops: &[WriteOp]) -> Result<(), Abandon> {
         }
     }
     tx.commit()?;
-    Ok(())
+    Ok(numbers)
 }

@@ -18,7 +18,7 @@ use super::model::*;
 use super::raw::{self, API_VERSION, ByteSizeText, DurationText, RetentionSpec};
 use super::source::{Document, Documents, Origin};
 use super::units::{
-    MAX_DURATION, MAX_RETENTION, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
+    MAX_DURATION, MAX_RETENTION, DEFAULT_LEASE, MIN_LEASE, MAX_LEASE, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
 };
 
 /// Compiles the documents read from `root`; `None` when any diagnostic was reported.
@@ -894,17 +894,31 @@ impl Compiler<'_> {
                             .with_hint("use sqlite://PATH or postgres://USER@HOST/DB"),
                     );
                 }
-                if let Some(lease) = &store.lease_duration {
-                    self.not_supported(
-                        origin,
-                        lease,
-                        "store.leaseDuration",
-                        "remove it: leases arrive with the PostgreSQL store; SQLite locks the store instead",
-                    );
-                }
                 store.url.as_ref().map(|u| u.value.clone())
             }
             None => None,
+        };
+        let lease_duration = match spec.store.as_ref().map(|store| &store.lease_duration) {
+            Some(lease @ Some(text)) => {
+                let duration = self.duration_up_to(
+                    origin,
+                    lease,
+                    DEFAULT_LEASE,
+                    "store.leaseDuration",
+                    MAX_LEASE,
+                );
+                if duration < MIN_LEASE {
+                    self.report(
+                        origin
+                            .at(text, "`store.leaseDuration` must be at least 1s")
+                            .with_hint("a lease is renewed every third of it; shorter ones would be lost to a slow database"),
+                    );
+                    DEFAULT_LEASE
+                } else {
+                    duration
+                }
+            }
+            _ => DEFAULT_LEASE,
         };
         let store_max_bytes = spec.store.as_ref().and_then(|store| {
             store
@@ -1037,7 +1051,7 @@ impl Compiler<'_> {
             labels: doc.raw.metadata.labels.clone(),
             default_agent,
             store_url,
-            lease_duration: Duration::from_secs(30),
+            lease_duration,
             store_max_bytes,
             retention,
             openai,

@@ -54,7 +54,7 @@ pub struct RuntimeConfig {
     pub default_agent: Option<String>,
     /// `store.url` as written (relative SQLite paths are resolved by the store).
     pub store_url: Option<String>,
-    /// Always the default (30s) for now: `store.leaseDuration` is rejected until leases exist.
+    /// `store.leaseDuration`: how long a run stays leased to its instance without a renewal.
     pub lease_duration: Duration,
     /// `store.maxSize` in bytes.
     pub store_max_bytes: Option<u64>,

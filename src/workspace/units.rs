@@ -28,6 +28,10 @@ pub const MAX_DURATION: Duration = Duration::from_secs(30 * 86_400);
 
 /// The longest retention window: ten years (pruning does its date arithmetic with this cap).
 pub const MAX_RETENTION: Duration = Duration::from_secs(3_650 * 86_400);
+/// `store.leaseDuration`: the default (SPEC section 8) and its bounds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
+pub const MAX_LEASE: Duration = Duration::from_secs(86_400);
 
 /// Parses a duration: one or more `<integer><unit>` parts, units `ms`, `s`, `m`, `h`, `d`.
 /// Arithmetic saturates, so absurd values come out huge (for the caller's cap), never wrapped.

@@ -109,6 +109,7 @@ fn run(id: &str, request: &str, status: RunStatus) -> WriteOp {
         updated_at: now,
         started_at: None,
         ended_at: None,
+        lease: None,
     })
 }
 
@@ -315,7 +316,7 @@ async fn an_approval_is_decided_once_under_concurrent_deciders(store: Arc<dyn St
     let mut won = 0;
     for decider in deciders {
         match decider.await.unwrap() {
-            Ok(()) => won += 1,
+            Ok(_) => won += 1,
             Err(StoreError::Conflict(_)) => {}
             Err(other) => panic!("a decider failed otherwise: {other}"),
         }

@@ -364,7 +364,7 @@ const CASES: &[Case] = &[
             (
                 RUNTIME,
                 Some(
-                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store: { url: \"sqlite://state.db\", leaseDuration: 30s }\n  memory: { enabled: true }\n  budgets:\n    - { scope: agent, maxTokens: 1000, window: 1h }\n",
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store: { url: \"sqlite://state.db\", leaseDuration: 500ms }\n  memory: { enabled: true }\n  budgets:\n    - { scope: agent, maxTokens: 1000, window: 1h }\n",
                 ),
             ),
             (
@@ -383,7 +383,7 @@ const CASES: &[Case] = &[
         expected: &[
             "config/agents/assistant.yaml:8:11: `memory` is not supported yet (hint: remove it: agent memory is not built yet)",
             "config/agents/assistant.yaml:9:38: `contract.requiredEvidenceTools` is not supported yet (hint: remove it: execution contracts are not checked by this build)",
-            "config/runtime/workspace.yaml:5:53: `store.leaseDuration` is not supported yet (hint: remove it: leases arrive with the PostgreSQL store; SQLite locks the store instead)",
+            "config/runtime/workspace.yaml:5:53: `store.leaseDuration` must be at least 1s (hint: a lease is renewed every third of it; shorter ones would be lost to a slow database)",
             "config/runtime/workspace.yaml:6:22: `memory.enabled: true` is not supported yet (hint: set `enabled: false` or remove `memory`: memory is not built yet)",
             "config/runtime/workspace.yaml:8:5: `budgets` is not supported yet (hint: remove it: token budgets are not enforced by this build)",
         ],

@@ -29,8 +29,19 @@ fn trust_workspace(
     upstream_key_var: &str,
     vault_var: &str,
 ) -> TestWorkspace {
-    let governance = "  governance:\n    default: allow\n    rules:\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n";
-    let workspace = api_workspace(upstream, governance);
+    teller_workspace(upstream, tools, upstream_key_var, vault_var, "")
+}
+
+/// [`trust_workspace`] with `runtime_extra` added to the runtime's spec.
+pub(super) fn teller_workspace(
+    upstream: &MockUpstream,
+    tools: &RecordingTools,
+    upstream_key_var: &str,
+    vault_var: &str,
+    runtime_extra: &str,
+) -> TestWorkspace {
+    let governance = format!("  governance:\n    default: allow\n    rules:\n      - {{ name: high-risk-needs-human, match: {{ risk: [high] }}, decision: needs_approval }}\n{runtime_extra}");
+    let workspace = api_workspace(upstream, &governance);
     workspace.write(
         "config/catalogs/models.yaml",
         format!(
@@ -98,7 +109,7 @@ fn last_turn(upstream: &MockUpstream, index: usize) -> (Vec<String>, Vec<(String
 }
 
 /// The data of every event of `kind`.
-fn data_of(events: &[Value], kind: &str) -> Vec<Value> {
+pub(super) fn data_of(events: &[Value], kind: &str) -> Vec<Value> {
     events
         .iter()
         .filter(|e| e["type"] == kind)
@@ -107,7 +118,7 @@ fn data_of(events: &[Value], kind: &str) -> Vec<Value> {
 }
 
 /// `POST /runtime/requests` on a spawned server with the client key: status and body.
-async fn submit(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
+pub(super) async fn submit(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
     let response = http
         .post(format!("{base}/runtime/requests"))
         .bearer_auth(CLIENT_KEY)
@@ -120,7 +131,7 @@ async fn submit(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value
 }
 
 /// Polls until `count` approvals are pending at `base`; returns them.
-async fn pending_approvals(http: &reqwest::Client, base: &str, count: usize) -> Vec<Value> {
+pub(super) async fn pending_approvals(http: &reqwest::Client, base: &str, count: usize) -> Vec<Value> {
     for _ in 0..800 {
         let (status, page) = get_json(
             http,
