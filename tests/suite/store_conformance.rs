@@ -12,9 +12,19 @@ use stable_harness::store::{
     StoreError, ToolCallRecord, WriteOp,
 };
 
+/// Runs are leased for 2s in this suite, so expiry is seen within the tests.
+const LEASE: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn options() -> stable_harness::store::OpenOptions {
+    stable_harness::store::OpenOptions {
+        lease: LEASE,
+        ..Default::default()
+    }
+}
+
 async fn sqlite_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
     let dir = tempfile::tempdir().unwrap();
-    let store = stable_harness::store::open(None, dir.path(), &Default::default())
+    let store = stable_harness::store::open(None, dir.path(), &options())
         .await
         .unwrap();
     (store, Some(dir))
@@ -23,7 +33,7 @@ async fn sqlite_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
 async fn postgres_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
     let url = crate::pg::fresh_database();
     let dir = std::path::Path::new(".");
-    let store = stable_harness::store::open(Some(&url), dir, &Default::default())
+    let store = stable_harness::store::open(Some(&url), dir, &options())
         .await
         .unwrap();
     (store, None)
@@ -58,6 +68,8 @@ conformance!(
     pruning_takes_idle_sessions_whole_and_judges_again_before_deleting,
     approvals_page_newest_first_by_status,
     maintenance_records_and_stats_are_kept,
+    a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder,
+    claims_take_free_or_expired_runs_once_and_renewals_keep_them,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -178,6 +190,147 @@ async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
     assert_eq!(events[0].session_id, "ses_a");
     assert_eq!(events[0].agent_id, "assistant");
     assert_eq!(store.run_events("run_a", 190, 100).await.unwrap().len(), 10);
+
+    // Writers with no journal in common (two instances: a run's holder and an operator's
+    // decision elsewhere) append to one request at once: the store numbers them gaplessly.
+    let mut writers = Vec::new();
+    for _ in 0..8 {
+        let store = Arc::clone(&store);
+        writers.push(tokio::spawn(async move {
+            let mut numbers = Vec::new();
+            for _ in 0..25 {
+                numbers.extend(store.apply(&[event("req_a", "run_a", 0)]).await.unwrap());
+            }
+            numbers
+        }));
+    }
+    let mut numbers = Vec::new();
+    for writer in writers {
+        numbers.extend(writer.await.unwrap());
+    }
+    numbers.sort_unstable();
+    assert_eq!(numbers, (201..=400).collect::<Vec<_>>());
+    let seqs: Vec<i64> = store
+        .events("req_a", 0, 1_000)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, (1..=400).collect::<Vec<_>>());
+}
+
+fn update_run(id: &str, status: RunStatus) -> WriteOp {
+    WriteOp::UpdateRun {
+        id: id.into(),
+        status,
+        error: None,
+        state: Some(json!({ "messages": [] })),
+        at: Utc::now(),
+    }
+}
+
+fn start_call(run: &str, request: &str, key: &str) -> WriteOp {
+    WriteOp::StartToolCall(ToolCallRecord {
+        run_id: run.into(),
+        call_key: key.into(),
+        model_call_id: String::new(),
+        request_id: request.into(),
+        tool_id: "ledger.write".into(),
+        arguments: json!({}),
+        idempotency_key: format!("{run}.{key}"),
+        executions: 0,
+        outcome: "started".into(),
+        result: json!(null),
+        duration_ms: 0,
+        recorded_at: Utc::now(),
+    })
+}
+
+async fn a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder(store: Arc<dyn Store>) {
+    seed(&store, "f", RunStatus::Running).await;
+    let leased = store.run("run_f").await.unwrap().unwrap().lease.unwrap();
+    assert_eq!(leased.holder, store.holder(), "a new run is leased to its inserter");
+    store
+        .apply(&[update_run("run_f", RunStatus::Running), start_call("run_f", "req_f", "t1.0")])
+        .await
+        .unwrap();
+
+    // Given back (a graceful shutdown): the run is nobody's, and its writes are refused.
+    assert_eq!(store.release_leases().await.unwrap(), 1);
+    assert_eq!(store.run("run_f").await.unwrap().unwrap().lease, None);
+    for op in [
+        update_run("run_f", RunStatus::Running),
+        start_call("run_f", "req_f", "t1.1"),
+    ] {
+        let refused = store.apply(&[op]).await.unwrap_err();
+        assert!(matches!(refused, StoreError::LeaseLost(_)), "{refused:?}");
+        assert!(!refused.is_transient());
+    }
+    let calls = store.tool_calls_of_run("run_f").await.unwrap();
+    assert_eq!(calls.len(), 1, "the refused start left no record");
+
+    // Claimed again, it may change; ended, it keeps no lease and is claimed by nobody.
+    let claimed = store.claim_runs(10).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["run_f"]
+    );
+    assert_eq!(claimed[0].lease.as_ref().unwrap().holder, store.holder());
+    store
+        .apply(&[update_run("run_f", RunStatus::Completed)])
+        .await
+        .unwrap();
+    let ended = store.run("run_f").await.unwrap().unwrap();
+    assert_eq!((ended.status, ended.lease), (RunStatus::Completed, None));
+    assert!(store.claim_runs(10).await.unwrap().is_empty());
+    assert_eq!(store.release_leases().await.unwrap(), 0);
+}
+
+async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc<dyn Store>) {
+    for n in 0..20 {
+        seed(&store, &format!("c{n:02}"), RunStatus::Queued).await;
+    }
+    seed(&store, "done", RunStatus::Completed).await;
+    store
+        .apply(&[update_run("run_done", RunStatus::Completed)])
+        .await
+        .unwrap();
+    // Leased to their inserter and not expired: nobody may claim them.
+    assert!(store.claim_runs(100).await.unwrap().is_empty());
+
+    // Free: eight concurrent claimers share them out, never one run twice.
+    assert_eq!(store.release_leases().await.unwrap(), 20);
+    let mut claimers = Vec::new();
+    for _ in 0..8 {
+        let store = Arc::clone(&store);
+        claimers.push(tokio::spawn(async move {
+            store.claim_runs(5).await.unwrap()
+        }));
+    }
+    let mut claimed = Vec::new();
+    for claimer in claimers {
+        let runs = claimer.await.unwrap();
+        assert!(runs.len() <= 5);
+        claimed.extend(runs.into_iter().map(|r| r.id));
+    }
+    claimed.sort();
+    let expected: Vec<String> = (0..20).map(|n| format!("run_c{n:02}")).collect();
+    assert_eq!(claimed, expected, "every live run once, the ended one never");
+
+    // Renewed before they expire, they stay; left alone, they expire and are free again.
+    tokio::time::sleep(LEASE * 6 / 10).await;
+    let mut renewed = store.renew_leases().await.unwrap();
+    renewed.sort();
+    assert_eq!(renewed, expected);
+    tokio::time::sleep(LEASE * 6 / 10).await;
+    assert!(
+        store.claim_runs(100).await.unwrap().is_empty(),
+        "renewed leases have not expired"
+    );
+    tokio::time::sleep(LEASE * 6 / 10).await;
+    let expired = store.claim_runs(100).await.unwrap();
+    assert_eq!(expired.len(), 20, "expired leases are claimed");
 }
 
 async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
