@@ -53,9 +53,10 @@ pub async fn run(args: StartArgs) -> u8 {
         .unwrap_or_default();
     let shutdown = shutdown_signal();
     output::print(&format!(
-        "stable-harness listening on http://{} — store: {} — agents: {}{default}",
+        "stable-harness listening on http://{} — store: {} — instance: {} — agents: {}{default}",
         app.address(),
         app.runtime().store().describe(),
+        app.runtime().store().holder(),
         agents.join(", "),
     ));
     if app.keys().client.is_empty() {
@@ -69,7 +70,7 @@ pub async fn run(args: StartArgs) -> u8 {
     if app.resumed_runs() > 0 {
         tracing::info!(
             runs = app.resumed_runs(),
-            "resumed runs interrupted by the previous process"
+            "resumed runs no instance was executing"
         );
     }
     match app.run_until(shutdown).await {

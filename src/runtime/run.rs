@@ -457,7 +457,8 @@ async fn run_adapter(
     events
         .record(
             REQUEST_STARTED,
-            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1, "runId": events.submitted.run_id }),
+            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1,
+                "runId": events.submitted.run_id, "instance": inner.store.holder() }),
         )
         .await;
     let Some(adapter) = inner.adapters.for_backend(agent.backend) else {

@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -73,7 +73,12 @@ impl PostgresStore {
         let stop = CancellationToken::new();
         let mut listener = PgListener::connect_with(&pool).await?;
         listener.listen(EVENTS_CHANNEL).await?;
-        tokio::spawn(listen(listener, holder.clone(), changes.clone(), stop.clone()));
+        tokio::spawn(listen(
+            listener,
+            holder.clone(),
+            changes.clone(),
+            stop.clone(),
+        ));
         Ok(Self {
             url: redact_url(url),
             pool,
@@ -460,7 +465,10 @@ impl Store for PostgresStore {
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        let mut runs = rows.iter().map(run_from_row).collect::<Result<Vec<_>, _>>()?;
+        let mut runs = rows
+            .iter()
+            .map(run_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
         runs.sort_by(|a, b| a.id.cmp(&b.id));
         Ok(runs)
     }

@@ -21,9 +21,9 @@ use sqlx::{Row, SqlitePool};
 use super::sqlite_writer::{CATCH_UP_PAGES, Leases, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
-    MessageRecord, OpenOptions,
-    Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord, RunRecord,
-    RunStatus, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
+    MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
+    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, StoreStats,
+    ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");

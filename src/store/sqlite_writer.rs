@@ -168,7 +168,11 @@ impl Leases {
     /// When a lease taken or renewed now expires.
     pub fn expiry(&self) -> String {
         let duration = chrono::Duration::from_std(self.duration).unwrap_or(chrono::Duration::MAX);
-        time(&Utc::now().checked_add_signed(duration).unwrap_or(DateTime::<Utc>::MAX_UTC))
+        time(
+            &Utc::now()
+                .checked_add_signed(duration)
+                .unwrap_or(DateTime::<Utc>::MAX_UTC),
+        )
     }
 }
 
@@ -200,11 +204,12 @@ fn write_loop(
     while let Ok(job) = queue.recv() {
         match job {
             Job::Apply(ops, done) => {
-                let result = apply(&mut connection, &ops, leases).map_err(|abandon| match abandon {
-                    Abandon::Sqlite(error) => writer_error(error),
-                    Abandon::Conflict(message) => StoreError::Conflict(message),
-                    Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
-                });
+                let result =
+                    apply(&mut connection, &ops, leases).map_err(|abandon| match abandon {
+                        Abandon::Sqlite(error) => writer_error(error),
+                        Abandon::Conflict(message) => StoreError::Conflict(message),
+                        Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+                    });
                 let _ = done.send(result);
             }
             Job::Maintain(work) => work(&mut connection),

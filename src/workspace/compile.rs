@@ -18,7 +18,8 @@ use super::model::*;
 use super::raw::{self, API_VERSION, ByteSizeText, DurationText, RetentionSpec};
 use super::source::{Document, Documents, Origin};
 use super::units::{
-    MAX_DURATION, MAX_RETENTION, DEFAULT_LEASE, MIN_LEASE, MAX_LEASE, is_valid_env_var, is_valid_name, parse_byte_size, parse_duration,
+    DEFAULT_LEASE, MAX_DURATION, MAX_LEASE, MAX_RETENTION, MIN_LEASE, is_valid_env_var,
+    is_valid_name, parse_byte_size, parse_duration,
 };
 
 /// Compiles the documents read from `root`; `None` when any diagnostic was reported.

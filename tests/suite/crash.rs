@@ -127,7 +127,7 @@ fn responder(seed: u64) -> Responder {
 }
 
 fn crash_workspace(upstream: &MockUpstream, tools: &RecordingTools) -> TestWorkspace {
-    let runtime = "  limits: { maxConcurrentRuns: 8 }\n  governance:\n    default: allow\n    rules:\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n";
+    let runtime = "  limits: { maxConcurrentRuns: 8 }\n  store: { leaseDuration: 2s }\n  governance:\n    default: allow\n    rules:\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n";
     let workspace = api_workspace(upstream, runtime);
     let tool = |(function, path, risk): (&str, &str, &str)| {
         format!(
@@ -162,11 +162,13 @@ struct Traffic {
     approved: AtomicUsize,
 }
 
-/// The current server's base URL; `None` while it is down.
-type Base = Arc<Mutex<Option<String>>>;
+/// Each instance's base URL; `None` while it is down.
+type Base = Arc<Mutex<Vec<Option<String>>>>;
 
+/// One of the instances that are up, chosen at random.
 fn current(base: &Base) -> Option<String> {
-    base.lock().unwrap().clone()
+    let up: Vec<String> = base.lock().unwrap().iter().flatten().cloned().collect();
+    (!up.is_empty()).then(|| up[fastrand::usize(..up.len())].clone())
 }
 
 /// Submits jobs until `count` are acknowledged, with seeded random pauses.
@@ -270,15 +272,23 @@ impl Checks {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked() {
-    crash_test(None).await;
+    crash_test(None, 1).await;
 }
 
-/// The same crash test with the store on PostgreSQL: each restarted instance takes the
-/// database over once the killed one's connection (and its ownership lock) is gone.
+/// The same crash test with the store on PostgreSQL: each restarted instance claims the runs
+/// of the killed one once their leases (2s here) expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked()
  {
-    crash_test(Some(crate::pg::fresh_database())).await;
+    crash_test(Some(crate::pg::fresh_database()), 1).await;
+}
+
+/// Two instances on one PostgreSQL database, either one killed at each moment: clients and the
+/// operator use whichever is up, the survivor takes the dead one's runs over, and a run only
+/// changes hands when the instance executing it died.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_postgres_killed_in_turn_lose_nothing_and_never_share_a_run() {
+    crash_test(Some(crate::pg::fresh_database()), 2).await;
 }
 
 /// The store's rows `sql` selects, whichever store it is, as the embedded store reads them
@@ -311,7 +321,7 @@ fn rows(
 }
 
 #[allow(clippy::print_stderr)]
-async fn crash_test(postgres: Option<String>) {
+async fn crash_test(postgres: Option<String>, instances: usize) {
     stable_harness::app::install_crypto_provider();
     let server_env: Vec<(&str, &str)> = postgres
         .as_deref()
@@ -319,7 +329,7 @@ async fn crash_test(postgres: Option<String>) {
         .unwrap_or_default();
     let sizes = Sizes::from_env();
     eprintln!(
-        "crash test: seed {} (replay: STABLE_HARNESS_CRASH_SEED={} STABLE_HARNESS_CRASH_REQUESTS={} STABLE_HARNESS_CRASH_KILLS={})",
+        "crash test: {instances} instance(s), seed {} (replay: STABLE_HARNESS_CRASH_SEED={} STABLE_HARNESS_CRASH_REQUESTS={} STABLE_HARNESS_CRASH_KILLS={})",
         sizes.seed, sizes.seed, sizes.requests, sizes.kills
     );
     let upstream = MockUpstream::start().await;
@@ -331,8 +341,12 @@ async fn crash_test(postgres: Option<String>) {
     let traffic = Arc::new(Traffic::default());
     let base: Base = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut server = ServerProcess::start(workspace.path(), &server_env);
-    *base.lock().unwrap() = Some(server.base.clone());
+    let mut servers: Vec<ServerProcess> = (0..instances)
+        .map(|_| ServerProcess::start(workspace.path(), &server_env))
+        .collect();
+    *base.lock().unwrap() = servers.iter().map(|s| Some(s.base.clone())).collect();
+    // When each killed instance died, by the id it held leases as.
+    let mut killed_at: HashMap<String, DateTime<Utc>> = HashMap::new();
     let submitting = tokio::spawn(submitter(
         Arc::clone(&base),
         Arc::clone(&traffic),
@@ -345,15 +359,21 @@ async fn crash_test(postgres: Option<String>) {
         Arc::clone(&stop),
     ));
 
-    // Kill -9 at seeded random moments, restarting on the same store each time.
+    // Kill -9 at seeded random moments (one of the instances), restarting on the same store
+    // each time.
     let mut rng = fastrand::Rng::with_seed(sizes.seed);
     for _ in 0..sizes.kills {
         tokio::time::sleep(Duration::from_millis(rng.u64(150..=1200))).await;
-        *base.lock().unwrap() = None;
-        server.kill9();
-        server = ServerProcess::start(workspace.path(), &server_env);
-        *base.lock().unwrap() = Some(server.base.clone());
+        let victim = rng.usize(..instances);
+        base.lock().unwrap()[victim] = None;
+        let dead = servers.remove(victim);
+        killed_at.insert(dead.instance.clone(), Utc::now());
+        dead.kill9();
+        let restarted = ServerProcess::start(workspace.path(), &server_env);
+        base.lock().unwrap()[victim] = Some(restarted.base.clone());
+        servers.insert(victim, restarted);
     }
+    let server = &servers[0];
     tokio::time::timeout(Duration::from_secs(300), submitting)
         .await
         .expect("the submitter got its requests acknowledged")
@@ -414,11 +434,35 @@ async fn crash_test(postgres: Option<String>) {
             .or_default() += 1;
     }
     let mut gaps = Vec::new();
+    let mut shared = Vec::new();
+    let mut handovers = 0;
     for (request_id, _) in &acknowledged {
         if lost.contains(request_id) {
             continue;
         }
         let events = all_events(&http, &server.base, request_id).await;
+        // Each execution of the run announces the instance that claimed it: it may change
+        // hands only after the instance executing it died.
+        let starts: Vec<(String, DateTime<Utc>)> = events
+            .iter()
+            .filter(|e| e["type"] == "runtime.request.started")
+            .map(|e| {
+                (
+                    e["data"]["instance"].as_str().unwrap_or("?").to_owned(),
+                    time(&e["at"]),
+                )
+            })
+            .collect();
+        for pair in starts.windows(2) {
+            let ((before, started), (after, taken)) = (&pair[0], &pair[1]);
+            handovers += 1;
+            match killed_at.get(before) {
+                Some(died) if started < died && died < taken => {}
+                _ => shared.push(format!(
+                    "{request_id}: {after} started the run at {taken} while {before}, which started it at {started}, had not died"
+                )),
+            }
+        }
         let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
         if seqs != (1..=seqs.len() as i64).collect::<Vec<_>>() {
             gaps.push(format!("{request_id}: seq {seqs:?}"));
@@ -436,6 +480,10 @@ async fn crash_test(postgres: Option<String>) {
         }
     }
     checks.check("seq gapless, ending in the terminal event", gaps);
+    checks.check(
+        "a run changes instance only when the one executing it died",
+        shared,
+    );
     // Submissions cut by a kill may have been stored without an acknowledgement: they end too.
     let mut stored_open = Vec::new();
     let mut cursor: Option<String> = None;
@@ -468,7 +516,9 @@ async fn crash_test(postgres: Option<String>) {
         .filter(|(_, view)| view["status"] != "completed")
         .map(|(id, view)| format!("{id}: {} {}", view["status"], view["error"]))
         .collect();
-    server.terminate();
+    for server in servers {
+        server.terminate();
+    }
 
     // What the store recorded, and what the tool service saw.
     let db = store_path(workspace.path());
@@ -628,7 +678,7 @@ async fn crash_test(postgres: Option<String>) {
     checks.check("no high-risk call re-executed without a decision", unasked);
 
     eprintln!(
-        "crash test summary: seed={} N={} M={} acknowledged={} unacknowledged={} executions={} re-executions={} interrupted-approvals={} approved-by-operator={}; requests: {} completed, {} failed, {} cancelled; checks: {} passed, {} failed",
+        "crash test summary: seed={} N={} M={} acknowledged={} unacknowledged={} executions={} re-executions={} interrupted-approvals={} approved-by-operator={} runs-taken-over={handovers}; requests: {} completed, {} failed, {} cancelled; checks: {} passed, {} failed",
         sizes.seed,
         sizes.requests,
         sizes.kills,

@@ -250,9 +250,16 @@ fn start_call(run: &str, request: &str, key: &str) -> WriteOp {
 async fn a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder(store: Arc<dyn Store>) {
     seed(&store, "f", RunStatus::Running).await;
     let leased = store.run("run_f").await.unwrap().unwrap().lease.unwrap();
-    assert_eq!(leased.holder, store.holder(), "a new run is leased to its inserter");
+    assert_eq!(
+        leased.holder,
+        store.holder(),
+        "a new run is leased to its inserter"
+    );
     store
-        .apply(&[update_run("run_f", RunStatus::Running), start_call("run_f", "req_f", "t1.0")])
+        .apply(&[
+            update_run("run_f", RunStatus::Running),
+            start_call("run_f", "req_f", "t1.0"),
+        ])
         .await
         .unwrap();
 
@@ -304,9 +311,9 @@ async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc
     let mut claimers = Vec::new();
     for _ in 0..8 {
         let store = Arc::clone(&store);
-        claimers.push(tokio::spawn(async move {
-            store.claim_runs(5).await.unwrap()
-        }));
+        claimers.push(tokio::spawn(
+            async move { store.claim_runs(5).await.unwrap() },
+        ));
     }
     let mut claimed = Vec::new();
     for claimer in claimers {
@@ -316,7 +323,10 @@ async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc
     }
     claimed.sort();
     let expected: Vec<String> = (0..20).map(|n| format!("run_c{n:02}")).collect();
-    assert_eq!(claimed, expected, "every live run once, the ended one never");
+    assert_eq!(
+        claimed, expected,
+        "every live run once, the ended one never"
+    );
 
     // Renewed before they expire, they stay; left alone, they expire and are free again.
     tokio::time::sleep(LEASE * 6 / 10).await;

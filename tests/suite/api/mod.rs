@@ -256,6 +256,8 @@ pub fn assert_gapless(events: &[Value]) {
 pub struct ServerProcess {
     child: std::process::Child,
     pub base: String,
+    /// The instance id it holds run leases as (from its startup line).
+    pub instance: String,
     stderr: tempfile::NamedTempFile,
 }
 
@@ -298,8 +300,14 @@ impl ServerProcess {
                 std::fs::read_to_string(stderr.path()).unwrap_or_default()
             );
         };
+        let instance = line
+            .split_whitespace()
+            .find(|w| w.starts_with("ins_"))
+            .unwrap_or_default()
+            .to_owned();
         Self {
             base: address.to_owned(),
+            instance,
             child,
             stderr,
         }

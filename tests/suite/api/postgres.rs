@@ -166,7 +166,7 @@ async fn a_request_on_a_is_approved_through_b_and_followed_live_from_b_then_resu
     read_until("event: runtime.approval.resolved", &mut seen).await;
     read_until("event: runtime.tool.direct.started", &mut seen).await;
     // Drop B's stream mid-run and resume on A from the last event B sent.
-    drop(read_until);
+    drop(stream);
     tools.release("/refund");
     let before = sse_ids(&seen);
     let last = *before.last().unwrap();

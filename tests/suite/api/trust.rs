@@ -40,7 +40,9 @@ pub(super) fn teller_workspace(
     vault_var: &str,
     runtime_extra: &str,
 ) -> TestWorkspace {
-    let governance = format!("  governance:\n    default: allow\n    rules:\n      - {{ name: high-risk-needs-human, match: {{ risk: [high] }}, decision: needs_approval }}\n{runtime_extra}");
+    let governance = format!(
+        "  governance:\n    default: allow\n    rules:\n      - {{ name: high-risk-needs-human, match: {{ risk: [high] }}, decision: needs_approval }}\n{runtime_extra}"
+    );
     let workspace = api_workspace(upstream, &governance);
     workspace.write(
         "config/catalogs/models.yaml",
@@ -131,7 +133,11 @@ pub(super) async fn submit(http: &reqwest::Client, base: &str, body: &Value) -> 
 }
 
 /// Polls until `count` approvals are pending at `base`; returns them.
-pub(super) async fn pending_approvals(http: &reqwest::Client, base: &str, count: usize) -> Vec<Value> {
+pub(super) async fn pending_approvals(
+    http: &reqwest::Client,
+    base: &str,
+    count: usize,
+) -> Vec<Value> {
     for _ in 0..800 {
         let (status, page) = get_json(
             http,
