@@ -5,7 +5,9 @@
 //! second and p50/p99 latency at concurrency 1 and 32, and at a fixed 200 requests/second;
 //! then prints the added latency, and the server's idle and loaded RSS. Every request is a
 //! full run: request, run and every event persisted in the embedded SQLite store, or in the
-//! PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL` names.
+//! PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL` names. With
+//! `STABLE_HARNESS_BENCH_INSTANCES=N` (PostgreSQL only), N instances serve that database and
+//! requests go to them in turn, as behind a load balancer.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -15,6 +17,7 @@ mod upstream;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -44,25 +47,35 @@ async fn run() {
     let store_args: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
         .map(|url| vec!["--database-url".to_owned(), url])
         .unwrap_or_default();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
-        .args(["start", "-w", dir.path().to_str().unwrap(), "--port", "0"])
-        .args(&store_args)
-        .env("STABLE_HARNESS_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .to_owned();
+    let instances: usize = std::env::var("STABLE_HARNESS_BENCH_INSTANCES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
+    let mut servers = Vec::new();
+    let mut bases = Vec::new();
+    for _ in 0..instances {
+        let mut server = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+            .args(["start", "-w", dir.path().to_str().unwrap(), "--port", "0"])
+            .args(&store_args)
+            .env("STABLE_HARNESS_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(server.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        bases.push(
+            line.split_whitespace()
+                .find(|w| w.starts_with("http://"))
+                .unwrap()
+                .to_owned(),
+        );
+        servers.push(server);
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let idle_rss = rss_kib(server.id());
+    let idle_rss = rss_kib(servers[0].id());
 
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(64)
@@ -70,13 +83,20 @@ async fn run() {
         .unwrap();
     let harness = Target {
         name: "stable-harness",
-        url: format!("{base}/v1/chat/completions"),
+        urls: Arc::new(
+            bases
+                .iter()
+                .map(|base| format!("{base}/v1/chat/completions"))
+                .collect(),
+        ),
+        next: Arc::default(),
         body: json!({ "model": "assistant", "messages": [{ "role": "user", "content": "Hello" }] }),
     };
     // The call stable-harness makes upstream: a streamed completion, read to the end.
     let direct = Target {
         name: "direct",
-        url: format!("{}/chat/completions", upstream.url),
+        urls: Arc::new(vec![format!("{}/chat/completions", upstream.url)]),
+        next: Arc::default(),
         body: json!({ "model": "bench-upstream", "stream": true, "stream_options": { "include_usage": true },
                       "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "Hello" }] }),
     };
@@ -86,8 +106,9 @@ async fn run() {
     }
 
     println!(
-        "load: {} s per phase; every stable-harness request persisted (SQLite, WAL)",
-        PHASE.as_secs()
+        "load: {} s per phase; every stable-harness request persisted ({}; {instances} instance(s))",
+        PHASE.as_secs(),
+        if store_args.is_empty() { "SQLite, WAL" } else { "PostgreSQL" }
     );
     println!(
         "{:<34} {:>9} {:>10} {:>10}",
@@ -126,22 +147,26 @@ async fn run() {
     for (label, p50, p99) in overheads {
         println!("added by stable-harness, {label:<20} p50 {p50:+.3} ms   p99 {p99:+.3} ms");
     }
-    let loaded_rss = rss_kib(server.id());
+    let loaded_rss = rss_kib(servers[0].id());
     println!(
         "server RSS: idle {:.1} MiB, after load {:.1} MiB",
         idle_rss as f64 / 1024.0,
         loaded_rss as f64 / 1024.0
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &server.id().to_string()])
-        .status();
-    let _ = server.wait();
+    for mut server in servers {
+        let _ = Command::new("kill")
+            .args(["-TERM", &server.id().to_string()])
+            .status();
+        let _ = server.wait();
+    }
 }
 
 #[derive(Clone)]
 struct Target {
     name: &'static str,
-    url: String,
+    /// Taken in turn (several instances behind a balancer).
+    urls: Arc<Vec<String>>,
+    next: Arc<AtomicUsize>,
     body: serde_json::Value,
 }
 
@@ -168,8 +193,9 @@ struct Stats {
 
 async fn one(client: &reqwest::Client, target: &Target) -> Duration {
     let started = Instant::now();
+    let url = &target.urls[target.next.fetch_add(1, Ordering::Relaxed) % target.urls.len()];
     let response = client
-        .post(&target.url)
+        .post(url)
         .json(&target.body)
         .send()
         .await
