@@ -108,7 +108,11 @@ async fn run() {
     println!(
         "load: {} s per phase; every stable-harness request persisted ({}; {instances} instance(s))",
         PHASE.as_secs(),
-        if store_args.is_empty() { "SQLite, WAL" } else { "PostgreSQL" }
+        if store_args.is_empty() {
+            "SQLite, WAL"
+        } else {
+            "PostgreSQL"
+        }
     );
     println!(
         "{:<34} {:>9} {:>10} {:>10}",
@@ -194,12 +198,7 @@ struct Stats {
 async fn one(client: &reqwest::Client, target: &Target) -> Duration {
     let started = Instant::now();
     let url = &target.urls[target.next.fetch_add(1, Ordering::Relaxed) % target.urls.len()];
-    let response = client
-        .post(url)
-        .json(&target.body)
-        .send()
-        .await
-        .unwrap();
+    let response = client.post(url).json(&target.body).send().await.unwrap();
     assert!(
         response.status().is_success(),
         "{} answered {}",

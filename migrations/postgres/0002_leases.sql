@@ -13,11 +13,22 @@
 
 ALTER TABLE runs ADD COLUMN lease_holder TEXT, ADD COLUMN lease_expires_at TIMESTAMPTZ;
 
+-- Batches applied lately, with the numbers their events got: when a commit's reply is lost
+-- with its connection, the store looks its batch up here instead of applying it twice.
+-- Kept for a minute.
+CREATE TABLE applied_batches (
+    id          TEXT COLLATE "C" PRIMARY KEY,
+    numbers     BIGINT[] NOT NULL,
+    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX applied_batches_by_time ON applied_batches(applied_at);
+
 DROP FUNCTION stable_harness_apply(jsonb);
 
--- Applies a batch (see 0001) as `holder`, whose new runs are leased for `lease_ms`, and returns
--- the numbers given to its events, in order.
-CREATE FUNCTION stable_harness_apply(batch jsonb, holder text, lease_ms bigint) RETURNS bigint[]
+-- Applies a batch (see 0001) as `holder`, whose new runs are leased for `lease_ms`, records it
+-- as `batch_id`, and returns the numbers given to its events, in order.
+CREATE FUNCTION stable_harness_apply(batch jsonb, holder text, lease_ms bigint, batch_id text)
+RETURNS bigint[]
 LANGUAGE plpgsql AS $$
 DECLARE
     op jsonb;
@@ -139,5 +150,6 @@ BEGIN
             assigned := assigned || numbers;
         END CASE;
     END LOOP;
+    INSERT INTO applied_batches (id, numbers) VALUES (batch_id, assigned);
     RETURN assigned;
 END $$;

@@ -60,9 +60,6 @@ impl ApprovalWaiters {
     }
 }
 
-/// How often a waiter reads a store other instances share when nothing woke it.
-const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// Waits until the approval is no longer pending and returns it as decided. When it expires
 /// first, this side marks it `expired` (unless a decision wins the race). `Err` when the run
 /// is cancelled meanwhile or the store cannot be read.
@@ -100,7 +97,7 @@ pub(super) async fn wait_for_decision(
             };
             tokio::select! {
                 () = &mut woken => {}
-                () = tokio::time::sleep(SHARED_POLL), if poll => {}
+                () = tokio::time::sleep(crate::store::SHARED_POLL), if poll => {}
                 () = cancel.cancelled() => return Err("the run was cancelled while the call waited for approval".to_owned()),
                 () = expiry => {
                     let decision = ApprovalDecision {

@@ -206,10 +206,6 @@ struct LiveRun {
     cancel: CancellationToken,
 }
 
-/// How often a follower or an approval waiter of a shared store reads it when no
-/// notification came (the fallback for a notification lost with a connection).
-const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
-
 impl std::fmt::Debug for dyn Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
@@ -536,7 +532,7 @@ impl Runtime {
             }
             while !ended {
                 let received = if inner.shared {
-                    tokio::time::timeout(SHARED_POLL, live.recv()).await.ok()
+                    tokio::time::timeout(crate::store::SHARED_POLL, live.recv()).await.ok()
                 } else {
                     Some(live.recv().await)
                 };

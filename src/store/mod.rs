@@ -92,6 +92,10 @@ fn is_transient_sqlstate(code: &str) -> bool {
         || matches!(code, "40001" | "40P01" | "55P03" | "57014")
 }
 
+/// How often whoever waits on a store other instances share (a follower, an approval waiter)
+/// reads it when no announcement came: a lost notification costs this much latency.
+pub const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {

@@ -76,6 +76,20 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_beside_a_second_inst
     )
     .await;
     assert_eq!(view["status"], "completed", "{view}");
+    // Every connection to the database is cut (a failover, a restart of the server): the
+    // instances reconnect, keep serving what is stored, and accept work again.
+    let cut = crate::pg::psql(
+        &url,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    );
+    assert!(cut.trim().parse::<u32>().unwrap() >= 2, "{cut}");
+    let (status, _) = super::get_json(
+        &http,
+        &a.url(&format!("/runtime/requests/{request_id}")),
+        CLIENT_KEY,
+    )
+    .await;
+    assert_eq!(status, 200);
     upstream.set_default(Reply::Text("from b".into()));
     let response = http
         .post(b.url("/v1/chat/completions"))
@@ -254,4 +268,137 @@ async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_le
     assert_eq!(data_of(&events, "runtime.request.started").len(), 2);
     assert_eq!(holder(&url), "-", "an ended run keeps no lease");
     b.terminate();
+}
+
+/// A TCP proxy to PostgreSQL that, once armed, cuts the connection that next sends `marker`
+/// (a value bound to a statement: the statement runs and commits) as the reply comes back,
+/// so the client never hears of the commit.
+struct ReplyCutter {
+    port: u16,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ReplyCutter {
+    async fn start(target: std::net::SocketAddr, marker: &'static [u8]) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let armed = std::sync::Arc::new(AtomicBool::new(false));
+        let cutting = std::sync::Arc::clone(&armed);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(target).await.unwrap();
+                let (mut client_in, mut client_out) = client.into_split();
+                let (mut server_in, mut server_out) = server.into_split();
+                let marked = std::sync::Arc::new(AtomicBool::new(false));
+                let (armed, marked_up) = (
+                    std::sync::Arc::clone(&cutting),
+                    std::sync::Arc::clone(&marked),
+                );
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(n) = client_in.read(&mut buffer).await {
+                        if n == 0 {
+                            break;
+                        }
+                        let sent = &buffer[..n];
+                        if armed.load(Ordering::SeqCst)
+                            && sent.windows(marker.len()).any(|w| w == marker)
+                        {
+                            armed.store(false, Ordering::SeqCst);
+                            marked_up.store(true, Ordering::SeqCst);
+                        }
+                        if server_out.write_all(sent).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(n) = server_in.read(&mut buffer).await {
+                        // The reply to the marked statement is dropped with both ends.
+                        if n == 0 || marked.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        if client_out.write_all(&buffer[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, armed }
+    }
+}
+
+#[tokio::test]
+async fn a_batch_whose_commit_reply_is_lost_is_found_in_the_store_not_applied_twice() {
+    use stable_harness::store::{EventRecord, RequestRecord, RunStatus, SessionRecord, WriteOp};
+    let url = crate::pg::fresh_database();
+    let parsed = reqwest::Url::parse(&url).unwrap();
+    let target = format!("127.0.0.1:{}", parsed.port().unwrap())
+        .parse()
+        .unwrap();
+    let cutter = ReplyCutter::start(target, b"req_lost").await;
+    let mut through = parsed.clone();
+    through.set_port(Some(cutter.port)).unwrap();
+    let store = stable_harness::store::open(
+        Some(through.as_str()),
+        std::path::Path::new("."),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    let now = chrono::Utc::now();
+    let batch = [
+        WriteOp::TouchSession(SessionRecord {
+            id: "ses_lost".into(),
+            agent_id: "assistant".into(),
+            owner: "alice".into(),
+            metadata: json!({}),
+            created_at: now,
+            updated_at: now,
+        }),
+        WriteOp::InsertRequest(RequestRecord {
+            id: "req_lost".into(),
+            session_id: "ses_lost".into(),
+            agent_id: "assistant".into(),
+            protocol: "runtime".into(),
+            owner: "alice".into(),
+            status: RunStatus::Queued,
+            input: json!({}),
+            output: None,
+            error: None,
+            usage: None,
+            metadata: json!({}),
+            created_at: now,
+            updated_at: now,
+        }),
+        WriteOp::AppendEvent(EventRecord {
+            id: "evt_lost".into(),
+            request_id: "req_lost".into(),
+            run_id: "run_lost".into(),
+            session_id: String::new(),
+            agent_id: String::new(),
+            seq: 0,
+            event_type: "runtime.request.started".into(),
+            at: now,
+            data: json!({}),
+        }),
+    ];
+    cutter
+        .armed
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    // The reply never arrives, yet the store answers with what committed: applying the batch
+    // again would have been refused (its request exists).
+    let numbers = store.apply(&batch).await.unwrap();
+    assert!(
+        !cutter.armed.load(std::sync::atomic::Ordering::SeqCst),
+        "the reply was cut"
+    );
+    assert_eq!(numbers, [1]);
+    assert_eq!(store.last_seq("req_lost").await.unwrap(), 1);
+    let again = store.apply(&batch).await.unwrap_err();
+    assert!(!again.is_transient(), "{again:?}");
 }
