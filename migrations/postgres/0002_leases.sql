@@ -2,9 +2,9 @@
 --
 -- A live run is held by one instance (`lease_holder`) until `lease_expires_at`; the holder
 -- renews it, and another instance may claim it once it expired. Only the holder may change a
--- run or start one of its tool calls: `stable_harness_apply` refuses those writes from anyone
--- else with SQLSTATE SH410 (fencing), so an instance that lost a lease cannot record a step
--- or run a tool after the new holder took over.
+-- run, start or record one of its tool calls, or ask for an approval: `stable_harness_apply`
+-- refuses those writes from anyone else with SQLSTATE SH410 (fencing), so an instance that
+-- lost a lease cannot record a step or run a tool after the new holder took over.
 --
 -- Events are numbered here, not by the writer: a run's holder and an operator deciding an
 -- approval on another instance append to the same request, so the request's row is locked
@@ -13,9 +13,9 @@
 
 ALTER TABLE runs ADD COLUMN lease_holder TEXT, ADD COLUMN lease_expires_at TIMESTAMPTZ;
 
--- Batches applied lately, with the numbers their events got: when a commit's reply is lost
--- with its connection, the store looks its batch up here instead of applying it twice.
--- Kept for a minute.
+-- Batches applied lately, by the id their writer gives them (the same on every try), with the
+-- numbers their events got: a batch tried again after its commit's reply was lost with the
+-- connection is answered from here instead of being applied twice. Kept for a minute.
 CREATE TABLE applied_batches (
     id          TEXT COLLATE "C" PRIMARY KEY,
     numbers     BIGINT[] NOT NULL,
@@ -25,8 +25,19 @@ CREATE INDEX applied_batches_by_time ON applied_batches(applied_at);
 
 DROP FUNCTION stable_harness_apply(jsonb);
 
--- Applies a batch (see 0001) as `holder`, whose new runs are leased for `lease_ms`, records it
--- as `batch_id`, and returns the numbers given to its events, in order.
+-- Refuses (SQLSTATE SH410) a write of `run` unless `holder` holds its lease; the share lock
+-- keeps the lease from being claimed until the write commits.
+CREATE FUNCTION stable_harness_fence(run text, holder text) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM runs WHERE id = run AND lease_holder = holder FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'run `%` is not held by this instance', run USING ERRCODE = 'SH410';
+    END IF;
+END $$;
+
+-- Applies a batch (see 0001) as `holder`, whose new runs are leased for `lease_ms`, once per
+-- `batch_id`, and returns the numbers given to its events, in order. Every request the batch
+-- touches is locked first, in id order, so two instances' batches never deadlock on them.
 CREATE FUNCTION stable_harness_apply(batch jsonb, holder text, lease_ms bigint, batch_id text)
 RETURNS bigint[]
 LANGUAGE plpgsql AS $$
@@ -36,6 +47,19 @@ DECLARE
     numbers bigint[];
     assigned bigint[] := '{}';
 BEGIN
+    -- A try of a batch that committed already (or is committing: this waits for it).
+    INSERT INTO applied_batches (id, numbers) VALUES (batch_id, '{}') ON CONFLICT (id) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN (SELECT a.numbers FROM applied_batches a WHERE a.id = batch_id);
+    END IF;
+    PERFORM 1 FROM requests
+      WHERE id IN (SELECT o->>'request_id' FROM jsonb_array_elements(batch) o
+                   UNION SELECT o->>'id' FROM jsonb_array_elements(batch) o
+                          WHERE o->>'op' = 'update_request'
+                   UNION SELECT e->>'request_id' FROM jsonb_array_elements(batch) o,
+                                jsonb_array_elements(o->'events') e
+                          WHERE o->>'op' = 'append_events')
+      ORDER BY id FOR NO KEY UPDATE;
     FOR op IN SELECT value FROM jsonb_array_elements(batch) LOOP
         CASE op->>'op'
         WHEN 'touch_session' THEN
@@ -85,6 +109,7 @@ BEGIN
                 RAISE EXCEPTION 'run `%` is not held by this instance', op->>'id' USING ERRCODE = 'SH410';
             END IF;
         WHEN 'insert_approval' THEN
+            PERFORM stable_harness_fence(op->>'run_id', holder);
             INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
                                    arguments, rule, status, reason, decided_by, created_at, expires_at,
                                    decided_at, call_key, kind, execution)
@@ -102,11 +127,8 @@ BEGIN
                 RAISE EXCEPTION 'approval `%` is not pending', op->>'id' USING ERRCODE = 'SH409';
             END IF;
         WHEN 'start_tool_call' THEN
-            -- A tool runs only for the run's holder; the share lock keeps the lease until commit.
-            PERFORM 1 FROM runs WHERE id = op->>'run_id' AND lease_holder = holder FOR SHARE;
-            IF NOT FOUND THEN
-                RAISE EXCEPTION 'run `%` is not held by this instance', op->>'run_id' USING ERRCODE = 'SH410';
-            END IF;
+            -- A tool runs only for the run's holder.
+            PERFORM stable_harness_fence(op->>'run_id', holder);
             INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                                     idempotency_key, outcome, result, duration_ms, recorded_at, executions)
             VALUES (op->>'run_id', op->>'call_key', op->>'model_call_id', op->>'request_id',
@@ -114,6 +136,7 @@ BEGIN
                     (op->>'recorded_at')::timestamptz, 1)
             ON CONFLICT (run_id, call_key) DO UPDATE SET executions = tool_calls.executions + 1;
         WHEN 'record_tool_call' THEN
+            PERFORM stable_harness_fence(op->>'run_id', holder);
             INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                                     idempotency_key, outcome, result, duration_ms, recorded_at)
             VALUES (op->>'run_id', op->>'call_key', op->>'model_call_id', op->>'request_id',
@@ -125,10 +148,7 @@ BEGIN
                    result = excluded.result, duration_ms = excluded.duration_ms,
                    recorded_at = excluded.recorded_at;
         WHEN 'append_events' THEN
-            -- Writers of one request take turns on its row, then number after its last event.
-            PERFORM 1 FROM requests
-              WHERE id IN (SELECT DISTINCT e->>'request_id' FROM jsonb_array_elements(op->'events') e)
-              ORDER BY id FOR UPDATE;
+            -- The request rows are locked (above): number after each one's last event.
             WITH numbered AS (
                 SELECT x.e, x.ord,
                        last.seq + row_number() OVER (PARTITION BY x.e->>'request_id' ORDER BY x.ord) AS seq
@@ -150,6 +170,6 @@ BEGIN
             assigned := assigned || numbers;
         END CASE;
     END LOOP;
-    INSERT INTO applied_batches (id, numbers) VALUES (batch_id, assigned);
+    UPDATE applied_batches SET numbers = assigned WHERE id = batch_id;
     RETURN assigned;
 END $$;

@@ -337,6 +337,17 @@ impl Writer {
 
     /// After a commit: give the events the numbers the store gave them and publish them.
     fn committed(&mut self, numbers: &[i64], ops: Vec<WriteOp>) {
+        let events = ops
+            .iter()
+            .filter(|op| matches!(op, WriteOp::AppendEvent(_)))
+            .count();
+        if events != numbers.len() {
+            tracing::error!(
+                events,
+                numbers = numbers.len(),
+                "the store numbered a batch's events wrongly"
+            );
+        }
         let mut numbers = numbers.iter();
         for op in ops {
             if let WriteOp::AppendEvent(mut event) = op {
@@ -352,8 +363,10 @@ impl Writer {
     /// with the store marked unavailable meanwhile. Other failures are returned.
     async fn apply_retrying(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         let mut delay = Duration::from_millis(20);
+        // One id for every try: a try after a commit whose reply was lost is not applied again.
+        let batch_id = crate::store::new_batch_id();
         loop {
-            match self.store.apply(ops).await {
+            match self.store.apply_batch(&batch_id, ops).await {
                 Ok(numbers) => {
                     if !self.available.swap(true, Ordering::Relaxed) {
                         tracing::info!("the store accepts writes again");

@@ -1,15 +1,16 @@
 //! Runs owned through leases (SPEC section 8), the runtime's side.
 //!
 //! The store leases a run to the instance that inserts it. This module keeps those leases:
-//! every third of `store.leaseDuration` it renews them all in one statement, stops any run
-//! here whose lease another instance holds now (its writes are fenced by the store anyway),
-//! and claims runs nobody executes — left by a crashed instance once their lease expired,
+//! every third of `store.leaseDuration` it renews the leases of the runs here in one
+//! statement, hands over any run here whose lease another instance holds now (it stops
+//! without another write; the store fences its writes anyway), hands over every run when
+//! renewals have failed for two thirds of a lease, and claims runs nobody executes — left by a crashed instance once their lease expired,
 //! given back by one that shut down, or interrupted on the embedded store — to resume them
 //! from their persisted state with the trust rules for interrupted tool calls.
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -19,6 +20,8 @@ use crate::store::{RunRecord, RunStatus};
 /// Bounds of the interval between two lease passes.
 const MIN_TICK: Duration = Duration::from_millis(100);
 const MAX_TICK: Duration = Duration::from_secs(10);
+/// Most runs claimed in one pass.
+const MAX_CLAIM: usize = 256;
 
 impl Runtime {
     /// Starts keeping this instance's leases, and with `claim`, taking over runs nobody
@@ -26,10 +29,12 @@ impl Runtime {
     /// loop ends at shutdown, when the leases are given back.
     pub fn start_leases(&self, claim: bool) {
         let claim = claim && self.inner.workspace.runtime.recovery.resume_on_start;
-        let tick = (self.inner.workspace.runtime.lease_duration / 3).clamp(MIN_TICK, MAX_TICK);
+        let lease = self.inner.workspace.runtime.lease_duration;
+        let tick = (lease / 3).clamp(MIN_TICK, MAX_TICK);
         let inner = Arc::downgrade(&self.inner);
         let stop = self.inner.leasing.clone();
         tokio::spawn(async move {
+            let mut renewed = Instant::now();
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
@@ -37,7 +42,7 @@ impl Runtime {
                 }
                 let Some(inner) = inner.upgrade() else { return };
                 let runtime = Runtime { inner };
-                runtime.keep_leases().await;
+                runtime.keep_leases(&mut renewed, lease).await;
                 if claim
                     && !runtime.inner.admitting_stopped.is_cancelled()
                     && let Err(error) = runtime.claim_runs().await
@@ -48,25 +53,34 @@ impl Runtime {
         });
     }
 
-    /// Renews this instance's leases and stops the runs here whose lease is gone.
-    async fn keep_leases(&self) {
+    /// Renews the leases of the runs here and hands over those whose lease is gone. When
+    /// renewals have failed for two thirds of a lease, every run here is handed over: their
+    /// leases may expire before the database answers again, and another instance may take
+    /// them.
+    async fn keep_leases(&self, renewed: &mut Instant, lease: Duration) {
         let inner = &self.inner;
-        let held: HashSet<String> = match inner.store.renew_leases().await {
-            Ok(held) => held.into_iter().collect(),
+        let live: Vec<String> = match inner.live.lock() {
+            Ok(live) => live.values().map(|run| run.run_id.clone()).collect(),
+            Err(_) => return,
+        };
+        let sent = Instant::now();
+        let held: HashSet<String> = match inner.store.renew_leases(&live).await {
+            Ok(held) => {
+                *renewed = sent;
+                held.into_iter().collect()
+            }
             Err(error) => {
                 tracing::warn!(%error, "could not renew run leases");
+                if renewed.elapsed() > lease * 2 / 3 {
+                    tracing::error!(
+                        "run leases could not be renewed in time; handing every run here over"
+                    );
+                    self.hand_over_live_runs();
+                }
                 return;
             }
         };
-        let live: Vec<(String, tokio_util::sync::CancellationToken)> = match inner.live.lock() {
-            Ok(live) => live
-                .values()
-                .filter(|run| !held.contains(&run.run_id))
-                .map(|run| (run.run_id.clone(), run.cancel.clone()))
-                .collect(),
-            Err(_) => return,
-        };
-        for (run_id, cancel) in live {
+        for run_id in live.into_iter().filter(|run| !held.contains(run)) {
             // Not renewed: either not committed yet (a run just submitted), ended, or taken.
             let Ok(Some(record)) = inner.store.run(&run_id).await else {
                 continue;
@@ -77,7 +91,20 @@ impl Runtime {
                 .is_some_and(|lease| lease.holder == inner.store.holder());
             if !record.status.is_terminal() && !ours {
                 tracing::warn!(%run_id, "another instance holds this run's lease now; stopping it here");
-                cancel.cancel();
+                if let Ok(live) = inner.live.lock()
+                    && let Some(run) = live.values().find(|run| run.run_id == run_id)
+                {
+                    run.hand_over();
+                }
+            }
+        }
+    }
+
+    /// Stops every run here without a write (see `LiveRun::hand_over`).
+    pub(super) fn hand_over_live_runs(&self) {
+        if let Ok(live) = self.inner.live.lock() {
+            for run in live.values() {
+                run.hand_over();
             }
         }
     }
@@ -86,26 +113,23 @@ impl Runtime {
     /// how many started.
     pub async fn claim_runs(&self) -> Result<usize, RuntimeError> {
         let inner = &self.inner;
-        // Admission first: a run claimed is a run this instance starts now.
-        let mut permits = Vec::new();
-        while let Ok(permit) = Arc::clone(&inner.admission).try_acquire_owned() {
-            permits.push(permit);
-            if permits.len() >= 256 {
-                break;
-            }
-        }
-        if permits.is_empty() {
+        // As many as admission lets this instance start now; a claimed run that finds no
+        // permit after all is left to expire and be claimed again.
+        let free = inner.admission.available_permits().min(MAX_CLAIM);
+        if free == 0 {
             return Ok(0);
         }
-        let claimed = inner.store.claim_runs(permits.len() as i64).await?;
+        let claimed = inner.store.claim_runs(free as i64).await?;
         let mut started = 0;
         for run in claimed {
             // Ours already (its lease expired while the store could not be reached).
             if self.is_live(&run.request_id) {
                 continue;
             }
-            let Some(permit) = permits.pop() else { break };
-            self.inner.journal.forgive(&run.request_id).await?;
+            let Ok(permit) = Arc::clone(&inner.admission).try_acquire_owned() else {
+                break;
+            };
+            inner.journal.forgive(&run.request_id).await?;
             if self.resume_run(run, permit).await? {
                 started += 1;
             }

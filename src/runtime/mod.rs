@@ -199,11 +199,26 @@ struct Inner {
     maintenance: tokio::sync::Mutex<()>,
 }
 
+/// How long shutdown waits for handed-over runs to stop before giving their leases back.
+const HAND_OVER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A run executing or waiting in this process.
 #[derive(Debug)]
 struct LiveRun {
     run_id: String,
     cancel: CancellationToken,
+    /// Set when the run is given up here (its lease lost, or handed over at shutdown): from
+    /// then on it writes nothing, so whoever claims it next starts from the stored state.
+    handed_over: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LiveRun {
+    /// Stops the run here without a write: another instance (or the next start) resumes it.
+    fn hand_over(&self) {
+        self.handed_over
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cancel.cancel();
+    }
 }
 
 impl std::fmt::Debug for dyn Store {
@@ -467,19 +482,21 @@ impl Runtime {
 
     fn start_run(&self, job: run::RunJob) {
         let cancel = self.inner.shutdown.child_token();
+        let handed_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
         if let Ok(mut live) = self.inner.live.lock() {
             live.insert(
                 job.submitted.request_id.clone(),
                 LiveRun {
                     run_id: job.submitted.run_id.clone(),
                     cancel: cancel.clone(),
+                    handed_over: Arc::clone(&handed_over),
                 },
             );
         }
         let runtime = self.clone();
         self.inner.tasks.spawn(async move {
             let request_id = job.submitted.request_id.clone();
-            run::execute(&runtime, job, cancel).await;
+            run::execute(&runtime, job, cancel, handed_over).await;
             if let Ok(mut live) = runtime.inner.live.lock() {
                 live.remove(&request_id);
             }
@@ -634,9 +651,11 @@ impl Runtime {
 
     /// Stops admitting requests and waits up to `grace` for the runs actively executing (those
     /// holding an execution slot) to finish. A run parked on an approval holds no slot and is
-    /// not waited on: it stays `waiting_approval` in the store and resumes at the next start,
-    /// as do runs still going when the grace runs out (`running`) or still waiting for a slot
-    /// (`queued`). Everything queued for the store is committed before this returns.
+    /// not waited on: it stays `waiting_approval` in the store, as do runs still going when the
+    /// grace runs out (`running`) or still waiting for a slot (`queued`). Those are handed
+    /// over: stopped here without a write, their leases given back, so another instance (or
+    /// the next start) resumes them at once. Everything queued for the store is committed
+    /// before this returns.
     pub async fn shutdown(&self, grace: std::time::Duration) {
         self.stop_admitting();
         self.inner.tasks.close();
@@ -651,6 +670,15 @@ impl Runtime {
         if tokio::time::timeout(grace, idle).await.is_err() {
             tracing::warn!("runs still executing at shutdown; they resume at the next start");
         }
+        // What still runs here (parked on approvals, or past the grace) is handed over: it
+        // stops without writing, and its lease is given back below.
+        self.hand_over_live_runs();
+        let stopped = async {
+            while self.live_runs() > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout(HAND_OVER_WAIT, stopped).await;
         if let Err(error) = self.inner.journal.flush().await {
             tracing::error!(%error, "could not flush the store journal at shutdown");
         }

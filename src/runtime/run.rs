@@ -8,6 +8,7 @@
 //! bound to this run ([`RunTools`]); while a call waits on an approval the run is
 //! `waiting_approval` and its active-time budget is paused.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
@@ -67,6 +68,8 @@ struct RunEvents {
     stop: CancellationToken,
     /// The lost write that stopped the run, if one did.
     lost: Mutex<Option<JournalError>>,
+    /// Set when the run is given up here (see `LiveRun::hand_over`): it writes nothing more.
+    handed_over: Arc<AtomicBool>,
 }
 
 impl RunEvents {
@@ -85,9 +88,16 @@ impl RunEvents {
         }
     }
 
+    fn is_handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::SeqCst)
+    }
+
     async fn record(&self, event_type: &str, data: Value) -> String {
         let event = self.event(event_type, data);
         let id = event.id.clone();
+        if self.is_handed_over() {
+            return id;
+        }
         let narration = self
             .narration
             .enabled
@@ -123,12 +133,17 @@ impl RunEvents {
     /// Commits `ops` after the run's earlier writes. A failure stops the run: nothing it
     /// does next may rest on a write that was lost.
     async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), JournalError> {
-        let result = self
-            .runtime
-            .inner
-            .journal
-            .commit(Some(&self.submitted.request_id), ops)
-            .await;
+        let result = if self.is_handed_over() {
+            Err(JournalError::LeaseLost(
+                "the run was handed over to another instance".to_owned(),
+            ))
+        } else {
+            self.runtime
+                .inner
+                .journal
+                .commit(Some(&self.submitted.request_id), ops)
+                .await
+        };
         if let Err(error) = &result {
             tracing::error!(%error, "a run step could not be committed; stopping the run");
             if let Ok(mut lost) = self.lost.lock() {
@@ -208,7 +223,9 @@ impl RunHost for RunEvents {
             // A run parked on a human gives its execution slot to a run that can use it.
             self.clock.pause(true);
             drop(self.slot.lock().ok().and_then(|mut slot| slot.take()));
-            set_status(&self.runtime, &self.submitted, RunStatus::WaitingApproval).await;
+            if !self.is_handed_over() {
+                set_status(&self.runtime, &self.submitted, RunStatus::WaitingApproval).await;
+            }
             return;
         }
         let slots = Arc::clone(&self.runtime.inner.slots);
@@ -220,7 +237,9 @@ impl RunHost for RunEvents {
             *held = slot;
         }
         self.clock.pause(false);
-        set_status(&self.runtime, &self.submitted, RunStatus::Running).await;
+        if !self.is_handed_over() {
+            set_status(&self.runtime, &self.submitted, RunStatus::Running).await;
+        }
     }
 
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {
@@ -338,7 +357,12 @@ impl ToolInvoker for RunTools<'_> {
 }
 
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
-pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: CancellationToken) {
+pub(super) async fn execute(
+    runtime: &Runtime,
+    job: RunJob,
+    cancel: CancellationToken,
+    handed_over: Arc<AtomicBool>,
+) {
     let RunJob {
         submitted,
         messages,
@@ -362,6 +386,9 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
                 () = cancel.cancelled() => return,
             };
             let Ok(slot) = slot else { return };
+            if handed_over.load(Ordering::SeqCst) {
+                return;
+            }
             set_status(runtime, &submitted, RunStatus::Running).await;
             slot
         }
@@ -376,6 +403,7 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, cancel: Cancellation
         stop: cancel.child_token(),
         cancel: cancel.clone(),
         lost: Mutex::new(None),
+        handed_over,
     };
     let result = match agent {
         Some(agent) => {
@@ -508,9 +536,11 @@ async fn finish(
     let request_id = submitted.request_id.clone();
     let mut ops = Vec::new();
     let lost = events.lost.lock().ok().and_then(|mut lost| lost.take());
-    if let Some(JournalError::LeaseLost(reason)) = &lost {
-        // Another instance holds the run now and ends it there.
-        tracing::info!(%reason, "the run stopped here: another instance took its lease over");
+    if events.is_handed_over() || matches!(lost, Some(JournalError::LeaseLost(_))) {
+        // Another instance holds the run now (or will) and ends it there; what this one lost
+        // is forgotten, should it claim the run again later.
+        tracing::info!("the run stopped here: it was handed over to another instance");
+        let _ = runtime.inner.journal.forgive(&submitted.request_id).await;
         return;
     }
     let result = match (result, lost) {
@@ -590,6 +620,7 @@ async fn finish(
         Ok(()) => {}
         Err(JournalError::LeaseLost(reason)) => {
             tracing::info!(%reason, "the run ended here after another instance took its lease over; it goes on there");
+            let _ = runtime.inner.journal.forgive(&request_id).await;
         }
         Err(error) => tracing::error!(
             %error,

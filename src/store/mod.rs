@@ -101,8 +101,15 @@ pub const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 pub trait Store: Send + Sync + 'static {
     /// Applies every op in order, in one transaction: all or nothing. Returns the `seq` the
     /// store gave each [`WriteOp::AppendEvent`], in order: a request's events are numbered
-    /// after its last stored one, whoever writes them. Only the runtime's journal calls it.
-    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError>;
+    /// after its last stored one, whoever writes them. A batch is applied once per `batch_id`:
+    /// tried again with the same id after it committed (its reply lost with a connection), it
+    /// returns the numbers it got instead of applying anything. Only the runtime's journal
+    /// writes, giving each batch one id for all its tries.
+    async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError>;
+    /// [`Store::apply_batch`] under a new id.
+    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+        self.apply_batch(&new_batch_id(), ops).await
+    }
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     async fn requests(
@@ -124,8 +131,9 @@ pub trait Store: Send + Sync + 'static {
     /// leases them to this holder. Concurrent claimers, here or on other instances, never get
     /// the same run.
     async fn claim_runs(&self, limit: i64) -> Result<Vec<RunRecord>, StoreError>;
-    /// Extends every lease this holder has on a live run; returns those runs' ids.
-    async fn renew_leases(&self) -> Result<Vec<String>, StoreError>;
+    /// Extends this holder's leases on those of `runs` that are live and still its own;
+    /// returns their ids. (A run claimed but not started here is left to expire.)
+    async fn renew_leases(&self, runs: &[String]) -> Result<Vec<String>, StoreError>;
     /// Gives every lease this holder has back (graceful shutdown), so another instance may
     /// claim the runs at once; returns how many.
     async fn release_leases(&self) -> Result<u64, StoreError>;
@@ -220,6 +228,11 @@ impl Default for OpenOptions {
             lease: std::time::Duration::from_secs(30),
         }
     }
+}
+
+/// A new batch id (time-ordered).
+pub fn new_batch_id() -> String {
+    uuid::Uuid::now_v7().simple().to_string()
 }
 
 /// A new lease holder identity: one per opened store, so per process.

@@ -308,6 +308,7 @@ pub enum WriteOp {
     /// Appends an event; the store numbers it after its request's last one (`seq` is not
     /// read) and [`super::Store::apply`] returns the number.
     AppendEvent(EventRecord),
+    /// Fenced like [`WriteOp::UpdateRun`]: only the run's holder asks for an approval.
     InsertApproval(ApprovalRecord),
     /// Moves a pending approval to its decision. Conditional: when the approval is not
     /// pending, the whole group it belongs to is refused with [`super::StoreError::Conflict`].
@@ -316,7 +317,7 @@ pub enum WriteOp {
     /// counts one more execution. Fenced like [`WriteOp::UpdateRun`]: a tool runs only for
     /// its run's holder.
     StartToolCall(ToolCallRecord),
-    /// Inserts or replaces the result of a tool call.
+    /// Inserts or replaces the result of a tool call. Fenced like [`WriteOp::UpdateRun`].
     RecordToolCall(ToolCallRecord),
 }
 

@@ -4,9 +4,10 @@
 //! A batch is one transaction and one round trip: the ops go as one JSON array to the
 //! `stable_harness_apply` function (`migrations/postgres`), which applies them in order as
 //! this instance, numbers the events after their request's last ones and announces them with
-//! `NOTIFY`. Each batch is recorded under an id for a minute: when a connection dies with
-//! the reply, the store looks the batch up instead of applying it a second time (which would
-//! refuse it as a duplicate, or report its own decision as a conflict). Migrations run at
+//! `NOTIFY`. Each batch is recorded under the id its writer gives all its tries, for a
+//! minute: a try after a connection died with the commit's reply gets the numbers back
+//! instead of applying the batch a second time (which would refuse it as a duplicate, or
+//! report its own decision as a conflict). Migrations run at
 //! open under sqlx's advisory lock, so instances starting together migrate once.
 //!
 //! Runs are owned through leases (SPEC section 8): a run is leased to the instance that
@@ -89,18 +90,6 @@ impl PostgresStore {
             changes,
             _listening: Arc::new(stop.drop_guard()),
         })
-    }
-}
-
-impl PostgresStore {
-    /// The numbers of a batch this store committed lately (`None`: it did not commit).
-    async fn applied_batch(&self, batch_id: &str) -> Result<Option<Vec<i64>>, StoreError> {
-        Ok(
-            sqlx::query_scalar("SELECT numbers FROM applied_batches WHERE id = $1")
-                .bind(batch_id)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
     }
 }
 
@@ -365,7 +354,7 @@ fn event_json(event: &EventRecord) -> Value {
 
 #[async_trait::async_trait]
 impl Store for PostgresStore {
-    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+    async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides).
         let mut batch: Vec<Value> = ops
@@ -383,13 +372,12 @@ impl Store for PostgresStore {
         if !events.is_empty() {
             batch.push(json!({ "op": "append_events", "events": events }));
         }
-        let batch_id = uuid::Uuid::now_v7().simple().to_string();
         let applied =
             sqlx::query_scalar::<_, Vec<i64>>("SELECT stable_harness_apply($1, $2, $3, $4)")
                 .bind(Value::Array(batch))
                 .bind(&self.holder)
                 .bind(self.lease_ms)
-                .bind(&batch_id)
+                .bind(batch_id)
                 .fetch_one(&self.pool)
                 .await;
         match applied {
@@ -400,19 +388,7 @@ impl Store for PostgresStore {
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH410") => {
                 Err(StoreError::LeaseLost(error.message().to_owned()))
             }
-            Err(error) => {
-                let error = StoreError::from(error);
-                if !error.is_transient() {
-                    return Err(error);
-                }
-                // The connection failed: the batch may have committed with its reply lost.
-                // Applying it again would refuse it (its rows exist) or decide twice, so look.
-                match self.applied_batch(&batch_id).await {
-                    Ok(Some(numbers)) => Ok(numbers),
-                    // Not committed (or not known yet): the journal tries again.
-                    _ => Err(error),
-                }
-            }
+            Err(error) => Err(error.into()),
         }
     }
 
@@ -502,18 +478,22 @@ impl Store for PostgresStore {
         Ok(runs)
     }
 
-    async fn renew_leases(&self) -> Result<Vec<String>, StoreError> {
-        // Batches are looked up only right after their commit's reply was lost.
-        sqlx::query("DELETE FROM applied_batches WHERE applied_at < now() - interval '1 minute'")
-            .execute(&self.pool)
-            .await?;
+    async fn renew_leases(&self, runs: &[String]) -> Result<Vec<String>, StoreError> {
+        // Batches are tried again within seconds; a failed clean-up waits for the next pass.
+        let _ = sqlx::query(
+            "DELETE FROM applied_batches WHERE applied_at < now() - interval '1 minute'",
+        )
+        .execute(&self.pool)
+        .await;
         Ok(sqlx::query_scalar(
             "UPDATE runs SET lease_expires_at = now() + $2 * interval '1 millisecond'
              WHERE lease_holder = $1 AND status IN ('queued', 'running', 'waiting_approval')
+               AND id = ANY($3)
              RETURNING id",
         )
         .bind(&self.holder)
         .bind(self.lease_ms)
+        .bind(runs)
         .fetch_all(&self.pool)
         .await?)
     }

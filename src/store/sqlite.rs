@@ -393,7 +393,9 @@ const EVENT_SELECT: &str =
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
-    async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+    async fn apply_batch(&self, _batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+        // The writer is in this process: a commit's outcome is never lost on the way back, so
+        // a batch is never tried again after it committed.
         self.writer.apply(ops.to_vec()).await
     }
 
@@ -488,19 +490,22 @@ impl Store for SqliteStore {
         self.runs_by_id(&claimed).await
     }
 
-    async fn renew_leases(&self) -> Result<Vec<String>, StoreError> {
+    async fn renew_leases(&self, runs: &[String]) -> Result<Vec<String>, StoreError> {
         let leases = self.leases.clone();
+        let runs = serde_json::to_string(runs).unwrap_or_default();
         self.writer
             .maintain(move |connection| {
                 let mut renew = connection.prepare_cached(
                     "UPDATE runs SET lease_expires_at = ?2
                      WHERE lease_holder = ?1 AND status IN ('queued', 'running', 'waiting_approval')
+                       AND id IN (SELECT value FROM json_each(?3))
                      RETURNING id",
                 )?;
                 let ids = renew
-                    .query_map(rusqlite::params![leases.holder, leases.expiry()], |row| {
-                        row.get(0)
-                    })?
+                    .query_map(
+                        rusqlite::params![leases.holder, leases.expiry(), runs],
+                        |row| row.get(0),
+                    )?
                     .collect::<Result<Vec<String>, _>>()?;
                 Ok(ids)
             })

@@ -188,6 +188,18 @@ fn lease_lost(run_id: &str) -> Abandon {
     Abandon::LeaseLost(format!("run `{run_id}` is not held by this instance"))
 }
 
+/// Refuses a write of `run_id` unless this writer's holder holds the run's lease.
+fn fence(tx: &rusqlite::Transaction<'_>, run_id: &str, leases: &Leases) -> Result<(), Abandon> {
+    let held = tx
+        .prepare_cached("SELECT 1 FROM runs WHERE id = ?1 AND lease_holder = ?2")?
+        .exists(params![run_id, leases.holder])?;
+    if held {
+        Ok(())
+    } else {
+        Err(lease_lost(run_id))
+    }
+}
+
 impl From<rusqlite::Error> for Abandon {
     fn from(error: rusqlite::Error) -> Self {
         Self::Sqlite(error)
@@ -440,6 +452,7 @@ fn apply(
                 }
             }
             WriteOp::InsertApproval(approval) => {
+                fence(&tx, &approval.run_id, leases)?;
                 tx.prepare_cached(
                     "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
                      arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind, execution)
@@ -468,12 +481,7 @@ fn apply(
             }
             WriteOp::DecideApproval(decision) => decide(&tx, decision)?,
             WriteOp::StartToolCall(call) => {
-                let held = tx
-                    .prepare_cached("SELECT 1 FROM runs WHERE id = ?1 AND lease_holder = ?2")?
-                    .exists(params![call.run_id, leases.holder])?;
-                if !held {
-                    return Err(lease_lost(&call.run_id));
-                }
+                fence(&tx, &call.run_id, leases)?;
                 tx.prepare_cached(
                     "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                      idempotency_key, outcome, result, duration_ms, recorded_at, executions)
@@ -492,6 +500,7 @@ fn apply(
                 ])?;
             }
             WriteOp::RecordToolCall(call) => {
+                fence(&tx, &call.run_id, leases)?;
                 tx.prepare_cached(
                     "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                      idempotency_key, outcome, result, duration_ms, recorded_at)

@@ -127,7 +127,7 @@ fn responder(seed: u64) -> Responder {
 }
 
 fn crash_workspace(upstream: &MockUpstream, tools: &RecordingTools) -> TestWorkspace {
-    let runtime = "  limits: { maxConcurrentRuns: 8 }\n  store: { leaseDuration: 2s }\n  governance:\n    default: allow\n    rules:\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n";
+    let runtime = "  limits: { maxConcurrentRuns: 8 }\n  store: { leaseDuration: 5s }\n  governance:\n    default: allow\n    rules:\n      - { name: high-risk-needs-human, match: { risk: [high] }, decision: needs_approval }\n";
     let workspace = api_workspace(upstream, runtime);
     let tool = |(function, path, risk): (&str, &str, &str)| {
         format!(
@@ -276,7 +276,7 @@ async fn killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twic
 }
 
 /// The same crash test with the store on PostgreSQL: each restarted instance claims the runs
-/// of the killed one once their leases (2s here) expired.
+/// of the killed one once their leases (5s here) expired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_killed_at_random_moments_the_server_loses_nothing_and_runs_no_call_twice_unasked()
  {

@@ -12,8 +12,9 @@ use stable_harness::store::{
     StoreError, ToolCallRecord, WriteOp,
 };
 
-/// Runs are leased for 2s in this suite, so expiry is seen within the tests.
-const LEASE: std::time::Duration = std::time::Duration::from_secs(2);
+/// Runs are leased for 5s in this suite, so expiry is seen within the tests (with a second of
+/// margin either side of every expiry the tests look at).
+const LEASE: std::time::Duration = std::time::Duration::from_secs(5);
 
 fn options() -> stable_harness::store::OpenOptions {
     stable_harness::store::OpenOptions {
@@ -330,17 +331,36 @@ async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc
 
     // Renewed before they expire, they stay; left alone, they expire and are free again.
     tokio::time::sleep(LEASE * 6 / 10).await;
-    let mut renewed = store.renew_leases().await.unwrap();
+    let (first, second) = expected.split_at(10);
+    let mut asked = first.to_vec();
+    asked.push("run_done".into());
+    asked.push("run_nobody".into());
+    let mut renewed = store.renew_leases(&asked).await.unwrap();
     renewed.sort();
-    assert_eq!(renewed, expected);
+    assert_eq!(renewed, first, "only live runs of its own are renewed");
     tokio::time::sleep(LEASE * 6 / 10).await;
-    assert!(
-        store.claim_runs(100).await.unwrap().is_empty(),
-        "renewed leases have not expired"
+    let mut expired: Vec<String> = store
+        .claim_runs(100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    expired.sort();
+    assert_eq!(expired, second, "the leases not renewed expired");
+    tokio::time::sleep(LEASE * 6 / 10).await;
+    let mut later: Vec<String> = store
+        .claim_runs(100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    later.sort();
+    assert_eq!(
+        later, first,
+        "renewed leases expire a lease after their renewal"
     );
-    tokio::time::sleep(LEASE * 6 / 10).await;
-    let expired = store.claim_runs(100).await.unwrap();
-    assert_eq!(expired.len(), 20, "expired leases are claimed");
 }
 
 async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {

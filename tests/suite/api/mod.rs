@@ -303,7 +303,7 @@ impl ServerProcess {
         let instance = line
             .split_whitespace()
             .find(|w| w.starts_with("ins_"))
-            .unwrap_or_default()
+            .unwrap_or_else(|| panic!("no instance id in {line:?}"))
             .to_owned();
         Self {
             base: address.to_owned(),

@@ -390,15 +390,21 @@ async fn a_batch_whose_commit_reply_is_lost_is_found_in_the_store_not_applied_tw
     cutter
         .armed
         .store(true, std::sync::atomic::Ordering::SeqCst);
-    // The reply never arrives, yet the store answers with what committed: applying the batch
-    // again would have been refused (its request exists).
-    let numbers = store.apply(&batch).await.unwrap();
+    // The batch commits, but its reply never arrives: to the journal, a transient failure.
+    let batch_id = stable_harness::store::new_batch_id();
+    let cut = store.apply_batch(&batch_id, &batch).await.unwrap_err();
+    assert!(cut.is_transient(), "{cut:?}");
     assert!(
         !cutter.armed.load(std::sync::atomic::Ordering::SeqCst),
         "the reply was cut"
     );
-    assert_eq!(numbers, [1]);
+    // Tried again under its id, as the journal does, it is answered with what committed, not
+    // applied a second time (which the request's row would refuse).
+    assert_eq!(store.apply_batch(&batch_id, &batch).await.unwrap(), [1]);
     assert_eq!(store.last_seq("req_lost").await.unwrap(), 1);
     let again = store.apply(&batch).await.unwrap_err();
-    assert!(!again.is_transient(), "{again:?}");
+    assert!(
+        !again.is_transient(),
+        "under a new id it is a new batch: {again:?}"
+    );
 }
