@@ -1,12 +1,13 @@
 //! Runs owned through leases (SPEC section 8), the runtime's side.
 //!
-//! The store leases a run to the instance that inserts it. This module keeps those leases:
-//! every third of `store.leaseDuration` it renews the leases of the runs here in one
-//! statement, hands over any run here whose lease another instance holds now (it stops
-//! without another write; the store fences its writes anyway), hands over every run when
-//! renewals have failed for two thirds of a lease, and claims runs nobody executes — left by a crashed instance once their lease expired,
-//! given back by one that shut down, or interrupted on the embedded store — to resume them
-//! from their persisted state with the trust rules for interrupted tool calls.
+//! The store leases a run to the instance that inserts it. This module keeps those leases.
+//! Every third of `store.leaseDuration` (at most 10 s) it renews the leases of the runs here
+//! in one statement and hands over any run here whose lease another instance holds now (the
+//! run stops without another write; the store fences its writes anyway), or every run when
+//! renewals have failed for two thirds of a lease. Every second it claims the runs nobody
+//! executes — left by a crashed instance once their lease expired, given back by one that
+//! shut down, or interrupted on the embedded store — to resume them from their persisted
+//! state with the trust rules for interrupted tool calls.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -20,6 +21,9 @@ use crate::store::{RunRecord, RunStatus};
 /// Bounds of the interval between two lease passes.
 const MIN_TICK: Duration = Duration::from_millis(100);
 const MAX_TICK: Duration = Duration::from_secs(10);
+/// How often runs nobody executes are looked for (a run given back at shutdown is taken over
+/// within this).
+const CLAIM_EVERY: Duration = Duration::from_secs(1);
 /// Most runs claimed in one pass.
 const MAX_CLAIM: usize = 256;
 
@@ -30,11 +34,13 @@ impl Runtime {
     pub fn start_leases(&self, claim: bool) {
         let claim = claim && self.inner.workspace.runtime.recovery.resume_on_start;
         let lease = self.inner.workspace.runtime.lease_duration;
-        let tick = (lease / 3).clamp(MIN_TICK, MAX_TICK);
+        let renew_every = (lease / 3).clamp(MIN_TICK, MAX_TICK);
+        let tick = renew_every.min(CLAIM_EVERY);
         let inner = Arc::downgrade(&self.inner);
         let stop = self.inner.leasing.clone();
         tokio::spawn(async move {
             let mut renewed = Instant::now();
+            let mut last_pass = Instant::now();
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
@@ -42,7 +48,10 @@ impl Runtime {
                 }
                 let Some(inner) = inner.upgrade() else { return };
                 let runtime = Runtime { inner };
-                runtime.keep_leases(&mut renewed, lease).await;
+                if last_pass.elapsed() >= renew_every {
+                    last_pass = Instant::now();
+                    runtime.keep_leases(&mut renewed, lease).await;
+                }
                 if claim
                     && !runtime.inner.admitting_stopped.is_cancelled()
                     && let Err(error) = runtime.claim_runs().await

@@ -408,3 +408,69 @@ async fn a_batch_whose_commit_reply_is_lost_is_found_in_the_store_not_applied_tw
         "under a new id it is a new batch: {again:?}"
     );
 }
+
+#[tokio::test]
+async fn a_run_parked_on_an_approval_moves_to_the_other_instance_when_its_holder_stops() {
+    stable_harness::app::install_crypto_provider();
+    let url = crate::pg::fresh_database();
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    upstream.push([
+        Reply::call("payments_refund", r#"{"amount":7}"#),
+        Reply::Text("refunded after the handover".into()),
+    ]);
+    // A lease far longer than the test: only a lease given back lets B take the run.
+    let workspace = teller_workspace(
+        &upstream,
+        &tools,
+        "UNSET_KEY_A",
+        "UNSET_KEY_B",
+        "  store: { leaseDuration: 10m }\n",
+    );
+    let env = [("STABLE_HARNESS_DATABASE_URL", url.as_str())];
+    let a = ServerProcess::start(workspace.path(), &env);
+    let b = ServerProcess::start(workspace.path(), &env);
+    let http = reqwest::Client::new();
+    let (_, accepted) = submit(
+        &http,
+        &a.base,
+        &json!({ "agentId": "teller", "input": { "text": "refund" } }),
+    )
+    .await;
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let run_id = accepted["runId"].as_str().unwrap().to_owned();
+    pending_approvals(&http, &b.base, 1).await;
+    let a_instance = a.instance.clone();
+    // A stops gracefully: the parked run is handed over and its lease given back.
+    a.terminate();
+    let holder = || {
+        crate::pg::psql(
+            &url,
+            &format!("SELECT coalesce(lease_holder, '-') FROM runs WHERE id = '{run_id}'"),
+        )
+        .trim()
+        .to_owned()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut taken = holder();
+    while taken != b.instance && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        taken = holder();
+    }
+    assert_eq!(taken, b.instance, "B claimed the run A gave back");
+    // The decision, on B, wakes the run there; the refund runs once.
+    let approved = super::approve_pending(&http, &b.base).await;
+    assert_eq!(approved, 1);
+    let view = wait_until_done_at(&http, &b.base, &request_id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(view["output"], "refunded after the handover");
+    assert_eq!(tools.at("/refund").len(), 1);
+    let events = all_events(&http, &b.base, &request_id).await;
+    assert_gapless(&events);
+    let instances: Vec<Value> = data_of(&events, "runtime.request.started")
+        .iter()
+        .map(|d| d["instance"].clone())
+        .collect();
+    assert_eq!(instances, [json!(a_instance), json!(b.instance)]);
+    b.terminate();
+}
