@@ -16,12 +16,12 @@ ALTER TABLE runs ADD COLUMN lease_holder TEXT, ADD COLUMN lease_expires_at TIMES
 -- Batches applied lately, by the id their writer gives them (the same on every try), with the
 -- numbers their events got: a batch tried again after its commit's reply was lost with the
 -- connection is answered from here instead of being applied twice. Kept for a minute.
+-- Ids are time-ordered (UUID v7, hex: the first 12 digits are the milliseconds since the
+-- epoch), so old entries are found by the key alone.
 CREATE TABLE applied_batches (
-    id          TEXT COLLATE "C" PRIMARY KEY,
-    numbers     BIGINT[] NOT NULL,
-    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+    id       TEXT COLLATE "C" PRIMARY KEY,
+    numbers  BIGINT[] NOT NULL
 );
-CREATE INDEX applied_batches_by_time ON applied_batches(applied_at);
 
 DROP FUNCTION stable_harness_apply(jsonb);
 
@@ -47,10 +47,12 @@ DECLARE
     numbers bigint[];
     assigned bigint[] := '{}';
 BEGIN
-    -- A try of a batch that committed already (or is committing: this waits for it).
-    INSERT INTO applied_batches (id, numbers) VALUES (batch_id, '{}') ON CONFLICT (id) DO NOTHING;
-    IF NOT FOUND THEN
-        RETURN (SELECT a.numbers FROM applied_batches a WHERE a.id = batch_id);
+    -- A try of a batch that committed already is answered from its record; one still
+    -- committing holds this lock until it has.
+    PERFORM pg_advisory_xact_lock(hashtextextended(batch_id, 0));
+    SELECT a.numbers INTO numbers FROM applied_batches a WHERE a.id = batch_id;
+    IF FOUND THEN
+        RETURN numbers;
     END IF;
     PERFORM 1 FROM requests
       WHERE id IN (SELECT o->>'request_id' FROM jsonb_array_elements(batch) o
@@ -170,6 +172,6 @@ BEGIN
             assigned := assigned || numbers;
         END CASE;
     END LOOP;
-    UPDATE applied_batches SET numbers = assigned WHERE id = batch_id;
+    INSERT INTO applied_batches (id, numbers) VALUES (batch_id, assigned);
     RETURN assigned;
 END $$;

@@ -481,7 +481,8 @@ impl Store for PostgresStore {
     async fn renew_leases(&self, runs: &[String]) -> Result<Vec<String>, StoreError> {
         // Batches are tried again within seconds; a failed clean-up waits for the next pass.
         let _ = sqlx::query(
-            "DELETE FROM applied_batches WHERE applied_at < now() - interval '1 minute'",
+            "DELETE FROM applied_batches WHERE id < lpad(to_hex(
+                 (extract(epoch FROM now() - interval '1 minute') * 1000)::bigint), 12, '0')",
         )
         .execute(&self.pool)
         .await;

@@ -295,6 +295,19 @@ async fn a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder(store: Ar
     assert_eq!(store.release_leases().await.unwrap(), 0);
 }
 
+/// The ids of the runs a claim takes now, sorted.
+async fn claimed_ids(store: &Arc<dyn Store>) -> Vec<String> {
+    let mut ids: Vec<String> = store
+        .claim_runs(100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|run| run.id)
+        .collect();
+    ids.sort();
+    ids
+}
+
 async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc<dyn Store>) {
     for n in 0..20 {
         seed(&store, &format!("c{n:02}"), RunStatus::Queued).await;
@@ -339,26 +352,15 @@ async fn claims_take_free_or_expired_runs_once_and_renewals_keep_them(store: Arc
     renewed.sort();
     assert_eq!(renewed, first, "only live runs of its own are renewed");
     tokio::time::sleep(LEASE * 6 / 10).await;
-    let mut expired: Vec<String> = store
-        .claim_runs(100)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    expired.sort();
-    assert_eq!(expired, second, "the leases not renewed expired");
-    tokio::time::sleep(LEASE * 6 / 10).await;
-    let mut later: Vec<String> = store
-        .claim_runs(100)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    later.sort();
     assert_eq!(
-        later, first,
+        claimed_ids(&store).await,
+        second,
+        "the leases not renewed expired"
+    );
+    tokio::time::sleep(LEASE * 6 / 10).await;
+    assert_eq!(
+        claimed_ids(&store).await,
+        first,
         "renewed leases expire a lease after their renewal"
     );
 }

@@ -110,6 +110,61 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_beside_a_second_inst
     b.terminate();
 }
 
+/// Two instances of the teller workspace (`trust.rs`) on a fresh database, and one request
+/// submitted to A.
+struct TwoInstances {
+    url: String,
+    _workspace: crate::helpers::TestWorkspace,
+    a: ServerProcess,
+    b: ServerProcess,
+    http: reqwest::Client,
+    request_id: String,
+    run_id: String,
+}
+
+impl TwoInstances {
+    async fn start(
+        upstream: &MockUpstream,
+        tools: &RecordingTools,
+        runtime_extra: &str,
+        text: &str,
+    ) -> Self {
+        let url = crate::pg::fresh_database();
+        let workspace =
+            teller_workspace(upstream, tools, "UNSET_KEY_A", "UNSET_KEY_B", runtime_extra);
+        let env = [("STABLE_HARNESS_DATABASE_URL", url.as_str())];
+        let a = ServerProcess::start(workspace.path(), &env);
+        let b = ServerProcess::start(workspace.path(), &env);
+        let http = reqwest::Client::new();
+        let (status, accepted) = submit(
+            &http,
+            &a.base,
+            &json!({ "agentId": "teller", "input": { "text": text } }),
+        )
+        .await;
+        assert_eq!(status, 202, "{accepted}");
+        Self {
+            request_id: accepted["requestId"].as_str().unwrap().to_owned(),
+            run_id: accepted["runId"].as_str().unwrap().to_owned(),
+            url,
+            _workspace: workspace,
+            a,
+            b,
+            http,
+        }
+    }
+}
+
+/// Which instance holds a run's lease (`-`: none).
+fn lease_holder(url: &str, run_id: &str) -> String {
+    crate::pg::psql(
+        url,
+        &format!("SELECT coalesce(lease_holder, '-') FROM runs WHERE id = '{run_id}'"),
+    )
+    .trim()
+    .to_owned()
+}
+
 /// The `id:` lines of an SSE text.
 fn sse_ids(text: &str) -> Vec<i64> {
     text.lines()
@@ -121,7 +176,6 @@ fn sse_ids(text: &str) -> Vec<i64> {
 #[tokio::test]
 async fn a_request_on_a_is_approved_through_b_and_followed_live_from_b_then_resumed_on_a() {
     stable_harness::app::install_crypto_provider();
-    let url = crate::pg::fresh_database();
     let upstream = MockUpstream::start().await;
     let tools = RecordingTools::start().await;
     // The refund waits at the tool service until the test has read B's stream up to it.
@@ -130,19 +184,13 @@ async fn a_request_on_a_is_approved_through_b_and_followed_live_from_b_then_resu
         Reply::call("payments_refund", r#"{"amount":5}"#),
         Reply::Text("refund sent".into()),
     ]);
-    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
-    let env = [("STABLE_HARNESS_DATABASE_URL", url.as_str())];
-    let a = ServerProcess::start(workspace.path(), &env);
-    let b = ServerProcess::start(workspace.path(), &env);
-    let http = reqwest::Client::new();
-    let (status, accepted) = submit(
-        &http,
-        &a.base,
-        &json!({ "agentId": "teller", "input": { "text": "refund me" } }),
-    )
-    .await;
-    assert_eq!(status, 202, "{accepted}");
-    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let TwoInstances {
+        a,
+        b,
+        http,
+        request_id,
+        ..
+    } = TwoInstances::start(&upstream, &tools, "", "refund me").await;
 
     // B follows the request live; the run executes on A.
     let response = http
@@ -215,7 +263,6 @@ async fn a_request_on_a_is_approved_through_b_and_followed_live_from_b_then_resu
 #[tokio::test]
 async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_lease() {
     stable_harness::app::install_crypto_provider();
-    let url = crate::pg::fresh_database();
     let upstream = MockUpstream::start().await;
     let tools = RecordingTools::start().await;
     tools.hold("/ledger");
@@ -223,32 +270,18 @@ async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_le
         Reply::call("ledger_write", r#"{"entry":"rent"}"#),
         Reply::Text("written down".into()),
     ]);
-    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", SHORT_LEASE);
-    let env = [("STABLE_HARNESS_DATABASE_URL", url.as_str())];
-    let a = ServerProcess::start(workspace.path(), &env);
-    let b = ServerProcess::start(workspace.path(), &env);
-    let http = reqwest::Client::new();
-    let (status, accepted) = submit(
-        &http,
-        &a.base,
-        &json!({ "agentId": "teller", "input": { "text": "note the rent" } }),
-    )
-    .await;
-    assert_eq!(status, 202, "{accepted}");
-    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
-    let run_id = accepted["runId"].as_str().unwrap().to_owned();
+    let TwoInstances {
+        url,
+        a,
+        b,
+        http,
+        request_id,
+        run_id,
+        ..
+    } = TwoInstances::start(&upstream, &tools, SHORT_LEASE, "note the rent").await;
     // A is executing the call (the tool holds it) when it dies.
     tools.wait_for("/ledger", 1).await;
-    let holder = |url: &str| {
-        crate::pg::psql(
-            url,
-            &format!("SELECT coalesce(lease_holder, '-') FROM runs WHERE id = '{run_id}'"),
-        )
-        .trim()
-        .to_owned()
-    };
-    let held_by_a = holder(&url);
-    assert!(held_by_a.starts_with("ins_"), "{held_by_a}");
+    assert_eq!(lease_holder(&url, &run_id), a.instance);
     a.kill9();
     tools.release("/ledger");
 
@@ -266,7 +299,11 @@ async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_le
     let events = all_events(&http, &b.base, &request_id).await;
     assert_gapless(&events);
     assert_eq!(data_of(&events, "runtime.request.started").len(), 2);
-    assert_eq!(holder(&url), "-", "an ended run keeps no lease");
+    assert_eq!(
+        lease_holder(&url, &run_id),
+        "-",
+        "an ended run keeps no lease"
+    );
     b.terminate();
 }
 
@@ -412,7 +449,6 @@ async fn a_batch_whose_commit_reply_is_lost_is_found_in_the_store_not_applied_tw
 #[tokio::test]
 async fn a_run_parked_on_an_approval_moves_to_the_other_instance_when_its_holder_stops() {
     stable_harness::app::install_crypto_provider();
-    let url = crate::pg::fresh_database();
     let upstream = MockUpstream::start().await;
     let tools = RecordingTools::start().await;
     upstream.push([
@@ -420,37 +456,26 @@ async fn a_run_parked_on_an_approval_moves_to_the_other_instance_when_its_holder
         Reply::Text("refunded after the handover".into()),
     ]);
     // A lease far longer than the test: only a lease given back lets B take the run.
-    let workspace = teller_workspace(
+    let TwoInstances {
+        url,
+        a,
+        b,
+        http,
+        request_id,
+        run_id,
+        ..
+    } = TwoInstances::start(
         &upstream,
         &tools,
-        "UNSET_KEY_A",
-        "UNSET_KEY_B",
         "  store: { leaseDuration: 10m }\n",
-    );
-    let env = [("STABLE_HARNESS_DATABASE_URL", url.as_str())];
-    let a = ServerProcess::start(workspace.path(), &env);
-    let b = ServerProcess::start(workspace.path(), &env);
-    let http = reqwest::Client::new();
-    let (_, accepted) = submit(
-        &http,
-        &a.base,
-        &json!({ "agentId": "teller", "input": { "text": "refund" } }),
+        "refund",
     )
     .await;
-    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
-    let run_id = accepted["runId"].as_str().unwrap().to_owned();
     pending_approvals(&http, &b.base, 1).await;
     let a_instance = a.instance.clone();
     // A stops gracefully: the parked run is handed over and its lease given back.
     a.terminate();
-    let holder = || {
-        crate::pg::psql(
-            &url,
-            &format!("SELECT coalesce(lease_holder, '-') FROM runs WHERE id = '{run_id}'"),
-        )
-        .trim()
-        .to_owned()
-    };
+    let holder = || lease_holder(&url, &run_id);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let mut taken = holder();
     while taken != b.instance && std::time::Instant::now() < deadline {
