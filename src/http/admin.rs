@@ -10,7 +10,9 @@ use serde_json::Value;
 use super::AppState;
 use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
-use super::views::{EventPage, EventsQuery, RequestList, RequestView, RunView, request_view};
+use super::views::{
+    EventPage, EventsQuery, RequestList, RequestView, RunView, request_view, store_error,
+};
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::Explanation;
 use crate::store::retention::{BackupReport, PruneReport};
@@ -66,13 +68,13 @@ pub async fn list_requests(
             },
         )
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| store_error(&e))?;
     let mut data = Vec::with_capacity(page.items.len());
     for request in page.items {
         let runs = store
             .runs_of(&request.id)
             .await
-            .map_err(ApiError::internal)?;
+            .map_err(|e| store_error(&e))?;
         data.push(RequestView::new(request, runs));
     }
     Ok(Json(RequestList {
@@ -103,7 +105,7 @@ pub async fn get_run(
         .store()
         .run(&id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(|e| store_error(&e))?
         .ok_or_else(|| {
             ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id")
         })?;
@@ -121,7 +123,7 @@ pub async fn run_events(
 ) -> Result<Json<EventPage>, ApiError> {
     let (after, limit) = query.checked()?;
     let store = state.runtime.store();
-    if store.run(&id).await.map_err(ApiError::internal)?.is_none() {
+    if store.run(&id).await.map_err(|e| store_error(&e))?.is_none() {
         return Err(
             ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id"),
         );
@@ -129,7 +131,7 @@ pub async fn run_events(
     let data = store
         .run_events(&id, after, limit)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| store_error(&e))?;
     Ok(Json(EventPage::new(data, after)))
 }
 
@@ -212,7 +214,7 @@ pub async fn list_approvals(
         .store()
         .approvals(status, &page)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| store_error(&e))?;
     Ok(Json(ApprovalList {
         data: page.items,
         next_cursor: page.next_cursor,
@@ -231,7 +233,7 @@ pub async fn get_approval(
         .store()
         .approval(&id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(|e| store_error(&e))?
         .ok_or_else(|| {
             ApiError::new(
                 ErrorCode::ApprovalNotFound,
@@ -398,8 +400,8 @@ pub struct RetentionView {
     responses((status = 200, body = StoreView), (status = 401, body = crate::error::ErrorEnvelope)))]
 pub async fn get_store(State(state): State<AppState>) -> Result<Json<StoreView>, ApiError> {
     let store = state.runtime.store();
-    let stats = store.stats().await.map_err(store_error)?;
-    let maintenance = store.maintenance(20).await.map_err(store_error)?;
+    let stats = store.stats().await.map_err(maintenance_error)?;
+    let maintenance = store.maintenance(20).await.map_err(maintenance_error)?;
     let policy = crate::runtime::retention_policy(state.runtime.workspace());
     Ok(Json(StoreView {
         store: store.describe(),
@@ -441,7 +443,7 @@ pub async fn prune_store(
             .runtime
             .prune(body.dry_run)
             .await
-            .map_err(store_error)?,
+            .map_err(maintenance_error)?,
     ))
 }
 
@@ -501,19 +503,16 @@ pub async fn backup_store(
                 )
                 .param("file")
             }
-            error => store_error(error),
+            error => maintenance_error(error),
         })?;
     Ok((axum::http::StatusCode::CREATED, Json(report)))
 }
 
-/// A maintenance failure: 422 when this store has no such operation, 503 when it cannot
-/// write for now, else internal.
-fn store_error(error: StoreError) -> ApiError {
+/// A maintenance failure: 422 when this store has no such operation, else as any store
+/// failure.
+fn maintenance_error(error: StoreError) -> ApiError {
     match error {
         StoreError::Unsupported(message) => ApiError::new(ErrorCode::InvalidRequest, message),
-        error if error.is_transient() => {
-            ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
-        }
-        error => ApiError::internal(error),
+        error => store_error(&error),
     }
 }

@@ -18,7 +18,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::messages::validate_messages;
-use super::views::{EventPage, EventsQuery, RequestView, request_view};
+use super::views::{EventPage, EventsQuery, RequestView, request_view, store_error};
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{NewRequest, Protocol};
 
@@ -186,12 +186,9 @@ pub async fn request_events(
                     .id(event.seq.to_string())
                     .event(event.event_type.clone())
                     .data(serde_json::to_string(&*event).unwrap_or_default()),
-                Err(error) => {
-                    tracing::error!(%error, "event stream failed");
-                    Event::default()
-                        .event("error")
-                        .data(ApiError::internal(error).body().to_string())
-                }
+                Err(error) => Event::default()
+                    .event("error")
+                    .data(store_error(&error).body().to_string()),
             })
         });
         return Ok(Sse::new(body)
@@ -203,7 +200,7 @@ pub async fn request_events(
         .store()
         .events(&id, after, limit)
         .await
-        .map_err(ApiError::internal)?;
+        .map_err(|e| store_error(&e))?;
     Ok(Json(EventPage::new(data, after)).into_response())
 }
 

@@ -17,7 +17,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::views::run_failure;
+use super::views::{run_failure, store_error};
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{
     ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_HANDOFF, PHASE_TOOL_RESULT,
@@ -380,7 +380,7 @@ async fn complete_response(
         let event = match events.next().await {
             Watched::Event(event) => event,
             Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
-            Watched::Failed(error) => return Err(ApiError::internal(error)),
+            Watched::Failed(error) => return Err(store_error(&error)),
             Watched::Ended => break,
         };
         if !is_terminal(&event.event_type) {
@@ -429,7 +429,7 @@ async fn stream_response(
                     "the event stream ended before the request did",
                 ));
             }
-            Watched::Failed(error) => return Err(ApiError::internal(error)),
+            Watched::Failed(error) => return Err(store_error(&error)),
             Watched::StillPending(approval) => return Err(approval_pending(&submitted, &approval)),
             Watched::Event(event) => {
                 if is_terminal(&event.event_type) && event.event_type != REQUEST_COMPLETED {
@@ -465,7 +465,7 @@ async fn stream_response(
                     }
                     Watched::Failed(error) => {
                         tracing::error!(%error, "event stream failed");
-                        yield Ok(Event::default().data(ApiError::internal(error).on_openai_surface().body().to_string()));
+                        yield Ok(Event::default().data(store_error(&error).on_openai_surface().body().to_string()));
                         return;
                     }
                 },

@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{JournalError, Runtime, RuntimeError};
-use crate::store::{EventRecord, RequestRecord, RunRecord, RunStatus};
+use crate::store::{EventRecord, RequestRecord, RunRecord, RunStatus, StoreError};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -158,7 +158,7 @@ pub async fn request_view(
     let request = store
         .request(id)
         .await
-        .map_err(ApiError::internal)?
+        .map_err(|e| store_error(&e))?
         .filter(|request| owner.is_none_or(|owner| request.owner == owner))
         .ok_or_else(|| {
             ApiError::new(
@@ -167,7 +167,7 @@ pub async fn request_view(
             )
             .param("id")
         })?;
-    let runs = store.runs_of(id).await.map_err(ApiError::internal)?;
+    let runs = store.runs_of(id).await.map_err(|e| store_error(&e))?;
     Ok(RequestView::new(request, runs))
 }
 
@@ -208,9 +208,23 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::Journal(JournalError::Conflict(message)) => {
                 ApiError::new(ErrorCode::ApprovalDecided, message)
             }
-            RuntimeError::Store(error) => ApiError::internal(error),
+            RuntimeError::Store(error) => store_error(&error),
             RuntimeError::Journal(error) => ApiError::internal(error),
         }
+    }
+}
+
+/// A store failure as the API reports it: 503 `store_unavailable` while it may pass (the
+/// database unreachable or busy: try again shortly), else a server fault.
+pub fn store_error(error: &StoreError) -> ApiError {
+    if error.is_transient() {
+        tracing::warn!(%error, "the store cannot answer for now");
+        ApiError::new(
+            ErrorCode::StoreUnavailable,
+            "the store cannot answer at the moment; try again shortly",
+        )
+    } else {
+        ApiError::internal(error)
     }
 }
 

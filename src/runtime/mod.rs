@@ -366,8 +366,10 @@ impl Runtime {
             })?;
 
         let now = Utc::now();
+        // A new session has no history to read.
+        let continued = request.with_history && request.session_id.is_some();
         let session_id = request.session_id.unwrap_or_else(|| new_id("ses"));
-        let history = if request.with_history {
+        let history = if continued {
             inner.store.messages(&session_id).await?
         } else {
             Vec::new()

@@ -307,25 +307,52 @@ async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_le
     b.terminate();
 }
 
-/// A TCP proxy to PostgreSQL that, once armed, cuts the connection that next sends `marker`
-/// (a value bound to a statement: the statement runs and commits) as the reply comes back,
-/// so the client never hears of the commit.
-struct ReplyCutter {
+/// A TCP proxy to PostgreSQL the tests can break. Armed with a marker, it cuts the connection
+/// that next sends it (a value bound to a statement: the statement runs and commits) as the
+/// reply comes back, so the client never hears of the commit. Down, it cuts every connection
+/// and closes its port, as an unreachable database would.
+struct PgProxy {
     port: u16,
     armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    down: tokio::sync::watch::Sender<bool>,
 }
 
-impl ReplyCutter {
+impl PgProxy {
     async fn start(target: std::net::SocketAddr, marker: &'static [u8]) -> Self {
         use std::sync::atomic::{AtomicBool, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let armed = std::sync::Arc::new(AtomicBool::new(false));
+        let (down, _) = tokio::sync::watch::channel(false);
         let cutting = std::sync::Arc::clone(&armed);
+        let downs = down.clone();
         tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let server = tokio::net::TcpStream::connect(target).await.unwrap();
+            let mut listener = Some(listener);
+            let mut watching = downs.subscribe();
+            loop {
+                // Down, the port is closed (connections are refused), as an unreachable
+                // database's would be; up again, it is opened on the same port.
+                let Some(open) = &listener else {
+                    let _ = watching.wait_for(|down| !*down).await;
+                    listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                        .await
+                        .ok();
+                    continue;
+                };
+                let client = tokio::select! {
+                    accepted = open.accept() => match accepted {
+                        Ok((client, _)) => client,
+                        Err(_) => continue,
+                    },
+                    _ = watching.wait_for(|down| *down) => {
+                        listener = None;
+                        continue;
+                    }
+                };
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
                 let (mut client_in, mut client_out) = client.into_split();
                 let (mut server_in, mut server_out) = server.into_split();
                 let marked = std::sync::Arc::new(AtomicBool::new(false));
@@ -333,12 +360,17 @@ impl ReplyCutter {
                     std::sync::Arc::clone(&cutting),
                     std::sync::Arc::clone(&marked),
                 );
+                let mut up_down = downs.subscribe();
                 tokio::spawn(async move {
                     let mut buffer = vec![0; 64 * 1024];
-                    while let Ok(n) = client_in.read(&mut buffer).await {
-                        if n == 0 {
-                            break;
-                        }
+                    loop {
+                        let n = tokio::select! {
+                            read = client_in.read(&mut buffer) => match read {
+                                Ok(n) if n > 0 => n,
+                                _ => break,
+                            },
+                            _ = up_down.wait_for(|down| *down) => break,
+                        };
                         let sent = &buffer[..n];
                         if armed.load(Ordering::SeqCst)
                             && sent.windows(marker.len()).any(|w| w == marker)
@@ -351,11 +383,19 @@ impl ReplyCutter {
                         }
                     }
                 });
+                let mut back_down = downs.subscribe();
                 tokio::spawn(async move {
                     let mut buffer = vec![0; 64 * 1024];
-                    while let Ok(n) = server_in.read(&mut buffer).await {
+                    loop {
+                        let n = tokio::select! {
+                            read = server_in.read(&mut buffer) => match read {
+                                Ok(n) if n > 0 => n,
+                                _ => break,
+                            },
+                            _ = back_down.wait_for(|down| *down) => break,
+                        };
                         // The reply to the marked statement is dropped with both ends.
-                        if n == 0 || marked.load(Ordering::SeqCst) {
+                        if marked.load(Ordering::SeqCst) {
                             break;
                         }
                         if client_out.write_all(&buffer[..n]).await.is_err() {
@@ -365,23 +405,109 @@ impl ReplyCutter {
                 });
             }
         });
-        Self { port, armed }
+        Self { port, armed, down }
     }
+
+    /// `url` with this proxy in place of the database's address.
+    fn url(&self, url: &str) -> String {
+        let mut through = reqwest::Url::parse(url).unwrap();
+        through.set_port(Some(self.port)).unwrap();
+        through.to_string()
+    }
+}
+
+fn database_address(url: &str) -> std::net::SocketAddr {
+    let parsed = reqwest::Url::parse(url).unwrap();
+    format!("127.0.0.1:{}", parsed.port().unwrap())
+        .parse()
+        .unwrap()
+}
+
+// The proxy runs on the test's runtime while the server starts: it needs a worker of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_database_is_unreachable_readyz_is_red_and_writes_get_503_until_it_heals() {
+    stable_harness::app::install_crypto_provider();
+    let url = crate::pg::fresh_database();
+    let proxy = PgProxy::start(database_address(&url), b"-").await;
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("stored".into()));
+    let tools = RecordingTools::start().await;
+    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
+    let through = proxy.url(&url);
+    let server = ServerProcess::start(
+        workspace.path(),
+        &[("STABLE_HARNESS_DATABASE_URL", through.as_str())],
+    );
+    let http = reqwest::Client::new();
+    let body = json!({ "agentId": "teller", "input": { "text": "hello" } });
+    let (status, accepted) = submit(&http, &server.base, &body).await;
+    assert_eq!(status, 202, "{accepted}");
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    wait_until_done_at(&http, &server.base, &request_id).await;
+
+    proxy.down.send_replace(true);
+    let ready = http.get(server.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let (status, envelope) = super::get_json(
+        &http,
+        &server.url(&format!("/runtime/requests/{request_id}")),
+        CLIENT_KEY,
+    )
+    .await;
+    assert_eq!(
+        (status, envelope["error"]["code"].as_str()),
+        (503, Some("store_unavailable")),
+        "{envelope}: {}",
+        server.stderr()
+    );
+    // A submit in flight when the database went away waits for it; later ones are shed.
+    let waiting = tokio::spawn({
+        let (http, base, body) = (http.clone(), server.base.clone(), body.clone());
+        async move { submit(&http, &base, &body).await }
+    });
+    // Until its write has failed once, a submit may still join the wait (the client gives
+    // up on those after a second; they are accepted once the database is back).
+    let mut shed = Value::Null;
+    for _ in 0..200 {
+        let answer = http
+            .post(server.url("/runtime/requests"))
+            .bearer_auth(CLIENT_KEY)
+            .json(&body)
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await;
+        if let Ok(answer) = answer
+            && answer.status() == 503
+        {
+            shed = answer.json().await.unwrap();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(shed["error"]["code"], "store_unavailable", "{shed}");
+
+    proxy.down.send_replace(false);
+    let (status, accepted) = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the waiting submit is accepted once the database is back")
+        .unwrap();
+    assert_eq!(status, 202, "{accepted}");
+    let view =
+        wait_until_done_at(&http, &server.base, accepted["requestId"].as_str().unwrap()).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    let ready = http.get(server.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    server.terminate();
 }
 
 #[tokio::test]
 async fn a_batch_whose_commit_reply_is_lost_is_found_in_the_store_not_applied_twice() {
     use stable_harness::store::{EventRecord, RequestRecord, RunStatus, SessionRecord, WriteOp};
     let url = crate::pg::fresh_database();
-    let parsed = reqwest::Url::parse(&url).unwrap();
-    let target = format!("127.0.0.1:{}", parsed.port().unwrap())
-        .parse()
-        .unwrap();
-    let cutter = ReplyCutter::start(target, b"req_lost").await;
-    let mut through = parsed.clone();
-    through.set_port(Some(cutter.port)).unwrap();
+    let cutter = PgProxy::start(database_address(&url), b"req_lost").await;
+    let through = cutter.url(&url);
     let store = stable_harness::store::open(
-        Some(through.as_str()),
+        Some(&through),
         std::path::Path::new("."),
         &Default::default(),
     )
