@@ -134,8 +134,9 @@ pub struct StoreSpec {
     /// `sqlite://PATH` (relative to the workspace) or `postgres://...`.
     #[serde(default)]
     pub url: Option<Located<String>>,
-    /// Not supported yet (arrives with the PostgreSQL store): how long a run claim lasts
-    /// before another instance may take it over.
+    /// How long a run stays leased to the instance executing it without a renewal (renewed
+    /// every third of it); after that another instance may take it over. Default `30s`, at
+    /// least `1s`.
     #[serde(default)]
     pub lease_duration: Option<Located<DurationText>>,
     /// The most the database may hold (e.g. `10GiB`): past it, writes wait as on a full disk
