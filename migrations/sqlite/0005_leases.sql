@@ -3,3 +3,5 @@
 -- against an instance that let it go; PostgreSQL shares the same semantics between instances.
 ALTER TABLE runs ADD COLUMN lease_holder TEXT;
 ALTER TABLE runs ADD COLUMN lease_expires_at TEXT;
+-- Claims look for live runs every second: they must not scan every run ever stored.
+CREATE INDEX runs_live ON runs(id) WHERE status IN ('queued', 'running', 'waiting_approval');

@@ -67,14 +67,10 @@ pub async fn list_requests(
                 cursor: query.cursor,
             },
         )
-        .await
-        .map_err(|e| store_error(&e))?;
+        .await?;
     let mut data = Vec::with_capacity(page.items.len());
     for request in page.items {
-        let runs = store
-            .runs_of(&request.id)
-            .await
-            .map_err(|e| store_error(&e))?;
+        let runs = store.runs_of(&request.id).await?;
         data.push(RequestView::new(request, runs));
     }
     Ok(Json(RequestList {
@@ -100,15 +96,9 @@ pub async fn get_run(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<RunView>, ApiError> {
-    let run = state
-        .runtime
-        .store()
-        .run(&id)
-        .await
-        .map_err(|e| store_error(&e))?
-        .ok_or_else(|| {
-            ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id")
-        })?;
+    let run = state.runtime.store().run(&id).await?.ok_or_else(|| {
+        ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id")
+    })?;
     Ok(Json(RunView::from(run)))
 }
 
@@ -123,15 +113,12 @@ pub async fn run_events(
 ) -> Result<Json<EventPage>, ApiError> {
     let (after, limit) = query.checked()?;
     let store = state.runtime.store();
-    if store.run(&id).await.map_err(|e| store_error(&e))?.is_none() {
+    if store.run(&id).await?.is_none() {
         return Err(
             ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id"),
         );
     }
-    let data = store
-        .run_events(&id, after, limit)
-        .await
-        .map_err(|e| store_error(&e))?;
+    let data = store.run_events(&id, after, limit).await?;
     Ok(Json(EventPage::new(data, after)))
 }
 
@@ -209,12 +196,7 @@ pub async fn list_approvals(
         limit: page_limit(query.limit)?,
         cursor: query.cursor,
     };
-    let page = state
-        .runtime
-        .store()
-        .approvals(status, &page)
-        .await
-        .map_err(|e| store_error(&e))?;
+    let page = state.runtime.store().approvals(status, &page).await?;
     Ok(Json(ApprovalList {
         data: page.items,
         next_cursor: page.next_cursor,
@@ -228,19 +210,13 @@ pub async fn get_approval(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<ApprovalRecord>, ApiError> {
-    let approval = state
-        .runtime
-        .store()
-        .approval(&id)
-        .await
-        .map_err(|e| store_error(&e))?
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::ApprovalNotFound,
-                format!("approval `{id}` not found"),
-            )
-            .param("id")
-        })?;
+    let approval = state.runtime.store().approval(&id).await?.ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::ApprovalNotFound,
+            format!("approval `{id}` not found"),
+        )
+        .param("id")
+    })?;
     Ok(Json(approval))
 }
 

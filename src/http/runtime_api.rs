@@ -195,12 +195,7 @@ pub async fn request_events(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let data = state
-        .runtime
-        .store()
-        .events(&id, after, limit)
-        .await
-        .map_err(|e| store_error(&e))?;
+    let data = state.runtime.store().events(&id, after, limit).await?;
     Ok(Json(EventPage::new(data, after)).into_response())
 }
 

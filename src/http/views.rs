@@ -157,8 +157,7 @@ pub async fn request_view(
     let store = runtime.store();
     let request = store
         .request(id)
-        .await
-        .map_err(|e| store_error(&e))?
+        .await?
         .filter(|request| owner.is_none_or(|owner| request.owner == owner))
         .ok_or_else(|| {
             ApiError::new(
@@ -167,7 +166,7 @@ pub async fn request_view(
             )
             .param("id")
         })?;
-    let runs = store.runs_of(id).await.map_err(|e| store_error(&e))?;
+    let runs = store.runs_of(id).await?;
     Ok(RequestView::new(request, runs))
 }
 
@@ -225,6 +224,12 @@ pub fn store_error(error: &StoreError) -> ApiError {
         )
     } else {
         ApiError::internal(error)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        store_error(&error)
     }
 }
 

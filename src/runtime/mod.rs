@@ -192,9 +192,6 @@ struct Inner {
     live: Mutex<HashMap<String, LiveRun>>,
     /// Cancelled at shutdown, once the leases were given back: the lease loop ends.
     leasing: CancellationToken,
-    /// Other instances write to the store too: followers and approval waiters also read it
-    /// now and then, so a lost notification costs latency, never an event.
-    shared: bool,
     /// Held by a store maintenance pass (prune, backup): one at a time.
     maintenance: tokio::sync::Mutex<()>,
 }
@@ -254,7 +251,6 @@ impl Runtime {
         let changes = store.changes();
         let runtime = Self {
             inner: Arc::new(Inner {
-                shared: store.is_shared(),
                 leasing: CancellationToken::new(),
                 adapters: Adapters::new(http),
                 gateway,
@@ -550,7 +546,9 @@ impl Runtime {
                 }
             }
             while !ended {
-                let received = if inner.shared {
+                // Other instances write to a shared store: read it now and then, so a lost
+                // notification costs latency, never an event.
+                let received = if inner.store.is_shared() {
                     tokio::time::timeout(crate::store::SHARED_POLL, live.recv()).await.ok()
                 } else {
                     Some(live.recv().await)

@@ -92,6 +92,13 @@ impl RunEvents {
         self.handed_over.load(Ordering::SeqCst)
     }
 
+    /// Moves the run to `status`, unless it was handed over.
+    async fn set_status(&self, status: RunStatus) {
+        if !self.is_handed_over() {
+            set_status(&self.runtime, &self.submitted, status).await;
+        }
+    }
+
     async fn record(&self, event_type: &str, data: Value) -> String {
         let event = self.event(event_type, data);
         let id = event.id.clone();
@@ -223,9 +230,7 @@ impl RunHost for RunEvents {
             // A run parked on a human gives its execution slot to a run that can use it.
             self.clock.pause(true);
             drop(self.slot.lock().ok().and_then(|mut slot| slot.take()));
-            if !self.is_handed_over() {
-                set_status(&self.runtime, &self.submitted, RunStatus::WaitingApproval).await;
-            }
+            self.set_status(RunStatus::WaitingApproval).await;
             return;
         }
         let slots = Arc::clone(&self.runtime.inner.slots);
@@ -237,9 +242,7 @@ impl RunHost for RunEvents {
             *held = slot;
         }
         self.clock.pause(false);
-        if !self.is_handed_over() {
-            set_status(&self.runtime, &self.submitted, RunStatus::Running).await;
-        }
+        self.set_status(RunStatus::Running).await;
     }
 
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {

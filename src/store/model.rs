@@ -119,6 +119,16 @@ pub struct Lease {
     pub expires_at: DateTime<Utc>,
 }
 
+impl Lease {
+    /// The lease stored as a run's two columns (a run holds one only with both).
+    pub fn from_columns(holder: Option<String>, expires_at: Option<DateTime<Utc>>) -> Option<Self> {
+        Some(Self {
+            holder: holder?,
+            expires_at: expires_at?,
+        })
+    }
+}
+
 /// What another instance changed in a shared store, as its notifications tell.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StoreChange {

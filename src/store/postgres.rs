@@ -149,11 +149,27 @@ fn text(value: &str) -> String {
 
 /// JSON as PostgreSQL can hold it (no U+0000 in any string).
 fn json(value: &Value) -> Value {
+    let mut value = value.clone();
+    scrub(&mut value);
+    value
+}
+
+/// Makes `value` storable in place: only strings and keys holding U+0000 are rewritten.
+fn scrub(value: &mut Value) {
     match value {
-        Value::String(s) if s.contains('\0') => Value::String(text(s)),
-        Value::Array(items) => Value::Array(items.iter().map(json).collect()),
-        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (text(k), json(v))).collect()),
-        other => other.clone(),
+        Value::String(s) if s.contains('\0') => *s = text(s),
+        Value::Array(items) => items.iter_mut().for_each(scrub),
+        Value::Object(map) if map.keys().any(|key| key.contains('\0')) => {
+            *map = std::mem::take(map)
+                .into_iter()
+                .map(|(key, mut item)| {
+                    scrub(&mut item);
+                    (text(&key), item)
+                })
+                .collect();
+        }
+        Value::Object(map) => map.values_mut().for_each(scrub),
+        _ => {}
     }
 }
 
@@ -191,13 +207,10 @@ fn run_from_row(row: &PgRow) -> Result<RunRecord, StoreError> {
         updated_at: row.try_get("updated_at")?,
         started_at: row.try_get("started_at")?,
         ended_at: row.try_get("ended_at")?,
-        lease: match (
-            row.try_get::<Option<String>, _>("lease_holder")?,
+        lease: Lease::from_columns(
+            row.try_get("lease_holder")?,
             row.try_get("lease_expires_at")?,
-        ) {
-            (Some(holder), Some(expires_at)) => Some(Lease { holder, expires_at }),
-            _ => None,
-        },
+        ),
     })
 }
 
@@ -282,9 +295,10 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 }
 
 /// One op as `stable_harness_apply` reads it (see `migrations/postgres`): a `None` field is
-/// a JSON null, which the function reads as SQL NULL; every string is made storable.
+/// a JSON null, which the function reads as SQL NULL; every string is made storable. Events
+/// go in one `append_events` op per batch ([`event_json`]).
 fn op_json(op: &WriteOp) -> Value {
-    let value = match op {
+    let mut value = match op {
         WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
             "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
             "created_at": session.created_at, "updated_at": session.updated_at }),
@@ -344,12 +358,16 @@ fn op_json(op: &WriteOp) -> Value {
             json!({ "op": "append_events", "events": [event_json(event)] })
         }
     };
-    json(&value)
+    scrub(&mut value);
+    value
 }
 
+/// An event as `append_events` reads it, storable (the function numbers it).
 fn event_json(event: &EventRecord) -> Value {
-    json!({ "id": event.id, "request_id": event.request_id, "run_id": event.run_id,
-        "seq": event.seq, "type": event.event_type, "at": event.at, "data": event.data })
+    let mut value = json!({ "id": event.id, "request_id": event.request_id,
+        "run_id": event.run_id, "type": event.event_type, "at": event.at, "data": event.data });
+    scrub(&mut value);
+    value
 }
 
 #[async_trait::async_trait]
@@ -357,18 +375,14 @@ impl Store for PostgresStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides).
-        let mut batch: Vec<Value> = ops
-            .iter()
-            .filter(|op| !matches!(op, WriteOp::AppendEvent(_)))
-            .map(op_json)
-            .collect();
-        let events: Vec<Value> = ops
-            .iter()
-            .filter_map(|op| match op {
-                WriteOp::AppendEvent(event) => Some(json(&event_json(event))),
-                _ => None,
-            })
-            .collect();
+        let mut batch = Vec::with_capacity(ops.len());
+        let mut events = Vec::new();
+        for op in ops {
+            match op {
+                WriteOp::AppendEvent(event) => events.push(event_json(event)),
+                op => batch.push(op_json(op)),
+            }
+        }
         if !events.is_empty() {
             batch.push(json!({ "op": "append_events", "events": events }));
         }

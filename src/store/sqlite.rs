@@ -79,7 +79,8 @@ impl SqliteStore {
             .await?;
         MIGRATOR.run(&checkpointer).await?;
         convert_to_incremental_vacuum(&checkpointer).await?;
-        sqlx::query("UPDATE runs SET lease_expires_at = NULL, lease_holder = NULL WHERE lease_holder IS NOT NULL")
+        sqlx::query("UPDATE runs SET lease_expires_at = NULL, lease_holder = NULL
+             WHERE status IN ('queued', 'running', 'waiting_approval') AND lease_holder IS NOT NULL")
             .execute(&checkpointer)
             .await?;
         let leases = Leases {
@@ -335,13 +336,10 @@ fn run_from_row(row: &SqliteRow) -> Result<RunRecord, StoreError> {
         updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
         started_at: parse_time_opt(row.try_get("started_at")?)?,
         ended_at: parse_time_opt(row.try_get("ended_at")?)?,
-        lease: match (
-            row.try_get::<Option<String>, _>("lease_holder")?,
+        lease: Lease::from_columns(
+            row.try_get("lease_holder")?,
             parse_time_opt(row.try_get("lease_expires_at")?)?,
-        ) {
-            (Some(holder), Some(expires_at)) => Some(Lease { holder, expires_at }),
-            _ => None,
-        },
+        ),
     })
 }
 

@@ -241,6 +241,14 @@ pub fn types(events: &[Value]) -> Vec<String> {
         .collect()
 }
 
+/// The `id:` lines of an SSE text.
+pub fn sse_ids(text: &str) -> Vec<i64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("id:"))
+        .map(|s| s.trim().parse().unwrap())
+        .collect()
+}
+
 /// Asserts that events are numbered 1, 2, 3, ... with no gap.
 pub fn assert_gapless(events: &[Value]) {
     let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();

@@ -13,7 +13,7 @@ use super::tools::{ToolServer, tools_workspace};
 use super::trust::{data_of, pending_approvals, submit, teller_workspace};
 use super::upstream::{MockUpstream, Reply};
 use super::{
-    ADMIN_KEY, CLIENT_KEY, RecordingTools, ServerProcess, all_events, assert_gapless,
+    ADMIN_KEY, CLIENT_KEY, RecordingTools, ServerProcess, all_events, assert_gapless, sse_ids,
     wait_until_done_at,
 };
 
@@ -163,14 +163,6 @@ fn lease_holder(url: &str, run_id: &str) -> String {
     )
     .trim()
     .to_owned()
-}
-
-/// The `id:` lines of an SSE text.
-fn sse_ids(text: &str) -> Vec<i64> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("id:"))
-        .map(|s| s.trim().parse().unwrap())
-        .collect()
 }
 
 #[tokio::test]

@@ -207,11 +207,7 @@ async fn following_events_live_resumes_from_last_event_id_without_gaps() {
         text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
     }
     drop(body);
-    let ids: Vec<i64> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("id:"))
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
+    let ids = super::sse_ids(&text);
     let last = *ids.last().unwrap_or_else(|| panic!("no ids in {text:?}"));
 
     // Resume with Last-Event-ID: the rest, to the terminal event, no gap, no duplicate.
@@ -227,11 +223,7 @@ async fn following_events_live_resumes_from_last_event_id_without_gaps() {
         .text()
         .await
         .unwrap();
-    let resumed: Vec<i64> = rest
-        .lines()
-        .filter_map(|l| l.strip_prefix("id:"))
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
+    let resumed = super::sse_ids(&rest);
     let mut all = ids.clone();
     all.extend(&resumed);
     let stored = app.events(&request_id).await;
