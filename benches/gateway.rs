@@ -161,6 +161,7 @@ async fn bench() {
                 started_at: Some(now),
                 ended_at: None,
                 lease: None,
+                cancel_requested_by: None,
             }),
         ])
         .await

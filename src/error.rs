@@ -42,6 +42,12 @@ pub enum ErrorCode {
     BodyTooLarge,
     /// The approval was decided already (deciding twice).
     ApprovalDecided,
+    /// A cancel of a request that has ended.
+    RequestEnded,
+    /// A retry of a request that is not failed or cancelled.
+    RequestNotRetryable,
+    /// A message id that is not in the session's history (a fork point).
+    MessageNotFound,
     /// A file the request would create exists already (a backup never overwrites).
     AlreadyExists,
     /// A `/v1` call waited `approvalWait` and the run still waits on an operator.
@@ -69,10 +75,10 @@ impl ErrorCode {
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
-            | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled => {
-                StatusCode::NOT_FOUND
-            }
-            ApprovalDecided | ApprovalPending | AlreadyExists => StatusCode::CONFLICT,
+            | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled
+            | MessageNotFound => StatusCode::NOT_FOUND,
+            ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
+            | RequestNotRetryable => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
@@ -91,7 +97,8 @@ impl ErrorCode {
             | ToolsNotSupported | ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound
             | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
-            | ApprovalPending | AlreadyExists => "invalid_request_error",
+            | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
+            | MessageNotFound => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -120,6 +127,9 @@ impl ErrorCode {
             ApprovalNotFound => "approval_not_found",
             ToolNotFound => "tool_not_found",
             ApprovalDecided => "approval_already_decided",
+            RequestEnded => "request_ended",
+            RequestNotRetryable => "request_not_retryable",
+            MessageNotFound => "message_not_found",
             AlreadyExists => "already_exists",
             ApprovalPending => "approval_pending",
             RouteNotFound => "route_not_found",

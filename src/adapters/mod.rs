@@ -21,7 +21,7 @@ pub use crate::gateway::{Outcome, ToolCall, ToolResult, ToolSpec};
 use crate::runtime::events::{ADAPTER_EVENT, PHASE_TOOL_RESULT, PHASE_TOOL_START};
 use crate::workspace::{AgentConfig, Backend, CompiledWorkspace};
 
-pub use openai::OpenAiAdapter;
+pub use openai::{ModelProbe, OpenAiAdapter, probe};
 pub use retry::backoff_delay;
 pub use scripted::ScriptedAdapter;
 

@@ -78,28 +78,12 @@ impl OpenAiAdapter {
         model: &ModelConfig,
         attempt: u32,
     ) -> Result<Turn, AttemptError> {
-        let base_url = match &model.base_url {
-            UpstreamUrl::Fixed(url) => url.clone(),
-            UpstreamUrl::FromEnv(var) => std::env::var(var).map_err(|_| {
-                AdapterError::new(
-                    FailureKind::Unsupported,
-                    format!(
-                        "model `{}`: environment variable {var} (baseUrlEnv) is not set",
-                        model.id
-                    ),
-                )
-            })?,
-        };
+        let base_url = upstream_url(model)?;
         let url = format!("{}/chat/completions", base_url.trim_end_matches('/'));
         let streaming = model.capabilities.streaming;
         let body = request_body(context, request, model, streaming);
         let output_budget = request.output_budget;
-        let mut request = self.http.post(&url).json(&body);
-        if let Some(var) = &model.api_key_env
-            && let Ok(key) = std::env::var(var)
-        {
-            request = request.bearer_auth(key);
-        }
+        let request = authorized(self.http.post(&url).json(&body), model);
         let started = Instant::now();
         let response = tokio::select! {
             () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled").into()),
@@ -1110,4 +1094,83 @@ mod tests {
             let _ = calls.finish();
         }
     }
+}
+
+/// Where a model's upstream is, read now (a `baseUrlEnv` variable is read at call time).
+fn upstream_url(model: &ModelConfig) -> Result<String, AdapterError> {
+    match &model.base_url {
+        UpstreamUrl::Fixed(url) => Ok(url.clone()),
+        UpstreamUrl::FromEnv(var) => std::env::var(var).map_err(|_| {
+            AdapterError::new(
+                FailureKind::Unsupported,
+                format!(
+                    "model `{}`: environment variable {var} (baseUrlEnv) is not set",
+                    model.id
+                ),
+            )
+        }),
+    }
+}
+
+/// The request with the model's key, when its variable is set.
+fn authorized(request: reqwest::RequestBuilder, model: &ModelConfig) -> reqwest::RequestBuilder {
+    match model.api_key_env.as_deref().map(std::env::var) {
+        Some(Ok(key)) => request.bearer_auth(key),
+        _ => request,
+    }
+}
+
+/// What a probe of a model's upstream found.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelProbe {
+    pub model: String,
+    /// The upstream answered HTTP at all (any status): it is up and reachable.
+    pub reachable: bool,
+    /// The status of `GET {baseUrl}/models`, when it answered.
+    pub status: Option<u16>,
+    pub latency_ms: u64,
+    /// Why it is not reachable (or what its answer says is wrong, e.g. a refused key).
+    pub error: Option<String>,
+}
+
+/// Asks a model's upstream `GET {baseUrl}/models` with its key, within `timeout`.
+pub async fn probe(
+    http: &reqwest::Client,
+    model: &ModelConfig,
+    timeout: std::time::Duration,
+) -> ModelProbe {
+    let started = Instant::now();
+    let mut probe = ModelProbe {
+        model: model.id.clone(),
+        reachable: false,
+        status: None,
+        latency_ms: 0,
+        error: None,
+    };
+    let answer = match upstream_url(model) {
+        Ok(base) => {
+            let url = format!("{}/models", base.trim_end_matches('/'));
+            tokio::time::timeout(timeout, authorized(http.get(url), model).send()).await
+        }
+        Err(error) => {
+            probe.error = Some(error.message);
+            return probe;
+        }
+    };
+    probe.latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    match answer {
+        Ok(Ok(response)) => {
+            probe.reachable = true;
+            probe.status = Some(response.status().as_u16());
+            if response.status() == reqwest::StatusCode::UNAUTHORIZED
+                || response.status() == reqwest::StatusCode::FORBIDDEN
+            {
+                probe.error = Some("the upstream refuses the model's key".to_owned());
+            }
+        }
+        Ok(Err(error)) => probe.error = Some(transport_error(model, &error).message),
+        Err(_) => probe.error = Some(format!("no answer within {}ms", timeout.as_millis())),
+    }
+    probe
 }

@@ -1,6 +1,7 @@
-//! The operator API (admin keys; a client key gets 403): list and inspect requests, runs and
-//! their events; decide approvals; ask the policy to explain a decision; look after the
-//! store (sizes and maintenance passes, pruning, online backup).
+//! The operator API (admin keys; a client key gets 403): list and inspect requests, runs,
+//! their events and traces, and sessions; cancel and retry requests; decide approvals; ask
+//! the policy to explain a decision; look after the store (sizes and maintenance passes,
+//! pruning, online backup). The workspace and health views are in `inspect`.
 
 use axum::extract::State;
 use axum::{Extension, Json};
@@ -10,15 +11,17 @@ use serde_json::Value;
 use super::AppState;
 use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
+use super::runtime_api::{cancelled, id_param};
 use super::views::{
-    EventPage, EventsQuery, RequestList, RequestView, RunView, request_view, store_error,
+    EventPage, EventsQuery, RequestList, RequestView, RunView, SessionList, SessionSummary,
+    SessionView, request_view, request_views, session_view, store_error,
 };
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::Explanation;
 use crate::store::retention::{BackupReport, PruneReport};
 use crate::store::{
     ApprovalRecord, ApprovalStatus, MaintenanceRecord, PageRequest, RequestFilter, RunStatus,
-    StoreError, StoreStats,
+    SessionFilter, StoreError, StoreStats,
 };
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -34,7 +37,13 @@ pub struct ListRequestsQuery {
     /// The client key identity that submitted the request.
     #[serde(default)]
     pub owner: Option<String>,
-    /// 1 to 200 (default 50).
+    /// Created at or after this instant (RFC 3339).
+    #[serde(default)]
+    pub created_after: Option<String>,
+    /// Created before this instant (RFC 3339).
+    #[serde(default)]
+    pub created_before: Option<String>,
+    /// Page size, 1 to 200 (default 50; more is taken as 200).
     #[serde(default)]
     pub limit: Option<i64>,
     /// `nextCursor` of the previous page.
@@ -51,30 +60,32 @@ pub async fn list_requests(
     ApiQuery(query): ApiQuery<ListRequestsQuery>,
 ) -> Result<Json<RequestList>, ApiError> {
     let status = status_filter(query.status.as_deref(), &RunStatus::ALL, RunStatus::as_str)?;
-    let limit = page_limit(query.limit)?;
+    let created_from = instant(query.created_after.as_deref(), "createdAfter")?;
+    let created_before = instant(query.created_before.as_deref(), "createdBefore")?;
+    if let (Some(from), Some(before)) = (created_from, created_before)
+        && from >= before
+    {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "`createdAfter` must be earlier than `createdBefore`",
+        )
+        .param("createdAfter"));
+    }
     let filter = RequestFilter {
         status,
         agent_id: query.agent_id,
         session_id: query.session_id,
         owner: query.owner,
+        created_from,
+        created_before,
     };
-    let store = state.runtime.store();
-    let page = store
-        .requests(
-            &filter,
-            &PageRequest {
-                limit,
-                cursor: query.cursor,
-            },
-        )
-        .await?;
-    let mut data = Vec::with_capacity(page.items.len());
-    for request in page.items {
-        let runs = store.runs_of(&request.id).await?;
-        data.push(RequestView::new(request, runs));
-    }
+    let page = PageRequest {
+        limit: page_limit(query.limit)?,
+        cursor: cursor(query.cursor, "req")?,
+    };
+    let page = state.runtime.store().requests(&filter, &page).await?;
     Ok(Json(RequestList {
-        data,
+        data: request_views(&state.runtime, page.items).await?,
         next_cursor: page.next_cursor,
     }))
 }
@@ -144,18 +155,170 @@ fn status_filter<T: Copy>(
     }
 }
 
-/// A list page size: 1 to 200, 50 by default.
+/// A list page size: 50 by default, at least 1, and more than 200 is taken as 200.
 fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
-    let limit = limit.unwrap_or(50);
-    if (1..=200).contains(&limit) {
-        Ok(limit)
+    match limit.unwrap_or(50) {
+        limit if limit < 1 => Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "`limit` must be at least 1",
+        )
+        .param("limit")),
+        limit => Ok(limit.min(200)),
+    }
+}
+
+/// A list cursor: the id of the last item of the previous page (`{prefix}_` and 32 hex
+/// digits); anything else is a client bug, answered rather than read as an empty page.
+fn cursor(cursor: Option<String>, prefix: &str) -> Result<Option<String>, ApiError> {
+    let Some(cursor) = cursor.filter(|c| !c.is_empty()) else {
+        return Ok(None);
+    };
+    let valid = cursor
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('_'))
+        .is_some_and(|hex| hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    if valid {
+        Ok(Some(cursor))
     } else {
         Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "`limit` must be between 1 and 200",
+            ErrorCode::InvalidParameter,
+            "`cursor` must be the `nextCursor` of a previous page",
         )
-        .param("limit"))
+        .param("cursor"))
     }
+}
+
+/// An RFC 3339 instant of a query filter.
+fn instant(
+    text: Option<&str>,
+    param: &str,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
+    text.filter(|t| !t.is_empty())
+        .map(|t| {
+            chrono::DateTime::parse_from_rfc3339(t)
+                .map(|t| t.with_timezone(&chrono::Utc))
+                .map_err(|_| {
+                    ApiError::new(
+                        ErrorCode::InvalidParameter,
+                        format!("`{param}` must be an RFC 3339 instant, e.g. 2026-01-31T12:00:00Z"),
+                    )
+                    .param(param)
+                })
+        })
+        .transpose()
+}
+
+#[utoipa::path(post, path = "/admin/requests/{id}/cancel", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Request id")),
+    responses(
+        (status = 200, body = RequestView, description = "Cancelled: the run stopped and the request ended `cancelled`"),
+        (status = 202, body = RequestView, description = "The run was told to stop and has not ended yet (it executes on another instance)"),
+        (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 409, body = crate::error::ErrorEnvelope, description = "The request has ended already"),
+    ))]
+pub async fn cancel_request(
+    State(state): State<AppState>,
+    Extension(operator): Extension<Operator>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::response::Response, ApiError> {
+    let by = format!("operator `{}`", operator.0);
+    cancelled(&state, &id, None, &by).await
+}
+
+/// What a retry started.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Retried {
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
+    pub attempt: i64,
+    pub status: RunStatus,
+}
+
+#[utoipa::path(post, path = "/admin/requests/{id}/retry", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Request id")),
+    responses(
+        (status = 202, body = Retried, description = "A new run of the request started (attempt + 1; its events continue the request's seq)"),
+        (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 409, body = crate::error::ErrorEnvelope, description = "The request is not failed or cancelled"),
+        (status = 429, body = crate::error::ErrorEnvelope),
+    ))]
+pub async fn retry_request(
+    State(state): State<AppState>,
+    Extension(operator): Extension<Operator>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<(axum::http::StatusCode, Json<Retried>), ApiError> {
+    let submitted = state
+        .runtime
+        .retry(&id, &operator.0)
+        .await
+        .map_err(id_param)?;
+    let attempt = state
+        .runtime
+        .store()
+        .run(&submitted.run_id)
+        .await?
+        .map_or(0, |run| run.attempt);
+    Ok((
+        axum::http::StatusCode::ACCEPTED,
+        Json(Retried {
+            request_id: submitted.request_id,
+            run_id: submitted.run_id,
+            session_id: submitted.session_id,
+            attempt,
+            status: submitted.status,
+        }),
+    ))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ListSessionsQuery {
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// The client key identity that owns the session.
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// Page size, 1 to 200 (default 50; more is taken as 200).
+    #[serde(default)]
+    pub limit: Option<i64>,
+    /// `nextCursor` of the previous page.
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+#[utoipa::path(get, path = "/admin/sessions", tag = "admin", security(("admin_key" = [])),
+    params(ListSessionsQuery),
+    responses((status = 200, body = SessionList), (status = 400, body = crate::error::ErrorEnvelope),
+        (status = 422, body = crate::error::ErrorEnvelope)))]
+pub async fn list_sessions(
+    State(state): State<AppState>,
+    ApiQuery(query): ApiQuery<ListSessionsQuery>,
+) -> Result<Json<SessionList>, ApiError> {
+    let filter = SessionFilter {
+        agent_id: query.agent_id,
+        owner: query.owner,
+    };
+    let page = PageRequest {
+        limit: page_limit(query.limit)?,
+        cursor: cursor(query.cursor, "ses")?,
+    };
+    let page = state.runtime.store().sessions(&filter, &page).await?;
+    Ok(Json(SessionList {
+        data: page.items.into_iter().map(SessionSummary::from).collect(),
+        next_cursor: page.next_cursor,
+    }))
+}
+
+#[utoipa::path(get, path = "/admin/sessions/{id}", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Session id")),
+    responses((status = 200, body = SessionView), (status = 404, body = crate::error::ErrorEnvelope)))]
+pub async fn get_session(
+    State(state): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<SessionView>, ApiError> {
+    Ok(Json(session_view(&state.runtime, &id, None).await?))
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -194,7 +357,7 @@ pub async fn list_approvals(
     )?;
     let page = PageRequest {
         limit: page_limit(query.limit)?,
-        cursor: query.cursor,
+        cursor: cursor(query.cursor, "apr")?,
     };
     let page = state.runtime.store().approvals(status, &page).await?;
     Ok(Json(ApprovalList {

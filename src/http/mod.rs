@@ -10,6 +10,7 @@ mod admin;
 mod auth;
 mod extract;
 mod health;
+mod inspect;
 mod messages;
 pub mod openapi;
 mod runtime_api;
@@ -77,7 +78,10 @@ pub fn router(state: AppState) -> Router {
         Router::new()
             .route("/requests", post(runtime_api::create_request))
             .route("/requests/{id}", get(runtime_api::get_request))
-            .route("/requests/{id}/events", get(runtime_api::request_events)),
+            .route("/requests/{id}/events", get(runtime_api::request_events))
+            .route("/requests/{id}/cancel", post(runtime_api::cancel_request))
+            .route("/sessions/{id}", get(runtime_api::get_session))
+            .route("/sessions/{id}/fork", post(runtime_api::fork_session)),
     )
     .layer(axum::middleware::from_fn_with_state(
         state.clone(),
@@ -87,8 +91,15 @@ pub fn router(state: AppState) -> Router {
         Router::new()
             .route("/requests", get(admin::list_requests))
             .route("/requests/{id}", get(admin::get_request))
+            .route("/requests/{id}/cancel", post(admin::cancel_request))
+            .route("/requests/{id}/retry", post(admin::retry_request))
             .route("/runs/{id}", get(admin::get_run))
             .route("/runs/{id}/events", get(admin::run_events))
+            .route("/runs/{id}/trace", get(inspect::run_trace))
+            .route("/sessions", get(admin::list_sessions))
+            .route("/sessions/{id}", get(admin::get_session))
+            .route("/workspace", get(inspect::workspace))
+            .route("/health", get(inspect::health))
             .route("/approvals", get(admin::list_approvals))
             .route("/approvals/{id}", get(admin::get_approval))
             .route("/approvals/{id}/approve", post(admin::approve))

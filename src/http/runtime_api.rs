@@ -1,6 +1,8 @@
 //! The native runtime API (client keys): submit requests, read them, read or follow their
-//! events. `GET .../events` answers JSON pages, or with `Accept: text/event-stream` follows live
-//! (each SSE `id:` is the seq; `Last-Event-ID` resumes without gaps or duplicates).
+//! events, cancel them; read a session's message tree and fork it at any message. A key sees
+//! only what it owns. `GET .../events` answers JSON pages, or with `Accept: text/event-stream`
+//! follows live (each SSE `id:` is the seq; `Last-Event-ID` resumes without gaps or
+//! duplicates).
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -18,9 +20,11 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::messages::validate_messages;
-use super::views::{EventPage, EventsQuery, RequestView, request_view, store_error};
+use super::views::{
+    EventPage, EventsQuery, RequestView, SessionView, request_view, session_view, store_error,
+};
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::{NewRequest, Protocol};
+use crate::runtime::{NewRequest, Protocol, RuntimeError};
 
 /// `POST /runtime/requests` body.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -218,4 +222,97 @@ fn last_event_id(headers: &HeaderMap) -> Result<Option<i64>, ApiError> {
             )
             .param("Last-Event-ID")
         })
+}
+
+#[utoipa::path(post, path = "/runtime/requests/{id}/cancel", tag = "runtime", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Request id")),
+    responses(
+        (status = 200, body = RequestView, description = "Cancelled: the run stopped and the request ended `cancelled`"),
+        (status = 202, body = RequestView, description = "The run was told to stop and has not ended yet (it executes on another instance)"),
+        (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 409, body = crate::error::ErrorEnvelope, description = "The request has ended already"),
+    ))]
+pub async fn cancel_request(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let by = format!("client `{}`", caller.identity);
+    cancelled(&state, &id, Some(&caller.identity), &by).await
+}
+
+/// Cancels a request for `owner` (any owner when `None`) and answers its view: 200 once it
+/// ended, 202 while its run is still stopping elsewhere.
+pub(super) async fn cancelled(
+    state: &AppState,
+    id: &str,
+    owner: Option<&str>,
+    by: &str,
+) -> Result<Response, ApiError> {
+    state
+        .runtime
+        .cancel(id, owner, by)
+        .await
+        .map_err(id_param)?;
+    let view = request_view(&state.runtime, id, owner).await?;
+    let status = if view.status.is_terminal() {
+        StatusCode::OK
+    } else {
+        StatusCode::ACCEPTED
+    };
+    Ok((status, Json(view)).into_response())
+}
+
+#[utoipa::path(get, path = "/runtime/sessions/{id}", tag = "runtime", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Session id")),
+    responses((status = 200, body = SessionView), (status = 404, body = crate::error::ErrorEnvelope)))]
+pub async fn get_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<SessionView>, ApiError> {
+    Ok(Json(
+        session_view(&state.runtime, &id, Some(&caller.identity)).await?,
+    ))
+}
+
+/// `POST /runtime/sessions/{id}/fork` body.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ForkBody {
+    /// The last message the new session shares: one of the session's own messages, or of the
+    /// history it shares with the session it was forked from.
+    pub at_message_id: String,
+}
+
+#[utoipa::path(post, path = "/runtime/sessions/{id}/fork", tag = "runtime", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Session id")), request_body = ForkBody,
+    responses(
+        (status = 201, body = SessionView, description = "The new session; a request on it continues from `atMessageId`"),
+        (status = 400, body = crate::error::ErrorEnvelope),
+        (status = 404, body = crate::error::ErrorEnvelope, description = "Unknown session, or a message not in its history (`param: atMessageId`)"),
+    ))]
+pub async fn fork_session(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<ForkBody>,
+) -> Result<(StatusCode, Json<SessionView>), ApiError> {
+    let fork = state
+        .runtime
+        .fork_session(&id, &body.at_message_id, Some(&caller.identity))
+        .await
+        .map_err(id_param)?;
+    let view = session_view(&state.runtime, &fork.id, Some(&caller.identity)).await?;
+    Ok((StatusCode::CREATED, Json(view)))
+}
+
+/// A runtime error of an endpoint whose path names the thing: an unknown one is `param: id`.
+pub(super) fn id_param(error: RuntimeError) -> ApiError {
+    let names_path = matches!(
+        error,
+        RuntimeError::RequestNotFound(_) | RuntimeError::SessionNotFound(_)
+    );
+    let api = ApiError::from(error);
+    if names_path { api.param("id") } else { api }
 }

@@ -7,7 +7,10 @@ use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{JournalError, Runtime, RuntimeError};
-use crate::store::{EventRecord, RequestRecord, RunRecord, RunStatus, StoreError};
+use crate::store::{
+    ApprovalRecord, EventRecord, MessageRecord, RequestRecord, RunRecord, RunStatus, SessionRecord,
+    StoreError,
+};
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -61,6 +64,9 @@ pub struct RequestView {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub runs: Vec<RunView>,
+    /// The request's approvals, oldest first (in a request's own view; lists leave it out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub approvals: Option<Vec<ApprovalRecord>>,
 }
 
 impl RequestView {
@@ -84,6 +90,7 @@ impl RequestView {
             created_at: request.created_at,
             updated_at: request.updated_at,
             runs: runs.into_iter().map(RunView::from).collect(),
+            approvals: None,
         }
     }
 }
@@ -167,7 +174,159 @@ pub async fn request_view(
             .param("id")
         })?;
     let runs = store.runs_of(id).await?;
-    Ok(RequestView::new(request, runs))
+    let mut approvals = Vec::new();
+    for run in &runs {
+        approvals.extend(store.approvals_of_run(&run.id).await?);
+    }
+    let mut view = RequestView::new(request, runs);
+    view.approvals = Some(approvals);
+    Ok(view)
+}
+
+/// Requests with their runs, read in one go for a page of a list.
+pub async fn request_views(
+    runtime: &Runtime,
+    requests: Vec<RequestRecord>,
+) -> Result<Vec<RequestView>, ApiError> {
+    let ids: Vec<String> = requests.iter().map(|r| r.id.clone()).collect();
+    let mut runs: std::collections::HashMap<String, Vec<RunRecord>> =
+        std::collections::HashMap::new();
+    for run in runtime.store().runs_of_requests(&ids).await? {
+        runs.entry(run.request_id.clone()).or_default().push(run);
+    }
+    Ok(requests
+        .into_iter()
+        .map(|request| {
+            let of_request = runs.remove(&request.id).unwrap_or_default();
+            RequestView::new(request, of_request)
+        })
+        .collect())
+}
+
+/// Where a forked session branched off.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkOrigin {
+    pub session_id: String,
+    pub message_id: String,
+}
+
+/// One message of a session's tree.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageView {
+    pub message_id: String,
+    /// The session the message was written in (a fork shares its origin's messages).
+    pub session_id: String,
+    /// The message it follows (`null` at a root).
+    pub parent_id: Option<String>,
+    /// The request that wrote it.
+    pub request_id: Option<String>,
+    pub role: String,
+    /// The message as OpenAI-style JSON (`{"role", "content", ...}`).
+    #[schema(value_type = Object)]
+    pub content: Value,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<MessageRecord> for MessageView {
+    fn from(message: MessageRecord) -> Self {
+        Self {
+            message_id: message.id,
+            session_id: message.session_id,
+            parent_id: message.parent_id,
+            request_id: message.request_id,
+            role: message.role,
+            content: message.content,
+            created_at: message.created_at,
+        }
+    }
+}
+
+/// A session as lists show it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionSummary {
+    pub session_id: String,
+    pub agent_id: String,
+    /// The client key identity that owns it.
+    pub owner: String,
+    pub forked_from: Option<ForkOrigin>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl From<SessionRecord> for SessionSummary {
+    fn from(session: SessionRecord) -> Self {
+        let forked_from = session.metadata.get("forkedFrom").and_then(|origin| {
+            Some(ForkOrigin {
+                session_id: origin.get("sessionId")?.as_str()?.to_owned(),
+                message_id: origin.get("messageId")?.as_str()?.to_owned(),
+            })
+        });
+        Self {
+            session_id: session.id,
+            agent_id: session.agent_id,
+            owner: session.owner,
+            forked_from,
+            created_at: session.created_at,
+            updated_at: session.updated_at,
+        }
+    }
+}
+
+/// A session and its message tree.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionView {
+    pub session_id: String,
+    pub agent_id: String,
+    pub owner: String,
+    pub forked_from: Option<ForkOrigin>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// The newest leaf: the message the session's next request continues from.
+    pub head_message_id: Option<String>,
+    /// The history the next request continues: the path from the root to the head, shared
+    /// messages of the session it was forked from included.
+    pub history: Vec<MessageView>,
+    /// Every message written in this session, every branch, oldest first, each with its
+    /// parent.
+    pub messages: Vec<MessageView>,
+}
+
+/// A page of sessions.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionList {
+    pub data: Vec<SessionSummary>,
+    pub next_cursor: Option<String>,
+}
+
+/// A session with its tree, or 404 — also when `owner` is given and another key owns it.
+pub async fn session_view(
+    runtime: &Runtime,
+    id: &str,
+    owner: Option<&str>,
+) -> Result<SessionView, ApiError> {
+    let session = runtime
+        .owned_session(id, owner)
+        .await
+        .map_err(|error| ApiError::from(error).param("id"))?;
+    let history = runtime.session_history(&session).await?;
+    let messages = runtime.store().messages(&session.id).await?;
+    let summary = SessionSummary::from(session);
+    Ok(SessionView {
+        session_id: summary.session_id,
+        agent_id: summary.agent_id,
+        owner: summary.owner,
+        forked_from: summary.forked_from,
+        created_at: summary.created_at,
+        updated_at: summary.updated_at,
+        head_message_id: history.last().map(|m| m.id.clone()),
+        history: history.into_iter().map(MessageView::from).collect(),
+        messages: messages.into_iter().map(MessageView::from).collect(),
+    })
 }
 
 impl From<RuntimeError> for ApiError {
@@ -198,6 +357,15 @@ impl From<RuntimeError> for ApiError {
                 format!("session `{id}` not found"),
             )
             .param("sessionId"),
+            RuntimeError::RequestEnded { .. } => {
+                ApiError::new(ErrorCode::RequestEnded, error.to_string())
+            }
+            RuntimeError::NotRetryable { .. } => {
+                ApiError::new(ErrorCode::RequestNotRetryable, error.to_string())
+            }
+            RuntimeError::MessageNotFound { .. } => {
+                ApiError::new(ErrorCode::MessageNotFound, error.to_string()).param("atMessageId")
+            }
             RuntimeError::StoreUnavailable => {
                 ApiError::new(ErrorCode::StoreUnavailable, error.to_string())
             }

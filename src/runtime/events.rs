@@ -72,3 +72,74 @@ pub const EVENT_TYPES: &[&str] = &[
     "runtime.adapter.event",
     "runtime.progress.narration",
 ];
+
+/// The categories of a run's trace (SPEC section 7), in the order views list them.
+pub const TRACE_CATEGORIES: [&str; 9] = [
+    "request",
+    "model",
+    "tool",
+    "approval",
+    "adapter",
+    "plan",
+    "delegation",
+    "memory",
+    "artifact",
+];
+
+/// The trace category of an event: by its type, and for an adapter's own signal by its phase
+/// (a handoff is delegation; a plan step is plan).
+pub fn category(event_type: &str, data: &serde_json::Value) -> &'static str {
+    let family = event_type
+        .strip_prefix("runtime.")
+        .and_then(|rest| rest.split('.').next())
+        .unwrap_or("");
+    match family {
+        "model" | "retry" => "model",
+        "tool" => "tool",
+        "approval" => "approval",
+        "memory" => "memory",
+        "artifact" => "artifact",
+        "workflow" => "plan",
+        "adapter" | "progress" => {
+            let phase = data
+                .pointer("/event/phase")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("");
+            if phase == PHASE_HANDOFF {
+                "delegation"
+            } else if phase.starts_with("agent.plan") {
+                "plan"
+            } else {
+                "adapter"
+            }
+        }
+        _ => "request",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{TRACE_CATEGORIES, category};
+
+    #[test]
+    fn every_event_has_a_category_of_the_trace() {
+        for event_type in super::EVENT_TYPES {
+            assert!(TRACE_CATEGORIES.contains(&category(event_type, &json!({}))));
+        }
+        assert_eq!(category("runtime.tool.denied", &json!({})), "tool");
+        assert_eq!(category("runtime.retry.scheduled", &json!({})), "model");
+        assert_eq!(
+            category(
+                "runtime.adapter.event",
+                &json!({ "event": { "phase": "agent.handoff" } })
+            ),
+            "delegation"
+        );
+        assert_eq!(
+            category("runtime.execution.contract.failed", &json!({})),
+            "request"
+        );
+    }
+}

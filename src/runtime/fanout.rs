@@ -6,6 +6,7 @@
 //! local hub, where followers order them by `seq` and fill any gap from the store. Every
 //! announcement also wakes the approval waiters of its request (a decision taken on another
 //! instance appends `runtime.approval.resolved`), which then read the decision from the store.
+//! A cancel asked on another instance stops the request's run if it executes here.
 //! When announcements may have been missed ([`StoreChange::Resync`], or this side fell
 //! behind), every waiter reads the store again; followers read it on their own every few
 //! seconds of silence.
@@ -54,6 +55,9 @@ pub(super) fn start(runtime: &Runtime, mut changes: broadcast::Receiver<StoreCha
                             tracing::debug!(%error, "could not read another instance's events")
                         }
                     }
+                }
+                StoreChange::CancelRequested { request_id, by } => {
+                    Runtime { inner }.cancel_local(&request_id, &by);
                 }
                 StoreChange::Resync => inner.approvals.notify_all(),
             }

@@ -635,6 +635,7 @@ mod tests {
             started_at: None,
             ended_at: None,
             lease: None,
+            cancel_requested_by: None,
         })
     }
 

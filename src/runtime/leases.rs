@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Runtime, RuntimeError, Submitted, input_messages, run};
+use super::{Runtime, RuntimeError, Submitted, request_start, run};
 use crate::store::{RunRecord, RunStatus};
 
 /// Bounds of the interval between two lease passes.
@@ -89,6 +89,15 @@ impl Runtime {
                 return;
             }
         };
+        // Cancels asked on another instance (announced too; this catches a lost announcement).
+        match inner.store.cancels_requested(&live).await {
+            Ok(cancels) => {
+                for (run_id, by) in cancels {
+                    self.cancel_live_run(&run_id, &by);
+                }
+            }
+            Err(error) => tracing::warn!(%error, "could not read cancels asked of runs here"),
+        }
         for run_id in live.into_iter().filter(|run| !held.contains(run)) {
             // Not renewed: either not committed yet (a run just submitted), ended, or taken.
             let Ok(Some(record)) = inner.store.run(&run_id).await else {
@@ -139,7 +148,7 @@ impl Runtime {
                 break;
             };
             inner.journal.forgive(&run.request_id).await?;
-            if self.resume_run(run, permit).await? {
+            if self.resume_run(run, Some(permit)).await? {
                 started += 1;
             }
         }
@@ -156,17 +165,16 @@ impl Runtime {
 
     /// Starts a claimed run from its persisted state: the conversation at its last checkpoint
     /// (or its input), with its events continuing the request's sequence.
-    async fn resume_run(
+    pub(super) async fn resume_run(
         &self,
         run: RunRecord,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<bool, RuntimeError> {
         let store = &self.inner.store;
         let Some(request) = store.request(&run.request_id).await? else {
             return Ok(false);
         };
-        let history = store.messages(&request.session_id).await?;
-        let input = input_messages(&request.id, &request.input, &history);
+        let (input, parent_message_id) = request_start(store.as_ref(), &request).await?;
         let own_from = input.len();
         let messages = match run
             .state
@@ -195,10 +203,12 @@ impl Runtime {
             messages,
             own_from,
             options,
-            parent_message_id: history.last().map(|m| m.id.clone()),
+            parent_message_id,
             metadata: request.metadata.clone(),
             owner: request.owner.clone(),
             resumed: true,
+            attempt: run.attempt,
+            cancel_by: run.cancel_requested_by.clone(),
             permit,
             slot: None,
         });

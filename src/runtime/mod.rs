@@ -18,6 +18,7 @@ mod leases;
 mod maintenance;
 mod narration;
 mod run;
+mod steering;
 mod watch;
 
 use std::collections::HashMap;
@@ -51,26 +52,46 @@ pub type EventStream =
 /// The key of a stored request input naming the session message its history runs through.
 const HISTORY_THROUGH: &str = "historyThrough";
 
-/// The messages a request's run started from: the session's history through the message the
-/// input names (if any), then the input's own messages.
-fn input_messages(request_id: &str, input: &Value, session: &[MessageRecord]) -> Vec<Value> {
-    let mut messages = Vec::new();
-    if let Some(through) = input.get(HISTORY_THROUGH).and_then(Value::as_str)
-        && let Some(end) = session.iter().position(|m| m.id == through)
-    {
-        // A concurrent turn of the same session may sort among the history (its clock was
-        // earlier, its commit later): the request's own messages come from its input only.
-        messages.extend(
-            session[..=end]
-                .iter()
-                .filter(|m| m.request_id.as_deref() != Some(request_id))
-                .map(|m| m.content.clone()),
-        );
-    }
-    if let Some(own) = input.get("messages").and_then(Value::as_array) {
+/// Where a request's run starts: the messages (the session's history path through the
+/// message the input names, if any, then the input's own messages), and the message the
+/// run's answer hangs under (the request's own last message, else the history's end).
+async fn request_start(
+    store: &dyn Store,
+    request: &RequestRecord,
+) -> Result<(Vec<Value>, Option<String>), StoreError> {
+    let through = request.input.get(HISTORY_THROUGH).and_then(Value::as_str);
+    let mut messages: Vec<Value> = match through {
+        Some(through) => store
+            .message_path(through)
+            .await?
+            .into_iter()
+            .map(|m| m.content)
+            .collect(),
+        None => Vec::new(),
+    };
+    if let Some(own) = request.input.get("messages").and_then(Value::as_array) {
         messages.extend(own.iter().cloned());
     }
-    messages
+    let own_last = store
+        .messages(&request.session_id)
+        .await?
+        .into_iter()
+        .rev()
+        .find(|m| m.request_id.as_deref() == Some(request.id.as_str()) && m.role != "assistant")
+        .map(|m| m.id);
+    Ok((messages, own_last.or_else(|| through.map(str::to_owned))))
+}
+
+/// The message a session's next request continues from: its newest message, or for a fork
+/// with none of its own yet, the message it was forked at.
+async fn session_leaf(
+    store: &dyn Store,
+    session: &SessionRecord,
+) -> Result<Option<String>, StoreError> {
+    if let Some(head) = store.session_head(&session.id).await? {
+        return Ok(Some(head));
+    }
+    Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
 }
 
 /// A new id: a prefix and a time-ordered UUID (v7), so ids sort by creation.
@@ -156,6 +177,12 @@ pub enum RuntimeError {
     ApprovalNotFound(String),
     #[error("approval `{id}` was already decided: it is {status}")]
     ApprovalDecided { id: String, status: &'static str },
+    #[error("request `{id}` has ended ({status}): there is nothing to cancel")]
+    RequestEnded { id: String, status: &'static str },
+    #[error("request `{id}` is {status}: only a failed or cancelled request can be retried")]
+    NotRetryable { id: String, status: &'static str },
+    #[error("message `{message}` is not in session `{session}`'s history")]
+    MessageNotFound { session: String, message: String },
     #[error("the runtime is shutting down")]
     ShuttingDown,
     #[error(transparent)]
@@ -177,10 +204,15 @@ struct Inner {
     journal: Journal,
     hub: Arc<EventHub>,
     adapters: Adapters,
+    /// The upstream HTTP client (health probes share it with the adapters).
+    http: reqwest::Client,
     gateway: ToolGateway,
     approvals: Arc<ApprovalWaiters>,
     /// Runs executing plus runs waiting for a slot.
     admission: Arc<Semaphore>,
+    /// Runs parked on an approval, which give their admission place back
+    /// (`limits.maxParkedRuns`).
+    parked: Arc<Semaphore>,
     /// Runs executing.
     slots: Arc<Semaphore>,
     tasks: TaskTracker,
@@ -194,6 +226,9 @@ struct Inner {
     leasing: CancellationToken,
     /// Held by a store maintenance pass (prune, backup): one at a time.
     maintenance: tokio::sync::Mutex<()>,
+    /// Held while a retry checks a request's state and starts its run: one at a time here
+    /// (across instances, the store's unique attempt number refuses a second).
+    retrying: tokio::sync::Mutex<()>,
 }
 
 /// How long shutdown waits for handed-over runs to stop before giving their leases back.
@@ -207,6 +242,8 @@ struct LiveRun {
     /// Set when the run is given up here (its lease lost, or handed over at shutdown): from
     /// then on it writes nothing, so whoever claims it next starts from the stored state.
     handed_over: Arc<std::sync::atomic::AtomicBool>,
+    /// Who cancelled the run (set once, before `cancel` fires); the run ends `cancelled`.
+    cancelled_by: Arc<std::sync::OnceLock<String>>,
 }
 
 impl LiveRun {
@@ -214,6 +251,12 @@ impl LiveRun {
     fn hand_over(&self) {
         self.handed_over
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cancel.cancel();
+    }
+
+    /// Stops the run on an operator's word: it ends `cancelled`.
+    fn cancel(&self, by: &str) {
+        let _ = self.cancelled_by.set(by.to_owned());
         self.cancel.cancel();
     }
 }
@@ -252,10 +295,15 @@ impl Runtime {
         let runtime = Self {
             inner: Arc::new(Inner {
                 leasing: CancellationToken::new(),
-                adapters: Adapters::new(http),
+                adapters: Adapters::new(http.clone()),
+                http,
                 gateway,
                 approvals,
                 admission: Arc::new(Semaphore::new(limit.saturating_mul(2))),
+                parked: Arc::new(Semaphore::new(
+                    workspace.runtime.limits.max_parked_runs as usize,
+                )),
+                retrying: tokio::sync::Mutex::new(()),
                 slots: Arc::new(Semaphore::new(limit)),
                 workspace,
                 store,
@@ -276,6 +324,10 @@ impl Runtime {
 
     pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
         &self.inner.workspace
+    }
+
+    pub fn http(&self) -> &reqwest::Client {
+        &self.inner.http
     }
 
     pub fn gateway(&self) -> &ToolGateway {
@@ -344,6 +396,7 @@ impl Runtime {
         }
         // A session belongs to whoever created it: to anyone else it does not exist. Only a
         // surface that continues a stored history needs it to exist already.
+        let mut existing = None;
         if let Some(id) = &request.session_id {
             match inner.store.session(id).await? {
                 Some(session) if session.owner != request.owner => {
@@ -352,7 +405,7 @@ impl Runtime {
                 None if request.with_history => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                _ => {}
+                session => existing = session,
             }
         }
         let permit = Arc::clone(&inner.admission)
@@ -362,16 +415,19 @@ impl Runtime {
             })?;
 
         let now = Utc::now();
-        // A new session has no history to read.
-        let continued = request.with_history && request.session_id.is_some();
         let session_id = request.session_id.unwrap_or_else(|| new_id("ses"));
-        let history = if continued {
-            inner.store.messages(&session_id).await?
-        } else {
-            Vec::new()
+        // The history is the path from the session's newest leaf (a new session has none):
+        // a concurrent turn of the same session is a sibling branch, never part of it.
+        let leaf = match existing.as_ref().filter(|_| request.with_history) {
+            Some(session) => session_leaf(inner.store.as_ref(), session).await?,
+            None => None,
         };
-        let mut parent_id = history.last().map(|m| m.id.clone());
-        let mut messages: Vec<Value> = history.iter().map(|m| m.content.clone()).collect();
+        let history = match &leaf {
+            Some(leaf) => inner.store.message_path(leaf).await?,
+            None => Vec::new(),
+        };
+        let mut parent_id = leaf;
+        let mut messages: Vec<Value> = history.into_iter().map(|m| m.content).collect();
         messages.extend(request.messages.iter().cloned());
 
         let request_id = new_id("req");
@@ -445,6 +501,7 @@ impl Runtime {
             started_at: slot.is_some().then_some(now),
             ended_at: None,
             lease: None,
+            cancel_requested_by: None,
         }));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable.
@@ -472,29 +529,37 @@ impl Runtime {
             metadata,
             owner: request.owner,
             resumed: false,
-            permit,
+            attempt: 1,
+            cancel_by: None,
+            permit: Some(permit),
             slot,
         });
         Ok((submitted, live))
     }
 
     fn start_run(&self, job: run::RunJob) {
-        let cancel = self.inner.shutdown.child_token();
-        let handed_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let run = LiveRun {
+            run_id: job.submitted.run_id.clone(),
+            cancel: self.inner.shutdown.child_token(),
+            handed_over: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            cancelled_by: Arc::new(std::sync::OnceLock::new()),
+        };
+        // A run claimed only to be ended: it stops before it does anything.
+        if let Some(by) = &job.cancel_by {
+            run.cancel(by);
+        }
+        let stop = run::Stop {
+            cancel: run.cancel.clone(),
+            handed_over: Arc::clone(&run.handed_over),
+            cancelled_by: Arc::clone(&run.cancelled_by),
+        };
         if let Ok(mut live) = self.inner.live.lock() {
-            live.insert(
-                job.submitted.request_id.clone(),
-                LiveRun {
-                    run_id: job.submitted.run_id.clone(),
-                    cancel: cancel.clone(),
-                    handed_over: Arc::clone(&handed_over),
-                },
-            );
+            live.insert(job.submitted.request_id.clone(), run);
         }
         let runtime = self.clone();
         self.inner.tasks.spawn(async move {
             let request_id = job.submitted.request_id.clone();
-            run::execute(&runtime, job, cancel, handed_over).await;
+            run::execute(&runtime, job, stop).await;
             if let Ok(mut live) = runtime.inner.live.lock() {
                 live.remove(&request_id);
             }

@@ -30,7 +30,8 @@ use crate::adapters::{
 };
 use crate::gateway::{RunHost, RunScope, ToolGateway};
 use crate::store::{
-    ApprovalDecision, ApprovalRecord, EventRecord, MessageRecord, RunStatus, WriteOp,
+    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, RunStatus,
+    WriteOp,
 };
 use crate::workspace::{AgentConfig, NarrationConfig, wire_name};
 
@@ -47,10 +48,22 @@ pub(super) struct RunJob {
     pub owner: String,
     /// A run continued after a restart: its recorded tool calls and approvals are loaded.
     pub resumed: bool,
-    /// Held until the run ends: it counts the run against admission.
-    pub permit: OwnedSemaphorePermit,
+    /// The run's attempt number (a retry's run is the request's next attempt).
+    pub attempt: i64,
+    /// Who cancelled the run before it started here (claimed only to be ended).
+    pub cancel_by: Option<String>,
+    /// Counts the run against admission until it ends or parks (`None`: a run claimed only
+    /// to be ended counts against nothing).
+    pub permit: Option<OwnedSemaphorePermit>,
     /// An execution slot taken at submit time (the run was stored as running).
     pub slot: Option<OwnedSemaphorePermit>,
+}
+
+/// How a run is stopped from outside (see `LiveRun`).
+pub(super) struct Stop {
+    pub cancel: CancellationToken,
+    pub handed_over: Arc<AtomicBool>,
+    pub cancelled_by: Arc<std::sync::OnceLock<String>>,
 }
 
 /// Writes the events and steps of one run; narrates the events the narrator knows.
@@ -62,6 +75,12 @@ struct RunEvents {
     clock: ActiveClock,
     /// The run's execution slot; given back while the run waits on an approval.
     slot: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The run's admission place, traded for a parked place while it waits on an approval
+    /// (kept when `limits.maxParkedRuns` are parked already).
+    admission: Mutex<Option<OwnedSemaphorePermit>>,
+    parked: Mutex<Option<OwnedSemaphorePermit>>,
+    /// Who cancelled the run, if someone did.
+    cancelled_by: Arc<std::sync::OnceLock<String>>,
     /// The run's cancellation (an operator's cancel, or shutdown).
     cancel: CancellationToken,
     /// Stops the adapter when a write the run depends on was lost (a child of `cancel`).
@@ -227,9 +246,17 @@ impl RunHost for RunEvents {
 
     async fn set_waiting(&self, waiting: bool) {
         if waiting {
-            // A run parked on a human gives its execution slot to a run that can use it.
+            // A run parked on a human gives its execution slot to a run that can use it, and
+            // its admission place to a new request (a parked place bounds the parked runs).
             self.clock.pause(true);
             drop(self.slot.lock().ok().and_then(|mut slot| slot.take()));
+            if let Ok(mut parked) = self.parked.lock()
+                && parked.is_none()
+                && let Ok(place) = Arc::clone(&self.runtime.inner.parked).try_acquire_owned()
+            {
+                *parked = Some(place);
+                drop(self.admission.lock().ok().and_then(|mut held| held.take()));
+            }
             self.set_status(RunStatus::WaitingApproval).await;
             return;
         }
@@ -309,6 +336,35 @@ impl RunHost for RunEvents {
     }
 }
 
+/// Decisions moving a run's pending approvals to `cancelled`.
+async fn cancel_pending_approvals(
+    runtime: &Runtime,
+    run_id: &str,
+    at: chrono::DateTime<Utc>,
+) -> Vec<WriteOp> {
+    let approvals = match runtime.inner.store.approvals_of_run(run_id).await {
+        Ok(approvals) => approvals,
+        Err(error) => {
+            // The run still ends; an approval left pending is refused when decided.
+            tracing::warn!(%error, "could not read the approvals of a cancelled run");
+            return Vec::new();
+        }
+    };
+    approvals
+        .into_iter()
+        .filter(|approval| approval.status == ApprovalStatus::Pending)
+        .map(|approval| {
+            WriteOp::DecideApproval(ApprovalDecision {
+                id: approval.id,
+                status: ApprovalStatus::Cancelled,
+                reason: Some("the run was cancelled".to_owned()),
+                decided_by: "runtime".to_owned(),
+                at,
+            })
+        })
+        .collect()
+}
+
 /// Moves a live run (and its request) to `status`.
 async fn set_status(runtime: &Runtime, submitted: &Submitted, status: RunStatus) {
     let now = Utc::now();
@@ -360,12 +416,12 @@ impl ToolInvoker for RunTools<'_> {
 }
 
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
-pub(super) async fn execute(
-    runtime: &Runtime,
-    job: RunJob,
-    cancel: CancellationToken,
-    handed_over: Arc<AtomicBool>,
-) {
+pub(super) async fn execute(runtime: &Runtime, job: RunJob, stop: Stop) {
+    let Stop {
+        cancel,
+        handed_over,
+        cancelled_by,
+    } = stop;
     let RunJob {
         submitted,
         messages,
@@ -375,39 +431,61 @@ pub(super) async fn execute(
         metadata,
         owner,
         resumed,
+        attempt,
+        cancel_by: _,
         permit,
         slot,
     } = job;
     let inner = &runtime.inner;
     let agent = inner.workspace.agents.get(&submitted.agent_id);
-    // A run submitted while a slot was free was stored as running already; the others wait.
-    let slot = match slot {
-        Some(slot) => slot,
-        None => {
-            let slot = tokio::select! {
-                slot = Arc::clone(&inner.slots).acquire_owned() => slot,
-                () = cancel.cancelled() => return,
-            };
-            let Ok(slot) = slot else { return };
-            if handed_over.load(Ordering::SeqCst) {
-                return;
-            }
-            set_status(runtime, &submitted, RunStatus::Running).await;
-            slot
-        }
-    };
     let events = RunEvents {
         runtime: runtime.clone(),
         submitted: submitted.clone(),
         owner,
         narration: inner.workspace.runtime.narration,
         clock: ActiveClock::start(agent.map_or(std::time::Duration::ZERO, |a| a.timeout)),
-        slot: Mutex::new(Some(slot)),
+        slot: Mutex::new(None),
+        admission: Mutex::new(permit),
+        parked: Mutex::new(None),
+        cancelled_by,
         stop: cancel.child_token(),
         cancel: cancel.clone(),
         lost: Mutex::new(None),
         handed_over,
     };
+    // A run submitted while a slot was free was stored as running already; the others wait.
+    // One cancelled while it waits ends without running.
+    let slot = match slot {
+        Some(slot) => Some(slot),
+        None => {
+            let slot = tokio::select! {
+                slot = Arc::clone(&inner.slots).acquire_owned() => slot.ok(),
+                () = cancel.cancelled() => None,
+            };
+            if events.is_handed_over() || (slot.is_none() && !cancel.is_cancelled()) {
+                return;
+            }
+            if slot.is_some() {
+                set_status(runtime, &submitted, RunStatus::Running).await;
+            }
+            slot
+        }
+    };
+    let Some(slot) = slot else {
+        let cancelled = AdapterError::new(FailureKind::Cancelled, "the run was cancelled");
+        finish(
+            runtime,
+            &events,
+            &submitted,
+            parent_message_id,
+            Err(cancelled),
+        )
+        .await;
+        return;
+    };
+    if let Ok(mut held) = events.slot.lock() {
+        *held = Some(slot);
+    }
     let result = match agent {
         Some(agent) => {
             let scope = RunScope::new(
@@ -423,6 +501,7 @@ pub(super) async fn execute(
             let run = AdapterRun {
                 agent,
                 resumed,
+                attempt,
                 messages: &messages,
                 own_from,
                 options: &options,
@@ -439,13 +518,13 @@ pub(super) async fn execute(
         )),
     };
     finish(runtime, &events, &submitted, parent_message_id, result).await;
-    drop(permit);
 }
 
 /// What a run gives its adapter.
 struct AdapterRun<'a> {
     agent: &'a AgentConfig,
     resumed: bool,
+    attempt: i64,
     messages: &'a [Value],
     own_from: usize,
     options: &'a Map<String, Value>,
@@ -462,6 +541,7 @@ async fn run_adapter(
     let AdapterRun {
         agent,
         resumed,
+        attempt,
         messages,
         own_from,
         options,
@@ -488,7 +568,7 @@ async fn run_adapter(
     events
         .record(
             REQUEST_STARTED,
-            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": 1,
+            json!({ "agentId": agent.name, "backend": wire_name(&agent.backend), "attempt": attempt,
                 "runId": events.submitted.run_id, "instance": inner.store.holder() }),
         )
         .await;
@@ -577,7 +657,11 @@ async fn finish(
             )
         }
         Err(error) if error.kind == FailureKind::Cancelled => {
-            let data = json!({ "reason": error.message });
+            let reason = match events.cancelled_by.get() {
+                Some(by) => format!("cancelled by {by}"),
+                None => error.message.clone(),
+            };
+            let data = json!({ "reason": reason, "cancelledBy": events.cancelled_by.get() });
             (
                 RunStatus::Cancelled,
                 REQUEST_CANCELLED,
@@ -619,7 +703,22 @@ async fn finish(
     ops.push(WriteOp::AppendEvent(
         events.event(terminal_type, terminal_data),
     ));
-    match runtime.inner.journal.settle(&request_id, ops).await {
+    // A cancelled run's calls still waiting on a human are moot: their approvals end
+    // `cancelled` in the run's last transaction. One decided meanwhile refuses the group, so
+    // the approvals are read again.
+    let mut tries = 0;
+    let settled = loop {
+        tries += 1;
+        let mut group = ops.clone();
+        if status == RunStatus::Cancelled {
+            group.extend(cancel_pending_approvals(runtime, &submitted.run_id, now).await);
+        }
+        let settled = runtime.inner.journal.settle(&request_id, group).await;
+        if tries == 3 || !matches!(settled, Err(JournalError::Conflict(_))) {
+            break settled;
+        }
+    };
+    match settled {
         Ok(()) => {}
         Err(JournalError::LeaseLost(reason)) => {
             tracing::info!(%reason, "the run ended here after another instance took its lease over; it goes on there");

@@ -120,6 +120,8 @@ pub trait Store: Send + Sync + 'static {
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError>;
     /// The runs of a request, oldest first.
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError>;
+    /// The runs of several requests (a page of a list) in one read, by request then attempt.
+    async fn runs_of_requests(&self, request_ids: &[String]) -> Result<Vec<RunRecord>, StoreError>;
     /// Runs in any of `statuses`, oldest first.
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError>;
 
@@ -137,6 +139,22 @@ pub trait Store: Send + Sync + 'static {
     /// Gives every lease this holder has back (graceful shutdown), so another instance may
     /// claim the runs at once; returns how many.
     async fn release_leases(&self) -> Result<u64, StoreError>;
+    /// Takes the lease of one live run that no instance holds (none, or expired), for this
+    /// holder; `None` when the run ended or someone else holds it.
+    async fn claim_run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError>;
+    /// Asks whoever executes a live run to stop it (an operator's cancel): the mark is stored
+    /// with the run and, on a shared store, announced to the other instances
+    /// ([`StoreChange::CancelRequested`]). `by` is who asked. Returns false when the run has
+    /// ended already.
+    async fn request_cancel(
+        &self,
+        run_id: &str,
+        request_id: &str,
+        by: &str,
+    ) -> Result<bool, StoreError>;
+    /// Those of `runs` asked to stop (see [`Store::request_cancel`]), with who asked.
+    async fn cancels_requested(&self, runs: &[String])
+    -> Result<Vec<(String, String)>, StoreError>;
     /// What other instances commit, for a store several instances share (`None`: only this
     /// process writes to it).
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<StoreChange>> {
@@ -166,6 +184,19 @@ pub trait Store: Send + Sync + 'static {
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError>;
     /// The messages of a session, oldest first.
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;
+    async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError>;
+    /// The newest message of a session: the leaf its next request continues from (a message's
+    /// children are always newer than it, so the newest is a leaf).
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError>;
+    /// The path from the root of a message tree to `leaf`, root first: a session's history.
+    /// It crosses into the session a fork branched from.
+    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError>;
+    /// Sessions newest first.
+    async fn sessions(
+        &self,
+        filter: &SessionFilter,
+        page: &PageRequest,
+    ) -> Result<Page<SessionRecord>, StoreError>;
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError>;
     /// Newest first, optionally only those in `status`; `page.cursor` as for requests.
     async fn approvals(

@@ -109,6 +109,10 @@ pub struct RunRecord {
     /// Who executes the live run, and until when (SPEC section 8). Set by the store: a new run
     /// is leased to the instance that inserts it, whatever the record says.
     pub lease: Option<Lease>,
+    /// Who asked the run to stop ([`super::Store::request_cancel`]); whoever holds it ends it
+    /// as cancelled. Set by the store only: an inserted run's value is not read.
+    #[serde(default)]
+    pub cancel_requested_by: Option<String>,
 }
 
 /// A live run's lease: the instance holding it and when it expires unless renewed.
@@ -138,6 +142,8 @@ pub enum StoreChange {
         first: i64,
         last: i64,
     },
+    /// An operator asked another instance to stop a request's live run.
+    CancelRequested { request_id: String, by: String },
     /// Notifications may have been missed (the listening connection was lost): whoever waits
     /// on the store should read it again.
     Resync,
@@ -337,6 +343,16 @@ pub struct RequestFilter {
     pub owner: Option<String>,
     pub agent_id: Option<String>,
     pub session_id: Option<String>,
+    /// Created at or after this instant.
+    pub created_from: Option<DateTime<Utc>>,
+    /// Created before this instant.
+    pub created_before: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SessionFilter {
+    pub owner: Option<String>,
+    pub agent_id: Option<String>,
 }
 
 #[derive(Debug, Clone)]

@@ -37,7 +37,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
     MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord,
-    RunRecord, RunStatus, SessionRecord, Store, StoreChange, StoreError, StoreStats,
+    RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats,
     ToolCallRecord, WriteOp, redact_url,
 };
 
@@ -93,7 +93,8 @@ impl PostgresStore {
     }
 }
 
-/// Forwards other instances' announcements (`holder request first last`) until `stop`.
+/// Forwards other instances' announcements (`holder request first last`, or `holder cancel
+/// request by`) until `stop`.
 async fn listen(
     mut listener: PgListener,
     holder: String,
@@ -108,9 +109,21 @@ async fn listen(
         match received {
             Ok(Some(notification)) => {
                 let mut fields = notification.payload().split(' ');
-                let (Some(from), Some(request_id), Some(first), Some(last)) =
-                    (fields.next(), fields.next(), fields.next(), fields.next())
+                let (Some(from), Some(second), Some(third)) =
+                    (fields.next(), fields.next(), fields.next())
                 else {
+                    continue;
+                };
+                if second == "cancel" {
+                    // Every instance hears it, the asker included: the holder acts on it.
+                    let by: Vec<&str> = fields.collect();
+                    let _ = changes.send(StoreChange::CancelRequested {
+                        request_id: third.to_owned(),
+                        by: by.join(" "),
+                    });
+                    continue;
+                }
+                let (request_id, first, Some(last)) = (second, third, fields.next()) else {
                     continue;
                 };
                 if from == holder {
@@ -211,6 +224,30 @@ fn run_from_row(row: &PgRow) -> Result<RunRecord, StoreError> {
             row.try_get("lease_holder")?,
             row.try_get("lease_expires_at")?,
         ),
+        cancel_requested_by: row.try_get("cancel_requested_by")?,
+    })
+}
+
+fn session_from_row(row: &PgRow) -> Result<SessionRecord, StoreError> {
+    Ok(SessionRecord {
+        id: row.try_get("id")?,
+        agent_id: row.try_get("agent_id")?,
+        owner: row.try_get("owner")?,
+        metadata: row.try_get("metadata")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+fn message_from_row(row: &PgRow) -> Result<MessageRecord, StoreError> {
+    Ok(MessageRecord {
+        id: row.try_get("id")?,
+        session_id: row.try_get("session_id")?,
+        parent_id: row.try_get("parent_id")?,
+        request_id: row.try_get("request_id")?,
+        role: row.try_get("role")?,
+        content: row.try_get("content")?,
+        created_at: row.try_get("created_at")?,
     })
 }
 
@@ -272,6 +309,7 @@ SELECT s.id FROM sessions s
 WHERE ($4::text IS NULL OR s.id > $4)
   AND ($6::text[] IS NULL OR s.id = ANY($6))
   AND s.updated_at < COALESCE(($1::jsonb ->> s.agent_id)::timestamptz, $2::timestamptz, '-infinity')
+  AND NOT EXISTS (SELECT 1 FROM sessions f WHERE f.metadata -> 'forkedFrom' ->> 'sessionId' = s.id)
   AND NOT EXISTS (
     SELECT 1 FROM requests r WHERE r.session_id = s.id AND (
         r.status NOT IN ('completed', 'failed', 'cancelled')
@@ -424,6 +462,8 @@ impl Store for PostgresStore {
              WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR agent_id = $2)
                AND ($3::text IS NULL OR session_id = $3) AND ($4::text IS NULL OR id < $4)
                AND ($6::text IS NULL OR owner = $6)
+               AND ($7::timestamptz IS NULL OR created_at >= $7)
+               AND ($8::timestamptz IS NULL OR created_at < $8)
              ORDER BY id DESC LIMIT $5",
         )
         .bind(filter.status.map(RunStatus::as_str))
@@ -432,6 +472,8 @@ impl Store for PostgresStore {
         .bind(page.cursor.as_deref().map(text))
         .bind(page.limit + 1)
         .bind(filter.owner.as_deref().map(text))
+        .bind(filter.created_from)
+        .bind(filter.created_before)
         .fetch_all(&self.pool)
         .await?;
         let items = rows
@@ -454,6 +496,20 @@ impl Store for PostgresStore {
             .bind(text(request_id))
             .fetch_all(&self.pool)
             .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn runs_of_requests(&self, request_ids: &[String]) -> Result<Vec<RunRecord>, StoreError> {
+        if request_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = request_ids.iter().map(|id| text(id)).collect();
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE request_id = ANY($1) ORDER BY request_id, attempt",
+        )
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter().map(run_from_row).collect()
     }
 
@@ -523,6 +579,62 @@ impl Store for PostgresStore {
         .rows_affected())
     }
 
+    async fn claim_run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError> {
+        let row = sqlx::query(
+            "UPDATE runs SET lease_holder = $1, lease_expires_at = now() + $2 * interval '1 millisecond'
+             WHERE id = $3 AND status IN ('queued', 'running', 'waiting_approval')
+               AND (lease_holder IS NULL OR lease_expires_at < now())
+             RETURNING *",
+        )
+        .bind(&self.holder)
+        .bind(self.lease_ms)
+        .bind(text(run_id))
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(run_from_row).transpose()
+    }
+
+    async fn request_cancel(
+        &self,
+        run_id: &str,
+        request_id: &str,
+        by: &str,
+    ) -> Result<bool, StoreError> {
+        // The mark and its announcement commit together: whoever hears it finds the mark.
+        let marked = sqlx::query(
+            "WITH marked AS (
+                 UPDATE runs SET cancel_requested_by = COALESCE(cancel_requested_by, $4)
+                  WHERE id = $1 AND status IN ('queued', 'running', 'waiting_approval')
+                 RETURNING id)
+             SELECT pg_notify('stable_harness_events', $2 || ' cancel ' || $3 || ' ' || $4)
+               FROM marked",
+        )
+        .bind(text(run_id))
+        .bind(&self.holder)
+        .bind(text(request_id))
+        .bind(text(by))
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(marked.is_some())
+    }
+
+    async fn cancels_requested(
+        &self,
+        runs: &[String],
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query_as(
+            "SELECT id, cancel_requested_by FROM runs WHERE id = ANY($1)
+               AND cancel_requested_by IS NOT NULL
+               AND status IN ('queued', 'running', 'waiting_approval')",
+        )
+        .bind(runs)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     fn changes(&self) -> Option<broadcast::Receiver<StoreChange>> {
         Some(self.changes.subscribe())
     }
@@ -583,17 +695,7 @@ impl Store for PostgresStore {
             .bind(text(id))
             .fetch_optional(&self.pool)
             .await?;
-        row.map(|row| {
-            Ok(SessionRecord {
-                id: row.try_get("id")?,
-                agent_id: row.try_get("agent_id")?,
-                owner: row.try_get("owner")?,
-                metadata: row.try_get("metadata")?,
-                created_at: row.try_get("created_at")?,
-                updated_at: row.try_get("updated_at")?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(session_from_row).transpose()
     }
 
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
@@ -602,19 +704,63 @@ impl Store for PostgresStore {
                 .bind(text(session_id))
                 .fetch_all(&self.pool)
                 .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(MessageRecord {
-                    id: row.try_get("id")?,
-                    session_id: row.try_get("session_id")?,
-                    parent_id: row.try_get("parent_id")?,
-                    request_id: row.try_get("request_id")?,
-                    role: row.try_get("role")?,
-                    content: row.try_get("content")?,
-                    created_at: row.try_get("created_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(message_from_row).collect()
+    }
+
+    async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM messages WHERE id = $1")
+            .bind(text(id))
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(message_from_row).transpose()
+    }
+
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM messages WHERE session_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1",
+        )
+        .bind(text(session_id))
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
+        let rows = sqlx::query(
+            "WITH RECURSIVE path(id, depth) AS (
+                 SELECT $1::text COLLATE \"C\", 0
+                 UNION ALL
+                 SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
+                  WHERE m.parent_id IS NOT NULL)
+             SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
+        )
+        .bind(text(leaf))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(message_from_row).collect()
+    }
+
+    async fn sessions(
+        &self,
+        filter: &SessionFilter,
+        page: &PageRequest,
+    ) -> Result<Page<SessionRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM sessions
+             WHERE ($1::text IS NULL OR agent_id = $1) AND ($2::text IS NULL OR owner = $2)
+               AND ($3::text IS NULL OR id < $3)
+             ORDER BY id DESC LIMIT $4",
+        )
+        .bind(filter.agent_id.as_deref().map(text))
+        .bind(filter.owner.as_deref().map(text))
+        .bind(page.cursor.as_deref().map(text))
+        .bind(page.limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows
+            .iter()
+            .map(session_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |s| s.id.clone()))
     }
 
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {

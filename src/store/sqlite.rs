@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use rusqlite::OptionalExtension;
 use serde_json::Value;
 use sqlx::sqlite::{
     SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
@@ -22,8 +23,8 @@ use super::sqlite_writer::{CATCH_UP_PAGES, Leases, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
     MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
-    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, StoreStats,
-    ToolCallRecord, WriteOp,
+    RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreError,
+    StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -269,6 +270,8 @@ SELECT s.id FROM sessions s
 WHERE (?4 IS NULL OR s.id > ?4)
   AND (?6 IS NULL OR s.id IN (SELECT value FROM json_each(?6)))
   AND s.updated_at < COALESCE(json_extract(?1, '$."' || s.agent_id || '"'), ?2, '')
+  AND NOT EXISTS (SELECT 1 FROM sessions f
+                  WHERE json_extract(f.metadata, '$.forkedFrom.sessionId') = s.id)
   AND NOT EXISTS (
     SELECT 1 FROM requests r WHERE r.session_id = s.id AND (
         r.status NOT IN ('completed', 'failed', 'cancelled')
@@ -340,7 +343,36 @@ fn run_from_row(row: &SqliteRow) -> Result<RunRecord, StoreError> {
             row.try_get("lease_holder")?,
             parse_time_opt(row.try_get("lease_expires_at")?)?,
         ),
+        cancel_requested_by: row.try_get("cancel_requested_by")?,
     })
+}
+
+fn session_from_row(row: &SqliteRow) -> Result<SessionRecord, StoreError> {
+    Ok(SessionRecord {
+        id: row.try_get("id")?,
+        agent_id: row.try_get("agent_id")?,
+        owner: row.try_get("owner")?,
+        metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
+        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
+        updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
+    })
+}
+
+fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
+    Ok(MessageRecord {
+        id: row.try_get("id")?,
+        session_id: row.try_get("session_id")?,
+        parent_id: row.try_get("parent_id")?,
+        request_id: row.try_get("request_id")?,
+        role: row.try_get("role")?,
+        content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
+        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
+    })
+}
+
+/// A time as this store writes it, for comparisons in SQL.
+fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
+    value.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
 }
 
 fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
@@ -416,6 +448,7 @@ impl Store for SqliteStore {
              WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
                AND (?3 IS NULL OR session_id = ?3) AND (?4 IS NULL OR id < ?4)
                AND (?6 IS NULL OR owner = ?6)
+               AND (?7 IS NULL OR created_at >= ?7) AND (?8 IS NULL OR created_at < ?8)
              ORDER BY id DESC LIMIT ?5",
         )
         .bind(filter.status.map(RunStatus::as_str))
@@ -424,6 +457,8 @@ impl Store for SqliteStore {
         .bind(&page.cursor)
         .bind(page.limit + 1)
         .bind(&filter.owner)
+        .bind(stored_time(filter.created_from.as_ref()))
+        .bind(stored_time(filter.created_before.as_ref()))
         .fetch_all(&self.reader)
         .await?;
         let items = rows
@@ -446,6 +481,20 @@ impl Store for SqliteStore {
             .bind(request_id)
             .fetch_all(&self.reader)
             .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn runs_of_requests(&self, request_ids: &[String]) -> Result<Vec<RunRecord>, StoreError> {
+        if request_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE request_id IN (SELECT value FROM json_each(?))
+             ORDER BY request_id, attempt",
+        )
+        .bind(serde_json::to_string(request_ids).unwrap_or_default())
+        .fetch_all(&self.reader)
+        .await?;
         rows.iter().map(run_from_row).collect()
     }
 
@@ -524,6 +573,70 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn claim_run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError> {
+        let leases = self.leases.clone();
+        let run = run_id.to_owned();
+        let claimed: Option<String> = self
+            .writer
+            .maintain(move |connection| {
+                let now = super::sqlite_writer::now();
+                connection
+                    .prepare_cached(
+                        "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
+                         WHERE id = ?3 AND status IN ('queued', 'running', 'waiting_approval')
+                           AND (lease_holder IS NULL OR lease_expires_at < ?4)
+                         RETURNING id",
+                    )?
+                    .query_row(
+                        rusqlite::params![leases.holder, leases.expiry(), run, now],
+                        |row| row.get(0),
+                    )
+                    .optional()
+            })
+            .await?;
+        match claimed {
+            Some(id) => self.run(&id).await,
+            None => Ok(None),
+        }
+    }
+
+    async fn request_cancel(
+        &self,
+        run_id: &str,
+        _request_id: &str,
+        by: &str,
+    ) -> Result<bool, StoreError> {
+        let (run, by) = (run_id.to_owned(), by.to_owned());
+        self.writer
+            .maintain(move |connection| {
+                connection
+                    .prepare_cached(
+                        "UPDATE runs SET cancel_requested_by = COALESCE(cancel_requested_by, ?2)
+                         WHERE id = ?1 AND status IN ('queued', 'running', 'waiting_approval')",
+                    )?
+                    .execute(rusqlite::params![run, by])
+                    .map(|marked| marked == 1)
+            })
+            .await
+    }
+
+    async fn cancels_requested(
+        &self,
+        runs: &[String],
+    ) -> Result<Vec<(String, String)>, StoreError> {
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(sqlx::query_as(
+            "SELECT id, cancel_requested_by FROM runs WHERE id IN (SELECT value FROM json_each(?))
+               AND cancel_requested_by IS NOT NULL
+               AND status IN ('queued', 'running', 'waiting_approval')",
+        )
+        .bind(serde_json::to_string(runs).unwrap_or_default())
+        .fetch_all(&self.reader)
+        .await?)
+    }
+
     async fn events(
         &self,
         request_id: &str,
@@ -575,17 +688,7 @@ impl Store for SqliteStore {
             .bind(id)
             .fetch_optional(&self.reader)
             .await?;
-        row.map(|row| {
-            Ok(SessionRecord {
-                id: row.try_get("id")?,
-                agent_id: row.try_get("agent_id")?,
-                owner: row.try_get("owner")?,
-                metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
-                created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-                updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(session_from_row).transpose()
     }
 
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
@@ -594,19 +697,63 @@ impl Store for SqliteStore {
                 .bind(session_id)
                 .fetch_all(&self.reader)
                 .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(MessageRecord {
-                    id: row.try_get("id")?,
-                    session_id: row.try_get("session_id")?,
-                    parent_id: row.try_get("parent_id")?,
-                    request_id: row.try_get("request_id")?,
-                    role: row.try_get("role")?,
-                    content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
-                    created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-                })
-            })
-            .collect()
+        rows.iter().map(message_from_row).collect()
+    }
+
+    async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM messages WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await?;
+        row.as_ref().map(message_from_row).transpose()
+    }
+
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM messages WHERE session_id = ? ORDER BY created_at DESC, id DESC LIMIT 1",
+        )
+        .bind(session_id)
+        .fetch_optional(&self.reader)
+        .await?)
+    }
+
+    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
+        let rows = sqlx::query(
+            "WITH RECURSIVE path(id, depth) AS (
+                 SELECT ?1, 0
+                 UNION ALL
+                 SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
+                  WHERE m.parent_id IS NOT NULL)
+             SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
+        )
+        .bind(leaf)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(message_from_row).collect()
+    }
+
+    async fn sessions(
+        &self,
+        filter: &SessionFilter,
+        page: &PageRequest,
+    ) -> Result<Page<SessionRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM sessions
+             WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 IS NULL OR owner = ?2)
+               AND (?3 IS NULL OR id < ?3)
+             ORDER BY id DESC LIMIT ?4",
+        )
+        .bind(&filter.agent_id)
+        .bind(&filter.owner)
+        .bind(&page.cursor)
+        .bind(page.limit + 1)
+        .fetch_all(&self.reader)
+        .await?;
+        let items = rows
+            .iter()
+            .map(session_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |s| s.id.clone()))
     }
 
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {

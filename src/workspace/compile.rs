@@ -55,6 +55,8 @@ pub fn compile(
         models,
         tools,
         workflows,
+        loaded_at: chrono::Utc::now(),
+        compile_time: std::time::Duration::ZERO,
     })
 }
 
@@ -945,6 +947,9 @@ impl Compiler<'_> {
         };
         let admin_api_keys_env =
             self.env_vars(origin, &spec.protocols.admin.api_keys_env, "apiKeysEnv");
+        // A parked run is a task holding its transcript: bounded like any queue.
+        const DEFAULT_PARKED_RUNS: u32 = 1_000;
+        const MAX_PARKED_RUNS: u32 = 1_000_000;
         let max_concurrent_runs = match &spec.limits.max_concurrent_runs {
             Some(limit) if limit.value == 0 => {
                 self.report(origin.at(limit, "`maxConcurrentRuns` must be at least 1"));
@@ -953,7 +958,19 @@ impl Compiler<'_> {
             Some(limit) => limit.value,
             None => 256,
         };
+        let max_parked_runs = match &spec.limits.max_parked_runs {
+            Some(limit) if limit.value > MAX_PARKED_RUNS => {
+                self.report(origin.at(
+                    limit,
+                    format!("`maxParkedRuns` must be at most {MAX_PARKED_RUNS}"),
+                ));
+                DEFAULT_PARKED_RUNS
+            }
+            Some(limit) => limit.value,
+            None => DEFAULT_PARKED_RUNS,
+        };
         let limits = LimitsConfig {
+            max_parked_runs,
             max_request_bytes: self.byte_size(
                 origin,
                 &spec.limits.max_request_bytes,

@@ -32,6 +32,9 @@ pub struct CompiledWorkspace {
     pub models: BTreeMap<String, ModelConfig>,
     pub tools: BTreeMap<String, ToolConfig>,
     pub workflows: BTreeMap<String, WorkflowConfig>,
+    /// When it was read from disk, and how long reading and compiling took.
+    pub loaded_at: chrono::DateTime<chrono::Utc>,
+    pub compile_time: std::time::Duration,
 }
 
 impl CompiledWorkspace {
@@ -98,6 +101,9 @@ pub struct KeyConfig {
 pub struct LimitsConfig {
     pub max_request_bytes: u64,
     pub max_concurrent_runs: u32,
+    /// Runs parked on an approval that count against no admission place
+    /// (`limits.maxParkedRuns`, default 1000).
+    pub max_parked_runs: u32,
     /// Longest output text of a run (`limits.maxOutputBytes`, default 1MiB).
     pub max_output_bytes: u64,
 }

@@ -251,6 +251,11 @@ pub struct LimitsSpec {
     /// Runs executing at once; more are queued or refused with 429 (default 256).
     #[serde(default)]
     pub max_concurrent_runs: Option<Located<u32>>,
+    /// Runs that may wait on an approval without counting against admission (default
+    /// 1000): a long approval queue never turns new requests away. Beyond it, a parked run
+    /// keeps its admission place.
+    #[serde(default)]
+    pub max_parked_runs: Option<Located<u32>>,
     /// Longest output text a run may produce (default 1MiB).
     #[serde(default)]
     pub max_output_bytes: Option<Located<ByteSizeText>>,

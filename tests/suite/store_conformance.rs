@@ -123,6 +123,7 @@ fn run(id: &str, request: &str, status: RunStatus) -> WriteOp {
         started_at: None,
         ended_at: None,
         lease: None,
+        cancel_requested_by: None,
     })
 }
 

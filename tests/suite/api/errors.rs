@@ -222,7 +222,7 @@ async fn query_and_path_parameters_that_do_not_parse_are_named_in_the_envelope()
             "limit",
         ),
         (
-            "/admin/requests?limit=201".into(),
+            "/admin/requests?limit=0".into(),
             ADMIN_KEY,
             422,
             "invalid_request",

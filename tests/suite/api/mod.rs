@@ -6,6 +6,7 @@
 pub mod upstream;
 
 mod admin;
+mod control;
 mod durability;
 mod enforced;
 mod errors;
@@ -76,6 +77,16 @@ impl TestApp {
         client: &[&str],
         admin: &[&str],
     ) -> Self {
+        Self::spawn_on(workspace, None, client, admin).await
+    }
+
+    /// Serves `workspace` on the store at `database_url` (`None`: the embedded one).
+    pub async fn spawn_on(
+        workspace: TestWorkspace,
+        database_url: Option<String>,
+        client: &[&str],
+        admin: &[&str],
+    ) -> Self {
         stable_harness::app::install_crypto_provider();
         let compiled = stable_harness::workspace::load(workspace.path())
             .unwrap_or_else(|d| panic!("invalid test workspace:\n{d}"));
@@ -83,7 +94,7 @@ impl TestApp {
             workspace: Arc::new(compiled),
             host: "127.0.0.1".into(),
             port: 0,
-            database_url: None,
+            database_url,
             api_keys: client.iter().map(|k| (*k).into()).collect(),
             admin_keys: admin.iter().map(|k| (*k).into()).collect(),
             insecure_open_surfaces: false,

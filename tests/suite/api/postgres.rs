@@ -105,7 +105,12 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_beside_a_second_inst
         assert!(!server.stderr().contains("hunter2secret"));
     }
     let migrations = crate::pg::psql(&url, "SELECT count(*) FROM _sqlx_migrations");
-    assert_eq!(migrations.trim(), "2", "each migration applied once");
+    let shipped = std::fs::read_dir("migrations/postgres").unwrap().count();
+    assert_eq!(
+        migrations.trim(),
+        shipped.to_string(),
+        "each migration applied once"
+    );
     a.terminate();
     b.terminate();
 }
@@ -615,5 +620,67 @@ async fn a_run_parked_on_an_approval_moves_to_the_other_instance_when_its_holder
         .map(|d| d["instance"].clone())
         .collect();
     assert_eq!(instances, [json!(a_instance), json!(b.instance)]);
+    b.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Prints how long the cancel took (a figure for the closing note, not a threshold).
+#[allow(clippy::print_stderr)]
+async fn a_cancel_asked_on_b_stops_the_run_executing_on_a() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    // The upstream call stalls past the model's timeout: only the cancel ends it.
+    upstream.set_default(Reply::Stall(Duration::from_secs(30)));
+    let TwoInstances {
+        url,
+        a,
+        b,
+        http,
+        request_id,
+        run_id,
+        ..
+    } = TwoInstances::start(
+        &upstream,
+        &tools,
+        "  store: { leaseDuration: 10m }\n",
+        "stall",
+    )
+    .await;
+    for _ in 0..500 {
+        if !upstream.calls().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(lease_holder(&url, &run_id), a.instance);
+
+    let asked = std::time::Instant::now();
+    let response = http
+        .post(b.url(&format!("/admin/requests/{request_id}/cancel")))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let view: Value = response.json().await.unwrap();
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "cancelled", "{view}");
+    eprintln!(
+        "a cancel asked on B ended the run on A in {:?}",
+        asked.elapsed()
+    );
+    let events = all_events(&http, &a.base, &request_id).await;
+    assert_gapless(&events);
+    let cancelled = data_of(&events, "runtime.request.cancelled");
+    assert!(
+        cancelled[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("operator"),
+        "{cancelled:?}"
+    );
+    assert_eq!(upstream.calls().len(), 1);
+    a.terminate();
     b.terminate();
 }

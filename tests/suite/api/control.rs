@@ -1,0 +1,641 @@
+//! The operator control plane (issue 11) through the real server over HTTP, each behaviour on
+//! the embedded store and on PostgreSQL: cancel (a stalled upstream call, a hanging command
+//! tool, a run parked on an approval), retry, parked runs outside admission, sessions as
+//! trees and their forks, and the inspection views.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::trust::{data_of, teller_workspace};
+use super::upstream::{MockUpstream, Reply};
+use super::{ADMIN_KEY, CLIENT_KEY, RecordingTools, TestApp, api_workspace, assert_gapless, types};
+use crate::helpers::TestWorkspace;
+
+const OTHER_CLIENT_KEY: &str = "another-client-key-for-tests";
+
+/// One test per store for a behaviour written once.
+macro_rules! on_both_stores {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                super::$name(None).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$name(Some(crate::pg::fresh_database())).await;
+            }
+        }
+    };
+}
+
+async fn spawn(workspace: TestWorkspace, store: Option<String>) -> TestApp {
+    TestApp::spawn_on(
+        workspace,
+        store,
+        &[CLIENT_KEY, OTHER_CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await
+}
+
+async fn submit(app: &TestApp, body: Value) -> String {
+    let (status, accepted) = app.post("/runtime/requests", CLIENT_KEY, &body).await;
+    assert_eq!(status, 202, "{accepted}");
+    accepted["requestId"].as_str().unwrap().to_owned()
+}
+
+async fn poll<T>(what: &str, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+    for _ in 0..500 {
+        if let Some(found) = probe().await {
+            return found;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+on_both_stores!(cancel_stops_a_stalled_upstream_call);
+// Prints how long the cancel took (a figure for the closing note, not a threshold).
+#[allow(clippy::print_stderr)]
+async fn cancel_stops_a_stalled_upstream_call(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    // Longer than the model's 5 s timeout: a run that ends `cancelled` was stopped by the
+    // cancel, not by its timeout (which would fail it, then retry).
+    upstream.set_default(Reply::Stall(Duration::from_secs(30)));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let id = submit(&app, json!({ "input": { "text": "hello" } })).await;
+    poll("the upstream call", async || {
+        (!upstream.calls().is_empty()).then_some(())
+    })
+    .await;
+
+    let cancel = format!("/runtime/requests/{id}/cancel");
+    let (status, error) = app.post(&cancel, OTHER_CLIENT_KEY, &json!({})).await;
+    assert_eq!(status, 404, "another key's request does not exist: {error}");
+    let asked = Instant::now();
+    let (status, view) = app.post(&cancel, CLIENT_KEY, &json!({})).await;
+    let took = asked.elapsed();
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "cancelled", "{view}");
+    eprintln!("cancel of a stalled upstream call answered in {took:?}");
+
+    let events = app.events(&id).await;
+    assert_gapless(&events);
+    assert_eq!(types(&events).last().unwrap(), "runtime.request.cancelled");
+    let reason = data_of(&events, "runtime.request.cancelled")[0]["reason"].clone();
+    assert!(
+        reason.as_str().unwrap().contains("client"),
+        "the reason names who cancelled: {reason}"
+    );
+    assert_eq!(
+        upstream.calls().len(),
+        1,
+        "nothing is retried after a cancel"
+    );
+
+    let (status, error) = app.post(&cancel, CLIENT_KEY, &json!({})).await;
+    assert_eq!(status, 409, "{error}");
+    assert_eq!(error["error"]["code"], "request_ended");
+    let (status, error) = app
+        .post("/admin/requests/req_0/cancel", ADMIN_KEY, &json!({}))
+        .await;
+    assert_eq!(status, 404, "{error}");
+    assert_eq!(error["error"]["param"], "id");
+}
+
+on_both_stores!(cancel_kills_a_hanging_command_tool);
+// Prints how long the cancel took (a figure for the closing note, not a threshold).
+#[allow(clippy::print_stderr)]
+async fn cancel_kills_a_hanging_command_tool(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let workspace = api_workspace(&upstream, "");
+    workspace.write(
+        "resources/tools/hang.sh",
+        "#!/bin/sh\necho $$ > hang.pid\nsleep 60 &\necho $! > sleep.pid\nwait\n",
+    );
+    workspace.make_executable("resources/tools/hang.sh");
+    workspace.write(
+        "config/catalogs/hang.yaml",
+        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: hang }\nspec:\n  tools:\n    - { id: hang, timeout: 60s, command: { program: resources/tools/hang.sh } }\n",
+    );
+    workspace.write(
+        "config/agents/sleeper.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: sleeper }\nspec:\n  backend: scripted\n  tools: [hang]\n  script: [{ toolCall: { tool: hang, arguments: {} } }, { reply: woke }]\n",
+    );
+    let root = workspace.path().to_path_buf();
+    let app = spawn(workspace, store).await;
+    let id = submit(
+        &app,
+        json!({ "agentId": "sleeper", "input": { "text": "sleep" } }),
+    )
+    .await;
+    let pids: Vec<u32> = poll("the tool's processes", async || {
+        let shell = std::fs::read_to_string(root.join("hang.pid")).ok()?;
+        let sleep = std::fs::read_to_string(root.join("sleep.pid")).ok()?;
+        Some(vec![shell.trim().parse().ok()?, sleep.trim().parse().ok()?])
+    })
+    .await;
+    assert!(pids.iter().all(|pid| alive(*pid)));
+
+    let asked = Instant::now();
+    let (status, view) = app
+        .post(
+            &format!("/admin/requests/{id}/cancel"),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "cancelled");
+    poll("the tool's processes to die", async || {
+        pids.iter().all(|pid| !alive(*pid)).then_some(())
+    })
+    .await;
+    eprintln!(
+        "a hanging command tool's process group was gone {:?} after the cancel",
+        asked.elapsed()
+    );
+    let events = app.events(&id).await;
+    let reason = data_of(&events, "runtime.request.cancelled")[0]["reason"].clone();
+    assert!(reason.as_str().unwrap().contains("operator"), "{reason}");
+    assert!(
+        data_of(&events, "runtime.request.completed").is_empty(),
+        "the script never went on to reply"
+    );
+}
+
+/// Whether a process runs (a zombie waiting to be reaped has died).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+on_both_stores!(cancel_of_a_parked_run_cancels_its_approvals);
+async fn cancel_of_a_parked_run_cancels_its_approvals(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    upstream.push([Reply::call("payments_refund", r#"{"amount":9}"#)]);
+    upstream.set_default(Reply::Text("refunded".into()));
+    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
+    let app = spawn(workspace, store).await;
+    let id = submit(
+        &app,
+        json!({ "agentId": "teller", "input": { "text": "refund" } }),
+    )
+    .await;
+    let approval = app.pending_approval().await;
+    let approval_id = approval["id"].as_str().unwrap();
+
+    let (status, view) = app
+        .post(
+            &format!("/runtime/requests/{id}/cancel"),
+            CLIENT_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["status"], "cancelled");
+    let (status, detail) = app.get(&format!("/admin/requests/{id}"), ADMIN_KEY).await;
+    assert_eq!(status, 200);
+    let approvals = detail["approvals"].as_array().unwrap();
+    assert_eq!(approvals.len(), 1, "{detail}");
+    assert_eq!(approvals[0]["status"], "cancelled", "{detail}");
+    let (status, error) = app
+        .post(
+            &format!("/admin/approvals/{approval_id}/approve"),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(
+        status, 409,
+        "a cancelled approval cannot be decided: {error}"
+    );
+    assert!(tools.executions().is_empty(), "the refund never ran");
+}
+
+on_both_stores!(retry_starts_the_next_attempt_and_continues_the_seq);
+async fn retry_starts_the_next_attempt_and_continues_the_seq(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.push([Reply::StatusBody {
+        status: 400,
+        body: r#"{"error":{"message":"bad request"}}"#.into(),
+    }]);
+    upstream.set_default(Reply::Text("second time lucky".into()));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let id = submit(&app, json!({ "input": { "text": "try" } })).await;
+    let failed = app.wait_until_done(&id).await;
+    assert_eq!(failed["status"], "failed", "{failed}");
+
+    let retry = format!("/admin/requests/{id}/retry");
+    let (status, error) = app.post(&retry, CLIENT_KEY, &json!({})).await;
+    assert_eq!(status, 403, "{error}");
+    let (status, retried) = app.post(&retry, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 202, "{retried}");
+    assert_eq!(retried["attempt"], 2);
+    let done = app.wait_until_done(&id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["output"], "second time lucky");
+    let runs = done["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["status"], "failed");
+    assert_eq!(runs[1]["status"], "completed");
+    assert_eq!(runs[1]["runId"], retried["runId"]);
+
+    let events = app.events(&id).await;
+    assert_gapless(&events);
+    let started = data_of(&events, "runtime.request.started");
+    assert_eq!(started.len(), 2);
+    assert_eq!(started[1]["attempt"], 2);
+    let second = events
+        .iter()
+        .position(|e| e["runId"] == retried["runId"])
+        .unwrap();
+    assert_eq!(events[second - 1]["type"], "runtime.request.failed");
+    // The retry saw the same input the first run did.
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].body["messages"], calls[1].body["messages"]);
+
+    let (status, error) = app.post(&retry, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 409, "a completed request is not retried: {error}");
+    assert_eq!(error["error"]["code"], "request_not_retryable");
+}
+
+on_both_stores!(parked_runs_leave_admission_to_new_requests);
+async fn parked_runs_leave_admission_to_new_requests(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    upstream.set_responder(super::upstream::Responder::new(|body| {
+        let asked = body["messages"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["role"] == "tool"));
+        if asked {
+            Reply::Text("done".into())
+        } else {
+            Reply::call("payments_refund", r#"{"amount":1}"#)
+        }
+    }));
+    // One run executes at once, so two are admitted (executing or waiting); two parked runs
+    // hold no admission place, and a third parked one keeps its own.
+    let limits = "  limits: { maxConcurrentRuns: 1, maxParkedRuns: 2 }\n";
+    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", limits);
+    let app = spawn(workspace, store).await;
+    let refund = json!({ "agentId": "teller", "input": { "text": "refund" } });
+    for parked in 1..=4 {
+        submit(&app, refund.clone()).await;
+        super::trust::pending_approvals(&app.http, &app.base, parked).await;
+    }
+    // Two parked outside admission, two inside: admission is full.
+    let (status, error) = app.post("/runtime/requests", CLIENT_KEY, &refund).await;
+    assert_eq!(status, 429, "{error}");
+    // Decided, the runs finish and give their places back.
+    for approval in super::trust::pending_approvals(&app.http, &app.base, 4).await {
+        let (status, _) = app
+            .post(
+                &format!(
+                    "/admin/approvals/{}/approve",
+                    approval["id"].as_str().unwrap()
+                ),
+                ADMIN_KEY,
+                &json!({}),
+            )
+            .await;
+        assert_eq!(status, 200);
+        app.wait_until_done(approval["requestId"].as_str().unwrap())
+            .await;
+    }
+    let id = poll("a free admission place", async || {
+        let (status, accepted) = app.post("/runtime/requests", CLIENT_KEY, &refund).await;
+        (status == 202).then(|| accepted["requestId"].clone())
+    })
+    .await;
+    assert!(id.is_string());
+}
+
+on_both_stores!(sessions_are_trees_and_fork_at_any_message);
+async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.set_responder(super::upstream::Responder::new(|body| {
+        let last = body["messages"].as_array().and_then(|m| m.last()).cloned();
+        let said = last.map(|m| m["content"].as_str().unwrap_or("").to_owned());
+        Reply::Text(format!("re: {}", said.unwrap_or_default()))
+    }));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let turn = async |session: Option<&str>, text: &str| -> Value {
+        let mut body = json!({ "input": { "text": text }, "wait": true });
+        if let Some(session) = session {
+            body["sessionId"] = json!(session);
+        }
+        let (status, view) = app.post("/runtime/requests", CLIENT_KEY, &body).await;
+        assert_eq!(status, 200, "{view}");
+        view
+    };
+    let first = turn(None, "one").await;
+    let session = first["sessionId"].as_str().unwrap().to_owned();
+    turn(Some(&session), "two").await;
+
+    let (status, tree) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{tree}");
+    let messages = tree["messages"].as_array().unwrap();
+    let texts: Vec<&str> = messages
+        .iter()
+        .map(|m| m["content"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["one", "re: one", "two", "re: two"]);
+    assert!(messages[0]["parentId"].is_null());
+    for pair in messages.windows(2) {
+        assert_eq!(pair[1]["parentId"], pair[0]["messageId"], "{tree}");
+    }
+    assert_eq!(tree["headMessageId"], messages[3]["messageId"]);
+    let (status, _) = app
+        .get(&format!("/runtime/sessions/{session}"), OTHER_CLIENT_KEY)
+        .await;
+    assert_eq!(status, 404, "another key's session does not exist");
+
+    // Fork after the first answer: the fork's next turn never hears "two".
+    let fork_at = messages[1]["messageId"].clone();
+    let fork = format!("/runtime/sessions/{session}/fork");
+    let (status, forked) = app
+        .post(&fork, CLIENT_KEY, &json!({ "atMessageId": fork_at }))
+        .await;
+    assert_eq!(status, 201, "{forked}");
+    let branch = forked["sessionId"].as_str().unwrap().to_owned();
+    assert_eq!(forked["forkedFrom"]["sessionId"], session.as_str());
+    assert_eq!(forked["headMessageId"], fork_at);
+    assert_eq!(forked["history"].as_array().unwrap().len(), 2);
+    turn(Some(&branch), "three").await;
+    let heard: Vec<String> = upstream.calls().last().unwrap().body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(heard, ["one", "re: one", "three"]);
+    let (_, branch_tree) = app
+        .get(&format!("/runtime/sessions/{branch}"), CLIENT_KEY)
+        .await;
+    let history: Vec<&str> = branch_tree["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(history, ["one", "re: one", "three", "re: three"]);
+    assert_eq!(branch_tree["messages"].as_array().unwrap().len(), 2);
+    // The original session goes on from its own leaf.
+    turn(Some(&session), "four").await;
+    let heard = upstream.calls().last().unwrap().body["messages"].clone();
+    assert!(!heard.to_string().contains("three"), "{heard}");
+
+    let (status, error) = app
+        .post(&fork, CLIENT_KEY, &json!({ "atMessageId": "msg_nope" }))
+        .await;
+    assert_eq!(status, 404, "{error}");
+    assert_eq!(error["error"]["param"], "atMessageId");
+    let (status, error) = app
+        .post(&fork, OTHER_CLIENT_KEY, &json!({ "atMessageId": fork_at }))
+        .await;
+    assert_eq!(status, 404, "{error}");
+    let (status, error) = app.post(&fork, CLIENT_KEY, &json!({ "at": 1 })).await;
+    assert_eq!(status, 400, "{error}");
+
+    // Operators list and read sessions.
+    let (status, page) = app.get("/admin/sessions?limit=1", ADMIN_KEY).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(
+        page["data"][0]["sessionId"],
+        branch.as_str(),
+        "newest first"
+    );
+    let cursor = page["nextCursor"].as_str().unwrap();
+    let (_, next) = app
+        .get(
+            &format!("/admin/sessions?limit=1&cursor={cursor}"),
+            ADMIN_KEY,
+        )
+        .await;
+    assert_eq!(next["data"][0]["sessionId"], session.as_str());
+    let (status, detail) = app
+        .get(&format!("/admin/sessions/{session}"), ADMIN_KEY)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(detail["messages"].as_array().unwrap().len(), 6);
+    let (status, error) = app.get("/admin/sessions?cursor=bogus", ADMIN_KEY).await;
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "cursor");
+}
+
+on_both_stores!(operators_inspect_traces_requests_workspace_and_health);
+async fn operators_inspect_traces_requests_workspace_and_health(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    upstream.push([
+        Reply::call("weather_lookup", r#"{"city":"Oslo"}"#),
+        Reply::Text("sunny".into()),
+    ]);
+    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
+    let app = spawn(workspace, store).await;
+    let before = chrono::Utc::now();
+    let id = submit(
+        &app,
+        json!({ "agentId": "teller", "input": { "text": "weather?" } }),
+    )
+    .await;
+    let done = app.wait_until_done(&id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let run_id = done["runs"][0]["runId"].as_str().unwrap();
+
+    let (status, trace) = app
+        .get(&format!("/admin/runs/{run_id}/trace"), ADMIN_KEY)
+        .await;
+    assert_eq!(status, 200, "{trace}");
+    let categories = trace["categories"].as_object().unwrap();
+    for category in [
+        "request",
+        "model",
+        "tool",
+        "approval",
+        "adapter",
+        "plan",
+        "delegation",
+        "memory",
+        "artifact",
+    ] {
+        assert!(categories.contains_key(category), "{category} in {trace}");
+    }
+    let of = |category: &str| -> Vec<String> {
+        categories[category]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["type"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(of("tool").contains(&"runtime.tool.direct.completed".to_owned()));
+    assert_eq!(of("model"), ["runtime.model.call.completed"; 2]);
+    assert!(of("request").contains(&"runtime.request.completed".to_owned()));
+    let (status, _) = app.get("/admin/runs/run_nope/trace", ADMIN_KEY).await;
+    assert_eq!(status, 404);
+
+    // Filters: owner and a time range.
+    let after = before.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let list = |query: String| {
+        let app = &app;
+        async move {
+            let (status, page) = app
+                .get(&format!("/admin/requests?{query}"), ADMIN_KEY)
+                .await;
+            assert_eq!(status, 200, "{page}");
+            page["data"].as_array().unwrap().len()
+        }
+    };
+    let owner = stable_harness::http::fingerprint(CLIENT_KEY);
+    assert_eq!(list(format!("owner={owner}")).await, 1);
+    assert_eq!(list("owner=somebody-else".into()).await, 0);
+    assert_eq!(list(format!("createdAfter={}", urlencode(&after))).await, 1);
+    assert_eq!(
+        list(format!("createdBefore={}", urlencode(&after))).await,
+        0
+    );
+    assert_eq!(
+        list("limit=100000".into()).await,
+        1,
+        "a huge limit is clamped"
+    );
+    for (query, status, param) in [
+        ("limit=0", 422, "limit"),
+        ("createdAfter=yesterday", 400, "createdAfter"),
+        ("cursor=req_zz", 400, "cursor"),
+        ("status=sleeping", 422, "status"),
+    ] {
+        let (got, error) = app
+            .get(&format!("/admin/requests?{query}"), ADMIN_KEY)
+            .await;
+        assert_eq!(got, status, "{query}: {error}");
+        assert_eq!(error["error"]["param"], param, "{query}: {error}");
+    }
+
+    let (status, inventory) = app.get("/admin/workspace", ADMIN_KEY).await;
+    assert_eq!(status, 200);
+    let agents: Vec<&str> = inventory["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["name"].as_str().unwrap())
+        .collect();
+    assert!(agents.contains(&"teller"), "{inventory}");
+    assert!(!inventory.to_string().contains(CLIENT_KEY));
+
+    let (status, health) = app.get("/admin/health", ADMIN_KEY).await;
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(health["store"]["ok"], true, "{health}");
+    assert_eq!(health["workspace"]["name"], "api-test");
+    let models = health["models"].as_array().unwrap();
+    assert_eq!(models.len(), 3);
+    assert!(models.iter().all(|m| m["reachable"] == true), "{health}");
+    let (status, _) = app.get("/admin/health", CLIENT_KEY).await;
+    assert_eq!(status, 403);
+}
+
+fn urlencode(text: &str) -> String {
+    text.replace('+', "%2B").replace(':', "%3A")
+}
+
+#[tokio::test]
+async fn health_names_a_model_upstream_that_does_not_answer() {
+    let upstream = MockUpstream::start().await;
+    let workspace = api_workspace(&upstream, "");
+    // A port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    workspace.write(
+        "config/catalogs/dead.yaml",
+        format!(
+            "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: {{ name: dead }}\nspec:\n  models:\n    - {{ id: gone, provider: openai-compatible, baseUrl: \"{dead}\", upstreamModel: gone }}\n"
+        ),
+    );
+    let app = TestApp::spawn(workspace).await;
+    let (status, health) = app.get("/admin/health", ADMIN_KEY).await;
+    assert_eq!(status, 200);
+    assert_eq!(health["status"], "degraded", "{health}");
+    let gone = health["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["model"] == "gone")
+        .cloned()
+        .unwrap();
+    assert_eq!(gone["reachable"], false, "{health}");
+    assert!(
+        gone["error"]
+            .as_str()
+            .unwrap()
+            .contains("could not connect")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_nobody_executes_is_ended_by_its_cancel() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Stall(Duration::from_secs(30)));
+    // Not resumed at start: after a crash the run stays `running` with nobody executing it.
+    let workspace = api_workspace(&upstream, "    resumeOnStart: false\n");
+    let first = super::ServerProcess::start(workspace.path(), &[]);
+    let (status, accepted) = super::trust::submit(
+        &reqwest::Client::new(),
+        &first.base,
+        &json!({ "input": { "text": "hi" } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["requestId"].as_str().unwrap().to_owned();
+    poll("the upstream call", async || {
+        (!upstream.calls().is_empty()).then_some(())
+    })
+    .await;
+    first.kill9();
+
+    let second = super::ServerProcess::start(workspace.path(), &[]);
+    let http = reqwest::Client::new();
+    let (_, view) = super::get_json(
+        &http,
+        &second.url(&format!("/runtime/requests/{id}")),
+        CLIENT_KEY,
+    )
+    .await;
+    assert_eq!(
+        view["status"], "running",
+        "left as the crash left it: {view}"
+    );
+    let response = http
+        .post(second.url(&format!("/admin/requests/{id}/cancel")))
+        .bearer_auth(ADMIN_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let view: Value = response.json().await.unwrap();
+    assert_eq!(view["status"], "cancelled", "{view}");
+    let events = super::all_events(&http, &second.base, &id).await;
+    assert_gapless(&events);
+    assert_eq!(types(&events).last().unwrap(), "runtime.request.cancelled");
+    assert_eq!(
+        upstream.calls().len(),
+        1,
+        "the run never called the model again"
+    );
+    second.terminate();
+}
