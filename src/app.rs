@@ -31,6 +31,10 @@ pub struct ServerConfig {
     /// Serve a surface that has no keys on a non-loopback address anyway
     /// (`start --insecure-open-surfaces`); without it such a start is refused.
     pub insecure_open_surfaces: bool,
+    /// Serve `GET /metrics` without an admin key (`start --metrics-public`).
+    pub metrics_public: bool,
+    /// Reload the workspace when its files change (`start --watch`).
+    pub watch: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +170,10 @@ impl Application {
         let (runtime, resumed) =
             build_runtime(workspace, config.database_url.as_deref(), true).await?;
         runtime.start_retention();
+        crate::metrics::install();
+        if config.watch {
+            runtime.watch_workspace();
+        }
         let listener = TcpListener::bind(&address)
             .await
             .map_err(|source| AppError::Bind {
@@ -175,7 +183,8 @@ impl Application {
         let address = listener
             .local_addr()
             .map_err(|source| AppError::Bind { address, source })?;
-        let state = AppState::new(runtime.clone(), keys);
+        let mut state = AppState::new(runtime.clone(), keys);
+        state.metrics_public = config.metrics_public;
         Ok(Self {
             listener,
             address,

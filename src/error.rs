@@ -48,6 +48,8 @@ pub enum ErrorCode {
     RequestNotRetryable,
     /// A message id that is not in the session's history (a fork point).
     MessageNotFound,
+    /// A workspace reload found problems (or a change only a restart applies).
+    InvalidWorkspace,
     /// A file the request would create exists already (a backup never overwrites).
     AlreadyExists,
     /// A `/v1` call waited `approvalWait` and the run still waits on an operator.
@@ -71,7 +73,7 @@ impl ErrorCode {
             InvalidJson | UnknownField | InvalidParameter | InvalidMessage | ToolsNotSupported => {
                 StatusCode::BAD_REQUEST
             }
-            InvalidRequest => StatusCode::UNPROCESSABLE_ENTITY,
+            InvalidRequest | InvalidWorkspace => StatusCode::UNPROCESSABLE_ENTITY,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
@@ -98,7 +100,7 @@ impl ErrorCode {
             | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
             | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
-            | MessageNotFound => "invalid_request_error",
+            | MessageNotFound | InvalidWorkspace => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -130,6 +132,7 @@ impl ErrorCode {
             RequestEnded => "request_ended",
             RequestNotRetryable => "request_not_retryable",
             MessageNotFound => "message_not_found",
+            InvalidWorkspace => "invalid_workspace",
             AlreadyExists => "already_exists",
             ApprovalPending => "approval_pending",
             RouteNotFound => "route_not_found",

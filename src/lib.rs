@@ -9,6 +9,7 @@ pub mod gateway;
 pub mod governance;
 pub mod http;
 pub mod memory;
+pub mod metrics;
 pub mod redact;
 pub mod runtime;
 pub mod store;

@@ -144,6 +144,21 @@ impl Redactor {
         }
     }
 
+    /// What both redact: the union of their variables and patterns.
+    pub fn merged(&self, other: &Redactor) -> Redactor {
+        let mut variables = self.inner.variables.clone();
+        variables.extend(other.inner.variables.iter().cloned());
+        variables.sort();
+        variables.dedup();
+        let mut patterns = self.inner.patterns.clone();
+        for pattern in &other.inner.patterns {
+            if !patterns.iter().any(|p| p.as_str() == pattern.as_str()) {
+                patterns.push(pattern.clone());
+            }
+        }
+        Self::new(variables, patterns)
+    }
+
     /// The secrets as they are now: read once per pass, used for many values.
     pub fn secrets(&self) -> Secrets<'_> {
         let mut values: Vec<String> = self

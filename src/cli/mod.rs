@@ -123,10 +123,13 @@ pub struct StartArgs {
         hide_env_values = true
     )]
     pub admin_keys: Vec<Secret>,
-    /// Serve /metrics without an admin key. Not supported yet: rejected (exit 2) until
-    /// /metrics exists.
+    /// Serve /metrics without an admin key (for a scraper inside a trusted network).
     #[arg(long)]
     pub metrics_public: bool,
+    /// Reload the workspace when its files change (debounced); an invalid or restart-only
+    /// change is logged and the running inventory keeps serving.
+    #[arg(long)]
+    pub watch: bool,
     /// Serve a surface that has no keys (no client keys: /v1, /runtime and so tool execution;
     /// no admin keys: /admin) on a non-loopback --host anyway. Without it that is refused.
     #[arg(long)]

@@ -10,13 +10,6 @@ use crate::app::{AppError, Application, ServerConfig};
 use crate::workspace;
 
 pub async fn run(args: StartArgs) -> u8 {
-    if args.metrics_public {
-        // Accepting a flag that changes nothing would let an operator believe it did.
-        output::error(
-            "stable-harness start: --metrics-public is not supported yet: /metrics does not exist in this build",
-        );
-        return exit::USAGE;
-    }
     let compiled = match workspace::load(&args.workspace) {
         Ok(compiled) => Arc::new(compiled),
         Err(diagnostics) => {
@@ -32,6 +25,8 @@ pub async fn run(args: StartArgs) -> u8 {
         api_keys: args.api_keys,
         admin_keys: args.admin_keys,
         insecure_open_surfaces: args.insecure_open_surfaces,
+        metrics_public: args.metrics_public,
+        watch: args.watch,
     };
     let app = match Application::build(config).await {
         Ok(app) => app,

@@ -468,25 +468,21 @@ pub async fn explain_policy(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<ExplainBody>,
 ) -> Result<Json<ExplainResponse>, ApiError> {
-    let workspace = state.runtime.workspace();
-    let agent = workspace.agent(&body.agent_id).ok_or_else(|| {
+    let inventory = state.runtime.inventory();
+    let agent = inventory.workspace.agent(&body.agent_id).ok_or_else(|| {
         ApiError::new(
             ErrorCode::AgentNotFound,
             format!("agent `{}` not found", body.agent_id),
         )
         .param("agentId")
     })?;
-    let tool = state
-        .runtime
-        .gateway()
-        .find_tool(&body.tool_id)
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::ToolNotFound,
-                format!("tool `{}` not found", body.tool_id),
-            )
-            .param("toolId")
-        })?;
+    let tool = inventory.gateway.find_tool(&body.tool_id).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::ToolNotFound,
+            format!("tool `{}` not found", body.tool_id),
+        )
+        .param("toolId")
+    })?;
     let metadata = if body.metadata.is_null() {
         serde_json::json!({})
     } else {
@@ -496,9 +492,8 @@ pub async fn explain_policy(
         verdict,
         allowed_for_agent,
         argument_errors,
-    } = state
-        .runtime
-        .gateway()
+    } = inventory
+        .gateway
         .explain(agent, tool, &body.arguments, &metadata);
     Ok(Json(ExplainResponse {
         decision: crate::workspace::wire_name(&verdict.decision),
@@ -541,7 +536,7 @@ pub async fn get_store(State(state): State<AppState>) -> Result<Json<StoreView>,
     let store = state.runtime.store();
     let stats = store.stats().await.map_err(maintenance_error)?;
     let maintenance = store.maintenance(20).await.map_err(maintenance_error)?;
-    let policy = crate::runtime::retention_policy(state.runtime.workspace());
+    let policy = crate::runtime::retention_policy(&state.runtime.workspace());
     Ok(Json(StoreView {
         store: store.describe(),
         stats,

@@ -1,6 +1,7 @@
 //! Operator inspection (admin keys): a run's trace grouped by category (SPEC section 7), the
-//! compiled workspace inventory (never a secret), and the health of what the server depends
-//! on — the store, each model upstream probed with a short timeout, the workspace loaded.
+//! compiled workspace inventory (never a secret) and its reload, the health of what the
+//! server depends on — the store, each model upstream probed with a short timeout, the
+//! workspace loaded — and the metrics in Prometheus text.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -84,7 +85,7 @@ pub async fn run_trace(
     responses((status = 200, description = "The compiled inventory: runtime settings, agents, models, tools, workflows. Keys and credentials appear as variable names only.")))]
 pub async fn workspace(State(state): State<AppState>) -> Json<Value> {
     let workspace = state.runtime.workspace();
-    let mut inventory = crate::workspace::inventory(workspace);
+    let mut inventory = crate::workspace::inventory(&workspace);
     if let Some(object) = inventory.as_object_mut() {
         object.remove("valid");
         object.insert("root".into(), workspace.root.display().to_string().into());
@@ -177,4 +178,36 @@ pub async fn health(State(state): State<AppState>) -> Json<Health> {
         },
         models: probes,
     })
+}
+
+#[utoipa::path(post, path = "/admin/workspace/reload", tag = "admin", security(("admin_key" = [])),
+    responses(
+        (status = 200, body = crate::runtime::Reloaded, description = "Recompiled from disk and swapped in: new requests use it; running runs keep theirs"),
+        (status = 422, body = crate::error::ErrorEnvelope, description = "Invalid (every diagnostic as `file:line:col: message` in the message), or a change only a restart applies; nothing was swapped"),
+    ))]
+pub async fn reload_workspace(
+    State(state): State<AppState>,
+) -> Result<Json<crate::runtime::Reloaded>, ApiError> {
+    state
+        .runtime
+        .reload()
+        .await
+        .map(Json)
+        .map_err(|error| ApiError::new(ErrorCode::InvalidWorkspace, error.to_string()))
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "health", security(("admin_key" = [])),
+    responses((status = 200, content_type = "text/plain", description = "Prometheus text exposition (an admin key is needed unless the server runs with --metrics-public)")))]
+pub async fn metrics(State(state): State<AppState>) -> impl axum::response::IntoResponse {
+    match state.runtime.store().count_pending_approvals().await {
+        Ok(count) => crate::metrics::approvals_pending(count),
+        Err(error) => tracing::debug!(%error, "could not count pending approvals for /metrics"),
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        crate::metrics::render(),
+    )
 }

@@ -35,6 +35,8 @@ pub struct AppState {
     pub keys: Arc<ApiKeys>,
     /// When this server started (Unix seconds): the `created` of `/v1/models`.
     pub started_unix: i64,
+    /// `GET /metrics` needs no admin key (`start --metrics-public`).
+    pub metrics_public: bool,
 }
 
 impl AppState {
@@ -43,6 +45,7 @@ impl AppState {
             runtime,
             keys: Arc::new(keys),
             started_unix: chrono::Utc::now().timestamp(),
+            metrics_public: false,
         }
     }
 
@@ -99,6 +102,7 @@ pub fn router(state: AppState) -> Router {
             .route("/sessions", get(admin::list_sessions))
             .route("/sessions/{id}", get(admin::get_session))
             .route("/workspace", get(inspect::workspace))
+            .route("/workspace/reload", post(inspect::reload_workspace))
             .route("/health", get(inspect::health))
             .route("/approvals", get(admin::list_approvals))
             .route("/approvals/{id}", get(admin::get_approval))
@@ -113,10 +117,21 @@ pub fn router(state: AppState) -> Router {
         state.clone(),
         auth::require_admin_key,
     ));
+    let metrics = Router::new().route("/metrics", get(inspect::metrics));
+    let metrics = if state.metrics_public {
+        metrics
+    } else {
+        metrics.layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_admin_key,
+        ))
+    };
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/openapi.json", get(openapi::serve))
+        .merge(openapi::docs_ui())
+        .merge(metrics)
         .nest("/v1", v1)
         .nest("/runtime", runtime)
         .nest("/admin", admin)

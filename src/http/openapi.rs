@@ -39,7 +39,9 @@ use utoipa::{Modify, OpenApi};
         super::admin::prune_store,
         super::admin::backup_store,
         super::inspect::workspace,
+        super::inspect::reload_workspace,
         super::inspect::health,
+        super::inspect::metrics,
     ),
     components(schemas(crate::error::ErrorEnvelope, crate::error::ErrorBody, crate::store::EventRecord, crate::store::RunStatus, crate::store::ApprovalStatus)),
     modifiers(&Security),
@@ -69,6 +71,12 @@ impl Modify for Security {
 /// The document as pretty JSON (what `stable-harness openapi` prints).
 pub fn document() -> String {
     ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+}
+
+/// `GET /docs`: Swagger UI, embedded in the binary, browsing `/openapi.json`.
+pub fn docs_ui<S: Clone + Send + Sync + 'static>() -> axum::Router<S> {
+    let config = utoipa_swagger_ui::Config::from("/openapi.json");
+    axum::Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").config(config))
 }
 
 pub async fn serve() -> Json<utoipa::openapi::OpenApi> {

@@ -26,7 +26,7 @@ use crate::runtime::events::{
 };
 use crate::runtime::{ApprovalWatch, NewRequest, Protocol, Submitted, Watched};
 use crate::store::{EventRecord, RunStatus};
-use crate::workspace::{AgentConfig, wire_name};
+use crate::workspace::{AgentConfig, CompiledWorkspace, wire_name};
 
 pub const REQUEST_ID_HEADER: &str = "x-stable-harness-request-id";
 pub const SESSION_ID_HEADER: &str = "x-stable-harness-session-id";
@@ -101,7 +101,8 @@ pub async fn get_model(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let agent = find_agent(&state, &id)?;
+    let workspace = state.runtime.workspace();
+    let agent = find_agent(&workspace, &id)?;
     Ok(Json(model_json(&state, agent)))
 }
 
@@ -109,8 +110,8 @@ fn model_json(state: &AppState, agent: &AgentConfig) -> Value {
     json!({ "id": agent.name, "object": "model", "created": state.runtime_started_unix(), "owned_by": "stable-harness" })
 }
 
-fn find_agent<'a>(state: &'a AppState, id: &str) -> Result<&'a AgentConfig, ApiError> {
-    state.runtime.workspace().agent(id).ok_or_else(|| {
+fn find_agent<'a>(workspace: &'a CompiledWorkspace, id: &str) -> Result<&'a AgentConfig, ApiError> {
+    workspace.agent(id).ok_or_else(|| {
         v1_error(
             ErrorCode::ModelNotFound,
             format!("The model `{id}` does not exist"),
@@ -216,7 +217,7 @@ pub async fn chat_completions(
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     validate(&request)?;
-    find_agent(&state, &request.model)?;
+    find_agent(&state.runtime.workspace(), &request.model)?;
     let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()

@@ -95,6 +95,8 @@ enum Item {
 pub struct Journal {
     sender: mpsc::Sender<Item>,
     available: Arc<AtomicBool>,
+    /// Shared with the writer: a reload adds the new workspace's secrets.
+    redactor: Arc<std::sync::RwLock<Redactor>>,
 }
 
 impl std::fmt::Debug for Item {
@@ -117,15 +119,30 @@ impl Journal {
     ) -> Self {
         let (sender, receiver) = mpsc::channel(QUEUE);
         let available = Arc::new(AtomicBool::new(true));
+        let redactor = Arc::new(std::sync::RwLock::new(redactor));
         let writer = Writer {
             store,
             hub,
-            redactor,
+            redactor: Arc::clone(&redactor),
             available: Arc::clone(&available),
             poisoned: HashSet::new(),
         };
         tracker.spawn(writer.run(receiver));
-        Self { sender, available }
+        Self {
+            sender,
+            available,
+            redactor,
+        }
+    }
+
+    /// Redacts what `also` redacts too, from the next batch on (a reload's secrets, while
+    /// runs of the previous inventory still write).
+    pub fn add_redactor(&self, also: &Redactor) {
+        let mut held = match self.redactor.write() {
+            Ok(held) => held,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        *held = held.merged(also);
     }
 
     /// Whether the store accepts writes (false while a transient failure is being retried).
@@ -217,7 +234,7 @@ impl Journal {
 struct Writer {
     store: Arc<dyn Store>,
     hub: Arc<EventHub>,
-    redactor: Redactor,
+    redactor: Arc<std::sync::RwLock<Redactor>>,
     available: Arc<AtomicBool>,
     /// Requests with a lost write since their last settled group.
     poisoned: HashSet<String>,
@@ -260,7 +277,11 @@ impl Writer {
         }
         let lengths: Vec<usize> = groups.iter().map(|g| g.ops.len()).collect();
         let mut ops: Vec<WriteOp> = groups.iter_mut().flat_map(|g| g.ops.drain(..)).collect();
-        let secrets = self.redactor.secrets();
+        let redactor = match self.redactor.read() {
+            Ok(redactor) => redactor.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let secrets = redactor.secrets();
         for op in &mut ops {
             redact(op, &secrets);
         }
@@ -354,6 +375,7 @@ impl Writer {
                 if let Some(seq) = numbers.next() {
                     event.seq = *seq;
                 }
+                crate::metrics::event_committed(&event);
                 self.hub.publish(Arc::new(event));
             }
         }
@@ -366,8 +388,14 @@ impl Writer {
         // One id for every try: a try after a commit whose reply was lost is not applied again.
         let batch_id = crate::store::new_batch_id();
         loop {
-            match self.store.apply_batch(&batch_id, ops).await {
+            let started = std::time::Instant::now();
+            let applied = self.store.apply_batch(&batch_id, ops).await;
+            if let Err(error) = &applied {
+                crate::metrics::store_error(error.is_transient());
+            }
+            match applied {
                 Ok(numbers) => {
+                    crate::metrics::journal_committed(ops.len(), started.elapsed());
                     if !self.available.swap(true, Ordering::Relaxed) {
                         tracing::info!("the store accepts writes again");
                     }

@@ -32,8 +32,9 @@ impl Runtime {
     /// executes (`recovery.resumeOnStart`; one-shot commands like `run` never claim). The
     /// loop ends at shutdown, when the leases are given back.
     pub fn start_leases(&self, claim: bool) {
-        let claim = claim && self.inner.workspace.runtime.recovery.resume_on_start;
-        let lease = self.inner.workspace.runtime.lease_duration;
+        let workspace = self.workspace();
+        let claim = claim && workspace.runtime.recovery.resume_on_start;
+        let lease = workspace.runtime.lease_duration;
         let renew_every = (lease / 3).clamp(MIN_TICK, MAX_TICK);
         let tick = renew_every.min(CLAIM_EVERY);
         let inner = Arc::downgrade(&self.inner);

@@ -34,11 +34,11 @@ impl Runtime {
     /// Starts the background pruning loop when the workspace sets a retention window (the
     /// server does; one-shot commands like `run` and `store prune` never do).
     pub fn start_retention(&self) {
-        let policy = retention_policy(&self.inner.workspace);
+        let policy = retention_policy(&self.workspace());
         if !policy.is_active() {
             return;
         }
-        let every = self.inner.workspace.runtime.retention.every;
+        let every = self.workspace().runtime.retention.every;
         // The loop must not keep the runtime (and so the store) alive: it holds a weak
         // reference and ends once the runtime is gone or shutting down.
         let inner = Arc::downgrade(&self.inner);
@@ -64,7 +64,7 @@ impl Runtime {
     /// One pruning pass now (dry: only counts what would go).
     pub async fn prune(&self, dry_run: bool) -> Result<PruneReport, StoreError> {
         let _one_at_a_time = self.inner.maintenance.lock().await;
-        let policy = retention_policy(&self.inner.workspace);
+        let policy = retention_policy(&self.workspace());
         retention::prune(self.inner.store.as_ref(), &policy, dry_run).await
     }
 

@@ -17,6 +17,7 @@ mod journal;
 mod leases;
 mod maintenance;
 mod narration;
+mod reload;
 mod run;
 mod steering;
 mod watch;
@@ -43,6 +44,7 @@ use crate::workspace::CompiledWorkspace;
 pub use hub::EventHub;
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
+pub use reload::{ReloadError, Reloaded};
 pub use watch::{ApprovalWatch, Watched};
 
 /// Events of one request, in `seq` order, ending after its terminal event.
@@ -197,16 +199,23 @@ pub struct Runtime {
     inner: Arc<Inner>,
 }
 
+/// The compiled workspace and what is built from it. A reload swaps it whole; a run keeps the
+/// one it started with.
+#[derive(Debug)]
+pub struct Inventory {
+    pub workspace: Arc<CompiledWorkspace>,
+    pub gateway: ToolGateway,
+}
+
 #[derive(Debug)]
 struct Inner {
-    workspace: Arc<CompiledWorkspace>,
+    inventory: std::sync::RwLock<Arc<Inventory>>,
     store: Arc<dyn Store>,
     journal: Journal,
     hub: Arc<EventHub>,
     adapters: Adapters,
     /// The upstream HTTP client (health probes share it with the adapters).
     http: reqwest::Client,
-    gateway: ToolGateway,
     approvals: Arc<ApprovalWaiters>,
     /// Runs executing plus runs waiting for a slot.
     admission: Arc<Semaphore>,
@@ -229,6 +238,8 @@ struct Inner {
     /// Held while a retry checks a request's state and starts its run: one at a time here
     /// (across instances, the store's unique attempt number refuses a second).
     retrying: tokio::sync::Mutex<()>,
+    /// Held by a reload: one at a time.
+    reloading: tokio::sync::Mutex<()>,
 }
 
 /// How long shutdown waits for handed-over runs to stop before giving their leases back.
@@ -297,15 +308,15 @@ impl Runtime {
                 leasing: CancellationToken::new(),
                 adapters: Adapters::new(http.clone()),
                 http,
-                gateway,
                 approvals,
                 admission: Arc::new(Semaphore::new(limit.saturating_mul(2))),
                 parked: Arc::new(Semaphore::new(
                     workspace.runtime.limits.max_parked_runs as usize,
                 )),
                 retrying: tokio::sync::Mutex::new(()),
+                reloading: tokio::sync::Mutex::new(()),
                 slots: Arc::new(Semaphore::new(limit)),
-                workspace,
+                inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
                 store,
                 journal,
                 hub,
@@ -322,16 +333,26 @@ impl Runtime {
         runtime
     }
 
-    pub fn workspace(&self) -> &Arc<CompiledWorkspace> {
-        &self.inner.workspace
+    /// The inventory new requests start with.
+    pub fn inventory(&self) -> Arc<Inventory> {
+        match self.inner.inventory.read() {
+            Ok(inventory) => Arc::clone(&inventory),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
+    /// The workspace new requests start with.
+    pub fn workspace(&self) -> Arc<CompiledWorkspace> {
+        Arc::clone(&self.inventory().workspace)
     }
 
     pub fn http(&self) -> &reqwest::Client {
         &self.inner.http
     }
 
-    pub fn gateway(&self) -> &ToolGateway {
-        &self.inner.gateway
+    /// The tool gateway of the current inventory.
+    pub fn with_gateway<T>(&self, use_it: impl FnOnce(&ToolGateway) -> T) -> T {
+        use_it(&self.inventory().gateway)
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -340,8 +361,7 @@ impl Runtime {
 
     /// The labels of the named key whose identity is `owner` (none for unnamed keys).
     pub fn key_labels(&self, owner: &str) -> std::collections::BTreeMap<String, String> {
-        self.inner
-            .workspace
+        self.workspace()
             .runtime
             .openai
             .keys
@@ -379,16 +399,16 @@ impl Runtime {
         if inner.admitting_stopped.is_cancelled() && request.protocol != Protocol::Agent {
             return Err(RuntimeError::ShuttingDown);
         }
+        let workspace = self.workspace();
         let agent_id = match request.agent_id {
             Some(agent_id) => agent_id,
-            None => inner
-                .workspace
+            None => workspace
                 .runtime
                 .default_agent
                 .clone()
                 .ok_or(RuntimeError::NoDefaultAgent)?,
         };
-        if !inner.workspace.agents.contains_key(&agent_id) {
+        if !workspace.agents.contains_key(&agent_id) {
             return Err(RuntimeError::AgentNotFound(agent_id));
         }
         if !inner.journal.is_available() {
@@ -411,7 +431,7 @@ impl Runtime {
         let permit = Arc::clone(&inner.admission)
             .try_acquire_owned()
             .map_err(|_| RuntimeError::Busy {
-                running: inner.workspace.runtime.limits.max_concurrent_runs,
+                running: workspace.runtime.limits.max_concurrent_runs,
             })?;
 
         let now = Utc::now();
@@ -557,9 +577,10 @@ impl Runtime {
             live.insert(job.submitted.request_id.clone(), run);
         }
         let runtime = self.clone();
+        let inventory = self.inventory();
         self.inner.tasks.spawn(async move {
             let request_id = job.submitted.request_id.clone();
-            run::execute(&runtime, job, stop).await;
+            run::execute(&runtime, &inventory, job, stop).await;
             if let Ok(mut live) = runtime.inner.live.lock() {
                 live.remove(&request_id);
             }
@@ -673,7 +694,7 @@ impl Runtime {
         request_id: &str,
         limit: std::time::Duration,
     ) -> Result<RequestRecord, RuntimeError> {
-        let approval_wait = self.inner.workspace.runtime.openai.approval_wait;
+        let approval_wait = self.workspace().runtime.openai.approval_wait;
         self.wait_watching(request_id, limit, approval_wait).await
     }
 
@@ -724,7 +745,7 @@ impl Runtime {
     pub async fn shutdown(&self, grace: std::time::Duration) {
         self.stop_admitting();
         self.inner.tasks.close();
-        let slots = self.inner.workspace.runtime.limits.max_concurrent_runs as usize;
+        let slots = self.workspace().runtime.limits.max_concurrent_runs as usize;
         let idle = async {
             // A slot given back goes straight to a run waiting for one, so every slot free
             // means nothing is executing and nothing is about to.

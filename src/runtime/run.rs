@@ -22,7 +22,8 @@ use super::events::{
     REQUEST_FAILED, REQUEST_STARTED,
 };
 use super::{
-    JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration, new_id,
+    Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
+    new_id,
 };
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
@@ -69,6 +70,8 @@ pub(super) struct Stop {
 /// Writes the events and steps of one run; narrates the events the narrator knows.
 struct RunEvents {
     runtime: Runtime,
+    /// The inventory the run started with (a reload does not change it).
+    inventory: Arc<Inventory>,
     submitted: Submitted,
     owner: String,
     narration: NarrationConfig,
@@ -81,6 +84,8 @@ struct RunEvents {
     parked: Mutex<Option<OwnedSemaphorePermit>>,
     /// Who cancelled the run, if someone did.
     cancelled_by: Arc<std::sync::OnceLock<String>>,
+    /// When the run started here (its duration metric).
+    started: std::time::Instant,
     /// The run's cancellation (an operator's cancel, or shutdown).
     cancel: CancellationToken,
     /// Stops the adapter when a write the run depends on was lost (a child of `cancel`).
@@ -273,7 +278,7 @@ impl RunHost for RunEvents {
     }
 
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {
-        let Some(config) = self.runtime.inner.workspace.agents.get(agent) else {
+        let Some(config) = self.inventory.workspace.agents.get(agent) else {
             return Err(format!("agent `{agent}` does not exist"));
         };
         let child = self
@@ -416,7 +421,12 @@ impl ToolInvoker for RunTools<'_> {
 }
 
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
-pub(super) async fn execute(runtime: &Runtime, job: RunJob, stop: Stop) {
+pub(super) async fn execute(
+    runtime: &Runtime,
+    inventory: &Arc<Inventory>,
+    job: RunJob,
+    stop: Stop,
+) {
     let Stop {
         cancel,
         handed_over,
@@ -437,17 +447,19 @@ pub(super) async fn execute(runtime: &Runtime, job: RunJob, stop: Stop) {
         slot,
     } = job;
     let inner = &runtime.inner;
-    let agent = inner.workspace.agents.get(&submitted.agent_id);
+    let agent = inventory.workspace.agents.get(&submitted.agent_id);
     let events = RunEvents {
         runtime: runtime.clone(),
+        inventory: Arc::clone(inventory),
         submitted: submitted.clone(),
         owner,
-        narration: inner.workspace.runtime.narration,
+        narration: inventory.workspace.runtime.narration,
         clock: ActiveClock::start(agent.map_or(std::time::Duration::ZERO, |a| a.timeout)),
         slot: Mutex::new(None),
         admission: Mutex::new(permit),
         parked: Mutex::new(None),
         cancelled_by,
+        started: std::time::Instant::now(),
         stop: cancel.child_token(),
         cancel: cancel.clone(),
         lost: Mutex::new(None),
@@ -561,8 +573,8 @@ async fn run_adapter(
     }
     let cancel = scope.cancel.clone();
     let tools = RunTools {
-        gateway: &inner.gateway,
-        specs: inner.gateway.specs(agent),
+        gateway: &events.inventory.gateway,
+        specs: events.inventory.gateway.specs(agent),
         scope,
     };
     events
@@ -582,7 +594,7 @@ async fn run_adapter(
         ));
     };
     let context = AdapterContext {
-        workspace: &inner.workspace,
+        workspace: &events.inventory.workspace,
         agent,
         messages,
         own_from,
@@ -672,7 +684,11 @@ async fn finish(
             )
         }
         Err(error) => {
-            let message = runtime.inner.gateway.redactor().redact_text(&error.message);
+            let message = events
+                .inventory
+                .gateway
+                .redactor()
+                .redact_text(&error.message);
             tracing::warn!(kind = error.kind.as_str(), %message, "run failed");
             let error = error.to_json();
             (
@@ -719,7 +735,13 @@ async fn finish(
         }
     };
     match settled {
-        Ok(()) => {}
+        Ok(()) => {
+            crate::metrics::run_ended(
+                &submitted.agent_id,
+                status.as_str(),
+                events.started.elapsed(),
+            );
+        }
         Err(JournalError::LeaseLost(reason)) => {
             tracing::info!(%reason, "the run ended here after another instance took its lease over; it goes on there");
             let _ = runtime.inner.journal.forgive(&request_id).await;

@@ -114,13 +114,14 @@ impl Runtime {
                 status: request.status.as_str(),
             });
         }
-        if !inner.workspace.agents.contains_key(&request.agent_id) {
+        let workspace = self.workspace();
+        if !workspace.agents.contains_key(&request.agent_id) {
             return Err(RuntimeError::AgentNotFound(request.agent_id));
         }
         let permit = Arc::clone(&inner.admission)
             .try_acquire_owned()
             .map_err(|_| RuntimeError::Busy {
-                running: inner.workspace.runtime.limits.max_concurrent_runs,
+                running: workspace.runtime.limits.max_concurrent_runs,
             })?;
         let previous = self.latest_run(request_id).await?;
         let (messages, parent_message_id) = request_start(inner.store.as_ref(), &request).await?;

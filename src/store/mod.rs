@@ -205,6 +205,8 @@ pub trait Store: Send + Sync + 'static {
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError>;
     /// The approvals of one run, oldest first.
+    /// How many approvals are pending.
+    async fn count_pending_approvals(&self) -> Result<u64, StoreError>;
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError>;
     /// The recorded tool calls of one run (started ones included).
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;

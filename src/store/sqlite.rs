@@ -785,6 +785,14 @@ impl Store for SqliteStore {
         Ok(Page::from_overfetch(items, page.limit, |a| a.id.clone()))
     }
 
+    async fn count_pending_approvals(&self) -> Result<u64, StoreError> {
+        let count: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE status = 'pending'")
+                .fetch_one(&self.reader)
+                .await?;
+        Ok(count.max(0) as u64)
+    }
+
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = ? ORDER BY id")
             .bind(run_id)

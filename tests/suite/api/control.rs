@@ -639,3 +639,206 @@ async fn a_run_nobody_executes_is_ended_by_its_cancel() {
     );
     second.terminate();
 }
+
+on_both_stores!(a_reload_swaps_a_valid_workspace_and_refuses_anything_else);
+async fn a_reload_swaps_a_valid_workspace_and_refuses_anything_else(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Slow {
+        text: "still the old inventory".into(),
+        pause: Duration::from_millis(100),
+    });
+    let workspace = api_workspace(&upstream, "");
+    let agents =
+        std::fs::read_to_string(workspace.path().join("config/agents/agents.yaml")).unwrap();
+    let app = spawn(workspace, store).await;
+    let agent_names = async || -> Vec<String> {
+        let (_, models) = app.get("/v1/models", CLIENT_KEY).await;
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(agent_names().await.contains(&"assistant".to_owned()));
+    // A run of `assistant` is under way when `assistant` leaves the workspace.
+    let running = submit(&app, json!({ "input": { "text": "hi" } })).await;
+    poll("the upstream call", async || {
+        (!upstream.calls().is_empty()).then_some(())
+    })
+    .await;
+
+    let reload = "/admin/workspace/reload";
+    let (status, _) = app.post(reload, CLIENT_KEY, &json!({})).await;
+    assert_eq!(status, 403);
+    // Broken: every problem is reported and nothing changes.
+    app.workspace.write(
+        "config/agents/broken.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: broken }\nspec:\n  backend: openai\n  model: nowhere\n  tools: [missing.tool]\n",
+    );
+    let (status, error) = app.post(reload, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 422, "{error}");
+    assert_eq!(error["error"]["code"], "invalid_workspace");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("broken.yaml:"), "{message}");
+    assert!(
+        message.contains("nowhere") && message.contains("missing.tool"),
+        "{message}"
+    );
+    assert!(agent_names().await.contains(&"assistant".to_owned()));
+    app.workspace.remove("config/agents/broken.yaml");
+
+    // A setting only a restart applies: refused, named.
+    let runtime_yaml = app.workspace.path().join("config/runtime/workspace.yaml");
+    let original = std::fs::read_to_string(&runtime_yaml).unwrap();
+    app.workspace.write(
+        "config/runtime/workspace.yaml",
+        format!("{original}  limits: {{ maxConcurrentRuns: 3 }}\n"),
+    );
+    let (status, error) = app.post(reload, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 422, "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limits.maxConcurrentRuns"),
+        "{error}"
+    );
+    app.workspace.write(
+        "config/runtime/workspace.yaml",
+        original.replace("defaultAgent: assistant", "defaultAgent: greeter"),
+    );
+
+    // Valid: `assistant` goes, `herald` comes.
+    let without_assistant = agents.replacen(
+        "metadata: { name: assistant }",
+        "metadata: { name: herald }",
+        1,
+    );
+    app.workspace
+        .write("config/agents/agents.yaml", without_assistant);
+    let (status, reloaded) = app.post(reload, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 200, "{reloaded}");
+    assert_eq!(reloaded["addedAgents"], json!(["herald"]));
+    assert_eq!(reloaded["removedAgents"], json!(["assistant"]));
+    let names = agent_names().await;
+    assert!(names.contains(&"herald".to_owned()) && !names.contains(&"assistant".to_owned()));
+    let (status, _) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "assistant", "input": { "text": "hi" } }),
+        )
+        .await;
+    assert_eq!(status, 404, "new requests see the new inventory");
+    // The run that started before goes on with the inventory it started with.
+    let done = app.wait_until_done(&running).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["output"], "still the old inventory");
+    let (_, store) = app.get("/admin/store", ADMIN_KEY).await;
+    let reloads: Vec<&Value> = store["maintenance"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["operation"] == "reload")
+        .collect();
+    assert_eq!(reloads.len(), 3, "every reload is recorded: {store}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_watch_reloads_when_files_change() {
+    let upstream = MockUpstream::start().await;
+    let workspace = api_workspace(&upstream, "");
+    let app = TestApp::spawn_configured(workspace, None, &[CLIENT_KEY], &[ADMIN_KEY], true).await;
+    app.workspace.write(
+        "config/agents/late.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: latecomer }\nspec:\n  backend: scripted\n  script: [{ reply: \"here now\" }]\n",
+    );
+    poll("the new agent", async || {
+        let (status, _) = app.get("/v1/models/latecomer", CLIENT_KEY).await;
+        (status == 200).then_some(())
+    })
+    .await;
+    // A broken edit keeps the inventory that serves.
+    app.workspace
+        .write("config/agents/late.yaml", "kind: Agent\nspec: [");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (status, _) = app.get("/v1/models/latecomer", CLIENT_KEY).await;
+    assert_eq!(status, 200);
+}
+
+/// The value of a Prometheus sample line `name{labels} value`, 0 when absent.
+fn sample(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_as_requests_run() {
+    let upstream = MockUpstream::start().await;
+    let tools = RecordingTools::start().await;
+    upstream.push([
+        Reply::call("weather_lookup", r#"{"city":"Oslo"}"#),
+        Reply::Text("sunny".into()),
+    ]);
+    let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
+    // An agent name no other test uses: the process's counters are shared.
+    workspace.write(
+        "config/agents/metered.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: metered }\nspec:\n  backend: openai\n  model: main\n  tools: [weather.lookup]\n",
+    );
+    let app = spawn(workspace, None).await;
+    let scrape = async || -> String {
+        let response = app
+            .http
+            .get(app.url("/metrics"))
+            .bearer_auth(ADMIN_KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        response.text().await.unwrap()
+    };
+    let unauthorized = app.http.get(app.url("/metrics")).send().await.unwrap();
+    assert_eq!(unauthorized.status(), 401);
+    let before = scrape().await;
+    let id = submit(
+        &app,
+        json!({ "agentId": "metered", "input": { "text": "weather?" } }),
+    )
+    .await;
+    assert_eq!(app.wait_until_done(&id).await["status"], "completed");
+    let after = scrape().await;
+    let moved = |name: &str| sample(&after, name) - sample(&before, name);
+    assert_eq!(
+        moved("stable_harness_requests_total{agent=\"metered\",status=\"completed\"}"),
+        1.0,
+        "{after}"
+    );
+    assert_eq!(
+        moved("stable_harness_run_duration_seconds_count{agent=\"metered\",status=\"completed\"}"),
+        1.0
+    );
+    assert!(
+        moved("stable_harness_tool_calls_total{tool=\"weather.lookup\",decision=\"allow\"}") >= 1.0
+    );
+    assert!(moved("stable_harness_model_call_duration_seconds_count{model=\"main\"}") >= 2.0);
+    assert!(
+        moved("stable_harness_events_appended_total{type=\"runtime.request.completed\"}") >= 1.0
+    );
+    assert!(moved("stable_harness_journal_batch_ops_count") >= 1.0);
+    assert!(after.contains("stable_harness_approvals_pending"));
+    assert!(after.contains("stable_harness_journal_commit_duration_seconds_bucket"));
+
+    // The docs browse the live document, with no key.
+    let docs = app.http.get(app.url("/docs/")).send().await.unwrap();
+    assert_eq!(docs.status(), 200);
+    assert!(
+        docs.text()
+            .await
+            .unwrap()
+            .to_lowercase()
+            .contains("swagger")
+    );
+}

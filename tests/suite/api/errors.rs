@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::tools::{ToolServer, tools_workspace};
 use super::upstream::MockUpstream;
 use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace};
-use crate::helpers::{TestWorkspace, stable_harness, stderr};
+use crate::helpers::{TestWorkspace, stderr};
 
 /// `method path` with an optional bearer key: the status, the content type and the JSON body.
 async fn call(app: &TestApp, method: &str, path: &str, key: Option<&str>) -> (u16, String, Value) {
@@ -450,6 +450,8 @@ async fn build_on(
             api_keys: client.iter().map(|k| (*k).into()).collect(),
             admin_keys: admin.iter().map(|k| (*k).into()).collect(),
             insecure_open_surfaces,
+            metrics_public: false,
+            watch: false,
         })
         .await;
         match built {
@@ -608,28 +610,6 @@ fn start_refuses_open_surfaces_on_a_public_address_and_serves_them_with_the_flag
     assert!(
         err.contains("NO CLIENT KEYS") && err.contains("NO ADMIN KEYS"),
         "{err}"
-    );
-}
-
-#[test]
-fn start_rejects_metrics_public_until_metrics_exist() {
-    let workspace = TestWorkspace::base();
-    let output = stable_harness(&[
-        "start",
-        "-w",
-        workspace.path().to_str().unwrap(),
-        "--port",
-        "0",
-        "--metrics-public",
-    ]);
-    assert_eq!(output.status.code(), Some(2));
-    assert!(output.stdout.is_empty(), "it never served");
-    assert!(
-        stderr(&output).contains(
-            "--metrics-public is not supported yet: /metrics does not exist in this build"
-        ),
-        "{}",
-        stderr(&output)
     );
 }
 

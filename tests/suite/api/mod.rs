@@ -87,6 +87,17 @@ impl TestApp {
         client: &[&str],
         admin: &[&str],
     ) -> Self {
+        Self::spawn_configured(workspace, database_url, client, admin, false).await
+    }
+
+    /// Like [`TestApp::spawn_on`]; with `watch`, the workspace reloads when its files change.
+    pub async fn spawn_configured(
+        workspace: TestWorkspace,
+        database_url: Option<String>,
+        client: &[&str],
+        admin: &[&str],
+        watch: bool,
+    ) -> Self {
         stable_harness::app::install_crypto_provider();
         let compiled = stable_harness::workspace::load(workspace.path())
             .unwrap_or_else(|d| panic!("invalid test workspace:\n{d}"));
@@ -98,6 +109,8 @@ impl TestApp {
             api_keys: client.iter().map(|k| (*k).into()).collect(),
             admin_keys: admin.iter().map(|k| (*k).into()).collect(),
             insecure_open_surfaces: false,
+            metrics_public: false,
+            watch,
         })
         .await
         .unwrap();
