@@ -3,6 +3,7 @@
 //! 3 a cancelled run or a denied approval.
 
 mod init;
+mod operator;
 mod output;
 mod run;
 mod schema;
@@ -23,6 +24,8 @@ pub mod exit {
     pub const FAILED: u8 = 1;
     pub const USAGE: u8 = 2;
     pub const CANCELLED: u8 = 3;
+    /// The operator commands could not reach the server (or it is not stable-harness).
+    pub const UNREACHABLE: u8 = 4;
 }
 
 #[derive(Debug, Parser)]
@@ -55,6 +58,12 @@ pub enum Command {
     /// Look after the store: prune by the retention policy, or copy an online backup.
     #[command(subcommand)]
     Store(StoreCommand),
+    /// Operate a running server: list, show, approve or deny approvals.
+    #[command(subcommand)]
+    Approvals(operator::ApprovalsCommand),
+    /// Operate a running server: list, show, cancel, retry requests; read or follow events.
+    #[command(subcommand)]
+    Requests(operator::RequestsCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -219,6 +228,8 @@ pub fn run(command: Command) -> u8 {
         Command::Migrate(args) => block_on(migrate(args)),
         Command::Store(StoreCommand::Prune(args)) => block_on(store::prune(args)),
         Command::Store(StoreCommand::Backup(args)) => block_on(store::backup(args)),
+        Command::Approvals(command) => block_on(operator::approvals(command)),
+        Command::Requests(command) => block_on(operator::requests(command)),
     }
 }
 

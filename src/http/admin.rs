@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::AppState;
 use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
-use super::runtime_api::{cancelled, id_param};
+use super::runtime_api::{cancelled, events_response, id_param};
 use super::views::{
     EventPage, EventsQuery, RequestList, RequestView, RunView, SessionList, SessionSummary,
     SessionView, request_view, request_views, session_view, store_error,
@@ -206,6 +206,22 @@ fn instant(
                 })
         })
         .transpose()
+}
+
+#[utoipa::path(get, path = "/admin/requests/{id}/events", tag = "admin", security(("admin_key" = [])),
+    params(("id" = String, Path, description = "Request id"), EventsQuery),
+    responses(
+        (status = 200, body = EventPage, description = "A page of the request's events (every run); with `Accept: text/event-stream`, a live SSE stream ending after the terminal event"),
+        (status = 400, body = crate::error::ErrorEnvelope), (status = 404, body = crate::error::ErrorEnvelope),
+        (status = 422, body = crate::error::ErrorEnvelope),
+    ))]
+pub async fn request_events(
+    State(state): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+    headers: axum::http::HeaderMap,
+    ApiQuery(query): ApiQuery<EventsQuery>,
+) -> Result<axum::response::Response, ApiError> {
+    events_response(&state, &id, None, &headers, &query).await
 }
 
 #[utoipa::path(post, path = "/admin/requests/{id}/cancel", tag = "admin", security(("admin_key" = [])),

@@ -95,6 +95,7 @@ pub fn router(state: AppState) -> Router {
             .route("/requests", get(admin::list_requests))
             .route("/requests/{id}", get(admin::get_request))
             .route("/requests/{id}/cancel", post(admin::cancel_request))
+            .route("/requests/{id}/events", get(admin::request_events))
             .route("/requests/{id}/retry", post(admin::retry_request))
             .route("/runs/{id}", get(admin::get_run))
             .route("/runs/{id}/events", get(admin::run_events))

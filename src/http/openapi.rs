@@ -23,6 +23,7 @@ use utoipa::{Modify, OpenApi};
         super::runtime_api::fork_session,
         super::admin::list_requests,
         super::admin::get_request,
+        super::admin::request_events,
         super::admin::cancel_request,
         super::admin::retry_request,
         super::admin::get_run,

@@ -171,19 +171,32 @@ pub async fn request_events(
     headers: HeaderMap,
     ApiQuery(query): ApiQuery<EventsQuery>,
 ) -> Result<Response, ApiError> {
+    events_response(&state, &id, Some(&caller.identity), &headers, &query).await
+}
+
+/// A request's events for `owner` (any owner when `None`): a JSON page, or with `Accept:
+/// text/event-stream` a live SSE stream from `after` (or `Last-Event-ID`) to the terminal
+/// event.
+pub(super) async fn events_response(
+    state: &AppState,
+    id: &str,
+    owner: Option<&str>,
+    headers: &HeaderMap,
+    query: &EventsQuery,
+) -> Result<Response, ApiError> {
     // Another key's request does not exist for this caller: 404, like an unknown id.
-    request_view(&state.runtime, &id, Some(&caller.identity)).await?;
+    request_view(&state.runtime, id, owner).await?;
     let wants_stream = headers
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
     let (after, limit) = query.checked()?;
-    let after = match last_event_id(&headers)? {
+    let after = match last_event_id(headers)? {
         Some(seq) => seq,
         None => after,
     };
     if wants_stream {
-        let events = state.runtime.follow(&id, after);
+        let events = state.runtime.follow(id, after);
         let body = events.map(|event| {
             Ok::<Event, Infallible>(match event {
                 Ok(event) => Event::default()
@@ -199,7 +212,7 @@ pub async fn request_events(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let data = state.runtime.store().events(&id, after, limit).await?;
+    let data = state.runtime.store().events(id, after, limit).await?;
     Ok(Json(EventPage::new(data, after)).into_response())
 }
 

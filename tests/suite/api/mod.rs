@@ -12,6 +12,7 @@ mod enforced;
 mod errors;
 mod maintenance;
 mod mcp;
+mod operator_cli;
 mod postgres;
 mod recovery;
 mod runtime_api;
