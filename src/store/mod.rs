@@ -112,6 +112,8 @@ pub trait Store: Send + Sync + 'static {
     }
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
+    // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
+    // index seek straight to a deep page (`'~'` sorts after every id character).
     async fn requests(
         &self,
         filter: &RequestFilter,

@@ -460,7 +460,7 @@ impl Store for PostgresStore {
         let rows = sqlx::query(
             "SELECT * FROM requests
              WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR agent_id = $2)
-               AND ($3::text IS NULL OR session_id = $3) AND ($4::text IS NULL OR id < $4)
+               AND ($3::text IS NULL OR session_id = $3) AND id < COALESCE($4::text, '~')
                AND ($6::text IS NULL OR owner = $6)
                AND ($7::timestamptz IS NULL OR created_at >= $7)
                AND ($8::timestamptz IS NULL OR created_at < $8)
@@ -747,7 +747,7 @@ impl Store for PostgresStore {
         let rows = sqlx::query(
             "SELECT * FROM sessions
              WHERE ($1::text IS NULL OR agent_id = $1) AND ($2::text IS NULL OR owner = $2)
-               AND ($3::text IS NULL OR id < $3)
+               AND id < COALESCE($3::text, '~')
              ORDER BY id DESC LIMIT $4",
         )
         .bind(filter.agent_id.as_deref().map(text))
@@ -777,7 +777,7 @@ impl Store for PostgresStore {
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT * FROM approvals WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR id < $2)
+            "SELECT * FROM approvals WHERE ($1::text IS NULL OR status = $1) AND id < COALESCE($2::text, '~')
              ORDER BY id DESC LIMIT $3",
         )
         .bind(status.map(ApprovalStatus::as_str))

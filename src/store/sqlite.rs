@@ -446,7 +446,7 @@ impl Store for SqliteStore {
         let rows = sqlx::query(
             "SELECT * FROM requests
              WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
-               AND (?3 IS NULL OR session_id = ?3) AND (?4 IS NULL OR id < ?4)
+               AND (?3 IS NULL OR session_id = ?3) AND id < COALESCE(?4, '~')
                AND (?6 IS NULL OR owner = ?6)
                AND (?7 IS NULL OR created_at >= ?7) AND (?8 IS NULL OR created_at < ?8)
              ORDER BY id DESC LIMIT ?5",
@@ -740,7 +740,7 @@ impl Store for SqliteStore {
         let rows = sqlx::query(
             "SELECT * FROM sessions
              WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 IS NULL OR owner = ?2)
-               AND (?3 IS NULL OR id < ?3)
+               AND id < COALESCE(?3, '~')
              ORDER BY id DESC LIMIT ?4",
         )
         .bind(&filter.agent_id)
@@ -770,7 +770,7 @@ impl Store for SqliteStore {
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT * FROM approvals WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR id < ?2)
+            "SELECT * FROM approvals WHERE (?1 IS NULL OR status = ?1) AND id < COALESCE(?2, '~')
              ORDER BY id DESC LIMIT ?3",
         )
         .bind(status.map(ApprovalStatus::as_str))

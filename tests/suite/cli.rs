@@ -426,3 +426,38 @@ fn run_asks_for_approval_denies_without_a_terminal_and_approve_all_approves() {
     assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));
     assert_eq!(stdout(&approved).trim(), "checked");
 }
+
+/// Every field of the workspace schema is named in the configuration reference.
+#[test]
+fn the_configuration_reference_names_every_schema_field() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("schema/workspace.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let reference = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+    let mut fields = std::collections::BTreeSet::new();
+    collect_properties(&schema, &mut fields);
+    assert!(fields.len() > 50, "{fields:?}");
+    let missing: Vec<&String> = fields
+        .iter()
+        .filter(|field| !reference.contains(&format!("`{field}`")) && !reference.contains(&format!(".{field}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/configuration.md does not describe {missing:?}: document them beside the schema"
+    );
+}
+
+fn collect_properties(value: &serde_json::Value, fields: &mut std::collections::BTreeSet<String>) {
+    match value {
+        serde_json::Value::Object(object) => {
+            if let Some(serde_json::Value::Object(properties)) = object.get("properties") {
+                fields.extend(properties.keys().cloned());
+            }
+            object.values().for_each(|v| collect_properties(v, fields));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| collect_properties(v, fields)),
+        _ => {}
+    }
+}
