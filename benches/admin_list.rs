@@ -124,7 +124,10 @@ async fn run() {
     for (name, query) in [
         ("first page", "limit=50".to_owned()),
         ("deep page", format!("limit=50&cursor={deep}")),
-        ("owner filter, deep", format!("limit=50&owner=carol&cursor={deep}")),
+        (
+            "owner filter, deep",
+            format!("limit=50&owner=carol&cursor={deep}"),
+        ),
         ("status filter", "limit=50&status=completed".to_owned()),
     ] {
         let url = format!("{base}/admin/requests?{query}");

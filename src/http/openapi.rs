@@ -45,7 +45,7 @@ use utoipa::{Modify, OpenApi};
         super::inspect::metrics,
     ),
     components(schemas(crate::error::ErrorEnvelope, crate::error::ErrorBody, crate::store::EventRecord, crate::store::RunStatus, crate::store::ApprovalStatus)),
-    modifiers(&Security),
+    modifiers(&Security, &CommonErrors),
     tags(
         (name = "v1", description = "OpenAI-compatible: agents are models"),
         (name = "runtime", description = "Native runtime API"),
@@ -65,6 +65,61 @@ impl Modify for Security {
                 name,
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
             );
+        }
+    }
+}
+
+/// The errors any operation may answer, in the one envelope: 401 and 403 where a key is
+/// needed, 413 where a body is read, and 500 (a real server fault) and 503 (shutting down, or
+/// the store cannot answer for now) everywhere. Operations list their own errors beside these.
+struct CommonErrors;
+
+impl Modify for CommonErrors {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let envelope = |description: &str| {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ErrorEnvelope")))
+                        .build(),
+                )
+                .build()
+        };
+        for item in openapi.paths.paths.values_mut() {
+            let operations = [
+                &mut item.get,
+                &mut item.post,
+                &mut item.put,
+                &mut item.delete,
+                &mut item.patch,
+            ];
+            for operation in operations.into_iter().flatten() {
+                let secured = operation
+                    .security
+                    .as_ref()
+                    .is_some_and(|security| !security.is_empty());
+                let mut common = vec![
+                    ("500", "A server fault (never bad input)"),
+                    ("503", "Shutting down, or the store cannot answer for now"),
+                ];
+                if secured {
+                    common.push(("401", "No key, or a key the server does not know"));
+                    common.push(("403", "A key of the other surface's scope"));
+                }
+                if operation.request_body.is_some() {
+                    common.push(("413", "The body is larger than `limits.maxRequestBytes`"));
+                }
+                for (status, description) in common {
+                    operation
+                        .responses
+                        .responses
+                        .entry(status.to_owned())
+                        .or_insert_with(|| envelope(description).into());
+                }
+            }
         }
     }
 }

@@ -441,7 +441,9 @@ fn the_configuration_reference_names_every_schema_field() {
     assert!(fields.len() > 50, "{fields:?}");
     let missing: Vec<&String> = fields
         .iter()
-        .filter(|field| !reference.contains(&format!("`{field}`")) && !reference.contains(&format!(".{field}`")))
+        .filter(|field| {
+            !reference.contains(&format!("`{field}`")) && !reference.contains(&format!(".{field}`"))
+        })
         .collect();
     assert!(
         missing.is_empty(),
