@@ -160,6 +160,12 @@ pub fn event_committed(event: &EventRecord) {
             }
         }
         events::TOOL_DIRECT_COMPLETED => tool_call(text("toolId"), "allow"),
+        // A tool the agent was not offered may be any name a model made up: one label for all.
+        events::TOOL_DENIED
+            if data.get("rule").and_then(Value::as_str) == Some("tool_not_allowed") =>
+        {
+            tool_call("not_offered".to_owned(), "deny");
+        }
         events::TOOL_DENIED => tool_call(text("toolId"), "deny"),
         events::APPROVAL_REQUESTED => {
             let tool = data

@@ -188,6 +188,20 @@ fn cursor(cursor: Option<String>, prefix: &str) -> Result<Option<String>, ApiErr
     }
 }
 
+/// A cursor of the session list: a session id, which a `/v1` client may have chosen.
+fn session_cursor(cursor: Option<String>) -> Result<Option<String>, ApiError> {
+    match cursor.filter(|c| !c.is_empty()) {
+        Some(cursor) if cursor.len() > 1024 || cursor.chars().any(char::is_control) => {
+            Err(ApiError::new(
+                ErrorCode::InvalidParameter,
+                "`cursor` must be the `nextCursor` of a previous page",
+            )
+            .param("cursor"))
+        }
+        cursor => Ok(cursor),
+    }
+}
+
 /// An RFC 3339 instant of a query filter.
 fn instant(
     text: Option<&str>,
@@ -318,7 +332,7 @@ pub async fn list_sessions(
     };
     let page = PageRequest {
         limit: page_limit(query.limit)?,
-        cursor: cursor(query.cursor, "ses")?,
+        cursor: session_cursor(query.cursor)?,
     };
     let page = state.runtime.store().sessions(&filter, &page).await?;
     Ok(Json(SessionList {

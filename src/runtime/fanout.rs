@@ -56,8 +56,8 @@ pub(super) fn start(runtime: &Runtime, mut changes: broadcast::Receiver<StoreCha
                         }
                     }
                 }
-                StoreChange::CancelRequested { request_id, by } => {
-                    Runtime { inner }.cancel_local(&request_id, &by);
+                StoreChange::CancelRequested { run_id, by } => {
+                    Runtime { inner }.cancel_live_run(&run_id, &by);
                 }
                 StoreChange::Resync => inner.approvals.notify_all(),
             }

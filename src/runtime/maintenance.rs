@@ -31,32 +31,32 @@ pub fn retention_policy(workspace: &CompiledWorkspace) -> RetentionPolicy {
 }
 
 impl Runtime {
-    /// Starts the background pruning loop when the workspace sets a retention window (the
-    /// server does; one-shot commands like `run` and `store prune` never do).
+    /// Starts the background pruning loop (the server does; one-shot commands like `run` and
+    /// `store prune` never do). Each pass reads the retention of the workspace serving then,
+    /// so a reload that sets, changes or removes a window takes effect at the next pass.
     pub fn start_retention(&self) {
-        let policy = retention_policy(&self.workspace());
-        if !policy.is_active() {
-            return;
-        }
-        let every = self.workspace().runtime.retention.every;
         // The loop must not keep the runtime (and so the store) alive: it holds a weak
         // reference and ends once the runtime is gone or shutting down.
         let inner = Arc::downgrade(&self.inner);
         let shutdown = self.inner.admitting_stopped.clone();
+        let mut wait = FIRST_PASS_AFTER.min(self.workspace().runtime.retention.every);
         tokio::spawn(async move {
-            let mut wait = FIRST_PASS_AFTER.min(every);
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(wait) => {}
                 }
-                wait = every;
                 let Some(inner) = inner.upgrade() else { return };
                 if shutdown.is_cancelled() {
                     return;
                 }
-                // A failed pass is logged and recorded; the next one tries again.
-                let _ = Runtime { inner }.prune(false).await;
+                let runtime = Runtime { inner };
+                let workspace = runtime.workspace();
+                wait = workspace.runtime.retention.every;
+                if retention_policy(&workspace).is_active() {
+                    // A failed pass is logged and recorded; the next one tries again.
+                    let _ = runtime.prune(false).await;
+                }
             }
         });
     }

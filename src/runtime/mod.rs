@@ -580,8 +580,14 @@ impl Runtime {
         let inventory = self.inventory();
         self.inner.tasks.spawn(async move {
             let request_id = job.submitted.request_id.clone();
+            let run_id = job.submitted.run_id.clone();
             run::execute(&runtime, &inventory, job, stop).await;
-            if let Ok(mut live) = runtime.inner.live.lock() {
+            // Only this run's entry: a retry may already have put the next attempt's there.
+            if let Ok(mut live) = runtime.inner.live.lock()
+                && live
+                    .get(&request_id)
+                    .is_some_and(|live| live.run_id == run_id)
+            {
                 live.remove(&request_id);
             }
         });

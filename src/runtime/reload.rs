@@ -61,10 +61,6 @@ fn restart_only(workspace: &CompiledWorkspace) -> Vec<(&'static str, String)> {
         ),
         ("store.maxSize", format!("{:?}", runtime.store_max_bytes)),
         (
-            "store.retention.every",
-            format!("{:?}", runtime.retention.every),
-        ),
-        (
             "protocols.openai.enabled",
             runtime.openai.enabled.to_string(),
         ),

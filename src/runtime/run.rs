@@ -94,6 +94,8 @@ struct RunEvents {
     lost: Mutex<Option<JournalError>>,
     /// Set when the run is given up here (see `LiveRun::hand_over`): it writes nothing more.
     handed_over: Arc<AtomicBool>,
+    /// The requests this run delegated to: a cancel of the run cancels them too.
+    delegated: Mutex<Vec<String>>,
 }
 
 impl RunEvents {
@@ -266,9 +268,11 @@ impl RunHost for RunEvents {
             return;
         }
         let slots = Arc::clone(&self.runtime.inner.slots);
+        // Cancel first: a run cancelled while it waited never takes a slot it would not use.
         let slot = tokio::select! {
-            slot = slots.acquire_owned() => slot.ok(),
+            biased;
             () = self.cancel.cancelled() => None,
+            slot = slots.acquire_owned() => slot.ok(),
         };
         if let Ok(mut held) = self.slot.lock() {
             *held = slot;
@@ -312,6 +316,9 @@ impl RunHost for RunEvents {
             } }),
         )
         .await;
+        if let Ok(mut delegated) = self.delegated.lock() {
+            delegated.push(child.request_id.clone());
+        }
         let ended = self
             .runtime
             .wait_until_ended(
@@ -420,6 +427,22 @@ impl ToolInvoker for RunTools<'_> {
     }
 }
 
+/// A cancelled run takes the requests it delegated to down with it (those ended already
+/// refuse the cancel, which is then nothing to do).
+fn cancel_delegated(runtime: &Runtime, events: &RunEvents, by: &str) {
+    let delegated = events
+        .delegated
+        .lock()
+        .map(|mut delegated| std::mem::take(&mut *delegated))
+        .unwrap_or_default();
+    for child in delegated {
+        let (tasks, runtime, by) = (runtime.inner.tasks.clone(), runtime.clone(), by.to_owned());
+        tasks.spawn(async move {
+            let _ = runtime.cancel(&child, None, &by).await;
+        });
+    }
+}
+
 #[tracing::instrument(skip_all, fields(request_id = %job.submitted.request_id, run_id = %job.submitted.run_id, agent = %job.submitted.agent_id))]
 pub(super) async fn execute(
     runtime: &Runtime,
@@ -464,6 +487,7 @@ pub(super) async fn execute(
         cancel: cancel.clone(),
         lost: Mutex::new(None),
         handed_over,
+        delegated: Mutex::new(Vec::new()),
     };
     // A run submitted while a slot was free was stored as running already; the others wait.
     // One cancelled while it waits ends without running.
@@ -471,8 +495,9 @@ pub(super) async fn execute(
         Some(slot) => Some(slot),
         None => {
             let slot = tokio::select! {
-                slot = Arc::clone(&inner.slots).acquire_owned() => slot.ok(),
+                biased;
                 () = cancel.cancelled() => None,
+                slot = Arc::clone(&inner.slots).acquire_owned() => slot.ok(),
             };
             if events.is_handed_over() || (slot.is_none() && !cancel.is_cancelled()) {
                 return;
@@ -734,6 +759,11 @@ async fn finish(
             break settled;
         }
     };
+    if status == RunStatus::Cancelled
+        && let Some(by) = events.cancelled_by.get()
+    {
+        cancel_delegated(runtime, events, by);
+    }
     match settled {
         Ok(()) => {
             crate::metrics::run_ended(

@@ -33,21 +33,21 @@ pub(super) fn forked_from(session: &SessionRecord) -> Option<(&str, &str)> {
 }
 
 impl Runtime {
-    /// Stops the live run of `request_id` if it executes here; true when it does.
-    pub(super) fn cancel_local(&self, request_id: &str, by: &str) -> bool {
-        match self.inner.live.lock() {
-            Ok(live) => match live.get(request_id) {
-                Some(run) => {
-                    run.cancel(by);
-                    true
-                }
-                None => false,
-            },
-            Err(_) => false,
+    /// Stops run `run_id` of `request_id` if it executes here; true when it does.
+    fn cancel_local(&self, request_id: &str, run_id: &str, by: &str) -> bool {
+        let Ok(live) = self.inner.live.lock() else {
+            return false;
+        };
+        match live.get(request_id) {
+            Some(run) if run.run_id == run_id => {
+                run.cancel(by);
+                true
+            }
+            _ => false,
         }
     }
 
-    /// Stops a run executing here on an operator's word (asked on another instance).
+    /// Stops a run if it executes here, on a stored cancel mark (asked here or elsewhere).
     pub(super) fn cancel_live_run(&self, run_id: &str, by: &str) {
         if let Ok(live) = self.inner.live.lock()
             && let Some(run) = live.values().find(|run| run.run_id == run_id)
@@ -74,17 +74,14 @@ impl Runtime {
                 status: request.status.as_str(),
             });
         }
-        if !self.cancel_local(request_id, by) {
-            let run = self.latest_run(request_id).await?;
-            let store = &self.inner.store;
-            if !store.request_cancel(&run.id, request_id, by).await? {
-                // It ended between the two reads.
-                let ended = self.owned_request(request_id, owner).await?;
-                return Err(RuntimeError::RequestEnded {
-                    id: ended.id,
-                    status: ended.status.as_str(),
-                });
-            }
+        // The mark is stored first, wherever the run executes: a run handed over or resumed
+        // elsewhere before it heard still ends cancelled.
+        let run = self.latest_run(request_id).await?;
+        let store = &self.inner.store;
+        if !store.request_cancel(&run.id, by).await? {
+            return Err(self.ended(request_id, owner).await);
+        }
+        if !self.cancel_local(request_id, &run.id, by) {
             // Nobody executes it (an instance died, or resuming is off): end it here. Else its
             // holder heard the announcement.
             if let Some(claimed) = store.claim_run(&run.id).await? {
@@ -92,7 +89,26 @@ impl Runtime {
                 self.resume_run(claimed, None).await?;
             }
         }
-        self.wait_until_ended(request_id, CANCEL_WAIT).await
+        let request = self.wait_until_ended(request_id, CANCEL_WAIT).await?;
+        // The run finished on its own before it heard: the cancel came too late.
+        if request.status.is_terminal() && request.status != RunStatus::Cancelled {
+            return Err(RuntimeError::RequestEnded {
+                id: request.id,
+                status: request.status.as_str(),
+            });
+        }
+        Ok(request)
+    }
+
+    /// The refusal for a request that ended before a cancel reached it.
+    async fn ended(&self, request_id: &str, owner: Option<&str>) -> RuntimeError {
+        match self.owned_request(request_id, owner).await {
+            Ok(ended) => RuntimeError::RequestEnded {
+                id: ended.id,
+                status: ended.status.as_str(),
+            },
+            Err(error) => error,
+        }
     }
 
     /// Starts a new run of a failed or cancelled request: attempt + 1, its events continuing
@@ -156,6 +172,8 @@ impl Runtime {
             Ok(()) => {}
             // Another instance retried it first (the attempt number is taken).
             Err(super::JournalError::Rejected(_) | super::JournalError::Conflict(_)) => {
+                // The refused batch must not keep the request's later writes out.
+                inner.journal.forgive(&request.id).await?;
                 return Err(RuntimeError::NotRetryable {
                     id: request.id,
                     status: "being retried",

@@ -113,7 +113,8 @@ pub trait Store: Send + Sync + 'static {
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
-    // index seek straight to a deep page (`'~'` sorts after every id character).
+    // index seek straight to a deep page (`'~'` sorts after every character of the ids we
+    // make). Sessions, whose ids clients may choose, use `cursor IS NULL OR id < cursor`.
     async fn requests(
         &self,
         filter: &RequestFilter,
@@ -148,12 +149,7 @@ pub trait Store: Send + Sync + 'static {
     /// with the run and, on a shared store, announced to the other instances
     /// ([`StoreChange::CancelRequested`]). `by` is who asked. Returns false when the run has
     /// ended already.
-    async fn request_cancel(
-        &self,
-        run_id: &str,
-        request_id: &str,
-        by: &str,
-    ) -> Result<bool, StoreError>;
+    async fn request_cancel(&self, run_id: &str, by: &str) -> Result<bool, StoreError>;
     /// Those of `runs` asked to stop (see [`Store::request_cancel`]), with who asked.
     async fn cancels_requested(&self, runs: &[String])
     -> Result<Vec<(String, String)>, StoreError>;
@@ -187,8 +183,9 @@ pub trait Store: Send + Sync + 'static {
     /// The messages of a session, oldest first.
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;
     async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError>;
-    /// The newest message of a session: the leaf its next request continues from (a message's
-    /// children are always newer than it, so the newest is a leaf).
+    /// The newest leaf of a session (a message with no child in it): the one its next request
+    /// continues from. Asked as a leaf, not as the newest message, since instances' clocks
+    /// may disagree and a child could be stamped before its parent.
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError>;
     /// The path from the root of a message tree to `leaf`, root first: a session's history.
     /// It crosses into the session a fork branched from.

@@ -142,8 +142,8 @@ pub enum StoreChange {
         first: i64,
         last: i64,
     },
-    /// An operator asked another instance to stop a request's live run.
-    CancelRequested { request_id: String, by: String },
+    /// An operator asked to stop a run (whichever instance holds it stops it).
+    CancelRequested { run_id: String, by: String },
     /// Notifications may have been missed (the listening connection was lost): whoever waits
     /// on the store should read it again.
     Resync,

@@ -94,7 +94,7 @@ impl PostgresStore {
 }
 
 /// Forwards other instances' announcements (`holder request first last`, or `holder cancel
-/// request by`) until `stop`.
+/// run by`) until `stop`.
 async fn listen(
     mut listener: PgListener,
     holder: String,
@@ -118,7 +118,7 @@ async fn listen(
                     // Every instance hears it, the asker included: the holder acts on it.
                     let by: Vec<&str> = fields.collect();
                     let _ = changes.send(StoreChange::CancelRequested {
-                        request_id: third.to_owned(),
+                        run_id: third.to_owned(),
                         by: by.join(" "),
                     });
                     continue;
@@ -594,24 +594,18 @@ impl Store for PostgresStore {
         row.as_ref().map(run_from_row).transpose()
     }
 
-    async fn request_cancel(
-        &self,
-        run_id: &str,
-        request_id: &str,
-        by: &str,
-    ) -> Result<bool, StoreError> {
+    async fn request_cancel(&self, run_id: &str, by: &str) -> Result<bool, StoreError> {
         // The mark and its announcement commit together: whoever hears it finds the mark.
         let marked = sqlx::query(
             "WITH marked AS (
-                 UPDATE runs SET cancel_requested_by = COALESCE(cancel_requested_by, $4)
+                 UPDATE runs SET cancel_requested_by = COALESCE(cancel_requested_by, $3)
                   WHERE id = $1 AND status IN ('queued', 'running', 'waiting_approval')
                  RETURNING id)
-             SELECT pg_notify('stable_harness_events', $2 || ' cancel ' || $3 || ' ' || $4)
+             SELECT pg_notify('stable_harness_events', $2 || ' cancel ' || id || ' ' || $3)
                FROM marked",
         )
         .bind(text(run_id))
         .bind(&self.holder)
-        .bind(text(request_id))
         .bind(text(by))
         .fetch_optional(&self.pool)
         .await?;
@@ -717,7 +711,10 @@ impl Store for PostgresStore {
 
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         Ok(sqlx::query_scalar(
-            "SELECT id FROM messages WHERE session_id = $1 ORDER BY created_at DESC, id DESC LIMIT 1",
+            "SELECT id FROM messages m WHERE session_id = $1
+               AND NOT EXISTS (SELECT 1 FROM messages c
+                                WHERE c.parent_id = m.id AND c.session_id = m.session_id)
+             ORDER BY created_at DESC, id DESC LIMIT 1",
         )
         .bind(text(session_id))
         .fetch_optional(&self.pool)
@@ -747,7 +744,7 @@ impl Store for PostgresStore {
         let rows = sqlx::query(
             "SELECT * FROM sessions
              WHERE ($1::text IS NULL OR agent_id = $1) AND ($2::text IS NULL OR owner = $2)
-               AND id < COALESCE($3::text, '~')
+               AND ($3::text IS NULL OR id < $3)
              ORDER BY id DESC LIMIT $4",
         )
         .bind(filter.agent_id.as_deref().map(text))

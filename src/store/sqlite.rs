@@ -600,12 +600,7 @@ impl Store for SqliteStore {
         }
     }
 
-    async fn request_cancel(
-        &self,
-        run_id: &str,
-        _request_id: &str,
-        by: &str,
-    ) -> Result<bool, StoreError> {
+    async fn request_cancel(&self, run_id: &str, by: &str) -> Result<bool, StoreError> {
         let (run, by) = (run_id.to_owned(), by.to_owned());
         self.writer
             .maintain(move |connection| {
@@ -710,7 +705,10 @@ impl Store for SqliteStore {
 
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         Ok(sqlx::query_scalar(
-            "SELECT id FROM messages WHERE session_id = ? ORDER BY created_at DESC, id DESC LIMIT 1",
+            "SELECT id FROM messages m WHERE session_id = ?
+               AND NOT EXISTS (SELECT 1 FROM messages c
+                                WHERE c.parent_id = m.id AND c.session_id = m.session_id)
+             ORDER BY created_at DESC, id DESC LIMIT 1",
         )
         .bind(session_id)
         .fetch_optional(&self.reader)
@@ -740,7 +738,7 @@ impl Store for SqliteStore {
         let rows = sqlx::query(
             "SELECT * FROM sessions
              WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 IS NULL OR owner = ?2)
-               AND id < COALESCE(?3, '~')
+               AND (?3 IS NULL OR id < ?3)
              ORDER BY id DESC LIMIT ?4",
         )
         .bind(&filter.agent_id)

@@ -543,7 +543,7 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
         .apply(&[
             message("msg_1", None, 0),
             message("msg_2", Some("msg_1"), 1),
-            message("msg_3", Some("msg_1"), 2),
+            message("msg_3", Some("msg_1"), 10),
         ])
         .await
         .unwrap();
@@ -560,6 +560,29 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
             ("msg_3".to_owned(), Some("msg_1".to_owned())),
         ]
     );
+    // The head is the newest leaf; the history is the path from the root to it.
+    assert_eq!(
+        store.session_head("ses_a").await.unwrap().as_deref(),
+        Some("msg_3")
+    );
+    // A child stamped before its parent (another instance's clock lags): the head is still
+    // the leaf, never the parent that merely looks newer.
+    store
+        .apply(&[message("msg_5", Some("msg_3"), 5)])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.session_head("ses_a").await.unwrap().as_deref(),
+        Some("msg_5")
+    );
+    let path: Vec<String> = store
+        .message_path("msg_5")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(path, ["msg_1", "msg_3", "msg_5"]);
     // A parent that does not exist is refused.
     assert!(
         store

@@ -106,6 +106,52 @@ async fn cancel_stops_a_stalled_upstream_call(store: Option<String>) {
     assert_eq!(error["error"]["param"], "id");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_of_a_run_cancels_the_request_it_delegated_to() {
+    let upstream = MockUpstream::start().await;
+    // The manager hands the task to `assistant`, whose model call then stalls.
+    upstream.push([Reply::call("agents_assistant", r#"{"input":"work"}"#)]);
+    upstream.set_default(Reply::Stall(Duration::from_secs(30)));
+    let workspace = api_workspace(&upstream, "");
+    workspace.write(
+        "config/agents/manager.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: manager }\nspec:\n  backend: openai\n  model: main\n  subagents: [assistant]\n",
+    );
+    let app = spawn(workspace, None).await;
+    let id = submit(
+        &app,
+        json!({ "agentId": "manager", "input": { "text": "go" } }),
+    )
+    .await;
+    let child = poll("the delegated request", async || {
+        let events = app.events(&id).await;
+        let handoff = events
+            .iter()
+            .find(|e| e["data"]["event"]["phase"] == "agent.handoff")?;
+        let child = handoff["data"]["event"]["requestId"].as_str()?.to_owned();
+        (upstream.calls().len() >= 2).then_some(child)
+    })
+    .await;
+
+    let (status, view) = app
+        .post(
+            &format!("/admin/requests/{id}/cancel"),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(
+        (status, view["status"].as_str()),
+        (200, Some("cancelled")),
+        "{view}"
+    );
+    let child_view = app.wait_until_done(&child).await;
+    assert_eq!(child_view["status"], "cancelled", "{child_view}");
+    let events = app.events(&child).await;
+    let reason = data_of(&events, "runtime.request.cancelled")[0]["reason"].clone();
+    assert!(reason.as_str().unwrap().contains("operator"), "{reason}");
+}
+
 on_both_stores!(cancel_kills_a_hanging_command_tool);
 // Prints how long the cancel took (a figure for the closing note, not a threshold).
 #[allow(clippy::print_stderr)]
@@ -431,9 +477,60 @@ async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
         .await;
     assert_eq!(status, 200);
     assert_eq!(detail["messages"].as_array().unwrap().len(), 6);
-    let (status, error) = app.get("/admin/sessions?cursor=bogus", ADMIN_KEY).await;
+    let (status, error) = app.get("/admin/sessions?cursor=%01", ADMIN_KEY).await;
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["param"], "cursor");
+}
+
+on_both_stores!(session_pages_reach_sessions_whose_ids_clients_chose);
+async fn session_pages_reach_sessions_whose_ids_clients_chose(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("ok".into()));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let chat = json!({ "model": "assistant", "messages": [{ "role": "user", "content": "hi" }] });
+    // Ids past '~' in byte order: a non-ASCII `user`, and a grouping header of tildes.
+    let mut with_user = chat.clone();
+    with_user["user"] = json!("zoë");
+    for (body, header) in [(&with_user, None), (&chat, Some("~~~ mine")), (&chat, None)] {
+        let mut call = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .json(body);
+        if let Some(header) = header {
+            call = call.header("x-stable-harness-session-id", header);
+        }
+        assert_eq!(call.send().await.unwrap().status(), 200);
+    }
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(cursor) => format!("/admin/sessions?limit=1&cursor={}", urlencode(cursor)),
+            None => "/admin/sessions?limit=1".to_owned(),
+        };
+        let (status, page) = app.get(&path, ADMIN_KEY).await;
+        assert_eq!(status, 200, "{page}");
+        seen.extend(
+            page["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["sessionId"].clone()),
+        );
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+        assert!(seen.len() <= 3, "pages never end: {seen:?}");
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|id| id.as_str().is_some_and(|id| id.ends_with(":zoë"))),
+        "{seen:?}"
+    );
+    assert!(seen.contains(&json!("~~~ mine")), "{seen:?}");
 }
 
 on_both_stores!(operators_inspect_traces_requests_workspace_and_health);
@@ -548,8 +645,16 @@ async fn operators_inspect_traces_requests_workspace_and_health(store: Option<St
     assert_eq!(status, 403);
 }
 
+/// Percent-encodes everything but unreserved characters, byte by byte.
 fn urlencode(text: &str) -> String {
-    text.replace('+', "%2B").replace(':', "%3A")
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 #[tokio::test]
@@ -779,6 +884,8 @@ async fn metrics_move_as_requests_run() {
     let upstream = MockUpstream::start().await;
     let tools = RecordingTools::start().await;
     upstream.push([
+        // A tool the model made up: its name must not become a label.
+        Reply::call("made_up_tool_7f3a", "{}"),
         Reply::call("weather_lookup", r#"{"city":"Oslo"}"#),
         Reply::Text("sunny".into()),
     ]);
@@ -823,7 +930,12 @@ async fn metrics_move_as_requests_run() {
     assert!(
         moved("stable_harness_tool_calls_total{tool=\"weather.lookup\",decision=\"allow\"}") >= 1.0
     );
-    assert!(moved("stable_harness_model_call_duration_seconds_count{model=\"main\"}") >= 2.0);
+    assert!(
+        moved("stable_harness_tool_calls_total{tool=\"not_offered\",decision=\"deny\"}") >= 1.0,
+        "{after}"
+    );
+    assert!(!after.contains("made_up_tool_7f3a"), "{after}");
+    assert!(moved("stable_harness_model_call_duration_seconds_count{model=\"main\"}") >= 3.0);
     assert!(
         moved("stable_harness_events_appended_total{type=\"runtime.request.completed\"}") >= 1.0
     );
