@@ -48,6 +48,11 @@ pub enum ErrorCode {
     RequestNotRetryable,
     /// A message id that is not in the session's history (a fork point).
     MessageNotFound,
+    MemoryNotFound,
+    /// A decision about a memory record that is not pending.
+    MemoryNotPending,
+    /// An import file with lines that cannot be imported (nothing was imported).
+    InvalidImport,
     /// A workspace reload found problems (or a change only a restart applies).
     InvalidWorkspace,
     /// A file the request would create exists already (a backup never overwrites).
@@ -73,14 +78,14 @@ impl ErrorCode {
             InvalidJson | UnknownField | InvalidParameter | InvalidMessage | ToolsNotSupported => {
                 StatusCode::BAD_REQUEST
             }
-            InvalidRequest | InvalidWorkspace => StatusCode::UNPROCESSABLE_ENTITY,
+            InvalidRequest | InvalidWorkspace | InvalidImport => StatusCode::UNPROCESSABLE_ENTITY,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
             | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled
-            | MessageNotFound => StatusCode::NOT_FOUND,
+            | MessageNotFound | MemoryNotFound => StatusCode::NOT_FOUND,
             ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
-            | RequestNotRetryable => StatusCode::CONFLICT,
+            | RequestNotRetryable | MemoryNotPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
@@ -100,7 +105,8 @@ impl ErrorCode {
             | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
             | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
-            | MessageNotFound | InvalidWorkspace => "invalid_request_error",
+            | MessageNotFound | InvalidWorkspace | MemoryNotFound | MemoryNotPending
+            | InvalidImport => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -132,6 +138,9 @@ impl ErrorCode {
             RequestEnded => "request_ended",
             RequestNotRetryable => "request_not_retryable",
             MessageNotFound => "message_not_found",
+            MemoryNotFound => "memory_not_found",
+            MemoryNotPending => "memory_not_pending",
+            InvalidImport => "invalid_import",
             InvalidWorkspace => "invalid_workspace",
             AlreadyExists => "already_exists",
             ApprovalPending => "approval_pending",

@@ -88,6 +88,8 @@ pub struct AdapterContext<'a> {
     pub own_from: usize,
     /// Generation options from the client (temperature, max_tokens, stop, ...).
     pub options: &'a Map<String, Value>,
+    /// What memory recalled for this run (`read-before-plan`); empty without memory.
+    pub memory: &'a [crate::memory::Recalled],
     pub events: &'a dyn EventSink,
     pub tools: &'a dyn ToolInvoker,
     pub cancel: CancellationToken,

@@ -729,7 +729,7 @@ fn kind_matches(configured: crate::workspace::RetryKind, kind: FailureKind) -> b
     )
 }
 
-/// The upstream request: system instructions first, then the transcript; the agent's
+/// The upstream request: system instructions and recalled memory first, then the transcript; the agent's
 /// `backendConfig` passes through and the client's explicit options win over it.
 fn request_body(
     context: &AdapterContext<'_>,
@@ -737,10 +737,12 @@ fn request_body(
     model: &ModelConfig,
     streaming: bool,
 ) -> Value {
-    let mut messages = Vec::with_capacity(request.messages.len() + 1);
+    let mut messages = Vec::with_capacity(request.messages.len() + 2);
     if let Some(instructions) = &context.agent.instructions {
         messages.push(json!({ "role": "system", "content": instructions }));
     }
+    // What memory recalled comes after the agent's own instructions, in its own block.
+    messages.extend(crate::memory::context_message(context.memory));
     messages.extend(request.messages.iter().cloned());
     let mut body: Map<String, Value> = context.agent.backend_config.clone();
     for (key, value) in context.options {

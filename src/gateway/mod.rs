@@ -165,6 +165,13 @@ pub trait RunHost: Send + Sync {
     /// Hands `input` to the subagent `agent` as a request of its own (announced as
     /// `agent.handoff`) and returns its answer, or why it has none.
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String>;
+    /// Proposes a memory record in the agent's write namespace (`memory.write`); the output
+    /// the model gets, or a typed error (`code`, message).
+    async fn remember(
+        &self,
+        content: &str,
+        metadata: Value,
+    ) -> Result<Value, (&'static str, String)>;
 }
 
 /// One run's identity and state, as far as its tool calls go.

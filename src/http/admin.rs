@@ -134,7 +134,7 @@ pub async fn run_events(
 }
 
 /// A `status` query filter: absent or empty is no filter, anything else one of `all`.
-fn status_filter<T: Copy>(
+pub(super) fn status_filter<T: Copy>(
     text: Option<&str>,
     all: &[T],
     name: fn(T) -> &'static str,
@@ -156,7 +156,7 @@ fn status_filter<T: Copy>(
 }
 
 /// A list page size: 50 by default, at least 1, and more than 200 is taken as 200.
-fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+pub(super) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
     match limit.unwrap_or(50) {
         limit if limit < 1 => Err(ApiError::new(
             ErrorCode::InvalidRequest,
@@ -169,7 +169,7 @@ fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
 
 /// A list cursor: the id of the last item of the previous page (`{prefix}_` and 32 hex
 /// digits); anything else is a client bug, answered rather than read as an empty page.
-fn cursor(cursor: Option<String>, prefix: &str) -> Result<Option<String>, ApiError> {
+pub(super) fn cursor(cursor: Option<String>, prefix: &str) -> Result<Option<String>, ApiError> {
     let Some(cursor) = cursor.filter(|c| !c.is_empty()) else {
         return Ok(None);
     };

@@ -11,6 +11,7 @@ mod auth;
 mod extract;
 mod health;
 mod inspect;
+mod memory;
 mod messages;
 pub mod openapi;
 mod runtime_api;
@@ -109,6 +110,14 @@ pub fn router(state: AppState) -> Router {
             .route("/approvals/{id}", get(admin::get_approval))
             .route("/approvals/{id}/approve", post(admin::approve))
             .route("/approvals/{id}/deny", post(admin::deny))
+            .route("/memory", get(memory::list_memory))
+            .route("/memory/maintenance", post(memory::memory_maintenance))
+            .route(
+                "/memory/{id}",
+                get(memory::get_memory).delete(memory::delete_memory),
+            )
+            .route("/memory/{id}/approve", post(memory::approve_memory))
+            .route("/memory/{id}/reject", post(memory::reject_memory))
             .route("/policy/explain", post(admin::explain_policy))
             .route("/store", get(admin::get_store))
             .route("/store/prune", post(admin::prune_store))

@@ -167,6 +167,16 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The request's metadata: the client's, with `user` (which fills `{user}` memory
+/// namespaces) set from the `user` field when it is given.
+fn v1_metadata(metadata: Option<Map<String, Value>>, user: Option<&str>) -> Value {
+    let mut metadata = metadata.unwrap_or_default();
+    if let Some(user) = user {
+        metadata.insert("user".to_owned(), Value::String(user.to_owned()));
+    }
+    Value::Object(metadata)
+}
+
 /// A session id from the grouping header or `user`; anything else is a new session. A `user`
 /// names a session of the calling key's own (`user:<identity>:<user>`): another key's
 /// `user` of the same name is another session.
@@ -256,10 +266,7 @@ pub async fn chat_completions(
             messages: request.messages,
             new_messages,
             options,
-            metadata: request
-                .metadata
-                .map(Value::Object)
-                .unwrap_or_else(|| json!({})),
+            metadata: v1_metadata(request.metadata, request.user.as_deref()),
             protocol: Protocol::V1,
             durable_before_return: false,
         })

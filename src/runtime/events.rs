@@ -14,6 +14,11 @@ pub const TOOL_DIRECT_COMPLETED: &str = "runtime.tool.direct.completed";
 pub const TOOL_DENIED: &str = "runtime.tool.denied";
 pub const APPROVAL_REQUESTED: &str = "runtime.approval.requested";
 pub const APPROVAL_RESOLVED: &str = "runtime.approval.resolved";
+pub const MEMORY_LIFECYCLE: &str = "runtime.memory.lifecycle";
+pub const MEMORY_RECALL_COMPLETED: &str = "runtime.memory.recall.completed";
+pub const MEMORY_CANDIDATE_SUBMITTED: &str = "runtime.memory.candidate.submitted";
+pub const MEMORY_APPROVAL_REQUESTED: &str = "runtime.memory.approval.requested";
+pub const MEMORY_PLUGIN_FAILED: &str = "runtime.memory.plugin.failed";
 
 /// Adapter phases (`data.event.phase` of `runtime.adapter.event`).
 pub const PHASE_OUTPUT_DELTA: &str = "agent.output.delta";
@@ -63,6 +68,7 @@ pub const EVENT_TYPES: &[&str] = &[
     "runtime.memory.recall.completed",
     "runtime.memory.candidate.submitted",
     "runtime.memory.approval.requested",
+    "runtime.memory.plugin.failed",
     "runtime.memory.maintenance.started",
     "runtime.memory.maintenance.completed",
     "runtime.memory.maintenance.failed",

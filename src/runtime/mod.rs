@@ -16,6 +16,7 @@ mod hub;
 mod journal;
 mod leases;
 mod maintenance;
+mod memory_admin;
 mod narration;
 mod reload;
 mod run;
@@ -44,6 +45,7 @@ use crate::workspace::CompiledWorkspace;
 pub use hub::EventHub;
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
+pub use memory_admin::{ImportReport, MemoryAdminError};
 pub use reload::{ReloadError, Reloaded};
 pub use watch::{ApprovalWatch, Watched};
 

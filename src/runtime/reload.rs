@@ -9,12 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use chrono::Utc;
-use serde_json::json;
 
-use super::{Inventory, Runtime, new_id};
+use super::{Inventory, Runtime};
 use crate::gateway::ToolGateway;
 use crate::redact::Redactor;
-use crate::store::MaintenanceRecord;
 use crate::workspace::{self, CompiledWorkspace, Diagnostics};
 
 /// How often `--watch` looks at the workspace's files, and how long they must stay unchanged
@@ -105,21 +103,8 @@ impl Runtime {
             Ok(compiled) => self.swap(compiled),
             Err(diagnostics) => Err(ReloadError::Invalid(diagnostics)),
         };
-        let (status, report) = match &result {
-            Ok(reloaded) => ("completed", json!(reloaded)),
-            Err(error) => ("failed", json!({ "error": error.to_string() })),
-        };
-        let record = MaintenanceRecord {
-            id: new_id("mnt"),
-            operation: "reload".to_owned(),
-            status: status.to_owned(),
-            started_at: started,
-            ended_at: Utc::now(),
-            report,
-        };
-        if let Err(error) = self.inner.store.record_maintenance(&record).await {
-            tracing::warn!(%error, "could not record the reload");
-        }
+        crate::store::retention::record(self.inner.store.as_ref(), "reload", started, &result)
+            .await;
         match &result {
             Ok(reloaded) => tracing::info!(
                 event = "runtime.workspace.reloaded",

@@ -8,7 +8,7 @@
 //! bound to this run ([`RunTools`]); while a call waits on an approval the run is
 //! `waiting_approval` and its active-time budget is paused.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
@@ -18,8 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::clock::ActiveClock;
 use super::events::{
-    ADAPTER_EVENT, PHASE_HANDOFF, PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED,
-    REQUEST_FAILED, REQUEST_STARTED,
+    ADAPTER_EVENT, MEMORY_APPROVAL_REQUESTED, MEMORY_CANDIDATE_SUBMITTED, MEMORY_LIFECYCLE,
+    MEMORY_PLUGIN_FAILED, MEMORY_RECALL_COMPLETED, PHASE_HANDOFF, PROGRESS_NARRATION,
+    REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
 };
 use super::{
     Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
@@ -96,6 +97,11 @@ struct RunEvents {
     handed_over: Arc<AtomicBool>,
     /// The requests this run delegated to: a cancel of the run cancels them too.
     delegated: Mutex<Vec<String>>,
+    /// The request's `user` (`/v1` `user`, or the `/runtime` metadata's): fills `{user}`
+    /// memory namespaces.
+    user: Option<String>,
+    /// Memory candidates this run proposed (`write-after-run` reports them).
+    candidates: AtomicUsize,
 }
 
 impl RunEvents {
@@ -112,6 +118,77 @@ impl RunEvents {
             at: Utc::now(),
             data,
         }
+    }
+
+    /// The agent's memory, if it has any (and memory is on).
+    fn agent_memory(&self) -> Option<crate::memory::AgentMemory<'_>> {
+        let workspace = &self.inventory.workspace;
+        let config = &workspace.runtime.memory;
+        let agent = workspace.agents.get(&self.submitted.agent_id)?;
+        let memory = agent.memory.as_ref().filter(|_| config.enabled)?;
+        Some(crate::memory::AgentMemory {
+            config,
+            agent: memory,
+            store: Arc::clone(&self.runtime.inner.store),
+            http: self.runtime.http().clone(),
+        })
+    }
+
+    /// What this request fills memory namespaces with.
+    fn memory_context(&self) -> crate::memory::Context<'_> {
+        crate::memory::Context {
+            agent_id: &self.submitted.agent_id,
+            session_id: &self.submitted.session_id,
+            user: self.user.as_deref(),
+            owner: &self.owner,
+        }
+    }
+
+    /// `read-before-plan`: searches the agent's namespaces with the last user message.
+    /// A provider that fails is reported and the run goes on without its records.
+    async fn recall(&self, messages: &[Value]) -> Vec<crate::memory::Recalled> {
+        let Some(memory) = self.agent_memory().filter(|memory| memory.agent.recall) else {
+            return Vec::new();
+        };
+        let context = self.memory_context();
+        self.record(
+            MEMORY_LIFECYCLE,
+            json!({ "hook": "read-before-plan",
+                "namespaces": memory.namespaces(&context).iter().map(|n| &n.name).collect::<Vec<_>>() }),
+        )
+        .await;
+        let query = crate::adapters::last_user_text(messages);
+        let mut recalled = Vec::new();
+        for found in memory.recall(&context, &query).await {
+            match found.found {
+                Ok(records) => {
+                    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+                    let contents: Vec<&str> = records.iter().map(|r| r.content.as_str()).collect();
+                    self.record(
+                        MEMORY_RECALL_COMPLETED,
+                        json!({ "namespace": found.namespace.name, "recordIds": ids,
+                            "context": contents, "provider": memory.provider_name() }),
+                    )
+                    .await;
+                    recalled.extend(records);
+                }
+                Err(error) => {
+                    let error = self
+                        .inventory
+                        .gateway
+                        .redactor()
+                        .redact_text(&error.to_string());
+                    tracing::warn!(%error, "memory recall failed; the run goes on without it");
+                    self.record(
+                        MEMORY_PLUGIN_FAILED,
+                        json!({ "provider": memory.provider_name(), "operation": "recall",
+                            "namespace": found.namespace.name, "error": error }),
+                    )
+                    .await;
+                }
+            }
+        }
+        recalled
     }
 
     fn is_handed_over(&self) -> bool {
@@ -279,6 +356,71 @@ impl RunHost for RunEvents {
         }
         self.clock.pause(false);
         self.set_status(RunStatus::Running).await;
+    }
+
+    async fn remember(
+        &self,
+        content: &str,
+        metadata: Value,
+    ) -> Result<Value, (&'static str, String)> {
+        let Some(memory) = self.agent_memory() else {
+            return Err((
+                "memory_disabled",
+                format!("agent `{}` has no memory", self.submitted.agent_id),
+            ));
+        };
+        // Secrets never reach a memory record (nor the events that show it).
+        let redactor = self.inventory.gateway.redactor();
+        let content = redactor.redact_text(content);
+        let metadata = redactor.redact(&metadata);
+        let source = (
+            self.submitted.request_id.as_str(),
+            self.submitted.run_id.as_str(),
+        );
+        let written = memory
+            .write(&self.memory_context(), &content, metadata.clone(), source)
+            .await;
+        let (namespace, written) = match written {
+            Ok(written) => written,
+            Err(refusal) => {
+                if let crate::memory::WriteRefusal::Provider(error) = &refusal {
+                    self.record(
+                        MEMORY_PLUGIN_FAILED,
+                        json!({ "provider": memory.provider_name(), "operation": "write",
+                            "error": redactor.redact_text(&error.to_string()) }),
+                    )
+                    .await;
+                }
+                return Err((refusal.code(), refusal.to_string()));
+            }
+        };
+        self.candidates.fetch_add(1, Ordering::SeqCst);
+        let decision = if written.merged {
+            "merged"
+        } else {
+            written.status.as_str()
+        };
+        let record = json!({ "memoryId": written.memory_id, "status": written.status });
+        self.record(
+            MEMORY_CANDIDATE_SUBMITTED,
+            json!({
+                "candidate": { "namespace": namespace.name, "content": content, "metadata": metadata },
+                "decision": decision,
+                "record": record,
+                "provider": memory.provider_name(),
+            }),
+        )
+        .await;
+        if written.status == crate::store::MemoryStatus::Pending && !written.merged {
+            self.record(
+                MEMORY_APPROVAL_REQUESTED,
+                json!({ "approval": { "memoryId": written.memory_id, "namespace": namespace.name } }),
+            )
+            .await;
+        }
+        Ok(
+            json!({ "memoryId": written.memory_id, "status": written.status, "merged": written.merged }),
+        )
     }
 
     async fn delegate(&self, agent: &str, input: &str, call_id: &str) -> Result<Value, String> {
@@ -488,6 +630,11 @@ pub(super) async fn execute(
         lost: Mutex::new(None),
         handed_over,
         delegated: Mutex::new(Vec::new()),
+        user: metadata
+            .get("user")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        candidates: AtomicUsize::new(0),
     };
     // A run submitted while a slot was free was stored as running already; the others wait.
     // One cancelled while it waits ends without running.
@@ -618,12 +765,14 @@ async fn run_adapter(
             ),
         ));
     };
+    let recalled = events.recall(messages).await;
     let context = AdapterContext {
         workspace: &events.inventory.workspace,
         agent,
         messages,
         own_from,
         options,
+        memory: &recalled,
         events,
         tools: &tools,
         cancel,
@@ -667,6 +816,17 @@ async fn finish(
         (_, Some(error)) => Err(store_failure(&error)),
         (result, None) => result,
     };
+    // `write-after-run`: what the run proposed is stored already (each proposal when it was
+    // made, so a crash loses none); the hook reports them as the run ends.
+    let candidates = events.candidates.load(Ordering::SeqCst);
+    if candidates > 0 {
+        events
+            .record(
+                MEMORY_LIFECYCLE,
+                json!({ "hook": "write-after-run", "candidates": candidates }),
+            )
+            .await;
+    }
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply = json!({ "role": "assistant", "content": output.text });

@@ -8,12 +8,16 @@
 
 mod model;
 mod postgres;
+mod postgres_memory;
 pub mod retention;
 mod sqlite;
+mod sqlite_memory;
 mod sqlite_writer;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
 
 pub use model::*;
 pub use postgres::PostgresStore;
@@ -96,9 +100,67 @@ fn is_transient_sqlstate(code: &str) -> bool {
 /// reads it when no announcement came: a lost notification costs this much latency.
 pub const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The memory records of a store (issue 12). They are written outside runs' transactions: a
+/// write is keyed by its content, so writing it again (a re-run call, an import) merges
+/// instead of adding.
+#[async_trait::async_trait]
+pub trait MemoryStore: Send + Sync {
+    /// Stores `record`, or merges it into the record of the same namespace, scope and content
+    /// (whose `updated_at` moves; its status and id stay). Returns the stored record and
+    /// whether it was merged.
+    async fn put_memory(&self, record: &MemoryRecord) -> Result<(MemoryRecord, bool), StoreError>;
+    /// Stores all of `records` in one transaction, each merged like [`MemoryStore::put_memory`];
+    /// returns how many were merged into records that existed.
+    async fn import_memories(&self, records: &[MemoryRecord]) -> Result<u64, StoreError>;
+    async fn memory(&self, id: &str) -> Result<Option<MemoryRecord>, StoreError>;
+    /// The record of a namespace and scope with this content hash, if any.
+    async fn memory_by_hash(
+        &self,
+        namespace: &str,
+        scope: &str,
+        content_hash: &str,
+    ) -> Result<Option<MemoryRecord>, StoreError>;
+    /// Newest first by id, filtered; `filter.words` narrows to records containing any of
+    /// them.
+    async fn memories(
+        &self,
+        filter: &MemoryFilter,
+        page: &PageRequest,
+    ) -> Result<Page<MemoryRecord>, StoreError>;
+    /// The `limit` active records of a namespace and scope that best match any of `words`,
+    /// by full-text relevance weighed by recency (a month-old record counts half); without
+    /// words, the most recent ones.
+    async fn recall_memories(
+        &self,
+        namespace: &str,
+        scope: &str,
+        words: &[String],
+        limit: i64,
+    ) -> Result<Vec<MemoryRecord>, StoreError>;
+    /// Moves a record from one of `from` to `to` (an operator's decision).
+    async fn set_memory_status(
+        &self,
+        id: &str,
+        from: &[MemoryStatus],
+        to: MemoryStatus,
+        by: &str,
+        at: DateTime<Utc>,
+    ) -> Result<MemoryTransition, StoreError>;
+    /// Deletes a record; false when there was none.
+    async fn delete_memory(&self, id: &str) -> Result<bool, StoreError>;
+    /// Archives active records that have a newer active near-duplicate, and active records
+    /// not updated since `expire_before`; within `namespace` when given.
+    async fn compact_memories(
+        &self,
+        namespace: Option<&str>,
+        expire_before: Option<DateTime<Utc>>,
+        at: DateTime<Utc>,
+    ) -> Result<CompactReport, StoreError>;
+}
+
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: MemoryStore + Send + Sync + 'static {
     /// Applies every op in order, in one transaction: all or nothing. Returns the `seq` the
     /// store gave each [`WriteOp::AppendEvent`], in order: a request's events are numbered
     /// after its last stored one, whoever writes them. A batch is applied once per `batch_id`:
@@ -238,6 +300,7 @@ pub trait Store: Send + Sync + 'static {
     async fn backup_to(&self, path: &Path) -> Result<u64, StoreError>;
     async fn stats(&self) -> Result<StoreStats, StoreError>;
     async fn record_maintenance(&self, record: &MaintenanceRecord) -> Result<(), StoreError>;
+
     /// The newest maintenance passes first.
     async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError>;
     /// Where the data lives, for the startup line (never includes credentials).

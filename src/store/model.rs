@@ -474,3 +474,91 @@ pub struct MaintenanceRecord {
     #[schema(value_type = Object)]
     pub report: Value,
 }
+
+/// Where a memory record is in its lifecycle (issue 12).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryStatus {
+    /// Proposed; waits for an operator (`memory.write.requireApproval`). Never recalled.
+    Pending,
+    /// Recalled.
+    Active,
+    /// Refused by an operator. Never recalled; a duplicate proposal merges into it.
+    Rejected,
+    /// Set aside by compaction (a near-duplicate, or older than `memory.ttl`). Never recalled.
+    Archived,
+}
+
+impl MemoryStatus {
+    pub const ALL: [MemoryStatus; 4] =
+        [Self::Pending, Self::Active, Self::Rejected, Self::Archived];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Active => "active",
+            Self::Rejected => "rejected",
+            Self::Archived => "archived",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|status| status.as_str() == text)
+    }
+}
+
+/// One thing an agent remembers, in one namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryRecord {
+    pub id: String,
+    /// As templated from the request's context (`agent/support`, `user/ada`, ...).
+    pub namespace: String,
+    /// The key identity a `user/` or `session/` namespace belongs to; empty where the
+    /// namespace is shared (`agent/`).
+    pub scope: String,
+    /// The key identity that wrote the record.
+    pub owner: String,
+    pub content: String,
+    #[schema(value_type = Object)]
+    pub metadata: Value,
+    pub status: MemoryStatus,
+    /// SHA-256 of the content: exact duplicates in a namespace are one record.
+    pub content_hash: String,
+    /// SHA-256 of the content normalized (case, punctuation, spacing): compaction merges
+    /// records that share it.
+    pub near_hash: String,
+    pub source_request_id: Option<String>,
+    pub source_run_id: Option<String>,
+    pub decided_by: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct MemoryFilter {
+    pub namespace: Option<String>,
+    pub status: Option<MemoryStatus>,
+    pub owner: Option<String>,
+    /// Words the content must contain one of (full-text search).
+    pub words: Vec<String>,
+}
+
+/// What a conditional status change found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MemoryTransition {
+    Changed(MemoryRecord),
+    /// The record is in another status than the change expects.
+    Refused(MemoryStatus),
+    NotFound,
+}
+
+/// What a compaction pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactReport {
+    /// Active records archived because a newer near-duplicate stays.
+    pub merged: u64,
+    /// Active records archived because they were not updated within `memory.ttl`.
+    pub expired: u64,
+}

@@ -51,7 +51,7 @@ const CHANGES_CAPACITY: usize = 4_096;
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     url: String,
-    pool: PgPool,
+    pub(super) pool: PgPool,
     holder: String,
     lease_ms: i64,
     changes: broadcast::Sender<StoreChange>,
@@ -156,12 +156,12 @@ async fn listen(
 
 /// Text as PostgreSQL can hold it. Also applied to keys a read binds: no stored key holds
 /// U+0000, so one that does matches nothing instead of failing.
-fn text(value: &str) -> String {
+pub(super) fn text(value: &str) -> String {
     value.replace('\0', "\u{FFFD}")
 }
 
 /// JSON as PostgreSQL can hold it (no U+0000 in any string).
-fn json(value: &Value) -> Value {
+pub(super) fn json(value: &Value) -> Value {
     let mut value = value.clone();
     scrub(&mut value);
     value

@@ -276,11 +276,11 @@ pub async fn backup(store: &dyn Store, file: &Path) -> Result<BackupReport, Stor
 }
 
 /// Records a maintenance pass; a failure to record is logged, never the pass's failure.
-async fn record<T: Serialize>(
+pub(crate) async fn record<T: Serialize, E: std::fmt::Display>(
     store: &dyn Store,
     operation: &str,
     started_at: DateTime<Utc>,
-    result: &Result<T, StoreError>,
+    result: &Result<T, E>,
 ) {
     let (status, report) = match result {
         Ok(report) => (

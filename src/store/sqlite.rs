@@ -32,8 +32,8 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     path: PathBuf,
-    writer: Arc<SqliteWriter>,
-    reader: SqlitePool,
+    pub(super) writer: Arc<SqliteWriter>,
+    pub(super) reader: SqlitePool,
     /// Who this process holds leases as, and for how long.
     leases: Leases,
     /// This process's ownership of the store, held for the store's life.
@@ -288,7 +288,7 @@ const MAINTENANCE_KEPT: u32 = 1_000;
 /// How this store's SQL names the set of session ids a prune counts or deletes.
 const IN_SESSIONS: &str = "IN (SELECT value FROM json_each(?1))";
 
-fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
+pub(super) fn parse_json(text: Option<String>) -> Result<Option<Value>, StoreError> {
     text.map(|t| {
         serde_json::from_str(&t).map_err(|e| StoreError::Corrupt(format!("JSON column: {e}")))
     })
@@ -299,13 +299,13 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
     RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
 }
 
-fn parse_time(text: &str) -> Result<DateTime<Utc>, StoreError> {
+pub(super) fn parse_time(text: &str) -> Result<DateTime<Utc>, StoreError> {
     DateTime::parse_from_rfc3339(text)
         .map(|t| t.with_timezone(&Utc))
         .map_err(|e| StoreError::Corrupt(format!("timestamp `{text}`: {e}")))
 }
 
-fn parse_time_opt(text: Option<String>) -> Result<Option<DateTime<Utc>>, StoreError> {
+pub(super) fn parse_time_opt(text: Option<String>) -> Result<Option<DateTime<Utc>>, StoreError> {
     text.as_deref().map(parse_time).transpose()
 }
 

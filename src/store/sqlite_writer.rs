@@ -303,7 +303,7 @@ pub fn now() -> String {
     time(&Utc::now())
 }
 
-fn time(value: &DateTime<Utc>) -> String {
+pub(super) fn time(value: &DateTime<Utc>) -> String {
     value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 

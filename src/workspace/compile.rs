@@ -42,7 +42,8 @@ pub fn compile(
     let models = compiler.models(&documents, &inventory);
     let tools = compiler.tools(&documents, &inventory);
     let runtime = compiler.runtime(&documents, &inventory);
-    let agents = compiler.agents(&documents, &inventory, &tools, &models);
+    let memory = runtime.as_ref().map(|runtime| &runtime.memory);
+    let agents = compiler.agents(&documents, &inventory, &tools, &models, memory);
     compiler.delegation_cycles(&documents);
     let workflows = compiler.workflows(&documents, &inventory);
     if compiler.diagnostics.len() > before {
@@ -280,12 +281,16 @@ impl Compiler<'_> {
                 default
             }
             Ok(duration) if duration > max => {
+                let limit = if max.as_secs() % 86_400 == 0 {
+                    format!("{}-day", max.as_secs() / 86_400)
+                } else {
+                    format!("{}s", max.as_secs())
+                };
                 self.report(origin.at(
                     text,
                     format!(
-                        "`{field}` ({}) is longer than the {}-day maximum",
-                        text.0.trim(),
-                        max.as_secs() / 86_400
+                        "`{field}` ({}) is longer than the {limit} maximum",
+                        text.0.trim()
                     ),
                 ));
                 default
@@ -351,6 +356,118 @@ impl Compiler<'_> {
             ));
         }
         url.value.clone()
+    }
+
+    fn memory(&mut self, origin: &Origin, spec: &raw::MemorySpec) -> MemoryConfig {
+        let max_content_bytes = self.byte_size(
+            origin,
+            &spec.write.max_content_bytes,
+            DEFAULT_MEMORY_CONTENT_BYTES,
+            "memory.write.maxContentBytes",
+        );
+        if let Some(size) = &spec.write.max_content_bytes
+            && max_content_bytes > MAX_MEMORY_CONTENT_BYTES
+        {
+            self.report(origin.at(
+                size,
+                format!(
+                    "`memory.write.maxContentBytes` is larger than {MAX_MEMORY_CONTENT_BYTES} bytes"
+                ),
+            ));
+        }
+        let ttl = spec
+            .ttl
+            .as_ref()
+            .map(|_| self.duration(origin, &spec.ttl, Duration::ZERO, "memory.ttl"));
+        let mut names = BTreeMap::new();
+        let providers = spec
+            .providers
+            .iter()
+            .map(|provider| {
+                self.register(&mut names, "memory provider", origin, &provider.name);
+                MemoryProviderConfig {
+                    name: provider.name.value.clone(),
+                    url: self.http_url(origin, &provider.url, "memory.providers.url"),
+                    api_key_env: provider
+                        .api_key_env
+                        .as_ref()
+                        .map(|env| self.env_var(origin, env, "apiKeyEnv")),
+                    timeout: self.duration_up_to(
+                        origin,
+                        &provider.timeout,
+                        Duration::from_secs(2),
+                        "memory.providers.timeout",
+                        Duration::from_secs(60),
+                    ),
+                }
+            })
+            .collect();
+        MemoryConfig {
+            enabled: spec.enabled.as_ref().is_some_and(|enabled| enabled.value),
+            write_requires_approval: spec.write.require_approval.unwrap_or(true),
+            max_content_bytes: usize::try_from(max_content_bytes.min(MAX_MEMORY_CONTENT_BYTES))
+                .unwrap_or(usize::MAX),
+            ttl,
+            providers,
+        }
+    }
+
+    fn agent_memory(
+        &mut self,
+        origin: &Origin,
+        spec: &Located<raw::AgentMemorySpec>,
+        runtime: Option<&MemoryConfig>,
+    ) -> AgentMemoryConfig {
+        match runtime {
+            Some(runtime) if !runtime.enabled => self.report(
+                origin
+                    .at(spec, "agent `memory` needs memory enabled in the Runtime")
+                    .with_hint("set `memory: { enabled: true }` in the Runtime's spec"),
+            ),
+            _ => {}
+        }
+        let mut namespaces = Vec::new();
+        for template in spec.namespace.iter().chain(&spec.namespaces) {
+            match crate::memory::check_template(template) {
+                Ok(()) if namespaces.contains(&template.value) => self.report(origin.at(
+                    template,
+                    format!("namespace `{}` is listed twice", template.value),
+                )),
+                Ok(()) => namespaces.push(template.value.clone()),
+                Err(message) => self.report(origin.at(template, message)),
+            }
+        }
+        if spec.namespace.is_none() && spec.namespaces.is_empty() {
+            namespaces.push("agent/{agentId}".to_owned());
+        }
+        let max_recall = match &spec.max_recall {
+            Some(max) if !(1..=MAX_RECALL).contains(&max.value) => {
+                self.report(origin.at(
+                    max,
+                    format!(
+                        "`memory.maxRecall` must be 1 to {MAX_RECALL}, got {}",
+                        max.value
+                    ),
+                ));
+                DEFAULT_RECALL
+            }
+            Some(max) => max.value,
+            None => DEFAULT_RECALL,
+        };
+        if let (Some(provider), Some(runtime)) = (&spec.provider, runtime) {
+            let names = runtime
+                .providers
+                .iter()
+                .map(|p| (p.name.clone(), String::new()))
+                .collect();
+            self.reference(origin, provider, &names, "memory provider", "Runtime");
+        }
+        AgentMemoryConfig {
+            namespaces,
+            recall: spec.recall.unwrap_or(true),
+            max_recall,
+            provider: spec.provider.as_ref().map(|p| p.value.clone()),
+        }
     }
 
     fn retention(&mut self, origin: &Origin, spec: &RetentionSpec) -> RetentionConfig {
@@ -802,7 +919,14 @@ impl Compiler<'_> {
     ) -> Option<(serde_json::Value, Arc<jsonschema::Validator>)> {
         let schema = match &spec.input_schema {
             Some(schema) => schema.clone(),
-            None => Located::new(serde_json::json!({ "type": "object" }), spec.id.position),
+            None => {
+                let builtin = spec.builtin.as_ref().and_then(|b| BuiltinTool::parse(b));
+                let default = builtin.map_or_else(
+                    || serde_json::json!({ "type": "object" }),
+                    BuiltinTool::input_schema,
+                );
+                Located::new(default, spec.id.position)
+            }
         };
         let describes_object = match schema.get("type") {
             Some(serde_json::Value::String(kind)) => kind == "object",
@@ -997,16 +1121,7 @@ impl Compiler<'_> {
                 "remove it: token budgets are not enforced by this build",
             );
         }
-        if let Some(enabled) = &spec.memory.enabled
-            && enabled.value
-        {
-            self.not_supported(
-                origin,
-                enabled,
-                "memory.enabled: true",
-                "set `enabled: false` or remove `memory`: memory is not built yet",
-            );
-        }
+        let memory = self.memory(origin, &spec.memory);
         let mut cli_event_types = Vec::new();
         for event_type in &spec.cli.events.include {
             if crate::runtime::events::EVENT_TYPES.contains(&event_type.as_str()) {
@@ -1078,10 +1193,7 @@ impl Compiler<'_> {
             limits,
             governance,
             recovery,
-            memory: MemoryConfig {
-                enabled: false,
-                write_requires_approval: spec.memory.write.require_approval.unwrap_or(true),
-            },
+            memory,
             budgets: Vec::new(),
             narration: NarrationConfig {
                 enabled: spec.progress.narration.enabled.unwrap_or(false),
@@ -1356,10 +1468,11 @@ impl Compiler<'_> {
         inventory: &Inventory,
         tools: &BTreeMap<String, ToolConfig>,
         models: &BTreeMap<String, ModelConfig>,
+        runtime_memory: Option<&MemoryConfig>,
     ) -> BTreeMap<String, AgentConfig> {
         let mut agents = BTreeMap::new();
         for doc in &documents.agents {
-            let agent = self.agent(doc, inventory, tools, models);
+            let agent = self.agent(doc, inventory, tools, models, runtime_memory);
             agents.entry(agent.name.clone()).or_insert(agent);
         }
         agents
@@ -1371,6 +1484,7 @@ impl Compiler<'_> {
         inventory: &Inventory,
         tools: &BTreeMap<String, ToolConfig>,
         models: &BTreeMap<String, ModelConfig>,
+        runtime_memory: Option<&MemoryConfig>,
     ) -> AgentConfig {
         let origin = &doc.origin;
         let spec = &doc.raw.spec;
@@ -1440,6 +1554,27 @@ impl Compiler<'_> {
             if agent_tools.contains(&tool.value) {
                 self.report(origin.at(tool, format!("tool `{}` is listed twice", tool.value)));
             } else if self.reference(origin, tool, &inventory.tools, "tool", "ToolCatalog") {
+                let writes_memory = tools.get(&tool.value).is_some_and(|config| {
+                    matches!(
+                        config.implementation,
+                        ToolImplementation::Builtin(BuiltinTool::MemoryWrite)
+                    )
+                });
+                if writes_memory && spec.memory.is_none() {
+                    self.report(
+                        origin
+                            .at(
+                                tool,
+                                format!(
+                                    "tool `{}` writes memory, and agent `{name}` has no `memory`",
+                                    tool.value
+                                ),
+                            )
+                            .with_hint(
+                                "give the agent `memory: { namespace: ... }`, or remove the tool",
+                            ),
+                    );
+                }
                 agent_tools.push(tool.value.clone());
             }
         }
@@ -1481,14 +1616,10 @@ impl Compiler<'_> {
                 MAX_RETENTION,
             )
         });
-        if let Some(memory) = &spec.memory {
-            self.not_supported(
-                origin,
-                memory,
-                "memory",
-                "remove it: agent memory is not built yet",
-            );
-        }
+        let memory = spec
+            .memory
+            .as_ref()
+            .map(|memory| self.agent_memory(origin, memory, runtime_memory));
         if let Some(tools) = spec
             .contract
             .as_ref()
@@ -1531,11 +1662,7 @@ impl Compiler<'_> {
             skills,
             max_iterations,
             timeout,
-            memory: AgentMemoryConfig {
-                namespace: format!("agent/{name}"),
-                recall: false,
-                max_recall: 5,
-            },
+            memory,
             required_evidence_tools: Vec::new(),
             backend_config: spec
                 .backend_config
@@ -1729,6 +1856,12 @@ impl Compiler<'_> {
 
 /// Tool ids `agents.<name>` are the gateway's delegation tools, one per agent.
 const DELEGATION_PREFIX: &str = "agents.";
+/// `memory.write.maxContentBytes`: default and largest.
+const DEFAULT_MEMORY_CONTENT_BYTES: u64 = 4 << 10;
+const MAX_MEMORY_CONTENT_BYTES: u64 = 64 << 10;
+/// `memory.maxRecall`: default and largest.
+const DEFAULT_RECALL: u32 = 5;
+const MAX_RECALL: u32 = 50;
 
 /// Largest compiled size of one `redact.patterns` entry.
 const REDACT_PATTERN_SIZE_LIMIT: usize = 1 << 20;

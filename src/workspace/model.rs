@@ -69,7 +69,6 @@ pub struct RuntimeConfig {
     pub limits: LimitsConfig,
     pub governance: GovernanceConfig,
     pub recovery: RecoveryConfig,
-    /// Always disabled for now: `memory.enabled: true` is rejected until memory exists.
     pub memory: MemoryConfig,
     /// Always empty for now: `budgets` is rejected until budgets exist.
     pub budgets: Vec<BudgetConfig>,
@@ -143,10 +142,29 @@ pub struct RecoveryConfig {
     pub resume_on_start: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct MemoryConfig {
     pub enabled: bool,
     pub write_requires_approval: bool,
+    pub max_content_bytes: usize,
+    /// Compaction archives active records not updated for this long.
+    pub ttl: Option<Duration>,
+    pub providers: Vec<MemoryProviderConfig>,
+}
+
+impl MemoryConfig {
+    pub fn provider(&self, name: &str) -> Option<&MemoryProviderConfig> {
+        self.providers.iter().find(|p| p.name == name)
+    }
+}
+
+/// An external memory service.
+#[derive(Debug, Clone)]
+pub struct MemoryProviderConfig {
+    pub name: String,
+    pub url: String,
+    pub api_key_env: Option<String>,
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -204,8 +222,8 @@ pub struct AgentConfig {
     pub skills: Vec<SkillFile>,
     pub max_iterations: u32,
     pub timeout: Duration,
-    /// Always the default for now: an agent's `memory` is rejected until memory exists.
-    pub memory: AgentMemoryConfig,
+    /// `None`: the agent remembers nothing.
+    pub memory: Option<AgentMemoryConfig>,
     /// Always empty for now: a non-empty `contract.requiredEvidenceTools` is rejected.
     pub required_evidence_tools: Vec<String>,
     pub backend_config: serde_json::Map<String, serde_json::Value>,
@@ -248,9 +266,12 @@ pub struct SkillFile {
 
 #[derive(Debug, Clone)]
 pub struct AgentMemoryConfig {
-    pub namespace: String,
+    /// Namespace templates, in recall order; writes go to the first one a request fills.
+    pub namespaces: Vec<String>,
     pub recall: bool,
     pub max_recall: u32,
+    /// A provider of `Runtime.spec.memory.providers`; `None`: the store.
+    pub provider: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -386,12 +407,16 @@ pub enum BuiltinTool {
     /// Serves the calling agent's skill files.
     #[serde(rename = "skills.get")]
     SkillsGet,
+    /// Proposes a memory record in the calling agent's namespace (its `memory`).
+    #[serde(rename = "memory.write")]
+    MemoryWrite,
 }
 
 impl BuiltinTool {
-    pub const ALL: [(&'static str, BuiltinTool); 2] = [
+    pub const ALL: [(&'static str, BuiltinTool); 3] = [
         ("clock.now", BuiltinTool::ClockNow),
         ("skills.get", BuiltinTool::SkillsGet),
+        ("memory.write", BuiltinTool::MemoryWrite),
     ];
 
     pub fn parse(name: &str) -> Option<Self> {
@@ -399,6 +424,22 @@ impl BuiltinTool {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, tool)| *tool)
+    }
+
+    /// The arguments a catalog entry without `inputSchema` takes.
+    pub fn input_schema(self) -> serde_json::Value {
+        match self {
+            Self::ClockNow | Self::SkillsGet => serde_json::json!({ "type": "object" }),
+            Self::MemoryWrite => serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "content": { "type": "string", "minLength": 1, "description": "The fact to remember, self-contained" },
+                    "metadata": { "type": "object", "description": "Labels kept with the record" },
+                },
+                "required": ["content"],
+                "additionalProperties": false,
+            }),
+        }
     }
 }
 

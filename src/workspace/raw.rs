@@ -114,7 +114,7 @@ pub struct RuntimeSpec {
     pub governance: GovernanceSpec,
     #[serde(default)]
     pub recovery: RecoverySpec,
-    /// Only `enabled: false` is accepted until memory arrives with its issue.
+    /// Memory: whether agents may remember, how writes are governed, where memory lives.
     #[serde(default)]
     pub memory: MemorySpec,
     /// Not supported yet: a non-empty list is rejected until budgets arrive with their issue.
@@ -400,19 +400,43 @@ pub struct BackoffSpec {
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct MemorySpec {
-    /// `true` is not supported yet.
+    /// Agents may have `memory` (default false).
     #[serde(default)]
     pub enabled: Option<Located<bool>>,
     #[serde(default)]
     pub write: MemoryWriteSpec,
+    /// Compaction archives active records not updated for this long (default: never).
+    #[serde(default)]
+    pub ttl: Option<Located<DurationText>>,
+    /// External memory services agents may use instead of the store (`provider`).
+    #[serde(default)]
+    pub providers: Vec<MemoryProviderSpec>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct MemoryWriteSpec {
-    /// Memory candidates wait for an operator before they are stored (default true).
+    /// Memory candidates wait for an operator before they are recalled (default true).
     #[serde(default)]
     pub require_approval: Option<bool>,
+    /// Largest content of one record (default 4KiB, at most 64KiB).
+    #[serde(default)]
+    pub max_content_bytes: Option<Located<ByteSizeText>>,
+}
+
+/// An external memory service (`stable-harness.memory/v1`).
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MemoryProviderSpec {
+    pub name: Located<String>,
+    /// Base URL: the runtime posts to `{url}/recall` and `{url}/write`.
+    pub url: Located<String>,
+    /// Environment variable holding the bearer key sent to the service.
+    #[serde(default)]
+    pub api_key_env: Option<EnvVarRef>,
+    /// Per call (default 2s, at most 60s). A slower answer counts as a failure.
+    #[serde(default)]
+    pub timeout: Option<Located<DurationText>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
@@ -549,7 +573,7 @@ pub struct AgentSpec {
     /// Active execution time per run (default 120s).
     #[serde(default)]
     pub timeout: Option<Located<DurationText>>,
-    /// Not supported yet: rejected until memory arrives with its issue.
+    /// What the agent remembers: recalled before each run, written with `memory.write`.
     #[serde(default)]
     pub memory: Option<Located<AgentMemorySpec>>,
     #[serde(default)]
@@ -568,19 +592,27 @@ pub struct AgentSpec {
     pub retention: Option<AgentRetentionSpec>,
 }
 
-/// An agent's memory. Not supported yet: `memory` is rejected by `validate`.
-// Read for its shape only until memory arrives, hence `dead_code`.
+/// An agent's memory (needs `Runtime.spec.memory.enabled: true`).
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-#[allow(dead_code)]
 pub struct AgentMemorySpec {
-    /// Default `agent/<name>`.
+    /// A namespace template (default `agent/{agentId}`): `agent/…`, `session/…` or
+    /// `user/…`, with `{agentId}`, `{sessionId}` and `{user}` filled from the request.
     #[serde(default)]
     pub namespace: Option<Located<String>>,
+    /// More namespace templates, recalled after `namespace`. `memory.write` writes to the
+    /// first one the request can fill.
+    #[serde(default)]
+    pub namespaces: Vec<Located<String>>,
+    /// Search the namespaces before each run (default true).
     #[serde(default)]
     pub recall: Option<bool>,
+    /// Records recalled per namespace (default 5, 1 to 50).
     #[serde(default)]
-    pub max_recall: Option<u32>,
+    pub max_recall: Option<Located<u32>>,
+    /// A provider of `Runtime.spec.memory.providers` (default: the store).
+    #[serde(default)]
+    pub provider: Option<Located<String>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]

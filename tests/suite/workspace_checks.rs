@@ -370,7 +370,7 @@ const CASES: &[Case] = &[
             (
                 AGENT,
                 Some(
-                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  tools: [echo]\n  memory: { recall: true }\n  contract: { requiredEvidenceTools: [echo] }\n",
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: default\n  tools: [echo]\n  contract: { requiredEvidenceTools: [echo] }\n",
                 ),
             ),
             (
@@ -381,11 +381,52 @@ const CASES: &[Case] = &[
             ),
         ],
         expected: &[
-            "config/agents/assistant.yaml:8:11: `memory` is not supported yet (hint: remove it: agent memory is not built yet)",
-            "config/agents/assistant.yaml:9:38: `contract.requiredEvidenceTools` is not supported yet (hint: remove it: execution contracts are not checked by this build)",
+            "config/agents/assistant.yaml:8:38: `contract.requiredEvidenceTools` is not supported yet (hint: remove it: execution contracts are not checked by this build)",
             "config/runtime/workspace.yaml:5:53: `store.leaseDuration` must be at least 1s (hint: a lease is renewed every third of it; shorter ones would be lost to a slow database)",
-            "config/runtime/workspace.yaml:6:22: `memory.enabled: true` is not supported yet (hint: set `enabled: false` or remove `memory`: memory is not built yet)",
             "config/runtime/workspace.yaml:8:5: `budgets` is not supported yet (hint: remove it: token budgets are not enforced by this build)",
+        ],
+    },
+    Case {
+        name: "memory settings are checked",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  memory:\n    enabled: false\n    write: { maxContentBytes: 1MiB }\n    providers:\n      - { name: team, url: \"ftp://x\", timeout: 2m }\n      - { name: team, url: \"http://127.0.0.1:9\", apiKeyEnv: \"not a var\" }\n",
+                ),
+            ),
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now }\n    - { id: remember, builtin: memory.write }\n",
+                ),
+            ),
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n  memory: { namespace: \"team/x\", namespaces: [\"user/{name}\", \"agent/{agentId}\", \"agent/{agentId}\"], maxRecall: 0, provider: tem }\n",
+                ),
+            ),
+            (
+                "config/agents/forgetful.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: forgetful }\nspec:\n  backend: scripted\n  tools: [remember]\n  script: [{ reply: hi }]\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/assistant.yaml:7:11: agent `memory` needs memory enabled in the Runtime (hint: set `memory: { enabled: true }` in the Runtime's spec)",
+            "config/agents/assistant.yaml:7:24: namespace `team/x` must start with one of agent/, session/, user/",
+            "config/agents/assistant.yaml:7:47: namespace `user/{name}` has `{`: only letters, digits, `.`, `_`, `-`, `/` and the placeholders {agentId}, {sessionId}, {user}",
+            "config/agents/assistant.yaml:7:81: namespace `agent/{agentId}` is listed twice",
+            "config/agents/assistant.yaml:7:112: `memory.maxRecall` must be 1 to 50, got 0",
+            "config/agents/assistant.yaml:7:125: unknown memory provider `tem` (hint: did you mean `team`?)",
+            "config/agents/forgetful.yaml:6:11: tool `remember` writes memory, and agent `forgetful` has no `memory` (hint: give the agent `memory: { namespace: ... }`, or remove the tool)",
+            "config/runtime/workspace.yaml:7:31: `memory.write.maxContentBytes` is larger than 65536 bytes",
+            "config/runtime/workspace.yaml:9:28: `memory.providers.url` must be an http:// or https:// URL, got `ftp://x`",
+            "config/runtime/workspace.yaml:9:48: `memory.providers.timeout` (2m) is longer than the 60s maximum",
+            "config/runtime/workspace.yaml:10:17: duplicate memory provider `team` (first defined at config/runtime/workspace.yaml:9:17)",
+            "config/runtime/workspace.yaml:10:61: `apiKeyEnv` must name an environment variable, got `not a var` (hint: fields ending in `Env` hold a variable name such as OPENAI_API_KEY, never the secret itself)",
         ],
     },
     Case {

@@ -1,4 +1,5 @@
-//! Tools built into the binary: `clock.now` and `skills.get`.
+//! Tools built into the binary: `clock.now`, `skills.get` and `memory.write` (which hands the
+//! proposal to the run: memory belongs to the runtime, see [`crate::memory`]).
 
 use serde_json::{Value, json};
 
@@ -23,6 +24,21 @@ pub(super) async fn run(
             }))
         }
         BuiltinTool::SkillsGet => skills_get(context, arguments).await,
+        BuiltinTool::MemoryWrite => {
+            let content = arguments
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let metadata = arguments
+                .get("metadata")
+                .cloned()
+                .unwrap_or_else(|| json!({}));
+            context
+                .host
+                .remember(content, metadata)
+                .await
+                .map_err(|(code, message)| ToolError::new(code, message))
+        }
     }
 }
 

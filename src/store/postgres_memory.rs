@@ -1,0 +1,258 @@
+//! Memory records on PostgreSQL: the table carries a stored English `tsvector` of the content
+//! with a GIN index; relevance is `ts_rank`, weighed by recency.
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use super::postgres::{PostgresStore, json, text};
+use super::{
+    CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, MemoryStore, MemoryTransition, Page,
+    PageRequest, StoreError,
+};
+
+const PUT: &str = "INSERT INTO memories (id, namespace, scope, owner, content, metadata, status,
+     content_hash, near_hash, source_request_id, source_run_id, decided_by, created_at, updated_at)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+     ON CONFLICT (namespace, scope, content_hash) DO UPDATE SET updated_at = excluded.updated_at
+     RETURNING *";
+
+fn put<'q>(
+    record: &'q MemoryRecord,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(PUT)
+        .bind(text(&record.id))
+        .bind(text(&record.namespace))
+        .bind(text(&record.scope))
+        .bind(text(&record.owner))
+        .bind(text(&record.content))
+        .bind(json(&record.metadata))
+        .bind(record.status.as_str())
+        .bind(&record.content_hash)
+        .bind(&record.near_hash)
+        .bind(record.source_request_id.as_deref().map(text))
+        .bind(record.source_run_id.as_deref().map(text))
+        .bind(record.decided_by.as_deref().map(text))
+        .bind(record.created_at)
+        .bind(record.updated_at)
+}
+
+fn memory_from_row(row: &PgRow) -> Result<MemoryRecord, StoreError> {
+    let status: String = row.try_get("status")?;
+    Ok(MemoryRecord {
+        id: row.try_get("id")?,
+        namespace: row.try_get("namespace")?,
+        scope: row.try_get("scope")?,
+        owner: row.try_get("owner")?,
+        content: row.try_get("content")?,
+        metadata: row.try_get("metadata")?,
+        status: MemoryStatus::parse(&status)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown memory status `{status}`")))?,
+        content_hash: row.try_get("content_hash")?,
+        near_hash: row.try_get("near_hash")?,
+        source_request_id: row.try_get("source_request_id")?,
+        source_run_id: row.try_get("source_run_id")?,
+        decided_by: row.try_get("decided_by")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+/// A `tsquery` matching any of `words`, each a quoted lexeme (no operator can slip in).
+fn any_of(words: &[String]) -> String {
+    words
+        .iter()
+        .map(|word| format!("'{}'", word.replace(['\'', '\\'], "")))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+#[async_trait::async_trait]
+impl MemoryStore for PostgresStore {
+    async fn put_memory(&self, record: &MemoryRecord) -> Result<(MemoryRecord, bool), StoreError> {
+        let row = put(record).fetch_one(&self.pool).await?;
+        let stored = memory_from_row(&row)?;
+        let merged = stored.id != record.id;
+        Ok((stored, merged))
+    }
+
+    async fn import_memories(&self, records: &[MemoryRecord]) -> Result<u64, StoreError> {
+        let mut transaction = self.pool.begin().await?;
+        let mut merged = 0;
+        for record in records {
+            let id: String = put(record)
+                .fetch_one(&mut *transaction)
+                .await?
+                .try_get("id")?;
+            if id != record.id {
+                merged += 1;
+            }
+        }
+        transaction.commit().await?;
+        Ok(merged)
+    }
+
+    async fn memory(&self, id: &str) -> Result<Option<MemoryRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM memories WHERE id = $1")
+            .bind(text(id))
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(memory_from_row).transpose()
+    }
+
+    async fn memory_by_hash(
+        &self,
+        namespace: &str,
+        scope: &str,
+        content_hash: &str,
+    ) -> Result<Option<MemoryRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT * FROM memories WHERE namespace = $1 AND scope = $2 AND content_hash = $3",
+        )
+        .bind(text(namespace))
+        .bind(text(scope))
+        .bind(content_hash)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(memory_from_row).transpose()
+    }
+
+    async fn memories(
+        &self,
+        filter: &MemoryFilter,
+        page: &PageRequest,
+    ) -> Result<Page<MemoryRecord>, StoreError> {
+        let words = (!filter.words.is_empty()).then(|| any_of(&filter.words));
+        let rows = sqlx::query(
+            "SELECT * FROM memories
+             WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR status = $2)
+               AND ($3::text IS NULL OR owner = $3) AND id < COALESCE($4::text, '~')
+               AND ($5::text IS NULL OR words @@ to_tsquery('english', $5))
+             ORDER BY id DESC LIMIT $6",
+        )
+        .bind(filter.namespace.as_deref().map(text))
+        .bind(filter.status.map(MemoryStatus::as_str))
+        .bind(filter.owner.as_deref().map(text))
+        .bind(page.cursor.as_deref().map(text))
+        .bind(words)
+        .bind(page.limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let items = rows
+            .iter()
+            .map(memory_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Page::from_overfetch(items, page.limit, |m| m.id.clone()))
+    }
+
+    async fn recall_memories(
+        &self,
+        namespace: &str,
+        scope: &str,
+        words: &[String],
+        limit: i64,
+    ) -> Result<Vec<MemoryRecord>, StoreError> {
+        let query = if words.is_empty() {
+            sqlx::query(
+                "SELECT * FROM memories WHERE namespace = $1 AND scope = $2 AND status = 'active'
+                 ORDER BY updated_at DESC LIMIT $3",
+            )
+            .bind(text(namespace))
+            .bind(text(scope))
+            .bind(limit)
+        } else {
+            sqlx::query(
+                "SELECT m.* FROM memories m, to_tsquery('english', $4) q
+                 WHERE m.words @@ q AND m.namespace = $1 AND m.scope = $2 AND m.status = 'active'
+                 ORDER BY ts_rank(m.words, q)
+                        / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - m.updated_at), 0)
+                                 / 2592000.0) DESC,
+                          m.id DESC
+                 LIMIT $3",
+            )
+            .bind(text(namespace))
+            .bind(text(scope))
+            .bind(limit)
+            .bind(any_of(words))
+        };
+        let rows = query.fetch_all(&self.pool).await?;
+        rows.iter().map(memory_from_row).collect()
+    }
+
+    async fn set_memory_status(
+        &self,
+        id: &str,
+        from: &[MemoryStatus],
+        to: MemoryStatus,
+        by: &str,
+        at: DateTime<Utc>,
+    ) -> Result<MemoryTransition, StoreError> {
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let changed = sqlx::query(
+            "UPDATE memories SET status = $2, decided_by = $3, updated_at = $4
+             WHERE id = $1 AND status = ANY($5) RETURNING *",
+        )
+        .bind(text(id))
+        .bind(to.as_str())
+        .bind(text(by))
+        .bind(at)
+        .bind(&from)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(row) = changed {
+            return Ok(MemoryTransition::Changed(memory_from_row(&row)?));
+        }
+        Ok(match self.memory(id).await? {
+            Some(record) => MemoryTransition::Refused(record.status),
+            None => MemoryTransition::NotFound,
+        })
+    }
+
+    async fn delete_memory(&self, id: &str) -> Result<bool, StoreError> {
+        let deleted = sqlx::query("DELETE FROM memories WHERE id = $1")
+            .bind(text(id))
+            .execute(&self.pool)
+            .await?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    async fn compact_memories(
+        &self,
+        namespace: Option<&str>,
+        expire_before: Option<DateTime<Utc>>,
+        at: DateTime<Utc>,
+    ) -> Result<CompactReport, StoreError> {
+        let mut transaction = self.pool.begin().await?;
+        // The newest of each group of near-duplicates stays (ties: the greater id).
+        let merged = sqlx::query(
+            "UPDATE memories m SET status = 'archived', decided_by = 'compaction', updated_at = $2
+             WHERE m.status = 'active' AND ($1::text IS NULL OR m.namespace = $1)
+               AND EXISTS (SELECT 1 FROM memories n
+                    WHERE n.namespace = m.namespace AND n.scope = m.scope
+                      AND n.near_hash = m.near_hash AND n.status = 'active'
+                      AND (n.updated_at, n.id) > (m.updated_at, m.id))",
+        )
+        .bind(namespace.map(text))
+        .bind(at)
+        .execute(&mut *transaction)
+        .await?
+        .rows_affected();
+        let expired = match expire_before {
+            Some(cutoff) => sqlx::query(
+                "UPDATE memories SET status = 'archived', decided_by = 'compaction',
+                        updated_at = $2
+                 WHERE status = 'active' AND ($1::text IS NULL OR namespace = $1)
+                   AND updated_at < $3",
+            )
+            .bind(namespace.map(text))
+            .bind(at)
+            .bind(cutoff)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected(),
+            None => 0,
+        };
+        transaction.commit().await?;
+        Ok(CompactReport { merged, expired })
+    }
+}
