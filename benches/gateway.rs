@@ -70,6 +70,14 @@ impl RunHost for JournalHost {
             "the benchmark has no agent `{agent}` to delegate to"
         ))
     }
+
+    async fn remember(
+        &self,
+        _content: &str,
+        _metadata: Value,
+    ) -> Result<Value, (&'static str, String)> {
+        Err(("memory_disabled", "the benchmark has no memory".to_owned()))
+    }
 }
 
 /// An event of the benchmark's run.

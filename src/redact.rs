@@ -122,6 +122,9 @@ impl Redactor {
                 | ToolImplementation::Subagent(_) => {}
             }
         }
+        for provider in &workspace.runtime.memory.providers {
+            names.extend(provider.api_key_env.clone());
+        }
         for server in workspace.runtime.mcp_servers.values() {
             match &server.transport {
                 McpTransport::Http { headers_env, .. } => {

@@ -69,7 +69,7 @@ impl Runtime {
         match decided {
             MemoryTransition::Changed(record) => {
                 tracing::info!(memory_id = %id, status = to.as_str(), by, "memory record decided");
-                Ok(record)
+                Ok(*record)
             }
             MemoryTransition::Refused(status) => Err(MemoryAdminError::NotPending {
                 id: id.to_owned(),

@@ -547,7 +547,7 @@ pub struct MemoryFilter {
 /// What a conditional status change found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum MemoryTransition {
-    Changed(MemoryRecord),
+    Changed(Box<MemoryRecord>),
     /// The record is in another status than the change expects.
     Refused(MemoryStatus),
     NotFound,

@@ -200,7 +200,7 @@ impl MemoryStore for PostgresStore {
         .fetch_optional(&self.pool)
         .await?;
         if let Some(row) = changed {
-            return Ok(MemoryTransition::Changed(memory_from_row(&row)?));
+            return Ok(MemoryTransition::Changed(Box::new(memory_from_row(&row)?)));
         }
         Ok(match self.memory(id).await? {
             Some(record) => MemoryTransition::Refused(record.status),

@@ -235,7 +235,9 @@ impl MemoryStore for SqliteStore {
             })
             .await?;
         match found {
-            None => Ok(MemoryTransition::Changed(self.memory_required(id).await?)),
+            None => Ok(MemoryTransition::Changed(Box::new(
+                self.memory_required(id).await?,
+            ))),
             Some(None) => Ok(MemoryTransition::NotFound),
             Some(Some(status)) => MemoryStatus::parse(&status)
                 .map(MemoryTransition::Refused)

@@ -281,7 +281,7 @@ impl Compiler<'_> {
                 default
             }
             Ok(duration) if duration > max => {
-                let limit = if max.as_secs() % 86_400 == 0 {
+                let limit = if max.as_secs().is_multiple_of(86_400) {
                     format!("{}-day", max.as_secs() / 86_400)
                 } else {
                     format!("{}s", max.as_secs())

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use chrono::{Duration as Age, Utc};
 use serde_json::json;
 use stable_harness::store::{
-    ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord,
-    PageRequest, RequestFilter, RequestRecord, RunRecord, RunStatus, SessionRecord, Store,
-    StoreError, ToolCallRecord, WriteOp,
+    ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MemoryFilter,
+    MemoryRecord, MemoryStatus, MemoryTransition, MessageRecord, PageRequest, RequestFilter,
+    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, ToolCallRecord, WriteOp,
 };
 
 /// Runs are leased for 5s in this suite, so expiry is seen within the tests (with a second of
@@ -71,6 +71,8 @@ conformance!(
     maintenance_records_and_stats_are_kept,
     a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder,
     claims_take_free_or_expired_runs_once_and_renewals_keep_them,
+    memory_merges_duplicates_and_recalls_by_relevance_within_scope,
+    memory_decisions_compaction_and_deletion,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -843,4 +845,364 @@ async fn maintenance_records_and_stats_are_kept(store: Arc<dyn Store>) {
     let stats = store.stats().await.unwrap();
     assert_eq!((stats.requests, stats.sessions), (1, 1));
     assert!(stats.database_bytes > 0);
+}
+
+fn memory(id: &str, namespace: &str, scope: &str, content: &str, age: Age) -> MemoryRecord {
+    let at = Utc::now() - age;
+    MemoryRecord {
+        id: id.into(),
+        namespace: namespace.into(),
+        scope: scope.into(),
+        owner: if scope.is_empty() { "key-a" } else { scope }.into(),
+        content: content.into(),
+        metadata: json!({ "source": "test" }),
+        status: MemoryStatus::Active,
+        content_hash: stable_harness::memory::content_hash(content),
+        near_hash: stable_harness::memory::near_hash(content),
+        source_request_id: None,
+        source_run_id: None,
+        decided_by: None,
+        created_at: at,
+        updated_at: at,
+    }
+}
+
+fn words(text: &str) -> Vec<String> {
+    stable_harness::memory::search_words(text)
+}
+
+async fn memory_merges_duplicates_and_recalls_by_relevance_within_scope(store: Arc<dyn Store>) {
+    let (stored, merged) = store
+        .put_memory(&memory(
+            "mem_1",
+            "user/ada",
+            "key-a",
+            "Ada drinks oolong tea",
+            Age::days(40),
+        ))
+        .await
+        .unwrap();
+    assert!(!merged);
+    assert_eq!(stored.id, "mem_1");
+    // The same content again is the same record: only its `updated_at` moves.
+    let (again, merged) = store
+        .put_memory(&memory(
+            "mem_2",
+            "user/ada",
+            "key-a",
+            "Ada drinks oolong tea",
+            Age::zero(),
+        ))
+        .await
+        .unwrap();
+    assert!(merged);
+    assert_eq!(again.id, "mem_1");
+    assert!(again.updated_at > stored.updated_at);
+    // The same words for another key, and in another namespace, are other records.
+    for record in [
+        memory(
+            "mem_3",
+            "user/ada",
+            "key-b",
+            "Ada drinks oolong tea",
+            Age::zero(),
+        ),
+        memory(
+            "mem_4",
+            "user/ada",
+            "key-a",
+            "Ada dislikes coffee and tea bags",
+            Age::zero(),
+        ),
+        memory(
+            "mem_5",
+            "user/ada",
+            "key-a",
+            "The office is in Lyon",
+            Age::zero(),
+        ),
+        memory(
+            "mem_6",
+            "agent/support",
+            "",
+            "Refunds take five days",
+            Age::zero(),
+        ),
+    ] {
+        assert!(!store.put_memory(&record).await.unwrap().1);
+    }
+    let ids = |records: Vec<MemoryRecord>| records.into_iter().map(|m| m.id).collect::<Vec<_>>();
+    // Relevance first (both tea words beat one), stemming (`drinking` finds `drinks`), and
+    // only the asking key's records.
+    let found = store
+        .recall_memories(
+            "user/ada",
+            "key-a",
+            &words("What is Ada drinking? oolong?"),
+            5,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(found), ["mem_1", "mem_4"]);
+    let found = store
+        .recall_memories("user/ada", "key-b", &words("oolong"), 5)
+        .await
+        .unwrap();
+    assert_eq!(ids(found), ["mem_3"]);
+    // Recency weighs in: of two equally relevant records, the fresher one comes first.
+    store
+        .put_memory(&memory(
+            "mem_7",
+            "user/ada",
+            "key-a",
+            "Lyon weather is mild",
+            Age::days(90),
+        ))
+        .await
+        .unwrap();
+    let found = store
+        .recall_memories("user/ada", "key-a", &words("Lyon"), 5)
+        .await
+        .unwrap();
+    assert_eq!(ids(found), ["mem_5", "mem_7"]);
+    // Without words: the most recent ones. Limits hold.
+    let found = store
+        .recall_memories("user/ada", "key-a", &[], 2)
+        .await
+        .unwrap();
+    assert_eq!(found.len(), 2);
+    assert!(found.iter().all(|m| m.id != "mem_7"));
+    // Search words cannot inject query syntax.
+    let hostile = vec![
+        "\"oolong\" OR *".to_owned(),
+        "a'b|c".to_owned(),
+        "NEAR(x".to_owned(),
+    ];
+    store
+        .recall_memories("user/ada", "key-a", &hostile, 5)
+        .await
+        .unwrap();
+
+    // Listing: newest id first, filters, full-text, pages.
+    let page = |limit, cursor: Option<String>| PageRequest { limit, cursor };
+    let listed = store
+        .memories(
+            &MemoryFilter {
+                namespace: Some("user/ada".into()),
+                ..MemoryFilter::default()
+            },
+            &page(2, None),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(listed.items), ["mem_7", "mem_5"]);
+    let rest = store
+        .memories(
+            &MemoryFilter {
+                namespace: Some("user/ada".into()),
+                ..MemoryFilter::default()
+            },
+            &page(10, listed.next_cursor),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(rest.items), ["mem_4", "mem_3", "mem_1"]);
+    let searched = store
+        .memories(
+            &MemoryFilter {
+                words: words("coffee"),
+                owner: Some("key-a".into()),
+                ..MemoryFilter::default()
+            },
+            &page(10, None),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(searched.items), ["mem_4"]);
+    assert_eq!(
+        store
+            .memory_by_hash(
+                "agent/support",
+                "",
+                &stable_harness::memory::content_hash("Refunds take five days")
+            )
+            .await
+            .unwrap()
+            .map(|m| m.id),
+        Some("mem_6".to_owned())
+    );
+    // An import is one transaction, merged by content.
+    let merged = store
+        .import_memories(&[
+            memory(
+                "mem_8",
+                "agent/support",
+                "",
+                "Refunds take five days",
+                Age::zero(),
+            ),
+            memory(
+                "mem_9",
+                "agent/support",
+                "",
+                "Invoices are monthly",
+                Age::zero(),
+            ),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(merged, 1);
+    assert!(store.memory("mem_9").await.unwrap().is_some());
+    assert!(store.memory("mem_8").await.unwrap().is_none());
+}
+
+async fn memory_decisions_compaction_and_deletion(store: Arc<dyn Store>) {
+    let mut pending = memory("mem_p", "agent/support", "", "Ship on Mondays", Age::zero());
+    pending.status = MemoryStatus::Pending;
+    store.put_memory(&pending).await.unwrap();
+    // Pending records are never recalled.
+    assert!(
+        store
+            .recall_memories("agent/support", "", &words("ship"), 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let decided = store
+        .set_memory_status(
+            "mem_p",
+            &[MemoryStatus::Pending],
+            MemoryStatus::Rejected,
+            "ops",
+            Utc::now(),
+        )
+        .await
+        .unwrap();
+    let MemoryTransition::Changed(rejected) = decided else {
+        panic!("{decided:?}");
+    };
+    assert_eq!(
+        (rejected.status, rejected.decided_by.as_deref()),
+        (MemoryStatus::Rejected, Some("ops"))
+    );
+    // Deciding again finds it decided; an unknown id is not found.
+    assert_eq!(
+        store
+            .set_memory_status(
+                "mem_p",
+                &[MemoryStatus::Pending],
+                MemoryStatus::Active,
+                "ops",
+                Utc::now()
+            )
+            .await
+            .unwrap(),
+        MemoryTransition::Refused(MemoryStatus::Rejected)
+    );
+    assert_eq!(
+        store
+            .set_memory_status(
+                "mem_x",
+                &[MemoryStatus::Pending],
+                MemoryStatus::Active,
+                "ops",
+                Utc::now()
+            )
+            .await
+            .unwrap(),
+        MemoryTransition::NotFound
+    );
+    assert!(
+        store
+            .recall_memories("agent/support", "", &words("ship"), 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Near-duplicates: the newest stays; records past the TTL are archived.
+    for record in [
+        memory(
+            "mem_a",
+            "agent/support",
+            "",
+            "Refunds take 5 days.",
+            Age::days(3),
+        ),
+        memory(
+            "mem_b",
+            "agent/support",
+            "",
+            "refunds take 5 days",
+            Age::days(2),
+        ),
+        memory(
+            "mem_c",
+            "agent/support",
+            "",
+            "REFUNDS  take 5 days!",
+            Age::days(1),
+        ),
+        memory(
+            "mem_d",
+            "agent/support",
+            "",
+            "Invoices are monthly",
+            Age::days(400),
+        ),
+        memory(
+            "mem_e",
+            "agent/other",
+            "",
+            "refunds take 5 days",
+            Age::days(3),
+        ),
+    ] {
+        store.put_memory(&record).await.unwrap();
+    }
+    let report = store
+        .compact_memories(
+            Some("agent/support"),
+            Some(Utc::now() - Age::days(365)),
+            Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.merged, report.expired), (2, 1));
+    let status = async |id: &str| store.memory(id).await.unwrap().unwrap().status;
+    assert_eq!(status("mem_c").await, MemoryStatus::Active);
+    assert_eq!(status("mem_a").await, MemoryStatus::Archived);
+    assert_eq!(status("mem_b").await, MemoryStatus::Archived);
+    assert_eq!(status("mem_d").await, MemoryStatus::Archived);
+    // Another namespace was not asked about.
+    assert_eq!(status("mem_e").await, MemoryStatus::Active);
+    let again = store
+        .compact_memories(None, None, Utc::now())
+        .await
+        .unwrap();
+    assert_eq!((again.merged, again.expired), (0, 0));
+
+    assert!(store.delete_memory("mem_c").await.unwrap());
+    assert!(!store.delete_memory("mem_c").await.unwrap());
+    assert!(store.memory("mem_c").await.unwrap().is_none());
+    // Deleted content can be written again (the index forgot it too).
+    let (back, merged) = store
+        .put_memory(&memory(
+            "mem_f",
+            "agent/support",
+            "",
+            "REFUNDS  take 5 days!",
+            Age::zero(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!((back.id.as_str(), merged), ("mem_f", false));
+    let found = store
+        .recall_memories("agent/support", "", &words("refunds"), 5)
+        .await
+        .unwrap();
+    assert_eq!(
+        found.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
+        ["mem_f"]
+    );
 }

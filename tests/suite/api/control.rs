@@ -12,26 +12,9 @@ use super::upstream::{MockUpstream, Reply};
 use super::{ADMIN_KEY, CLIENT_KEY, RecordingTools, TestApp, api_workspace, assert_gapless, types};
 use crate::helpers::TestWorkspace;
 
-const OTHER_CLIENT_KEY: &str = "another-client-key-for-tests";
+pub(super) const OTHER_CLIENT_KEY: &str = "another-client-key-for-tests";
 
-/// One test per store for a behaviour written once.
-macro_rules! on_both_stores {
-    ($name:ident) => {
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                super::$name(None).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$name(Some(crate::pg::fresh_database())).await;
-            }
-        }
-    };
-}
-
-async fn spawn(workspace: TestWorkspace, store: Option<String>) -> TestApp {
+pub(super) async fn spawn(workspace: TestWorkspace, store: Option<String>) -> TestApp {
     TestApp::spawn_on(
         workspace,
         store,
@@ -41,13 +24,13 @@ async fn spawn(workspace: TestWorkspace, store: Option<String>) -> TestApp {
     .await
 }
 
-async fn submit(app: &TestApp, body: Value) -> String {
+pub(super) async fn submit(app: &TestApp, body: Value) -> String {
     let (status, accepted) = app.post("/runtime/requests", CLIENT_KEY, &body).await;
     assert_eq!(status, 202, "{accepted}");
     accepted["requestId"].as_str().unwrap().to_owned()
 }
 
-async fn poll<T>(what: &str, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+pub(super) async fn poll<T>(what: &str, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
     for _ in 0..500 {
         if let Some(found) = probe().await {
             return found;

@@ -5,6 +5,23 @@
 
 pub mod upstream;
 
+/// One test per store for a behaviour written once.
+macro_rules! on_both_stores {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                super::$name(None).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$name(Some(crate::pg::fresh_database())).await;
+            }
+        }
+    };
+}
+
 mod admin;
 mod control;
 mod durability;
@@ -12,6 +29,7 @@ mod enforced;
 mod errors;
 mod maintenance;
 mod mcp;
+mod memory;
 mod operator_cli;
 mod postgres;
 mod recovery;
