@@ -765,7 +765,11 @@ async fn run_adapter(
             ),
         ));
     };
-    let recalled = events.recall(messages).await;
+    // A cancel stops a slow memory provider too; the adapter then sees the cancel at once.
+    let recalled = tokio::select! {
+        recalled = events.recall(messages) => recalled,
+        () = cancel.cancelled() => Vec::new(),
+    };
     let context = AdapterContext {
         workspace: &events.inventory.workspace,
         agent,

@@ -113,13 +113,6 @@ pub trait MemoryStore: Send + Sync {
     /// returns how many were merged into records that existed.
     async fn import_memories(&self, records: &[MemoryRecord]) -> Result<u64, StoreError>;
     async fn memory(&self, id: &str) -> Result<Option<MemoryRecord>, StoreError>;
-    /// The record of a namespace and scope with this content hash, if any.
-    async fn memory_by_hash(
-        &self,
-        namespace: &str,
-        scope: &str,
-        content_hash: &str,
-    ) -> Result<Option<MemoryRecord>, StoreError>;
     /// Newest first by id, filtered; `filter.words` narrows to records containing any of
     /// them.
     async fn memories(

@@ -100,23 +100,6 @@ impl MemoryStore for PostgresStore {
         row.as_ref().map(memory_from_row).transpose()
     }
 
-    async fn memory_by_hash(
-        &self,
-        namespace: &str,
-        scope: &str,
-        content_hash: &str,
-    ) -> Result<Option<MemoryRecord>, StoreError> {
-        let row = sqlx::query(
-            "SELECT * FROM memories WHERE namespace = $1 AND scope = $2 AND content_hash = $3",
-        )
-        .bind(text(namespace))
-        .bind(text(scope))
-        .bind(content_hash)
-        .fetch_optional(&self.pool)
-        .await?;
-        row.as_ref().map(memory_from_row).transpose()
-    }
-
     async fn memories(
         &self,
         filter: &MemoryFilter,
@@ -161,14 +144,24 @@ impl MemoryStore for PostgresStore {
             .bind(text(scope))
             .bind(limit)
         } else {
+            // The matches come from the GIN index first (a materialized CTE): a prepared
+            // statement's generic plan would otherwise walk the namespace's rows by the btree
+            // and test each against the query. A month-old record counts half.
             sqlx::query(
-                "SELECT m.* FROM memories m, to_tsquery('english', $4) q
-                 WHERE m.words @@ q AND m.namespace = $1 AND m.scope = $2 AND m.status = 'active'
-                 ORDER BY ts_rank(m.words, q)
-                        / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - m.updated_at), 0)
-                                 / 2592000.0) DESC,
-                          m.id DESC
-                 LIMIT $3",
+                "WITH hits AS MATERIALIZED (
+                     SELECT m.id, m.namespace, m.scope, m.owner, m.content, m.metadata, m.status,
+                            m.content_hash, m.near_hash, m.source_request_id, m.source_run_id,
+                            m.decided_by, m.created_at, m.updated_at,
+                            ts_rank(m.words, q) AS relevance
+                       FROM memories m, to_tsquery('english', $4) q
+                      WHERE m.words @@ q)
+                 SELECT * FROM hits
+                  WHERE namespace = $1 AND scope = $2 AND status = 'active'
+                  ORDER BY relevance
+                         / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - updated_at), 0)
+                                  / 2592000.0) DESC,
+                           id DESC
+                  LIMIT $3",
             )
             .bind(text(namespace))
             .bind(text(scope))

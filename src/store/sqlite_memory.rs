@@ -64,6 +64,30 @@ fn memory_from_row(row: &SqliteRow) -> Result<MemoryRecord, StoreError> {
     })
 }
 
+/// Matches ranked by relevance alone before recall reads any row: enough that the records
+/// of the namespace asked about are among them whenever it holds most of the matches.
+const RECALL_CANDIDATES: i64 = 200;
+
+// bm25 (`rank`) is negative, better is lower: dividing by the age factor moves an old record's
+// score towards 0, behind fresher ones of the same relevance (a month-old record counts half).
+// The full-text search is the outer loop (CROSS JOIN, a subquery): the planner would otherwise
+// walk the namespace's rows and run the search again for each one.
+const RECALL_FROM_CANDIDATES: &str = "SELECT m.* FROM
+       (SELECT rowid AS hit, rank AS relevance FROM memory_fts WHERE memory_fts MATCH ?4
+         ORDER BY rank LIMIT ?5) f
+     CROSS JOIN memories m ON m.rowid = f.hit
+     WHERE m.namespace = ?1 AND m.scope = ?2 AND m.status = 'active'
+     ORDER BY f.relevance / (1.0 + max(julianday('now') - julianday(m.updated_at), 0) / 30.0),
+              m.id DESC
+     LIMIT ?3";
+const RECALL_EVERY_MATCH: &str =
+    "SELECT m.* FROM memory_fts CROSS JOIN memories m ON m.rowid = memory_fts.rowid
+     WHERE memory_fts MATCH ?4 AND m.namespace = ?1 AND m.scope = ?2 AND m.status = 'active'
+     ORDER BY bm25(memory_fts)
+            / (1.0 + max(julianday('now') - julianday(m.updated_at), 0) / 30.0),
+              m.id DESC
+     LIMIT ?3";
+
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
 pub(super) fn any_of(words: &[String]) -> String {
     words
@@ -118,23 +142,6 @@ impl MemoryStore for SqliteStore {
         row.as_ref().map(memory_from_row).transpose()
     }
 
-    async fn memory_by_hash(
-        &self,
-        namespace: &str,
-        scope: &str,
-        content_hash: &str,
-    ) -> Result<Option<MemoryRecord>, StoreError> {
-        let row = sqlx::query(
-            "SELECT * FROM memories WHERE namespace = ? AND scope = ? AND content_hash = ?",
-        )
-        .bind(namespace)
-        .bind(scope)
-        .bind(content_hash)
-        .fetch_optional(&self.reader)
-        .await?;
-        row.as_ref().map(memory_from_row).transpose()
-    }
-
     async fn memories(
         &self,
         filter: &MemoryFilter,
@@ -170,32 +177,42 @@ impl MemoryStore for SqliteStore {
         words: &[String],
         limit: i64,
     ) -> Result<Vec<MemoryRecord>, StoreError> {
-        let query = if words.is_empty() {
-            sqlx::query(
+        if words.is_empty() {
+            let rows = sqlx::query(
                 "SELECT * FROM memories WHERE namespace = ?1 AND scope = ?2 AND status = 'active'
                  ORDER BY updated_at DESC LIMIT ?3",
             )
             .bind(namespace)
             .bind(scope)
             .bind(limit)
-        } else {
-            // bm25 is negative, better is lower: dividing by the age factor moves an old
-            // record's score towards 0, behind fresher ones of the same relevance.
-            sqlx::query(
-                "SELECT m.* FROM memory_fts JOIN memories m ON m.rowid = memory_fts.rowid
-                 WHERE memory_fts MATCH ?4 AND m.namespace = ?1 AND m.scope = ?2
-                   AND m.status = 'active'
-                 ORDER BY bm25(memory_fts)
-                        / (1.0 + max(julianday('now') - julianday(m.updated_at), 0) / 30.0),
-                          m.id DESC
-                 LIMIT ?3",
-            )
+            .fetch_all(&self.reader)
+            .await?;
+            return rows.iter().map(memory_from_row).collect();
+        }
+        // First the most relevant matches of the whole index, ranked inside FTS5 (cheap),
+        // then only those rows read and filtered; when they hold too few of this namespace's
+        // records, every match is read.
+        let candidates = limit.saturating_mul(20).max(RECALL_CANDIDATES);
+        let query = any_of(words);
+        let rows = sqlx::query(RECALL_FROM_CANDIDATES)
             .bind(namespace)
             .bind(scope)
             .bind(limit)
-            .bind(any_of(words))
+            .bind(&query)
+            .bind(candidates)
+            .fetch_all(&self.reader)
+            .await?;
+        let rows = if (rows.len() as i64) < limit {
+            sqlx::query(RECALL_EVERY_MATCH)
+                .bind(namespace)
+                .bind(scope)
+                .bind(limit)
+                .bind(&query)
+                .fetch_all(&self.reader)
+                .await?
+        } else {
+            rows
         };
-        let rows = query.fetch_all(&self.reader).await?;
         rows.iter().map(memory_from_row).collect()
     }
 

@@ -375,10 +375,15 @@ impl Compiler<'_> {
                 ),
             ));
         }
-        let ttl = spec
-            .ttl
-            .as_ref()
-            .map(|_| self.duration(origin, &spec.ttl, Duration::ZERO, "memory.ttl"));
+        let ttl = spec.ttl.as_ref().map(|_| {
+            self.duration_up_to(
+                origin,
+                &spec.ttl,
+                Duration::ZERO,
+                "memory.ttl",
+                MAX_RETENTION,
+            )
+        });
         let mut names = BTreeMap::new();
         let providers = spec
             .providers

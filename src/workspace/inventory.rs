@@ -32,6 +32,12 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
             "maxIterations": agent.max_iterations,
             "timeoutMs": millis(agent.timeout),
             "endpoint": agent.endpoint.as_ref().map(|e| &e.url),
+            "memory": agent.memory.as_ref().map(|memory| json!({
+                "namespaces": memory.namespaces,
+                "recall": memory.recall,
+                "maxRecall": memory.max_recall,
+                "provider": memory.provider,
+            })),
         })).collect::<Vec<_>>(),
         "models": workspace.models.values().map(|model| {
             let (base_url, base_url_env) = match &model.base_url {
@@ -150,6 +156,19 @@ fn runtime_json(workspace: &CompiledWorkspace) -> Value {
             "onTimeout": wire_name(&governance.on_timeout),
             "policyTimeoutMs": millis(governance.policy_timeout),
             "redactPatterns": governance.redact_patterns.iter().map(regex::Regex::as_str).collect::<Vec<_>>(),
+        },
+        "memory": {
+            "enabled": runtime.memory.enabled,
+            "requireApproval": runtime.memory.write_requires_approval,
+            "maxContentBytes": runtime.memory.max_content_bytes,
+            "ttlMs": runtime.memory.ttl.map(millis),
+            // Where each provider is and which variable holds its key, never the key.
+            "providers": runtime.memory.providers.iter().map(|provider| json!({
+                "name": provider.name,
+                "url": provider.url,
+                "apiKeyEnv": provider.api_key_env,
+                "timeoutMs": millis(provider.timeout),
+            })).collect::<Vec<_>>(),
         },
         "recovery": {
             "maxAttempts": runtime.recovery.max_attempts,

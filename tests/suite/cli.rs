@@ -11,7 +11,7 @@ fn validate_prints_the_inventory_of_the_example() {
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let text = stdout(&output);
     assert!(
-        text.contains("valid — 5 agent(s), 3 model(s), 6 tool(s), 1 workflow(s)"),
+        text.contains("valid — 5 agent(s), 3 model(s), 7 tool(s), 1 workflow(s)"),
         "{text}"
     );
     assert!(
@@ -95,15 +95,26 @@ fn validate_json_of_a_valid_workspace_prints_the_inventory() {
         ]
     );
     assert_eq!(names("models", "id"), ["default", "fast", "local"]);
-    assert_eq!(names("tools", "id").len(), 6);
+    assert_eq!(names("tools", "id").len(), 7);
 
     let assistant = find("agents", "name", "assistant");
     assert_eq!(assistant["backend"], "openai");
     assert_eq!(assistant["model"], "default");
     assert_eq!(
         assistant["tools"],
-        json!(["weather.lookup", "clock.now", "skills.get", "docs.search"])
+        json!([
+            "weather.lookup",
+            "clock.now",
+            "skills.get",
+            "docs.search",
+            "memory.write"
+        ])
     );
+    assert_eq!(
+        assistant["memory"]["namespaces"],
+        json!(["user/{user}", "agent/{agentId}"])
+    );
+    assert_eq!(inventory["runtime"]["memory"]["requireApproval"], true);
     assert_eq!(assistant["subagents"], json!(["researcher"]));
     assert_eq!(find("agents", "name", "billing")["backend"], "http");
     assert_eq!(

@@ -1019,18 +1019,6 @@ async fn memory_merges_duplicates_and_recalls_by_relevance_within_scope(store: A
         .await
         .unwrap();
     assert_eq!(ids(searched.items), ["mem_4"]);
-    assert_eq!(
-        store
-            .memory_by_hash(
-                "agent/support",
-                "",
-                &stable_harness::memory::content_hash("Refunds take five days")
-            )
-            .await
-            .unwrap()
-            .map(|m| m.id),
-        Some("mem_6".to_owned())
-    );
     // An import is one transaction, merged by content.
     let merged = store
         .import_memories(&[
