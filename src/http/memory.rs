@@ -260,9 +260,10 @@ pub async fn memory_maintenance(
 async fn export(state: AppState, namespace: Option<String>) -> Response {
     let runtime = state.runtime.clone();
     let stream = async_stream::stream! {
+        let report = serde_json::json!({ "namespace": namespace });
         let filter = MemoryFilter { namespace, ..MemoryFilter::default() };
         let mut cursor = None;
-        let recorded = runtime.memory_pass("export", async { Ok::<_, MemoryAdminError>(()) }).await;
+        let recorded = runtime.memory_pass("export", async { Ok::<_, MemoryAdminError>(report) }).await;
         if recorded.is_err() {
             return;
         }

@@ -283,9 +283,14 @@ pub(crate) async fn record<T: Serialize, E: std::fmt::Display>(
     result: &Result<T, E>,
 ) {
     let (status, report) = match result {
+        // A report is an object (the documented shape), whatever the pass returned.
         Ok(report) => (
             "completed",
-            serde_json::to_value(report).unwrap_or(Value::Null),
+            match serde_json::to_value(report) {
+                Ok(Value::Object(report)) => Value::Object(report),
+                Ok(other) => json!({ "result": other }),
+                Err(_) => json!({}),
+            },
         ),
         Err(error) => ("failed", json!({ "error": error.to_string() })),
     };

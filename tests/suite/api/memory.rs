@@ -168,6 +168,13 @@ async fn an_approved_fact_is_recalled_in_a_new_session_and_a_rejected_one_never(
     // Another key claiming the same user sees none of it.
     turn(&app, OTHER_CLIENT_KEY, "ada", "what tea do I like?").await;
     assert!(!memory_block(&upstream).contains("oolong"));
+    // `/v1`'s `user` fills `{user}` as the runtime metadata does.
+    let (response, _) = app
+        .chat(&json!({ "model": "rememberer", "user": "ada",
+            "messages": [{ "role": "user", "content": "which tea?" }] }))
+        .await;
+    assert_eq!(response.status(), 200);
+    assert!(memory_block(&upstream).contains("oolong"));
 
     // The same fact proposed again merges into the record, even once approved.
     upstream.push([
