@@ -319,7 +319,7 @@ pub struct NamespaceRecall {
 pub enum WriteRefusal {
     #[error("{0}")]
     Invalid(String),
-    #[error("content is {size} bytes; at most {max} are remembered")]
+    #[error("content or metadata is {size} bytes; at most {max} are remembered")]
     TooLarge { size: usize, max: usize },
     #[error("none of the agent's namespaces ({0}) can be filled for this request")]
     NoNamespace(String),
@@ -401,6 +401,14 @@ impl AgentMemory<'_> {
             return Err(WriteRefusal::Invalid(
                 "`metadata` must be an object".to_owned(),
             ));
+        }
+        // Metadata is bounded like content: a record is never larger than twice the limit.
+        let metadata_size = metadata.to_string().len();
+        if metadata_size > self.config.max_content_bytes {
+            return Err(WriteRefusal::TooLarge {
+                size: metadata_size,
+                max: self.config.max_content_bytes,
+            });
         }
         let Some(namespace) = self.namespaces(context).into_iter().next() else {
             return Err(WriteRefusal::NoNamespace(self.agent.namespaces.join(", ")));

@@ -82,6 +82,14 @@ fn parse_line(line: &str, max_content_bytes: usize) -> Result<MemoryRecord, Stri
             content.len()
         ));
     }
+    if let Some(metadata) = &imported.metadata {
+        let size = metadata.to_string().len();
+        if !metadata.is_object() || size > max_content_bytes {
+            return Err(format!(
+                "`metadata` must be an object of at most {max_content_bytes} bytes (memory.write.maxContentBytes)"
+            ));
+        }
+    }
     // Shared namespaces have no scope; private ones must name theirs.
     let shared = imported.namespace.starts_with("agent/");
     if shared != imported.scope.is_empty() {
@@ -146,12 +154,14 @@ mod tests {
             r#"{"namespace":"user/ada","content":"z"}"#,
             "\n",
             r#"{"namespace":"user/ada","scope":"key-a","content":"fine","status":"pending"}"#,
+            "\n",
+            r#"{"namespace":"agent/a","content":"meta","metadata":[1]}"#,
         );
         let (records, errors) = parse_import(text, 100);
         assert_eq!(records.len(), 2);
         assert_eq!(records[1].status, MemoryStatus::Pending);
         let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
-        assert_eq!(lines, [3, 4, 5]);
+        assert_eq!(lines, [3, 4, 5, 7]);
     }
 
     #[test]

@@ -410,6 +410,17 @@ async fn bad_memory_input_is_refused_and_nothing_partial_is_imported(store: Opti
     let events = app.events(&id).await;
     let result = data_of(&events, "runtime.tool.direct.completed")[0].clone();
     assert_eq!(result["error"]["code"], "content_too_large", "{result}");
+    // So is metadata past the same bound.
+    upstream.push([
+        Reply::call(
+            "memory_write",
+            &json!({ "content": "ok", "metadata": { "blob": "y".repeat(300) } }).to_string(),
+        ),
+        Reply::Text("too much".into()),
+    ]);
+    let id = turn(&app, CLIENT_KEY, "ada", "remember this with a blob").await;
+    let result = data_of(&app.events(&id).await, "runtime.tool.direct.completed")[0].clone();
+    assert_eq!(result["error"]["code"], "content_too_large", "{result}");
     // Arguments off the schema never reach the provider.
     upstream.push([
         Reply::call("memory_write", r#"{"content":"x","namespace":"user/eve"}"#),
