@@ -10,6 +10,7 @@ pub mod governance;
 pub mod http;
 pub mod memory;
 pub mod metrics;
+pub mod net;
 pub mod redact;
 pub mod runtime;
 pub mod store;

@@ -14,7 +14,7 @@ use super::admin::{cursor, page_limit, status_filter};
 use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::error::{ApiError, ErrorCode};
-use crate::memory::{search_words, transfer};
+use crate::memory::{check_namespace, search_words, transfer};
 use crate::runtime::{ImportReport, MemoryAdminError};
 use crate::store::{CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, PageRequest};
 
@@ -75,7 +75,7 @@ fn memory_filter(
     q: Option<&str>,
 ) -> Result<MemoryFilter, ApiError> {
     if let Some(namespace) = namespace.as_deref().filter(|n| !n.is_empty())
-        && let Err(message) = transfer::check_namespace(namespace)
+        && let Err(message) = check_namespace(namespace)
     {
         return Err(ApiError::new(ErrorCode::InvalidParameter, message).param("namespace"));
     }
@@ -223,7 +223,7 @@ pub async fn memory_maintenance(
 ) -> Result<Response, ApiError> {
     let namespace = body.namespace.filter(|n| !n.is_empty());
     if let Some(namespace) = &namespace
-        && let Err(message) = transfer::check_namespace(namespace)
+        && let Err(message) = check_namespace(namespace)
     {
         return Err(ApiError::new(ErrorCode::InvalidParameter, message).param("namespace"));
     }

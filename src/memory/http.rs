@@ -5,7 +5,6 @@
 //! set, each bounded by the provider's `timeout` and a 1 MiB answer. Anything else than a 2xx
 //! with the documented body is a failure, which the runtime reports and runs on without.
 
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -16,7 +15,7 @@ use crate::workspace::MemoryProviderConfig;
 /// The protocol named in every body.
 pub const PROTOCOL: &str = "stable-harness.memory/v1";
 /// Largest answer read from the service.
-const MAX_ANSWER_BYTES: usize = 1 << 20;
+const MAX_ANSWER_BYTES: u64 = 1 << 20;
 
 #[derive(Debug)]
 pub struct HttpProvider<'a> {
@@ -62,17 +61,9 @@ impl<'a> HttpProvider<'a> {
         if !status.is_success() {
             return Err(failed(format!("answered HTTP {}", status.as_u16())));
         }
-        let mut body = Vec::new();
-        let mut chunks = response.bytes_stream();
-        while let Some(chunk) = chunks.next().await {
-            let chunk = chunk.map_err(|_| failed("the answer was cut off".to_owned()))?;
-            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
-                return Err(failed(format!(
-                    "the answer is larger than {MAX_ANSWER_BYTES} bytes"
-                )));
-            }
-            body.extend_from_slice(&chunk);
-        }
+        let body = crate::net::read_capped(response, MAX_ANSWER_BYTES)
+            .await
+            .map_err(|error| failed(error.to_string()))?;
         serde_json::from_slice(&body)
             .map_err(|error| failed(format!("the answer is not the documented JSON: {error}")))
     }

@@ -88,6 +88,30 @@ pub fn check_template(template: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether a namespace is shared by every caller (`agent/`) rather than private to the key
+/// that wrote it (`user/`, `session/`).
+pub fn is_shared(namespace: &str) -> bool {
+    namespace.starts_with("agent/")
+}
+
+/// A filled namespace as stored: a known kind, something after it, plain characters.
+pub fn check_namespace(namespace: &str) -> Result<(), String> {
+    let known = namespace
+        .split_once('/')
+        .is_some_and(|(kind, rest)| KINDS.contains(&kind) && !rest.is_empty());
+    if !known {
+        return Err(format!(
+            "namespace `{namespace}` must be `agent/…`, `session/…` or `user/…`"
+        ));
+    }
+    if namespace.len() > MAX_NAMESPACE_BYTES || namespace.chars().any(char::is_control) {
+        return Err(format!(
+            "namespace is longer than {MAX_NAMESPACE_BYTES} bytes or holds a control character"
+        ));
+    }
+    Ok(())
+}
+
 /// What a namespace is filled from: the request's typed context.
 #[derive(Debug, Clone, Copy)]
 pub struct Context<'a> {
@@ -123,7 +147,7 @@ pub fn render(template: &str, context: &Context<'_>) -> Option<Namespace> {
     if name.len() > MAX_NAMESPACE_BYTES {
         return None;
     }
-    let scope = if name.starts_with("agent/") {
+    let scope = if is_shared(&name) {
         String::new()
     } else {
         context.owner.to_owned()
@@ -366,11 +390,17 @@ impl AgentMemory<'_> {
             .collect()
     }
 
-    /// Searches each namespace with `query` (`read-before-plan`).
-    pub async fn recall(&self, context: &Context<'_>, query: &str) -> Vec<NamespaceRecall> {
+    /// Searches each of `namespaces` (as [`AgentMemory::namespaces`] filled them) with
+    /// `query` (`read-before-plan`).
+    pub async fn recall(
+        &self,
+        context: &Context<'_>,
+        namespaces: Vec<Namespace>,
+        query: &str,
+    ) -> Vec<NamespaceRecall> {
         let provider = self.provider();
         let mut recalled = Vec::new();
-        for namespace in self.namespaces(context) {
+        for namespace in namespaces {
             let found = provider
                 .recall(&namespace, query, self.agent.max_recall, context)
                 .await;

@@ -6,7 +6,7 @@ use chrono::Utc;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{MAX_NAMESPACE_BYTES, content_hash, near_hash};
+use super::{check_namespace, content_hash, is_shared, near_hash};
 use crate::store::{MemoryRecord, MemoryStatus};
 
 /// One record as a line of an export (no trailing newline).
@@ -91,7 +91,7 @@ fn parse_line(line: &str, max_content_bytes: usize) -> Result<MemoryRecord, Stri
         }
     }
     // Shared namespaces have no scope; private ones must name theirs.
-    let shared = imported.namespace.starts_with("agent/");
+    let shared = is_shared(&imported.namespace);
     if shared != imported.scope.is_empty() {
         return Err(if shared {
             "`scope` must be empty for an `agent/` namespace".to_owned()
@@ -120,24 +120,6 @@ fn parse_line(line: &str, max_content_bytes: usize) -> Result<MemoryRecord, Stri
         created_at,
         updated_at: imported.updated_at.unwrap_or(created_at),
     })
-}
-
-/// A filled namespace as stored: a known kind, then plain characters.
-pub fn check_namespace(namespace: &str) -> Result<(), String> {
-    let known = ["agent/", "session/", "user/"]
-        .iter()
-        .any(|kind| namespace.len() > kind.len() && namespace.starts_with(kind));
-    if !known {
-        return Err(format!(
-            "namespace `{namespace}` must be `agent/…`, `session/…` or `user/…`"
-        ));
-    }
-    if namespace.len() > MAX_NAMESPACE_BYTES || namespace.chars().any(char::is_control) {
-        return Err(format!(
-            "namespace is longer than {MAX_NAMESPACE_BYTES} bytes or holds a control character"
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -151,15 +151,16 @@ impl RunEvents {
             return Vec::new();
         };
         let context = self.memory_context();
+        let namespaces = memory.namespaces(&context);
         self.record(
             MEMORY_LIFECYCLE,
             json!({ "hook": "read-before-plan",
-                "namespaces": memory.namespaces(&context).iter().map(|n| &n.name).collect::<Vec<_>>() }),
+                "namespaces": namespaces.iter().map(|n| &n.name).collect::<Vec<_>>() }),
         )
         .await;
         let query = crate::adapters::last_user_text(messages);
         let mut recalled = Vec::new();
-        for found in memory.recall(&context, &query).await {
+        for found in memory.recall(&context, namespaces, &query).await {
             match found.found {
                 Ok(records) => {
                     let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();

@@ -33,27 +33,17 @@ pub(super) fn forked_from(session: &SessionRecord) -> Option<(&str, &str)> {
 }
 
 impl Runtime {
-    /// Stops run `run_id` of `request_id` if it executes here; true when it does.
-    fn cancel_local(&self, request_id: &str, run_id: &str, by: &str) -> bool {
+    /// Stops a run if it executes here, on a stored cancel mark (asked here or elsewhere);
+    /// true when it does.
+    pub(super) fn cancel_live_run(&self, run_id: &str, by: &str) -> bool {
         let Ok(live) = self.inner.live.lock() else {
             return false;
         };
-        match live.get(request_id) {
-            Some(run) if run.run_id == run_id => {
-                run.cancel(by);
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Stops a run if it executes here, on a stored cancel mark (asked here or elsewhere).
-    pub(super) fn cancel_live_run(&self, run_id: &str, by: &str) {
-        if let Ok(live) = self.inner.live.lock()
-            && let Some(run) = live.values().find(|run| run.run_id == run_id)
-        {
+        let run = live.values().find(|run| run.run_id == run_id);
+        if let Some(run) = run {
             run.cancel(by);
         }
+        run.is_some()
     }
 
     /// Cancels a request: its live run stops and ends `cancelled`, its pending approvals end
@@ -81,7 +71,7 @@ impl Runtime {
         if !store.request_cancel(&run.id, by).await? {
             return Err(self.ended(request_id, owner).await);
         }
-        if !self.cancel_local(request_id, &run.id, by) {
+        if !self.cancel_live_run(&run.id, by) {
             // Nobody executes it (an instance died, or resuming is off): end it here. Else its
             // holder heard the announcement.
             if let Some(claimed) = store.claim_run(&run.id).await? {

@@ -89,7 +89,7 @@ const RECALL_EVERY_MATCH: &str =
      LIMIT ?3";
 
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
-pub(super) fn any_of(words: &[String]) -> String {
+fn any_of(words: &[String]) -> String {
     words
         .iter()
         .map(|word| format!("\"{}\"", word.replace('"', "\"\"")))
@@ -224,20 +224,24 @@ impl MemoryStore for SqliteStore {
         by: &str,
         at: DateTime<Utc>,
     ) -> Result<MemoryTransition, StoreError> {
-        let allowed: Vec<String> = from.iter().map(|s| format!("'{}'", s.as_str())).collect();
-        let sql = format!(
-            "UPDATE memories SET status = ?2, decided_by = ?3, updated_at = ?4
-             WHERE id = ?1 AND status IN ({})",
-            allowed.join(", ")
-        );
+        let from: Vec<&str> = from.iter().map(|s| s.as_str()).collect();
+        let from = serde_json::to_string(&from).unwrap_or_default();
         let (id_owned, by) = (id.to_owned(), by.to_owned());
         let found = self
             .writer
             .maintain(move |connection| {
-                let changed = connection.execute(
-                    &sql,
-                    rusqlite::params![id_owned, to.as_str(), by, time(&at)],
-                )?;
+                let changed = connection
+                    .prepare_cached(
+                        "UPDATE memories SET status = ?2, decided_by = ?3, updated_at = ?4
+                         WHERE id = ?1 AND status IN (SELECT value FROM json_each(?5))",
+                    )?
+                    .execute(rusqlite::params![
+                        id_owned,
+                        to.as_str(),
+                        by,
+                        time(&at),
+                        from
+                    ])?;
                 if changed == 1 {
                     return Ok(None);
                 }

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 
-use futures::StreamExt;
 use serde_json::Value;
 
 use super::{ToolError, excerpt, json_or_text};
@@ -70,26 +69,15 @@ pub(super) async fn run(
         ToolError::new("unavailable", format!("{what}: {}", error.without_url()))
     })?;
     let status = response.status();
-    let mut body = Vec::new();
-    let mut stream = response.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            ToolError::new(
-                "unavailable",
-                format!("reading the response: {}", e.without_url()),
-            )
+    let body = crate::net::read_capped(response, tool.max_response_bytes)
+        .await
+        .map_err(|error| {
+            let code = match error {
+                crate::net::BodyError::TooLarge(_) => "output_too_large",
+                crate::net::BodyError::Read(_) => "unavailable",
+            };
+            ToolError::new(code, error.to_string())
         })?;
-        body.extend_from_slice(&chunk);
-        if body.len() as u64 > tool.max_response_bytes {
-            return Err(ToolError::new(
-                "output_too_large",
-                format!(
-                    "the response is larger than {} bytes",
-                    tool.max_response_bytes
-                ),
-            ));
-        }
-    }
     if !status.is_success() {
         return Err(ToolError::new(
             "http_status",

@@ -1,0 +1,27 @@
+//! Outbound HTTP: a response body read within a bound, for the services the runtime calls
+//! (tools, memory providers), so no answer can grow without limit in memory.
+
+use futures::StreamExt;
+
+/// Why a body was not read whole.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("the response is larger than {0} bytes")]
+    TooLarge(u64),
+    #[error("reading the response: {0}")]
+    Read(reqwest::Error),
+}
+
+/// The whole body, or [`BodyError::TooLarge`] as soon as it passes `max` bytes.
+pub async fn read_capped(response: reqwest::Response, max: u64) -> Result<Vec<u8>, BodyError> {
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|error| BodyError::Read(error.without_url()))?;
+        body.extend_from_slice(&chunk);
+        if body.len() as u64 > max {
+            return Err(BodyError::TooLarge(max));
+        }
+    }
+    Ok(body)
+}
