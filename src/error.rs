@@ -34,6 +34,8 @@ pub enum ErrorCode {
     RunNotFound,
     SessionNotFound,
     ApprovalNotFound,
+    /// A stored response that does not exist, is not stored, or is another key's.
+    ResponseNotFound,
     ToolNotFound,
     RouteNotFound,
     /// A whole surface switched off by the workspace (`protocols.openai.enabled: false`).
@@ -83,7 +85,7 @@ impl ErrorCode {
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
             | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled
-            | MessageNotFound | MemoryNotFound => StatusCode::NOT_FOUND,
+            | MessageNotFound | MemoryNotFound | ResponseNotFound => StatusCode::NOT_FOUND,
             ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
             | RequestNotRetryable | MemoryNotPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -106,7 +108,7 @@ impl ErrorCode {
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
             | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
             | MessageNotFound | InvalidWorkspace | MemoryNotFound | MemoryNotPending
-            | InvalidImport => "invalid_request_error",
+            | InvalidImport | ResponseNotFound => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -133,6 +135,7 @@ impl ErrorCode {
             RunNotFound => "run_not_found",
             SessionNotFound => "session_not_found",
             ApprovalNotFound => "approval_not_found",
+            ResponseNotFound => "response_not_found",
             ToolNotFound => "tool_not_found",
             ApprovalDecided => "approval_already_decided",
             RequestEnded => "request_ended",

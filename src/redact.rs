@@ -119,7 +119,8 @@ impl Redactor {
                 }
                 ToolImplementation::Mcp { .. }
                 | ToolImplementation::Builtin(_)
-                | ToolImplementation::Subagent(_) => {}
+                | ToolImplementation::Subagent(_)
+                | ToolImplementation::Client => {}
             }
         }
         for provider in &workspace.runtime.memory.providers {

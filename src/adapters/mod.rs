@@ -128,8 +128,23 @@ pub struct RuntimeOutput {
     /// What the model calls cost in USD, from each answering model's `pricing`; `None` when
     /// a call's model has no pricing (or no model was called).
     pub cost_usd: Option<f64>,
-    /// `stop`, `length`, ... as the upstream reported it.
+    /// `stop`, `length`, ... as the upstream reported it (`tool_calls` when the run ends
+    /// handing calls to the client).
     pub finish_reason: String,
+    /// Calls of client tools the client is to run (the run's last turn; empty otherwise).
+    pub client_calls: Vec<ClientCall>,
+    /// With `client_calls`: the run's own messages (its turns, and the results of the server
+    /// calls among them), which the client's next call continues from.
+    pub client_turns: Vec<Value>,
+}
+
+/// A call of a client tool, handed back to the client: its id, the client's name for the
+/// tool, and the arguments as the model wrote them (JSON text).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ClientCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
 }
 
 /// Kinds of adapter failure; the first four are the retryable kinds of `recovery.retryOn`.

@@ -21,8 +21,8 @@ use serde_json::{Map, Value, json};
 
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
-    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, ToolSpec,
-    Usage, backoff_delay, call_tools,
+    AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
+    ToolCall, ToolSpec, Usage, backoff_delay, call_tools,
 };
 use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED, output_delta};
 use crate::text::excerpt;
@@ -448,8 +448,13 @@ struct FunctionNames {
 
 impl FunctionNames {
     fn new(specs: &[ToolSpec]) -> Self {
-        let mut by_name: Vec<(String, String)> = Vec::with_capacity(specs.len());
-        for spec in specs {
+        // Names the model must see exactly (the client's) are taken first; derived names make
+        // way for them.
+        let mut by_name: Vec<(String, String)> = specs
+            .iter()
+            .filter_map(|spec| Some((spec.function_name.clone()?, spec.id.clone())))
+            .collect();
+        for spec in specs.iter().filter(|spec| spec.function_name.is_none()) {
             let base: String = spec
                 .id
                 .chars()
@@ -608,7 +613,7 @@ impl RuntimeAdapter for OpenAiAdapter {
                     ));
                 }
                 rounds += 1;
-                let ids: Vec<String> = pending.iter().map(|call| call.id.clone()).collect();
+                let asked: Vec<ToolCall> = pending.clone();
                 let results = call_tools(&context, pending).await;
                 if context.cancel.is_cancelled() {
                     return Err(AdapterError::new(
@@ -616,10 +621,33 @@ impl RuntimeAdapter for OpenAiAdapter {
                         "the run was cancelled",
                     ));
                 }
-                for (id, result) in ids.into_iter().zip(results) {
-                    messages.push(json!({ "role": "tool", "tool_call_id": id, "content": result.to_model_text() }));
+                let mut client_calls = Vec::new();
+                for (call, result) in asked.into_iter().zip(results) {
+                    if result.outcome == Outcome::ToClient {
+                        client_calls.push(ClientCall {
+                            name: names.name_of(&call.tool_id).to_owned(),
+                            arguments: match call.arguments {
+                                Value::String(text) => text,
+                                other => other.to_string(),
+                            },
+                            id: call.id,
+                        });
+                    } else {
+                        messages.push(json!({ "role": "tool", "tool_call_id": call.id, "content": result.to_model_text() }));
+                    }
                 }
                 context.events.checkpoint(&messages).await?;
+                if !client_calls.is_empty() {
+                    // The client runs these; its next call brings their results (and the
+                    // server calls' results are in the stored turn).
+                    output.client_calls = client_calls;
+                    output.client_turns = messages
+                        .get(context.own_from..)
+                        .unwrap_or_default()
+                        .to_vec();
+                    output.finish_reason = "tool_calls".to_owned();
+                    return Ok(output);
+                }
                 continue;
             }
             let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
@@ -642,7 +670,11 @@ impl RuntimeAdapter for OpenAiAdapter {
                 return Ok(output);
             }
             let mut calls = turn.tool_calls;
-            unique_call_ids(&mut calls, messages.len());
+            unique_call_ids(&mut calls, messages.len(), |name| {
+                names
+                    .tool_of(name)
+                    .starts_with(crate::workspace::CLIENT_TOOL_PREFIX)
+            });
             let assistant = json!({
                 "role": "assistant",
                 "content": if turn.output.text.is_empty() { Value::Null } else { Value::String(turn.output.text) },
@@ -657,10 +689,15 @@ impl RuntimeAdapter for OpenAiAdapter {
 
 /// Gives every call of a turn an id of its own: models reuse ids (`call_0` every turn) or send
 /// none, and the transcript pairs each tool message with its call by id.
-fn unique_call_ids(calls: &mut [ModelToolCall], turn: usize) {
+/// A call the client will run gets an id unique across runs instead: the client's next call
+/// names it, and the stored turn is found by it.
+fn unique_call_ids(calls: &mut [ModelToolCall], turn: usize, is_client: impl Fn(&str) -> bool) {
     let mut seen = std::collections::HashSet::new();
     for (position, call) in calls.iter_mut().enumerate() {
-        if call.id.is_empty() || !seen.insert(call.id.clone()) {
+        if is_client(&call.name) {
+            call.id = crate::runtime::client_call_id();
+            seen.insert(call.id.clone());
+        } else if call.id.is_empty() || !seen.insert(call.id.clone()) {
             call.id = format!("call_{turn}_{position}");
             seen.insert(call.id.clone());
         }
@@ -802,6 +839,8 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
         })
         .unwrap_or_default();
     let output = RuntimeOutput {
+        client_calls: Vec::new(),
+        client_turns: Vec::new(),
         cost_usd: None,
         text: choice
             .pointer("/message/content")

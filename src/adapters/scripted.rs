@@ -50,6 +50,8 @@ impl RuntimeAdapter for ScriptedAdapter {
             cost_usd: None,
             usage: Default::default(),
             finish_reason: "stop".to_owned(),
+            client_calls: Vec::new(),
+            client_turns: Vec::new(),
         })
     }
 }

@@ -74,6 +74,8 @@ pub async fn run(args: RunArgs) -> u8 {
             metadata: json!({}),
             protocol: Protocol::Cli,
             durable_before_return: false,
+            client: Default::default(),
+            surface: None,
         })
         .await
     {

@@ -19,6 +19,7 @@
 //! the run and a [`RunHost`] through which events and records are written.
 
 mod approvals;
+pub mod client;
 mod exec;
 
 use std::collections::{BTreeMap, HashMap};
@@ -37,7 +38,8 @@ pub use exec::McpClients;
 
 use crate::governance::{self, PolicyInput, Verdict};
 use crate::runtime::events::{
-    APPROVAL_REQUESTED, TOOL_DENIED, TOOL_DIRECT_COMPLETED, TOOL_DIRECT_STARTED,
+    APPROVAL_REQUESTED, TOOL_CLIENT_REQUESTED, TOOL_DENIED, TOOL_DIRECT_COMPLETED,
+    TOOL_DIRECT_STARTED,
 };
 use crate::store::{
     ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, Store, ToolCallRecord, WriteOp,
@@ -76,6 +78,9 @@ pub enum Outcome {
     Denied,
     /// The run was cancelled while the call waited or ran.
     Cancelled,
+    /// A client tool's call, allowed and handed to the client to run; its record is completed
+    /// when the client's next call brings the result.
+    ToClient,
 }
 
 impl Outcome {
@@ -87,6 +92,7 @@ impl Outcome {
             Self::InvalidArguments => "invalid_arguments",
             Self::Denied => "denied",
             Self::Cancelled => "cancelled",
+            Self::ToClient => "client",
         }
     }
 
@@ -97,6 +103,7 @@ impl Outcome {
             Self::InvalidArguments,
             Self::Denied,
             Self::Cancelled,
+            Self::ToClient,
         ]
         .into_iter()
         .find(|o| o.as_str() == text)
@@ -191,6 +198,8 @@ pub struct RunScope<'a> {
     approvals: HashMap<(String, ApprovalKind, i64), ApprovalRecord>,
     /// The labels of the key that owns the request (trusted policy input).
     key_labels: BTreeMap<String, String>,
+    /// The tools the client supplied with this request (`client.<name>`).
+    client_tools: Vec<ToolConfig>,
     waiting: AtomicUsize,
 }
 
@@ -225,7 +234,18 @@ impl<'a> RunScope<'a> {
             approvals: HashMap::new(),
             waiting: AtomicUsize::new(0),
             key_labels: BTreeMap::new(),
+            client_tools: Vec::new(),
         }
+    }
+
+    /// The tools the client supplied with the request (see [`client::compile`]).
+    pub fn with_client_tools(mut self, tools: Vec<ToolConfig>) -> Self {
+        self.client_tools = tools;
+        self
+    }
+
+    fn client_tool(&self, tool_id: &str) -> Option<&ToolConfig> {
+        self.client_tools.iter().find(|tool| tool.id == tool_id)
     }
 
     /// The owning key's labels, which policy rules may match with `labels`.
@@ -274,8 +294,34 @@ impl<'a> RunScope<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolSpec {
     pub id: String,
+    /// The function name the model must see exactly (a client tool keeps the client's name);
+    /// `None`: derived from the id.
+    pub function_name: Option<String>,
     pub description: String,
     pub parameters: Value,
+}
+
+impl ToolSpec {
+    /// How a tool is offered to a model.
+    pub fn of(tool: &ToolConfig) -> Self {
+        let client = matches!(
+            tool.implementation,
+            crate::workspace::ToolImplementation::Client
+        );
+        Self {
+            id: tool.id.clone(),
+            function_name: client
+                .then(|| tool.id.strip_prefix(crate::workspace::CLIENT_TOOL_PREFIX))
+                .flatten()
+                .map(str::to_owned),
+            description: tool.description.clone().unwrap_or_default(),
+            parameters: if tool.input_schema.is_object() {
+                tool.input_schema.clone()
+            } else {
+                json!({ "type": "object" })
+            },
+        }
+    }
 }
 
 /// The gateway; one per runtime, shared by every run.
@@ -408,15 +454,7 @@ impl ToolGateway {
             .iter()
             .chain(subagents.iter())
             .filter_map(|id| self.tool_for(agent, id))
-            .map(|tool| ToolSpec {
-                id: tool.id.clone(),
-                description: tool.description.clone().unwrap_or_default(),
-                parameters: if tool.input_schema.is_object() {
-                    tool.input_schema.clone()
-                } else {
-                    json!({ "type": "object" })
-                },
-            })
+            .map(ToolSpec::of)
             .collect()
     }
 
@@ -468,7 +506,10 @@ impl ToolGateway {
             }
             return self.interrupted(scope, &call, recorded, started).await;
         }
-        let Some(tool) = self.tool_for(scope.agent, &call.tool_id) else {
+        let tool = self
+            .tool_for(scope.agent, &call.tool_id)
+            .or_else(|| scope.client_tool(&call.tool_id));
+        let Some(tool) = tool else {
             let verdict = not_allowed_verdict(scope.agent, &call.tool_id);
             let result = ToolResult::error(
                 Outcome::NotAllowed,
@@ -551,8 +592,51 @@ impl ToolGateway {
                 }
             }
         }
+        if matches!(
+            tool.implementation,
+            crate::workspace::ToolImplementation::Client
+        ) {
+            return self.hand_to_client(scope, &call, &stored_arguments).await;
+        }
         self.run_and_finish(scope, &call, tool, arguments, &stored_arguments, started)
             .await
+    }
+
+    /// An allowed call of a client tool: recorded as handed to the client (with
+    /// `runtime.tool.client.requested`), never run here. The record is completed when the
+    /// client's next call brings the result.
+    async fn hand_to_client(
+        &self,
+        scope: &RunScope<'_>,
+        call: &ToolCall,
+        stored_arguments: &Value,
+    ) -> ToolResult {
+        let result = ToolResult {
+            outcome: Outcome::ToClient,
+            content: Value::Null,
+        };
+        let record = WriteOp::RecordToolCall(call_record(
+            scope,
+            call,
+            stored_arguments,
+            result.outcome.as_str(),
+            Value::Null,
+            0,
+        ));
+        let requested = json!({ "toolId": call.tool_id, "toolCallId": call.id, "callKey": call.key, "arguments": stored_arguments });
+        match scope
+            .host
+            .commit_with_event(vec![record], TOOL_CLIENT_REQUESTED, requested)
+            .await
+        {
+            Ok(()) => result,
+            Err(message) => ToolResult::error(
+                Outcome::Cancelled,
+                "store_unavailable",
+                format!("the call could not be recorded ({message})"),
+                json!({}),
+            ),
+        }
     }
 
     /// A call that started in an earlier life of the run and has no result: its outcome is

@@ -14,6 +14,7 @@ mod inspect;
 mod memory;
 mod messages;
 pub mod openapi;
+mod responses;
 mod runtime_api;
 mod v1;
 mod views;
@@ -68,7 +69,9 @@ pub fn router(state: AppState) -> Router {
                 .route("/models", get(v1::list_models))
                 .route("/models/{id}", get(v1::get_model))
                 .route("/capabilities", get(v1::capabilities))
-                .route("/chat/completions", post(v1::chat_completions)),
+                .route("/chat/completions", post(v1::chat_completions))
+                .route("/responses", post(responses::create_response))
+                .route("/responses/{id}", get(responses::get_response)),
         )
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

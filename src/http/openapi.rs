@@ -15,6 +15,8 @@ use utoipa::{Modify, OpenApi};
         super::v1::get_model,
         super::v1::capabilities,
         super::v1::chat_completions,
+        super::responses::create_response,
+        super::responses::get_response,
         super::runtime_api::create_request,
         super::runtime_api::get_request,
         super::runtime_api::request_events,

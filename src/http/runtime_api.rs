@@ -109,6 +109,8 @@ pub async fn create_request(
                 .unwrap_or_else(|| json!({})),
             protocol: Protocol::Runtime,
             durable_before_return: true,
+            client: Default::default(),
+            surface: None,
         })
         .await?;
     if body.wait {

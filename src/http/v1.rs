@@ -19,12 +19,13 @@ use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::views::{run_failure, store_error};
 use crate::error::{ApiError, ErrorCode};
+use crate::gateway::client::{self, ClientFunction};
 use crate::runtime::events::{
     ADAPTER_EVENT, APPROVAL_REQUESTED, APPROVAL_RESOLVED, PHASE_HANDOFF, PHASE_TOOL_RESULT,
     PHASE_TOOL_START, PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED,
     TOOL_DIRECT_STARTED, is_terminal, output_delta_text,
 };
-use crate::runtime::{ApprovalWatch, NewRequest, Protocol, Submitted, Watched};
+use crate::runtime::{ApprovalWatch, ClientTurn, NewRequest, Protocol, Submitted, Watched};
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, CompiledWorkspace, wire_name};
 
@@ -77,7 +78,7 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-fn v1_error(code: ErrorCode, message: impl Into<String>) -> ApiError {
+pub(super) fn v1_error(code: ErrorCode, message: impl Into<String>) -> ApiError {
     ApiError::new(code, message).on_openai_surface()
 }
 
@@ -110,7 +111,10 @@ fn model_json(state: &AppState, agent: &AgentConfig) -> Value {
     json!({ "id": agent.name, "object": "model", "created": state.runtime_started_unix(), "owned_by": "stable-harness" })
 }
 
-fn find_agent<'a>(workspace: &'a CompiledWorkspace, id: &str) -> Result<&'a AgentConfig, ApiError> {
+pub(super) fn find_agent<'a>(
+    workspace: &'a CompiledWorkspace,
+    id: &str,
+) -> Result<&'a AgentConfig, ApiError> {
     workspace.agent(id).ok_or_else(|| {
         v1_error(
             ErrorCode::ModelNotFound,
@@ -134,6 +138,10 @@ pub async fn capabilities(State(state): State<AppState>) -> Json<Value> {
                 "description": agent.description,
                 "backend": wire_name(&agent.backend),
                 "tools": agent.tools,
+                "clientTools": match agent.client_tools {
+                    Some(risk) => json!({ "enabled": true, "risk": risk }),
+                    None => json!({ "enabled": false }),
+                },
                 "streaming": model.is_none_or(|m| m.capabilities.streaming),
                 "model": model.map(|m| json!({ "id": m.id, "upstreamModel": m.upstream_model, "capabilities": m.capabilities })),
             })
@@ -144,7 +152,8 @@ pub async fn capabilities(State(state): State<AppState>) -> Json<Value> {
 
 /// Checks what OpenAI would reject, naming the field (`param`) at fault.
 fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
-    for field in ["tools", "functions", "tool_choice", "function_call"] {
+    // The legacy function-calling fields; `tools` are client tools (see `chat_tools`).
+    for field in ["functions", "function_call"] {
         if request.rest.get(field).is_some_and(|v| !v.is_null()) {
             return Err(v1_error(
                 ErrorCode::ToolsNotSupported,
@@ -169,7 +178,7 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
 
 /// The request's metadata: the client's, with `user` (which fills `{user}` memory
 /// namespaces) set from the `user` field when it is given.
-fn v1_metadata(metadata: Option<Map<String, Value>>, user: Option<&str>) -> Value {
+pub(super) fn v1_metadata(metadata: Option<Map<String, Value>>, user: Option<&str>) -> Value {
     let mut metadata = metadata.unwrap_or_default();
     if let Some(user) = user {
         metadata.insert("user".to_owned(), Value::String(user.to_owned()));
@@ -180,7 +189,7 @@ fn v1_metadata(metadata: Option<Map<String, Value>>, user: Option<&str>) -> Valu
 /// A session id from the grouping header or `user`; anything else is a new session. A `user`
 /// names a session of the calling key's own (`user:<identity>:<user>`): another key's
 /// `user` of the same name is another session.
-fn session_id(
+pub(super) fn session_id(
     headers: &HeaderMap,
     user: Option<&str>,
     owner: &str,
@@ -227,7 +236,7 @@ pub async fn chat_completions(
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     validate(&request)?;
-    find_agent(&state.runtime.workspace(), &request.model)?;
+    let tools = chat_tools(request.rest.get("tools"))?;
     let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()
@@ -239,46 +248,32 @@ pub async fn chat_completions(
                 .map(|v| ((*key).to_owned(), v.clone()))
         })
         .collect();
-    // The turn new to the session: everything after the last assistant message.
-    let new_messages = request
-        .messages
-        .iter()
-        .rev()
-        .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
-        .count();
     let stream = request.stream.unwrap_or(false);
     let include_usage = request
         .stream_options
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    let named_events = headers
-        .get(EVENTS_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
-    let (submitted, events) = state
-        .runtime
-        .submit_and_follow(NewRequest {
-            agent_id: Some(request.model.clone()),
-            session_id,
-            owner: caller.identity.clone(),
-            with_history: false,
+    let named_events = wants_named_events(&headers);
+    let (submitted, events) = submit(
+        &state,
+        &caller,
+        V1Submission {
+            agent: request.model.clone(),
             messages: request.messages,
-            new_messages,
+            tools,
             options,
             metadata: v1_metadata(request.metadata, request.user.as_deref()),
-            protocol: Protocol::V1,
-            durable_before_return: false,
-        })
-        .await
-        .map_err(|error| ApiError::from(error).on_openai_surface())?;
+            session_id,
+            surface: None,
+        },
+    )
+    .await?;
     let completion = Completion {
         id: format!("chatcmpl-{}", submitted.request_id),
         created: chrono::Utc::now().timestamp(),
         model: request.model,
     };
-    let approval_wait = state.runtime.workspace().runtime.openai.approval_wait;
-    let events = ApprovalWatch::new(events, approval_wait);
     let answered = if stream {
         stream_response(
             events,
@@ -292,7 +287,22 @@ pub async fn chat_completions(
         complete_response(events, completion, &submitted).await
     };
     // Errors after the submit name the request too: its run may go on (approval_pending).
-    let mut response = answered.unwrap_or_else(IntoResponse::into_response);
+    Ok(with_request_headers(
+        answered.unwrap_or_else(IntoResponse::into_response),
+        &submitted,
+    ))
+}
+
+/// Whether the client asked for the named progress events (`x-stable-harness-events: true`).
+pub(super) fn wants_named_events(headers: &HeaderMap) -> bool {
+    headers
+        .get(EVENTS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"))
+}
+
+/// Names the request and its session on a `/v1` answer.
+pub(super) fn with_request_headers(mut response: Response, submitted: &Submitted) -> Response {
     let headers = response.headers_mut();
     for (name, value) in [
         (REQUEST_ID_HEADER, &submitted.request_id),
@@ -302,7 +312,127 @@ pub async fn chat_completions(
             headers.insert(name, value);
         }
     }
-    Ok(response)
+    response
+}
+
+/// The function tools of a Chat Completions `tools` list; other tool types are accepted and
+/// not offered to the model.
+fn chat_tools(tools: Option<&Value>) -> Result<Vec<ClientFunction>, ApiError> {
+    let tools = match tools {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(tools)) => tools,
+        Some(_) => {
+            return Err(
+                v1_error(ErrorCode::InvalidParameter, "`tools` must be an array").param("tools"),
+            );
+        }
+    };
+    tools
+        .iter()
+        .enumerate()
+        .filter(|(_, tool)| tool.get("type").and_then(Value::as_str) == Some("function"))
+        .map(|(index, tool)| {
+            client_function(index, tool.get("function").unwrap_or(&Value::Null), "tools")
+        })
+        .collect()
+}
+
+/// One function tool (`{name, description?, parameters?}`) at `tools[index]`.
+pub(super) fn client_function(
+    index: usize,
+    function: &Value,
+    field: &str,
+) -> Result<ClientFunction, ApiError> {
+    let Some(name) = function.get("name").and_then(Value::as_str) else {
+        return Err(v1_error(
+            ErrorCode::InvalidParameter,
+            format!("{field}[{index}] needs a `name`"),
+        )
+        .param(format!("{field}[{index}]")));
+    };
+    Ok(ClientFunction {
+        index,
+        name: name.to_owned(),
+        description: function
+            .get("description")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        parameters: function.get("parameters").filter(|p| !p.is_null()).cloned(),
+    })
+}
+
+/// What both `/v1` surfaces submit: the transcript in Chat Completions shape, and what came
+/// with it.
+pub(super) struct V1Submission {
+    pub agent: String,
+    pub messages: Vec<Value>,
+    pub tools: Vec<ClientFunction>,
+    pub options: Map<String, Value>,
+    pub metadata: Value,
+    pub session_id: Option<String>,
+    pub surface: Option<Value>,
+}
+
+/// Checks the client's tools against the agent, completes the transcript with the stored
+/// turns of calls handed to the client, submits, and follows the request's events (a pending
+/// approval is watched for `protocols.openai.approvalWait`).
+pub(super) async fn submit(
+    state: &AppState,
+    caller: &Caller,
+    submission: V1Submission,
+) -> Result<(Submitted, ApprovalWatch), ApiError> {
+    let workspace = state.runtime.workspace();
+    let agent = find_agent(&workspace, &submission.agent)?;
+    if !submission.tools.is_empty() {
+        let Some(risk) = agent.client_tools else {
+            return Err(v1_error(
+                ErrorCode::ToolsNotSupported,
+                format!(
+                    "agent `{}` does not take tools from the client (its `clientTools` is not enabled); its tools come from the workspace inventory",
+                    agent.name
+                ),
+            )
+            .param("tools"));
+        };
+        client::compile(&submission.tools, risk).map_err(|error| {
+            v1_error(ErrorCode::InvalidParameter, error.to_string())
+                .param(format!("tools[{}]", error.index))
+        })?;
+    }
+    let (messages, results) = state
+        .runtime
+        .continue_client_turns(&caller.identity, submission.messages)
+        .await
+        .map_err(|error| ApiError::from(error).on_openai_surface())?;
+    // The turn new to the session: everything after the last assistant message.
+    let new_messages = messages
+        .iter()
+        .rev()
+        .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
+        .count();
+    let (submitted, events) = state
+        .runtime
+        .submit_and_follow(NewRequest {
+            agent_id: Some(submission.agent),
+            session_id: submission.session_id,
+            owner: caller.identity.clone(),
+            with_history: false,
+            messages,
+            new_messages,
+            options: submission.options,
+            metadata: submission.metadata,
+            protocol: Protocol::V1,
+            durable_before_return: false,
+            client: ClientTurn {
+                tools: submission.tools,
+                results,
+            },
+            surface: submission.surface,
+        })
+        .await
+        .map_err(|error| ApiError::from(error).on_openai_surface())?;
+    let approval_wait = workspace.runtime.openai.approval_wait;
+    Ok((submitted, ApprovalWatch::new(events, approval_wait)))
 }
 
 struct Completion {
@@ -328,14 +458,33 @@ impl Completion {
     }
 }
 
-fn delta_text(event: &EventRecord) -> Option<&str> {
+/// The calls a completed request handed to the client (`clientToolCalls`).
+pub(super) fn client_calls(data: &Value) -> Vec<crate::adapters::ClientCall> {
+    data.get("clientToolCalls")
+        .and_then(|calls| serde_json::from_value(calls.clone()).ok())
+        .unwrap_or_default()
+}
+
+fn chat_tool_call(call: &crate::adapters::ClientCall) -> Value {
+    json!({ "id": call.id, "type": "function", "function": { "name": call.name, "arguments": call.arguments } })
+}
+
+/// The finish reason of a completed request (`stop` when the upstream gave none).
+pub(super) fn finish_reason(data: &Value) -> &str {
+    data.get("finishReason")
+        .and_then(Value::as_str)
+        .filter(|r| !r.is_empty())
+        .unwrap_or("stop")
+}
+
+pub(super) fn delta_text(event: &EventRecord) -> Option<&str> {
     (event.event_type == ADAPTER_EVENT)
         .then(|| output_delta_text(&event.data))
         .flatten()
 }
 
 /// The API error a terminal event that is not `completed` stands for.
-fn terminal_failure(submitted: &Submitted, event: &EventRecord) -> ApiError {
+pub(super) fn terminal_failure(submitted: &Submitted, event: &EventRecord) -> ApiError {
     let status = if event.event_type == REQUEST_COMPLETED {
         RunStatus::Completed
     } else if event.event_type.ends_with(".cancelled") {
@@ -352,7 +501,7 @@ fn terminal_failure(submitted: &Submitted, event: &EventRecord) -> ApiError {
 }
 
 /// The 409 of a call that waited `approvalWait` on an approval.
-fn approval_pending(submitted: &Submitted, approval_id: &str) -> ApiError {
+pub(super) fn approval_pending(submitted: &Submitted, approval_id: &str) -> ApiError {
     v1_error(
         ErrorCode::ApprovalPending,
         format!(
@@ -364,7 +513,7 @@ fn approval_pending(submitted: &Submitted, approval_id: &str) -> ApiError {
 }
 
 /// Events a client that opted in receives as `stable_harness.tool.progress`.
-fn is_tool_progress(event: &EventRecord) -> bool {
+pub(super) fn is_tool_progress(event: &EventRecord) -> bool {
     match event.event_type.as_str() {
         TOOL_DIRECT_STARTED
         | TOOL_DIRECT_COMPLETED
@@ -398,6 +547,14 @@ async fn complete_response(
             return Err(terminal_failure(submitted, &event));
         }
         let data = &event.data;
+        let calls = client_calls(data);
+        let mut message = json!({ "role": "assistant", "content": data.get("output").cloned().unwrap_or(Value::Null), "refusal": null });
+        if !calls.is_empty() {
+            if message["content"].as_str() == Some("") {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = calls.iter().map(chat_tool_call).collect();
+        }
         let body = json!({
             "id": completion.id,
             "object": "chat.completion",
@@ -406,9 +563,9 @@ async fn complete_response(
             "system_fingerprint": null,
             "choices": [{
                 "index": 0,
-                "message": { "role": "assistant", "content": data.get("output").cloned().unwrap_or(Value::Null), "refusal": null },
+                "message": message,
                 "logprobs": null,
-                "finish_reason": data.get("finishReason").and_then(Value::as_str).filter(|r| !r.is_empty()).unwrap_or("stop"),
+                "finish_reason": finish_reason(data),
             }],
             "usage": data.get("usage").cloned().unwrap_or(Value::Null),
         });
@@ -419,16 +576,13 @@ async fn complete_response(
     ))
 }
 
-async fn stream_response(
-    mut events: ApprovalWatch,
-    completion: Completion,
-    submitted: Submitted,
-    include_usage: bool,
-    named_events: bool,
-) -> Result<Response, ApiError> {
-    // Hold the status line until the run produced text, ended or waits on an approval, so
-    // that a run failing at once is answered with a proper error status instead of a broken
-    // stream (and a pending approval gets keep-alives).
+/// Holds a stream's status line until the run produced text, ended or waits on an approval,
+/// so that a run failing at once is answered with a proper error status instead of a broken
+/// stream (and a pending approval gets keep-alives). Returns the events read meanwhile.
+pub(super) async fn hold_until_started(
+    events: &mut ApprovalWatch,
+    submitted: &Submitted,
+) -> Result<Vec<std::sync::Arc<EventRecord>>, ApiError> {
     let mut held = Vec::new();
     loop {
         match events.next().await {
@@ -438,26 +592,41 @@ async fn stream_response(
                 ));
             }
             Watched::Failed(error) => return Err(store_error(&error)),
-            Watched::StillPending(approval) => return Err(approval_pending(&submitted, &approval)),
+            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
             Watched::Event(event) => {
                 if is_terminal(&event.event_type) && event.event_type != REQUEST_COMPLETED {
-                    return Err(terminal_failure(&submitted, &event));
+                    return Err(terminal_failure(submitted, &event));
                 }
                 let start = delta_text(&event).is_some()
                     || is_terminal(&event.event_type)
                     || event.event_type == APPROVAL_REQUESTED;
                 held.push(event);
                 if start {
-                    break;
+                    return Ok(held);
                 }
             }
         }
     }
-    // Comments keep the connection alive while a call waits on an operator.
-    let keep_alive = (events.approval_wait() / 4).clamp(
+}
+
+/// SSE comments keep the connection alive while a call waits on an operator.
+pub(super) fn keep_alive(events: &ApprovalWatch) -> KeepAlive {
+    let interval = (events.approval_wait() / 4).clamp(
         std::time::Duration::from_secs(1),
         std::time::Duration::from_secs(15),
     );
+    KeepAlive::new().interval(interval)
+}
+
+async fn stream_response(
+    mut events: ApprovalWatch,
+    completion: Completion,
+    submitted: Submitted,
+    include_usage: bool,
+    named_events: bool,
+) -> Result<Response, ApiError> {
+    let held = hold_until_started(&mut events, &submitted).await?;
+    let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
         yield Ok::<Event, Infallible>(Event::default().data(completion.chunk(json!({ "role": "assistant", "content": "" }), None, include_usage).to_string()));
         let mut held = held.into_iter();
@@ -488,7 +657,15 @@ async fn stream_response(
             } else if named_events && event.event_type == PROGRESS_NARRATION {
                 yield Ok(Event::default().event("stable_harness.progress.narration").data(event.data.to_string()));
             } else if event.event_type == REQUEST_COMPLETED {
-                let reason = event.data.get("finishReason").and_then(Value::as_str).filter(|r| !r.is_empty()).unwrap_or("stop");
+                // Calls handed to the client: one `index` each, its name first, then its
+                // arguments as a delta, as OpenAI streams them.
+                for (index, call) in client_calls(&event.data).iter().enumerate() {
+                    let opened = json!({ "tool_calls": [{ "index": index, "id": call.id, "type": "function", "function": { "name": call.name, "arguments": "" } }] });
+                    yield Ok(Event::default().data(completion.chunk(opened, None, include_usage).to_string()));
+                    let arguments = json!({ "tool_calls": [{ "index": index, "function": { "arguments": call.arguments } }] });
+                    yield Ok(Event::default().data(completion.chunk(arguments, None, include_usage).to_string()));
+                }
+                let reason = finish_reason(&event.data);
                 yield Ok(Event::default().data(completion.chunk(json!({}), Some(reason), include_usage).to_string()));
                 if include_usage {
                     let mut usage = completion.chunk(json!({}), None, false);
@@ -505,7 +682,5 @@ async fn stream_response(
             }
         }
     };
-    Ok(Sse::new(body)
-        .keep_alive(KeepAlive::new().interval(keep_alive))
-        .into_response())
+    Ok(Sse::new(body).keep_alive(keep_alive).into_response())
 }

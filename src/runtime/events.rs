@@ -12,6 +12,10 @@ pub const PROGRESS_NARRATION: &str = "runtime.progress.narration";
 pub const TOOL_DIRECT_STARTED: &str = "runtime.tool.direct.started";
 pub const TOOL_DIRECT_COMPLETED: &str = "runtime.tool.direct.completed";
 pub const TOOL_DENIED: &str = "runtime.tool.denied";
+/// A client tool's call, allowed and handed to the client to run.
+pub const TOOL_CLIENT_REQUESTED: &str = "runtime.tool.client.requested";
+/// The client brought a client tool call's result with its next call.
+pub const TOOL_CLIENT_COMPLETED: &str = "runtime.tool.client.completed";
 pub const APPROVAL_REQUESTED: &str = "runtime.approval.requested";
 pub const APPROVAL_RESOLVED: &str = "runtime.approval.resolved";
 pub const MEMORY_LIFECYCLE: &str = "runtime.memory.lifecycle";
@@ -59,6 +63,8 @@ pub const EVENT_TYPES: &[&str] = &[
     "runtime.tool.direct.started",
     "runtime.tool.direct.completed",
     "runtime.tool.denied",
+    "runtime.tool.client.requested",
+    "runtime.tool.client.completed",
     "runtime.approval.requested",
     "runtime.approval.resolved",
     "runtime.workflow.started",

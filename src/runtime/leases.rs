@@ -204,6 +204,7 @@ impl Runtime {
             messages,
             own_from,
             options,
+            client: super::ClientTurn::stored_in(&request.input),
             parent_message_id,
             metadata: request.metadata.clone(),
             owner: request.owner.clone(),

@@ -9,8 +9,10 @@
 //! [`Runtime::stop_admitting`] refuses new requests ([`RuntimeError::ShuttingDown`]) and
 //! [`Runtime::shutdown`] waits, bounded, only for runs holding an execution slot.
 
+mod client_turns;
 mod clock;
 pub mod events;
+pub use client_turns::{ClientResult, ClientTurn};
 mod fanout;
 mod hub;
 mod journal;
@@ -103,6 +105,15 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
 }
 
+/// The prefix of the ids of calls handed to the client: only such ids are looked up when a
+/// client's call brings results.
+pub const CLIENT_CALL_PREFIX: &str = "call_sh_";
+
+/// A new id for a call the client will run, unique across runs.
+pub fn client_call_id() -> String {
+    format!("{CLIENT_CALL_PREFIX}{}", uuid::Uuid::now_v7().simple())
+}
+
 /// Which surface submitted a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
@@ -148,6 +159,11 @@ pub struct NewRequest {
     /// Wait for the request to be committed before `submit` returns. Surfaces that answer
     /// before the run ends need it; `/v1` answers after, and the journal keeps order anyway.
     pub durable_before_return: bool,
+    /// The tools the client supplies and the results of calls it ran (`/v1` only).
+    pub client: ClientTurn,
+    /// Surface-specific data stored with the request's input (`/v1/responses`: the
+    /// response's own fields), under `input.surface`.
+    pub surface: Option<Value>,
 }
 
 /// What `submit` accepted.
@@ -471,13 +487,17 @@ impl Runtime {
         })];
         // The input is what the request brought; history the session holds already is named
         // by its last message, never copied (a long session would store it again per turn).
-        let input = match (&parent_id, request.with_history) {
+        let mut input = match (&parent_id, request.with_history) {
             (Some(through), true) => {
                 json!({ "messages": request.messages, "options": request.options,
                 HISTORY_THROUGH: through })
             }
             _ => json!({ "messages": messages, "options": request.options }),
         };
+        request.client.store_in(&mut input);
+        if let Some(surface) = request.surface {
+            input["surface"] = surface;
+        }
         let metadata = request.metadata.clone();
         ops.push(WriteOp::InsertRequest(RequestRecord {
             id: request_id.clone(),
@@ -547,6 +567,7 @@ impl Runtime {
             messages,
             own_from,
             options: request.options,
+            client: request.client,
             parent_message_id: parent_id,
             metadata,
             owner: request.owner,

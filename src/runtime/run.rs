@@ -20,7 +20,7 @@ use super::clock::ActiveClock;
 use super::events::{
     ADAPTER_EVENT, MEMORY_APPROVAL_REQUESTED, MEMORY_CANDIDATE_SUBMITTED, MEMORY_LIFECYCLE,
     MEMORY_PLUGIN_FAILED, MEMORY_RECALL_COMPLETED, PHASE_HANDOFF, PROGRESS_NARRATION,
-    REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
+    REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED, TOOL_CLIENT_COMPLETED,
 };
 use super::{
     Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
@@ -43,6 +43,8 @@ pub(super) struct RunJob {
     /// Where the run's own messages start (see [`AdapterContext::own_from`]).
     pub own_from: usize,
     pub options: Map<String, Value>,
+    /// The client's tools and the results of calls it ran.
+    pub client: super::ClientTurn,
     pub parent_message_id: Option<String>,
     /// The request's metadata (policy input).
     pub metadata: Value,
@@ -190,6 +192,44 @@ impl RunEvents {
             }
         }
         recalled
+    }
+
+    /// Completes the records of calls the client ran with the results it brought (redacted
+    /// like any tool result), each announced as `runtime.tool.client.completed`. A call
+    /// completed already (by an earlier life of this run) is left as it is.
+    async fn complete_client_calls(
+        &self,
+        results: &[super::ClientResult],
+    ) -> Result<(), AdapterError> {
+        let redactor = self.inventory.gateway.redactor();
+        for result in results {
+            if self.is_handed_over() {
+                break;
+            }
+            let output = redactor.redact(&result.output);
+            let completed = self
+                .runtime
+                .inner
+                .store
+                .complete_client_call(&result.run_id, &result.call_key, &output, Utc::now())
+                .await
+                .map_err(|error| {
+                    AdapterError::new(
+                        FailureKind::Store,
+                        format!("the client's tool result could not be recorded: {error}"),
+                    )
+                })?;
+            if completed {
+                self.record(
+                    TOOL_CLIENT_COMPLETED,
+                    json!({ "toolId": result.tool_id, "toolCallId": result.call_id,
+                        "callKey": result.call_key, "requestId": result.request_id,
+                        "output": output }),
+                )
+                .await;
+            }
+        }
+        Ok(())
     }
 
     fn is_handed_over(&self) -> bool {
@@ -445,6 +485,8 @@ impl RunHost for RunEvents {
                 }),
                 protocol: Protocol::Agent,
                 durable_before_return: true,
+                client: Default::default(),
+                surface: None,
             })
             .await
             .map_err(|error| format!("agent `{agent}` could not take the task: {error}"))?;
@@ -603,6 +645,7 @@ pub(super) async fn execute(
         messages,
         own_from,
         options,
+        client,
         parent_message_id,
         metadata,
         owner,
@@ -690,6 +733,7 @@ pub(super) async fn execute(
                 messages: &messages,
                 own_from,
                 options: &options,
+                client: &client,
             };
             run_adapter(runtime, &events, scope, run).await
         }
@@ -713,6 +757,7 @@ struct AdapterRun<'a> {
     messages: &'a [Value],
     own_from: usize,
     options: &'a Map<String, Value>,
+    client: &'a super::ClientTurn,
 }
 
 /// Loads what a resumed run recorded, announces the run and plays the agent's adapter with the
@@ -730,6 +775,7 @@ async fn run_adapter(
         messages,
         own_from,
         options,
+        client,
     } = run;
     let inner = &runtime.inner;
     if resumed {
@@ -745,10 +791,26 @@ async fn run_adapter(
             })?;
     }
     let cancel = scope.cancel.clone();
+    let gateway = &events.inventory.gateway;
+    // The client's tools, when the agent (still) takes them: compiled again from the stored
+    // request, as the surface checked them at submit.
+    let client_tools = match agent.client_tools {
+        Some(risk) if !client.tools.is_empty() => {
+            crate::gateway::client::compile(&client.tools, risk).unwrap_or_default()
+        }
+        _ => Vec::new(),
+    };
+    let specs = if client_tools.is_empty() {
+        gateway.specs(agent)
+    } else {
+        let mut specs = gateway.specs(agent).to_vec();
+        specs.extend(client_tools.iter().map(ToolSpec::of));
+        Arc::from(specs)
+    };
     let tools = RunTools {
-        gateway: &events.inventory.gateway,
-        specs: events.inventory.gateway.specs(agent),
-        scope,
+        gateway,
+        specs,
+        scope: scope.with_client_tools(client_tools),
     };
     events
         .record(
@@ -757,6 +819,7 @@ async fn run_adapter(
                 "runId": events.submitted.run_id, "instance": inner.store.holder() }),
         )
         .await;
+    events.complete_client_calls(&client.results).await?;
     let Some(adapter) = inner.adapters.for_backend(agent.backend) else {
         return Err(AdapterError::new(
             FailureKind::Unsupported,
@@ -834,7 +897,17 @@ async fn finish(
     }
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
-            let reply = json!({ "role": "assistant", "content": output.text });
+            let mut reply = json!({ "role": "assistant", "content": output.text });
+            if !output.client_calls.is_empty() {
+                reply["tool_calls"] = output
+                    .client_calls
+                    .iter()
+                    .map(|call| {
+                        json!({ "id": call.id, "type": "function",
+                        "function": { "name": call.name, "arguments": call.arguments } })
+                    })
+                    .collect();
+            }
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: new_id("msg"),
                 session_id: submitted.session_id.clone(),
@@ -848,7 +921,11 @@ async fn finish(
             if let Some(cost) = output.cost_usd {
                 usage["costUsd"] = json!(cost);
             }
-            let data = json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason });
+            let mut data = json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason });
+            if !output.client_calls.is_empty() {
+                data["clientToolCalls"] = json!(output.client_calls);
+                data["clientTurns"] = Value::Array(output.client_turns);
+            }
             (
                 RunStatus::Completed,
                 REQUEST_COMPLETED,

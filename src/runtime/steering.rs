@@ -190,6 +190,7 @@ impl Runtime {
                 .and_then(Value::as_object)
                 .cloned()
                 .unwrap_or_default(),
+            client: super::ClientTurn::stored_in(&request.input),
             parent_message_id,
             metadata: request.metadata,
             owner: request.owner,

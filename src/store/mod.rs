@@ -264,6 +264,22 @@ pub trait Store: MemoryStore + Send + Sync + 'static {
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError>;
     /// The recorded tool calls of one run (started ones included).
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;
+    /// The calls of client tools with one of the model call `ids` (the ids the client was
+    /// given for the calls it runs) in requests `owner` owns.
+    async fn client_calls(
+        &self,
+        ids: &[String],
+        owner: &str,
+    ) -> Result<Vec<ClientCallRecord>, StoreError>;
+    /// Completes a call handed to the client with the result it reported. `false`: it was not
+    /// waiting on the client (completed already, or no such call).
+    async fn complete_client_call(
+        &self,
+        run_id: &str,
+        call_key: &str,
+        result: &serde_json::Value,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, StoreError>;
     /// Cheap liveness check for `/readyz`.
     async fn ping(&self) -> Result<(), StoreError>;
 

@@ -562,3 +562,11 @@ pub struct CompactReport {
     /// Active records archived because they were not updated within `memory.ttl`.
     pub expired: u64,
 }
+
+/// A call of a client tool, found by the id the client was given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientCallRecord {
+    pub call: ToolCallRecord,
+    /// Whether its run also called server tools (whose results the client never saw).
+    pub server_calls: bool,
+}

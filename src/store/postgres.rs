@@ -35,10 +35,10 @@ use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
-    MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestRecord,
-    RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats,
-    ToolCallRecord, WriteOp, redact_url,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
+    MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
+    RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreChange,
+    StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
@@ -810,24 +810,56 @@ impl Store for PostgresStore {
             .bind(text(run_id))
             .fetch_all(&self.pool)
             .await?;
+        rows.iter().map(tool_call_from_row).collect()
+    }
+
+    async fn client_calls(
+        &self,
+        ids: &[String],
+        owner: &str,
+    ) -> Result<Vec<ClientCallRecord>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT t.*, EXISTS (SELECT 1 FROM tool_calls s WHERE s.run_id = t.run_id
+                 AND s.tool_id NOT LIKE 'client.%') AS server_calls
+             FROM tool_calls t JOIN requests r ON r.id = t.request_id
+             WHERE t.tool_id LIKE 'client.%' AND t.model_call_id = ANY($1) AND r.owner = $2",
+        )
+        .bind(ids.iter().map(|id| text(id)).collect::<Vec<_>>())
+        .bind(text(owner))
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter()
             .map(|row| {
-                Ok(ToolCallRecord {
-                    run_id: row.try_get("run_id")?,
-                    call_key: row.try_get("call_key")?,
-                    model_call_id: row.try_get("model_call_id")?,
-                    request_id: row.try_get("request_id")?,
-                    tool_id: row.try_get("tool_id")?,
-                    arguments: row.try_get("arguments")?,
-                    idempotency_key: row.try_get("idempotency_key")?,
-                    executions: row.try_get("executions")?,
-                    outcome: row.try_get("outcome")?,
-                    result: row.try_get("result")?,
-                    duration_ms: row.try_get("duration_ms")?,
-                    recorded_at: row.try_get("recorded_at")?,
+                Ok(ClientCallRecord {
+                    call: tool_call_from_row(row)?,
+                    server_calls: row.try_get("server_calls")?,
                 })
             })
             .collect()
+    }
+
+    async fn complete_client_call(
+        &self,
+        run_id: &str,
+        call_key: &str,
+        result: &Value,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, StoreError> {
+        let changed = sqlx::query(
+            "UPDATE tool_calls SET outcome = 'completed', result = $3, recorded_at = $4
+             WHERE run_id = $1 AND call_key = $2 AND outcome = 'client'",
+        )
+        .bind(text(run_id))
+        .bind(text(call_key))
+        .bind(result)
+        .bind(at)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(changed == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -975,4 +1007,21 @@ impl Store for PostgresStore {
     fn describe(&self) -> String {
         format!("postgres {}", self.url)
     }
+}
+
+fn tool_call_from_row(row: &sqlx::postgres::PgRow) -> Result<ToolCallRecord, StoreError> {
+    Ok(ToolCallRecord {
+        run_id: row.try_get("run_id")?,
+        call_key: row.try_get("call_key")?,
+        model_call_id: row.try_get("model_call_id")?,
+        request_id: row.try_get("request_id")?,
+        tool_id: row.try_get("tool_id")?,
+        arguments: row.try_get("arguments")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        executions: row.try_get("executions")?,
+        outcome: row.try_get("outcome")?,
+        result: row.try_get("result")?,
+        duration_ms: row.try_get("duration_ms")?,
+        recorded_at: row.try_get("recorded_at")?,
+    })
 }

@@ -21,10 +21,10 @@ use sqlx::{Row, SqlitePool};
 
 use super::sqlite_writer::{CATCH_UP_PAGES, Leases, SqliteWriter};
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, Lease, MaintenanceRecord,
-    MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
-    RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreError,
-    StoreStats, ToolCallRecord, WriteOp,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
+    MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
+    RequestFilter, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
+    StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -804,24 +804,62 @@ impl Store for SqliteStore {
             .bind(run_id)
             .fetch_all(&self.reader)
             .await?;
+        rows.iter().map(tool_call_from_row).collect()
+    }
+
+    async fn client_calls(
+        &self,
+        ids: &[String],
+        owner: &str,
+    ) -> Result<Vec<ClientCallRecord>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT t.*, EXISTS (SELECT 1 FROM tool_calls s WHERE s.run_id = t.run_id
+                 AND s.tool_id NOT LIKE 'client.%') AS server_calls
+             FROM tool_calls t JOIN requests r ON r.id = t.request_id
+             WHERE t.tool_id LIKE 'client.%' AND t.model_call_id IN (SELECT value FROM json_each(?)) AND r.owner = ?",
+        )
+        .bind(serde_json::to_string(ids).unwrap_or_default())
+        .bind(owner)
+        .fetch_all(&self.reader)
+        .await?;
         rows.iter()
             .map(|row| {
-                Ok(ToolCallRecord {
-                    run_id: row.try_get("run_id")?,
-                    call_key: row.try_get("call_key")?,
-                    model_call_id: row.try_get("model_call_id")?,
-                    request_id: row.try_get("request_id")?,
-                    tool_id: row.try_get("tool_id")?,
-                    arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
-                    idempotency_key: row.try_get("idempotency_key")?,
-                    executions: row.try_get("executions")?,
-                    outcome: row.try_get("outcome")?,
-                    result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
-                    duration_ms: row.try_get("duration_ms")?,
-                    recorded_at: parse_time(&row.try_get::<String, _>("recorded_at")?)?,
+                Ok(ClientCallRecord {
+                    call: tool_call_from_row(row)?,
+                    server_calls: row.try_get("server_calls")?,
                 })
             })
             .collect()
+    }
+
+    async fn complete_client_call(
+        &self,
+        run_id: &str,
+        call_key: &str,
+        result: &Value,
+        at: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let (run_id, call_key, result) =
+            (run_id.to_owned(), call_key.to_owned(), result.to_string());
+        self.writer
+            .maintain(move |connection| {
+                let changed = connection
+                    .prepare_cached(
+                        "UPDATE tool_calls SET outcome = 'completed', result = ?3, recorded_at = ?4
+                         WHERE run_id = ?1 AND call_key = ?2 AND outcome = 'client'",
+                    )?
+                    .execute(rusqlite::params![
+                        run_id,
+                        call_key,
+                        result,
+                        super::sqlite_writer::time(&at)
+                    ])?;
+                Ok(changed == 1)
+            })
+            .await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -1011,4 +1049,21 @@ impl Store for SqliteStore {
     fn describe(&self) -> String {
         format!("sqlite {}", self.path.display())
     }
+}
+
+fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, StoreError> {
+    Ok(ToolCallRecord {
+        run_id: row.try_get("run_id")?,
+        call_key: row.try_get("call_key")?,
+        model_call_id: row.try_get("model_call_id")?,
+        request_id: row.try_get("request_id")?,
+        tool_id: row.try_get("tool_id")?,
+        arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
+        idempotency_key: row.try_get("idempotency_key")?,
+        executions: row.try_get("executions")?,
+        outcome: row.try_get("outcome")?,
+        result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
+        duration_ms: row.try_get("duration_ms")?,
+        recorded_at: parse_time(&row.try_get::<String, _>("recorded_at")?)?,
+    })
 }

@@ -801,6 +801,13 @@ impl Compiler<'_> {
                     .with_hint("give the tool another id; list the agent in `subagents` to delegate to it"),
             );
         }
+        if id.starts_with(CLIENT_TOOL_PREFIX) {
+            self.report(
+                origin
+                    .at(&spec.id, format!("tool id `{id}` is reserved: `{CLIENT_TOOL_PREFIX}<name>` names a tool the client supplies"))
+                    .with_hint("give the tool another id"),
+            );
+        }
         let timeout = self.duration(origin, &spec.timeout, Duration::from_secs(30), "timeout");
         let (input_schema, input_validator) = self.input_schema(origin, spec)?;
         let declared: Vec<&str> = [
@@ -1296,7 +1303,9 @@ impl Compiler<'_> {
         for rule in &spec.rules {
             self.register(&mut rule_names, "governance rule", origin, &rule.name);
             for pattern in &rule.matches.tools {
-                if pattern.contains('*') {
+                if pattern.starts_with(CLIENT_TOOL_PREFIX) {
+                    // Client tools arrive with each request: any name may be governed.
+                } else if pattern.contains('*') {
                     let matches_any = inventory
                         .tools
                         .keys()
@@ -1625,6 +1634,18 @@ impl Compiler<'_> {
             .memory
             .as_ref()
             .map(|memory| self.agent_memory(origin, memory, runtime_memory));
+        let client_tools = spec.client_tools.as_ref().and_then(|client| {
+            if client.enabled && backend != Backend::Openai {
+                self.report(
+                    origin
+                        .at(client, format!("`clientTools` needs backend `openai`; agent `{name}` uses `{backend_name}`"))
+                        .with_hint("remove `clientTools`: only a model can call the client's tools"),
+                );
+            }
+            client
+                .enabled
+                .then(|| client.risk.unwrap_or(crate::workspace::Risk::Medium))
+        });
         if let Some(tools) = spec
             .contract
             .as_ref()
@@ -1677,6 +1698,7 @@ impl Compiler<'_> {
             script,
             endpoint,
             retention,
+            client_tools,
         }
     }
 
@@ -1861,6 +1883,8 @@ impl Compiler<'_> {
 
 /// Tool ids `agents.<name>` are the gateway's delegation tools, one per agent.
 const DELEGATION_PREFIX: &str = "agents.";
+/// The policy id of a client tool is this prefix and the client's name for it.
+pub const CLIENT_TOOL_PREFIX: &str = "client.";
 /// `memory.write.maxContentBytes`: default and largest.
 const DEFAULT_MEMORY_CONTENT_BYTES: u64 = 4 << 10;
 const MAX_MEMORY_CONTENT_BYTES: u64 = 64 << 10;

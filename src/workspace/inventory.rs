@@ -86,6 +86,7 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
                 }),
                 ToolImplementation::Builtin(builtin) => json!({ "builtin": builtin }),
                 ToolImplementation::Subagent(agent) => json!({ "agent": agent }),
+                ToolImplementation::Client => json!({}),
             };
             if let (Value::Object(entry), Value::Object(detail)) = (&mut entry, detail) {
                 entry.extend(detail);

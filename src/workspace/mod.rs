@@ -18,7 +18,7 @@ mod units;
 
 use std::path::Path;
 
-pub use compile::glob_matches;
+pub use compile::{CLIENT_TOOL_PREFIX, glob_matches};
 pub use diagnostics::{Diagnostic, Diagnostics};
 pub use inventory::inventory;
 pub use model::*;

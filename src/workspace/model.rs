@@ -231,6 +231,8 @@ pub struct AgentConfig {
     pub endpoint: Option<EndpointConfig>,
     /// How long this agent's ended requests are kept (`None`: the store's window).
     pub retention: Option<Duration>,
+    /// `Some`: the agent accepts tools from the client, each governed with this risk.
+    pub client_tools: Option<Risk>,
 }
 
 /// `store.retention`, compiled. Pruning runs when any window is set (here or on an agent).
@@ -381,6 +383,9 @@ pub enum ToolImplementation {
         max_output_bytes: u64,
     },
     Builtin(BuiltinTool),
+    /// A tool the `/v1` client supplied for one request (`client.<name>`): the gateway
+    /// governs its calls and hands the allowed ones back to the client, never running them.
+    Client,
     /// Another agent, delegated to: an agent's `subagents` are offered to it as tools
     /// `agents.<name>` (built by the gateway, never declared in a catalog).
     Subagent(String),
@@ -394,6 +399,7 @@ impl ToolImplementation {
             Self::Mcp { .. } => "mcp",
             Self::Builtin(_) => "builtin",
             Self::Subagent(_) => "subagent",
+            Self::Client => "client",
         }
     }
 }

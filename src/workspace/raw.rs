@@ -590,6 +590,21 @@ pub struct AgentSpec {
     /// How long this agent's ended requests are kept (overrides `store.retention.requests`).
     #[serde(default)]
     pub retention: Option<AgentRetentionSpec>,
+    /// Tools the `/v1` client supplies (Responses or Chat Completions `tools`), offered to the
+    /// model beside the agent's own and governed as `client.<name>` (`openai` backend only).
+    #[serde(default)]
+    pub client_tools: Option<Located<ClientToolsSpec>>,
+}
+
+/// An agent's opt-in to tools supplied by the client.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ClientToolsSpec {
+    /// Offer the client's tools to the model (default false: a non-empty `tools` is refused).
+    pub enabled: bool,
+    /// The risk policy rules see for every client tool (default medium).
+    #[serde(default)]
+    pub risk: Option<Risk>,
 }
 
 /// An agent's memory (needs `Runtime.spec.memory.enabled: true`).

@@ -113,6 +113,11 @@ pub(super) async fn run(
                 .await
                 .map_err(|message| ToolError::new("subagent_failed", message))
         }
+        // The gateway hands these to the client before execution; never reached.
+        ToolImplementation::Client => Err(ToolError::new(
+            "client_tool",
+            "a client tool runs at the client, never on the server",
+        )),
     }
 }
 

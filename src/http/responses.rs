@@ -1,0 +1,892 @@
+//! The OpenAI Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), on the same
+//! runtime path as chat completions: the input items become a Chat Completions transcript,
+//! the request is submitted and its events followed, and the answer is rendered as a response
+//! object or as the exact streaming event sequence clients' accumulators expect.
+//!
+//! A response *is* a request: `resp_<x>` is the request `req_<x>`, visible to operators like
+//! any other. What only a response has (instructions, tools, `store`, the chain) is stored
+//! with the request's input, so a stored response lives and is pruned with its request, and
+//! its output is read back from the request's terminal event. `previous_response_id`
+//! continues from the whole stored chain: the previous request's transcript (without its
+//! instructions) and its output, function calls included.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::AppState;
+use super::auth::Caller;
+use super::extract::{ApiPath, V1Json};
+use super::messages::validate_messages;
+use super::v1::{
+    V1Submission, approval_pending, client_calls, client_function, delta_text, finish_reason,
+    hold_until_started, is_tool_progress, keep_alive, session_id, submit, terminal_failure,
+    v1_error, v1_metadata, wants_named_events, with_request_headers,
+};
+use super::views::{run_failure, store_error};
+use crate::adapters::ClientCall;
+use crate::error::{ApiError, ErrorCode};
+use crate::gateway::client::ClientFunction;
+use crate::runtime::events::{PROGRESS_NARRATION, REQUEST_COMPLETED, is_terminal};
+use crate::runtime::{ApprovalWatch, Runtime, Submitted, Watched};
+use crate::store::{EventRecord, RequestRecord, RunStatus, Store};
+
+/// `input.surface.api` of a request the Responses API submitted.
+const SURFACE: &str = "responses";
+
+/// `POST /v1/responses` body: what clients send (RESPONSES.md); unknown fields, tool types and
+/// `include` values are accepted and ignored.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct CreateResponseRequest {
+    /// The agent id.
+    pub model: String,
+    /// A string, or a list of items (messages, `function_call`, `function_call_output`,
+    /// `reasoning`).
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    pub input: Value,
+    /// A system message for this call only (not carried along a chain).
+    #[serde(default)]
+    pub instructions: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Value>,
+    /// Keep the response for `GET` and `previous_response_id` (default true).
+    #[serde(default)]
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub previous_response_id: Option<String>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Everything else: generation options (forwarded) and fields this surface ignores.
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub rest: Map<String, Value>,
+}
+
+/// The fields of a response that come from its creation, not from its run.
+#[derive(Debug, Clone)]
+struct Shape {
+    id: String,
+    created_at: i64,
+    model: String,
+    instructions: Option<String>,
+    metadata: Value,
+    tools: Value,
+    tool_choice: Value,
+    parallel_tool_calls: Value,
+    previous_response_id: Option<String>,
+    store: bool,
+}
+
+impl Shape {
+    /// What is stored with the request (`input.surface`).
+    fn to_stored(&self) -> Value {
+        json!({
+            "api": SURFACE, "createdAt": self.created_at, "instructions": self.instructions,
+            "metadata": self.metadata, "tools": self.tools, "toolChoice": self.tool_choice,
+            "parallelToolCalls": self.parallel_tool_calls,
+            "previousResponseId": self.previous_response_id, "store": self.store,
+        })
+    }
+
+    fn from_request(request: &RequestRecord) -> Option<Self> {
+        let stored = request.input.get("surface")?;
+        (stored.get("api")?.as_str()? == SURFACE).then_some(())?;
+        Some(Self {
+            id: response_id(&request.id),
+            created_at: stored
+                .get("createdAt")
+                .and_then(Value::as_i64)
+                .unwrap_or_else(|| request.created_at.timestamp()),
+            model: request.agent_id.clone(),
+            instructions: stored
+                .get("instructions")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            metadata: stored.get("metadata").cloned().unwrap_or(json!({})),
+            tools: stored.get("tools").cloned().unwrap_or(json!([])),
+            tool_choice: stored.get("toolChoice").cloned().unwrap_or(json!("auto")),
+            parallel_tool_calls: stored
+                .get("parallelToolCalls")
+                .cloned()
+                .unwrap_or(json!(true)),
+            previous_response_id: stored
+                .get("previousResponseId")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            store: stored.get("store").and_then(Value::as_bool).unwrap_or(true),
+        })
+    }
+
+    fn body(&self, outcome: &Outcome) -> Value {
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": outcome.status,
+            "model": self.model,
+            "output": outcome.output,
+            "usage": outcome.usage,
+            "error": outcome.error,
+            "incomplete_details": outcome.incomplete,
+            "instructions": self.instructions,
+            "metadata": self.metadata,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "tool_choice": self.tool_choice,
+            "tools": self.tools,
+            "previous_response_id": self.previous_response_id,
+            "store": self.store,
+            "text": { "format": { "type": "text" } },
+            "truncation": "disabled",
+            "temperature": null,
+            "top_p": null,
+            "max_output_tokens": null,
+            "reasoning": null,
+            "user": null,
+        })
+    }
+}
+
+/// What a run made of a response.
+struct Outcome {
+    status: &'static str,
+    output: Vec<Value>,
+    usage: Value,
+    error: Value,
+    incomplete: Value,
+}
+
+impl Outcome {
+    fn in_progress(status: &'static str) -> Self {
+        Self {
+            status,
+            output: Vec::new(),
+            usage: Value::Null,
+            error: Value::Null,
+            incomplete: Value::Null,
+        }
+    }
+
+    /// From the request's terminal event.
+    fn ended(request_id: &str, event: &EventRecord) -> Self {
+        let data = &event.data;
+        if event.event_type != REQUEST_COMPLETED {
+            let status = if event.event_type.ends_with(".cancelled") {
+                RunStatus::Cancelled
+            } else {
+                RunStatus::Failed
+            };
+            let error = data.get("error").cloned().unwrap_or_else(
+                || json!({ "message": data.get("reason").and_then(Value::as_str).unwrap_or("the run was cancelled") }),
+            );
+            let error = run_failure(request_id, status, &error);
+            let mut failed = Self::in_progress(if status == RunStatus::Cancelled {
+                "cancelled"
+            } else {
+                "failed"
+            });
+            failed.error = json!({ "code": error.code.as_str(), "message": error.message });
+            return failed;
+        }
+        let text = data.get("output").and_then(Value::as_str).unwrap_or("");
+        let mut output = Vec::new();
+        if !text.is_empty() {
+            output.push(message_item(request_id, text, "completed"));
+        }
+        output.extend(
+            client_calls(data)
+                .iter()
+                .map(|call| function_call_item(call, &call.arguments, "completed")),
+        );
+        let truncated = finish_reason(data) == "length";
+        Self {
+            status: if truncated { "incomplete" } else { "completed" },
+            output,
+            usage: usage(data.get("usage")),
+            error: Value::Null,
+            incomplete: if truncated {
+                json!({ "reason": "max_output_tokens" })
+            } else {
+                Value::Null
+            },
+        }
+    }
+}
+
+/// `req_<x>` <-> `resp_<x>`.
+fn response_id(request_id: &str) -> String {
+    format!(
+        "resp_{}",
+        request_id.strip_prefix("req_").unwrap_or(request_id)
+    )
+}
+
+fn request_id_of(response_id: &str) -> Option<String> {
+    response_id
+        .strip_prefix("resp_")
+        .filter(|rest| !rest.is_empty() && rest.len() <= 64)
+        .map(|rest| format!("req_{rest}"))
+}
+
+fn message_item(request_id: &str, text: &str, status: &str) -> Value {
+    json!({
+        "type": "message",
+        "id": message_item_id(request_id),
+        "role": "assistant",
+        "status": status,
+        "content": [output_text(text)],
+    })
+}
+
+fn message_item_id(request_id: &str) -> String {
+    format!(
+        "msg_{}",
+        request_id.strip_prefix("req_").unwrap_or(request_id)
+    )
+}
+
+fn output_text(text: &str) -> Value {
+    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+}
+
+fn function_call_item(call: &ClientCall, arguments: &str, status: &str) -> Value {
+    json!({
+        "type": "function_call",
+        "id": format!("fc_{}", call.id.strip_prefix("call_").unwrap_or(&call.id)),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": arguments,
+        "status": status,
+    })
+}
+
+/// The run's usage in the Responses shape: always all five fields.
+fn usage(usage: Option<&Value>) -> Value {
+    let count = |key: &str| {
+        usage
+            .and_then(|u| u.get(key))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    let (input, output) = (count("prompt_tokens"), count("completion_tokens"));
+    json!({
+        "input_tokens": input,
+        "input_tokens_details": { "cached_tokens": 0 },
+        "output_tokens": output,
+        "output_tokens_details": { "reasoning_tokens": 0 },
+        "total_tokens": count("total_tokens").max(input.saturating_add(output)),
+    })
+}
+
+/// The text of a content that is a string or a list of parts.
+fn parts_text(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+/// A user or system message's content in Chat Completions parts (text and images).
+fn chat_content(content: &Value) -> Value {
+    let Value::Array(parts) = content else {
+        return content.clone();
+    };
+    let parts: Vec<Value> = parts
+        .iter()
+        .filter_map(|part| match part.get("type").and_then(Value::as_str) {
+            Some("input_text" | "output_text" | "text") => {
+                Some(json!({ "type": "text", "text": part.get("text").and_then(Value::as_str).unwrap_or("") }))
+            }
+            Some("input_image") => part
+                .get("image_url")
+                .and_then(Value::as_str)
+                .map(|url| json!({ "type": "image_url", "image_url": { "url": url, "detail": part.get("detail").cloned().unwrap_or(json!("auto")) } })),
+            _ => None,
+        })
+        .collect();
+    Value::Array(parts)
+}
+
+/// Turns Responses input items into a Chat Completions transcript, appended to `messages`.
+/// A `function_call` joins the assistant message just before it (the turn it belongs to); a
+/// `function_call_output` must answer a call made earlier in the context. `reasoning` and
+/// unknown item types are ignored.
+fn append_items(messages: &mut Vec<Value>, items: &[Value], field: &str) -> Result<(), ApiError> {
+    for (index, item) in items.iter().enumerate() {
+        let at = format!("{field}[{index}]");
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .or_else(|| item.get("role").map(|_| "message"));
+        match kind {
+            Some("message") => {
+                let role = match item.get("role").and_then(Value::as_str) {
+                    Some("developer") => "system",
+                    Some(role @ ("user" | "assistant" | "system")) => role,
+                    _ => {
+                        return Err(v1_error(
+                            ErrorCode::InvalidMessage,
+                            format!("{at}.role must be one of user, assistant, system, developer"),
+                        )
+                        .param(format!("{at}.role")));
+                    }
+                };
+                let content = item.get("content").unwrap_or(&Value::Null);
+                if !matches!(content, Value::String(_) | Value::Array(_)) {
+                    return Err(v1_error(
+                        ErrorCode::InvalidMessage,
+                        format!("{at}.content must be a string or a list of parts"),
+                    )
+                    .param(format!("{at}.content")));
+                }
+                let content = if role == "assistant" {
+                    Value::String(parts_text(content))
+                } else {
+                    chat_content(content)
+                };
+                messages.push(json!({ "role": role, "content": content }));
+            }
+            Some("function_call") => {
+                let (Some(call_id), Some(name)) = (
+                    item.get("call_id").and_then(Value::as_str),
+                    item.get("name").and_then(Value::as_str),
+                ) else {
+                    return Err(v1_error(
+                        ErrorCode::InvalidParameter,
+                        format!("{at}: a function_call needs `call_id` and `name`"),
+                    )
+                    .param(at));
+                };
+                let arguments = match item.get("arguments") {
+                    Some(Value::String(text)) => text.clone(),
+                    None | Some(Value::Null) => "{}".to_owned(),
+                    Some(other) => other.to_string(),
+                };
+                let call = json!({ "id": call_id, "type": "function", "function": { "name": name, "arguments": arguments } });
+                match messages.last_mut() {
+                    Some(last) if last.get("role").and_then(Value::as_str) == Some("assistant") => {
+                        if let Some(calls) =
+                            last.get_mut("tool_calls").and_then(Value::as_array_mut)
+                        {
+                            calls.push(call);
+                        } else {
+                            last["tool_calls"] = json!([call]);
+                            if last["content"].as_str() == Some("") {
+                                last["content"] = Value::Null;
+                            }
+                        }
+                    }
+                    _ => messages.push(
+                        json!({ "role": "assistant", "content": null, "tool_calls": [call] }),
+                    ),
+                }
+            }
+            Some("function_call_output") => {
+                let call_id = item.get("call_id").and_then(Value::as_str).unwrap_or("");
+                let called = messages.iter().rev().any(|m| {
+                    m.get("tool_calls")
+                        .and_then(Value::as_array)
+                        .is_some_and(|calls| {
+                            calls
+                                .iter()
+                                .any(|c| c.get("id").and_then(Value::as_str) == Some(call_id))
+                        })
+                });
+                if !called {
+                    return Err(v1_error(
+                        ErrorCode::InvalidParameter,
+                        format!("{at}: no function call with call_id `{call_id}` is in the input or the stored chain"),
+                    )
+                    .param(format!("{at}.call_id")));
+                }
+                let output = item.get("output").map(parts_text).unwrap_or_default();
+                messages
+                    .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
+            }
+            // `reasoning`, `item_reference` and item types this surface does not know.
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Every function call of the transcript must have its output before the model is asked
+/// again (OpenAI refuses it too; the upstream would, as a 502).
+fn check_calls_answered(messages: &[Value]) -> Result<(), ApiError> {
+    let answered: std::collections::HashSet<&str> = messages
+        .iter()
+        .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
+        .collect();
+    let missing = messages
+        .iter()
+        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|call| call.get("id").and_then(Value::as_str))
+        .find(|id| !answered.contains(id));
+    match missing {
+        Some(id) => Err(v1_error(
+            ErrorCode::InvalidParameter,
+            format!("no function_call_output was given for the function call `{id}`"),
+        )
+        .param("input")),
+        None => Ok(()),
+    }
+}
+
+/// The function tools of a Responses `tools` list (flat: `{type: "function", name, ...}`);
+/// other tool types are accepted and not offered to the model.
+fn response_tools(tools: Option<&Value>) -> Result<Vec<ClientFunction>, ApiError> {
+    let tools = match tools {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(tools)) => tools,
+        Some(_) => {
+            return Err(
+                v1_error(ErrorCode::InvalidParameter, "`tools` must be an array").param("tools"),
+            );
+        }
+    };
+    tools
+        .iter()
+        .enumerate()
+        .filter(|(_, tool)| tool.get("type").and_then(Value::as_str) == Some("function"))
+        .map(|(index, tool)| client_function(index, tool, "tools"))
+        .collect()
+}
+
+/// Generation options from a Responses request, in the Chat Completions names the adapter
+/// forwards.
+fn options(request: &CreateResponseRequest) -> Map<String, Value> {
+    let mut options = Map::new();
+    for key in ["temperature", "top_p"] {
+        if let Some(value) = request.rest.get(key).filter(|v| !v.is_null()) {
+            options.insert(key.to_owned(), value.clone());
+        }
+    }
+    if let Some(max) = request.rest.get("max_output_tokens").filter(|v| v.is_u64()) {
+        options.insert("max_tokens".to_owned(), max.clone());
+    }
+    match request.rest.get("text").and_then(|text| text.get("format")) {
+        Some(format) if format.get("type").and_then(Value::as_str) == Some("json_schema") => {
+            options.insert(
+                "response_format".to_owned(),
+                json!({ "type": "json_schema", "json_schema": {
+                    "name": format.get("name").cloned().unwrap_or(json!("response")),
+                    "schema": format.get("schema").cloned().unwrap_or(json!({})),
+                    "strict": format.get("strict").cloned().unwrap_or(Value::Null),
+                } }),
+            );
+        }
+        Some(format) if format.get("type").and_then(Value::as_str) == Some("json_object") => {
+            options.insert(
+                "response_format".to_owned(),
+                json!({ "type": "json_object" }),
+            );
+        }
+        _ => {}
+    }
+    options
+}
+
+/// The stored request behind a response id, if `caller` may see it.
+async fn stored_request(
+    store: &dyn Store,
+    caller: &Caller,
+    id: &str,
+) -> Result<Option<(RequestRecord, Shape)>, ApiError> {
+    let Some(request_id) = request_id_of(id) else {
+        return Ok(None);
+    };
+    let Some(request) = store
+        .request(&request_id)
+        .await
+        .map_err(|e| store_error(&e))?
+    else {
+        return Ok(None);
+    };
+    if request.owner != caller.identity {
+        return Ok(None);
+    }
+    Ok(Shape::from_request(&request)
+        .filter(|shape| shape.store)
+        .map(|shape| (request, shape)))
+}
+
+fn response_not_found(id: &str, param: Option<&str>) -> ApiError {
+    let error = v1_error(
+        ErrorCode::ResponseNotFound,
+        format!("no stored response `{id}`"),
+    );
+    match param {
+        Some(param) => error.param(param),
+        None => error,
+    }
+}
+
+async fn terminal_event(
+    runtime: &Runtime,
+    request_id: &str,
+) -> Result<Option<EventRecord>, ApiError> {
+    runtime
+        .terminal_event(request_id)
+        .await
+        .map_err(|error| ApiError::from(error).on_openai_surface())
+}
+
+/// What a stored request made of its response.
+async fn stored_outcome(runtime: &Runtime, request: &RequestRecord) -> Result<Outcome, ApiError> {
+    Ok(match request.status {
+        RunStatus::Queued => Outcome::in_progress("queued"),
+        RunStatus::Running | RunStatus::WaitingApproval => Outcome::in_progress("in_progress"),
+        _ => match terminal_event(runtime, &request.id).await? {
+            Some(event) => Outcome::ended(&request.id, &event),
+            None => Outcome::in_progress("in_progress"),
+        },
+    })
+}
+
+/// The context a chain continues from: the previous request's transcript without its
+/// instructions, then its output (text and function calls).
+async fn chain_context(
+    runtime: &Runtime,
+    previous: &RequestRecord,
+    shape: &Shape,
+) -> Result<Vec<Value>, ApiError> {
+    let mut messages: Vec<Value> = previous
+        .input
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if shape.instructions.is_some() && !messages.is_empty() {
+        messages.remove(0);
+    }
+    if let Some(event) = terminal_event(runtime, &previous.id).await?
+        && event.event_type == REQUEST_COMPLETED
+    {
+        let text = event
+            .data
+            .get("output")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let calls = client_calls(&event.data);
+        let mut answer = json!({ "role": "assistant", "content": text });
+        if !calls.is_empty() {
+            answer["tool_calls"] = calls
+                .iter()
+                .map(|c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }))
+                .collect();
+        }
+        messages.push(answer);
+    }
+    Ok(messages)
+}
+
+#[utoipa::path(post, path = "/v1/responses", tag = "v1", security(("client_key" = [])),
+    request_body = CreateResponseRequest,
+    responses(
+        (status = 200, description = "A `response` object, or with `stream: true` an SSE stream of Responses events from `response.created` to one terminal event"),
+        (status = 400, body = crate::error::ErrorEnvelope), (status = 401, body = crate::error::ErrorEnvelope),
+        (status = 404, body = crate::error::ErrorEnvelope), (status = 409, body = crate::error::ErrorEnvelope),
+        (status = 413, body = crate::error::ErrorEnvelope), (status = 429, body = crate::error::ErrorEnvelope),
+        (status = 502, body = crate::error::ErrorEnvelope), (status = 504, body = crate::error::ErrorEnvelope),
+    ))]
+pub async fn create_response(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    V1Json(request): V1Json<CreateResponseRequest>,
+) -> Result<Response, ApiError> {
+    let tools = response_tools(request.tools.as_ref())?;
+    let store = state.runtime.store();
+    let mut messages = Vec::new();
+    if let Some(instructions) = request.instructions.as_deref() {
+        messages.push(json!({ "role": "system", "content": instructions }));
+    }
+    let mut session = session_id(&headers, request.user.as_deref(), &caller.identity)?;
+    if let Some(previous_id) = &request.previous_response_id {
+        let Some((previous, shape)) = stored_request(store.as_ref(), &caller, previous_id).await?
+        else {
+            return Err(response_not_found(
+                previous_id,
+                Some("previous_response_id"),
+            ));
+        };
+        messages.extend(chain_context(&state.runtime, &previous, &shape).await?);
+        // A chain is one session unless the client groups it otherwise.
+        session.get_or_insert(previous.session_id);
+    }
+    match &request.input {
+        Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
+        Value::Array(items) => append_items(&mut messages, items, "input")?,
+        _ => {
+            return Err(v1_error(
+                ErrorCode::InvalidParameter,
+                "`input` must be a string or a list of items",
+            )
+            .param("input"));
+        }
+    }
+    if !messages
+        .iter()
+        .any(|m| m.get("role").and_then(Value::as_str) != Some("system"))
+    {
+        return Err(v1_error(
+            ErrorCode::InvalidParameter,
+            "`input` holds nothing to answer",
+        )
+        .param("input"));
+    }
+    check_calls_answered(&messages)?;
+    validate_messages(&messages, "input").map_err(ApiError::on_openai_surface)?;
+    let shape = Shape {
+        id: String::new(),
+        created_at: chrono::Utc::now().timestamp(),
+        model: request.model.clone(),
+        instructions: request.instructions.clone(),
+        metadata: Value::Object(request.metadata.clone().unwrap_or_default()),
+        tools: request.tools.clone().unwrap_or(json!([])),
+        tool_choice: request
+            .rest
+            .get("tool_choice")
+            .cloned()
+            .unwrap_or(json!("auto")),
+        parallel_tool_calls: request
+            .rest
+            .get("parallel_tool_calls")
+            .cloned()
+            .unwrap_or(json!(true)),
+        previous_response_id: request.previous_response_id.clone(),
+        store: request.store.unwrap_or(true),
+    };
+    let named_events = wants_named_events(&headers);
+    let (submitted, events) = submit(
+        &state,
+        &caller,
+        V1Submission {
+            agent: request.model.clone(),
+            messages,
+            tools,
+            options: options(&request),
+            metadata: v1_metadata(request.metadata, request.user.as_deref()),
+            session_id: session,
+            surface: Some(shape.to_stored()),
+        },
+    )
+    .await?;
+    let shape = Shape {
+        id: response_id(&submitted.request_id),
+        ..shape
+    };
+    let answered = if request.stream.unwrap_or(false) {
+        stream_response(events, shape, submitted.clone(), named_events).await
+    } else {
+        complete_response(events, &shape, &submitted).await
+    };
+    Ok(with_request_headers(
+        answered.unwrap_or_else(IntoResponse::into_response),
+        &submitted,
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/responses/{id}", tag = "v1", security(("client_key" = [])),
+    params(("id" = String, Path, description = "Response id (`resp_…`)")),
+    responses((status = 200, description = "The stored response, as it stands"), (status = 404, body = crate::error::ErrorEnvelope)))]
+pub async fn get_response(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    let store = state.runtime.store();
+    let Some((request, shape)) = stored_request(store.as_ref(), &caller, &id).await? else {
+        return Err(response_not_found(&id, None));
+    };
+    let outcome = stored_outcome(&state.runtime, &request).await?;
+    Ok(Json(shape.body(&outcome)))
+}
+
+async fn complete_response(
+    mut events: ApprovalWatch,
+    shape: &Shape,
+    submitted: &Submitted,
+) -> Result<Response, ApiError> {
+    loop {
+        let event = match events.next().await {
+            Watched::Event(event) => event,
+            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
+            Watched::Failed(error) => return Err(store_error(&error)),
+            Watched::Ended => {
+                return Err(ApiError::internal(
+                    "the event stream ended before the request did",
+                ));
+            }
+        };
+        if !is_terminal(&event.event_type) {
+            continue;
+        }
+        if event.event_type != REQUEST_COMPLETED {
+            return Err(terminal_failure(submitted, &event));
+        }
+        let outcome = Outcome::ended(&submitted.request_id, &event);
+        return Ok(Json(shape.body(&outcome)).into_response());
+    }
+}
+
+/// Numbers a stream's events from 0, as every Responses event carries `sequence_number`.
+struct Sequence(u64);
+
+impl Sequence {
+    fn event(&mut self, event_type: &str, mut data: Value) -> Result<Event, Infallible> {
+        data["type"] = Value::String(event_type.to_owned());
+        data["sequence_number"] = json!(self.0);
+        self.0 += 1;
+        Ok(Event::default().event(event_type).data(data.to_string()))
+    }
+}
+
+async fn stream_response(
+    mut events: ApprovalWatch,
+    shape: Shape,
+    submitted: Submitted,
+    named_events: bool,
+) -> Result<Response, ApiError> {
+    let held = hold_until_started(&mut events, &submitted).await?;
+    let keep_alive = keep_alive(&events);
+    let body = async_stream::stream! {
+        let mut seq = Sequence(0);
+        let started = Outcome::in_progress("in_progress");
+        yield seq.event("response.created", json!({ "response": shape.body(&started) }));
+        yield seq.event("response.in_progress", json!({ "response": shape.body(&started) }));
+        let item_id = message_item_id(&submitted.request_id);
+        let mut text = String::new();
+        let mut opened = false;
+        let mut held = held.into_iter();
+        loop {
+            let event: Arc<EventRecord> = match held.next() {
+                Some(event) => event,
+                None => match events.next().await {
+                    Watched::Event(event) => event,
+                    Watched::Ended => return,
+                    Watched::StillPending(approval) => {
+                        let error = approval_pending(&submitted, &approval);
+                        for event in failed(&mut seq, &shape, &error) {
+                            yield event;
+                        }
+                        return;
+                    }
+                    Watched::Failed(error) => {
+                        tracing::error!(%error, "event stream failed");
+                        let error = store_error(&error).on_openai_surface();
+                        for event in failed(&mut seq, &shape, &error) {
+                            yield event;
+                        }
+                        return;
+                    }
+                },
+            };
+            if named_events && is_tool_progress(&event) {
+                let mut data = event.data.clone();
+                data["type"] = Value::String(event.event_type.clone());
+                yield Ok(Event::default().event("stable_harness.tool.progress").data(data.to_string()));
+            } else if named_events && event.event_type == PROGRESS_NARRATION {
+                yield Ok(Event::default().event("stable_harness.progress.narration").data(event.data.to_string()));
+            }
+            if let Some(delta) = delta_text(&event) {
+                if !opened {
+                    opened = true;
+                    yield seq.event("response.output_item.added", json!({ "output_index": 0,
+                        "item": { "type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [] } }));
+                    yield seq.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0,
+                        "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
+                }
+                text.push_str(delta);
+                yield seq.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": 0,
+                    "content_index": 0, "delta": delta, "logprobs": [] }));
+                continue;
+            }
+            if !is_terminal(&event.event_type) {
+                continue;
+            }
+            if event.event_type != REQUEST_COMPLETED {
+                let error = terminal_failure(&submitted, &event);
+                for event in failed(&mut seq, &shape, &error) {
+                    yield event;
+                }
+                return;
+            }
+            let outcome = Outcome::ended(&submitted.request_id, &event);
+            let final_text = event.data.get("output").and_then(Value::as_str).unwrap_or("");
+            if !opened && !final_text.is_empty() {
+                // Output that came without deltas: opened and filled at once.
+                opened = true;
+                text = final_text.to_owned();
+                yield seq.event("response.output_item.added", json!({ "output_index": 0,
+                    "item": { "type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [] } }));
+                yield seq.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0,
+                    "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
+                yield seq.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": 0,
+                    "content_index": 0, "delta": text, "logprobs": [] }));
+            }
+            let mut output_index = 0;
+            if opened {
+                yield seq.event("response.output_text.done", json!({ "item_id": item_id, "output_index": 0,
+                    "content_index": 0, "text": text, "logprobs": [] }));
+                yield seq.event("response.content_part.done", json!({ "item_id": item_id, "output_index": 0,
+                    "content_index": 0, "part": { "type": "output_text", "text": text, "annotations": [] } }));
+                yield seq.event("response.output_item.done", json!({ "output_index": 0,
+                    "item": message_item(&submitted.request_id, &text, "completed") }));
+                output_index = 1;
+            }
+            for call in client_calls(&event.data) {
+                let added = function_call_item(&call, "", "in_progress");
+                let fc_id = added["id"].clone();
+                yield seq.event("response.output_item.added", json!({ "output_index": output_index, "item": added }));
+                yield seq.event("response.function_call_arguments.delta", json!({ "item_id": fc_id,
+                    "output_index": output_index, "delta": call.arguments }));
+                yield seq.event("response.function_call_arguments.done", json!({ "item_id": fc_id,
+                    "output_index": output_index, "name": call.name, "arguments": call.arguments }));
+                yield seq.event("response.output_item.done", json!({ "output_index": output_index,
+                    "item": function_call_item(&call, &call.arguments, "completed") }));
+                output_index += 1;
+            }
+            let terminal = if outcome.status == "incomplete" { "response.incomplete" } else { "response.completed" };
+            yield seq.event(terminal, json!({ "response": shape.body(&outcome) }));
+            return;
+        }
+    };
+    Ok(Sse::new(body).keep_alive(keep_alive).into_response())
+}
+
+/// A stream's end on failure: an `error` event, then `response.failed` (its one terminal
+/// event).
+fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event, Infallible>; 2] {
+    let mut outcome = Outcome::in_progress("failed");
+    outcome.error = json!({ "code": error.code.as_str(), "message": error.message });
+    [
+        seq.event(
+            "error",
+            json!({ "code": error.code.as_str(), "message": error.message, "param": error.param }),
+        ),
+        seq.event(
+            "response.failed",
+            json!({ "response": shape.body(&outcome) }),
+        ),
+    ]
+}

@@ -1,0 +1,683 @@
+//! The Responses API and client tools over HTTP: the response object and the exact stream
+//! event sequence, stored responses and `previous_response_id` chains owned by their key,
+//! stateless clients, and tools the client supplies governed by policy (returned, denied or
+//! held for an operator), on `/v1/responses` and `/v1/chat/completions`.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::control::OTHER_CLIENT_KEY;
+use super::tools::ToolServer;
+use super::upstream::{MockUpstream, Reply};
+use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, types};
+use crate::helpers::TestWorkspace;
+
+/// The API workspace plus the agent `coder`, which takes client tools (risk medium) beside
+/// its own `weather.lookup`. Policy: `client.rm` is denied, `client.shell` needs an operator.
+fn coder_workspace(
+    upstream: &MockUpstream,
+    tools: &ToolServer,
+    approval_wait: &str,
+) -> TestWorkspace {
+    let runtime = format!(
+        "  protocols:\n    openai:\n      approvalWait: {approval_wait}\n  governance:\n    default: allow\n    rules:\n      - {{ name: no-rm, match: {{ tools: [\"client.rm\"] }}, decision: deny, reason: removing files is not allowed }}\n      - {{ name: shell-needs-human, match: {{ tools: [\"client.shell\"] }}, decision: needs_approval }}\n"
+    );
+    let workspace = api_workspace(upstream, &runtime);
+    workspace.write(
+        "config/catalogs/tools.yaml",
+        format!(
+            "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: {{ name: tools }}\nspec:\n  tools:\n    - id: weather.lookup\n      inputSchema: {{ type: object, properties: {{ city: {{ type: string }} }}, required: [city] }}\n      risk: low\n      http: {{ method: POST, url: \"{url}/weather\" }}\n",
+            url = tools.url
+        ),
+    );
+    workspace.write(
+        "config/agents/coder.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: coder }\nspec:\n  backend: openai\n  model: main\n  instructions: You write code.\n  tools: [weather.lookup]\n  clientTools: { enabled: true, risk: medium }\n",
+    );
+    workspace
+}
+
+fn patch_tool() -> Value {
+    json!({ "type": "function", "name": "apply_patch", "description": "Apply a patch",
+        "parameters": { "type": "object", "properties": { "patch": { "type": "string" } }, "required": ["patch"] } })
+}
+
+/// The client's tools as a coding CLI sends them: functions, and types only it knows.
+fn client_tools() -> Value {
+    json!([patch_tool(), { "type": "web_search" }, { "type": "local_shell" },
+        { "type": "function", "name": "rm", "parameters": { "type": "object" } },
+        { "type": "function", "name": "shell", "parameters": { "type": "object" } }])
+}
+
+async fn post_as(app: &TestApp, key: &str, path: &str, body: &Value) -> (u16, Value, String) {
+    let response = app
+        .http
+        .post(app.url(path))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let request_id = response
+        .headers()
+        .get("x-stable-harness-request-id")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (
+        status,
+        response.json().await.unwrap_or(Value::Null),
+        request_id,
+    )
+}
+
+async fn respond(app: &TestApp, body: &Value) -> (u16, Value, String) {
+    post_as(app, CLIENT_KEY, "/v1/responses", body).await
+}
+
+/// The `(type, data)` of each event of an SSE body.
+fn sse_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter_map(|block| {
+            let kind = block.lines().find_map(|l| l.strip_prefix("event: "))?;
+            let data = block.lines().find_map(|l| l.strip_prefix("data: "))?;
+            Some((kind.to_owned(), serde_json::from_str(data).unwrap()))
+        })
+        .collect()
+}
+
+fn roles(call: &Value) -> Vec<String> {
+    call["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+async fn stored_and_chained(database_url: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn_on(
+        coder_workspace(&upstream, &tools, "5s"),
+        database_url,
+        &[CLIENT_KEY, OTHER_CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    upstream.push([
+        Reply::Text("Hello there".into()),
+        Reply::Text("Again".into()),
+    ]);
+    let (status, first, request_id) = respond(
+        &app,
+        &json!({ "model": "coder", "input": "hi", "instructions": "Be brief", "tools": [],
+            "include": ["reasoning.encrypted_content"], "some_future_field": { "x": 1 } }),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("resp_"), "{id}");
+    assert_eq!(first["object"], "response");
+    assert_eq!(first["status"], "completed");
+    assert_eq!(first["instructions"], "Be brief");
+    assert_eq!(first["output"][0]["type"], "message");
+    assert_eq!(first["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(first["output"][0]["content"][0]["text"], "Hello there");
+    for field in ["input_tokens", "output_tokens", "total_tokens"] {
+        assert!(first["usage"][field].is_u64(), "{field}: {first}");
+    }
+    assert!(first["usage"]["input_tokens_details"]["cached_tokens"].is_u64());
+    assert!(first["usage"]["output_tokens_details"]["reasoning_tokens"].is_u64());
+    // A response is a request, visible as one.
+    let (status, view) = app
+        .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
+        .await;
+    assert_eq!(
+        (status, view["output"].as_str()),
+        (200, Some("Hello there"))
+    );
+    assert_eq!(
+        roles(&upstream.calls()[0].body),
+        ["system", "system", "user"]
+    );
+
+    // Stored: its owner reads it back; another key and unknown ids get 404.
+    let (status, fetched) = app.get(&format!("/v1/responses/{id}"), CLIENT_KEY).await;
+    assert_eq!(status, 200, "{fetched}");
+    assert_eq!(fetched["output"], first["output"]);
+    assert_eq!(fetched["status"], "completed");
+    let (status, other) = app
+        .get(&format!("/v1/responses/{id}"), OTHER_CLIENT_KEY)
+        .await;
+    assert_eq!(
+        (status, other["error"]["code"].as_str()),
+        (404, Some("response_not_found"))
+    );
+    let (status, _) = app.get("/v1/responses/resp_nope", CLIENT_KEY).await;
+    assert_eq!(status, 404);
+
+    // The chain: the stored transcript and answer, without the first call's instructions.
+    let (status, second, _) = respond(
+        &app,
+        &json!({ "model": "coder", "input": [{ "role": "user", "content": [{ "type": "input_text", "text": "and again?" }] }],
+            "previous_response_id": id }),
+    )
+    .await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["previous_response_id"], json!(id));
+    assert_eq!(second["output"][0]["content"][0]["text"], "Again");
+    let sent = &upstream.calls()[1].body["messages"];
+    assert_eq!(
+        roles(&upstream.calls()[1].body),
+        ["system", "user", "assistant", "user"]
+    );
+    assert_eq!(sent[1]["content"], "hi");
+    assert_eq!(sent[2]["content"], "Hello there");
+    assert!(!sent.to_string().contains("Be brief"), "{sent}");
+
+    // Another key cannot continue it; `store: false` is never found.
+    let (status, refused, _) = post_as(
+        &app,
+        OTHER_CLIENT_KEY,
+        "/v1/responses",
+        &json!({ "model": "coder", "input": "x", "previous_response_id": id }),
+    )
+    .await;
+    assert_eq!(
+        (status, refused["error"]["param"].as_str()),
+        (404, Some("previous_response_id"))
+    );
+    upstream.push([Reply::Text("unstored".into())]);
+    let (status, unstored, _) = respond(
+        &app,
+        &json!({ "model": "coder", "input": "x", "store": false }),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let unstored_id = unstored["id"].as_str().unwrap();
+    let (status, _) = app
+        .get(&format!("/v1/responses/{unstored_id}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 404);
+    let (status, _, _) = respond(
+        &app,
+        &json!({ "model": "coder", "input": "x", "previous_response_id": unstored_id }),
+    )
+    .await;
+    assert_eq!(status, 404);
+}
+
+on_both_stores!(stored_and_chained);
+
+#[tokio::test]
+async fn a_stream_has_the_exact_event_sequence() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    upstream.push([Reply::Text("one two three".into())]);
+    let response = app
+        .http
+        .post(app.url("/v1/responses"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "coder", "input": "count", "stream": true }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let events = sse_events(&response.text().await.unwrap());
+    let kinds: Vec<&str> = events.iter().map(|(kind, _)| kind.as_str()).collect();
+    let deltas = kinds
+        .iter()
+        .filter(|k| **k == "response.output_text.delta")
+        .count();
+    assert!(deltas >= 2, "{kinds:?}");
+    let mut expected = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    expected.extend(std::iter::repeat_n("response.output_text.delta", deltas));
+    expected.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(kinds, expected);
+    for (number, (kind, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], json!(kind));
+        assert_eq!(data["sequence_number"], json!(number));
+    }
+    assert_eq!(events[0].1["response"]["status"], "in_progress");
+    assert_eq!(events[0].1["response"]["output"], json!([]));
+    let item_id = events[2].1["item"]["id"].clone();
+    let text: String = events
+        .iter()
+        .filter(|(kind, _)| kind == "response.output_text.delta")
+        .map(|(_, data)| {
+            assert_eq!(
+                (
+                    &data["item_id"],
+                    &data["output_index"],
+                    &data["content_index"]
+                ),
+                (&item_id, &json!(0), &json!(0))
+            );
+            data["delta"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(text, "one two three");
+    let completed = &events.last().unwrap().1["response"];
+    assert_eq!(completed["status"], "completed");
+    assert_eq!(
+        completed["output"][0]["content"][0]["text"],
+        "one two three"
+    );
+    assert!(completed["usage"]["total_tokens"].is_u64());
+}
+
+/// A turn that calls a server tool and a client tool: the server call runs, only the client
+/// call is returned, and the next call gives the model both results. `stateless`: the client
+/// sends the whole input again with `store: false` instead of `previous_response_id`.
+async fn mixed_turn(stateless: bool) {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    upstream.push([
+        Reply::ToolCalls(vec![
+            ("weather_lookup".into(), r#"{"city":"Paris"}"#.into()),
+            ("apply_patch".into(), r#"{"patch":"fix"}"#.into()),
+        ]),
+        Reply::Text("Done".into()),
+    ]);
+    let first_input = json!([{ "role": "user", "content": "fix it" }]);
+    let (status, first, first_request) = respond(
+        &app,
+        &json!({ "model": "coder", "input": first_input, "tools": client_tools(), "store": !stateless }),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["status"], "completed");
+    let output = first["output"].as_array().unwrap();
+    assert_eq!(
+        output.len(),
+        1,
+        "only the client's call comes back: {first}"
+    );
+    let call = &output[0];
+    assert_eq!(
+        (call["type"].as_str(), call["name"].as_str()),
+        (Some("function_call"), Some("apply_patch"))
+    );
+    assert_eq!(call["arguments"], r#"{"patch":"fix"}"#);
+    assert!(call["id"].as_str().unwrap().starts_with("fc_"));
+    let call_id = call["call_id"].as_str().unwrap().to_owned();
+    assert_eq!(tools.count("/weather"), 1, "the server's call ran");
+    // The model was offered the client's function tools, by their own names, beside the agent's.
+    let calls = upstream.calls();
+    let offered: Vec<&str> = calls[0].body["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(offered, ["weather_lookup", "apply_patch", "rm", "shell"]);
+    let first_events = types(&app.events(&first_request).await);
+    assert!(
+        first_events.contains(&"runtime.tool.client.requested".to_owned()),
+        "{first_events:?}"
+    );
+
+    let output_item =
+        json!({ "type": "function_call_output", "call_id": call_id, "output": "patched OK" });
+    let body = if stateless {
+        let mut input = first_input.as_array().unwrap().clone();
+        input.push(call.clone());
+        input.push(output_item);
+        json!({ "model": "coder", "input": input, "tools": client_tools(), "store": false })
+    } else {
+        json!({ "model": "coder", "input": [output_item], "tools": client_tools(), "previous_response_id": first["id"] })
+    };
+    let (status, second, second_request) = respond(&app, &body).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["output"][0]["content"][0]["text"], "Done");
+    let sent = upstream.calls()[1].body["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let turn = sent
+        .iter()
+        .find(|m| m["tool_calls"].is_array())
+        .unwrap_or_else(|| panic!("{sent:#?}"));
+    let names: Vec<&str> = turn["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["weather_lookup", "apply_patch"],
+        "the stored turn: {sent:?}"
+    );
+    let results: Vec<&Value> = sent.iter().filter(|m| m["role"] == "tool").collect();
+    assert_eq!(results.len(), 2, "{sent:?}");
+    assert!(results[0]["content"].as_str().unwrap().contains("Paris"));
+    assert_eq!(results[1]["content"], "patched OK");
+    assert_eq!(results[1]["tool_call_id"], json!(call_id));
+    assert_eq!(
+        tools.count("/weather"),
+        1,
+        "the server's call never runs twice"
+    );
+    let events = app.events(&second_request).await;
+    let completed = events
+        .iter()
+        .find(|e| e["type"] == "runtime.tool.client.completed")
+        .unwrap_or_else(|| panic!("{:?}", types(&events)));
+    assert_eq!(completed["data"]["toolCallId"], json!(call_id));
+    assert_eq!(completed["data"]["output"], "patched OK");
+    assert_eq!(completed["data"]["requestId"], json!(first_request));
+}
+
+#[tokio::test]
+async fn a_mixed_turn_continues_with_previous_response_id() {
+    mixed_turn(false).await;
+}
+
+#[tokio::test]
+async fn a_mixed_turn_continues_for_a_stateless_client() {
+    mixed_turn(true).await;
+}
+
+#[tokio::test]
+async fn policy_denies_a_client_tool_and_holds_another_for_an_operator() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "20s")).await;
+    // Denied: the model reads the denial and answers.
+    upstream.push([
+        Reply::call("rm", r#"{"path":"/"}"#),
+        Reply::Text("I may not.".into()),
+    ]);
+    let (status, denied, request_id) = respond(
+        &app,
+        &json!({ "model": "coder", "input": "clean up", "tools": client_tools() }),
+    )
+    .await;
+    assert_eq!(status, 200, "{denied}");
+    assert_eq!(denied["output"][0]["content"][0]["text"], "I may not.");
+    let denial = upstream.calls()[1].body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .cloned()
+        .unwrap();
+    assert!(
+        denial["content"]
+            .as_str()
+            .unwrap()
+            .contains("removing files is not allowed"),
+        "{denial}"
+    );
+    let events = types(&app.events(&request_id).await);
+    assert!(
+        events.contains(&"runtime.tool.denied".to_owned()),
+        "{events:?}"
+    );
+
+    // Needs approval: the client waits while an operator approves, then gets the call.
+    upstream.push([Reply::call("shell", r#"{"cmd":"ls"}"#)]);
+    let waiting = {
+        let (http, url) = (app.http.clone(), app.url("/v1/responses"));
+        tokio::spawn(async move {
+            let response = http
+                .post(url)
+                .bearer_auth(CLIENT_KEY)
+                .json(&json!({ "model": "coder", "input": "list files", "tools": client_tools(), "stream": true }))
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        })
+    };
+    let approval = app.pending_approval().await;
+    assert_eq!(approval["toolId"], "client.shell");
+    let (status, _) = app
+        .post(
+            &format!(
+                "/admin/approvals/{}/approve",
+                approval["id"].as_str().unwrap()
+            ),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (status, body) = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed"
+        ]
+    );
+    assert_eq!(events[2].1["item"]["arguments"], "");
+    assert_eq!(events[5].1["item"]["arguments"], r#"{"cmd":"ls"}"#);
+    let output = &events[6].1["response"]["output"];
+    assert_eq!(
+        (output[0]["name"].as_str(), output[0]["arguments"].as_str()),
+        (Some("shell"), Some(r#"{"cmd":"ls"}"#))
+    );
+}
+
+#[tokio::test]
+async fn chat_completions_return_client_calls_streamed_and_not() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    let chat_tools = json!([{ "type": "function", "function": { "name": "apply_patch",
+        "parameters": { "type": "object", "properties": { "patch": { "type": "string" } } } } }]);
+    upstream.push([
+        Reply::call("apply_patch", r#"{"patch":"a"}"#),
+        Reply::ToolCalls(vec![
+            ("apply_patch".into(), r#"{"patch":"b"}"#.into()),
+            ("apply_patch".into(), r#"{"patch":"c"}"#.into()),
+        ]),
+        Reply::Text("All patched".into()),
+    ]);
+    let (response, _) = app
+        .chat(&json!({ "model": "coder", "messages": [{ "role": "user", "content": "go" }], "tools": chat_tools, "tool_choice": "auto" }))
+        .await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    let call = body["choices"][0]["message"]["tool_calls"][0].clone();
+    assert_eq!(call["function"]["name"], "apply_patch");
+    assert_eq!(call["function"]["arguments"], r#"{"patch":"a"}"#);
+
+    // Streamed: each call has its index, its name, then its arguments; then `tool_calls`.
+    let mut messages = vec![
+        json!({ "role": "user", "content": "go" }),
+        body["choices"][0]["message"].clone(),
+        json!({ "role": "tool", "tool_call_id": call["id"], "content": "a applied" }),
+    ];
+    let (response, _) = app
+        .chat(
+            &json!({ "model": "coder", "messages": messages, "tools": chat_tools, "stream": true }),
+        )
+        .await;
+    let text = response.text().await.unwrap();
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let fragments: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0))
+        .collect();
+    assert_eq!(fragments.len(), 4, "{text}");
+    assert_eq!(
+        fragments
+            .iter()
+            .map(|f| f["index"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [0, 0, 1, 1]
+    );
+    assert_eq!(fragments[0]["function"]["arguments"], "");
+    assert_eq!(fragments[1]["function"]["arguments"], r#"{"patch":"b"}"#);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "tool_calls"
+    );
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    // The model saw the first result as the client reported it.
+    assert!(
+        upstream.calls()[1].body["messages"]
+            .to_string()
+            .contains("a applied")
+    );
+
+    let ids: Vec<Value> = [&fragments[0], &fragments[2]]
+        .iter()
+        .map(|f| f["id"].clone())
+        .collect();
+    messages.push(json!({ "role": "assistant", "content": null, "tool_calls": [
+        { "id": ids[0], "type": "function", "function": { "name": "apply_patch", "arguments": "{\"patch\":\"b\"}" } },
+        { "id": ids[1], "type": "function", "function": { "name": "apply_patch", "arguments": "{\"patch\":\"c\"}" } }] }));
+    messages.push(json!({ "role": "tool", "tool_call_id": ids[0], "content": "b applied" }));
+    messages.push(json!({ "role": "tool", "tool_call_id": ids[1], "content": "c applied" }));
+    let (response, request_id) = app
+        .chat(&json!({ "model": "coder", "messages": messages, "tools": chat_tools }))
+        .await;
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "All patched");
+    let completed = app
+        .events(&request_id)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == "runtime.tool.client.completed")
+        .count();
+    assert_eq!(completed, 2);
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_its_param() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    upstream.set_default(Reply::Text("fine".into()));
+    let cases = [
+        (
+            json!({ "model": "coder", "input": [{ "type": "function_call_output", "call_id": "call_unknown", "output": "x" }] }),
+            400,
+            "invalid_parameter",
+            json!("input[0].call_id"),
+        ),
+        (
+            json!({ "model": "coder", "input": "x", "tools": [{ "type": "function", "name": "bad", "parameters": { "type": 7 } }] }),
+            400,
+            "invalid_parameter",
+            json!("tools[0]"),
+        ),
+        (
+            json!({ "model": "assistant", "input": "x", "tools": [patch_tool()] }),
+            400,
+            "tools_not_supported",
+            json!("tools"),
+        ),
+        (
+            json!({ "model": "coder", "input": 5 }),
+            400,
+            "invalid_parameter",
+            json!("input"),
+        ),
+        (
+            json!({ "model": "coder", "input": [{ "role": "wizard", "content": "x" }] }),
+            400,
+            "invalid_message",
+            json!("input[0].role"),
+        ),
+        (
+            json!({ "model": "coder", "input": [{ "type": "function_call", "call_id": "c1", "name": "apply_patch", "arguments": "{}" }], "tools": [patch_tool()] }),
+            400,
+            "invalid_parameter",
+            json!("input"),
+        ),
+        (
+            json!({ "model": "nope", "input": "x" }),
+            404,
+            "model_not_found",
+            json!("model"),
+        ),
+    ];
+    for (body, status, code, param) in cases {
+        let (actual, envelope, _) = respond(&app, &body).await;
+        assert_eq!(actual, status, "{body}: {envelope}");
+        assert_eq!(envelope["error"]["code"], code, "{body}: {envelope}");
+        assert_eq!(envelope["error"]["param"], param, "{body}: {envelope}");
+    }
+    // SDKs always send `tools`, empty for an agent without client tools; reasoning items and
+    // unknown item types are accepted.
+    let (status, ok, _) = respond(
+        &app,
+        &json!({ "model": "assistant", "input": [{ "type": "reasoning", "id": "rs_1", "summary": [] },
+            { "type": "message", "role": "developer", "content": "be nice" },
+            { "role": "user", "content": "hi" }], "tools": [] }),
+    )
+    .await;
+    assert_eq!(
+        (status, ok["status"].as_str()),
+        (200, Some("completed")),
+        "{ok}"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_finds_the_result_stored() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    upstream.push([Reply::Slow {
+        text: "a b c d e f".into(),
+        pause: Duration::from_millis(100),
+    }]);
+    let mut response = app
+        .http
+        .post(app.url("/v1/responses"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&json!({ "model": "coder", "input": "slowly", "stream": true }))
+        .send()
+        .await
+        .unwrap();
+    let request_id = response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let first = response.chunk().await.unwrap().unwrap();
+    let created: Vec<(String, Value)> = sse_events(std::str::from_utf8(&first).unwrap());
+    let id = created[0].1["response"]["id"].as_str().unwrap().to_owned();
+    drop(response);
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "completed");
+    let (status, stored) = app.get(&format!("/v1/responses/{id}"), CLIENT_KEY).await;
+    assert_eq!(status, 200);
+    assert_eq!(stored["output"][0]["content"][0]["text"], "a b c d e f");
+}
