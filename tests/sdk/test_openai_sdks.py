@@ -1,0 +1,108 @@
+"""The OpenAI Python SDK's Responses API and the OpenAI Agents SDK (its default, Responses
+model), unchanged, against stable-harness: text, streaming, retrieval, chains, server tools run
+inside, and client tools returned to the client and continued."""
+
+import asyncio
+import json
+
+import openai
+import pytest
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+from conftest import CLIENT_KEY, calls_reply, text_reply
+
+set_tracing_disabled(True)
+
+PATCH_TOOL = {
+    "type": "function",
+    "name": "apply_patch",
+    "description": "Apply a patch to the client's files",
+    "parameters": {"type": "object", "properties": {"patch": {"type": "string"}}, "required": ["patch"]},
+    "strict": False,
+}
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=CLIENT_KEY, max_retries=0)
+
+
+def test_create_and_retrieve(client, upstream):
+    upstream.push(text_reply("Hello from the harness"))
+    response = client.responses.create(model="coder", input="hi", instructions="Be brief")
+    assert response.status == "completed"
+    assert response.output_text == "Hello from the harness"
+    assert response.usage.total_tokens == 18
+    again = client.responses.retrieve(response.id)
+    assert again.output_text == "Hello from the harness"
+    assert again.instructions == "Be brief"
+
+
+def test_stream_accumulates_the_final_text(client, upstream):
+    upstream.push(text_reply("one two three four"))
+    deltas = []
+    with client.responses.stream(model="coder", input="count") as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert "".join(deltas) == "one two three four"
+    assert final.output_text == "one two three four"
+    assert final.status == "completed"
+
+
+def test_previous_response_id_across_a_client_tool_round_trip(client, upstream):
+    upstream.push(calls_reply(("apply_patch", '{"patch": "fix typo"}')), text_reply("Patched it."))
+    first = client.responses.create(model="coder", input="fix the typo", tools=[PATCH_TOOL])
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["apply_patch"]
+    assert json.loads(calls[0].arguments) == {"patch": "fix typo"}
+    second = client.responses.create(
+        model="coder",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "applied cleanly"}],
+        tools=[PATCH_TOOL],
+    )
+    assert second.output_text == "Patched it."
+    sent = upstream.requests[-1]["messages"]
+    assert sent[-1] == {"role": "tool", "tool_call_id": calls[0].call_id, "content": "applied cleanly"}
+    assert any(m.get("content") == "fix the typo" for m in sent)
+
+
+def test_unknown_previous_response_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="coder", input="x", previous_response_id="resp_unknown")
+
+
+def agent_client(base_url):
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=CLIENT_KEY, max_retries=0)
+
+
+def test_agents_sdk_with_a_server_tool(base_url, upstream):
+    upstream.push(calls_reply(("weather_lookup", '{"city": "Oslo"}')), text_reply("It is 21 degrees in Oslo."))
+    before = len(upstream.tool_calls)
+    agent = Agent(name="helper", instructions="Answer.", model=OpenAIResponsesModel("coder", agent_client(base_url)))
+    result = asyncio.run(Runner.run(agent, "Weather in Oslo?"))
+    assert result.final_output == "It is 21 degrees in Oslo."
+    # The server ran its own tool; the SDK never saw the call.
+    assert upstream.tool_calls[before:] == [{"city": "Oslo"}]
+
+
+def test_agents_sdk_with_a_client_function_tool(base_url, upstream):
+    ran = []
+
+    @function_tool
+    def local_clock(zone: str) -> str:
+        """The time in a zone, from the client's machine."""
+        ran.append(zone)
+        return f"12:00 in {zone}"
+
+    upstream.push(calls_reply(("local_clock", '{"zone": "UTC"}')), text_reply("It is noon."))
+    agent = Agent(
+        name="helper", instructions="Answer.", tools=[local_clock],
+        model=OpenAIResponsesModel("coder", agent_client(base_url)),
+    )
+    result = asyncio.run(Runner.run(agent, "What time is it?"))
+    assert ran == ["UTC"]
+    assert result.final_output == "It is noon."
+    assert upstream.requests[-1]["messages"][-1]["content"] == "12:00 in UTC"
