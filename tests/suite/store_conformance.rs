@@ -65,6 +65,7 @@ conformance!(
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
     tool_call_records_count_executions_and_keep_results,
+    client_calls_are_found_by_id_for_their_owner_and_completed_once,
     a_batch_is_all_or_nothing,
     pruning_takes_idle_sessions_whole_and_judges_again_before_deleting,
     approvals_page_newest_first_by_status,
@@ -633,6 +634,92 @@ async fn tool_call_records_count_executions_and_keep_results(store: Arc<dyn Stor
     assert_eq!(recorded[0].result, json!({ "temp": 3 }));
     assert_eq!(recorded[0].executions, 2);
     assert_eq!(recorded[0].idempotency_key, "run_a.t1.0");
+}
+
+async fn client_calls_are_found_by_id_for_their_owner_and_completed_once(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    seed(&store, "b", RunStatus::Running).await;
+    let call = |run: &str, key: &str, id: &str, tool: &str, outcome: &str| ToolCallRecord {
+        run_id: format!("run_{run}"),
+        call_key: key.into(),
+        model_call_id: id.into(),
+        request_id: format!("req_{run}"),
+        tool_id: tool.into(),
+        arguments: json!({}),
+        idempotency_key: format!("run_{run}.{key}"),
+        executions: 0,
+        outcome: outcome.into(),
+        result: json!(null),
+        duration_ms: 0,
+        recorded_at: Utc::now(),
+    };
+    store
+        .apply(&[
+            WriteOp::RecordToolCall(call("a", "t1.0", "call_0", "weather.lookup", "completed")),
+            WriteOp::RecordToolCall(call(
+                "a",
+                "t1.1",
+                "call_sh_1",
+                "client.apply_patch",
+                "client",
+            )),
+            WriteOp::RecordToolCall(call("b", "t1.0", "call_sh_2", "client.shell", "client")),
+        ])
+        .await
+        .unwrap();
+    let ids = ["call_sh_1", "call_sh_2", "call_0", "call_sh_unknown"].map(String::from);
+    let mut found = store.client_calls(&ids, "alice").await.unwrap();
+    found.sort_by(|x, y| x.call.model_call_id.cmp(&y.call.model_call_id));
+    let summary: Vec<(&str, &str, bool)> = found
+        .iter()
+        .map(|c| {
+            (
+                c.call.model_call_id.as_str(),
+                c.call.run_id.as_str(),
+                c.server_calls,
+            )
+        })
+        .collect();
+    // Only client tools' calls; whether their run also called server tools.
+    assert_eq!(
+        summary,
+        [("call_sh_1", "run_a", true), ("call_sh_2", "run_b", false)]
+    );
+    assert!(
+        store
+            .client_calls(&ids, "mallory")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(store.client_calls(&[], "alice").await.unwrap().is_empty());
+
+    let result = json!("patched");
+    assert!(
+        store
+            .complete_client_call("run_a", "t1.1", &result, Utc::now())
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .complete_client_call("run_a", "t1.1", &json!("again"), Utc::now())
+            .await
+            .unwrap()
+    );
+    // A server tool's call is never completed this way.
+    assert!(
+        !store
+            .complete_client_call("run_a", "t1.0", &result, Utc::now())
+            .await
+            .unwrap()
+    );
+    let recorded = store.tool_calls_of_run("run_a").await.unwrap();
+    let patched = recorded.iter().find(|c| c.call_key == "t1.1").unwrap();
+    assert_eq!(
+        (patched.outcome.as_str(), &patched.result),
+        ("completed", &result)
+    );
 }
 
 async fn a_batch_is_all_or_nothing(store: Arc<dyn Store>) {

@@ -258,7 +258,7 @@ const CASES: &[Case] = &[
             ),
         ],
         expected: &[
-            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention (hint: did you mean `tools`?)",
+            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools (hint: did you mean `tools`?)",
             "config/agents/typed.yaml:7:18: invalid value: expected a whole number (0 or more)",
         ],
     },
@@ -592,6 +592,33 @@ const CASES: &[Case] = &[
             "config/catalogs/models.yaml:9:18: `apiKeyEnv` must name an environment variable, got `sk-live-1234` (hint: fields ending in `Env` hold a variable name such as OPENAI_API_KEY, never the secret itself)",
         ],
     },
+    Case {
+        name: "client tools need a model; their ids are reserved and any may be governed",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  defaultAgent: assistant\n  governance:\n    rules:\n      - { name: shells, match: { tools: [\"client.*\", client.shell] }, decision: needs_approval }\n",
+                ),
+            ),
+            (
+                "config/agents/scripted.yaml",
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: scripted }\nspec:\n  backend: scripted\n  clientTools: { enabled: true }\n  script: [{ reply: hi }]\n",
+                ),
+            ),
+            (
+                TOOLS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - { id: echo, builtin: clock.now }\n    - { id: clock.now, builtin: clock.now }\n    - { id: client.exec, builtin: clock.now }\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/agents/scripted.yaml:6:16: `clientTools` needs backend `openai`; agent `scripted` uses `scripted` (hint: remove `clientTools`: only a model can call the client's tools)",
+            "config/catalogs/tools.yaml:8:13: tool id `client.exec` is reserved: `client.<name>` names a tool the client supplies (hint: give the tool another id)",
+        ],
+    },
 ];
 
 #[test]
@@ -780,7 +807,7 @@ spec:
             "config/everything.yml:6:10: unknown model `missing`",
             "config/everything.yml:7:17: unknown tool `gone`",
             "config/everything.yml:8:12: `timeout`: invalid duration `forever`: expected a number before `forever`",
-            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention",
+            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools",
             "config/everything.yml:23:20: tool `broken`: invalid JSON Schema at `/required`: 5 is not of type \"array\"",
             "config/everything.yml:31:29: unknown agent `three`",
         ]
