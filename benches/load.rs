@@ -147,9 +147,57 @@ async fn run() {
             results[1].p99 - results[0].p99,
         ));
     }
+    // Streaming: `/v1/chat/completions` and `/v1/responses` (its exact event sequence) side
+    // by side, so the Responses surface's own cost is read off the same run.
+    let streamed = |name, path: &str, body| Target {
+        name,
+        urls: Arc::new(bases.iter().map(|base| format!("{base}{path}")).collect()),
+        next: Arc::default(),
+        body,
+    };
+    let chat_stream = streamed(
+        "chat SSE",
+        "/v1/chat/completions",
+        json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "Hello" }] }),
+    );
+    let responses_stream = streamed(
+        "responses SSE",
+        "/v1/responses",
+        json!({ "model": "assistant", "stream": true, "input": "Hello" }),
+    );
+    for target in [&chat_stream, &responses_stream] {
+        closed_loop(&client, target, 4, Duration::from_secs(1)).await;
+    }
+    let mut surface = Vec::new();
+    for phase in [Phase::Concurrency(1), Phase::Concurrency(32)] {
+        let mut results = Vec::new();
+        for target in [&chat_stream, &responses_stream] {
+            let Phase::Concurrency(n) = phase else {
+                continue;
+            };
+            let stats = closed_loop(&client, target, n, PHASE).await;
+            println!(
+                "{:<34} {:>9.0} {:>10.3} {:>10.3}",
+                format!("{} {}", phase.label(), target.name),
+                stats.rps,
+                stats.p50,
+                stats.p99
+            );
+            results.push(stats);
+        }
+        surface.push((phase.label(), results.remove(0), results.remove(0)));
+    }
     println!();
     for (label, p50, p99) in overheads {
         println!("added by stable-harness, {label:<20} p50 {p50:+.3} ms   p99 {p99:+.3} ms");
+    }
+    for (label, chat, responses) in surface {
+        println!(
+            "responses SSE over chat SSE, {label:<16} p50 {:+.1}%   p99 {:+.1}%   req/s {:+.1}%",
+            (responses.p50 / chat.p50 - 1.0) * 100.0,
+            (responses.p99 / chat.p99 - 1.0) * 100.0,
+            (responses.rps / chat.rps - 1.0) * 100.0,
+        );
     }
     let loaded_rss = rss_kib(servers[0].id());
     println!(

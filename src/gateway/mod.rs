@@ -80,6 +80,7 @@ pub enum Outcome {
     Cancelled,
     /// A client tool's call, allowed and handed to the client to run; its record is completed
     /// when the client's next call brings the result.
+    #[serde(rename = "client")]
     ToClient,
 }
 

@@ -26,16 +26,15 @@ use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::v1::{
-    V1Submission, approval_pending, client_calls, client_function, delta_text, finish_reason,
-    hold_until_started, is_tool_progress, keep_alive, session_id, submit, terminal_failure,
-    v1_error, v1_metadata, wants_named_events, with_request_headers,
+    V1Submission, client_calls, client_functions, completed_event, delta_text, finish_reason,
+    hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
+    terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
 use super::views::{run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
-use crate::gateway::client::ClientFunction;
-use crate::runtime::events::{PROGRESS_NARRATION, REQUEST_COMPLETED, is_terminal};
-use crate::runtime::{ApprovalWatch, Runtime, Submitted, Watched};
+use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};
+use crate::runtime::{ApprovalWatch, Runtime, Submitted};
 use crate::store::{EventRecord, RequestRecord, RunStatus, Store};
 
 /// `input.surface.api` of a request the Responses API submitted.
@@ -451,26 +450,6 @@ fn check_calls_answered(messages: &[Value]) -> Result<(), ApiError> {
     }
 }
 
-/// The function tools of a Responses `tools` list (flat: `{type: "function", name, ...}`);
-/// other tool types are accepted and not offered to the model.
-fn response_tools(tools: Option<&Value>) -> Result<Vec<ClientFunction>, ApiError> {
-    let tools = match tools {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(tools)) => tools,
-        Some(_) => {
-            return Err(
-                v1_error(ErrorCode::InvalidParameter, "`tools` must be an array").param("tools"),
-            );
-        }
-    };
-    tools
-        .iter()
-        .enumerate()
-        .filter(|(_, tool)| tool.get("type").and_then(Value::as_str) == Some("function"))
-        .map(|(index, tool)| client_function(index, tool, "tools"))
-        .collect()
-}
-
 /// Generation options from a Responses request, in the Chat Completions names the adapter
 /// forwards.
 fn options(request: &CreateResponseRequest) -> Map<String, Value> {
@@ -614,7 +593,8 @@ pub async fn create_response(
     headers: HeaderMap,
     V1Json(request): V1Json<CreateResponseRequest>,
 ) -> Result<Response, ApiError> {
-    let tools = response_tools(request.tools.as_ref())?;
+    // Responses tools are flat: `{type: "function", name, ...}`.
+    let tools = client_functions(request.tools.as_ref(), None)?;
     let store = state.runtime.store();
     let mut messages = Vec::new();
     if let Some(instructions) = request.instructions.as_deref() {
@@ -727,26 +707,9 @@ async fn complete_response(
     shape: &Shape,
     submitted: &Submitted,
 ) -> Result<Response, ApiError> {
-    loop {
-        let event = match events.next().await {
-            Watched::Event(event) => event,
-            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
-            Watched::Failed(error) => return Err(store_error(&error)),
-            Watched::Ended => {
-                return Err(ApiError::internal(
-                    "the event stream ended before the request did",
-                ));
-            }
-        };
-        if !is_terminal(&event.event_type) {
-            continue;
-        }
-        if event.event_type != REQUEST_COMPLETED {
-            return Err(terminal_failure(submitted, &event));
-        }
-        let outcome = Outcome::ended(&submitted.request_id, &event);
-        return Ok(Json(shape.body(&outcome)).into_response());
-    }
+    let event = completed_event(&mut events, submitted).await?;
+    let outcome = Outcome::ended(&submitted.request_id, &event);
+    Ok(Json(shape.body(&outcome)).into_response())
 }
 
 /// Numbers a stream's events from 0, as every Responses event carries `sequence_number`.
@@ -779,34 +742,18 @@ async fn stream_response(
         let mut opened = false;
         let mut held = held.into_iter();
         loop {
-            let event: Arc<EventRecord> = match held.next() {
-                Some(event) => event,
-                None => match events.next().await {
-                    Watched::Event(event) => event,
-                    Watched::Ended => return,
-                    Watched::StillPending(approval) => {
-                        let error = approval_pending(&submitted, &approval);
-                        for event in failed(&mut seq, &shape, &error) {
-                            yield event;
-                        }
-                        return;
+            let event: Arc<EventRecord> = match next_streamed(&mut held, &mut events, &submitted).await {
+                Some(Ok(event)) => event,
+                None => return,
+                Some(Err(error)) => {
+                    for event in failed(&mut seq, &shape, &error) {
+                        yield event;
                     }
-                    Watched::Failed(error) => {
-                        tracing::error!(%error, "event stream failed");
-                        let error = store_error(&error).on_openai_surface();
-                        for event in failed(&mut seq, &shape, &error) {
-                            yield event;
-                        }
-                        return;
-                    }
-                },
+                    return;
+                }
             };
-            if named_events && is_tool_progress(&event) {
-                let mut data = event.data.clone();
-                data["type"] = Value::String(event.event_type.clone());
-                yield Ok(Event::default().event("stable_harness.tool.progress").data(data.to_string()));
-            } else if named_events && event.event_type == PROGRESS_NARRATION {
-                yield Ok(Event::default().event("stable_harness.progress.narration").data(event.data.to_string()));
+            if named_events && let Some(progress) = progress_event(&event) {
+                yield Ok(progress);
             }
             if let Some(delta) = delta_text(&event) {
                 if !opened {

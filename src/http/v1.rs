@@ -236,7 +236,8 @@ pub async fn chat_completions(
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     validate(&request)?;
-    let tools = chat_tools(request.rest.get("tools"))?;
+    // Chat tools nest the function: `{type: "function", function: {name, ...}}`.
+    let tools = client_functions(request.rest.get("tools"), Some("function"))?;
     let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()
@@ -315,9 +316,12 @@ pub(super) fn with_request_headers(mut response: Response, submitted: &Submitted
     response
 }
 
-/// The function tools of a Chat Completions `tools` list; other tool types are accepted and
-/// not offered to the model.
-fn chat_tools(tools: Option<&Value>) -> Result<Vec<ClientFunction>, ApiError> {
+/// The function tools of a client's `tools` list, each defined under the key `nested` of its
+/// entry, or by the entry itself; other tool types are accepted and not offered to the model.
+pub(super) fn client_functions(
+    tools: Option<&Value>,
+    nested: Option<&str>,
+) -> Result<Vec<ClientFunction>, ApiError> {
     let tools = match tools {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) => tools,
@@ -332,23 +336,23 @@ fn chat_tools(tools: Option<&Value>) -> Result<Vec<ClientFunction>, ApiError> {
         .enumerate()
         .filter(|(_, tool)| tool.get("type").and_then(Value::as_str) == Some("function"))
         .map(|(index, tool)| {
-            client_function(index, tool.get("function").unwrap_or(&Value::Null), "tools")
+            let definition = match nested {
+                Some(key) => tool.get(key).unwrap_or(&Value::Null),
+                None => tool,
+            };
+            client_function(index, definition)
         })
         .collect()
 }
 
 /// One function tool (`{name, description?, parameters?}`) at `tools[index]`.
-pub(super) fn client_function(
-    index: usize,
-    function: &Value,
-    field: &str,
-) -> Result<ClientFunction, ApiError> {
+fn client_function(index: usize, function: &Value) -> Result<ClientFunction, ApiError> {
     let Some(name) = function.get("name").and_then(Value::as_str) else {
         return Err(v1_error(
             ErrorCode::InvalidParameter,
-            format!("{field}[{index}] needs a `name`"),
+            format!("tools[{index}] needs a `name`"),
         )
-        .param(format!("{field}[{index}]")));
+        .param(format!("tools[{index}]")));
     };
     Ok(ClientFunction {
         index,
@@ -533,19 +537,8 @@ async fn complete_response(
     completion: Completion,
     submitted: &Submitted,
 ) -> Result<Response, ApiError> {
-    loop {
-        let event = match events.next().await {
-            Watched::Event(event) => event,
-            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
-            Watched::Failed(error) => return Err(store_error(&error)),
-            Watched::Ended => break,
-        };
-        if !is_terminal(&event.event_type) {
-            continue;
-        }
-        if event.event_type != REQUEST_COMPLETED {
-            return Err(terminal_failure(submitted, &event));
-        }
+    let event = completed_event(&mut events, submitted).await?;
+    {
         let data = &event.data;
         let calls = client_calls(data);
         let mut message = json!({ "role": "assistant", "content": data.get("output").cloned().unwrap_or(Value::Null), "refusal": null });
@@ -569,11 +562,80 @@ async fn complete_response(
             }],
             "usage": data.get("usage").cloned().unwrap_or(Value::Null),
         });
-        return Ok(Json(body).into_response());
+        Ok(Json(body).into_response())
     }
-    Err(ApiError::internal(
-        "the event stream ended before the request did",
-    ))
+}
+
+/// The end a non-streaming answer renders: `runtime.request.completed`; any other end (a
+/// failed or cancelled run, an approval still pending after `approvalWait`, a store failure)
+/// is the error the answer is.
+pub(super) async fn completed_event(
+    events: &mut ApprovalWatch,
+    submitted: &Submitted,
+) -> Result<std::sync::Arc<EventRecord>, ApiError> {
+    loop {
+        let event = match events.next().await {
+            Watched::Event(event) => event,
+            Watched::StillPending(approval) => return Err(approval_pending(submitted, &approval)),
+            Watched::Failed(error) => return Err(store_error(&error)),
+            Watched::Ended => {
+                return Err(ApiError::internal(
+                    "the event stream ended before the request did",
+                ));
+            }
+        };
+        if !is_terminal(&event.event_type) {
+            continue;
+        }
+        if event.event_type != REQUEST_COMPLETED {
+            return Err(terminal_failure(submitted, &event));
+        }
+        return Ok(event);
+    }
+}
+
+/// The next event a stream renders: those read while its status line was held, then live
+/// ones. `None`: the request's events ended; `Some(Err)`: the stream ends with that error (an
+/// approval still pending after `approvalWait`, or a store failure).
+pub(super) async fn next_streamed(
+    held: &mut std::vec::IntoIter<std::sync::Arc<EventRecord>>,
+    events: &mut ApprovalWatch,
+    submitted: &Submitted,
+) -> Option<Result<std::sync::Arc<EventRecord>, ApiError>> {
+    if let Some(event) = held.next() {
+        return Some(Ok(event));
+    }
+    match events.next().await {
+        Watched::Event(event) => Some(Ok(event)),
+        Watched::Ended => None,
+        Watched::StillPending(approval) => Some(Err(approval_pending(submitted, &approval))),
+        Watched::Failed(error) => {
+            tracing::error!(%error, "event stream failed");
+            Some(Err(store_error(&error).on_openai_surface()))
+        }
+    }
+}
+
+/// The named progress event a client that opted in (`x-stable-harness-events: true`)
+/// receives for `event`, if it is one.
+pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
+    if is_tool_progress(event) {
+        let mut data = event.data.clone();
+        data["type"] = Value::String(event.event_type.clone());
+        Some(
+            Event::default()
+                .event("stable_harness.tool.progress")
+                .data(data.to_string()),
+        )
+    } else if event.event_type == PROGRESS_NARRATION {
+        Some(
+            Event::default()
+                .event("stable_harness.progress.narration")
+                .data(event.data.to_string()),
+        )
+    } else {
+        None
+    }
 }
 
 /// Holds a stream's status line until the run produced text, ended or waits on an approval,
@@ -631,31 +693,19 @@ async fn stream_response(
         yield Ok::<Event, Infallible>(Event::default().data(completion.chunk(json!({ "role": "assistant", "content": "" }), None, include_usage).to_string()));
         let mut held = held.into_iter();
         loop {
-            let event = match held.next() {
-                Some(event) => event,
-                None => match events.next().await {
-                    Watched::Event(event) => event,
-                    Watched::Ended => return,
-                    Watched::StillPending(approval) => {
-                        yield Ok(Event::default().data(approval_pending(&submitted, &approval).body().to_string()));
-                        return;
-                    }
-                    Watched::Failed(error) => {
-                        tracing::error!(%error, "event stream failed");
-                        yield Ok(Event::default().data(store_error(&error).on_openai_surface().body().to_string()));
-                        return;
-                    }
-                },
+            let event = match next_streamed(&mut held, &mut events, &submitted).await {
+                Some(Ok(event)) => event,
+                None => return,
+                Some(Err(error)) => {
+                    yield Ok(Event::default().data(error.body().to_string()));
+                    return;
+                }
             };
-            if named_events && is_tool_progress(&event) {
-                let mut data = event.data.clone();
-                data["type"] = Value::String(event.event_type.clone());
-                yield Ok(Event::default().event("stable_harness.tool.progress").data(data.to_string()));
+            if named_events && let Some(progress) = progress_event(&event) {
+                yield Ok(progress);
             }
             if let Some(text) = delta_text(&event) {
                 yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
-            } else if named_events && event.event_type == PROGRESS_NARRATION {
-                yield Ok(Event::default().event("stable_harness.progress.narration").data(event.data.to_string()));
             } else if event.event_type == REQUEST_COMPLETED {
                 // Calls handed to the client: one `index` each, its name first, then its
                 // arguments as a delta, as OpenAI streams them.

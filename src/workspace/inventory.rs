@@ -28,6 +28,7 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
             "model": agent.model,
             "tools": agent.tools,
             "subagents": agent.subagents,
+            "clientTools": agent.client_tools.map(|risk| json!({ "enabled": true, "risk": risk })),
             "skills": agent.skills.iter().map(|s| &s.name).collect::<Vec<_>>(),
             "maxIterations": agent.max_iterations,
             "timeoutMs": millis(agent.timeout),
