@@ -132,13 +132,7 @@ async fn run() {
                 Phase::Concurrency(n) => closed_loop(&client, target, n, PHASE).await,
                 Phase::Rate(rate) => open_loop(&client, target, rate, PHASE).await,
             };
-            println!(
-                "{:<34} {:>9.0} {:>10.3} {:>10.3}",
-                format!("{} {}", phase.label(), target.name),
-                stats.rps,
-                stats.p50,
-                stats.p99
-            );
+            print_row(phase, target, &stats);
             results.push(stats);
         }
         overheads.push((
@@ -176,13 +170,7 @@ async fn run() {
                 continue;
             };
             let stats = closed_loop(&client, target, n, PHASE).await;
-            println!(
-                "{:<34} {:>9.0} {:>10.3} {:>10.3}",
-                format!("{} {}", phase.label(), target.name),
-                stats.rps,
-                stats.p50,
-                stats.p99
-            );
+            print_row(phase, target, &stats);
             results.push(stats);
         }
         surface.push((phase.label(), results.remove(0), results.remove(0)));
@@ -211,6 +199,16 @@ async fn run() {
             .status();
         let _ = server.wait();
     }
+}
+
+fn print_row(phase: Phase, target: &Target, stats: &Stats) {
+    println!(
+        "{:<34} {:>9.0} {:>10.3} {:>10.3}",
+        format!("{} {}", phase.label(), target.name),
+        stats.rps,
+        stats.p50,
+        stats.p99
+    );
 }
 
 #[derive(Clone)]

@@ -147,6 +147,22 @@ pub struct ClientCall {
     pub arguments: String,
 }
 
+impl ClientCall {
+    /// The call as a Chat Completions `tool_calls` entry.
+    pub fn to_chat_json(&self) -> Value {
+        json!({ "id": self.id, "type": "function", "function": { "name": self.name, "arguments": self.arguments } })
+    }
+
+    /// The assistant message of a turn that answered `text` and handed `calls` to the client.
+    pub fn assistant_message(text: &str, calls: &[ClientCall]) -> Value {
+        let mut message = json!({ "role": "assistant", "content": text });
+        if !calls.is_empty() {
+            message["tool_calls"] = calls.iter().map(Self::to_chat_json).collect();
+        }
+        message
+    }
+}
+
 /// Kinds of adapter failure; the first four are the retryable kinds of `recovery.retryOn`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -565,14 +565,7 @@ async fn chain_context(
             .get("output")
             .and_then(Value::as_str)
             .unwrap_or("");
-        let calls = client_calls(&event.data);
-        let mut answer = json!({ "role": "assistant", "content": text });
-        if !calls.is_empty() {
-            answer["tool_calls"] = calls
-                .iter()
-                .map(|c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }))
-                .collect();
-        }
+        let answer = ClientCall::assistant_message(text, &client_calls(&event.data));
         messages.push(answer);
     }
     Ok(messages)

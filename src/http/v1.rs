@@ -18,6 +18,7 @@ use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::views::{run_failure, store_error};
+use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::client::{self, ClientFunction};
 use crate::runtime::events::{
@@ -463,14 +464,10 @@ impl Completion {
 }
 
 /// The calls a completed request handed to the client (`clientToolCalls`).
-pub(super) fn client_calls(data: &Value) -> Vec<crate::adapters::ClientCall> {
+pub(super) fn client_calls(data: &Value) -> Vec<ClientCall> {
     data.get("clientToolCalls")
         .and_then(|calls| serde_json::from_value(calls.clone()).ok())
         .unwrap_or_default()
-}
-
-fn chat_tool_call(call: &crate::adapters::ClientCall) -> Value {
-    json!({ "id": call.id, "type": "function", "function": { "name": call.name, "arguments": call.arguments } })
 }
 
 /// The finish reason of a completed request (`stop` when the upstream gave none).
@@ -546,7 +543,7 @@ async fn complete_response(
             if message["content"].as_str() == Some("") {
                 message["content"] = Value::Null;
             }
-            message["tool_calls"] = calls.iter().map(chat_tool_call).collect();
+            message["tool_calls"] = calls.iter().map(ClientCall::to_chat_json).collect();
         }
         let body = json!({
             "id": completion.id,

@@ -897,17 +897,8 @@ async fn finish(
     }
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
-            let mut reply = json!({ "role": "assistant", "content": output.text });
-            if !output.client_calls.is_empty() {
-                reply["tool_calls"] = output
-                    .client_calls
-                    .iter()
-                    .map(|call| {
-                        json!({ "id": call.id, "type": "function",
-                        "function": { "name": call.name, "arguments": call.arguments } })
-                    })
-                    .collect();
-            }
+            let reply =
+                crate::adapters::ClientCall::assistant_message(&output.text, &output.client_calls);
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: new_id("msg"),
                 session_id: submitted.session_id.clone(),

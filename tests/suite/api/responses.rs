@@ -8,9 +8,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::control::OTHER_CLIENT_KEY;
-use super::tools::ToolServer;
+use super::tools::{ToolServer, offered_functions};
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, types};
+use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, approve_pending, types};
 use crate::helpers::TestWorkspace;
 
 /// The API workspace plus the agent `coder`, which takes client tools (risk medium) beside
@@ -317,14 +317,10 @@ async fn mixed_turn(stateless: bool) {
     let call_id = call["call_id"].as_str().unwrap().to_owned();
     assert_eq!(tools.count("/weather"), 1, "the server's call ran");
     // The model was offered the client's function tools, by their own names, beside the agent's.
-    let calls = upstream.calls();
-    let offered: Vec<&str> = calls[0].body["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["function"]["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(offered, ["weather_lookup", "apply_patch", "rm", "shell"]);
+    assert_eq!(
+        offered_functions(&upstream, 0),
+        ["weather_lookup", "apply_patch", "rm", "shell"]
+    );
     let first_events = types(&app.events(&first_request).await);
     assert!(
         first_events.contains(&"runtime.tool.client.requested".to_owned()),
@@ -447,17 +443,7 @@ async fn policy_denies_a_client_tool_and_holds_another_for_an_operator() {
     };
     let approval = app.pending_approval().await;
     assert_eq!(approval["toolId"], "client.shell");
-    let (status, _) = app
-        .post(
-            &format!(
-                "/admin/approvals/{}/approve",
-                approval["id"].as_str().unwrap()
-            ),
-            ADMIN_KEY,
-            &json!({}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    assert_eq!(approve_pending(&app.http, &app.base).await, 1);
     let (status, body) = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await
         .unwrap()

@@ -87,6 +87,16 @@ pub fn tools_workspace(
     workspace
 }
 
+/// The function names offered to the model in the `index`th upstream call.
+pub(super) fn offered_functions(upstream: &MockUpstream, index: usize) -> Vec<String> {
+    upstream.calls()[index].body["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 /// The tool messages of the `index`th upstream call.
 fn tool_messages(upstream: &MockUpstream, index: usize) -> Vec<Value> {
     upstream.calls()[index].body["messages"]
@@ -129,15 +139,8 @@ async fn an_allowed_call_runs_once_and_its_result_goes_back_to_the_model() {
     assert_eq!(tools.count("/weather"), 1);
 
     // The model was offered the agent's tools under OpenAI-safe names, and got the result.
-    let calls = upstream.calls();
-    let offered: Vec<&str> = calls[0].body["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["function"]["name"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        offered,
+        offered_functions(&upstream, 0),
         ["weather_lookup", "payments_refund", "files_delete"]
     );
     let results = tool_messages(&upstream, 1);
