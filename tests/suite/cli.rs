@@ -154,11 +154,12 @@ fn validate_json_of_a_valid_workspace_prints_the_inventory() {
             "high-risk-needs-human",
             "researcher-files-need-human",
             "external-network-reviewed",
+            "client-shell-needs-human",
             "sandbox-requests-never-delegate"
         ]
     );
     assert_eq!(
-        runtime["governance"]["rules"][4]["metadata"],
+        runtime["governance"]["rules"][5]["metadata"],
         json!({ "sandbox": "true" })
     );
     assert_eq!(
