@@ -635,6 +635,12 @@ async fn bad_input_is_refused_with_its_param() {
         assert_eq!(envelope["error"]["code"], code, "{body}: {envelope}");
         assert_eq!(envelope["error"]["param"], param, "{body}: {envelope}");
     }
+    let oversized = json!({ "model": "coder", "input": "x".repeat(5 << 20) });
+    let (status, envelope, _) = respond(&app, &oversized).await;
+    assert_eq!(
+        (status, envelope["error"]["code"].as_str()),
+        (413, Some("body_too_large"))
+    );
     // SDKs always send `tools`, empty for an agent without client tools; reasoning items and
     // unknown item types are accepted.
     let (status, ok, _) = respond(
