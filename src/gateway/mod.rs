@@ -468,7 +468,12 @@ impl ToolGateway {
         arguments: &Value,
         metadata: &Value,
     ) -> Explanation {
-        let allowed = self.tool_for(agent, &tool.id).is_some();
+        let client = matches!(
+            tool.implementation,
+            crate::workspace::ToolImplementation::Client
+        );
+        let allowed =
+            self.tool_for(agent, &tool.id).is_some() || (client && agent.client_tools.is_some());
         let argument_errors = match parse_arguments(arguments) {
             Ok(arguments) => schema_errors(tool, &arguments),
             Err(message) => vec![message],

@@ -506,13 +506,33 @@ pub async fn explain_policy(
         )
         .param("agentId")
     })?;
-    let tool = inventory.gateway.find_tool(&body.tool_id).ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::ToolNotFound,
-            format!("tool `{}` not found", body.tool_id),
-        )
-        .param("toolId")
-    })?;
+    // A client tool (`client.<name>`) exists per request: explained as the agent would get it,
+    // with the agent's client-tool risk and any arguments.
+    let client_tool = body
+        .tool_id
+        .strip_prefix(crate::workspace::CLIENT_TOOL_PREFIX)
+        .zip(agent.client_tools)
+        .and_then(|(name, risk)| {
+            let function = crate::gateway::client::ClientFunction {
+                index: 0,
+                name: name.to_owned(),
+                description: None,
+                parameters: None,
+            };
+            crate::gateway::client::compile(&[function], risk)
+                .ok()?
+                .pop()
+        });
+    let tool = client_tool
+        .as_ref()
+        .or_else(|| inventory.gateway.find_tool(&body.tool_id))
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ToolNotFound,
+                format!("tool `{}` not found", body.tool_id),
+            )
+            .param("toolId")
+        })?;
     let metadata = if body.metadata.is_null() {
         serde_json::json!({})
     } else {

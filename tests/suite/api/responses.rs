@@ -440,6 +440,34 @@ async fn policy_denies_a_client_tool_and_holds_another_for_an_operator() {
         events.contains(&"runtime.tool.denied".to_owned()),
         "{events:?}"
     );
+    // Operators can ask the policy about client tools before any client sends one.
+    for (tool, decision, rule) in [
+        ("client.rm", "deny", json!("no-rm")),
+        ("client.shell", "needs_approval", json!("shell-needs-human")),
+        ("client.apply_patch", "allow", Value::Null),
+    ] {
+        let (status, explained) = app
+            .post(
+                "/admin/policy/explain",
+                ADMIN_KEY,
+                &json!({ "agentId": "coder", "toolId": tool, "arguments": {} }),
+            )
+            .await;
+        assert_eq!(status, 200, "{explained}");
+        assert_eq!(
+            (explained["decision"].as_str(), &explained["rule"]),
+            (Some(decision), &rule)
+        );
+        assert_eq!(explained["allowedForAgent"], true);
+    }
+    let (status, _) = app
+        .post(
+            "/admin/policy/explain",
+            ADMIN_KEY,
+            &json!({ "agentId": "assistant", "toolId": "client.rm", "arguments": {} }),
+        )
+        .await;
+    assert_eq!(status, 404, "an agent without client tools has none");
 
     // Needs approval: the client waits while an operator approves, then gets the call.
     upstream.push([Reply::call("shell", r#"{"cmd":"ls"}"#)]);
