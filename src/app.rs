@@ -93,6 +93,7 @@ pub async fn build_runtime(
     workspace: Arc<CompiledWorkspace>,
     database_url: Option<&str>,
     resume: bool,
+    callback_base_url: Option<String>,
 ) -> Result<(Runtime, usize), AppError> {
     let url = database_url
         .map(str::to_owned)
@@ -103,6 +104,9 @@ pub async fn build_runtime(
     };
     let store = crate::store::open(url.as_deref(), &workspace.root, &options).await?;
     let runtime = Runtime::new(workspace, store, upstream_client());
+    if let Some(url) = callback_base_url {
+        runtime.callbacks().set_base_url(url);
+    }
     let resumed = if resume && runtime.workspace().runtime.recovery.resume_on_start {
         runtime.claim_runs().await?
     } else {
@@ -110,6 +114,17 @@ pub async fn build_runtime(
     };
     runtime.start_leases(resume);
     Ok((runtime, resumed))
+}
+
+/// Where remote agents' services call this server back: its bound address, with a wildcard
+/// address (`0.0.0.0`, `::`) reached on loopback.
+fn callback_base_url(address: std::net::SocketAddr) -> String {
+    let ip = match address.ip() {
+        ip if ip.is_unspecified() && ip.is_ipv4() => std::net::IpAddr::from([127, 0, 0, 1]),
+        ip if ip.is_unspecified() => std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}", std::net::SocketAddr::new(ip, address.port()))
 }
 
 /// Whether `host` only ever reaches this machine. A name other than `localhost` may resolve
@@ -167,13 +182,8 @@ impl Application {
                 open: open.join("; "),
             });
         }
-        let (runtime, resumed) =
-            build_runtime(workspace, config.database_url.as_deref(), true).await?;
-        runtime.start_retention();
-        crate::metrics::install();
-        if config.watch {
-            runtime.watch_workspace();
-        }
+        // Bound first: runs resumed at start may call a remote agent, whose service calls
+        // tools back at this address.
         let listener = TcpListener::bind(&address)
             .await
             .map_err(|source| AppError::Bind {
@@ -183,6 +193,18 @@ impl Application {
         let address = listener
             .local_addr()
             .map_err(|source| AppError::Bind { address, source })?;
+        let (runtime, resumed) = build_runtime(
+            workspace,
+            config.database_url.as_deref(),
+            true,
+            Some(callback_base_url(address)),
+        )
+        .await?;
+        runtime.start_retention();
+        crate::metrics::install();
+        if config.watch {
+            runtime.watch_workspace();
+        }
         let mut state = AppState::new(runtime.clone(), keys);
         state.metrics_public = config.metrics_public;
         Ok(Self {

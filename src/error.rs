@@ -36,6 +36,8 @@ pub enum ErrorCode {
     ApprovalNotFound,
     /// A stored response that does not exist, is not stored, or is another key's.
     ResponseNotFound,
+    /// A remote agent's callback call that its run does not know.
+    CallNotFound,
     ToolNotFound,
     RouteNotFound,
     /// A whole surface switched off by the workspace (`protocols.openai.enabled: false`).
@@ -85,7 +87,9 @@ impl ErrorCode {
             WrongKeyScope => StatusCode::FORBIDDEN,
             ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
             | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled
-            | MessageNotFound | MemoryNotFound | ResponseNotFound => StatusCode::NOT_FOUND,
+            | MessageNotFound | MemoryNotFound | ResponseNotFound | CallNotFound => {
+                StatusCode::NOT_FOUND
+            }
             ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
             | RequestNotRetryable | MemoryNotPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -108,7 +112,7 @@ impl ErrorCode {
             | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
             | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
             | MessageNotFound | InvalidWorkspace | MemoryNotFound | MemoryNotPending
-            | InvalidImport | ResponseNotFound => "invalid_request_error",
+            | InvalidImport | ResponseNotFound | CallNotFound => "invalid_request_error",
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -136,6 +140,7 @@ impl ErrorCode {
             SessionNotFound => "session_not_found",
             ApprovalNotFound => "approval_not_found",
             ResponseNotFound => "response_not_found",
+            CallNotFound => "call_not_found",
             ToolNotFound => "tool_not_found",
             ApprovalDecided => "approval_already_decided",
             RequestEnded => "request_ended",

@@ -6,6 +6,7 @@
 //! cancellation signal — and never route on keywords, never hard-code a tool or domain.
 
 mod openai;
+mod remote;
 mod retry;
 mod scripted;
 mod sse;
@@ -22,6 +23,7 @@ use crate::runtime::events::{ADAPTER_EVENT, PHASE_TOOL_RESULT, PHASE_TOOL_START}
 use crate::workspace::{AgentConfig, Backend, CompiledWorkspace};
 
 pub use openai::{ModelProbe, OpenAiAdapter, probe};
+pub use remote::{PHASE_PROGRESS, PROTOCOL as AGENT_PROTOCOL, RemoteAdapter};
 pub use retry::backoff_delay;
 pub use scripted::ScriptedAdapter;
 
@@ -90,6 +92,12 @@ pub struct AdapterContext<'a> {
     pub options: &'a Map<String, Value>,
     /// What memory recalled for this run (`read-before-plan`); empty without memory.
     pub memory: &'a [crate::memory::Recalled],
+    /// Which run this is.
+    pub run: &'a RunIdentity,
+    /// The request's metadata (a remote agent's service receives it).
+    pub metadata: &'a Value,
+    /// Where a remote agent's service calls tools back (see [`crate::gateway::callbacks`]).
+    pub callbacks: &'a Arc<crate::gateway::callbacks::Callbacks>,
     pub events: &'a dyn EventSink,
     pub tools: &'a dyn ToolInvoker,
     pub cancel: CancellationToken,
@@ -102,6 +110,14 @@ impl std::fmt::Debug for AdapterContext<'_> {
             .field("messages", &self.messages.len())
             .finish_non_exhaustive()
     }
+}
+
+/// The request, run and session a run belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunIdentity {
+    pub request_id: String,
+    pub run_id: String,
+    pub session_id: String,
 }
 
 /// Token usage as OpenAI reports it.
@@ -252,8 +268,9 @@ impl std::fmt::Debug for Adapters {
 impl Adapters {
     pub fn new(http: reqwest::Client) -> Self {
         let mut by_backend: BTreeMap<&'static str, Arc<dyn RuntimeAdapter>> = BTreeMap::new();
-        by_backend.insert("openai", Arc::new(OpenAiAdapter::new(http)));
+        by_backend.insert("openai", Arc::new(OpenAiAdapter::new(http.clone())));
         by_backend.insert("scripted", Arc::new(ScriptedAdapter));
+        by_backend.insert("http", Arc::new(RemoteAdapter::new(http)));
         Self { by_backend }
     }
 

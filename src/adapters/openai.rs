@@ -19,17 +19,17 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{Map, Value, json};
 
+use super::retry::{AttemptError, retry_after, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
-    ToolCall, ToolSpec, Usage, backoff_delay, call_tools,
+    ToolCall, ToolSpec, Usage, call_tools,
 };
-use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, RETRY_SCHEDULED, output_delta};
+use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, output_delta};
 use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
 
 /// Longest `retry-after` honoured; a larger one is capped (the backoff `max` still applies).
-const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// Largest non-streaming upstream body read.
 const MAX_BODY_BYTES: usize = 16 << 20;
 /// Most tool calls one streamed turn may hold: a fragment's `index` must be below it. The
@@ -46,23 +46,6 @@ pub const MAX_TURN_ARGUMENT_BYTES: usize = MAX_EVENT_BYTES;
 #[derive(Debug, Clone)]
 pub struct OpenAiAdapter {
     http: reqwest::Client,
-}
-
-/// A failed attempt, with what the retry policy needs to know about it.
-struct AttemptError {
-    error: AdapterError,
-    delivered_text: bool,
-    retry_after: Option<Duration>,
-}
-
-impl From<AdapterError> for AttemptError {
-    fn from(error: AdapterError) -> Self {
-        Self {
-            error,
-            delivered_text: false,
-            retry_after: None,
-        }
-    }
 }
 
 impl OpenAiAdapter {
@@ -533,38 +516,7 @@ impl OpenAiAdapter {
                     Ok(turn) => return Ok(turn),
                     Err(failure) => failure,
                 };
-                let retryable = recovery
-                    .retry_on
-                    .iter()
-                    .any(|kind| kind_matches(*kind, failure.error.kind));
-                if failure.delivered_text || !retryable {
-                    return Err(failure.error);
-                }
-                if attempt < recovery.max_attempts {
-                    let delay = failure
-                        .retry_after
-                        .map(|after| after.min(MAX_RETRY_AFTER))
-                        .unwrap_or_else(|| {
-                            backoff_delay(attempt, recovery.backoff_initial, recovery.backoff_max)
-                        });
-                    context
-                        .events
-                        .emit(
-                            RETRY_SCHEDULED,
-                            json!({
-                                "attempt": attempt + 1,
-                                "delayMs": delay.as_millis() as u64,
-                                "errorKind": failure.error.kind.as_str(),
-                                "model": model.id,
-                                "error": failure.error.message,
-                            }),
-                        )
-                        .await;
-                    tokio::select! {
-                        () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled")),
-                        () = tokio::time::sleep(delay) => {}
-                    }
-                }
+                settle(context, &failure, attempt, &model.id).await?;
                 last_error = Some(failure.error);
             }
         }
@@ -755,17 +707,6 @@ fn unanswered_calls(messages: &[Value], own_from: usize, names: &FunctionNames) 
         .unwrap_or_default()
 }
 
-fn kind_matches(configured: crate::workspace::RetryKind, kind: FailureKind) -> bool {
-    use crate::workspace::RetryKind;
-    matches!(
-        (configured, kind),
-        (RetryKind::Timeout, FailureKind::Timeout)
-            | (RetryKind::Upstream5xx, FailureKind::Upstream5xx)
-            | (RetryKind::RateLimited, FailureKind::RateLimited)
-            | (RetryKind::Connection, FailureKind::Connection)
-    )
-}
-
 /// The upstream request: system instructions and recalled memory first, then the transcript; the agent's
 /// `backendConfig` passes through and the client's explicit options win over it.
 fn request_body(
@@ -873,7 +814,7 @@ async fn emit_delta(context: &AdapterContext<'_>, text: &str) {
     context.events.emit(ADAPTER_EVENT, output_delta(text)).await;
 }
 
-async fn read_limited(
+pub(super) async fn read_limited(
     response: reqwest::Response,
     limit: usize,
     timeout: Duration,
@@ -936,16 +877,6 @@ fn transport_error(model: &ModelConfig, error: &reqwest::Error) -> AdapterError 
 }
 
 /// `retry-after` in seconds (the HTTP-date form is rare for APIs and falls back to backoff).
-fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
-    value
-        .trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
-}
-
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;

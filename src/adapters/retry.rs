@@ -1,7 +1,101 @@
-//! Backoff between attempts: exponential from `initial`, capped at `max`, with full jitter
-//! in the upper half so synchronized clients spread out without ever waiting less than half.
+//! The recovery policy between attempts at an upstream (a model, a remote agent service):
+//! which failures are retried, and the backoff — exponential from `initial`, capped at `max`,
+//! with full jitter in the upper half so synchronized clients spread out without ever waiting
+//! less than half. An attempt that already delivered output is never retried.
 
 use std::time::Duration;
+
+use serde_json::json;
+
+use super::{AdapterContext, AdapterError, FailureKind};
+use crate::runtime::events::RETRY_SCHEDULED;
+use crate::workspace::RetryKind;
+
+/// The longest `retry-after` an upstream may ask for.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A failed attempt, with what the retry policy needs to know about it.
+pub(super) struct AttemptError {
+    pub error: AdapterError,
+    /// Output (or a tool call) reached the run already: the attempt is never repeated.
+    pub delivered_text: bool,
+    pub retry_after: Option<Duration>,
+}
+
+impl From<AdapterError> for AttemptError {
+    fn from(error: AdapterError) -> Self {
+        Self {
+            error,
+            delivered_text: false,
+            retry_after: None,
+        }
+    }
+}
+
+/// After failed attempt number `attempt` at `target`: `Err` when it may not be tried again
+/// (a kind `recovery.retryOn` does not name, or output was delivered), else waits out the
+/// backoff (or the upstream's `retry-after`), announced as `runtime.retry.scheduled`, when
+/// attempts remain.
+pub(super) async fn settle(
+    context: &AdapterContext<'_>,
+    failure: &AttemptError,
+    attempt: u32,
+    target: &str,
+) -> Result<(), AdapterError> {
+    let recovery = &context.workspace.runtime.recovery;
+    let retryable = recovery
+        .retry_on
+        .iter()
+        .any(|kind| kind_matches(*kind, failure.error.kind));
+    if failure.delivered_text || !retryable {
+        return Err(failure.error.clone());
+    }
+    if attempt >= recovery.max_attempts {
+        return Ok(());
+    }
+    let delay = failure
+        .retry_after
+        .map(|after| after.min(MAX_RETRY_AFTER))
+        .unwrap_or_else(|| backoff_delay(attempt, recovery.backoff_initial, recovery.backoff_max));
+    context
+        .events
+        .emit(
+            RETRY_SCHEDULED,
+            json!({
+                "attempt": attempt + 1,
+                "delayMs": delay.as_millis() as u64,
+                "errorKind": failure.error.kind.as_str(),
+                "model": target,
+                "error": failure.error.message,
+            }),
+        )
+        .await;
+    tokio::select! {
+        () = context.cancel.cancelled() => Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled")),
+        () = tokio::time::sleep(delay) => Ok(()),
+    }
+}
+
+fn kind_matches(configured: RetryKind, kind: FailureKind) -> bool {
+    matches!(
+        (configured, kind),
+        (RetryKind::Timeout, FailureKind::Timeout)
+            | (RetryKind::Upstream5xx, FailureKind::Upstream5xx)
+            | (RetryKind::RateLimited, FailureKind::RateLimited)
+            | (RetryKind::Connection, FailureKind::Connection)
+    )
+}
+
+/// An upstream's `retry-after` in seconds.
+pub(super) fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+    value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
+}
 
 /// Delay before attempt `attempt + 1` (attempt counts from 1).
 pub fn backoff_delay(attempt: u32, initial: Duration, max: Duration) -> Duration {

@@ -39,14 +39,20 @@ pub async fn run(args: RunArgs) -> u8 {
         return exit::USAGE;
     }
     // `run` executes only its own request: it never resumes another process's runs.
-    let (runtime, _) =
-        match build_runtime(Arc::clone(&compiled), args.database_url.as_deref(), false).await {
-            Ok(built) => built,
-            Err(error) => {
-                output::error(&format!("stable-harness run: {error}"));
-                return exit::FAILED;
-            }
-        };
+    let (runtime, _) = match build_runtime(
+        Arc::clone(&compiled),
+        args.database_url.as_deref(),
+        false,
+        None,
+    )
+    .await
+    {
+        Ok(built) => built,
+        Err(error) => {
+            output::error(&format!("stable-harness run: {error}"));
+            return exit::FAILED;
+        }
+    };
     if let Some(session) = &args.session {
         match runtime.store().session(session).await {
             Ok(Some(_)) => {}

@@ -20,7 +20,9 @@ pub async fn prune(args: PruneArgs) -> u8 {
         }
     };
     let every = compiled.runtime.retention.every;
-    let (runtime, _) = match build_runtime(compiled, args.database_url.as_deref(), false).await {
+    let (runtime, _) = match build_runtime(compiled, args.database_url.as_deref(), false, None)
+        .await
+    {
         Ok(built) => built,
         Err(crate::app::AppError::Store(StoreError::InUse(path))) => {
             output::error(&format!(

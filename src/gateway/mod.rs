@@ -19,6 +19,7 @@
 //! the run and a [`RunHost`] through which events and records are written.
 
 mod approvals;
+pub mod callbacks;
 pub mod client;
 mod exec;
 
@@ -97,7 +98,8 @@ impl Outcome {
         }
     }
 
-    fn parse(text: &str) -> Self {
+    /// The outcome a stored record names (anything unknown is `failed`).
+    pub fn parse(text: &str) -> Self {
         [
             Self::Completed,
             Self::NotAllowed,

@@ -135,8 +135,12 @@ enum Scope {
 }
 
 fn bearer(request: &Request) -> Option<&str> {
-    let value = request
-        .headers()
+    bearer_token(request.headers())
+}
+
+/// The token of an `Authorization: Bearer …` header.
+pub(super) fn bearer_token(headers: &axum::http::HeaderMap) -> Option<&str> {
+    let value = headers
         .get(axum::http::header::AUTHORIZATION)?
         .to_str()
         .ok()?;

@@ -8,6 +8,7 @@
 
 mod admin;
 mod auth;
+mod callbacks;
 mod extract;
 mod health;
 mod inspect;
@@ -93,7 +94,13 @@ pub fn router(state: AppState) -> Router {
     .layer(axum::middleware::from_fn_with_state(
         state.clone(),
         auth::require_client_key,
-    ));
+    ))
+    // Remote agents' callbacks carry their run's token, never a client key.
+    .merge(
+        Router::new()
+            .route("/runs/{run_id}/tools/{tool_id}", post(callbacks::call_tool))
+            .route("/runs/{run_id}/calls/{call_id}", get(callbacks::get_call)),
+    );
     let admin = with_fallbacks(
         Router::new()
             .route("/requests", get(admin::list_requests))

@@ -23,6 +23,8 @@ use utoipa::{Modify, OpenApi};
         super::runtime_api::cancel_request,
         super::runtime_api::get_session,
         super::runtime_api::fork_session,
+        super::callbacks::call_tool,
+        super::callbacks::get_call,
         super::admin::list_requests,
         super::admin::get_request,
         super::admin::request_events,
@@ -68,7 +70,7 @@ struct Security;
 impl Modify for Security {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Default::default);
-        for name in ["client_key", "admin_key"] {
+        for name in ["client_key", "admin_key", "callback_token"] {
             components.add_security_scheme(
                 name,
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),

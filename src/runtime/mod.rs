@@ -232,6 +232,8 @@ struct Inner {
     journal: Journal,
     hub: Arc<EventHub>,
     adapters: Adapters,
+    /// Remote agents' tool callbacks: the live runs' tokens and call queues.
+    callbacks: Arc<crate::gateway::callbacks::Callbacks>,
     /// The upstream HTTP client (health probes share it with the adapters).
     http: reqwest::Client,
     approvals: Arc<ApprovalWaiters>,
@@ -325,6 +327,7 @@ impl Runtime {
             inner: Arc::new(Inner {
                 leasing: CancellationToken::new(),
                 adapters: Adapters::new(http.clone()),
+                callbacks: Arc::default(),
                 http,
                 approvals,
                 admission: Arc::new(Semaphore::new(limit.saturating_mul(2))),
@@ -366,6 +369,11 @@ impl Runtime {
 
     pub fn http(&self) -> &reqwest::Client {
         &self.inner.http
+    }
+
+    /// Remote agents' tool callbacks (the HTTP surface authorizes and queues them).
+    pub fn callbacks(&self) -> &Arc<crate::gateway::callbacks::Callbacks> {
+        &self.inner.callbacks
     }
 
     /// The tool gateway of the current inventory.

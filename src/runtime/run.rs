@@ -791,6 +791,7 @@ async fn run_adapter(
             })?;
     }
     let cancel = scope.cancel.clone();
+    let metadata = scope.metadata.clone();
     let gateway = &events.inventory.gateway;
     // The client's tools, when the agent (still) takes them: compiled again from the stored
     // request, as the surface checked them at submit.
@@ -834,6 +835,11 @@ async fn run_adapter(
         recalled = events.recall(messages) => recalled,
         () = cancel.cancelled() => Vec::new(),
     };
+    let identity = crate::adapters::RunIdentity {
+        request_id: events.submitted.request_id.clone(),
+        run_id: events.submitted.run_id.clone(),
+        session_id: events.submitted.session_id.clone(),
+    };
     let context = AdapterContext {
         workspace: &events.inventory.workspace,
         agent,
@@ -841,6 +847,9 @@ async fn run_adapter(
         own_from,
         options,
         memory: &recalled,
+        run: &identity,
+        metadata: &metadata,
+        callbacks: &inner.callbacks,
         events,
         tools: &tools,
         cancel,

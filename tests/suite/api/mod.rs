@@ -33,6 +33,7 @@ mod memory;
 mod operator_cli;
 mod postgres;
 mod recovery;
+mod remote;
 mod responses;
 mod runtime_api;
 pub mod tools;

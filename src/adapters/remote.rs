@@ -1,0 +1,439 @@
+//! The `http` backend: a run delegated to a customer-owned agent service over HTTP, protocol
+//! `stable-harness.agent/v1` (documented in docs/remote-agents.md).
+//!
+//! For each attempt the adapter posts the run (transcript, memory, the agent's tools as
+//! function specs, a callback grant, metadata) to the agent's `endpoint` and reads the answer:
+//! an SSE stream of JSON events (`delta`, `progress`, `final`, `error`) or one JSON object
+//! `{output, usage?}`. While the stream is open it also serves the service's tool callbacks,
+//! which arrive through the run's callback queue and go through the run's gateway handle like a
+//! model's calls. Every read is bounded (an event, the whole answer, the output); a service that
+//! hangs meets `endpoint.timeout`; connection errors, 5xx and timeouts follow `recovery` as long
+//! as nothing was delivered (no output, no callback) in the attempt.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::openai::read_limited;
+use super::retry::{AttemptError, retry_after, settle};
+use super::sse::{MAX_EVENT_BYTES, SseDecoder};
+use super::{
+    AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, Usage,
+    call_tools,
+};
+use crate::gateway::callbacks::{CallbackCall, CallbackGrant};
+use crate::runtime::events::{ADAPTER_EVENT, output_delta};
+use crate::text::excerpt;
+use crate::workspace::EndpointConfig;
+
+/// The protocol name and version every call carries.
+pub const PROTOCOL: &str = "stable-harness.agent/v1";
+
+/// The most a service's answer may hold, streamed or not.
+const MAX_ANSWER_BYTES: usize = 16 << 20;
+
+/// The adapter event phase of a service's `progress` event.
+pub const PHASE_PROGRESS: &str = "agent.progress";
+
+#[derive(Debug)]
+pub struct RemoteAdapter {
+    http: reqwest::Client,
+}
+
+impl RemoteAdapter {
+    pub fn new(http: reqwest::Client) -> Self {
+        Self { http }
+    }
+}
+
+/// What an attempt may read and must tell about itself.
+struct Attempt<'q> {
+    queue: Option<&'q mut mpsc::Receiver<CallbackCall>>,
+    /// Output reached the run, or a callback was served: the attempt is never repeated.
+    delivered: bool,
+}
+
+#[async_trait::async_trait]
+impl RuntimeAdapter for RemoteAdapter {
+    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+        let Some(endpoint) = context.agent.endpoint.as_ref() else {
+            return Err(AdapterError::new(
+                FailureKind::Unsupported,
+                format!("agent `{}` has no endpoint", context.agent.name),
+            ));
+        };
+        // The token lives as long as the run could: its active time plus an approval's wait.
+        let lifetime =
+            context.agent.timeout + context.workspace.runtime.governance.approval_timeout;
+        let expires_at = Utc::now()
+            + chrono::Duration::from_std(lifetime).unwrap_or_else(|_| chrono::Duration::days(1));
+        let opened = context.callbacks.open(&context.run.run_id, expires_at);
+        let (grant, mut queue) = match opened {
+            Some((grant, queue)) => (Some(grant), Some(queue)),
+            None => (None, None),
+        };
+        let body = request_body(&context, grant.as_ref());
+        let recovery = &context.workspace.runtime.recovery;
+        let mut last_error = None;
+        for attempt in 1..=recovery.max_attempts {
+            let mut state = Attempt {
+                queue: queue.as_mut(),
+                delivered: false,
+            };
+            let failure = match self.attempt(&context, endpoint, &body, &mut state).await {
+                Ok(output) => return Ok(output),
+                Err(mut failure) => {
+                    failure.delivered_text |= state.delivered;
+                    failure
+                }
+            };
+            settle(&context, &failure, attempt, &context.agent.name).await?;
+            last_error = Some(failure.error);
+        }
+        // The grant lives until here: the token is revoked when the run's adapter returns.
+        drop(grant);
+        Err(last_error
+            .unwrap_or_else(|| AdapterError::new(FailureKind::Unsupported, "no attempt was made")))
+    }
+}
+
+impl RemoteAdapter {
+    async fn attempt(
+        &self,
+        context: &AdapterContext<'_>,
+        endpoint: &EndpointConfig,
+        body: &Value,
+        state: &mut Attempt<'_>,
+    ) -> Result<RuntimeOutput, AttemptError> {
+        let mut request = self
+            .http
+            .post(&endpoint.url)
+            .header(
+                reqwest::header::ACCEPT,
+                "text/event-stream, application/json",
+            )
+            .json(body);
+        if let Some(key) = endpoint
+            .api_key_env
+            .as_deref()
+            .and_then(|name| std::env::var(name).ok())
+        {
+            request = request.bearer_auth(key);
+        }
+        let response = tokio::select! {
+            () = context.cancel.cancelled() => return Err(cancelled().into()),
+            result = tokio::time::timeout(endpoint.timeout, request.send()) => result,
+        };
+        let response = match response {
+            Err(_) => return Err(timeout(context, endpoint).into()),
+            Ok(Err(error)) => return Err(transport(context, &error).into()),
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = retry_after(response.headers());
+            let text = read_limited(response, 2048, endpoint.timeout)
+                .await
+                .unwrap_or_default();
+            let kind = if status.as_u16() == 429 {
+                FailureKind::RateLimited
+            } else if status.is_server_error() {
+                FailureKind::Upstream5xx
+            } else {
+                FailureKind::UpstreamRejected
+            };
+            let mut error = AdapterError::new(
+                kind,
+                format!(
+                    "agent service of `{}` returned {}: {}",
+                    context.agent.name,
+                    status.as_u16(),
+                    excerpt(&text)
+                ),
+            );
+            error.upstream_status = Some(status.as_u16());
+            return Err(AttemptError {
+                error,
+                delivered_text: false,
+                retry_after,
+            });
+        }
+        let is_json = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/json"));
+        if is_json {
+            let text = read_limited(response, MAX_ANSWER_BYTES + 1, endpoint.timeout)
+                .await
+                .map_err(AttemptError::from)?;
+            if text.len() > MAX_ANSWER_BYTES {
+                return Err(malformed(
+                    context,
+                    format!("its answer is larger than {MAX_ANSWER_BYTES} bytes"),
+                )
+                .into());
+            }
+            let answer: Value = serde_json::from_str(&text).map_err(|_| {
+                malformed(
+                    context,
+                    format!("its answer is not JSON: {}", excerpt(&text)),
+                )
+            })?;
+            let mut output = final_output(context, &answer)?;
+            if !output.text.is_empty() {
+                context
+                    .events
+                    .emit(ADAPTER_EVENT, output_delta(&output.text))
+                    .await;
+                state.delivered = true;
+            }
+            output.finish_reason = "stop".to_owned();
+            return Ok(output);
+        }
+        self.read_stream(context, endpoint, response, state).await
+    }
+
+    /// Reads the service's event stream to its `final` (or `error`) event, serving its tool
+    /// callbacks meanwhile.
+    async fn read_stream(
+        &self,
+        context: &AdapterContext<'_>,
+        endpoint: &EndpointConfig,
+        response: reqwest::Response,
+        state: &mut Attempt<'_>,
+    ) -> Result<RuntimeOutput, AttemptError> {
+        let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
+            .unwrap_or(usize::MAX);
+        let mut body = response.bytes_stream();
+        let mut decoder = SseDecoder::with_limit(MAX_EVENT_BYTES);
+        let mut events = Vec::new();
+        let mut read = 0usize;
+        let mut text = String::new();
+        let mut in_flight = FuturesUnordered::new();
+        loop {
+            // A service waiting on its own callback sends nothing meanwhile: the idle timeout
+            // runs only while no callback is being served.
+            let idle = if in_flight.is_empty() {
+                endpoint.timeout
+            } else {
+                Duration::MAX
+            };
+            tokio::select! {
+                () = context.cancel.cancelled() => return Err(cancelled().into()),
+                Some(()) = in_flight.next(), if !in_flight.is_empty() => continue,
+                call = next_call(&mut state.queue) => {
+                    let Some(call) = call else { continue };
+                    state.delivered = true;
+                    in_flight.push(serve(context, call));
+                    continue;
+                }
+                next = tokio::time::timeout(idle, body.next()) => {
+                    let chunk = match next {
+                        Err(_) => return Err(timeout(context, endpoint).into()),
+                        Ok(None) => {
+                            return Err(AdapterError::new(
+                                FailureKind::Connection,
+                                format!("the agent service of `{}` closed its stream before a `final` event", context.agent.name),
+                            ).into());
+                        }
+                        Ok(Some(Err(error))) => return Err(transport(context, &error).into()),
+                        Ok(Some(Ok(chunk))) => chunk,
+                    };
+                    read = read.saturating_add(chunk.len());
+                    if read > MAX_ANSWER_BYTES {
+                        return Err(malformed(context, format!("its stream passed {MAX_ANSWER_BYTES} bytes")).into());
+                    }
+                    events.clear();
+                    let decoded = decoder.feed(&chunk, &mut events);
+                    for data in &events {
+                        let event: Value = serde_json::from_str(data).map_err(|_| {
+                            malformed(context, format!("it sent an event that is not JSON: {}", excerpt(data)))
+                        })?;
+                        match event.get("type").and_then(Value::as_str) {
+                            Some("delta") => {
+                                let Some(delta) = event.get("text").and_then(Value::as_str) else {
+                                    return Err(malformed(context, "a `delta` event needs `text`".to_owned()).into());
+                                };
+                                if text.len().saturating_add(delta.len()) > cap {
+                                    return Err(malformed(context, format!("its output passed limits.maxOutputBytes ({cap} bytes)")).into());
+                                }
+                                text.push_str(delta);
+                                state.delivered = true;
+                                context.events.emit(ADAPTER_EVENT, output_delta(delta)).await;
+                            }
+                            Some("progress") => {
+                                let message = event.get("message").and_then(Value::as_str).unwrap_or_default();
+                                context
+                                    .events
+                                    .emit(ADAPTER_EVENT, json!({ "event": { "phase": PHASE_PROGRESS, "message": excerpt(message) } }))
+                                    .await;
+                            }
+                            Some("final") => {
+                                // Calls still being served end with the run; their results are
+                                // recorded as they come (the gateway commits before answering).
+                                let mut output = final_output(context, &event)?;
+                                if output.text.is_empty() {
+                                    output.text = text;
+                                } else if text.is_empty() {
+                                    context.events.emit(ADAPTER_EVENT, output_delta(&output.text)).await;
+                                }
+                                output.finish_reason = "stop".to_owned();
+                                return Ok(output);
+                            }
+                            Some("error") => {
+                                let code = event.get("code").and_then(Value::as_str).unwrap_or("error");
+                                let message = event.get("message").and_then(Value::as_str).unwrap_or("no message");
+                                return Err(AdapterError::new(
+                                    FailureKind::UpstreamRejected,
+                                    format!("the agent service of `{}` failed the run ({}): {}", context.agent.name, excerpt(code), excerpt(message)),
+                                ).into());
+                            }
+                            _ => {
+                                return Err(malformed(context, format!("it sent an event of unknown type: {}", excerpt(data))).into());
+                            }
+                        }
+                    }
+                    if let Err(error) = decoded {
+                        return Err(malformed(context, error.to_string()).into());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The next callback of the run, or never when the run has no callbacks.
+async fn next_call(queue: &mut Option<&mut mpsc::Receiver<CallbackCall>>) -> Option<CallbackCall> {
+    match queue {
+        Some(queue) => queue.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs one callback through the gateway (announced like a model's call) and answers it.
+async fn serve(context: &AdapterContext<'_>, call: CallbackCall) {
+    let CallbackCall {
+        call_key,
+        tool_id,
+        arguments,
+        reply,
+    } = call;
+    let call = ToolCall {
+        id: call_key.clone(),
+        key: call_key,
+        tool_id,
+        arguments,
+    };
+    if let Some(result) = call_tools(context, vec![call]).await.pop() {
+        let _ = reply.send(result);
+    }
+}
+
+/// The body of a run's call to its service.
+fn request_body(context: &AdapterContext<'_>, grant: Option<&CallbackGrant>) -> Value {
+    let tools: Vec<Value> = context
+        .tools
+        .specs()
+        .iter()
+        .map(|spec| {
+            json!({ "type": "function", "function": {
+                "name": spec.id, "description": spec.description, "parameters": spec.parameters } })
+        })
+        .collect();
+    let memory: Vec<Value> = context
+        .memory
+        .iter()
+        .map(|record| json!({ "id": record.id, "namespace": record.namespace, "content": record.content }))
+        .collect();
+    json!({
+        "protocol": PROTOCOL,
+        "requestId": context.run.request_id,
+        "runId": context.run.run_id,
+        "sessionId": context.run.session_id,
+        "agentId": context.agent.name,
+        "messages": context.messages,
+        "memory": memory,
+        "tools": tools,
+        "callback": grant.map(|grant| json!({
+            "url": grant.url, "token": grant.token, "expiresAt": grant.expires_at,
+        })),
+        "metadata": context.metadata,
+    })
+}
+
+/// The output and usage of a `final` event or a JSON answer.
+fn final_output(
+    context: &AdapterContext<'_>,
+    answer: &Value,
+) -> Result<RuntimeOutput, AdapterError> {
+    let text = match answer.get("output") {
+        Some(Value::String(text)) => text.clone(),
+        None | Some(Value::Null) => String::new(),
+        Some(_) => return Err(malformed(context, "`output` must be a string".to_owned())),
+    };
+    let cap =
+        usize::try_from(context.workspace.runtime.limits.max_output_bytes).unwrap_or(usize::MAX);
+    if text.len() > cap {
+        return Err(malformed(
+            context,
+            format!("its output passed limits.maxOutputBytes ({cap} bytes)"),
+        ));
+    }
+    let usage = answer
+        .get("usage")
+        .and_then(|usage| serde_json::from_value::<Usage>(usage.clone()).ok())
+        .unwrap_or_default();
+    Ok(RuntimeOutput {
+        text,
+        usage,
+        ..RuntimeOutput::default()
+    })
+}
+
+fn cancelled() -> AdapterError {
+    AdapterError::new(FailureKind::Cancelled, "the run was cancelled")
+}
+
+fn malformed(context: &AdapterContext<'_>, what: String) -> AdapterError {
+    AdapterError::new(
+        FailureKind::Malformed,
+        format!(
+            "the agent service of `{}` broke the protocol: {what}",
+            context.agent.name
+        ),
+    )
+}
+
+fn timeout(context: &AdapterContext<'_>, endpoint: &EndpointConfig) -> AdapterError {
+    AdapterError::new(
+        FailureKind::Timeout,
+        format!(
+            "the agent service of `{}` sent nothing for {}s (endpoint.timeout)",
+            context.agent.name,
+            endpoint.timeout.as_secs_f64()
+        ),
+    )
+}
+
+fn transport(context: &AdapterContext<'_>, error: &reqwest::Error) -> AdapterError {
+    let kind = if error.is_timeout() {
+        FailureKind::Timeout
+    } else {
+        FailureKind::Connection
+    };
+    // The URL stays out of the message (it may carry credentials in a query).
+    let what = if error.is_connect() {
+        "could not connect"
+    } else {
+        "the connection failed"
+    };
+    AdapterError::new(
+        kind,
+        format!("the agent service of `{}`: {what}", context.agent.name),
+    )
+}

@@ -1,0 +1,374 @@
+//! The `http` backend with the reference agent service (`examples/billing-agent/agent.py`)
+//! on loopback: streamed output, tool callbacks allowed, denied and approved, the run-scoped
+//! token, retries, a crash mid-run; and hostile services that hang, break the protocol or
+//! flood.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::control::poll;
+use super::tools::{ToolServer, tools_workspace};
+use super::trust::submit;
+use super::upstream::MockUpstream;
+use super::{CLIENT_KEY, ServerProcess, TestApp, approve_pending, get_json, types};
+use crate::helpers::TestWorkspace;
+
+/// A variable every test process has, standing for the service's key (tests cannot set one).
+const KEY_ENV: &str = "CARGO_MANIFEST_DIR";
+
+/// The reference agent service, killed on drop.
+struct ReferenceAgent {
+    url: String,
+    child: Child,
+}
+
+impl ReferenceAgent {
+    fn start() -> Self {
+        use std::io::{BufRead, BufReader};
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/billing-agent/agent.py"
+        );
+        let mut child = Command::new("python3")
+            .args([script, "--port", "0", "--key-env", KEY_ENV])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 runs the reference agent service");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("the reference agent did not start: {line}"))
+            .to_owned();
+        Self { url, child }
+    }
+
+    async fn last_callback(&self) -> Value {
+        reqwest::get(format!("{}/last", self.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for ReferenceAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The tools workspace (`weather.lookup` allowed, `payments.refund` needs approval,
+/// `files.delete` denied) plus the agent `billing` served by `agent_url`.
+fn billing_workspace(
+    upstream: &MockUpstream,
+    tools: &ToolServer,
+    agent_url: &str,
+    runtime_extra: &str,
+) -> TestWorkspace {
+    let workspace = tools_workspace(upstream, tools, runtime_extra);
+    workspace.write(
+        "config/agents/billing.yaml",
+        format!(
+            "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: billing }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{agent_url}\", apiKeyEnv: {KEY_ENV}, timeout: 2s }}\n  tools: [weather.lookup, payments.refund, files.delete]\n"
+        ),
+    );
+    workspace
+}
+
+fn output_of(view: &Value) -> String {
+    view["output"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_output_reaches_v1_and_callbacks_are_governed() {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let app = TestApp::spawn(billing_workspace(
+        &upstream,
+        &tools,
+        &format!("{}/run", agent.url),
+        "",
+    ))
+    .await;
+    let calls = json!([
+        { "tool": "weather.lookup", "arguments": { "city": "Oslo" } },
+        { "tool": "files.delete", "arguments": {} },
+        { "tool": "not.mine", "arguments": {} },
+    ]);
+    let (response, request_id) = app
+        .chat(
+            &json!({ "model": "billing", "stream": true, "metadata": { "callTools": calls },
+            "messages": [{ "role": "user", "content": "Why was I charged twice?" }] }),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.unwrap();
+    let streamed: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(streamed.contains("Billing desk"), "{text}");
+    assert!(
+        streamed.contains("Oslo"),
+        "the allowed call's result: {streamed}"
+    );
+    assert!(streamed.contains("files.delete denied"), "{streamed}");
+    assert!(streamed.contains("not.mine denied"), "{streamed}");
+    assert_eq!(tools.count("/weather"), 1);
+    assert_eq!(tools.count("/delete"), 0, "a denied callback never runs");
+    let events = app.events(&request_id).await;
+    let kinds = types(&events);
+    assert!(
+        kinds.contains(&"runtime.tool.direct.completed".to_owned()),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "runtime.tool.denied").count(),
+        2,
+        "{kinds:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["data"]["event"]["phase"] == "agent.progress"),
+        "the service's progress is an adapter event"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_waits_for_an_operator_and_the_token_dies_with_the_run() {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let extra = "  protocols:\n    openai:\n      approvalWait: 1s\n";
+    let app = TestApp::spawn(billing_workspace(
+        &upstream,
+        &tools,
+        &format!("{}/run", agent.url),
+        extra,
+    ))
+    .await;
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "agentId": "billing", "input": { "text": "refund me" },
+            "metadata": { "callTools": [{ "tool": "payments.refund", "arguments": { "amount": 5 } }] } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let approval = app.pending_approval().await;
+    assert_eq!(approval["toolId"], "payments.refund");
+    // The callback answered 202 after approvalWait; the service polls the call meanwhile.
+    let callback = agent.last_callback().await;
+    let (url, token) = (
+        callback["url"].as_str().unwrap().to_owned(),
+        callback["token"].as_str().unwrap().to_owned(),
+    );
+    let call_url = format!("{url}/calls/{}", approval["callKey"].as_str().unwrap());
+    let (status, pending) = get_json(&app.http, &call_url, &token).await;
+    assert_eq!(
+        (status, &pending["approvalId"]),
+        (202, &approval["id"]),
+        "{pending}"
+    );
+    // The token opens only its run's callbacks: not the runtime API, not another run.
+    let (status, _) = get_json(
+        &app.http,
+        &app.url(&format!("/runtime/requests/{request_id}")),
+        &token,
+    )
+    .await;
+    assert_eq!(status, 401);
+    let other = url.replace(callback["runId"].as_str().unwrap(), "run_other");
+    let (status, _) = get_json(&app.http, &format!("{other}/calls/x"), &token).await;
+    assert_eq!(status, 401);
+    assert_eq!(
+        tools.count("/refund"),
+        0,
+        "nothing runs before the decision"
+    );
+
+    assert_eq!(approve_pending(&app.http, &app.base).await, 1);
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert!(output_of(&view).contains("payments.refund: {"), "{view}");
+    assert_eq!(tools.count("/refund"), 1);
+
+    // Replayed after the run ended: refused.
+    let replay = app
+        .http
+        .post(format!("{url}/tools/weather.lookup"))
+        .bearer_auth(&token)
+        .json(&json!({ "arguments": { "city": "Paris" } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 401);
+    let missing = app
+        .http
+        .post(format!("{url}/tools/weather.lookup"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 401);
+    assert_eq!(tools.count("/weather"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_is_retried_per_recovery() {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let app = TestApp::spawn(billing_workspace(
+        &upstream,
+        &tools,
+        &format!("{}/run", agent.url),
+        "",
+    ))
+    .await;
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "agentId": "billing", "input": { "text": "hello" }, "metadata": { "fail503": 1, "callTools": [] } }),
+    )
+    .await;
+    assert_eq!(status, 202);
+    let request_id = accepted["requestId"].as_str().unwrap();
+    let view = app.wait_until_done(request_id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    let kinds = types(&app.events(request_id).await);
+    assert!(
+        kinds.contains(&"runtime.retry.scheduled".to_owned()),
+        "{kinds:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_run_the_run_resumes_and_no_callback_runs_twice() {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let workspace = billing_workspace(&upstream, &tools, &format!("{}/run", agent.url), "");
+    let first = ServerProcess::start(workspace.path(), &[]);
+    let http = reqwest::Client::new();
+    let (status, accepted) = submit(
+        &http,
+        &first.base,
+        &json!({ "agentId": "billing", "input": { "text": "what is due?" },
+            "metadata": { "pauseSeconds": 2, "callTools": [{ "tool": "weather.lookup", "arguments": { "city": "Rome" } }] } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let events_url = first.url(&format!("/runtime/requests/{request_id}/events"));
+    poll("the callback's recorded result", async || {
+        let (_, page) = get_json(&http, &events_url, CLIENT_KEY).await;
+        page["data"]
+            .as_array()?
+            .iter()
+            .any(|e| e["type"] == "runtime.tool.direct.completed")
+            .then_some(())
+    })
+    .await;
+    first.kill9();
+
+    let second = ServerProcess::start(workspace.path(), &[]);
+    let view = super::wait_until_done_at(&http, &second.base, &request_id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert!(output_of(&view).contains("Rome"), "{view}");
+    assert_eq!(
+        tools.count("/weather"),
+        1,
+        "the resumed run got the recorded result"
+    );
+}
+
+/// A service that breaks the protocol in the way its path names.
+async fn hostile_service() -> String {
+    use axum::response::IntoResponse;
+    async fn answer(
+        axum::extract::Path(how): axum::extract::Path<String>,
+    ) -> axum::response::Response {
+        let sse = |body: axum::body::Body| {
+            (
+                [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                body,
+            )
+                .into_response()
+        };
+        match how.as_str() {
+            "hang" => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                sse(axum::body::Body::empty())
+            }
+            "garbage" => sse("data: this is not json\n\n".into()),
+            "cut" => sse("data: {\"type\":\"delta\",\"text\":\"half \"}\n\n".into()),
+            "flood" => {
+                // 50 MB in one event that never ends.
+                let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 20]);
+                let parts = std::iter::once(axum::body::Bytes::from_static(b"data: "))
+                    .chain((0..50).map(move |_| chunk.clone()))
+                    .map(Ok::<_, std::io::Error>);
+                sse(axum::body::Body::from_stream(futures::stream::iter(parts)))
+            }
+            _ => (axum::http::StatusCode::NOT_FOUND, "").into_response(),
+        }
+    }
+    let app = axum::Router::new().route("/{how}", axum::routing::post(answer));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_service_fails_the_run_clearly_and_never_the_server() {
+    let service = hostile_service().await;
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let workspace = tools_workspace(&upstream, &tools, "");
+    for how in ["hang", "garbage", "cut", "flood"] {
+        workspace.write(
+            &format!("config/agents/{how}.yaml"),
+            format!("apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: {how} }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{service}/{how}\", timeout: 1s }}\n"),
+        );
+    }
+    let app = TestApp::spawn(workspace).await;
+    for (how, kind) in [
+        ("garbage", "malformed"),
+        ("cut", "connection"),
+        ("flood", "malformed"),
+        ("hang", "timeout"),
+    ] {
+        let (status, accepted) = submit(
+            &app.http,
+            &app.base,
+            &json!({ "agentId": how, "input": { "text": "hi" } }),
+        )
+        .await;
+        assert_eq!(status, 202, "{how}: {accepted}");
+        let view = app
+            .wait_until_done(accepted["requestId"].as_str().unwrap())
+            .await;
+        assert_eq!(view["status"], "failed", "{how}: {view}");
+        assert_eq!(view["error"]["kind"], kind, "{how}: {view}");
+    }
+    let (status, _) = app.get("/readyz", CLIENT_KEY).await;
+    assert_eq!(status, 200);
+}
