@@ -102,9 +102,9 @@ impl RuntimeAdapter for RemoteAdapter {
 }
 
 impl RemoteAdapter {
-    async fn attempt(
+    async fn attempt<'a>(
         &self,
-        context: &AdapterContext<'_>,
+        context: &'a AdapterContext<'a>,
         endpoint: &EndpointConfig,
         body: &Value,
         state: &mut Attempt<'_>,
@@ -124,15 +124,12 @@ impl RemoteAdapter {
         {
             request = request.bearer_auth(key);
         }
-        let response = tokio::select! {
-            () = context.cancel.cancelled() => return Err(cancelled().into()),
-            result = tokio::time::timeout(endpoint.timeout, request.send()) => result,
-        };
-        let response = match response {
-            Err(_) => return Err(timeout(context, endpoint).into()),
-            Ok(Err(error)) => return Err(transport(context, &error).into()),
-            Ok(Ok(response)) => response,
-        };
+        // A service may call tools back before it answers at all: callbacks are served from
+        // the moment the run is posted.
+        let mut in_flight = InFlight::new();
+        let response =
+            serve_while(context, endpoint, state, &mut in_flight, request.send()).await?;
+        let response = response.map_err(|error| AttemptError::from(transport(context, &error)))?;
         let status = response.status();
         if !status.is_success() {
             let retry_after = retry_after(response.headers());
@@ -168,8 +165,9 @@ impl RemoteAdapter {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("application/json"));
         if is_json {
-            let text = read_limited(response, MAX_ANSWER_BYTES + 1, endpoint.timeout)
-                .await
+            let read = read_limited(response, MAX_ANSWER_BYTES + 1, endpoint.timeout);
+            let text = serve_while(context, endpoint, state, &mut in_flight, read)
+                .await?
                 .map_err(AttemptError::from)?;
             if text.len() > MAX_ANSWER_BYTES {
                 return Err(malformed(
@@ -195,17 +193,19 @@ impl RemoteAdapter {
             output.finish_reason = "stop".to_owned();
             return Ok(output);
         }
-        self.read_stream(context, endpoint, response, state).await
+        self.read_stream(context, endpoint, response, state, &mut in_flight)
+            .await
     }
 
     /// Reads the service's event stream to its `final` (or `error`) event, serving its tool
     /// callbacks meanwhile.
-    async fn read_stream(
+    async fn read_stream<'a>(
         &self,
-        context: &AdapterContext<'_>,
+        context: &'a AdapterContext<'a>,
         endpoint: &EndpointConfig,
         response: reqwest::Response,
         state: &mut Attempt<'_>,
+        in_flight: &mut InFlight<'a>,
     ) -> Result<RuntimeOutput, AttemptError> {
         let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
             .unwrap_or(usize::MAX);
@@ -214,94 +214,151 @@ impl RemoteAdapter {
         let mut events = Vec::new();
         let mut read = 0usize;
         let mut text = String::new();
-        let mut in_flight = FuturesUnordered::new();
         loop {
-            // A service waiting on its own callback sends nothing meanwhile: the idle timeout
-            // runs only while no callback is being served.
-            let idle = if in_flight.is_empty() {
-                endpoint.timeout
-            } else {
-                Duration::MAX
-            };
-            tokio::select! {
-                () = context.cancel.cancelled() => return Err(cancelled().into()),
-                Some(()) = in_flight.next(), if !in_flight.is_empty() => continue,
-                call = next_call(&mut state.queue) => {
-                    let Some(call) = call else { continue };
-                    state.delivered = true;
-                    in_flight.push(serve(context, call));
-                    continue;
+            let next = serve_while(context, endpoint, state, in_flight, body.next()).await?;
+            let chunk = match next {
+                None => {
+                    return Err(AdapterError::new(
+                        FailureKind::Connection,
+                        format!(
+                            "the agent service of `{}` closed its stream before a `final` event",
+                            context.agent.name
+                        ),
+                    )
+                    .into());
                 }
-                next = tokio::time::timeout(idle, body.next()) => {
-                    let chunk = match next {
-                        Err(_) => return Err(timeout(context, endpoint).into()),
-                        Ok(None) => {
-                            return Err(AdapterError::new(
-                                FailureKind::Connection,
-                                format!("the agent service of `{}` closed its stream before a `final` event", context.agent.name),
-                            ).into());
+                Some(Err(error)) => return Err(transport(context, &error).into()),
+                Some(Ok(chunk)) => chunk,
+            };
+            read = read.saturating_add(chunk.len());
+            if read > MAX_ANSWER_BYTES {
+                return Err(malformed(
+                    context,
+                    format!("its stream passed {MAX_ANSWER_BYTES} bytes"),
+                )
+                .into());
+            }
+            events.clear();
+            let decoded = decoder.feed(&chunk, &mut events);
+            for data in &events {
+                let event: Value = serde_json::from_str(data).map_err(|_| {
+                    malformed(
+                        context,
+                        format!("it sent an event that is not JSON: {}", excerpt(data)),
+                    )
+                })?;
+                match event.get("type").and_then(Value::as_str) {
+                    Some("delta") => {
+                        let Some(delta) = event.get("text").and_then(Value::as_str) else {
+                            return Err(malformed(
+                                context,
+                                "a `delta` event needs `text`".to_owned(),
+                            )
+                            .into());
+                        };
+                        if text.len().saturating_add(delta.len()) > cap {
+                            return Err(malformed(
+                                context,
+                                format!("its output passed limits.maxOutputBytes ({cap} bytes)"),
+                            )
+                            .into());
                         }
-                        Ok(Some(Err(error))) => return Err(transport(context, &error).into()),
-                        Ok(Some(Ok(chunk))) => chunk,
-                    };
-                    read = read.saturating_add(chunk.len());
-                    if read > MAX_ANSWER_BYTES {
-                        return Err(malformed(context, format!("its stream passed {MAX_ANSWER_BYTES} bytes")).into());
+                        text.push_str(delta);
+                        state.delivered = true;
+                        context
+                            .events
+                            .emit(ADAPTER_EVENT, output_delta(delta))
+                            .await;
                     }
-                    events.clear();
-                    let decoded = decoder.feed(&chunk, &mut events);
-                    for data in &events {
-                        let event: Value = serde_json::from_str(data).map_err(|_| {
-                            malformed(context, format!("it sent an event that is not JSON: {}", excerpt(data)))
-                        })?;
-                        match event.get("type").and_then(Value::as_str) {
-                            Some("delta") => {
-                                let Some(delta) = event.get("text").and_then(Value::as_str) else {
-                                    return Err(malformed(context, "a `delta` event needs `text`".to_owned()).into());
-                                };
-                                if text.len().saturating_add(delta.len()) > cap {
-                                    return Err(malformed(context, format!("its output passed limits.maxOutputBytes ({cap} bytes)")).into());
-                                }
-                                text.push_str(delta);
-                                state.delivered = true;
-                                context.events.emit(ADAPTER_EVENT, output_delta(delta)).await;
-                            }
-                            Some("progress") => {
-                                let message = event.get("message").and_then(Value::as_str).unwrap_or_default();
-                                context
+                    Some("progress") => {
+                        let message = event
+                            .get("message")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default();
+                        context
                                     .events
                                     .emit(ADAPTER_EVENT, json!({ "event": { "phase": PHASE_PROGRESS, "message": excerpt(message) } }))
                                     .await;
-                            }
-                            Some("final") => {
-                                // Calls still being served end with the run; their results are
-                                // recorded as they come (the gateway commits before answering).
-                                let mut output = final_output(context, &event)?;
-                                if output.text.is_empty() {
-                                    output.text = text;
-                                } else if text.is_empty() {
-                                    context.events.emit(ADAPTER_EVENT, output_delta(&output.text)).await;
-                                }
-                                output.finish_reason = "stop".to_owned();
-                                return Ok(output);
-                            }
-                            Some("error") => {
-                                let code = event.get("code").and_then(Value::as_str).unwrap_or("error");
-                                let message = event.get("message").and_then(Value::as_str).unwrap_or("no message");
-                                return Err(AdapterError::new(
-                                    FailureKind::UpstreamRejected,
-                                    format!("the agent service of `{}` failed the run ({}): {}", context.agent.name, excerpt(code), excerpt(message)),
-                                ).into());
-                            }
-                            _ => {
-                                return Err(malformed(context, format!("it sent an event of unknown type: {}", excerpt(data))).into());
-                            }
-                        }
                     }
-                    if let Err(error) = decoded {
-                        return Err(malformed(context, error.to_string()).into());
+                    Some("final") => {
+                        // Calls still being served end with the run; their results are
+                        // recorded as they come (the gateway commits before answering).
+                        let mut output = final_output(context, &event)?;
+                        if output.text.is_empty() {
+                            output.text = text;
+                        } else if text.is_empty() {
+                            context
+                                .events
+                                .emit(ADAPTER_EVENT, output_delta(&output.text))
+                                .await;
+                        }
+                        output.finish_reason = "stop".to_owned();
+                        return Ok(output);
+                    }
+                    Some("error") => {
+                        let code = event.get("code").and_then(Value::as_str).unwrap_or("error");
+                        let message = event
+                            .get("message")
+                            .and_then(Value::as_str)
+                            .unwrap_or("no message");
+                        return Err(AdapterError::new(
+                            FailureKind::UpstreamRejected,
+                            format!(
+                                "the agent service of `{}` failed the run ({}): {}",
+                                context.agent.name,
+                                excerpt(code),
+                                excerpt(message)
+                            ),
+                        )
+                        .into());
+                    }
+                    _ => {
+                        return Err(malformed(
+                            context,
+                            format!("it sent an event of unknown type: {}", excerpt(data)),
+                        )
+                        .into());
                     }
                 }
+            }
+            if let Err(error) = decoded {
+                return Err(malformed(context, error.to_string()).into());
+            }
+        }
+    }
+}
+
+/// The callbacks an attempt is serving.
+type InFlight<'a> =
+    FuturesUnordered<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>>;
+
+/// Awaits `work` while serving the run's callbacks; `endpoint.timeout` bounds the silence —
+/// no answer and no callback — not the whole wait.
+async fn serve_while<'a, T>(
+    context: &'a AdapterContext<'a>,
+    endpoint: &EndpointConfig,
+    state: &mut Attempt<'_>,
+    in_flight: &mut InFlight<'a>,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T, AttemptError> {
+    tokio::pin!(work);
+    loop {
+        let idle = if in_flight.is_empty() {
+            endpoint.timeout
+        } else {
+            Duration::MAX
+        };
+        tokio::select! {
+            () = context.cancel.cancelled() => return Err(cancelled().into()),
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+            call = next_call(&mut state.queue) => {
+                if let Some(call) = call {
+                    state.delivered = true;
+                    in_flight.push(Box::pin(serve(context, call)));
+                }
+            }
+            done = tokio::time::timeout(idle, &mut work) => {
+                return done.map_err(|_| timeout(context, endpoint).into());
             }
         }
     }

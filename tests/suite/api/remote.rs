@@ -329,7 +329,29 @@ async fn hostile_service() -> String {
             _ => (axum::http::StatusCode::NOT_FOUND, "").into_response(),
         }
     }
-    let app = axum::Router::new().route("/{how}", axum::routing::post(answer));
+    // Calls a tool back before it answers at all, then answers with one JSON object.
+    async fn json_after_callback(axum::Json(run): axum::Json<Value>) -> axum::Json<Value> {
+        let callback = &run["callback"];
+        let answer: Value = reqwest::Client::new()
+            .post(format!(
+                "{}/tools/weather.lookup",
+                callback["url"].as_str().unwrap()
+            ))
+            .bearer_auth(callback["token"].as_str().unwrap())
+            .json(&json!({ "arguments": { "city": "Lima" } }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        axum::Json(
+            json!({ "output": format!("{}: {}", answer["status"], answer["result"]["echo"]["city"]) }),
+        )
+    }
+    let app = axum::Router::new()
+        .route("/json-callback", axum::routing::post(json_after_callback))
+        .route("/{how}", axum::routing::post(answer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -343,10 +365,10 @@ async fn a_hostile_service_fails_the_run_clearly_and_never_the_server() {
     let service = hostile_service().await;
     let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
     let workspace = tools_workspace(&upstream, &tools, "");
-    for how in ["hang", "garbage", "cut", "flood"] {
+    for how in ["hang", "garbage", "cut", "flood", "json-callback"] {
         workspace.write(
             &format!("config/agents/{how}.yaml"),
-            format!("apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: {how} }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{service}/{how}\", timeout: 1s }}\n"),
+            format!("apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: {how} }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{service}/{how}\", timeout: 1s }}\n  tools: [weather.lookup]\n"),
         );
     }
     let app = TestApp::spawn(workspace).await;
@@ -371,4 +393,18 @@ async fn a_hostile_service_fails_the_run_clearly_and_never_the_server() {
     }
     let (status, _) = app.get("/readyz", CLIENT_KEY).await;
     assert_eq!(status, 200);
+
+    // A service that calls back before answering is served meanwhile.
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "agentId": "json-callback", "input": { "text": "hi" } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let view = app
+        .wait_until_done(accepted["requestId"].as_str().unwrap())
+        .await;
+    assert_eq!(output_of(&view), "\"completed\": \"Lima\"", "{view}");
+    assert_eq!(tools.count("/weather"), 1);
 }
