@@ -130,8 +130,9 @@ class Handler(BaseHTTPRequestHandler):
         text = f"Billing desk: you asked {json.dumps(question)}."
         if lines:
             text += " " + " ".join(lines)
-        for word in text.split(" "):
-            self.event({"type": "delta", "text": word + " "})
+        words = text.split(" ")
+        for place, word in enumerate(words):
+            self.event({"type": "delta", "text": word if place == len(words) - 1 else word + " "})
         self.event({"type": "final", "output": "", "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
