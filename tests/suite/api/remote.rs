@@ -78,7 +78,7 @@ fn billing_workspace(
     workspace.write(
         "config/agents/billing.yaml",
         format!(
-            "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: billing }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{agent_url}\", apiKeyEnv: {KEY_ENV}, timeout: 2s }}\n  tools: [weather.lookup, payments.refund, files.delete]\n"
+            "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: billing }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{agent_url}\", apiKeyEnv: {KEY_ENV}, timeout: 5s }}\n  tools: [weather.lookup, payments.refund, files.delete]\n"
         ),
     );
     workspace
@@ -232,6 +232,56 @@ async fn a_callback_waits_for_an_operator_and_the_token_dies_with_the_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_the_run_revokes_its_token() {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let app = TestApp::spawn(billing_workspace(
+        &upstream,
+        &tools,
+        &format!("{}/run", agent.url),
+        "",
+    ))
+    .await;
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "agentId": "billing", "input": { "text": "slowly" },
+            "metadata": { "pauseSeconds": 30, "callTools": [{ "tool": "weather.lookup", "arguments": { "city": "Bern" } }] } }),
+    )
+    .await;
+    assert_eq!(status, 202);
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    poll("the callback", async || {
+        (tools.count("/weather") == 1).then_some(())
+    })
+    .await;
+    let callback = agent.last_callback().await;
+    let (status, _) = app
+        .post(
+            &format!("/runtime/requests/{request_id}/cancel"),
+            CLIENT_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "cancelled", "{view}");
+    let replay = app
+        .http
+        .post(format!(
+            "{}/tools/weather.lookup",
+            callback["url"].as_str().unwrap()
+        ))
+        .bearer_auth(callback["token"].as_str().unwrap())
+        .json(&json!({ "arguments": { "city": "Bern" } }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 401);
+    assert_eq!(tools.count("/weather"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_503_is_retried_per_recovery() {
     let agent = ReferenceAgent::start();
     let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
@@ -317,6 +367,7 @@ async fn hostile_service() -> String {
                 sse(axum::body::Body::empty())
             }
             "garbage" => sse("data: this is not json\n\n".into()),
+            "fail" => sse("data: {\"type\":\"error\",\"code\":\"ledger_down\",\"message\":\"the ledger is down\"}\n\n".into()),
             "cut" => sse("data: {\"type\":\"delta\",\"text\":\"half \"}\n\n".into()),
             "flood" => {
                 // 50 MB in one event that never ends.
@@ -365,7 +416,7 @@ async fn a_hostile_service_fails_the_run_clearly_and_never_the_server() {
     let service = hostile_service().await;
     let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
     let workspace = tools_workspace(&upstream, &tools, "");
-    for how in ["hang", "garbage", "cut", "flood", "json-callback"] {
+    for how in ["hang", "garbage", "fail", "cut", "flood", "json-callback"] {
         workspace.write(
             &format!("config/agents/{how}.yaml"),
             format!("apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: {how} }}\nspec:\n  backend: http\n  endpoint: {{ url: \"{service}/{how}\", timeout: 1s }}\n  tools: [weather.lookup]\n"),
@@ -374,6 +425,7 @@ async fn a_hostile_service_fails_the_run_clearly_and_never_the_server() {
     let app = TestApp::spawn(workspace).await;
     for (how, kind) in [
         ("garbage", "malformed"),
+        ("fail", "upstream_rejected"),
         ("cut", "connection"),
         ("flood", "malformed"),
         ("hang", "timeout"),
