@@ -30,6 +30,7 @@ pub enum ErrorCode {
     WrongKeyScope,
     ModelNotFound,
     AgentNotFound,
+    WorkflowNotFound,
     RequestNotFound,
     RunNotFound,
     SessionNotFound,
@@ -85,11 +86,10 @@ impl ErrorCode {
             InvalidRequest | InvalidWorkspace | InvalidImport => StatusCode::UNPROCESSABLE_ENTITY,
             MissingApiKey | InvalidApiKey => StatusCode::UNAUTHORIZED,
             WrongKeyScope => StatusCode::FORBIDDEN,
-            ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound | SessionNotFound
-            | ApprovalNotFound | ToolNotFound | RouteNotFound | SurfaceDisabled
-            | MessageNotFound | MemoryNotFound | ResponseNotFound | CallNotFound => {
-                StatusCode::NOT_FOUND
-            }
+            ModelNotFound | AgentNotFound | WorkflowNotFound | RequestNotFound | RunNotFound
+            | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
+            | SurfaceDisabled | MessageNotFound | MemoryNotFound | ResponseNotFound
+            | CallNotFound => StatusCode::NOT_FOUND,
             ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
             | RequestNotRetryable | MemoryNotPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -107,12 +107,14 @@ impl ErrorCode {
         use ErrorCode::*;
         match self {
             InvalidJson | InvalidRequest | UnknownField | InvalidParameter | InvalidMessage
-            | ToolsNotSupported | ModelNotFound | AgentNotFound | RequestNotFound | RunNotFound
-            | SessionNotFound | ApprovalNotFound | ToolNotFound | RouteNotFound
-            | SurfaceDisabled | MethodNotAllowed | BodyTooLarge | ApprovalDecided
-            | ApprovalPending | AlreadyExists | RequestEnded | RequestNotRetryable
-            | MessageNotFound | InvalidWorkspace | MemoryNotFound | MemoryNotPending
-            | InvalidImport | ResponseNotFound | CallNotFound => "invalid_request_error",
+            | ToolsNotSupported | ModelNotFound | AgentNotFound | WorkflowNotFound
+            | RequestNotFound | RunNotFound | SessionNotFound | ApprovalNotFound | ToolNotFound
+            | RouteNotFound | SurfaceDisabled | MethodNotAllowed | BodyTooLarge
+            | ApprovalDecided | ApprovalPending | AlreadyExists | RequestEnded
+            | RequestNotRetryable | MessageNotFound | InvalidWorkspace | MemoryNotFound
+            | MemoryNotPending | InvalidImport | ResponseNotFound | CallNotFound => {
+                "invalid_request_error"
+            }
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
             TooManyRuns => "rate_limit_error",
@@ -135,6 +137,7 @@ impl ErrorCode {
             WrongKeyScope => "wrong_key_scope",
             ModelNotFound => "model_not_found",
             AgentNotFound => "agent_not_found",
+            WorkflowNotFound => "workflow_not_found",
             RequestNotFound => "request_not_found",
             RunNotFound => "run_not_found",
             SessionNotFound => "session_not_found",

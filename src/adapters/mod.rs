@@ -199,6 +199,10 @@ pub enum FailureKind {
     MaxIterations,
     /// The store could not record a step, so the run could not go on safely.
     Store,
+    /// A workflow's tool node: its call failed or was refused.
+    ToolFailed,
+    /// A workflow stopped at `maxSteps`.
+    MaxSteps,
 }
 
 impl FailureKind {
@@ -214,6 +218,8 @@ impl FailureKind {
             Self::Unsupported => "unsupported",
             Self::MaxIterations => "max_iterations",
             Self::Store => "store",
+            Self::ToolFailed => "tool_failed",
+            Self::MaxSteps => "max_steps",
         }
     }
 }

@@ -82,6 +82,7 @@ pub async fn run(args: RunArgs) -> u8 {
             durable_before_return: false,
             client: Default::default(),
             surface: None,
+            workflow: None,
         })
         .await
     {

@@ -650,7 +650,11 @@ pub async fn create_response(
         store: request.store.unwrap_or(true),
     };
     let named_events = wants_named_events(&headers);
-    let (submitted, events) = submit(
+    let super::v1::Followed {
+        submitted,
+        events,
+        final_only,
+    } = submit(
         &state,
         &caller,
         V1Submission {
@@ -669,7 +673,7 @@ pub async fn create_response(
         ..shape
     };
     let answered = if request.stream.unwrap_or(false) {
-        stream_response(events, shape, submitted.clone(), named_events).await
+        stream_response(events, shape, submitted.clone(), named_events, final_only).await
     } else {
         complete_response(events, &shape, &submitted).await
     };
@@ -722,8 +726,9 @@ async fn stream_response(
     shape: Shape,
     submitted: Submitted,
     named_events: bool,
+    final_only: bool,
 ) -> Result<Response, ApiError> {
-    let held = hold_until_started(&mut events, &submitted).await?;
+    let held = hold_until_started(&mut events, &submitted, final_only).await?;
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
         let mut seq = Sequence(0);
@@ -748,7 +753,7 @@ async fn stream_response(
             if named_events && let Some(progress) = progress_event(&event) {
                 yield Ok(progress);
             }
-            if let Some(delta) = delta_text(&event) {
+            if let Some(delta) = delta_text(&event).filter(|_| !final_only) {
                 if !opened {
                     opened = true;
                     yield seq.event("response.output_item.added", json!({ "output_index": 0,

@@ -33,6 +33,9 @@ pub struct CreateRequest {
     /// Default: the workspace's `defaultAgent`.
     #[serde(default)]
     pub agent_id: Option<String>,
+    /// Run this workflow instead of an agent (not with `agentId`).
+    #[serde(default)]
+    pub workflow_id: Option<String>,
     /// Continue a session: its stored history is prepended to the input.
     #[serde(default)]
     pub session_id: Option<String>,
@@ -92,6 +95,13 @@ pub async fn create_request(
             .param("input"));
         }
     };
+    if body.agent_id.is_some() && body.workflow_id.is_some() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "give `agentId` or `workflowId`, not both",
+        )
+        .param("workflowId"));
+    }
     let new_messages = messages.len();
     let submitted = state
         .runtime
@@ -111,6 +121,7 @@ pub async fn create_request(
             durable_before_return: true,
             client: Default::default(),
             surface: None,
+            workflow: body.workflow_id,
         })
         .await?;
     if body.wait {

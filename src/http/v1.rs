@@ -86,12 +86,16 @@ pub(super) fn v1_error(code: ErrorCode, message: impl Into<String>) -> ApiError 
 #[utoipa::path(get, path = "/v1/models", tag = "v1", security(("client_key" = [])),
     responses((status = 200, description = "Every agent, as a model")))]
 pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
-    let data: Vec<Value> = state
-        .runtime
-        .workspace()
-        .agents
+    let workspace = state.runtime.workspace();
+    let agents = workspace.agents.keys();
+    let workflows = workspace
+        .workflows
         .values()
-        .map(|agent| model_json(&state, agent))
+        .filter(|workflow| workflow.expose_as_model)
+        .map(|workflow| &workflow.name);
+    let data: Vec<Value> = agents
+        .chain(workflows)
+        .map(|name| model_json(&state, name))
         .collect();
     Json(json!({ "object": "list", "data": data }))
 }
@@ -104,12 +108,36 @@ pub async fn get_model(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let workspace = state.runtime.workspace();
-    let agent = find_agent(&workspace, &id)?;
-    Ok(Json(model_json(&state, agent)))
+    let name = match find_model(&workspace, &id)? {
+        Model::Agent(agent) => &agent.name,
+        Model::Workflow(workflow) => &workflow.name,
+    };
+    Ok(Json(model_json(&state, name)))
 }
 
-fn model_json(state: &AppState, agent: &AgentConfig) -> Value {
-    json!({ "id": agent.name, "object": "model", "created": state.runtime_started_unix(), "owned_by": "stable-harness" })
+fn model_json(state: &AppState, name: &str) -> Value {
+    json!({ "id": name, "object": "model", "created": state.runtime_started_unix(), "owned_by": "stable-harness" })
+}
+
+/// What a `/v1` model is: an agent, or a workflow exposed as a model.
+pub(super) enum Model<'a> {
+    Agent(&'a AgentConfig),
+    Workflow(&'a crate::workspace::WorkflowConfig),
+}
+
+pub(super) fn find_model<'a>(
+    workspace: &'a CompiledWorkspace,
+    id: &str,
+) -> Result<Model<'a>, ApiError> {
+    match find_agent(workspace, id) {
+        Ok(agent) => Ok(Model::Agent(agent)),
+        Err(error) => workspace
+            .workflows
+            .get(id)
+            .filter(|workflow| workflow.expose_as_model)
+            .map(Model::Workflow)
+            .ok_or(error),
+    }
 }
 
 pub(super) fn find_agent<'a>(
@@ -257,7 +285,11 @@ pub async fn chat_completions(
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
     let named_events = wants_named_events(&headers);
-    let (submitted, events) = submit(
+    let Followed {
+        submitted,
+        events,
+        final_only,
+    } = submit(
         &state,
         &caller,
         V1Submission {
@@ -281,8 +313,11 @@ pub async fn chat_completions(
             events,
             completion,
             submitted.clone(),
-            include_usage,
-            named_events,
+            StreamOptionsOf {
+                include_usage,
+                named_events,
+                final_only,
+            },
         )
         .await
     } else {
@@ -378,6 +413,15 @@ pub(super) struct V1Submission {
     pub surface: Option<Value>,
 }
 
+/// A submitted `/v1` call, followed.
+pub(super) struct Followed {
+    pub submitted: Submitted,
+    pub events: ApprovalWatch,
+    /// A workflow's answer is its last agent node's output, sent whole at the end: the text
+    /// its earlier nodes stream is not part of it.
+    pub final_only: bool,
+}
+
 /// Checks the client's tools against the agent, completes the transcript with the stored
 /// turns of calls handed to the client, submits, and follows the request's events (a pending
 /// approval is watched for `protocols.openai.approvalWait`).
@@ -385,16 +429,19 @@ pub(super) async fn submit(
     state: &AppState,
     caller: &Caller,
     submission: V1Submission,
-) -> Result<(Submitted, ApprovalWatch), ApiError> {
+) -> Result<Followed, ApiError> {
     let workspace = state.runtime.workspace();
-    let agent = find_agent(&workspace, &submission.agent)?;
+    let (client_risk, workflow) = match find_model(&workspace, &submission.agent)? {
+        Model::Agent(agent) => (agent.client_tools, None),
+        Model::Workflow(workflow) => (None, Some(workflow.name.clone())),
+    };
     if !submission.tools.is_empty() {
-        let Some(risk) = agent.client_tools else {
+        let Some(risk) = client_risk else {
             return Err(v1_error(
                 ErrorCode::ToolsNotSupported,
                 format!(
-                    "agent `{}` does not take tools from the client (its `clientTools` is not enabled); its tools come from the workspace inventory",
-                    agent.name
+                    "model `{}` does not take tools from the client (no `clientTools` on it); its tools come from the workspace inventory",
+                    submission.agent
                 ),
             )
             .param("tools"));
@@ -415,10 +462,11 @@ pub(super) async fn submit(
         .rev()
         .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
         .count();
+    let workflow_requested = workflow.is_some();
     let (submitted, events) = state
         .runtime
         .submit_and_follow(NewRequest {
-            agent_id: Some(submission.agent),
+            agent_id: workflow.is_none().then_some(submission.agent),
             session_id: submission.session_id,
             owner: caller.identity.clone(),
             with_history: false,
@@ -433,11 +481,16 @@ pub(super) async fn submit(
                 results,
             },
             surface: submission.surface,
+            workflow,
         })
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
     let approval_wait = workspace.runtime.openai.approval_wait;
-    Ok((submitted, ApprovalWatch::new(events, approval_wait)))
+    Ok(Followed {
+        submitted,
+        events: ApprovalWatch::new(events, approval_wait),
+        final_only: workflow_requested,
+    })
 }
 
 struct Completion {
@@ -641,6 +694,7 @@ pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
 pub(super) async fn hold_until_started(
     events: &mut ApprovalWatch,
     submitted: &Submitted,
+    final_only: bool,
 ) -> Result<Vec<std::sync::Arc<EventRecord>>, ApiError> {
     let mut held = Vec::new();
     loop {
@@ -656,7 +710,7 @@ pub(super) async fn hold_until_started(
                 if is_terminal(&event.event_type) && event.event_type != REQUEST_COMPLETED {
                     return Err(terminal_failure(submitted, &event));
                 }
-                let start = delta_text(&event).is_some()
+                let start = (delta_text(&event).is_some() && !final_only)
                     || is_terminal(&event.event_type)
                     || event.event_type == APPROVAL_REQUESTED;
                 held.push(event);
@@ -677,14 +731,26 @@ pub(super) fn keep_alive(events: &ApprovalWatch) -> KeepAlive {
     KeepAlive::new().interval(interval)
 }
 
+/// How a chat stream is rendered.
+struct StreamOptionsOf {
+    include_usage: bool,
+    named_events: bool,
+    /// Only the final output, as one delta at the end (a workflow model).
+    final_only: bool,
+}
+
 async fn stream_response(
     mut events: ApprovalWatch,
     completion: Completion,
     submitted: Submitted,
-    include_usage: bool,
-    named_events: bool,
+    options: StreamOptionsOf,
 ) -> Result<Response, ApiError> {
-    let held = hold_until_started(&mut events, &submitted).await?;
+    let StreamOptionsOf {
+        include_usage,
+        named_events,
+        final_only,
+    } = options;
+    let held = hold_until_started(&mut events, &submitted, final_only).await?;
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
         yield Ok::<Event, Infallible>(Event::default().data(completion.chunk(json!({ "role": "assistant", "content": "" }), None, include_usage).to_string()));
@@ -702,8 +768,13 @@ async fn stream_response(
                 yield Ok(progress);
             }
             if let Some(text) = delta_text(&event) {
-                yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
+                if !final_only {
+                    yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
+                }
             } else if event.event_type == REQUEST_COMPLETED {
+                if final_only && let Some(text) = event.data.get("output").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                    yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
+                }
                 // Calls handed to the client: one `index` each, its name first, then its
                 // arguments as a delta, as OpenAI streams them.
                 for (index, call) in client_calls(&event.data).iter().enumerate() {

@@ -337,6 +337,11 @@ impl From<RuntimeError> for ApiError {
                 format!("agent `{agent}` not found"),
             )
             .param("agentId"),
+            RuntimeError::WorkflowNotFound(workflow) => ApiError::new(
+                ErrorCode::WorkflowNotFound,
+                format!("workflow `{workflow}` not found"),
+            )
+            .param("workflowId"),
             RuntimeError::NoDefaultAgent => {
                 ApiError::new(ErrorCode::InvalidRequest, error.to_string()).param("agentId")
             }

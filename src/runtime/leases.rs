@@ -176,7 +176,23 @@ impl Runtime {
             return Ok(false);
         };
         let (input, parent_message_id) = request_start(store.as_ref(), &request).await?;
-        let own_from = input.len();
+        // A workflow node's run: its agent and input come from its place in the workflow.
+        let node = run
+            .state
+            .as_ref()
+            .and_then(super::workflow::NodeJob::from_state);
+        let workspace = self.workspace();
+        let step = node.as_ref().and_then(|job| {
+            workspace
+                .workflows
+                .get(&job.workflow)
+                .and_then(|w| w.node(&job.node))
+        });
+        let (agent_id, own_from) = match (&node, step.and_then(super::workflow::node_agent)) {
+            (Some(job), Some(agent)) => (agent.to_owned(), step.map_or(0, |s| job.input(s).len())),
+            (Some(_), None) => (request.agent_id.clone(), 0),
+            (None, _) => (request.agent_id.clone(), input.len()),
+        };
         let messages = match run
             .state
             .as_ref()
@@ -198,13 +214,14 @@ impl Runtime {
                 request_id: request.id.clone(),
                 run_id: run.id.clone(),
                 session_id: request.session_id.clone(),
-                agent_id: request.agent_id.clone(),
+                agent_id,
                 status: RunStatus::Queued,
             },
             messages,
             own_from,
             options,
             client: super::ClientTurn::stored_in(&request.input),
+            node,
             parent_message_id,
             metadata: request.metadata.clone(),
             owner: request.owner.clone(),

@@ -24,6 +24,7 @@ mod reload;
 mod run;
 mod steering;
 mod watch;
+pub mod workflow;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -138,8 +139,10 @@ impl Protocol {
 /// A request as a surface hands it over.
 #[derive(Debug, Clone)]
 pub struct NewRequest {
-    /// `None`: the workspace's default agent.
+    /// `None`: the workspace's default agent (unless `workflow` is set).
     pub agent_id: Option<String>,
+    /// Run this workflow instead of an agent (the request's `agentId` is then its name).
+    pub workflow: Option<String>,
     /// `None`: a new session.
     pub session_id: Option<String>,
     /// Prepend the session's stored history to `messages` (the native API's behaviour; `/v1`
@@ -181,6 +184,8 @@ pub struct Submitted {
 pub enum RuntimeError {
     #[error("agent `{0}` not found")]
     AgentNotFound(String),
+    #[error("workflow `{0}` not found")]
+    WorkflowNotFound(String),
     #[error("no agent given and the workspace has no defaultAgent")]
     NoDefaultAgent,
     #[error(
@@ -426,15 +431,26 @@ impl Runtime {
             return Err(RuntimeError::ShuttingDown);
         }
         let workspace = self.workspace();
-        let agent_id = match request.agent_id {
-            Some(agent_id) => agent_id,
-            None => workspace
+        // A workflow request is named by its workflow; its runs are its nodes.
+        let workflow = match &request.workflow {
+            Some(name) => Some(
+                workspace
+                    .workflows
+                    .get(name)
+                    .ok_or_else(|| RuntimeError::WorkflowNotFound(name.clone()))?,
+            ),
+            None => None,
+        };
+        let agent_id = match (workflow, request.agent_id) {
+            (Some(workflow), _) => workflow.name.clone(),
+            (None, Some(agent_id)) => agent_id,
+            (None, None) => workspace
                 .runtime
                 .default_agent
                 .clone()
                 .ok_or(RuntimeError::NoDefaultAgent)?,
         };
-        if !workspace.agents.contains_key(&agent_id) {
+        if workflow.is_none() && !workspace.agents.contains_key(&agent_id) {
             return Err(RuntimeError::AgentNotFound(agent_id));
         }
         if !inner.journal.is_available() {
@@ -503,6 +519,9 @@ impl Runtime {
             _ => json!({ "messages": messages, "options": request.options }),
         };
         request.client.store_in(&mut input);
+        if let Some(workflow) = workflow {
+            input["workflow"] = Value::String(workflow.name.clone());
+        }
         if let Some(surface) = request.surface {
             input["surface"] = surface;
         }
@@ -539,12 +558,30 @@ impl Runtime {
                 created_at: now,
             }));
         }
+        // A workflow starts at its entry node, with the request's input.
+        let node = workflow.map(|workflow| workflow::NodeJob {
+            workflow: workflow.name.clone(),
+            node: workflow.entry.clone(),
+            step: 1,
+            last_output: None,
+            original: messages.clone(),
+        });
+        let entry = workflow.and_then(|w| w.node(&w.entry));
+        let run_messages = match (&node, entry) {
+            (Some(job), Some(entry)) if workflow::node_agent(entry).is_some() => job.input(entry),
+            (Some(_), _) => Vec::new(),
+            (None, _) => messages.clone(),
+        };
+        let run_agent = match entry.and_then(workflow::node_agent) {
+            Some(agent) => agent.to_owned(),
+            None => agent_id.clone(),
+        };
         ops.push(WriteOp::InsertRun(RunRecord {
             id: run_id.clone(),
             request_id: request_id.clone(),
             attempt: 1,
             status,
-            state: None,
+            state: node.as_ref().map(|job| job.state(&run_messages)),
             error: None,
             created_at: now,
             updated_at: now,
@@ -553,6 +590,29 @@ impl Runtime {
             lease: None,
             cancel_requested_by: None,
         }));
+        if let Some(job) = &node {
+            let event = |event_type: &str, data: Value| {
+                WriteOp::AppendEvent(EventRecord {
+                    id: new_id("evt"),
+                    request_id: request_id.clone(),
+                    run_id: run_id.clone(),
+                    session_id: session_id.clone(),
+                    agent_id: agent_id.clone(),
+                    seq: 0,
+                    event_type: event_type.to_owned(),
+                    at: now,
+                    data,
+                })
+            };
+            ops.push(event(
+                workflow::WORKFLOW_STARTED,
+                json!({ "workflowId": job.workflow, "entry": job.node }),
+            ));
+            ops.push(event(
+                workflow::NODE_STARTED,
+                json!({ "workflowId": job.workflow, "node": job.node, "step": 1, "runId": run_id }),
+            ));
+        }
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable.
         if request.durable_before_return {
@@ -569,11 +629,15 @@ impl Runtime {
             status,
         };
         let live = subscribe.then(|| inner.hub.subscribe(&submitted.request_id));
-        let own_from = messages.len();
+        let own_from = run_messages.len();
         self.start_run(run::RunJob {
-            submitted: submitted.clone(),
-            messages,
+            submitted: Submitted {
+                agent_id: run_agent,
+                ..submitted.clone()
+            },
+            messages: run_messages,
             own_from,
+            node,
             options: request.options,
             client: request.client,
             parent_message_id: parent_id,

@@ -45,6 +45,8 @@ pub(super) struct RunJob {
     pub options: Map<String, Value>,
     /// The client's tools and the results of calls it ran.
     pub client: super::ClientTurn,
+    /// The workflow node this run executes, if it is one.
+    pub node: Option<super::workflow::NodeJob>,
     pub parent_message_id: Option<String>,
     /// The request's metadata (policy input).
     pub metadata: Value,
@@ -104,6 +106,12 @@ struct RunEvents {
     user: Option<String>,
     /// Memory candidates this run proposed (`write-after-run` reports them).
     candidates: AtomicUsize,
+    /// The workflow node this run executes, if it is one.
+    node: Option<super::workflow::NodeJob>,
+    /// A tool node's gateway decision, for its edges.
+    decision: Mutex<Option<crate::workspace::NodeDecision>>,
+    /// The request's metadata (policy input; a workflow's next node gets it too).
+    metadata: Value,
 }
 
 impl RunEvents {
@@ -313,11 +321,16 @@ impl EventSink for RunEvents {
     }
 
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError> {
+        // A workflow node's checkpoint keeps its place in the workflow.
+        let state = match &self.node {
+            Some(job) => job.state(messages),
+            None => json!({ "messages": messages }),
+        };
         self.commit(vec![WriteOp::UpdateRun {
             id: self.submitted.run_id.clone(),
             status: RunStatus::Running,
             error: None,
-            state: Some(json!({ "messages": messages })),
+            state: Some(state),
             at: Utc::now(),
         }])
         .await
@@ -487,6 +500,7 @@ impl RunHost for RunEvents {
                 durable_before_return: true,
                 client: Default::default(),
                 surface: None,
+                workflow: None,
             })
             .await
             .map_err(|error| format!("agent `{agent}` could not take the task: {error}"))?;
@@ -646,6 +660,7 @@ pub(super) async fn execute(
         own_from,
         options,
         client,
+        node,
         parent_message_id,
         metadata,
         owner,
@@ -679,6 +694,9 @@ pub(super) async fn execute(
             .and_then(Value::as_str)
             .map(str::to_owned),
         candidates: AtomicUsize::new(0),
+        node: node.clone(),
+        decision: Mutex::new(None),
+        metadata: metadata.clone(),
     };
     // A run submitted while a slot was free was stored as running already; the others wait.
     // One cancelled while it waits ends without running.
@@ -714,39 +732,358 @@ pub(super) async fn execute(
     if let Ok(mut held) = events.slot.lock() {
         *held = Some(slot);
     }
-    let result = match agent {
-        Some(agent) => {
-            let scope = RunScope::new(
-                submitted.request_id.clone(),
-                submitted.run_id.clone(),
-                submitted.session_id.clone(),
-                agent,
-                metadata,
-                &events,
-                events.stop.clone(),
-            )
-            .with_key_labels(runtime.key_labels(&events.owner));
-            let run = AdapterRun {
-                agent,
-                resumed,
-                attempt,
-                messages: &messages,
-                own_from,
-                options: &options,
-                client: &client,
-            };
-            run_adapter(runtime, &events, scope, run).await
+    // A workflow's tool node: one gateway call, on behalf of the workflow.
+    let tool_node = node.as_ref().and_then(|job| {
+        let workflow = inventory.workspace.workflows.get(&job.workflow)?;
+        let step = workflow.node(&job.node)?;
+        match &step.target {
+            crate::workspace::WorkflowTarget::Tool(tool) => Some((workflow, step, tool)),
+            crate::workspace::WorkflowTarget::Agent(_) => None,
         }
-        // The workspace changed while the run was interrupted: say so instead of hanging.
-        None => Err(AdapterError::new(
-            FailureKind::Unsupported,
-            format!(
-                "agent `{}` no longer exists in the workspace, so its run cannot resume",
-                submitted.agent_id
-            ),
-        )),
+    });
+    let result = if let Some((workflow, step, tool)) = tool_node {
+        let caller = super::workflow::NodeJob::tool_caller(workflow, tool);
+        let scope = RunScope::new(
+            submitted.request_id.clone(),
+            submitted.run_id.clone(),
+            submitted.session_id.clone(),
+            &caller,
+            metadata,
+            &events,
+            events.stop.clone(),
+        )
+        .with_key_labels(runtime.key_labels(&events.owner));
+        run_tool_node(runtime, &events, scope, step, tool, resumed).await
+    } else {
+        match agent {
+            Some(agent) => {
+                let scope = RunScope::new(
+                    submitted.request_id.clone(),
+                    submitted.run_id.clone(),
+                    submitted.session_id.clone(),
+                    agent,
+                    metadata,
+                    &events,
+                    events.stop.clone(),
+                )
+                .with_key_labels(runtime.key_labels(&events.owner));
+                let run = AdapterRun {
+                    agent,
+                    resumed,
+                    attempt,
+                    messages: &messages,
+                    own_from,
+                    options: &options,
+                    client: &client,
+                };
+                run_adapter(runtime, &events, scope, run).await
+            }
+            // The workspace changed while the run was interrupted: say so instead of hanging.
+            None => Err(AdapterError::new(
+                FailureKind::Unsupported,
+                format!(
+                    "agent `{}` no longer exists in the workspace, so its run cannot resume",
+                    submitted.agent_id
+                ),
+            )),
+        }
     };
     finish(runtime, &events, &submitted, parent_message_id, result).await;
+}
+
+/// Ends a workflow node's run and takes the first edge whose condition holds on its recorded
+/// outcome: the node's end, the decision log entry and the next node's run commit together,
+/// then the next node starts. Without an edge (or at `maxSteps`) the workflow ends the request:
+/// completed with the last agent node's output when its last node completed, else failed.
+async fn finish_node(
+    runtime: &Runtime,
+    events: &RunEvents,
+    submitted: &Submitted,
+    parent_message_id: Option<String>,
+    job: &super::workflow::NodeJob,
+    result: Result<RuntimeOutput, AdapterError>,
+) {
+    use super::workflow::{
+        NODE_COMPLETED, NODE_STARTED, NodeJob, NodeResult, WORKFLOW_COMPLETED, WORKFLOW_FAILED,
+        describe_edge, next_node, node_agent, node_run,
+    };
+    use crate::workspace::NodeOutcome;
+    let now = Utc::now();
+    let workflow = events.inventory.workspace.workflows.get(&job.workflow);
+    let outcome = if result.is_ok() {
+        NodeOutcome::Completed
+    } else {
+        NodeOutcome::Failed
+    };
+    let decision = events.decision.lock().ok().and_then(|kept| *kept);
+    let next = workflow.and_then(|w| next_node(w, &job.node, NodeResult { outcome, decision }));
+    let error = result.as_ref().err().map(|error| {
+        let mut error = error.clone();
+        error.message = events
+            .inventory
+            .gateway
+            .redactor()
+            .redact_text(&error.message);
+        error.to_json()
+    });
+    let agent_node = workflow
+        .and_then(|w| w.node(&job.node))
+        .and_then(node_agent)
+        .is_some();
+    let last_output = match &result {
+        Ok(output) if agent_node => Some(output.text.clone()),
+        _ => job.last_output.clone(),
+    };
+    let mut ops = vec![
+        WriteOp::UpdateRun {
+            id: submitted.run_id.clone(),
+            status: if result.is_ok() { RunStatus::Completed } else { RunStatus::Failed },
+            error: error.clone(),
+            state: None,
+            at: now,
+        },
+        WriteOp::AppendEvent(events.event(
+            NODE_COMPLETED,
+            json!({ "workflowId": job.workflow, "node": job.node, "step": job.step,
+                "outcome": outcome, "decision": decision, "edge": describe_edge(next), "error": error }),
+        )),
+    ];
+    let max_steps = workflow.map_or(0, |w| w.max_steps);
+    if let (Some(workflow), Some(to)) = (workflow, next)
+        && job.step < max_steps
+        && let Some(step) = workflow.node(to)
+    {
+        let next_job = NodeJob {
+            workflow: job.workflow.clone(),
+            node: to.to_owned(),
+            step: job.step + 1,
+            last_output,
+            original: job.original.clone(),
+        };
+        let messages = if node_agent(step).is_some() {
+            next_job.input(step)
+        } else {
+            Vec::new()
+        };
+        let (run, started) = node_run(&submitted.request_id, &next_job, &messages);
+        let next_submitted = Submitted {
+            request_id: submitted.request_id.clone(),
+            run_id: run.id.clone(),
+            session_id: submitted.session_id.clone(),
+            agent_id: node_agent(step).unwrap_or(&workflow.name).to_owned(),
+            status: RunStatus::Queued,
+        };
+        let mut started_event = events.event(NODE_STARTED, started);
+        started_event.run_id = run.id.clone();
+        started_event.agent_id = next_submitted.agent_id.clone();
+        ops.push(WriteOp::InsertRun(run));
+        ops.push(WriteOp::AppendEvent(started_event));
+        match runtime
+            .inner
+            .journal
+            .settle(&submitted.request_id, ops)
+            .await
+        {
+            Ok(()) => {
+                crate::metrics::run_ended(
+                    &submitted.agent_id,
+                    if outcome == NodeOutcome::Completed {
+                        "completed"
+                    } else {
+                        "failed"
+                    },
+                    events.started.elapsed(),
+                );
+                let own_from = messages.len();
+                runtime.start_run(RunJob {
+                    submitted: next_submitted,
+                    messages,
+                    own_from,
+                    options: Map::new(),
+                    client: super::ClientTurn::default(),
+                    node: Some(next_job),
+                    parent_message_id,
+                    metadata: events.metadata.clone(),
+                    owner: events.owner.clone(),
+                    resumed: false,
+                    attempt: i64::from(job.step) + 1,
+                    cancel_by: None,
+                    permit: None,
+                    slot: None,
+                });
+            }
+            Err(error) => {
+                tracing::error!(%error, "a workflow step could not be committed; the node resumes when its lease is claimed again")
+            }
+        }
+        return;
+    }
+    // The workflow ends here.
+    let stopped = next.is_some();
+    let status = if outcome == NodeOutcome::Completed && !stopped {
+        RunStatus::Completed
+    } else {
+        RunStatus::Failed
+    };
+    let request_error = if stopped {
+        Some(
+            AdapterError::new(
+                FailureKind::MaxSteps,
+                format!(
+                    "workflow `{}` stopped at maxSteps ({max_steps})",
+                    job.workflow
+                ),
+            )
+            .to_json(),
+        )
+    } else if workflow.is_none() {
+        Some(
+            AdapterError::new(
+                FailureKind::Unsupported,
+                format!(
+                    "workflow `{}` no longer exists in the workspace",
+                    job.workflow
+                ),
+            )
+            .to_json(),
+        )
+    } else {
+        error
+    };
+    let summary = json!({ "workflowId": job.workflow, "steps": job.step, "lastNode": job.node });
+    if status == RunStatus::Completed {
+        let text = last_output.unwrap_or_default();
+        ops.push(WriteOp::AppendEvent(
+            events.event(WORKFLOW_COMPLETED, summary),
+        ));
+        ops.push(WriteOp::InsertMessage(MessageRecord {
+            id: new_id("msg"),
+            session_id: submitted.session_id.clone(),
+            parent_id: parent_message_id,
+            request_id: Some(submitted.request_id.clone()),
+            role: "assistant".into(),
+            content: json!({ "role": "assistant", "content": text }),
+            created_at: now,
+        }));
+        let usage = serde_json::to_value(crate::adapters::Usage::default()).unwrap_or(Value::Null);
+        ops.push(WriteOp::UpdateRequest {
+            id: submitted.request_id.clone(),
+            status,
+            output: Some(text.clone()),
+            error: None,
+            usage: Some(usage.clone()),
+            at: now,
+        });
+        ops.push(WriteOp::AppendEvent(events.event(
+            REQUEST_COMPLETED,
+            json!({ "output": text, "usage": usage, "finishReason": "stop" }),
+        )));
+    } else {
+        ops.push(WriteOp::AppendEvent(events.event(WORKFLOW_FAILED, summary)));
+        ops.push(WriteOp::UpdateRequest {
+            id: submitted.request_id.clone(),
+            status,
+            output: None,
+            error: request_error.clone(),
+            usage: None,
+            at: now,
+        });
+        ops.push(WriteOp::AppendEvent(
+            events.event(REQUEST_FAILED, json!({ "error": request_error })),
+        ));
+    }
+    match runtime
+        .inner
+        .journal
+        .settle(&submitted.request_id, ops)
+        .await
+    {
+        Ok(()) => crate::metrics::run_ended(
+            &submitted.agent_id,
+            status.as_str(),
+            events.started.elapsed(),
+        ),
+        Err(error) => {
+            tracing::error!(%error, "the end of a workflow could not be committed; it resumes when its lease is claimed again")
+        }
+    }
+}
+
+/// A workflow's tool node: the node's call through the gateway (allow-list of one, schema,
+/// policy, approval, recording), its decision kept for the node's edges.
+async fn run_tool_node(
+    runtime: &Runtime,
+    events: &RunEvents,
+    mut scope: RunScope<'_>,
+    step: &crate::workspace::WorkflowNode,
+    tool: &str,
+    resumed: bool,
+) -> Result<RuntimeOutput, AdapterError> {
+    use crate::gateway::Outcome;
+    use crate::workspace::NodeDecision;
+    let store = &runtime.inner.store;
+    if resumed {
+        scope.load_history(store.as_ref()).await.map_err(|error| {
+            AdapterError::new(
+                FailureKind::Unsupported,
+                format!("the run could not be resumed: {error}"),
+            )
+        })?;
+    }
+    events
+        .record(
+            REQUEST_STARTED,
+            json!({ "workflowId": scope.agent.name, "node": step.id, "tool": tool,
+                "runId": events.submitted.run_id, "instance": store.holder() }),
+        )
+        .await;
+    let call = ToolCall {
+        key: format!("node.{}", step.id),
+        id: step.id.clone(),
+        tool_id: tool.to_owned(),
+        arguments: step.arguments.clone(),
+    };
+    let key = call.key.clone();
+    let result = events.inventory.gateway.call(&scope, call).await;
+    let asked = store
+        .approvals_of_run(&events.submitted.run_id)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .any(|approval| approval.call_key == key);
+    let code = result
+        .content
+        .pointer("/error/code")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let decision = match result.outcome {
+        Outcome::Denied if asked || code.starts_with("approval_") => NodeDecision::Denied,
+        Outcome::Denied | Outcome::NotAllowed => NodeDecision::Deny,
+        _ if asked => NodeDecision::Approved,
+        _ => NodeDecision::Allow,
+    };
+    if let Ok(mut kept) = events.decision.lock() {
+        *kept = Some(decision);
+    }
+    match result.outcome {
+        Outcome::Completed => Ok(RuntimeOutput {
+            text: result.to_model_text(),
+            finish_reason: "stop".to_owned(),
+            ..RuntimeOutput::default()
+        }),
+        Outcome::Cancelled => Err(AdapterError::new(
+            FailureKind::Cancelled,
+            "the run was cancelled",
+        )),
+        _ => Err(AdapterError::new(
+            FailureKind::ToolFailed,
+            format!(
+                "tool node `{}` ({tool}): {}",
+                step.id,
+                result.to_model_text()
+            ),
+        )),
+    }
 }
 
 /// What a run gives its adapter.
@@ -903,6 +1240,13 @@ async fn finish(
                 json!({ "hook": "write-after-run", "candidates": candidates }),
             )
             .await;
+    }
+    // A workflow node that did not end by a cancel moves the workflow on (or ends it).
+    if let Some(job) = &events.node
+        && !matches!(&result, Err(error) if error.kind == FailureKind::Cancelled)
+    {
+        finish_node(runtime, events, submitted, parent_message_id, job, result).await;
+        return;
     }
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {

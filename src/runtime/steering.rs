@@ -120,6 +120,12 @@ impl Runtime {
                 status: request.status.as_str(),
             });
         }
+        if request.input.get("workflow").is_some() {
+            return Err(RuntimeError::NotRetryable {
+                id: request.id,
+                status: "a workflow's (submit it again)",
+            });
+        }
         let workspace = self.workspace();
         if !workspace.agents.contains_key(&request.agent_id) {
             return Err(RuntimeError::AgentNotFound(request.agent_id));
@@ -191,6 +197,7 @@ impl Runtime {
                 .cloned()
                 .unwrap_or_default(),
             client: super::ClientTurn::stored_in(&request.input),
+            node: None,
             parent_message_id,
             metadata: request.metadata,
             owner: request.owner,

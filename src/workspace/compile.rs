@@ -45,7 +45,7 @@ pub fn compile(
     let memory = runtime.as_ref().map(|runtime| &runtime.memory);
     let agents = compiler.agents(&documents, &inventory, &tools, &models, memory);
     compiler.delegation_cycles(&documents);
-    let workflows = compiler.workflows(&documents, &inventory);
+    let workflows = compiler.workflows(&documents, &inventory, &tools);
     if compiler.diagnostics.len() > before {
         return None;
     }
@@ -1818,6 +1818,7 @@ impl Compiler<'_> {
         &mut self,
         documents: &Documents,
         inventory: &Inventory,
+        tools: &BTreeMap<String, ToolConfig>,
     ) -> BTreeMap<String, WorkflowConfig> {
         let mut workflows = BTreeMap::new();
         for doc in &documents.workflows {
@@ -1827,30 +1828,9 @@ impl Compiler<'_> {
             let mut nodes = Vec::new();
             for node in &spec.nodes {
                 self.register(&mut node_names, "workflow node", origin, &node.id);
-                let target = match (&node.agent, &node.tool) {
-                    (Some(agent), None) => {
-                        self.reference(origin, agent, &inventory.agents, "agent", "Agent");
-                        WorkflowTarget::Agent(agent.value.clone())
-                    }
-                    (None, Some(tool)) => {
-                        self.reference(origin, tool, &inventory.tools, "tool", "ToolCatalog");
-                        WorkflowTarget::Tool(tool.value.clone())
-                    }
-                    _ => {
-                        self.report(origin.at(
-                            &node.id,
-                            format!(
-                                "workflow node `{}` needs exactly one of `agent` or `tool`",
-                                node.id.value
-                            ),
-                        ));
-                        continue;
-                    }
-                };
-                nodes.push(WorkflowNode {
-                    id: node.id.value.clone(),
-                    target,
-                });
+                if let Some(compiled) = self.workflow_node(origin, node, inventory, tools) {
+                    nodes.push(compiled);
+                }
             }
             if spec.nodes.is_empty() {
                 self.report(
@@ -1860,26 +1840,222 @@ impl Compiler<'_> {
             self.reference(origin, &spec.entry, &node_names, "workflow node", "");
             let mut edges = Vec::new();
             for edge in &spec.edges {
-                self.reference(origin, &edge.from, &node_names, "workflow node", "");
+                let from_known =
+                    self.reference(origin, &edge.from, &node_names, "workflow node", "");
                 self.reference(origin, &edge.to, &node_names, "workflow node", "");
+                let from_tool = spec
+                    .nodes
+                    .iter()
+                    .find(|n| n.id.value == edge.from.value)
+                    .is_some_and(|n| n.tool.is_some());
+                let when = edge.when.as_ref().and_then(|when| {
+                    match (when.status, &when.decision, &when.output) {
+                        (Some(status), None, None) => Some(EdgeCondition::Status(status)),
+                        (None, Some(decision), None) => {
+                            if from_known && !from_tool {
+                                self.report(origin.at(
+                                    decision,
+                                    format!("`decision` conditions are for tool nodes; `{}` runs an agent", edge.from.value),
+                                ).with_hint("branch on `status` after an agent node"));
+                            }
+                            Some(EdgeCondition::Decision(decision.value))
+                        }
+                        (None, None, Some(output)) => {
+                            self.report(origin.at(
+                                output,
+                                "`output` conditions need a response JSON Schema on the node's agent, which this build cannot declare",
+                            ).with_hint("branch on `status` (or `decision` after a tool node)"));
+                            None
+                        }
+                        _ => {
+                            self.report(origin.at(
+                                &edge.from,
+                                "an edge's `when` takes exactly one of `status`, `decision` and `output`",
+                            ));
+                            None
+                        }
+                    }
+                });
                 edges.push(WorkflowEdge {
                     from: edge.from.value.clone(),
                     to: edge.to.value.clone(),
-                    when: edge.when.as_ref().map(|w| w.status),
+                    when,
                 });
             }
+            self.workflow_graph(origin, spec);
+            let max_steps = match &spec.max_steps {
+                Some(n) if n.value == 0 || n.value > MAX_WORKFLOW_STEPS => {
+                    self.report(
+                        origin.at(n, format!("`maxSteps` must be 1 to {MAX_WORKFLOW_STEPS}")),
+                    );
+                    DEFAULT_WORKFLOW_STEPS
+                }
+                Some(n) => n.value,
+                None => DEFAULT_WORKFLOW_STEPS,
+            };
             let name = doc.raw.metadata.name.value.clone();
+            if inventory.agents.contains_key(&name) && spec.expose_as_model {
+                self.report(origin.at(
+                    &doc.raw.metadata.name,
+                    format!("workflow `{name}` is exposed as a model, and an agent has the same name"),
+                ).with_hint("rename one of them: /v1 models are agents and exposed workflows"));
+            }
             workflows.entry(name.clone()).or_insert(WorkflowConfig {
                 name,
                 description: spec.description.clone(),
                 entry: spec.entry.value.clone(),
                 nodes,
                 edges,
+                max_steps,
+                expose_as_model: spec.expose_as_model,
             });
         }
         workflows
     }
+
+    /// One node: exactly one of `agent` and `tool`, `input` only on agent nodes, `arguments`
+    /// only on tool nodes and valid against the tool's schema.
+    fn workflow_node(
+        &mut self,
+        origin: &Origin,
+        node: &raw::WorkflowNodeSpec,
+        inventory: &Inventory,
+        tools: &BTreeMap<String, ToolConfig>,
+    ) -> Option<WorkflowNode> {
+        let target = match (&node.agent, &node.tool) {
+            (Some(agent), None) => {
+                self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+                if let Some(arguments) = &node.arguments {
+                    self.report(origin.at(arguments, "`arguments` are for tool nodes"));
+                }
+                WorkflowTarget::Agent(agent.value.clone())
+            }
+            (None, Some(tool)) => {
+                self.reference(origin, tool, &inventory.tools, "tool", "ToolCatalog");
+                if let Some(input) = &node.input {
+                    self.report(origin.at(input, "`input` is for agent nodes"));
+                }
+                if let Some(config) = tools.get(&tool.value) {
+                    let arguments = node
+                        .arguments
+                        .as_ref()
+                        .map(|a| serde_json::Value::Object(a.value.clone()))
+                        .unwrap_or_else(|| serde_json::json!({}));
+                    if let Some(error) = config.input_validator.iter_errors(&arguments).next() {
+                        let at = node
+                            .arguments
+                            .as_ref()
+                            .map_or(tool.position, |a| a.position);
+                        self.report(origin.diagnostic(
+                            at,
+                            format!("node `{}`: arguments for `{}` do not match its inputSchema: {error}", node.id.value, tool.value),
+                        ));
+                    }
+                }
+                WorkflowTarget::Tool(tool.value.clone())
+            }
+            _ => {
+                self.report(origin.at(
+                    &node.id,
+                    format!(
+                        "workflow node `{}` needs exactly one of `agent` or `tool`",
+                        node.id.value
+                    ),
+                ));
+                return None;
+            }
+        };
+        Some(WorkflowNode {
+            id: node.id.value.clone(),
+            target,
+            input: node.input.as_ref().map(|i| i.value).unwrap_or_default(),
+            arguments: serde_json::Value::Object(
+                node.arguments
+                    .as_ref()
+                    .map(|a| a.value.clone())
+                    .unwrap_or_default(),
+            ),
+        })
+    }
+
+    /// Every node must be reachable from `entry`; a cycle needs `maxSteps`.
+    fn workflow_graph(&mut self, origin: &Origin, spec: &raw::WorkflowSpec) {
+        // An unknown entry is reported already; nothing is reachable from it.
+        if !spec.nodes.iter().any(|n| n.id.value == spec.entry.value) {
+            return;
+        }
+        let mut reached = std::collections::BTreeSet::new();
+        let mut frontier = vec![spec.entry.value.as_str()];
+        while let Some(node) = frontier.pop() {
+            if reached.insert(node) {
+                frontier.extend(
+                    spec.edges
+                        .iter()
+                        .filter(|e| e.from.value == node)
+                        .map(|e| e.to.value.as_str()),
+                );
+            }
+        }
+        for node in &spec.nodes {
+            if !reached.contains(node.id.value.as_str()) {
+                self.report(
+                    origin
+                        .at(
+                            &node.id,
+                            format!(
+                                "workflow node `{}` cannot be reached from `entry`",
+                                node.id.value
+                            ),
+                        )
+                        .with_hint("add an edge to it, or remove it"),
+                );
+            }
+        }
+        if spec.max_steps.is_some() {
+            return;
+        }
+        // A cycle: an edge back to a node from which its source is reachable.
+        let reaches = |from: &str, to: &str| {
+            let mut seen = std::collections::BTreeSet::new();
+            let mut frontier = vec![from];
+            while let Some(node) = frontier.pop() {
+                if node == to {
+                    return true;
+                }
+                if seen.insert(node) {
+                    frontier.extend(
+                        spec.edges
+                            .iter()
+                            .filter(|e| e.from.value == node)
+                            .map(|e| e.to.value.as_str()),
+                    );
+                }
+            }
+            false
+        };
+        if let Some(back) = spec
+            .edges
+            .iter()
+            .find(|e| reaches(&e.to.value, &e.from.value))
+        {
+            self.report(
+                origin
+                    .at(
+                        &back.to,
+                        format!(
+                            "the workflow loops through `{}` and has no `maxSteps`",
+                            back.to.value
+                        ),
+                    )
+                    .with_hint("set `maxSteps` to bound how many nodes one request may run"),
+            );
+        }
+    }
 }
+
+/// `maxSteps`: default and largest.
+const DEFAULT_WORKFLOW_STEPS: u32 = 100;
+const MAX_WORKFLOW_STEPS: u32 = 1_000;
 
 /// Tool ids `agents.<name>` are the gateway's delegation tools, one per agent.
 const DELEGATION_PREFIX: &str = "agents.";

@@ -97,14 +97,16 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
         "workflows": workspace.workflows.values().map(|workflow| json!({
             "name": workflow.name,
             "entry": workflow.entry,
+            "maxSteps": workflow.max_steps,
+            "exposeAsModel": workflow.expose_as_model,
             "nodes": workflow.nodes.iter().map(|node| match &node.target {
-                WorkflowTarget::Agent(agent) => json!({ "id": node.id, "agent": agent }),
-                WorkflowTarget::Tool(tool) => json!({ "id": node.id, "tool": tool }),
+                WorkflowTarget::Agent(agent) => json!({ "id": node.id, "agent": agent, "input": node.input }),
+                WorkflowTarget::Tool(tool) => json!({ "id": node.id, "tool": tool, "arguments": node.arguments }),
             }).collect::<Vec<_>>(),
             "edges": workflow.edges.iter().map(|edge| json!({
                 "from": edge.from,
                 "to": edge.to,
-                "when": edge.when.map(|outcome| wire_name(&outcome)),
+                "when": edge.when,
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })

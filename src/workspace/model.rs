@@ -10,8 +10,8 @@ use std::time::Duration;
 use serde::Serialize;
 
 pub use super::raw::{
-    Backend, BudgetScope, Decision, HttpMethod, InterruptedAction, NarrationStyle, NodeOutcome,
-    Provider, RetryKind, Risk, TimeoutAction,
+    Backend, BudgetScope, Decision, HttpMethod, InterruptedAction, NarrationStyle, NodeDecision,
+    NodeInput, NodeOutcome, Provider, RetryKind, Risk, TimeoutAction,
 };
 
 /// The name a config enum has in YAML and on the wire (`needs_approval`, `openai`, `high`).
@@ -455,13 +455,26 @@ pub struct WorkflowConfig {
     pub description: Option<String>,
     pub entry: String,
     pub nodes: Vec<WorkflowNode>,
+    /// In order: the first whose condition holds is taken.
     pub edges: Vec<WorkflowEdge>,
+    /// Most node executions per request.
+    pub max_steps: u32,
+    pub expose_as_model: bool,
+}
+
+impl WorkflowConfig {
+    pub fn node(&self, id: &str) -> Option<&WorkflowNode> {
+        self.nodes.iter().find(|node| node.id == id)
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct WorkflowNode {
     pub id: String,
     pub target: WorkflowTarget,
+    pub input: NodeInput,
+    /// Tool nodes: their arguments (an object).
+    pub arguments: serde_json::Value,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -474,5 +487,13 @@ pub enum WorkflowTarget {
 pub struct WorkflowEdge {
     pub from: String,
     pub to: String,
-    pub when: Option<NodeOutcome>,
+    pub when: Option<EdgeCondition>,
+}
+
+/// An edge's condition, on the recorded outcome of the node it leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum EdgeCondition {
+    Status(NodeOutcome),
+    Decision(NodeDecision),
 }

@@ -854,6 +854,12 @@ pub struct WorkflowSpec {
     pub nodes: Vec<WorkflowNodeSpec>,
     #[serde(default)]
     pub edges: Vec<WorkflowEdgeSpec>,
+    /// Most node executions per request (1 to 1000); required when the graph has a cycle.
+    #[serde(default)]
+    pub max_steps: Option<Located<u32>>,
+    /// List the workflow in `/v1/models` and run it as a model (default false).
+    #[serde(default)]
+    pub expose_as_model: bool,
 }
 
 /// A node runs exactly one agent or one tool.
@@ -865,6 +871,36 @@ pub struct WorkflowNodeSpec {
     pub agent: Option<Located<String>>,
     #[serde(default)]
     pub tool: Option<Located<String>>,
+    /// Agent nodes: `previous` (default) gets the previous agent node's output, `original` the
+    /// request's input.
+    #[serde(default)]
+    pub input: Option<Located<NodeInput>>,
+    /// Tool nodes: the arguments (checked against the tool's `inputSchema`).
+    #[serde(default)]
+    pub arguments: Option<Located<serde_json::Map<String, serde_json::Value>>>,
+}
+
+/// What an agent node is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeInput {
+    #[default]
+    Previous,
+    Original,
+}
+
+/// The gateway's decision on a tool node's call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeDecision {
+    /// Policy allowed it.
+    Allow,
+    /// Policy denied it.
+    Deny,
+    /// An operator approved it.
+    Approved,
+    /// An operator denied it, or its approval expired.
+    Denied,
 }
 
 #[derive(Debug, Clone, Deserialize, JsonSchema)]
@@ -885,8 +921,16 @@ pub enum NodeOutcome {
     Failed,
 }
 
+/// The condition of an edge, on the recorded outcome of the node it leaves: exactly one of
+/// `status`, `decision` (tool nodes) and `output`.
 #[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct EdgeConditionSpec {
-    pub status: NodeOutcome,
+    #[serde(default)]
+    pub status: Option<NodeOutcome>,
+    #[serde(default)]
+    pub decision: Option<Located<NodeDecision>>,
+    /// On structured output (needs a response schema; none can be declared yet).
+    #[serde(default)]
+    pub output: Option<Located<serde_json::Value>>,
 }

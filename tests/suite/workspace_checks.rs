@@ -619,6 +619,24 @@ const CASES: &[Case] = &[
             "config/catalogs/tools.yaml:8:13: tool id `client.exec` is reserved: `client.<name>` names a tool the client supplies (hint: give the tool another id)",
         ],
     },
+    Case {
+        name: "workflow graphs: reachable, conditions that fit their node, bounded loops",
+        files: &[(
+            "config/workflows/flow.yaml",
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Workflow\nmetadata: { name: flow }\nspec:\n  entry: a\n  nodes:\n    - { id: a, agent: assistant, arguments: { x: 1 } }\n    - { id: b, tool: echo, input: original, arguments: { text: 5 } }\n    - { id: lonely, agent: assistant }\n  edges:\n    - { from: a, to: b, when: { decision: approved } }\n    - { from: b, to: a, when: { output: { pointer: /x, equals: 1 } } }\n",
+            ),
+        )],
+        expected: &[
+            "config/workflows/flow.yaml:7:45: `arguments` are for tool nodes",
+            "config/workflows/flow.yaml:8:35: `input` is for agent nodes",
+            "config/workflows/flow.yaml:8:56: node `b`: arguments for `echo` do not match its inputSchema: 5 is not of type \"string\"",
+            "config/workflows/flow.yaml:9:13: workflow node `lonely` cannot be reached from `entry` (hint: add an edge to it, or remove it)",
+            "config/workflows/flow.yaml:11:22: the workflow loops through `b` and has no `maxSteps` (hint: set `maxSteps` to bound how many nodes one request may run)",
+            "config/workflows/flow.yaml:11:43: `decision` conditions are for tool nodes; `a` runs an agent (hint: branch on `status` after an agent node)",
+            "config/workflows/flow.yaml:12:41: `output` conditions need a response JSON Schema on the node's agent, which this build cannot declare (hint: branch on `status` (or `decision` after a tool node))",
+        ],
+    },
 ];
 
 #[test]

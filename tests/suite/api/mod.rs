@@ -39,6 +39,7 @@ mod runtime_api;
 pub mod tools;
 mod trust;
 mod v1;
+mod workflows;
 
 use std::sync::Arc;
 
