@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{Map, Value, json};
 
-use super::retry::{AttemptError, retry_after, settle};
+use super::retry::{AttemptError, refused, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
@@ -77,34 +77,9 @@ impl OpenAiAdapter {
             Ok(Err(error)) => return Err(transport_error(model, &error).into()),
             Ok(Ok(response)) => response,
         };
-        let status = response.status();
-        if !status.is_success() {
-            let retry_after = retry_after(response.headers());
-            let text = read_limited(response, 2048, model.timeout)
-                .await
-                .unwrap_or_default();
-            let kind = if status.as_u16() == 429 {
-                FailureKind::RateLimited
-            } else if status.is_server_error() {
-                FailureKind::Upstream5xx
-            } else {
-                FailureKind::UpstreamRejected
-            };
-            let mut error = AdapterError::new(
-                kind,
-                format!(
-                    "upstream model `{}` returned {}: {}",
-                    model.id,
-                    status.as_u16(),
-                    excerpt(&text)
-                ),
-            );
-            error.upstream_status = Some(status.as_u16());
-            return Err(AttemptError {
-                error,
-                delivered_text: false,
-                retry_after,
-            });
+        if !response.status().is_success() {
+            let who = format!("upstream model `{}`", model.id);
+            return Err(refused(response, &who, model.timeout).await);
         }
         let mut output = if streaming {
             self.read_stream(context, model, response, output_budget)

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::openai::read_limited;
-use super::retry::{AttemptError, retry_after, settle};
+use super::retry::{AttemptError, refused, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, Usage,
@@ -130,34 +130,9 @@ impl RemoteAdapter {
         let response =
             serve_while(context, endpoint, state, &mut in_flight, request.send()).await?;
         let response = response.map_err(|error| AttemptError::from(transport(context, &error)))?;
-        let status = response.status();
-        if !status.is_success() {
-            let retry_after = retry_after(response.headers());
-            let text = read_limited(response, 2048, endpoint.timeout)
-                .await
-                .unwrap_or_default();
-            let kind = if status.as_u16() == 429 {
-                FailureKind::RateLimited
-            } else if status.is_server_error() {
-                FailureKind::Upstream5xx
-            } else {
-                FailureKind::UpstreamRejected
-            };
-            let mut error = AdapterError::new(
-                kind,
-                format!(
-                    "agent service of `{}` returned {}: {}",
-                    context.agent.name,
-                    status.as_u16(),
-                    excerpt(&text)
-                ),
-            );
-            error.upstream_status = Some(status.as_u16());
-            return Err(AttemptError {
-                error,
-                delivered_text: false,
-                retry_after,
-            });
+        if !response.status().is_success() {
+            let who = format!("agent service of `{}`", context.agent.name);
+            return Err(refused(response, &who, endpoint.timeout).await);
         }
         let is_json = response
             .headers()

@@ -86,6 +86,41 @@ fn kind_matches(configured: RetryKind, kind: FailureKind) -> bool {
     )
 }
 
+/// The failed attempt an error status is: 429 rate limited, 5xx, else refused — with an
+/// excerpt of the body `who` answered and its `retry-after`.
+pub(super) async fn refused(
+    response: reqwest::Response,
+    who: &str,
+    timeout: Duration,
+) -> AttemptError {
+    let status = response.status();
+    let retry_after = retry_after(response.headers());
+    let text = super::openai::read_limited(response, 2048, timeout)
+        .await
+        .unwrap_or_default();
+    let kind = if status.as_u16() == 429 {
+        FailureKind::RateLimited
+    } else if status.is_server_error() {
+        FailureKind::Upstream5xx
+    } else {
+        FailureKind::UpstreamRejected
+    };
+    let mut error = AdapterError::new(
+        kind,
+        format!(
+            "{who} returned {}: {}",
+            status.as_u16(),
+            crate::text::excerpt(&text)
+        ),
+    );
+    error.upstream_status = Some(status.as_u16());
+    AttemptError {
+        error,
+        delivered_text: false,
+        retry_after,
+    }
+}
+
 /// An upstream's `retry-after` in seconds.
 pub(super) fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;

@@ -1,7 +1,6 @@
 //! What survives: a restart of the server process on the same SQLite file, a client that goes
 //! away mid-stream, and a full house (bounded concurrency).
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -30,15 +29,9 @@ fn start_server(dir: &std::path::Path) -> (Child, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
-    (child, address.to_owned())
+    let (line, address) = super::announced_address(&mut child);
+    let address = address.unwrap_or_else(|| panic!("no address in {line:?}"));
+    (child, address)
 }
 
 fn terminate(child: &mut Child) {

@@ -242,6 +242,36 @@ impl Drop for TestApp {
     }
 }
 
+/// The first line a child process printed (its address announcement), and the `http://`
+/// address in it.
+pub fn announced_address(child: &mut std::process::Child) -> (String, Option<String>) {
+    use std::io::{BufRead, BufReader};
+    let mut line = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        let _ = BufReader::new(stdout).read_line(&mut line);
+    }
+    let address = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .map(str::to_owned);
+    (line, address)
+}
+
+/// The text a `/v1` chat stream carried, its `delta.content`s joined.
+pub fn streamed_content(stream: &str) -> String {
+    stream
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
 /// `GET url` with a bearer key: the status and the JSON body (`null` if there is none).
 pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
     let response = http.get(url).bearer_auth(key).send().await.unwrap();
@@ -319,7 +349,6 @@ impl ServerProcess {
     /// `stable-harness start` on `dir` with `env` added to its environment; returns once it
     /// printed its address.
     pub fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> Self {
-        use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         let stderr = tempfile::NamedTempFile::new().unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
@@ -342,11 +371,8 @@ impl ServerProcess {
             .stdout(Stdio::piped())
             .stderr(stderr.reopen().unwrap());
         let mut child = command.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let Some(address) = line.split_whitespace().find(|w| w.starts_with("http://")) else {
+        let (line, address) = announced_address(&mut child);
+        let Some(address) = address else {
             let _ = child.kill();
             let _ = child.wait();
             panic!(

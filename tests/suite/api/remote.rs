@@ -26,7 +26,6 @@ struct ReferenceAgent {
 
 impl ReferenceAgent {
     fn start() -> Self {
-        use std::io::{BufRead, BufReader};
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/examples/billing-agent/agent.py"
@@ -37,15 +36,8 @@ impl ReferenceAgent {
             .stderr(Stdio::null())
             .spawn()
             .expect("python3 runs the reference agent service");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| panic!("the reference agent did not start: {line}"))
-            .to_owned();
+        let (line, url) = super::announced_address(&mut child);
+        let url = url.unwrap_or_else(|| panic!("the reference agent did not start: {line}"));
         Self { url, child }
     }
 
@@ -84,21 +76,41 @@ fn billing_workspace(
     workspace
 }
 
+/// The reference agent, and the app serving `billing` in front of it.
+async fn billing_app(runtime_extra: &str) -> (ReferenceAgent, MockUpstream, ToolServer, TestApp) {
+    let agent = ReferenceAgent::start();
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let workspace = billing_workspace(
+        &upstream,
+        &tools,
+        &format!("{}/run", agent.url),
+        runtime_extra,
+    );
+    let app = TestApp::spawn(workspace).await;
+    (agent, upstream, tools, app)
+}
+
+/// A tool callback with `token` (if any): its status.
+async fn call_back(app: &TestApp, url: &str, token: Option<&str>, arguments: Value) -> u16 {
+    let mut request = app.http.post(format!("{url}/tools/weather.lookup"));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request
+        .json(&json!({ "arguments": arguments }))
+        .send()
+        .await
+        .unwrap();
+    response.status().as_u16()
+}
+
 fn output_of(view: &Value) -> String {
     view["output"].as_str().unwrap_or_default().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_output_reaches_v1_and_callbacks_are_governed() {
-    let agent = ReferenceAgent::start();
-    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
-    let app = TestApp::spawn(billing_workspace(
-        &upstream,
-        &tools,
-        &format!("{}/run", agent.url),
-        "",
-    ))
-    .await;
+    let (_agent, _upstream, tools, app) = billing_app("").await;
     let calls = json!([
         { "tool": "weather.lookup", "arguments": { "city": "Oslo" } },
         { "tool": "files.delete", "arguments": {} },
@@ -112,17 +124,7 @@ async fn streamed_output_reaches_v1_and_callbacks_are_governed() {
         .await;
     assert_eq!(response.status(), 200);
     let text = response.text().await.unwrap();
-    let streamed: String = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect();
+    let streamed = super::streamed_content(&text);
     assert!(streamed.contains("Billing desk"), "{text}");
     assert!(
         streamed.contains("Oslo"),
@@ -153,16 +155,8 @@ async fn streamed_output_reaches_v1_and_callbacks_are_governed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callback_waits_for_an_operator_and_the_token_dies_with_the_run() {
-    let agent = ReferenceAgent::start();
-    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
     let extra = "  protocols:\n    openai:\n      approvalWait: 1s\n";
-    let app = TestApp::spawn(billing_workspace(
-        &upstream,
-        &tools,
-        &format!("{}/run", agent.url),
-        extra,
-    ))
-    .await;
+    let (agent, _upstream, tools, app) = billing_app(extra).await;
     let (status, accepted) = submit(
         &app.http,
         &app.base,
@@ -211,37 +205,15 @@ async fn a_callback_waits_for_an_operator_and_the_token_dies_with_the_run() {
     assert_eq!(tools.count("/refund"), 1);
 
     // Replayed after the run ended: refused.
-    let replay = app
-        .http
-        .post(format!("{url}/tools/weather.lookup"))
-        .bearer_auth(&token)
-        .json(&json!({ "arguments": { "city": "Paris" } }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(replay.status(), 401);
-    let missing = app
-        .http
-        .post(format!("{url}/tools/weather.lookup"))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(missing.status(), 401);
+    let replayed = call_back(&app, &url, Some(&token), json!({ "city": "Paris" })).await;
+    assert_eq!(replayed, 401);
+    assert_eq!(call_back(&app, &url, None, json!({})).await, 401);
     assert_eq!(tools.count("/weather"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_the_run_revokes_its_token() {
-    let agent = ReferenceAgent::start();
-    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
-    let app = TestApp::spawn(billing_workspace(
-        &upstream,
-        &tools,
-        &format!("{}/run", agent.url),
-        "",
-    ))
-    .await;
+    let (agent, _upstream, tools, app) = billing_app("").await;
     let (status, accepted) = submit(
         &app.http,
         &app.base,
@@ -266,32 +238,21 @@ async fn cancelling_the_run_revokes_its_token() {
     assert_eq!(status, 200);
     let view = app.wait_until_done(&request_id).await;
     assert_eq!(view["status"], "cancelled", "{view}");
-    let replay = app
-        .http
-        .post(format!(
-            "{}/tools/weather.lookup",
-            callback["url"].as_str().unwrap()
-        ))
-        .bearer_auth(callback["token"].as_str().unwrap())
-        .json(&json!({ "arguments": { "city": "Bern" } }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(replay.status(), 401);
+    let url = callback["url"].as_str().unwrap();
+    let replayed = call_back(
+        &app,
+        url,
+        callback["token"].as_str(),
+        json!({ "city": "Bern" }),
+    )
+    .await;
+    assert_eq!(replayed, 401);
     assert_eq!(tools.count("/weather"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_503_is_retried_per_recovery() {
-    let agent = ReferenceAgent::start();
-    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
-    let app = TestApp::spawn(billing_workspace(
-        &upstream,
-        &tools,
-        &format!("{}/run", agent.url),
-        "",
-    ))
-    .await;
+    let (_agent, _upstream, _tools, app) = billing_app("").await;
     let (status, accepted) = submit(
         &app.http,
         &app.base,

@@ -254,17 +254,7 @@ async fn a_workflow_exposed_as_a_model_answers_on_v1() {
         .await
         .unwrap()
         .unwrap();
-    let content: String = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect();
+    let content = super::streamed_content(&text);
     assert_eq!(content, "Sorry, no refund today.", "{text}");
     assert_eq!(tools.count("/refund"), 0);
 }
