@@ -310,3 +310,42 @@ async fn killed_between_nodes_a_workflow_resumes_and_no_node_runs_twice() {
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_agent_a_reload_removed_fails_the_workflow_clearly() {
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let workspace = super::tools::tools_workspace(&upstream, &tools, "");
+    workspace.write(
+        "config/agents/temp.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: temp }\nspec:\n  backend: scripted\n  script: [{ reply: temporary }]\n",
+    );
+    let flow = |then: &str| {
+        format!(
+            "apiVersion: stable-harness/v1\nkind: Workflow\nmetadata: {{ name: flow }}\nspec:\n  entry: refund\n  nodes:\n    - {{ id: refund, tool: payments.refund, arguments: {{ amount: 1 }} }}\n    - {{ id: later, agent: {then} }}\n  edges:\n    - {{ from: refund, to: later }}\n"
+        )
+    };
+    workspace.write("config/workflows/flow.yaml", flow("temp"));
+    let app = TestApp::spawn(workspace).await;
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "workflowId": "flow", "input": { "text": "go" } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["requestId"].as_str().unwrap().to_owned();
+    app.pending_approval().await;
+    // While the workflow waits, a reload removes the agent its next node runs.
+    app.workspace.remove("config/agents/temp.yaml");
+    app.workspace
+        .write("config/workflows/flow.yaml", flow("greeter"));
+    let (status, reloaded) = app
+        .post("/admin/workspace/reload", super::ADMIN_KEY, &json!({}))
+        .await;
+    assert_eq!(status, 200, "{reloaded}");
+    assert_eq!(approve_pending(&app.http, &app.base).await, 1);
+    let view = app.wait_until_done(&id).await;
+    assert_eq!(view["status"], "failed", "{view}");
+    let message = view["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("`temp` no longer exists"), "{view}");
+}
