@@ -203,6 +203,8 @@ pub enum FailureKind {
     ToolFailed,
     /// A workflow stopped at `maxSteps`.
     MaxSteps,
+    /// The answer of an agent with a `responseSchema` did not satisfy it.
+    InvalidOutput,
 }
 
 impl FailureKind {
@@ -220,6 +222,7 @@ impl FailureKind {
             Self::Store => "store",
             Self::ToolFailed => "tool_failed",
             Self::MaxSteps => "max_steps",
+            Self::InvalidOutput => "invalid_output",
         }
     }
 }

@@ -701,6 +701,15 @@ fn request_body(
     for (key, value) in context.options {
         body.insert(key.clone(), value.clone());
     }
+    // An agent that answers structured output asks the model for it (unless told otherwise).
+    if let Some(schema) = &context.agent.response_schema
+        && !body.contains_key("response_format")
+    {
+        body.insert(
+            "response_format".into(),
+            json!({ "type": "json_schema", "json_schema": { "name": "response", "schema": schema.schema } }),
+        );
+    }
     body.insert("model".into(), model.upstream_model.clone().into());
     body.insert("messages".into(), messages.into());
     if !request.functions.is_empty() {

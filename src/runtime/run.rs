@@ -753,7 +753,10 @@ pub(super) async fn execute(
             events.stop.clone(),
         )
         .with_key_labels(runtime.key_labels(&events.owner));
-        run_tool_node(runtime, &events, scope, step, tool, resumed).await
+        let arguments = node
+            .as_ref()
+            .map_or_else(|| json!({}), |job| job.arguments(step));
+        run_tool_node(runtime, &events, scope, step, tool, arguments, resumed).await
     } else {
         match agent {
             Some(agent) => {
@@ -816,7 +819,22 @@ async fn finish_node(
         NodeOutcome::Failed
     };
     let decision = events.decision.lock().ok().and_then(|kept| *kept);
-    let next = workflow.and_then(|w| next_node(w, &job.node, NodeResult { outcome, decision }));
+    // An agent with a `responseSchema` answered JSON (its run checked it).
+    let structured = result
+        .as_ref()
+        .ok()
+        .and_then(|output| serde_json::from_str::<Value>(&output.text).ok());
+    let next = workflow.and_then(|w| {
+        next_node(
+            w,
+            &job.node,
+            NodeResult {
+                outcome,
+                decision,
+                output: structured.as_ref(),
+            },
+        )
+    });
     let error = result.as_ref().err().map(|error| {
         let mut error = error.clone();
         error.message = events
@@ -1017,6 +1035,7 @@ async fn run_tool_node(
     mut scope: RunScope<'_>,
     step: &crate::workspace::WorkflowNode,
     tool: &str,
+    arguments: Value,
     resumed: bool,
 ) -> Result<RuntimeOutput, AdapterError> {
     use crate::gateway::Outcome;
@@ -1041,7 +1060,7 @@ async fn run_tool_node(
         key: format!("node.{}", step.id),
         id: step.id.clone(),
         tool_id: tool.to_owned(),
-        arguments: step.arguments.clone(),
+        arguments,
     };
     let key = call.key.clone();
     let result = events.inventory.gateway.call(&scope, call).await;
@@ -1191,7 +1210,7 @@ async fn run_adapter(
         tools: &tools,
         cancel,
     };
-    tokio::select! {
+    let result = tokio::select! {
         result = adapter.run(context) => result,
         () = events.clock.expired() => Err(AdapterError::new(
             FailureKind::Timeout,
@@ -1199,6 +1218,39 @@ async fn run_adapter(
                 "agent `{}` exceeded its timeout of {}s",
                 agent.name,
                 agent.timeout.as_secs_f64()
+            ),
+        )),
+    };
+    result.and_then(|output| checked_response(agent, output))
+}
+
+/// The answer of an agent with a `responseSchema` must be JSON that satisfies it (a run that
+/// hands calls to the client has no answer yet).
+fn checked_response(
+    agent: &AgentConfig,
+    output: RuntimeOutput,
+) -> Result<RuntimeOutput, AdapterError> {
+    let Some(schema) = &agent.response_schema else {
+        return Ok(output);
+    };
+    if !output.client_calls.is_empty() {
+        return Ok(output);
+    }
+    let problem = match serde_json::from_str::<Value>(&output.text) {
+        Err(error) => Some(format!("it is not JSON ({error})")),
+        Ok(value) => schema
+            .validator
+            .iter_errors(&value)
+            .next()
+            .map(|error| error.to_string()),
+    };
+    match problem {
+        None => Ok(output),
+        Some(problem) => Err(AdapterError::new(
+            FailureKind::InvalidOutput,
+            format!(
+                "the answer of agent `{}` does not satisfy its responseSchema: {problem}",
+                agent.name
             ),
         )),
     }

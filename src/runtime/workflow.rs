@@ -65,6 +65,18 @@ impl NodeJob {
         })
     }
 
+    /// A tool node's arguments: its own, else the previous agent node's structured output
+    /// (an object), else none.
+    pub fn arguments(&self, node: &WorkflowNode) -> Value {
+        node.arguments.clone().unwrap_or_else(|| {
+            self.last_output
+                .as_deref()
+                .and_then(|text| serde_json::from_str::<Value>(text).ok())
+                .filter(Value::is_object)
+                .unwrap_or_else(|| json!({}))
+        })
+    }
+
     /// The messages an agent node starts from.
     pub fn input(&self, node: &WorkflowNode) -> Vec<Value> {
         match (node.input, &self.last_output) {
@@ -97,32 +109,39 @@ impl NodeJob {
             endpoint: None,
             retention: None,
             client_tools: None,
+            response_schema: None,
         }
     }
 }
 
 /// How a node ended, as edges see it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeResult {
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NodeResult<'o> {
     pub outcome: NodeOutcome,
     /// Tool nodes: the gateway's decision.
     pub decision: Option<NodeDecision>,
+    /// Agent nodes with a `responseSchema`: the output, parsed.
+    pub output: Option<&'o Value>,
 }
 
 /// The first edge out of `node` whose condition holds.
 pub fn next_node<'w>(
     workflow: &'w WorkflowConfig,
     node: &str,
-    result: NodeResult,
+    result: NodeResult<'_>,
 ) -> Option<&'w str> {
     workflow
         .edges
         .iter()
         .filter(|edge| edge.from == node)
-        .find(|edge| match edge.when {
+        .find(|edge| match &edge.when {
             None => true,
-            Some(EdgeCondition::Status(status)) => status == result.outcome,
-            Some(EdgeCondition::Decision(decision)) => result.decision == Some(decision),
+            Some(EdgeCondition::Status(status)) => *status == result.outcome,
+            Some(EdgeCondition::Decision(decision)) => result.decision == Some(*decision),
+            Some(EdgeCondition::Output(condition)) => result
+                .output
+                .and_then(|output| output.pointer(&condition.pointer))
+                .is_some_and(|value| *value == condition.equals),
         })
         .map(|edge| edge.to.as_str())
 }

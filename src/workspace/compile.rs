@@ -1634,6 +1634,30 @@ impl Compiler<'_> {
             .memory
             .as_ref()
             .map(|memory| self.agent_memory(origin, memory, runtime_memory));
+        let response_schema = spec.response_schema.as_ref().and_then(|schema| {
+            let describes_object =
+                schema.get("type").and_then(serde_json::Value::as_str) == Some("object");
+            if !describes_object {
+                self.report(origin.at(
+                    schema,
+                    "`responseSchema` must describe an object (`type: object`)",
+                ));
+                return None;
+            }
+            match jsonschema::validator_for(&schema.value) {
+                Ok(validator) => Some(ResponseSchema {
+                    schema: schema.value.clone(),
+                    validator: Arc::new(validator),
+                }),
+                Err(error) => {
+                    self.report(origin.at(
+                        schema,
+                        format!("`responseSchema` is not a valid JSON Schema: {error}"),
+                    ));
+                    None
+                }
+            }
+        });
         let client_tools = spec.client_tools.as_ref().and_then(|client| {
             if client.enabled && backend != Backend::Openai {
                 self.report(
@@ -1699,6 +1723,7 @@ impl Compiler<'_> {
             endpoint,
             retention,
             client_tools,
+            response_schema,
         }
     }
 
@@ -1861,11 +1886,24 @@ impl Compiler<'_> {
                             Some(EdgeCondition::Decision(decision.value))
                         }
                         (None, None, Some(output)) => {
-                            self.report(origin.at(
-                                output,
-                                "`output` conditions need a response JSON Schema on the node's agent, which this build cannot declare",
-                            ).with_hint("branch on `status` (or `decision` after a tool node)"));
-                            None
+                            let agent = spec
+                                .nodes
+                                .iter()
+                                .find(|n| n.id.value == edge.from.value)
+                                .and_then(|n| n.agent.as_ref());
+                            let structured = agent.and_then(|a| {
+                                documents.agents.iter().find(|d| d.raw.metadata.name.value == a.value)
+                            }).is_some_and(|d| d.raw.spec.response_schema.is_some());
+                            if from_known && !structured {
+                                self.report(origin.at(
+                                    output,
+                                    format!("`output` conditions need a structured output: `{}` must run an agent with a `responseSchema`", edge.from.value),
+                                ).with_hint("give the agent `responseSchema`, or branch on `status`"));
+                            }
+                            if !output.value.pointer.is_empty() && !output.value.pointer.starts_with('/') {
+                                self.report(origin.at(output, format!("`{}` is not a JSON pointer (it starts with `/`)", output.value.pointer)));
+                            }
+                            Some(EdgeCondition::Output(output.value.clone()))
                         }
                         _ => {
                             self.report(origin.at(
@@ -1935,19 +1973,13 @@ impl Compiler<'_> {
                 if let Some(input) = &node.input {
                     self.report(origin.at(input, "`input` is for agent nodes"));
                 }
-                if let Some(config) = tools.get(&tool.value) {
-                    let arguments = node
-                        .arguments
-                        .as_ref()
-                        .map(|a| serde_json::Value::Object(a.value.clone()))
-                        .unwrap_or_else(|| serde_json::json!({}));
+                // Without `arguments`, the previous agent node's structured output is checked
+                // by the gateway when the node runs.
+                if let (Some(config), Some(arguments)) = (tools.get(&tool.value), &node.arguments) {
+                    let arguments = serde_json::Value::Object(arguments.value.clone());
                     if let Some(error) = config.input_validator.iter_errors(&arguments).next() {
-                        let at = node
-                            .arguments
-                            .as_ref()
-                            .map_or(tool.position, |a| a.position);
                         self.report(origin.diagnostic(
-                            at,
+                            node.arguments.as_ref().map_or(tool.position, |a| a.position),
                             format!("node `{}`: arguments for `{}` do not match its inputSchema: {error}", node.id.value, tool.value),
                         ));
                     }
@@ -1969,12 +2001,10 @@ impl Compiler<'_> {
             id: node.id.value.clone(),
             target,
             input: node.input.as_ref().map(|i| i.value).unwrap_or_default(),
-            arguments: serde_json::Value::Object(
-                node.arguments
-                    .as_ref()
-                    .map(|a| a.value.clone())
-                    .unwrap_or_default(),
-            ),
+            arguments: node
+                .arguments
+                .as_ref()
+                .map(|a| serde_json::Value::Object(a.value.clone())),
         })
     }
 

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 pub use super::raw::{
     Backend, BudgetScope, Decision, HttpMethod, InterruptedAction, NarrationStyle, NodeDecision,
-    NodeInput, NodeOutcome, Provider, RetryKind, Risk, TimeoutAction,
+    NodeInput, NodeOutcome, OutputCondition, Provider, RetryKind, Risk, TimeoutAction,
 };
 
 /// The name a config enum has in YAML and on the wire (`needs_approval`, `openai`, `high`).
@@ -233,6 +233,21 @@ pub struct AgentConfig {
     pub retention: Option<Duration>,
     /// `Some`: the agent accepts tools from the client, each governed with this risk.
     pub client_tools: Option<Risk>,
+    /// The JSON Schema every answer of the agent satisfies, compiled once.
+    pub response_schema: Option<ResponseSchema>,
+}
+
+/// An agent's `responseSchema`.
+#[derive(Clone)]
+pub struct ResponseSchema {
+    pub schema: serde_json::Value,
+    pub validator: Arc<jsonschema::Validator>,
+}
+
+impl fmt::Debug for ResponseSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.schema.fmt(f)
+    }
 }
 
 /// `store.retention`, compiled. Pruning runs when any window is set (here or on an agent).
@@ -473,8 +488,9 @@ pub struct WorkflowNode {
     pub id: String,
     pub target: WorkflowTarget,
     pub input: NodeInput,
-    /// Tool nodes: their arguments (an object).
-    pub arguments: serde_json::Value,
+    /// Tool nodes: their arguments (an object); `None`: the previous agent node's structured
+    /// output.
+    pub arguments: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -491,9 +507,10 @@ pub struct WorkflowEdge {
 }
 
 /// An edge's condition, on the recorded outcome of the node it leaves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub enum EdgeCondition {
     Status(NodeOutcome),
     Decision(NodeDecision),
+    Output(OutputCondition),
 }

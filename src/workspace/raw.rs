@@ -594,6 +594,10 @@ pub struct AgentSpec {
     /// model beside the agent's own and governed as `client.<name>` (`openai` backend only).
     #[serde(default)]
     pub client_tools: Option<Located<ClientToolsSpec>>,
+    /// The agent answers JSON valid against this schema (an object); any other answer fails
+    /// its run. Workflows may branch on it and pass it to a tool node.
+    #[serde(default)]
+    pub response_schema: Option<Located<serde_json::Value>>,
 }
 
 /// An agent's opt-in to tools supplied by the client.
@@ -875,7 +879,8 @@ pub struct WorkflowNodeSpec {
     /// request's input.
     #[serde(default)]
     pub input: Option<Located<NodeInput>>,
-    /// Tool nodes: the arguments (checked against the tool's `inputSchema`).
+    /// Tool nodes: the arguments (checked against the tool's `inputSchema`); without them, the
+    /// previous agent node's structured output (its agent has a `responseSchema`).
     #[serde(default)]
     pub arguments: Option<Located<serde_json::Map<String, serde_json::Value>>>,
 }
@@ -930,7 +935,16 @@ pub struct EdgeConditionSpec {
     pub status: Option<NodeOutcome>,
     #[serde(default)]
     pub decision: Option<Located<NodeDecision>>,
-    /// On structured output (needs a response schema; none can be declared yet).
+    /// On the structured output of an agent node whose agent has a `responseSchema`.
     #[serde(default)]
-    pub output: Option<Located<serde_json::Value>>,
+    pub output: Option<Located<OutputCondition>>,
+}
+
+/// `output: {pointer, equals}`: the value at a JSON pointer of the node's output.
+#[derive(Debug, Clone, Deserialize, JsonSchema, serde::Serialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OutputCondition {
+    /// A JSON pointer (`/route`).
+    pub pointer: String,
+    pub equals: serde_json::Value,
 }

@@ -180,7 +180,7 @@ fn validate_json_of_a_valid_workspace_prints_the_inventory() {
     assert_eq!(runtime["limits"]["maxOutputBytes"], 1 << 20);
     assert_eq!(
         inventory["workflows"][0]["nodes"][3],
-        json!({ "id": "timestamp", "tool": "clock.now", "arguments": {} })
+        json!({ "id": "timestamp", "tool": "clock.now", "arguments": null })
     );
 }
 

@@ -258,7 +258,7 @@ const CASES: &[Case] = &[
             ),
         ],
         expected: &[
-            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools (hint: did you mean `tools`?)",
+            "config/agents/assistant.yaml:7:3: unknown field `tols`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools, responseSchema (hint: did you mean `tools`?)",
             "config/agents/typed.yaml:7:18: invalid value: expected a whole number (0 or more)",
         ],
     },
@@ -634,7 +634,7 @@ const CASES: &[Case] = &[
             "config/workflows/flow.yaml:9:13: workflow node `lonely` cannot be reached from `entry` (hint: add an edge to it, or remove it)",
             "config/workflows/flow.yaml:11:22: the workflow loops through `b` and has no `maxSteps` (hint: set `maxSteps` to bound how many nodes one request may run)",
             "config/workflows/flow.yaml:11:43: `decision` conditions are for tool nodes; `a` runs an agent (hint: branch on `status` after an agent node)",
-            "config/workflows/flow.yaml:12:41: `output` conditions need a response JSON Schema on the node's agent, which this build cannot declare (hint: branch on `status` (or `decision` after a tool node))",
+            "config/workflows/flow.yaml:12:41: `output` conditions need a structured output: `b` must run an agent with a `responseSchema` (hint: give the agent `responseSchema`, or branch on `status`)",
         ],
     },
 ];
@@ -825,7 +825,7 @@ spec:
             "config/everything.yml:6:10: unknown model `missing`",
             "config/everything.yml:7:17: unknown tool `gone`",
             "config/everything.yml:8:12: `timeout`: invalid duration `forever`: expected a number before `forever`",
-            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools",
+            "config/everything.yml:15:3: unknown field `unknownField`, expected one of description, backend, model, instructions, instructionsFile, tools, subagents, skills, maxIterations, timeout, memory, contract, backendConfig, script, endpoint, retention, clientTools, responseSchema",
             "config/everything.yml:23:20: tool `broken`: invalid JSON Schema at `/required`: 5 is not of type \"array\"",
             "config/everything.yml:31:29: unknown agent `three`",
         ]

@@ -349,3 +349,55 @@ async fn a_node_whose_agent_a_reload_removed_fails_the_workflow_clearly() {
     let message = view["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("`temp` no longer exists"), "{view}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_routes_the_workflow_and_feeds_a_tool_node() {
+    let (upstream, tools) = (MockUpstream::start().await, ToolServer::start().await);
+    let workspace = super::tools::tools_workspace(&upstream, &tools, "");
+    workspace.write(
+        "config/agents/structured.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: classifier }\nspec:\n  backend: scripted\n  script: [{ reply: '{\"route\": \"refund\", \"amount\": 5}' }]\n  responseSchema: { type: object, properties: { route: { type: string }, amount: { type: number } }, required: [route] }\n---\napiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: sloppy }\nspec:\n  backend: scripted\n  script: [{ reply: 'not json at all' }]\n  responseSchema: { type: object }\n",
+    );
+    workspace.write(
+        "config/workflows/route.yaml",
+        "apiVersion: stable-harness/v1\nkind: Workflow\nmetadata: { name: route }\nspec:\n  entry: classify\n  nodes:\n    - { id: classify, agent: classifier }\n    - { id: refund, tool: payments.refund }\n    - { id: other, agent: greeter }\n  edges:\n    - { from: classify, to: refund, when: { output: { pointer: /route, equals: refund } } }\n    - { from: classify, to: other }\n",
+    );
+    let app = TestApp::spawn(workspace).await;
+    let (status, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "workflowId": "route", "input": { "text": "I want my money back" } }),
+    )
+    .await;
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["requestId"].as_str().unwrap().to_owned();
+    let approval = app.pending_approval().await;
+    assert_eq!(
+        approval["arguments"],
+        json!({ "route": "refund", "amount": 5 })
+    );
+    assert_eq!(approve_pending(&app.http, &app.base).await, 1);
+    let view = app.wait_until_done(&id).await;
+    assert_eq!(view["status"], "completed", "{view}");
+    assert_eq!(tools.count("/refund"), 1);
+    let events = app.events(&id).await;
+    assert_eq!(
+        decisions(&events),
+        [
+            ("classify".into(), "completed".into(), json!("refund")),
+            ("refund".into(), "completed".into(), Value::Null),
+        ]
+    );
+    // An answer that does not satisfy the agent's responseSchema fails its run.
+    let (_, accepted) = submit(
+        &app.http,
+        &app.base,
+        &json!({ "agentId": "sloppy", "input": { "text": "hi" } }),
+    )
+    .await;
+    let view = app
+        .wait_until_done(accepted["requestId"].as_str().unwrap())
+        .await;
+    assert_eq!(view["status"], "failed", "{view}");
+    assert_eq!(view["error"]["kind"], "invalid_output", "{view}");
+}
