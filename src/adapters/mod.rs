@@ -103,6 +103,13 @@ pub struct AdapterContext<'a> {
     pub cancel: CancellationToken,
 }
 
+impl AdapterContext<'_> {
+    /// The most output text a run may produce (`limits.maxOutputBytes`).
+    pub fn output_cap(&self) -> usize {
+        usize::try_from(self.workspace.runtime.limits.max_output_bytes).unwrap_or(usize::MAX)
+    }
+}
+
 impl std::fmt::Debug for AdapterContext<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdapterContext")

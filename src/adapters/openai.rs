@@ -577,8 +577,7 @@ impl RuntimeAdapter for OpenAiAdapter {
                 }
                 continue;
             }
-            let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
-                .unwrap_or(usize::MAX);
+            let cap = context.output_cap();
             let request = TurnRequest {
                 messages: &messages,
                 functions: &functions,

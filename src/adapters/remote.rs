@@ -182,8 +182,7 @@ impl RemoteAdapter {
         state: &mut Attempt<'_>,
         in_flight: &mut InFlight<'a>,
     ) -> Result<RuntimeOutput, AttemptError> {
-        let cap = usize::try_from(context.workspace.runtime.limits.max_output_bytes)
-            .unwrap_or(usize::MAX);
+        let cap = context.output_cap();
         let mut body = response.bytes_stream();
         let mut decoder = SseDecoder::with_limit(MAX_EVENT_BYTES);
         let mut events = Vec::new();
@@ -408,8 +407,7 @@ fn final_output(
         None | Some(Value::Null) => String::new(),
         Some(_) => return Err(malformed(context, "`output` must be a string".to_owned())),
     };
-    let cap =
-        usize::try_from(context.workspace.runtime.limits.max_output_bytes).unwrap_or(usize::MAX);
+    let cap = context.output_cap();
     if text.len() > cap {
         return Err(malformed(
             context,

@@ -558,19 +558,25 @@ impl Runtime {
                 created_at: now,
             }));
         }
-        // A workflow starts at its entry node, with the request's input.
-        let node = workflow.map(|workflow| workflow::NodeJob {
-            workflow: workflow.name.clone(),
-            node: workflow.entry.clone(),
-            step: 1,
-            last_output: None,
-            original: messages.clone(),
-        });
+        // A workflow starts at its entry node, with the request's input; an agent's run
+        // takes the transcript as it is.
         let entry = workflow.and_then(|w| w.node(&w.entry));
-        let run_messages = match (&node, entry) {
-            (Some(job), Some(entry)) if workflow::node_agent(entry).is_some() => job.input(entry),
-            (Some(_), _) => Vec::new(),
-            (None, _) => messages.clone(),
+        let (node, run_messages) = match workflow {
+            None => (None, messages),
+            Some(workflow) => {
+                let job = workflow::NodeJob {
+                    workflow: workflow.name.clone(),
+                    node: workflow.entry.clone(),
+                    step: 1,
+                    last_output: None,
+                    original: messages,
+                };
+                let input = match entry {
+                    Some(entry) if workflow::node_agent(entry).is_some() => job.input(entry),
+                    _ => Vec::new(),
+                };
+                (Some(job), input)
+            }
         };
         let run_agent = match entry.and_then(workflow::node_agent) {
             Some(agent) => agent.to_owned(),

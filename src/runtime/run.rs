@@ -741,18 +741,22 @@ pub(super) async fn execute(
             crate::workspace::WorkflowTarget::Agent(_) => None,
         }
     });
-    let result = if let Some((workflow, step, tool)) = tool_node {
-        let caller = super::workflow::NodeJob::tool_caller(workflow, tool);
-        let scope = RunScope::new(
+    // The gateway bound to this run, calling as `agent`.
+    let scope = |agent| {
+        RunScope::new(
             submitted.request_id.clone(),
             submitted.run_id.clone(),
             submitted.session_id.clone(),
-            &caller,
+            agent,
             metadata,
             &events,
             events.stop.clone(),
         )
-        .with_key_labels(runtime.key_labels(&events.owner));
+        .with_key_labels(runtime.key_labels(&events.owner))
+    };
+    let result = if let Some((workflow, step, tool)) = tool_node {
+        let caller = super::workflow::NodeJob::tool_caller(workflow, tool);
+        let scope = scope(&caller);
         let arguments = node
             .as_ref()
             .map_or_else(|| json!({}), |job| job.arguments(step));
@@ -760,16 +764,7 @@ pub(super) async fn execute(
     } else {
         match agent {
             Some(agent) => {
-                let scope = RunScope::new(
-                    submitted.request_id.clone(),
-                    submitted.run_id.clone(),
-                    submitted.session_id.clone(),
-                    agent,
-                    metadata,
-                    &events,
-                    events.stop.clone(),
-                )
-                .with_key_labels(runtime.key_labels(&events.owner));
+                let scope = scope(agent);
                 let run = AdapterRun {
                     agent,
                     resumed,
@@ -794,18 +789,28 @@ pub(super) async fn execute(
     finish(runtime, &events, &submitted, parent_message_id, result).await;
 }
 
+/// How a workflow ends, for the run's terminal group: the request's result (the last agent
+/// node's output, or why it failed), and the decision log entries that go before it.
+struct WorkflowEnd {
+    result: Result<RuntimeOutput, AdapterError>,
+    leading: Vec<WriteOp>,
+    /// The last node's own end, when it differs from the workflow's.
+    trailing: Vec<WriteOp>,
+}
+
 /// Ends a workflow node's run and takes the first edge whose condition holds on its recorded
 /// outcome: the node's end, the decision log entry and the next node's run commit together,
-/// then the next node starts. Without an edge (or at `maxSteps`) the workflow ends the request:
-/// completed with the last agent node's output when its last node completed, else failed.
+/// then the next node starts (`None`). Without an edge (or at `maxSteps`) the workflow ends the
+/// request, through the run's terminal group: completed with the last agent node's output when
+/// its last node completed, else failed.
 async fn finish_node(
     runtime: &Runtime,
     events: &RunEvents,
     submitted: &Submitted,
-    parent_message_id: Option<String>,
+    parent_message_id: &mut Option<String>,
     job: &super::workflow::NodeJob,
     result: Result<RuntimeOutput, AdapterError>,
-) {
+) -> Option<WorkflowEnd> {
     use super::workflow::{
         NODE_COMPLETED, NODE_STARTED, NodeJob, NodeResult, WORKFLOW_COMPLETED, WORKFLOW_FAILED,
         describe_edge, next_node, node_agent, node_run,
@@ -852,20 +857,22 @@ async fn finish_node(
         Ok(output) if agent_node => Some(output.text.clone()),
         _ => job.last_output.clone(),
     };
-    let mut ops = vec![
-        WriteOp::UpdateRun {
-            id: submitted.run_id.clone(),
-            status: if result.is_ok() { RunStatus::Completed } else { RunStatus::Failed },
-            error: error.clone(),
-            state: None,
-            at: now,
+    let node_end = WriteOp::UpdateRun {
+        id: submitted.run_id.clone(),
+        status: if result.is_ok() {
+            RunStatus::Completed
+        } else {
+            RunStatus::Failed
         },
-        WriteOp::AppendEvent(events.event(
-            NODE_COMPLETED,
-            json!({ "workflowId": job.workflow, "node": job.node, "step": job.step,
-                "outcome": outcome, "decision": decision, "edge": describe_edge(next), "error": error }),
-        )),
-    ];
+        error: error.clone(),
+        state: None,
+        at: now,
+    };
+    let node_completed = WriteOp::AppendEvent(events.event(
+        NODE_COMPLETED,
+        json!({ "workflowId": job.workflow, "node": job.node, "step": job.step,
+            "outcome": outcome, "decision": decision, "edge": describe_edge(next), "error": error }),
+    ));
     let max_steps = workflow.map_or(0, |w| w.max_steps);
     if let (Some(workflow), Some(to)) = (workflow, next)
         && job.step < max_steps
@@ -894,8 +901,12 @@ async fn finish_node(
         let mut started_event = events.event(NODE_STARTED, started);
         started_event.run_id = run.id.clone();
         started_event.agent_id = next_submitted.agent_id.clone();
-        ops.push(WriteOp::InsertRun(run));
-        ops.push(WriteOp::AppendEvent(started_event));
+        let ops = vec![
+            node_end,
+            node_completed,
+            WriteOp::InsertRun(run),
+            WriteOp::AppendEvent(started_event),
+        ];
         match runtime
             .inner
             .journal
@@ -920,7 +931,7 @@ async fn finish_node(
                     options: Map::new(),
                     client: super::ClientTurn::default(),
                     node: Some(next_job),
-                    parent_message_id,
+                    parent_message_id: parent_message_id.take(),
                     metadata: events.metadata.clone(),
                     owner: events.owner.clone(),
                     resumed: false,
@@ -934,97 +945,49 @@ async fn finish_node(
                 tracing::error!(%error, "a workflow step could not be committed; the node resumes when its lease is claimed again")
             }
         }
-        return;
+        return None;
     }
     // The workflow ends here.
     let stopped = next.is_some();
-    let status = if outcome == NodeOutcome::Completed && !stopped {
-        RunStatus::Completed
-    } else {
-        RunStatus::Failed
-    };
-    let request_error = if stopped {
-        Some(
-            AdapterError::new(
-                FailureKind::MaxSteps,
-                format!(
-                    "workflow `{}` stopped at maxSteps ({max_steps})",
-                    job.workflow
-                ),
-            )
-            .to_json(),
-        )
+    let ended = if let Some(workflow) = workflow.filter(|_| stopped) {
+        Err(AdapterError::new(
+            FailureKind::MaxSteps,
+            format!(
+                "workflow `{}` stopped at maxSteps ({})",
+                job.workflow, workflow.max_steps
+            ),
+        ))
     } else if workflow.is_none() {
-        Some(
-            AdapterError::new(
-                FailureKind::Unsupported,
-                format!(
-                    "workflow `{}` no longer exists in the workspace",
-                    job.workflow
-                ),
-            )
-            .to_json(),
-        )
+        Err(AdapterError::new(
+            FailureKind::Unsupported,
+            format!(
+                "workflow `{}` no longer exists in the workspace",
+                job.workflow
+            ),
+        ))
     } else {
-        error
+        result.map(|_| RuntimeOutput {
+            text: last_output.unwrap_or_default(),
+            finish_reason: "stop".to_owned(),
+            ..RuntimeOutput::default()
+        })
     };
     let summary = json!({ "workflowId": job.workflow, "steps": job.step, "lastNode": job.node });
-    if status == RunStatus::Completed {
-        let text = last_output.unwrap_or_default();
-        ops.push(WriteOp::AppendEvent(
-            events.event(WORKFLOW_COMPLETED, summary),
-        ));
-        ops.push(WriteOp::InsertMessage(MessageRecord {
-            id: new_id("msg"),
-            session_id: submitted.session_id.clone(),
-            parent_id: parent_message_id,
-            request_id: Some(submitted.request_id.clone()),
-            role: "assistant".into(),
-            content: json!({ "role": "assistant", "content": text }),
-            created_at: now,
-        }));
-        let usage = serde_json::to_value(crate::adapters::Usage::default()).unwrap_or(Value::Null);
-        ops.push(WriteOp::UpdateRequest {
-            id: submitted.request_id.clone(),
-            status,
-            output: Some(text.clone()),
-            error: None,
-            usage: Some(usage.clone()),
-            at: now,
-        });
-        ops.push(WriteOp::AppendEvent(events.event(
-            REQUEST_COMPLETED,
-            json!({ "output": text, "usage": usage, "finishReason": "stop" }),
-        )));
+    let summary = if ended.is_ok() {
+        events.event(WORKFLOW_COMPLETED, summary)
     } else {
-        ops.push(WriteOp::AppendEvent(events.event(WORKFLOW_FAILED, summary)));
-        ops.push(WriteOp::UpdateRequest {
-            id: submitted.request_id.clone(),
-            status,
-            output: None,
-            error: request_error.clone(),
-            usage: None,
-            at: now,
-        });
-        ops.push(WriteOp::AppendEvent(
-            events.event(REQUEST_FAILED, json!({ "error": request_error })),
-        ));
-    }
-    match runtime
-        .inner
-        .journal
-        .settle(&submitted.request_id, ops)
-        .await
-    {
-        Ok(()) => crate::metrics::run_ended(
-            &submitted.agent_id,
-            status.as_str(),
-            events.started.elapsed(),
-        ),
-        Err(error) => {
-            tracing::error!(%error, "the end of a workflow could not be committed; it resumes when its lease is claimed again")
-        }
-    }
+        events.event(WORKFLOW_FAILED, summary)
+    };
+    let trailing = if (outcome == NodeOutcome::Completed) == ended.is_ok() {
+        Vec::new()
+    } else {
+        vec![node_end]
+    };
+    Some(WorkflowEnd {
+        result: ended,
+        leading: vec![node_completed, WriteOp::AppendEvent(summary)],
+        trailing,
+    })
 }
 
 /// A workflow's tool node: the node's call through the gateway (allow-list of one, schema,
@@ -1147,7 +1110,6 @@ async fn run_adapter(
             })?;
     }
     let cancel = scope.cancel.clone();
-    let metadata = scope.metadata.clone();
     let gateway = &events.inventory.gateway;
     // The client's tools, when the agent (still) takes them: compiled again from the stored
     // request, as the surface checked them at submit.
@@ -1204,7 +1166,7 @@ async fn run_adapter(
         options,
         memory: &recalled,
         run: &identity,
-        metadata: &metadata,
+        metadata: &events.metadata,
         callbacks: &inner.callbacks,
         events,
         tools: &tools,
@@ -1293,13 +1255,27 @@ async fn finish(
             )
             .await;
     }
-    // A workflow node that did not end by a cancel moves the workflow on (or ends it).
-    if let Some(job) = &events.node
-        && !matches!(&result, Err(error) if error.kind == FailureKind::Cancelled)
-    {
-        finish_node(runtime, events, submitted, parent_message_id, job, result).await;
-        return;
-    }
+    // A workflow node that did not end by a cancel moves the workflow on, or ends it here.
+    let mut parent_message_id = parent_message_id;
+    let mut trailing = Vec::new();
+    let result = match &events.node {
+        Some(job) if !matches!(&result, Err(error) if error.kind == FailureKind::Cancelled) => {
+            let end = finish_node(
+                runtime,
+                events,
+                submitted,
+                &mut parent_message_id,
+                job,
+                result,
+            )
+            .await;
+            let Some(end) = end else { return };
+            ops.extend(end.leading);
+            trailing = end.trailing;
+            end.result
+        }
+        _ => result,
+    };
     let (status, terminal_type, terminal_data, output, error, usage) = match result {
         Ok(output) => {
             let reply =
@@ -1382,6 +1358,7 @@ async fn finish(
     ops.push(WriteOp::AppendEvent(
         events.event(terminal_type, terminal_data),
     ));
+    ops.extend(trailing);
     // A cancelled run's calls still waiting on a human are moot: their approvals end
     // `cancelled` in the run's last transaction. One decided meanwhile refuses the group, so
     // the approvals are read again.
