@@ -65,6 +65,10 @@ pub enum ErrorCode {
     /// A `/v1` call waited `approvalWait` and the run still waits on an operator.
     ApprovalPending,
     TooManyRuns,
+    /// A budget has no room for the request or its next model call.
+    BudgetExceeded,
+    /// A rate limit of the key or agent is exhausted for now.
+    RateLimited,
     UpstreamError,
     UpstreamTimeout,
     /// The agent's backend cannot serve the request in this build.
@@ -94,7 +98,7 @@ impl ErrorCode {
             | RequestNotRetryable | MemoryNotPending => StatusCode::CONFLICT,
             MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            TooManyRuns => StatusCode::TOO_MANY_REQUESTS,
+            TooManyRuns | BudgetExceeded | RateLimited => StatusCode::TOO_MANY_REQUESTS,
             UpstreamError | RunFailed => StatusCode::BAD_GATEWAY,
             UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             BackendUnavailable | ShuttingDown | StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -117,7 +121,7 @@ impl ErrorCode {
             }
             MissingApiKey | InvalidApiKey => "authentication_error",
             WrongKeyScope => "permission_error",
-            TooManyRuns => "rate_limit_error",
+            TooManyRuns | BudgetExceeded | RateLimited => "rate_limit_error",
             UpstreamError | UpstreamTimeout | RunFailed => "upstream_error",
             BackendUnavailable | ShuttingDown | StoreUnavailable | Internal => "server_error",
         }
@@ -160,6 +164,8 @@ impl ErrorCode {
             MethodNotAllowed => "method_not_allowed",
             BodyTooLarge => "body_too_large",
             TooManyRuns => "too_many_runs",
+            BudgetExceeded => "budget_exceeded",
+            RateLimited => "rate_limited",
             UpstreamError => "upstream_error",
             UpstreamTimeout => "upstream_timeout",
             BackendUnavailable => "backend_unavailable",
@@ -182,6 +188,8 @@ pub struct ApiError {
     pub openai_surface: bool,
     /// Extra fields for the envelope (e.g. the request id of a pending or failed run).
     pub request_id: Option<String>,
+    /// Seconds to wait before trying again: sent as `retry-after` (429s).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -192,7 +200,13 @@ impl ApiError {
             param: None,
             openai_surface: false,
             request_id: None,
+            retry_after: None,
         }
+    }
+
+    pub fn retry_after(mut self, seconds: Option<u64>) -> Self {
+        self.retry_after = seconds;
+        self
     }
 
     pub fn param(mut self, param: impl Into<String>) -> Self {
@@ -263,6 +277,13 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             tracing::warn!(code = self.code.as_str(), message = %self.message, "request failed");
         }
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(seconds),
+            );
+        }
+        response
     }
 }

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod net;
 pub mod redact;
 pub mod runtime;
+pub mod spend;
 pub mod store;
 pub mod text;
 pub mod workspace;

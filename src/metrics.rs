@@ -3,7 +3,9 @@
 //! Most figures are read off the journal as it commits — every stored event passes it once —
 //! so they count what was durably recorded, never what was merely attempted: requests ended
 //! by agent and status, model calls (latency, tokens) by model, tool calls by tool and
-//! decision, events appended by type, journal batch sizes and commit latency, store errors.
+//! decision, events appended by type, journal batch sizes and commit latency, store errors,
+//! tokens and cost charged by key, agent and model. Budget and rate-limit refusals are
+//! counted where they happen (an admission refusal stores nothing).
 //! Run durations are measured by the run itself; approvals pending are read from the store
 //! when scraped. Counters are this process's since it started.
 
@@ -111,6 +113,22 @@ fn describe() {
         "Store failures, by kind (transient: retried; rejected: refused)"
     );
     describe_counter!(
+        "stable_harness_usage_tokens_total",
+        "Tokens charged to budgets, by key, agent, model and kind (prompt, completion)"
+    );
+    describe_gauge!(
+        "stable_harness_usage_cost_total",
+        "Cost charged (in the currency of pricing), by key, agent and model; only grows"
+    );
+    describe_counter!(
+        "stable_harness_budget_refusals_total",
+        "Budget refusals, by budget and where (admission, call)"
+    );
+    describe_counter!(
+        "stable_harness_rate_limited_total",
+        "Requests refused by a rate limit, by limit"
+    );
+    describe_counter!(
         "stable_harness_workspace_reloads_total",
         "Workspace reloads, by result (applied, refused)"
     );
@@ -159,6 +177,23 @@ pub fn event_committed(event: &EventRecord) {
                 }
             }
         }
+        events::USAGE_RECORDED => {
+            let (key, model) = (text("key"), text("model"));
+            let agent = event.agent_id.clone();
+            for (field, kind) in [
+                ("promptTokens", "prompt"),
+                ("completionTokens", "completion"),
+            ] {
+                if let Some(tokens) = data.get(field).and_then(Value::as_u64) {
+                    counter!("stable_harness_usage_tokens_total", "key" => key.clone(), "agent" => agent.clone(), "model" => model.clone(), "kind" => kind)
+                        .increment(tokens);
+                }
+            }
+            if let Some(cost) = data.get("cost").and_then(Value::as_f64) {
+                gauge!("stable_harness_usage_cost_total", "key" => key, "agent" => agent, "model" => model)
+                    .increment(cost);
+            }
+        }
         events::TOOL_DIRECT_COMPLETED => tool_call(text("toolId"), "allow"),
         // A tool the agent was not offered may be any name a model made up: one label for all.
         events::TOOL_DENIED
@@ -204,4 +239,15 @@ pub fn approvals_pending(count: u64) {
 pub fn workspace_reloaded(applied: bool) {
     let result = if applied { "applied" } else { "refused" };
     counter!("stable_harness_workspace_reloads_total", "result" => result).increment(1);
+}
+
+/// A budget refused a request at admission or a model call.
+pub fn budget_refused(budget: &str, at: &'static str) {
+    counter!("stable_harness_budget_refusals_total", "budget" => budget.to_owned(), "at" => at)
+        .increment(1);
+}
+
+/// A rate limit refused a request.
+pub fn rate_limited(limit: &str) {
+    counter!("stable_harness_rate_limited_total", "limit" => limit.to_owned()).increment(1);
 }

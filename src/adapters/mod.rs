@@ -38,6 +38,31 @@ pub trait EventSink: Send + Sync {
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError>;
 }
 
+/// The run's handle on its budgets (see [`crate::spend`]): every upstream call is reserved
+/// before it is sent and charged after it.
+#[async_trait::async_trait]
+pub trait SpendMeter: Send + Sync {
+    /// Reserves a call's worst case (`tokens`, and `cost` at the model's price) for `agent`;
+    /// a budget without room refuses it (`budget_exceeded`, announced as
+    /// `runtime.budget.exceeded`). `None`: no budget applies.
+    async fn reserve(
+        &self,
+        agent: &str,
+        tokens: u64,
+        cost: f64,
+    ) -> Result<Option<crate::spend::Hold>, AdapterError>;
+    /// Charges a call to the budgets, settling its reservation, and records
+    /// `runtime.usage.recorded`.
+    async fn charge(
+        &self,
+        agent: &str,
+        hold: Option<crate::spend::Hold>,
+        charge: crate::spend::Charge,
+    );
+    /// Gives a reservation back uncharged (the call never reached the upstream).
+    async fn release(&self, hold: Option<crate::spend::Hold>);
+}
+
 /// The run's handle on the tool gateway.
 #[async_trait::async_trait]
 pub trait ToolInvoker: Send + Sync {
@@ -100,6 +125,7 @@ pub struct AdapterContext<'a> {
     pub callbacks: &'a Arc<crate::gateway::callbacks::Callbacks>,
     pub events: &'a dyn EventSink,
     pub tools: &'a dyn ToolInvoker,
+    pub spend: &'a dyn SpendMeter,
     pub cancel: CancellationToken,
 }
 
@@ -127,8 +153,9 @@ pub struct RunIdentity {
     pub session_id: String,
 }
 
-/// Token usage as OpenAI reports it.
+/// Token usage as OpenAI reports it (a missing figure reads as 0).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
@@ -212,6 +239,8 @@ pub enum FailureKind {
     MaxSteps,
     /// The answer of an agent with a `responseSchema` did not satisfy it.
     InvalidOutput,
+    /// A budget had no room for the next model call.
+    BudgetExceeded,
 }
 
 impl FailureKind {
@@ -230,6 +259,7 @@ impl FailureKind {
             Self::ToolFailed => "tool_failed",
             Self::MaxSteps => "max_steps",
             Self::InvalidOutput => "invalid_output",
+            Self::BudgetExceeded => "budget_exceeded",
         }
     }
 }
@@ -242,6 +272,9 @@ pub struct AdapterError {
     pub message: String,
     /// The upstream HTTP status, when there was one.
     pub upstream_status: Option<u16>,
+    /// Fields the stored error carries beside `kind` and `message` (a refusing budget's name
+    /// and `retryAfter`).
+    pub detail: Option<Map<String, Value>>,
 }
 
 impl AdapterError {
@@ -250,7 +283,18 @@ impl AdapterError {
             kind,
             message: message.into(),
             upstream_status: None,
+            detail: None,
         }
+    }
+
+    /// A budget refused the next model call.
+    pub fn budget(refusal: &crate::spend::BudgetRefusal) -> Self {
+        let mut error = Self::new(FailureKind::BudgetExceeded, refusal.message());
+        let mut detail = Map::new();
+        detail.insert("budget".into(), refusal.budget.clone().into());
+        detail.insert("retryAfter".into(), json!(refusal.retry_after()));
+        error.detail = Some(detail);
+        error
     }
 
     /// The error as stored in events and request records.
@@ -258,6 +302,11 @@ impl AdapterError {
         let mut error = serde_json::json!({ "kind": self.kind.as_str(), "message": self.message });
         if let Some(status) = self.upstream_status {
             error["upstreamStatus"] = status.into();
+        }
+        if let (Some(detail), Some(fields)) = (&self.detail, error.as_object_mut()) {
+            for (key, value) in detail {
+                fields.insert(key.clone(), value.clone());
+            }
         }
         error
     }

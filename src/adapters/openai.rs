@@ -53,7 +53,10 @@ impl OpenAiAdapter {
         Self { http }
     }
 
-    /// One upstream call, streaming deltas into events as they arrive.
+    /// One upstream call under the run's budgets: its worst case is reserved before it is
+    /// sent, and it is charged after — with the upstream's usage, else the estimate (marked).
+    /// A call that never reached the upstream (no connection, refused with a 4xx or 429) is
+    /// released uncharged.
     async fn attempt(
         &self,
         context: &AdapterContext<'_>,
@@ -61,12 +64,96 @@ impl OpenAiAdapter {
         model: &ModelConfig,
         attempt: u32,
     ) -> Result<Turn, AttemptError> {
+        let streaming = model.capabilities.streaming;
+        let body = request_body(context, request, model, streaming);
+        let body = serde_json::to_vec(&body).map_err(|error| {
+            AdapterError::new(
+                FailureKind::Malformed,
+                format!("cannot encode the request: {error}"),
+            )
+        })?;
+        let prompt_tokens = crate::spend::estimate_tokens(body.len());
+        let output_cap = output_cap(context, model, prompt_tokens);
+        let worst_cost = model
+            .pricing
+            .map_or(0.0, |pricing| pricing.cost_of(prompt_tokens, output_cap));
+        let hold = context
+            .spend
+            .reserve(
+                &context.agent.name,
+                prompt_tokens.saturating_add(output_cap),
+                worst_cost,
+            )
+            .await?;
+        let result = self.send(context, request, model, attempt, body).await;
+        let usage = match &result {
+            Ok(turn) if turn.usage_reported => Some((turn.output.usage, false)),
+            Ok(turn) => {
+                let written = turn.output.text.len()
+                    + turn
+                        .tool_calls
+                        .iter()
+                        .map(|c| c.arguments.len())
+                        .sum::<usize>();
+                Some((
+                    Usage {
+                        prompt_tokens,
+                        completion_tokens: crate::spend::estimate_tokens(written),
+                        total_tokens: 0,
+                    },
+                    true,
+                ))
+            }
+            Err(failure) if reached_upstream(failure) => Some((
+                Usage {
+                    prompt_tokens,
+                    completion_tokens: 0,
+                    total_tokens: 0,
+                },
+                true,
+            )),
+            Err(_) => None,
+        };
+        match usage {
+            Some((usage, estimated)) => {
+                let charge = crate::spend::Charge {
+                    model: model.id.clone(),
+                    source: "model",
+                    prompt_tokens: usage.prompt_tokens,
+                    completion_tokens: usage.completion_tokens,
+                    cost: model.pricing.map(|pricing| pricing.cost_usd(&usage)),
+                    estimated,
+                };
+                context
+                    .spend
+                    .charge(&context.agent.name, hold, charge)
+                    .await;
+            }
+            None => context.spend.release(hold).await,
+        }
+        result
+    }
+
+    /// One upstream call, streaming deltas into events as they arrive.
+    async fn send(
+        &self,
+        context: &AdapterContext<'_>,
+        request: &TurnRequest<'_>,
+        model: &ModelConfig,
+        attempt: u32,
+        body: Vec<u8>,
+    ) -> Result<Turn, AttemptError> {
         let base_url = upstream_url(model)?;
         let url = format!("{}/chat/completions", base_url.trim_end_matches('/'));
         let streaming = model.capabilities.streaming;
-        let body = request_body(context, request, model, streaming);
         let output_budget = request.output_budget;
-        let request = authorized(self.http.post(&url).json(&body), model);
+        let request = authorized(
+            self.http
+                .post(&url)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body),
+            model,
+        );
         let started = Instant::now();
         let response = tokio::select! {
             () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled").into()),
@@ -139,6 +226,7 @@ impl OpenAiAdapter {
         output_budget: usize,
     ) -> Result<Turn, AttemptError> {
         let mut output = RuntimeOutput::default();
+        let mut usage_reported = false;
         let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
         let mut events = Vec::new();
@@ -187,6 +275,7 @@ impl OpenAiAdapter {
                     return Ok(Turn {
                         output,
                         tool_calls: calls.finish(),
+                        usage_reported,
                     });
                 }
                 let parsed: Value = serde_json::from_str(data).map_err(|_| {
@@ -208,8 +297,11 @@ impl OpenAiAdapter {
                         !output.text.is_empty(),
                     ));
                 }
-                if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null()) {
-                    output.usage = serde_json::from_value(usage.clone()).unwrap_or_default();
+                if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null())
+                    && let Ok(usage) = serde_json::from_value(usage.clone())
+                {
+                    output.usage = usage;
+                    usage_reported = true;
                 }
                 let Some(choice) = parsed.get("choices").and_then(|c| c.get(0)) else {
                     continue;
@@ -230,6 +322,7 @@ impl OpenAiAdapter {
                         return Ok(Turn {
                             output,
                             tool_calls: Vec::new(),
+                            usage_reported,
                         });
                     }
                     emit_delta(context, text).await;
@@ -268,6 +361,48 @@ struct TurnRequest<'a> {
 struct Turn {
     output: RuntimeOutput,
     tool_calls: Vec<ModelToolCall>,
+    /// The upstream reported the turn's usage (else the ledger gets an estimate).
+    usage_reported: bool,
+}
+
+/// Whether a failed attempt may have cost tokens: the upstream took the request (it timed
+/// out, failed with a 5xx, broke off, or output had arrived). A call that found no
+/// connection, or that the upstream refused outright (4xx, 429), was not billed.
+fn reached_upstream(failure: &AttemptError) -> bool {
+    failure.delivered_text
+        || !matches!(
+            failure.error.kind,
+            FailureKind::Connection
+                | FailureKind::UpstreamRejected
+                | FailureKind::RateLimited
+                | FailureKind::Cancelled
+                | FailureKind::BudgetExceeded
+        )
+}
+
+/// The most tokens a call's answer may hold: the client's (or the agent's) `max_tokens`,
+/// within the model's `maxOutputTokens` or what its context window leaves; without either,
+/// [`crate::spend::DEFAULT_OUTPUT_CAP`].
+fn output_cap(context: &AdapterContext<'_>, model: &ModelConfig, prompt_tokens: u64) -> u64 {
+    let asked = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|key| {
+            context
+                .options
+                .get(*key)
+                .or_else(|| context.agent.backend_config.get(*key))
+                .and_then(Value::as_u64)
+        });
+    let model_cap = model.max_output_tokens.or_else(|| {
+        model
+            .context_window
+            .map(|window| window.saturating_sub(prompt_tokens).max(1))
+    });
+    match (asked, model_cap) {
+        (Some(asked), Some(cap)) => asked.min(cap),
+        (Some(limit), None) | (None, Some(limit)) => limit,
+        (None, None) => crate::spend::DEFAULT_OUTPUT_CAP,
+    }
 }
 
 /// A tool call as the model sent it, by function name.
@@ -762,6 +897,9 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
                 .collect()
         })
         .unwrap_or_default();
+    let usage = parsed
+        .get("usage")
+        .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok());
     let output = RuntimeOutput {
         client_calls: Vec::new(),
         client_turns: Vec::new(),
@@ -771,17 +909,18 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned(),
-        usage: parsed
-            .get("usage")
-            .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok())
-            .unwrap_or_default(),
+        usage: usage.unwrap_or_default(),
         finish_reason: choice
             .get("finish_reason")
             .and_then(Value::as_str)
             .unwrap_or("stop")
             .to_owned(),
     };
-    Ok(Turn { output, tool_calls })
+    Ok(Turn {
+        output,
+        tool_calls,
+        usage_reported: usage.is_some(),
+    })
 }
 
 /// The longest prefix of `text` within `limit` bytes that ends on a character boundary.

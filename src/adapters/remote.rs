@@ -84,7 +84,28 @@ impl RuntimeAdapter for RemoteAdapter {
                 queue: queue.as_mut(),
                 delivered: false,
             };
-            let failure = match self.attempt(&context, endpoint, &body, &mut state).await {
+            // A service's cost is known only from what it reports: the budgets must have
+            // room before it is posted, and are charged what its answer reports.
+            let hold = context.spend.reserve(&context.agent.name, 1, 0.0).await?;
+            let result = self.attempt(&context, endpoint, &body, &mut state).await;
+            match &result {
+                Ok(output) if output.usage != Usage::default() || output.cost_usd.is_some() => {
+                    let charge = crate::spend::Charge {
+                        model: format!("agent:{}", context.agent.name),
+                        source: "agent",
+                        prompt_tokens: output.usage.prompt_tokens,
+                        completion_tokens: output.usage.completion_tokens,
+                        cost: output.cost_usd,
+                        estimated: false,
+                    };
+                    context
+                        .spend
+                        .charge(&context.agent.name, hold, charge)
+                        .await;
+                }
+                _ => context.spend.release(hold).await,
+            }
+            let failure = match result {
                 Ok(output) => return Ok(output),
                 Err(mut failure) => {
                     failure.delivered_text |= state.delivered;
@@ -418,9 +439,15 @@ fn final_output(
         .get("usage")
         .and_then(|usage| serde_json::from_value::<Usage>(usage.clone()).ok())
         .unwrap_or_default();
+    // A service may report what its own model calls cost (`usage.costUsd`).
+    let cost_usd = answer
+        .pointer("/usage/costUsd")
+        .and_then(Value::as_f64)
+        .filter(|cost| cost.is_finite() && *cost >= 0.0);
     Ok(RuntimeOutput {
         text,
         usage,
+        cost_usd,
         ..RuntimeOutput::default()
     })
 }

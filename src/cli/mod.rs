@@ -64,6 +64,8 @@ pub enum Command {
     /// Operate a running server: list, show, cancel, retry requests; read or follow events.
     #[command(subcommand)]
     Requests(operator::RequestsCommand),
+    /// Ask a running server what its budgets were charged, by key, agent, model or day.
+    Usage(operator::UsageArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -230,6 +232,7 @@ pub fn run(command: Command) -> u8 {
         Command::Store(StoreCommand::Backup(args)) => block_on(store::backup(args)),
         Command::Approvals(command) => block_on(operator::approvals(command)),
         Command::Requests(command) => block_on(operator::requests(command)),
+        Command::Usage(args) => block_on(operator::usage(args)),
     }
 }
 

@@ -1,5 +1,6 @@
 //! The operator CLI: `stable-harness approvals list|show|approve|deny` and `stable-harness
-//! requests list|show|cancel|retry|events [--follow]`, talking to a running server's admin API
+//! requests list|show|cancel|retry|events [--follow]` and `stable-harness usage [--by key|agent|
+//! model|day] [--since 7d]`, talking to a running server's admin API
 //! with `--url` and `--admin-key` (or `STABLE_HARNESS_URL`, `STABLE_HARNESS_ADMIN_KEY`).
 //! Results print as tables, or as the server's JSON with `--json`.
 //!
@@ -115,6 +116,76 @@ pub enum RequestsCommand {
         #[arg(long)]
         follow: bool,
     },
+}
+
+/// `stable-harness usage`: what the budgets were charged, from the server's ledger.
+#[derive(Debug, clap::Args)]
+pub struct UsageArgs {
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Group by key, agent, model or day (default: one total).
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Only the usage of the last DURATION (e.g. `7d`, `12h`; at most 3650d).
+    #[arg(long)]
+    pub since: Option<String>,
+}
+
+pub async fn usage(args: UsageArgs) -> u8 {
+    let result = usage_query(&args);
+    let result = match result {
+        Ok(query) => {
+            with(&args.server, |client| async move {
+                let report = client.get(&format!("/admin/usage?{query}")).await?;
+                Ok(table(
+                    &report["data"],
+                    &[
+                        ("GROUP", "/group"),
+                        ("CALLS", "/calls"),
+                        ("PROMPT", "/promptTokens"),
+                        ("COMPLETION", "/completionTokens"),
+                        ("TOTAL", "/totalTokens"),
+                        ("COST", "/cost"),
+                        ("ESTIMATED", "/estimatedCalls"),
+                    ],
+                    &report,
+                    args.server.json,
+                ))
+            })
+            .await
+        }
+        Err(failure) => Err(failure),
+    };
+    finish(result)
+}
+
+fn usage_query(args: &UsageArgs) -> Result<String, Failure> {
+    let mut query = Vec::new();
+    if let Some(by) = &args.by {
+        if !["key", "agent", "model", "day"].contains(&by.as_str()) {
+            return Err(Failure {
+                code: exit::USAGE,
+                message: format!("--by takes key, agent, model or day, not `{by}`"),
+            });
+        }
+        query.push(format!("groupBy={by}"));
+    }
+    if let Some(since) = &args.since {
+        let duration = crate::workspace::parse_duration(since)
+            .ok()
+            .filter(|d| *d <= Duration::from_secs(3_650 * 86_400))
+            .and_then(|d| chrono::Duration::from_std(d).ok())
+            .ok_or_else(|| Failure {
+                code: exit::USAGE,
+                message: format!("--since takes a duration such as 7d or 12h, not `{since}`"),
+            })?;
+        let from = chrono::Utc::now() - duration;
+        query.push(format!(
+            "from={}",
+            encode(&from.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        ));
+    }
+    Ok(query.join("&"))
 }
 
 /// A refusal or a failure to reach the server, with the exit code it means.

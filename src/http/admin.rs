@@ -203,7 +203,7 @@ fn session_cursor(cursor: Option<String>) -> Result<Option<String>, ApiError> {
 }
 
 /// An RFC 3339 instant of a query filter.
-fn instant(
+pub(super) fn instant(
     text: Option<&str>,
     param: &str,
 ) -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {

@@ -17,6 +17,7 @@ mod messages;
 pub mod openapi;
 mod responses;
 mod runtime_api;
+mod spend;
 mod v1;
 mod views;
 
@@ -129,6 +130,8 @@ pub fn router(state: AppState) -> Router {
             .route("/memory/{id}/approve", post(memory::approve_memory))
             .route("/memory/{id}/reject", post(memory::reject_memory))
             .route("/policy/explain", post(admin::explain_policy))
+            .route("/usage", get(spend::usage))
+            .route("/budgets", get(spend::budgets))
             .route("/store", get(admin::get_store))
             .route("/store/prune", post(admin::prune_store))
             .route("/store/backup", post(admin::backup_store)),

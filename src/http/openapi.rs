@@ -46,6 +46,8 @@ use utoipa::{Modify, OpenApi};
         super::memory::reject_memory,
         super::memory::memory_maintenance,
         super::admin::explain_policy,
+        super::spend::usage,
+        super::spend::budgets,
         super::admin::get_store,
         super::admin::prune_store,
         super::admin::backup_store,

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{JournalError, Runtime, RuntimeError};
+use crate::spend::SpendError;
 use crate::store::{
     ApprovalRecord, EventRecord, MessageRecord, RequestRecord, RunRecord, RunStatus, SessionRecord,
     StoreError,
@@ -67,6 +68,11 @@ pub struct RequestView {
     /// The request's approvals, oldest first (in a request's own view; lists leave it out).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub approvals: Option<Vec<ApprovalRecord>>,
+    /// What the budgets were charged for this request: every upstream call of every run
+    /// (retries, tool-loop turns and failed attempts included), from the usage ledger. In a
+    /// request's own view; lists leave it out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub charged: Option<crate::store::spend::UsageTotals>,
 }
 
 impl RequestView {
@@ -91,6 +97,7 @@ impl RequestView {
             updated_at: request.updated_at,
             runs: runs.into_iter().map(RunView::from).collect(),
             approvals: None,
+            charged: None,
         }
     }
 }
@@ -178,8 +185,21 @@ pub async fn request_view(
     for run in &runs {
         approvals.extend(store.approvals_of_run(&run.id).await?);
     }
+    let charged = store
+        .usage_totals(
+            &crate::store::spend::UsageFilter {
+                request_id: Some(id.to_owned()),
+                ..Default::default()
+            },
+            None,
+        )
+        .await?
+        .into_iter()
+        .next()
+        .unwrap_or_default();
     let mut view = RequestView::new(request, runs);
     view.approvals = Some(approvals);
+    view.charged = Some(charged);
     Ok(view)
 }
 
@@ -380,6 +400,18 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::Journal(JournalError::Conflict(message)) => {
                 ApiError::new(ErrorCode::ApprovalDecided, message)
             }
+            RuntimeError::Spend(SpendError::Budget(refusal)) => {
+                ApiError::new(ErrorCode::BudgetExceeded, refusal.message())
+                    .param(refusal.budget.clone())
+                    .retry_after(refusal.retry_after())
+            }
+            RuntimeError::Spend(SpendError::Rate(refusal)) => {
+                let message = SpendError::Rate(refusal.clone()).to_string();
+                ApiError::new(ErrorCode::RateLimited, message)
+                    .param(refusal.limit.clone())
+                    .retry_after(Some(refusal.retry_after()))
+            }
+            RuntimeError::Spend(SpendError::Store(error)) => store_error(&error),
             RuntimeError::Store(error) => store_error(&error),
             RuntimeError::Journal(error) => ApiError::internal(error),
         }
@@ -422,7 +454,15 @@ pub fn run_failure(request_id: &str, status: RunStatus, error: &Value) -> ApiErr
             ErrorCode::UpstreamError
         }
         (_, "unsupported") => ErrorCode::BackendUnavailable,
+        (_, "budget_exceeded") => ErrorCode::BudgetExceeded,
         _ => ErrorCode::RunFailed,
     };
-    ApiError::new(code, message).with_request_id(request_id)
+    let mut api = ApiError::new(code, message).with_request_id(request_id);
+    if code == ErrorCode::BudgetExceeded {
+        if let Some(budget) = error.get("budget").and_then(Value::as_str) {
+            api = api.param(budget);
+        }
+        api = api.retry_after(error.get("retryAfter").and_then(Value::as_u64));
+    }
+    api
 }

@@ -8,7 +8,10 @@
 use serde::Deserialize;
 use serde_json::json;
 
-use super::{Candidate, Context, MemoryProvider, Namespace, ProviderError, Recalled, Written};
+use super::{
+    Candidate, Context, MemoryProvider, Namespace, ProviderError, ProviderUsage, Recall, Recalled,
+    Written,
+};
 use crate::store::MemoryStatus;
 use crate::workspace::MemoryProviderConfig;
 
@@ -72,6 +75,9 @@ impl<'a> HttpProvider<'a> {
 #[derive(Deserialize)]
 struct RecallAnswer {
     records: Vec<RecalledRecord>,
+    /// What the service spent on a model to answer, if it did.
+    #[serde(default)]
+    usage: Option<ProviderUsage>,
 }
 
 #[derive(Deserialize)]
@@ -96,7 +102,7 @@ impl MemoryProvider for HttpProvider<'_> {
         query: &str,
         limit: u32,
         context: &Context<'_>,
-    ) -> Result<Vec<Recalled>, ProviderError> {
+    ) -> Result<Recall, ProviderError> {
         let answer: RecallAnswer = self
             .post(
                 "recall",
@@ -111,7 +117,7 @@ impl MemoryProvider for HttpProvider<'_> {
                 }),
             )
             .await?;
-        Ok(answer
+        let records = answer
             .records
             .into_iter()
             .take(usize::try_from(limit).unwrap_or(usize::MAX))
@@ -120,7 +126,14 @@ impl MemoryProvider for HttpProvider<'_> {
                 namespace: namespace.name.clone(),
                 content: record.content,
             })
-            .collect())
+            .collect();
+        let usage = answer.usage.map(|usage| ProviderUsage {
+            cost_usd: usage
+                .cost_usd
+                .filter(|cost| cost.is_finite() && *cost >= 0.0),
+            ..usage
+        });
+        Ok(Recall { records, usage })
     }
 
     async fn write(&self, candidate: &Candidate) -> Result<Written, ProviderError> {

@@ -240,14 +240,15 @@ pub enum ProviderError {
 /// Where memory is searched and kept.
 #[async_trait::async_trait]
 pub trait MemoryProvider: Send + Sync {
-    /// The `limit` records of `namespace` that best match `query`.
+    /// The `limit` records of `namespace` that best match `query`, with what finding them
+    /// cost when the provider called a model for it.
     async fn recall(
         &self,
         namespace: &Namespace,
         query: &str,
         limit: u32,
         context: &Context<'_>,
-    ) -> Result<Vec<Recalled>, ProviderError>;
+    ) -> Result<Recall, ProviderError>;
     async fn write(&self, candidate: &Candidate) -> Result<Written, ProviderError>;
 }
 
@@ -271,7 +272,7 @@ impl MemoryProvider for StoreProvider {
         query: &str,
         limit: u32,
         _context: &Context<'_>,
-    ) -> Result<Vec<Recalled>, ProviderError> {
+    ) -> Result<Recall, ProviderError> {
         let records = self
             .store
             .recall_memories(
@@ -281,14 +282,17 @@ impl MemoryProvider for StoreProvider {
                 i64::from(limit),
             )
             .await?;
-        Ok(records
-            .into_iter()
-            .map(|record| Recalled {
-                id: record.id,
-                namespace: record.namespace,
-                content: record.content,
-            })
-            .collect())
+        Ok(Recall {
+            records: records
+                .into_iter()
+                .map(|record| Recalled {
+                    id: record.id,
+                    namespace: record.namespace,
+                    content: record.content,
+                })
+                .collect(),
+            usage: None,
+        })
     }
 
     async fn write(&self, candidate: &Candidate) -> Result<Written, ProviderError> {
@@ -335,7 +339,27 @@ pub struct AgentMemory<'a> {
 #[derive(Debug)]
 pub struct NamespaceRecall {
     pub namespace: Namespace,
-    pub found: Result<Vec<Recalled>, ProviderError>,
+    pub found: Result<Recall, ProviderError>,
+}
+
+/// What one recall found.
+#[derive(Debug, Clone, Default)]
+pub struct Recall {
+    pub records: Vec<Recalled>,
+    /// Tokens (and cost) the provider reports it spent on a model to find them: charged to
+    /// the run's budgets.
+    pub usage: Option<ProviderUsage>,
+}
+
+/// Usage a memory provider reports (`stable-harness.memory/v1`, `usage` in a recall answer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct ProviderUsage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// What those tokens cost, in the currency of the workspace's pricing.
+    #[serde(rename = "costUsd")]
+    pub cost_usd: Option<f64>,
 }
 
 /// Why a proposal was not written.

@@ -7,6 +7,10 @@ pub const REQUEST_FAILED: &str = "runtime.request.failed";
 pub const REQUEST_CANCELLED: &str = "runtime.request.cancelled";
 pub const MODEL_CALL_COMPLETED: &str = "runtime.model.call.completed";
 pub const RETRY_SCHEDULED: &str = "runtime.retry.scheduled";
+/// A call was charged to the budgets (its usage, cost, whether estimated).
+pub const USAGE_RECORDED: &str = "runtime.usage.recorded";
+/// A budget refused a model call: the run stops before it.
+pub const BUDGET_EXCEEDED: &str = "runtime.budget.exceeded";
 pub const ADAPTER_EVENT: &str = "runtime.adapter.event";
 pub const PROGRESS_NARRATION: &str = "runtime.progress.narration";
 pub const TOOL_DIRECT_STARTED: &str = "runtime.tool.direct.started";
@@ -84,6 +88,7 @@ pub const EVENT_TYPES: &[&str] = &[
     "runtime.model.call.completed",
     "runtime.retry.scheduled",
     "runtime.budget.exceeded",
+    "runtime.usage.recorded",
     "runtime.adapter.event",
     "runtime.progress.narration",
 ];
@@ -109,7 +114,7 @@ pub fn category(event_type: &str, data: &serde_json::Value) -> &'static str {
         .and_then(|rest| rest.split('.').next())
         .unwrap_or("");
     match family {
-        "model" | "retry" => "model",
+        "model" | "retry" | "usage" | "budget" => "model",
         "tool" => "tool",
         "approval" => "approval",
         "memory" => "memory",

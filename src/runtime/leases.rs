@@ -225,6 +225,11 @@ impl Runtime {
             parent_message_id,
             metadata: request.metadata.clone(),
             owner: request.owner.clone(),
+            charge_session: super::charge_session(
+                &request.protocol,
+                &request.metadata,
+                &request.session_id,
+            ),
             resumed: true,
             attempt: run.attempt,
             cancel_by: run.cancel_requested_by.clone(),

@@ -101,6 +101,21 @@ async fn session_leaf(
     Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
 }
 
+/// The session a request's model calls are charged to: a subagent's request (which only the
+/// runtime submits, protocol `agent`) is charged to its parent's; any other to its own.
+/// Client metadata never chooses it.
+pub(crate) fn charge_session(protocol: &str, metadata: &Value, session_id: &str) -> String {
+    if protocol == Protocol::Agent.as_str()
+        && let Some(parent) = metadata.get(PARENT_SESSION).and_then(Value::as_str)
+    {
+        return parent.to_owned();
+    }
+    session_id.to_owned()
+}
+
+/// The metadata key naming a delegated request's charged session.
+pub(crate) const PARENT_SESSION: &str = "parentSessionId";
+
 /// A new id: a prefix and a time-ordered UUID (v7), so ids sort by creation.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", uuid::Uuid::now_v7().simple())
@@ -210,6 +225,9 @@ pub enum RuntimeError {
     MessageNotFound { session: String, message: String },
     #[error("the runtime is shutting down")]
     ShuttingDown,
+    /// A budget or rate limit refused the request (429).
+    #[error(transparent)]
+    Spend(#[from] crate::spend::SpendError),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -235,6 +253,8 @@ struct Inner {
     inventory: std::sync::RwLock<Arc<Inventory>>,
     store: Arc<dyn Store>,
     journal: Journal,
+    /// Budgets and rate limits against the store's ledger.
+    spend: crate::spend::Spend,
     hub: Arc<EventHub>,
     adapters: Adapters,
     /// Remote agents' tool callbacks: the live runs' tokens and call queues.
@@ -343,6 +363,7 @@ impl Runtime {
                 reloading: tokio::sync::Mutex::new(()),
                 slots: Arc::new(Semaphore::new(limit)),
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
+                spend: crate::spend::Spend::new(Arc::clone(&store)),
                 store,
                 journal,
                 hub,
@@ -388,6 +409,11 @@ impl Runtime {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// Budgets and rate limits (the admin API reads their state).
+    pub fn spend(&self) -> &crate::spend::Spend {
+        &self.inner.spend
     }
 
     /// The labels of the named key whose identity is `owner` (none for unnamed keys).
@@ -478,6 +504,17 @@ impl Runtime {
 
         let now = Utc::now();
         let session_id = request.session_id.unwrap_or_else(|| new_id("ses"));
+        let charge_session =
+            charge_session(request.protocol.as_str(), &request.metadata, &session_id);
+        // Budgets with no room left and exhausted rate limits refuse the request before
+        // anything is stored.
+        let payer = crate::spend::Payer {
+            key_labels: self.key_labels(&request.owner),
+            key: request.owner.clone(),
+            agent: agent_id.clone(),
+            session: charge_session.clone(),
+        };
+        inner.spend.admit(&workspace, &payer).await?;
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let leaf = match existing.as_ref().filter(|_| request.with_history) {
@@ -649,6 +686,7 @@ impl Runtime {
             parent_message_id: parent_id,
             metadata,
             owner: request.owner,
+            charge_session,
             resumed: false,
             attempt: 1,
             cancel_by: None,

@@ -18,9 +18,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::clock::ActiveClock;
 use super::events::{
-    ADAPTER_EVENT, MEMORY_APPROVAL_REQUESTED, MEMORY_CANDIDATE_SUBMITTED, MEMORY_LIFECYCLE,
-    MEMORY_PLUGIN_FAILED, MEMORY_RECALL_COMPLETED, PHASE_HANDOFF, PROGRESS_NARRATION,
-    REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED, TOOL_CLIENT_COMPLETED,
+    ADAPTER_EVENT, BUDGET_EXCEEDED, MEMORY_APPROVAL_REQUESTED, MEMORY_CANDIDATE_SUBMITTED,
+    MEMORY_LIFECYCLE, MEMORY_PLUGIN_FAILED, MEMORY_RECALL_COMPLETED, PHASE_HANDOFF,
+    PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
+    TOOL_CLIENT_COMPLETED, USAGE_RECORDED,
 };
 use super::{
     Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
@@ -52,6 +53,8 @@ pub(super) struct RunJob {
     pub metadata: Value,
     /// The client key identity that owns the request (delegated requests inherit it).
     pub owner: String,
+    /// The session its model calls are charged to (see [`super::charge_session`]).
+    pub charge_session: String,
     /// A run continued after a restart: its recorded tool calls and approvals are loaded.
     pub resumed: bool,
     /// The run's attempt number (a retry's run is the request's next attempt).
@@ -79,6 +82,8 @@ struct RunEvents {
     inventory: Arc<Inventory>,
     submitted: Submitted,
     owner: String,
+    /// The session its model calls are charged to.
+    charge_session: String,
     narration: NarrationConfig,
     clock: ActiveClock,
     /// The run's execution slot; given back while the run waits on an approval.
@@ -172,7 +177,19 @@ impl RunEvents {
         let mut recalled = Vec::new();
         for found in memory.recall(&context, namespaces, &query).await {
             match found.found {
-                Ok(records) => {
+                Ok(crate::memory::Recall { records, usage }) => {
+                    if let Some(usage) = usage {
+                        let charge = crate::spend::Charge {
+                            model: format!("memory:{}", memory.provider_name()),
+                            source: "memory",
+                            prompt_tokens: usage.prompt_tokens,
+                            completion_tokens: usage.completion_tokens,
+                            cost: usage.cost_usd,
+                            estimated: false,
+                        };
+                        let agent = self.submitted.agent_id.clone();
+                        crate::adapters::SpendMeter::charge(self, &agent, None, charge).await;
+                    }
                     let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
                     let contents: Vec<&str> = records.iter().map(|r| r.content.as_str()).collect();
                     self.record(
@@ -338,6 +355,111 @@ impl EventSink for RunEvents {
     }
 }
 
+#[async_trait::async_trait]
+impl crate::adapters::SpendMeter for RunEvents {
+    async fn reserve(
+        &self,
+        agent: &str,
+        tokens: u64,
+        cost: f64,
+    ) -> Result<Option<crate::spend::Hold>, AdapterError> {
+        let amount = crate::store::spend::Amount {
+            tokens,
+            cost_nanos: crate::store::spend::to_nanos(cost),
+        };
+        let reserved = self
+            .runtime
+            .inner
+            .spend
+            .reserve(
+                &self.inventory.workspace,
+                &self.payer(agent),
+                &self.submitted.run_id,
+                amount,
+            )
+            .await;
+        match reserved {
+            Ok(hold) => Ok(hold),
+            Err(crate::spend::SpendError::Budget(refusal)) => {
+                self.record(BUDGET_EXCEEDED, refusal.event_data()).await;
+                Err(AdapterError::budget(&refusal))
+            }
+            Err(error) => Err(AdapterError::new(
+                FailureKind::Store,
+                format!("the budgets could not be read: {error}"),
+            )),
+        }
+    }
+
+    async fn charge(
+        &self,
+        agent: &str,
+        hold: Option<crate::spend::Hold>,
+        charge: crate::spend::Charge,
+    ) {
+        let record = crate::store::spend::UsageRecord {
+            id: new_id("use"),
+            at: Utc::now(),
+            request_id: self.submitted.request_id.clone(),
+            run_id: self.submitted.run_id.clone(),
+            owner: self.owner.clone(),
+            agent_id: agent.to_owned(),
+            session_id: self.charge_session.clone(),
+            model: charge.model.clone(),
+            source: charge.source.to_owned(),
+            prompt_tokens: charge.prompt_tokens,
+            completion_tokens: charge.completion_tokens,
+            cost_nanos: charge.cost.map(crate::store::spend::to_nanos),
+            estimated: charge.estimated,
+        };
+        let settled = self
+            .runtime
+            .inner
+            .spend
+            .settle(&self.inventory.workspace, &self.payer(agent), hold, &record)
+            .await;
+        if let Err(error) = settled {
+            tracing::error!(%error, "a call's usage could not be recorded in the ledger");
+        }
+        self.record(
+            USAGE_RECORDED,
+            json!({
+                "model": charge.model,
+                "source": charge.source,
+                "agent": agent,
+                "key": self.owner,
+                "chargedSession": self.charge_session,
+                "promptTokens": charge.prompt_tokens,
+                "completionTokens": charge.completion_tokens,
+                "totalTokens": charge.prompt_tokens.saturating_add(charge.completion_tokens),
+                "cost": charge.cost,
+                "estimated": charge.estimated,
+            }),
+        )
+        .await;
+    }
+
+    async fn release(&self, hold: Option<crate::spend::Hold>) {
+        if let Some(hold) = hold
+            && let Err(error) = self.runtime.inner.spend.release(hold).await
+        {
+            tracing::warn!(%error, "a reservation could not be released; it lapses with the run");
+        }
+    }
+}
+
+impl RunEvents {
+    /// Who this run's calls by `agent` are charged to.
+    fn payer(&self, agent: &str) -> crate::spend::Payer {
+        crate::spend::Payer {
+            key: self.owner.clone(),
+            key_labels: self.runtime.key_labels(&self.owner),
+            agent: agent.to_owned(),
+            session: self.charge_session.clone(),
+        }
+    }
+}
+
 /// The error a run fails with when one of its writes was lost.
 fn store_failure(error: &JournalError) -> AdapterError {
     AdapterError::new(
@@ -495,6 +617,7 @@ impl RunHost for RunEvents {
                     "parentRequestId": self.submitted.request_id,
                     "parentRunId": self.submitted.run_id,
                     "toolCallId": call_id,
+                    "parentSessionId": self.charge_session,
                 }),
                 protocol: Protocol::Agent,
                 durable_before_return: true,
@@ -664,6 +787,7 @@ pub(super) async fn execute(
         parent_message_id,
         metadata,
         owner,
+        charge_session,
         resumed,
         attempt,
         cancel_by: _,
@@ -677,6 +801,7 @@ pub(super) async fn execute(
         inventory: Arc::clone(inventory),
         submitted: submitted.clone(),
         owner,
+        charge_session,
         narration: inventory.workspace.runtime.narration,
         clock: ActiveClock::start(agent.map_or(std::time::Duration::ZERO, |a| a.timeout)),
         slot: Mutex::new(None),
@@ -934,6 +1059,7 @@ async fn finish_node(
                     parent_message_id: parent_message_id.take(),
                     metadata: events.metadata.clone(),
                     owner: events.owner.clone(),
+                    charge_session: events.charge_session.clone(),
                     resumed: false,
                     attempt: i64::from(job.step) + 1,
                     cancel_by: None,
@@ -1170,6 +1296,7 @@ async fn run_adapter(
         callbacks: &inner.callbacks,
         events,
         tools: &tools,
+        spend: events,
         cancel,
     };
     let result = tokio::select! {

@@ -199,6 +199,11 @@ impl Runtime {
             client: super::ClientTurn::stored_in(&request.input),
             node: None,
             parent_message_id,
+            charge_session: super::charge_session(
+                &request.protocol,
+                &request.metadata,
+                &request.session_id,
+            ),
             metadata: request.metadata,
             owner: request.owner,
             resumed: false,

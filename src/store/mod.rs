@@ -1,5 +1,6 @@
 //! The `Store` interface and its implementations (SPEC section 8): sessions, messages (a
-//! tree), requests, runs, events (gapless `seq` per request), approvals and artifacts.
+//! tree), requests, runs, events (gapless `seq` per request), approvals and artifacts; memory
+//! records ([`MemoryStore`]) and the spend ledger ([`SpendStore`]) beside them.
 //!
 //! The store keeps what it is given: the runtime makes ids, timestamps and sequence numbers.
 //! Every write is a [`WriteOp`]; a batch of them is applied in one transaction, which is how
@@ -9,9 +10,12 @@
 mod model;
 mod postgres;
 mod postgres_memory;
+mod postgres_spend;
 pub mod retention;
+pub mod spend;
 mod sqlite;
 mod sqlite_memory;
+mod sqlite_spend;
 mod sqlite_writer;
 
 use std::path::{Path, PathBuf};
@@ -21,6 +25,7 @@ use chrono::{DateTime, Utc};
 
 pub use model::*;
 pub use postgres::PostgresStore;
+pub use spend::SpendStore;
 pub use sqlite::SqliteStore;
 
 /// Why a store operation failed. Never caused by client input: the layers above validate.
@@ -153,7 +158,7 @@ pub trait MemoryStore: Send + Sync {
 
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
-pub trait Store: MemoryStore + Send + Sync + 'static {
+pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// Applies every op in order, in one transaction: all or nothing. Returns the `seq` the
     /// store gave each [`WriteOp::AppendEvent`], in order: a request's events are numbered
     /// after its last stored one, whoever writes them. A batch is applied once per `batch_id`:

@@ -53,7 +53,7 @@ pub struct PostgresStore {
     url: String,
     pub(super) pool: PgPool,
     holder: String,
-    lease_ms: i64,
+    pub(super) lease_ms: i64,
     changes: broadcast::Sender<StoreChange>,
     /// Stops the listener when the last handle of the store is dropped.
     _listening: Arc<DropGuard>,

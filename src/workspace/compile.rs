@@ -44,6 +44,12 @@ pub fn compile(
     let runtime = compiler.runtime(&documents, &inventory);
     let memory = runtime.as_ref().map(|runtime| &runtime.memory);
     let agents = compiler.agents(&documents, &inventory, &tools, &models, memory);
+    let (budgets, rate_limits) = compiler.spend(&documents, &inventory, &agents, &models);
+    let runtime = runtime.map(|runtime| RuntimeConfig {
+        budgets,
+        rate_limits,
+        ..runtime
+    });
     compiler.delegation_cycles(&documents);
     let workflows = compiler.workflows(&documents, &inventory, &tools);
     if compiler.diagnostics.len() > before {
@@ -763,6 +769,12 @@ impl Compiler<'_> {
                     capabilities,
                     context_window: spec.context_window,
                     pricing,
+                    max_output_tokens: spec.max_output_tokens.as_ref().map(|max| {
+                        if max.value == 0 {
+                            self.report(origin.at(max, "`maxOutputTokens` must be at least 1"));
+                        }
+                        max.value
+                    }),
                     timeout,
                     fallbacks: spec.fallbacks.iter().map(|f| f.value.clone()).collect(),
                 });
@@ -1123,16 +1135,6 @@ impl Compiler<'_> {
         };
         let governance = self.governance(origin, &spec.governance, inventory);
         let recovery = self.recovery(origin, &spec.recovery);
-        if let Some(budgets) = &spec.budgets
-            && !budgets.is_empty()
-        {
-            self.not_supported(
-                origin,
-                budgets,
-                "budgets",
-                "remove it: token budgets are not enforced by this build",
-            );
-        }
         let memory = self.memory(origin, &spec.memory);
         let mut cli_event_types = Vec::new();
         for event_type in &spec.cli.events.include {
@@ -1207,6 +1209,7 @@ impl Compiler<'_> {
             recovery,
             memory,
             budgets: Vec::new(),
+            rate_limits: Vec::new(),
             narration: NarrationConfig {
                 enabled: spec.progress.narration.enabled.unwrap_or(false),
                 style: spec
@@ -1473,6 +1476,191 @@ impl Compiler<'_> {
                 ]
             }),
             resume_on_start: spec.resume_on_start.unwrap_or(true),
+        }
+    }
+
+    /// `budgets` and `rateLimits`: names, limits, windows, what they match, and a price for
+    /// every model a cost budget may be charged for.
+    fn spend(
+        &mut self,
+        documents: &Documents,
+        inventory: &Inventory,
+        agents: &BTreeMap<String, AgentConfig>,
+        models: &BTreeMap<String, ModelConfig>,
+    ) -> (Vec<BudgetConfig>, Vec<RateLimitConfig>) {
+        let Some(doc) = documents.runtimes.first() else {
+            return (Vec::new(), Vec::new());
+        };
+        let origin = &doc.origin;
+        let spec = &doc.raw.spec;
+        let key_names: BTreeSet<&str> = spec
+            .protocols
+            .openai
+            .keys
+            .iter()
+            .map(|key| key.name.value.as_str())
+            .collect();
+        let mut names = BTreeMap::new();
+        let mut budgets = Vec::new();
+        for budget in &spec.budgets {
+            self.register(&mut names, "budget", origin, &budget.name);
+            let matcher = self.spend_match(origin, budget.matcher.as_ref(), inventory, &key_names);
+            if budget.max_tokens.is_none() && budget.max_cost.is_none() {
+                self.report(
+                    origin
+                        .at(
+                            &budget.name,
+                            format!("budget `{}` has no limit", budget.name.value),
+                        )
+                        .with_hint("set `maxTokens`, `maxCost` or both"),
+                );
+            }
+            if let Some(max) = &budget.max_cost
+                && !(max.value.is_finite() && max.value >= 0.0)
+            {
+                self.report(origin.at(max, "`maxCost` must be zero or a positive number"));
+            }
+            let window = match budget.window.value.as_str() {
+                "calendarDay" => BudgetWindow::CalendarDay,
+                "calendarMonth" => BudgetWindow::CalendarMonth,
+                "total" => BudgetWindow::Total,
+                text => match parse_duration(text) {
+                    Ok(duration) if !duration.is_zero() && duration <= MAX_DURATION => {
+                        BudgetWindow::Rolling(duration)
+                    }
+                    Ok(_) => {
+                        self.report(
+                            origin
+                                .at(
+                                    &budget.window,
+                                    "a rolling `window` is more than 0s and at most 30d",
+                                )
+                                .with_hint("for longer spans use `calendarMonth` or `total`"),
+                        );
+                        BudgetWindow::Total
+                    }
+                    Err(_) => {
+                        self.report(
+                            origin
+                                .at(&budget.window, format!("unknown budget window `{text}`"))
+                                .with_hint("a duration such as `24h`, `calendarDay`, `calendarMonth` or `total`"),
+                        );
+                        BudgetWindow::Total
+                    }
+                },
+            };
+            if budget.max_cost.is_some() {
+                self.priced_models(origin, &budget.name, &matcher, agents, models);
+            }
+            budgets.push(BudgetConfig {
+                name: budget.name.value.clone(),
+                scope: budget.scope,
+                matcher,
+                max_tokens: budget.max_tokens.as_ref().map(|max| max.value),
+                max_cost: budget.max_cost.as_ref().map(|max| max.value),
+                window,
+            });
+        }
+        let mut names = BTreeMap::new();
+        let mut rate_limits = Vec::new();
+        for limit in &spec.rate_limits {
+            self.register(&mut names, "rate limit", origin, &limit.name);
+            let matcher = self.spend_match(origin, limit.matcher.as_ref(), inventory, &key_names);
+            for value in [&limit.requests_per_minute, &limit.tokens_per_minute]
+                .into_iter()
+                .flatten()
+            {
+                if value.value == 0 {
+                    self.report(origin.at(value, "a rate must be at least 1 per minute"));
+                }
+            }
+            if limit.requests_per_minute.is_none() && limit.tokens_per_minute.is_none() {
+                self.report(
+                    origin
+                        .at(
+                            &limit.name,
+                            format!("rate limit `{}` has no rate", limit.name.value),
+                        )
+                        .with_hint("set `requestsPerMinute`, `tokensPerMinute` or both"),
+                );
+            }
+            rate_limits.push(RateLimitConfig {
+                name: limit.name.value.clone(),
+                scope: limit.scope,
+                matcher,
+                requests_per_minute: limit.requests_per_minute.as_ref().map(|v| v.value),
+                tokens_per_minute: limit.tokens_per_minute.as_ref().map(|v| v.value),
+            });
+        }
+        (budgets, rate_limits)
+    }
+
+    fn spend_match(
+        &mut self,
+        origin: &Origin,
+        spec: Option<&raw::SpendMatchSpec>,
+        inventory: &Inventory,
+        key_names: &BTreeSet<&str>,
+    ) -> SpendMatch {
+        let Some(spec) = spec else {
+            return SpendMatch::default();
+        };
+        for agent in &spec.agents {
+            self.reference(origin, agent, &inventory.agents, "agent", "Agent");
+        }
+        for key in &spec.keys {
+            if !key_names.contains(key.value.as_str()) && !is_key_fingerprint(&key.value) {
+                self.report(
+                    origin
+                        .at(key, format!("unknown key identity `{}`", key.value))
+                        .with_hint("name a key of `protocols.openai.keys`, or an unnamed key's identity `key-` and 12 hex digits"),
+                );
+            }
+        }
+        SpendMatch {
+            keys: spec.keys.iter().map(|k| k.value.clone()).collect(),
+            agents: spec.agents.iter().map(|a| a.value.clone()).collect(),
+            labels: spec.labels.clone(),
+        }
+    }
+
+    /// A cost budget needs a price for every model the agents it matches may call.
+    fn priced_models(
+        &mut self,
+        origin: &Origin,
+        budget: &Located<String>,
+        matcher: &SpendMatch,
+        agents: &BTreeMap<String, AgentConfig>,
+        models: &BTreeMap<String, ModelConfig>,
+    ) {
+        let mut unpriced = BTreeSet::new();
+        for agent in agents.values() {
+            if !matcher.agents.is_empty() && !matcher.agents.contains(&agent.name) {
+                continue;
+            }
+            let Some(model) = agent.model.as_deref().and_then(|id| models.get(id)) else {
+                continue;
+            };
+            for id in std::iter::once(&model.id).chain(&model.fallbacks) {
+                if models.get(id).is_some_and(|m| m.pricing.is_none()) {
+                    unpriced.insert(id.clone());
+                }
+            }
+        }
+        for model in unpriced {
+            self.report(
+                origin
+                    .at(
+                        budget,
+                        format!(
+                            "budget `{}` limits cost, but model `{model}` has no `pricing`",
+                            budget.value
+                        ),
+                    )
+                    .with_hint(format!(
+                        "add `pricing: {{inputPerMTok: ..., outputPerMTok: ...}}` to model `{model}`"
+                    )),
+            );
         }
     }
 
@@ -2132,6 +2320,13 @@ fn is_executable(path: &Path) -> bool {
 #[cfg(not(unix))]
 fn is_executable(path: &Path) -> bool {
     path.is_file()
+}
+
+/// Whether `identity` is how an unnamed key is known: `key-` and 12 hex digits.
+fn is_key_fingerprint(identity: &str) -> bool {
+    identity
+        .strip_prefix("key-")
+        .is_some_and(|hex| hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 #[cfg(test)]

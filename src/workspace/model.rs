@@ -11,7 +11,8 @@ use serde::Serialize;
 
 pub use super::raw::{
     Backend, BudgetScope, Decision, HttpMethod, InterruptedAction, NarrationStyle, NodeDecision,
-    NodeInput, NodeOutcome, OutputCondition, Provider, RetryKind, Risk, TimeoutAction,
+    NodeInput, NodeOutcome, OutputCondition, Provider, RateLimitScope, RetryKind, Risk,
+    TimeoutAction,
 };
 
 /// The name a config enum has in YAML and on the wire (`needs_approval`, `openai`, `high`).
@@ -70,8 +71,10 @@ pub struct RuntimeConfig {
     pub governance: GovernanceConfig,
     pub recovery: RecoveryConfig,
     pub memory: MemoryConfig,
-    /// Always empty for now: `budgets` is rejected until budgets exist.
+    /// `budgets`: every matching one applies to a model call.
     pub budgets: Vec<BudgetConfig>,
+    /// `rateLimits`: token buckets checked at admission.
+    pub rate_limits: Vec<RateLimitConfig>,
     pub narration: NarrationConfig,
     pub cli_event_types: Vec<String>,
     pub mcp_servers: BTreeMap<String, McpServerConfig>,
@@ -167,11 +170,72 @@ pub struct MemoryProviderConfig {
     pub timeout: Duration,
 }
 
-#[derive(Debug, Clone, Copy)]
+/// A spend cap (`Runtime.spec.budgets[]`): tokens and/or cost per subject of its scope
+/// within a window.
+#[derive(Debug, Clone)]
 pub struct BudgetConfig {
+    pub name: String,
     pub scope: BudgetScope,
-    pub max_tokens: u64,
-    pub window: Duration,
+    pub matcher: SpendMatch,
+    pub max_tokens: Option<u64>,
+    /// In the currency of `pricing`.
+    pub max_cost: Option<f64>,
+    pub window: BudgetWindow,
+}
+
+/// The span a budget counts over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetWindow {
+    /// The last `Duration`, counted in sixtieths of it (see `spend::Window`).
+    Rolling(Duration),
+    /// The current UTC day.
+    CalendarDay,
+    /// The current UTC month.
+    CalendarMonth,
+    /// Forever.
+    Total,
+}
+
+impl BudgetWindow {
+    /// As written in YAML.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Rolling(duration) => crate::workspace::units::format_duration(*duration),
+            Self::CalendarDay => "calendarDay".into(),
+            Self::CalendarMonth => "calendarMonth".into(),
+            Self::Total => "total".into(),
+        }
+    }
+}
+
+/// Which calls a budget or rate limit counts: every listed condition holds (an empty list
+/// or map is no condition).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpendMatch {
+    pub keys: Vec<String>,
+    pub agents: Vec<String>,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl SpendMatch {
+    pub fn matches(&self, key: &str, key_labels: &BTreeMap<String, String>, agent: &str) -> bool {
+        (self.keys.is_empty() || self.keys.iter().any(|k| k == key))
+            && (self.agents.is_empty() || self.agents.iter().any(|a| a == agent))
+            && self
+                .labels
+                .iter()
+                .all(|(name, value)| key_labels.get(name) == Some(value))
+    }
+}
+
+/// A token bucket (`Runtime.spec.rateLimits[]`) per key or agent.
+#[derive(Debug, Clone)]
+pub struct RateLimitConfig {
+    pub name: String,
+    pub scope: RateLimitScope,
+    pub matcher: SpendMatch,
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -326,6 +390,8 @@ pub struct ModelConfig {
     pub capabilities: ModelCapabilities,
     pub context_window: Option<u64>,
     pub pricing: Option<Pricing>,
+    /// `maxOutputTokens`: the most one answer may hold.
+    pub max_output_tokens: Option<u64>,
     pub timeout: Duration,
     pub fallbacks: Vec<String>,
 }
@@ -346,8 +412,12 @@ pub struct Pricing {
 impl Pricing {
     /// The price of one call's usage, in USD.
     pub fn cost_usd(&self, usage: &crate::adapters::Usage) -> f64 {
-        (usage.prompt_tokens as f64 * self.input_per_m_tok
-            + usage.completion_tokens as f64 * self.output_per_m_tok)
+        self.cost_of(usage.prompt_tokens, usage.completion_tokens)
+    }
+
+    /// The price of `prompt` input and `completion` output tokens.
+    pub fn cost_of(&self, prompt: u64, completion: u64) -> f64 {
+        (prompt as f64 * self.input_per_m_tok + completion as f64 * self.output_per_m_tok)
             / 1_000_000.0
     }
 }

@@ -117,9 +117,13 @@ pub struct RuntimeSpec {
     /// Memory: whether agents may remember, how writes are governed, where memory lives.
     #[serde(default)]
     pub memory: MemorySpec,
-    /// Not supported yet: a non-empty list is rejected until budgets arrive with their issue.
+    /// Spend caps in tokens and/or cost, per key, agent, session or the whole workspace;
+    /// every matching budget applies.
     #[serde(default)]
-    pub budgets: Option<Located<Vec<BudgetSpec>>>,
+    pub budgets: Vec<BudgetSpec>,
+    /// Token buckets on requests and tokens per minute, per key or agent.
+    #[serde(default)]
+    pub rate_limits: Vec<RateLimitSpec>,
     #[serde(default)]
     pub progress: ProgressSpec,
     #[serde(default)]
@@ -448,15 +452,62 @@ pub enum BudgetScope {
     Workspace,
 }
 
-/// A token budget. Not supported yet: `budgets` is rejected by `validate`.
-// Read for its shape only until budgets arrive, hence `dead_code`.
+/// A spend cap: `maxTokens` and/or `maxCost` within a `window`, kept per subject of its
+/// `scope` (each key, agent or session has its own counter; `workspace` has one).
 #[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-#[allow(dead_code)]
 pub struct BudgetSpec {
+    /// Named in refusals (`param`), events, `/admin/budgets` and metrics.
+    pub name: Located<String>,
     pub scope: BudgetScope,
-    pub max_tokens: Located<u64>,
-    pub window: Located<DurationText>,
+    /// Which calls it counts (default: all).
+    #[serde(default, rename = "match")]
+    pub matcher: Option<SpendMatchSpec>,
+    /// Prompt plus completion tokens.
+    #[serde(default)]
+    pub max_tokens: Option<Located<u64>>,
+    /// In the currency of the models' `pricing`.
+    #[serde(default)]
+    pub max_cost: Option<Located<f64>>,
+    /// A rolling duration (`24h`, at most `30d`), `calendarDay`, `calendarMonth` (UTC) or
+    /// `total`.
+    pub window: Located<String>,
+}
+
+/// Which calls a budget or rate limit counts: all of the listed conditions hold.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SpendMatchSpec {
+    /// Client key identities (a named key's name, or `key-` and its fingerprint).
+    #[serde(default)]
+    pub keys: Vec<Located<String>>,
+    /// Agent ids.
+    #[serde(default)]
+    pub agents: Vec<Located<String>>,
+    /// Labels of the calling named key.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum RateLimitScope {
+    ApiKey,
+    Agent,
+}
+
+/// A token bucket per key or agent: a minute's worth may be spent at once, refilled evenly.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RateLimitSpec {
+    pub name: Located<String>,
+    pub scope: RateLimitScope,
+    #[serde(default, rename = "match")]
+    pub matcher: Option<SpendMatchSpec>,
+    #[serde(default)]
+    pub requests_per_minute: Option<Located<u64>>,
+    #[serde(default)]
+    pub tokens_per_minute: Option<Located<u64>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
@@ -707,6 +758,10 @@ pub struct ModelSpec {
     pub context_window: Option<u64>,
     #[serde(default)]
     pub pricing: Option<PricingSpec>,
+    /// The most tokens one answer may hold: what a budget reserves for a call whose client
+    /// sets no `max_tokens`.
+    #[serde(default)]
+    pub max_output_tokens: Option<Located<u64>>,
     /// Per upstream call (default 60s).
     #[serde(default)]
     pub timeout: Option<Located<DurationText>>,

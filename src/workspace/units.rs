@@ -112,6 +112,18 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("invalid size `{text}`: too large"))
 }
 
+/// A duration as YAML writes it, in its largest exact unit (`86400s` -> `1d`).
+pub fn format_duration(duration: Duration) -> String {
+    let seconds = duration.as_secs();
+    match seconds {
+        0 => format!("{}ms", duration.as_millis()),
+        s if s.is_multiple_of(86_400) => format!("{}d", s / 86_400),
+        s if s.is_multiple_of(3_600) => format!("{}h", s / 3_600),
+        s if s.is_multiple_of(60) => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -364,7 +364,7 @@ const CASES: &[Case] = &[
             (
                 RUNTIME,
                 Some(
-                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store: { url: \"sqlite://state.db\", leaseDuration: 500ms }\n  memory: { enabled: true }\n  budgets:\n    - { scope: agent, maxTokens: 1000, window: 1h }\n",
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  store: { url: \"sqlite://state.db\", leaseDuration: 500ms }\n  memory: { enabled: true }\n",
                 ),
             ),
             (
@@ -383,7 +383,56 @@ const CASES: &[Case] = &[
         expected: &[
             "config/agents/assistant.yaml:8:38: `contract.requiredEvidenceTools` is not supported yet (hint: remove it: execution contracts are not checked by this build)",
             "config/runtime/workspace.yaml:5:53: `store.leaseDuration` must be at least 1s (hint: a lease is renewed every third of it; shorter ones would be lost to a slow database)",
-            "config/runtime/workspace.yaml:8:5: `budgets` is not supported yet (hint: remove it: token budgets are not enforced by this build)",
+        ],
+    },
+    Case {
+        name: "budgets and rate limits are checked",
+        files: &[
+            (
+                RUNTIME,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  budgets:\n    - { name: nothing, scope: agent, window: 1h }\n    - { name: spend, scope: apiKey, maxCost: 5, window: calendarMonth, match: { agents: [assistent], keys: [nobody] } }\n    - { name: spend, scope: session, maxTokens: 10, window: fortnight }\n    - { name: long, scope: workspace, maxCost: -1, window: 90d }\n  rateLimits:\n    - { name: calm, scope: agent }\n    - { name: Bad, scope: apiKey, requestsPerMinute: 0 }\n",
+                ),
+            ),
+            (
+                MODELS,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: { name: models }\nspec:\n  models:\n    - { id: default, provider: openai-compatible, baseUrl: \"http://127.0.0.1:9/v1\", upstreamModel: m, maxOutputTokens: 0, pricing: { inputPerMTok: -1, outputPerMTok: 1 } }\n    - { id: free, provider: openai-compatible, baseUrl: \"http://127.0.0.1:9/v1\", upstreamModel: m }\n",
+                ),
+            ),
+            (
+                AGENT,
+                Some(
+                    "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: free\n",
+                ),
+            ),
+        ],
+        expected: &[
+            "config/catalogs/models.yaml:6:120: `maxOutputTokens` must be at least 1",
+            "config/catalogs/models.yaml:6:148: prices must be zero or positive numbers",
+            "config/runtime/workspace.yaml:6:15: budget `nothing` has no limit (hint: set `maxTokens`, `maxCost` or both)",
+            "config/runtime/workspace.yaml:7:90: unknown agent `assistent` (hint: did you mean `assistant`?)",
+            "config/runtime/workspace.yaml:7:109: unknown key identity `nobody` (hint: name a key of `protocols.openai.keys`, or an unnamed key's identity `key-` and 12 hex digits)",
+            "config/runtime/workspace.yaml:8:15: duplicate budget `spend` (first defined at config/runtime/workspace.yaml:7:15)",
+            "config/runtime/workspace.yaml:8:61: unknown budget window `fortnight` (hint: a duration such as `24h`, `calendarDay`, `calendarMonth` or `total`)",
+            "config/runtime/workspace.yaml:9:15: budget `long` limits cost, but model `free` has no `pricing` (hint: add `pricing: {inputPerMTok: ..., outputPerMTok: ...}` to model `free`)",
+            "config/runtime/workspace.yaml:9:48: `maxCost` must be zero or a positive number",
+            "config/runtime/workspace.yaml:9:60: a rolling `window` is more than 0s and at most 30d (hint: for longer spans use `calendarMonth` or `total`)",
+            "config/runtime/workspace.yaml:11:15: rate limit `calm` has no rate (hint: set `requestsPerMinute`, `tokensPerMinute` or both)",
+            "config/runtime/workspace.yaml:12:15: invalid rate limit name `Bad`: names match [a-z0-9][a-z0-9._-]* (hint: did you mean `bad`?)",
+            "config/runtime/workspace.yaml:12:54: a rate must be at least 1 per minute",
+        ],
+    },
+    Case {
+        name: "an unknown budget scope is a diagnostic",
+        files: &[(
+            RUNTIME,
+            Some(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  budgets:\n    - { name: b, scope: team, maxTokens: 10, window: total }\n",
+            ),
+        )],
+        expected: &[
+            "config/runtime/workspace.yaml:6:25: unknown variant `team`, expected one of agent, session, apiKey, workspace",
         ],
     },
     Case {

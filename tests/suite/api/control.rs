@@ -563,7 +563,16 @@ async fn operators_inspect_traces_requests_workspace_and_health(store: Option<St
             .collect()
     };
     assert!(of("tool").contains(&"runtime.tool.direct.completed".to_owned()));
-    assert_eq!(of("model"), ["runtime.model.call.completed"; 2]);
+    // Each model call, and what it was charged.
+    assert_eq!(
+        of("model"),
+        [
+            "runtime.model.call.completed",
+            "runtime.usage.recorded",
+            "runtime.model.call.completed",
+            "runtime.usage.recorded"
+        ]
+    );
     assert!(of("request").contains(&"runtime.request.completed".to_owned()));
     let (status, _) = app.get("/admin/runs/run_nope/trace", ADMIN_KEY).await;
     assert_eq!(status, 404);

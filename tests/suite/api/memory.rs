@@ -266,6 +266,17 @@ async fn an_external_provider_serves_memory_and_a_failing_one_never_fails_the_ru
     // Nothing was stored here: the service owns its records.
     let (_, local) = app.get("/admin/memory", ADMIN_KEY).await;
     assert_eq!(local["data"].as_array().unwrap().len(), 0, "{local}");
+    // The service reported what its recall cost: charged to the budgets like a model call.
+    let (_, usage) = app
+        .get("/admin/usage?scope=model&id=memory:team", ADMIN_KEY)
+        .await;
+    assert!(usage["total"]["calls"].as_u64().unwrap() >= 1, "{usage}");
+    assert_eq!(
+        usage["total"]["promptTokens"].as_u64().unwrap(),
+        40 * usage["total"]["calls"].as_u64().unwrap(),
+        "{usage}"
+    );
+    assert_eq!(usage["total"]["estimatedCalls"], 0, "{usage}");
 
     // The provider that cannot be reached: the run completes, without memory.
     upstream.push([remember("Lost fact"), Reply::Text("still fine".into())]);
@@ -548,7 +559,8 @@ impl MemoryService {
                         }
                         kept.lock().unwrap().push((operation.clone(), body));
                         let answer = match operation.as_str() {
-                            "recall" => json!({ "records": [{ "id": "team-1", "content": "From the team service: use the new VPN client" }] }),
+                            "recall" => json!({ "records": [{ "id": "team-1", "content": "From the team service: use the new VPN client" }],
+                                "usage": { "prompt_tokens": 40, "completion_tokens": 2, "costUsd": 0.0001 } }),
                             _ => json!({ "id": "team-2", "status": "active" }),
                         };
                         (axum::http::StatusCode::OK, axum::Json(answer))

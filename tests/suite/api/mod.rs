@@ -36,6 +36,7 @@ mod recovery;
 mod remote;
 mod responses;
 mod runtime_api;
+mod spend;
 pub mod tools;
 mod trust;
 mod v1;

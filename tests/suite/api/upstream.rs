@@ -48,6 +48,13 @@ pub enum Reply {
     ToolCallsWithIds(Vec<(String, String, String)>),
     /// An error status with this body, as a provider's 4xx explains itself.
     StatusBody { status: u16, body: String },
+    /// A completion of `text` after `pause` reporting this usage (`None`: no usage at all,
+    /// as some providers answer), streamed word by word with the usage in the final chunk.
+    Metered {
+        text: String,
+        usage: Option<(u64, u64)>,
+        pause: Duration,
+    },
 }
 
 impl Reply {
@@ -162,6 +169,13 @@ async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> R
     match reply {
         Reply::Text(text) => answer(&model, &text, stream, Duration::ZERO),
         Reply::Slow { text, pause } => answer(&model, &text, stream, pause),
+        Reply::Metered { text, usage, pause } => {
+            tokio::time::sleep(pause).await;
+            let usage = usage.map(|(prompt, completion)| {
+                json!({ "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion })
+            });
+            metered(&model, &text, stream, usage)
+        }
         Reply::ToolCalls(calls) => tool_calls(&model, &calls, stream),
         Reply::Stall(delay) => {
             tokio::time::sleep(delay).await;
@@ -255,6 +269,31 @@ fn answer(model: &str, text: &str, stream: bool, pause: Duration) -> Response {
     parts.push(Ok(format!("data: {usage_chunk}\n\n")));
     parts.push(Ok("data: [DONE]\n\n".into()));
     sse(parts, pause)
+}
+
+/// A completion reporting `usage` (or none), in one body or as a stream.
+fn metered(model: &str, text: &str, stream: bool, usage: Option<Value>) -> Response {
+    if !stream {
+        let mut body = json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{ "index": 0, "message": { "role": "assistant", "content": text }, "finish_reason": "stop" }],
+        });
+        if let Some(usage) = usage {
+            body["usage"] = usage;
+        }
+        return axum::Json(body).into_response();
+    }
+    let mut parts: Vec<Result<String, std::io::Error>> = words(text)
+        .into_iter()
+        .map(|w| Ok(chunk(model, json!({ "content": w }), None)))
+        .collect();
+    parts.push(Ok(chunk(model, json!({}), Some("stop"))));
+    if let Some(usage) = usage {
+        let last = json!({ "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [], "usage": usage });
+        parts.push(Ok(format!("data: {last}\n\n")));
+    }
+    parts.push(Ok("data: [DONE]\n\n".into()));
+    sse(parts, Duration::ZERO)
 }
 
 fn tool_calls(model: &str, calls: &[(String, String)], stream: bool) -> Response {

@@ -372,6 +372,7 @@ async fn events_are_stored_in_order_with_gapless_seq() {
             "runtime.adapter.event",
             "runtime.model.call.completed",
             "runtime.progress.narration",
+            "runtime.usage.recorded",
             "runtime.request.completed",
         ]
     );

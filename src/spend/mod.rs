@@ -1,0 +1,808 @@
+//! Spend control (issue 15): budgets and rate limits, enforced without leaks.
+//!
+//! - **Budgets** (`Runtime.spec.budgets`): before every upstream model call the run
+//!   *reserves* the call's worst case (estimated prompt tokens plus the answer's cap) on every
+//!   matching budget; a reservation that would take a budget past its limit refuses the call.
+//!   After the call the reservation is *settled* to the real usage (or the documented
+//!   estimate), written to the ledger with the counters in one transaction. So concurrent
+//!   calls never overshoot: used + reserved stays within the limit at every moment, as long as
+//!   no call uses more than it reserved.
+//! - **Windows** are counted in buckets (see [`Span`]): a rolling window in sixtieths of its
+//!   length, counting the bucket it starts in whole (usage leaves a little late, never
+//!   early); calendar windows in UTC; `total` in one bucket.
+//! - **Rate limits** (`Runtime.spec.rateLimits`) are token buckets holding a minute's worth:
+//!   a request takes one request token at admission, and a request is admitted only while
+//!   its tokens-per-minute bucket is positive; each call's tokens are taken after it.
+//! - **Where the state lives**: on the embedded store, reservations and rate buckets live in
+//!   this process (it owns the store) and counters are read from the store once per counter;
+//!   on PostgreSQL every instance shares them through the store's atomic operations.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Datelike, TimeZone, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::store::spend::{
+    Amount, Claim, CounterDelta, CounterKey, RateBucket, RateTake, UsageRecord, from_nanos,
+    to_nanos,
+};
+use crate::store::{Store, StoreError};
+use crate::workspace::{BudgetConfig, BudgetScope, BudgetWindow, CompiledWorkspace, wire_name};
+
+/// How many buckets a rolling window is counted in.
+const ROLLING_BUCKETS: u64 = 60;
+/// An answer's cap when neither the client nor the model states one: what a budget reserves.
+pub const DEFAULT_OUTPUT_CAP: u64 = 4_096;
+
+/// Who a call is charged to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Payer {
+    /// The client key identity.
+    pub key: String,
+    /// The named key's labels (none for unnamed keys).
+    pub key_labels: BTreeMap<String, String>,
+    pub agent: String,
+    /// The session charged: a subagent's calls are charged to its parent's session.
+    pub session: String,
+}
+
+impl Payer {
+    /// The subject of a budget scope: each key, agent or session has its own counter.
+    fn subject(&self, scope: BudgetScope) -> &str {
+        match scope {
+            BudgetScope::ApiKey => &self.key,
+            BudgetScope::Agent => &self.agent,
+            BudgetScope::Session => &self.session,
+            BudgetScope::Workspace => "*",
+        }
+    }
+
+    fn matches(&self, matcher: &crate::workspace::SpendMatch) -> bool {
+        matcher.matches(&self.key, &self.key_labels, &self.agent)
+    }
+}
+
+/// Where "now" falls in a budget's window: the bucket a charge goes to, the first bucket
+/// that counts, and when the oldest counted usage leaves the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub bucket: i64,
+    pub from_bucket: i64,
+    pub resets_at: Option<DateTime<Utc>>,
+}
+
+impl Span {
+    pub fn of(window: BudgetWindow, now: DateTime<Utc>) -> Span {
+        let seconds = now.timestamp();
+        match window {
+            BudgetWindow::Rolling(length) => {
+                let length = length.as_secs().max(1);
+                let bucket_len = i64::try_from((length / ROLLING_BUCKETS).max(1)).unwrap_or(1);
+                let length = i64::try_from(length).unwrap_or(i64::MAX / 4);
+                let bucket = seconds.div_euclid(bucket_len) * bucket_len;
+                let start = seconds.saturating_sub(length);
+                let from_bucket = start.div_euclid(bucket_len) * bucket_len;
+                Span {
+                    bucket,
+                    from_bucket,
+                    resets_at: Utc
+                        .timestamp_opt(from_bucket + bucket_len + length, 0)
+                        .single(),
+                }
+            }
+            BudgetWindow::CalendarDay => {
+                let day = now.date_naive();
+                let start = day.and_hms_opt(0, 0, 0).map(|t| t.and_utc().timestamp());
+                let start = start.unwrap_or(seconds);
+                Span {
+                    bucket: start,
+                    from_bucket: start,
+                    resets_at: Utc.timestamp_opt(start + 86_400, 0).single(),
+                }
+            }
+            BudgetWindow::CalendarMonth => {
+                let first = Utc
+                    .with_ymd_and_hms(now.year(), now.month(), 1, 0, 0, 0)
+                    .single()
+                    .map(|t| t.timestamp())
+                    .unwrap_or(seconds);
+                let (year, month) = if now.month() == 12 {
+                    (now.year() + 1, 1)
+                } else {
+                    (now.year(), now.month() + 1)
+                };
+                Span {
+                    bucket: first,
+                    from_bucket: first,
+                    resets_at: Utc.with_ymd_and_hms(year, month, 1, 0, 0, 0).single(),
+                }
+            }
+            BudgetWindow::Total => Span {
+                bucket: 0,
+                from_bucket: 0,
+                resets_at: None,
+            },
+        }
+    }
+}
+
+/// A budget that refused a request or a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetRefusal {
+    pub budget: String,
+    pub scope: BudgetScope,
+    pub subject: String,
+    pub max_tokens: Option<u64>,
+    pub max_cost: Option<f64>,
+    pub used: Amount,
+    pub reserved: Amount,
+    /// When usage starts leaving the window (`None`: a `total` budget never resets).
+    pub resets_at: Option<DateTime<Utc>>,
+}
+
+impl BudgetRefusal {
+    /// Whole seconds until the window resets (at least 1), for `retry-after`.
+    pub fn retry_after(&self) -> Option<u64> {
+        let at = self.resets_at?;
+        let wait = (at - Utc::now()).num_milliseconds().max(0) as u64;
+        Some(wait.div_ceil(1000).max(1))
+    }
+
+    pub fn message(&self) -> String {
+        format!(
+            "budget `{}` ({} `{}`) is exhausted: {} tokens{} used, {} reserved by calls in flight; {}",
+            self.budget,
+            wire_name(&self.scope),
+            self.subject,
+            self.used.tokens,
+            if self.max_cost.is_some() {
+                format!(" and {:.6} cost", from_nanos(self.used.cost_nanos))
+            } else {
+                String::new()
+            },
+            self.reserved.tokens,
+            match self.resets_at {
+                Some(at) => format!("it resets at {}", at.to_rfc3339()),
+                None => "it never resets (window `total`)".to_owned(),
+            }
+        )
+    }
+
+    /// `runtime.budget.exceeded`'s data.
+    pub fn event_data(&self) -> Value {
+        json!({
+            "budget": self.budget,
+            "scope": self.scope,
+            "subject": self.subject,
+            "limit": { "tokens": self.max_tokens, "cost": self.max_cost },
+            "used": { "tokens": self.used.tokens, "cost": from_nanos(self.used.cost_nanos) },
+            "reserved": { "tokens": self.reserved.tokens, "cost": from_nanos(self.reserved.cost_nanos) },
+            "resetsAt": self.resets_at,
+        })
+    }
+
+    /// The error a run fails with.
+    pub fn run_error(&self) -> Value {
+        json!({
+            "kind": "budget_exceeded",
+            "message": self.message(),
+            "budget": self.budget,
+            "retryAfter": self.retry_after(),
+        })
+    }
+}
+
+/// A rate limit that refused a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateRefusal {
+    pub limit: String,
+    pub dimension: &'static str,
+    pub wait: Duration,
+}
+
+impl RateRefusal {
+    pub fn retry_after(&self) -> u64 {
+        (self.wait.as_millis() as u64).div_ceil(1000).max(1)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpendError {
+    #[error("{}", .0.message())]
+    Budget(Box<BudgetRefusal>),
+    #[error("rate limit `{}` ({} per minute) is exhausted; retry in {}s", .0.limit, .0.dimension, .0.retry_after())]
+    Rate(RateRefusal),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A call's reservation. Settle it with [`Spend::settle`]; dropped unsettled, it is given
+/// back (on the embedded store at once; on a shared store when the run ends).
+#[derive(Debug)]
+pub struct Hold {
+    id: String,
+    entries: Vec<(CounterKey, Amount)>,
+    local: Option<Arc<Local>>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(local) = self.local.take() {
+            local.release(&self.entries);
+        }
+    }
+}
+
+/// A call's usage, as the upstream reported it or as estimated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    /// The catalog model id, or `agent:<id>` / `memory:<provider>`.
+    pub model: String,
+    pub source: &'static str,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost: Option<f64>,
+    pub estimated: bool,
+}
+
+/// A rate bucket's name, subject and dimension.
+type RateKey = (String, String, &'static str);
+
+/// The state the embedded store keeps in this process.
+#[derive(Debug, Default)]
+pub struct Local {
+    counters: Mutex<HashMap<CounterKey, LocalCounter>>,
+    rates: Mutex<HashMap<RateKey, (f64, Instant)>>,
+}
+
+#[derive(Debug, Default)]
+struct LocalCounter {
+    buckets: BTreeMap<i64, Amount>,
+    reserved: Amount,
+}
+
+impl LocalCounter {
+    fn used(&mut self, from_bucket: i64) -> Amount {
+        // Buckets that left the window are never counted again.
+        self.buckets = self.buckets.split_off(&from_bucket);
+        self.buckets
+            .values()
+            .fold(Amount::default(), |sum, amount| sum.plus(*amount))
+    }
+}
+
+impl Local {
+    fn release(&self, entries: &[(CounterKey, Amount)]) {
+        let Ok(mut counters) = self.counters.lock() else {
+            return;
+        };
+        for (key, amount) in entries {
+            if let Some(counter) = counters.get_mut(key) {
+                counter.reserved = counter.reserved.minus(*amount);
+            }
+        }
+    }
+
+    fn take_rate(&self, bucket: &RateBucket, amount: f64, need: f64) -> RateTake {
+        let Ok(mut rates) = self.rates.lock() else {
+            return RateTake::Taken;
+        };
+        let capacity = bucket.per_minute as f64;
+        let now = Instant::now();
+        let entry = rates
+            .entry((
+                bucket.name.clone(),
+                bucket.subject.clone(),
+                bucket.dimension,
+            ))
+            .or_insert((capacity, now));
+        let level = (entry.0 + now.duration_since(entry.1).as_secs_f64() * bucket.per_second())
+            .min(capacity);
+        *entry = (level, now);
+        if level >= need {
+            entry.0 = level - amount;
+            RateTake::Taken
+        } else {
+            RateTake::Refused {
+                wait_secs: (need - level) / bucket.per_second(),
+            }
+        }
+    }
+}
+
+/// The runtime's accountant: budgets and rate limits of the workspace a run started with,
+/// against the store's ledger.
+#[derive(Debug)]
+pub struct Spend {
+    store: Arc<dyn Store>,
+    /// The embedded store's in-process state; `None` on a shared store.
+    local: Option<Arc<Local>>,
+}
+
+/// One matching budget's claim, with its budget.
+struct Matched<'w> {
+    budget: &'w BudgetConfig,
+    key: CounterKey,
+    span: Span,
+}
+
+impl Spend {
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        let local = (!store.is_shared()).then(Arc::default);
+        Self { store, local }
+    }
+
+    fn matching<'w>(
+        workspace: &'w CompiledWorkspace,
+        payer: &Payer,
+        now: DateTime<Utc>,
+    ) -> Vec<Matched<'w>> {
+        workspace
+            .runtime
+            .budgets
+            .iter()
+            .filter(|budget| payer.matches(&budget.matcher))
+            .map(|budget| Matched {
+                key: CounterKey {
+                    budget: budget.name.clone(),
+                    subject: payer.subject(budget.scope).to_owned(),
+                },
+                span: Span::of(budget.window, now),
+                budget,
+            })
+            .collect()
+    }
+
+    fn claim(matched: &Matched<'_>, amount: Amount) -> Claim {
+        Claim {
+            key: matched.key.clone(),
+            from_bucket: matched.span.from_bucket,
+            amount,
+            max_tokens: matched.budget.max_tokens,
+            max_cost_nanos: matched.budget.max_cost.map(to_nanos),
+        }
+    }
+
+    fn refusal(matched: &Matched<'_>, used: Amount, reserved: Amount) -> SpendError {
+        SpendError::Budget(Box::new(BudgetRefusal {
+            budget: matched.budget.name.clone(),
+            scope: matched.budget.scope,
+            subject: matched.key.subject.clone(),
+            max_tokens: matched.budget.max_tokens,
+            max_cost: matched.budget.max_cost,
+            used,
+            reserved,
+            resets_at: matched.span.resets_at,
+        }))
+    }
+
+    /// Reads a counter's buckets from the store the first time this process touches it.
+    async fn load(&self, local: &Local, matched: &[Matched<'_>]) -> Result<(), StoreError> {
+        for m in matched {
+            let known = local
+                .counters
+                .lock()
+                .map(|counters| counters.contains_key(&m.key))
+                .unwrap_or(true);
+            if known {
+                continue;
+            }
+            let buckets = self
+                .store
+                .counter_buckets(&m.key, m.span.from_bucket)
+                .await?;
+            if let Ok(mut counters) = local.counters.lock() {
+                // Whoever loaded it first wins: nothing is charged to a counter before it is
+                // loaded, so both read the same rows.
+                counters
+                    .entry(m.key.clone())
+                    .or_insert_with(|| LocalCounter {
+                        buckets: buckets.into_iter().collect(),
+                        reserved: Amount::default(),
+                    });
+            }
+        }
+        Ok(())
+    }
+
+    /// A counter's used and reserved amounts now.
+    async fn state(&self, matched: &Matched<'_>) -> Result<(Amount, Amount), StoreError> {
+        match &self.local {
+            Some(local) => {
+                self.load(local, std::slice::from_ref(matched)).await?;
+                let mut counters = local
+                    .counters
+                    .lock()
+                    .map_err(|_| StoreError::Writer("spend state poisoned".into()))?;
+                let counter = counters.entry(matched.key.clone()).or_default();
+                Ok((counter.used(matched.span.from_bucket), counter.reserved))
+            }
+            None => {
+                let used = self
+                    .store
+                    .counter_buckets(&matched.key, matched.span.from_bucket)
+                    .await?
+                    .into_iter()
+                    .fold(Amount::default(), |sum, (_, amount)| sum.plus(amount));
+                let reserved = self.store.reserved_shared(&matched.key).await?;
+                Ok((used, reserved))
+            }
+        }
+    }
+
+    fn rate_buckets(workspace: &CompiledWorkspace, payer: &Payer) -> Vec<(RateBucket, bool)> {
+        let mut buckets = Vec::new();
+        for limit in workspace
+            .runtime
+            .rate_limits
+            .iter()
+            .filter(|limit| payer.matches(&limit.matcher))
+        {
+            let subject = match limit.scope {
+                crate::workspace::RateLimitScope::ApiKey => payer.key.clone(),
+                crate::workspace::RateLimitScope::Agent => payer.agent.clone(),
+            };
+            for (per_minute, dimension, requests) in [
+                (limit.requests_per_minute, "requests", true),
+                (limit.tokens_per_minute, "tokens", false),
+            ] {
+                if let Some(per_minute) = per_minute {
+                    buckets.push((
+                        RateBucket {
+                            name: limit.name.clone(),
+                            subject: subject.clone(),
+                            dimension,
+                            per_minute,
+                        },
+                        requests,
+                    ));
+                }
+            }
+        }
+        buckets
+    }
+
+    async fn take_rate(
+        &self,
+        bucket: &RateBucket,
+        amount: f64,
+        need: f64,
+    ) -> Result<RateTake, StoreError> {
+        match &self.local {
+            Some(local) => Ok(local.take_rate(bucket, amount, need)),
+            None => self.store.take_rate_shared(bucket, amount, need).await,
+        }
+    }
+
+    /// Admission of a new request: every matching budget has room left, and the rate limits
+    /// give it a request (and have tokens left).
+    pub async fn admit(
+        &self,
+        workspace: &CompiledWorkspace,
+        payer: &Payer,
+    ) -> Result<(), SpendError> {
+        let now = Utc::now();
+        for matched in Self::matching(workspace, payer, now) {
+            let (used, reserved) = self.state(&matched).await?;
+            let least = Amount {
+                tokens: 1,
+                cost_nanos: 1,
+            };
+            if !Self::claim(&matched, least).fits(used, reserved) {
+                crate::metrics::budget_refused(&matched.budget.name, "admission");
+                return Err(Self::refusal(&matched, used, reserved));
+            }
+        }
+        for (bucket, requests) in Self::rate_buckets(workspace, payer) {
+            let (amount, need) = if requests { (1.0, 1.0) } else { (0.0, 1.0) };
+            if let RateTake::Refused { wait_secs } = self.take_rate(&bucket, amount, need).await? {
+                crate::metrics::rate_limited(&bucket.name);
+                return Err(SpendError::Rate(RateRefusal {
+                    limit: bucket.name,
+                    dimension: bucket.dimension,
+                    wait: Duration::from_secs_f64(wait_secs.clamp(0.0, 86_400.0)),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves `amount` on every matching budget for one call of `run_id`, or refuses it.
+    /// `None`: no budget applies.
+    pub async fn reserve(
+        &self,
+        workspace: &CompiledWorkspace,
+        payer: &Payer,
+        run_id: &str,
+        amount: Amount,
+    ) -> Result<Option<Hold>, SpendError> {
+        if workspace.runtime.budgets.is_empty() {
+            return Ok(None);
+        }
+        let matched = Self::matching(workspace, payer, Utc::now());
+        if matched.is_empty() {
+            return Ok(None);
+        }
+        let id = crate::runtime::new_id("hold");
+        let entries: Vec<(CounterKey, Amount)> =
+            matched.iter().map(|m| (m.key.clone(), amount)).collect();
+        match &self.local {
+            Some(local) => {
+                self.load(local, &matched).await?;
+                let mut counters = local
+                    .counters
+                    .lock()
+                    .map_err(|_| StoreError::Writer("spend state poisoned".into()))?;
+                for m in &matched {
+                    let counter = counters.entry(m.key.clone()).or_default();
+                    let used = counter.used(m.span.from_bucket);
+                    if !Self::claim(m, amount).fits(used, counter.reserved) {
+                        crate::metrics::budget_refused(&m.budget.name, "call");
+                        return Err(Self::refusal(m, used, counter.reserved));
+                    }
+                }
+                for m in &matched {
+                    let counter = counters.entry(m.key.clone()).or_default();
+                    counter.reserved = counter.reserved.plus(amount);
+                }
+                Ok(Some(Hold {
+                    id,
+                    entries,
+                    local: Some(Arc::clone(local)),
+                }))
+            }
+            None => {
+                let claims: Vec<Claim> = matched.iter().map(|m| Self::claim(m, amount)).collect();
+                if let Some(refused) = self.store.reserve_shared(&id, run_id, &claims).await? {
+                    let m = &matched[refused.index.min(matched.len() - 1)];
+                    crate::metrics::budget_refused(&m.budget.name, "call");
+                    return Err(Self::refusal(m, refused.used, refused.reserved));
+                }
+                Ok(Some(Hold {
+                    id,
+                    entries,
+                    local: None,
+                }))
+            }
+        }
+    }
+
+    /// Charges a call: releases its reservation, records its usage in the ledger and its
+    /// counters (one transaction), and takes its tokens from the tokens-per-minute buckets.
+    pub async fn settle(
+        &self,
+        workspace: &CompiledWorkspace,
+        payer: &Payer,
+        hold: Option<Hold>,
+        record: &UsageRecord,
+    ) -> Result<(), StoreError> {
+        let amount = Amount {
+            tokens: record
+                .prompt_tokens
+                .saturating_add(record.completion_tokens),
+            cost_nanos: record.cost_nanos.unwrap_or(0),
+        };
+        let matched = Self::matching(workspace, payer, record.at);
+        let deltas: Vec<CounterDelta> = matched
+            .iter()
+            .map(|m| CounterDelta {
+                key: m.key.clone(),
+                bucket: m.span.bucket,
+                amount,
+            })
+            .collect();
+        let mut hold = hold;
+        let hold_id = hold.as_ref().map(|hold| hold.id.clone());
+        if let Some(local) = &self.local {
+            self.load(local, &matched).await?;
+            // The memory moves first, so that no moment shows the call neither reserved nor
+            // used; the store write follows.
+            if let Ok(mut counters) = local.counters.lock() {
+                if let Some(hold) = hold.as_mut() {
+                    for (key, reserved) in hold.entries.drain(..) {
+                        if let Some(counter) = counters.get_mut(&key) {
+                            counter.reserved = counter.reserved.minus(reserved);
+                        }
+                    }
+                }
+                for delta in &deltas {
+                    let counter = counters.entry(delta.key.clone()).or_default();
+                    let bucket = counter.buckets.entry(delta.bucket).or_default();
+                    *bucket = bucket.plus(delta.amount);
+                }
+            }
+        }
+        if let Some(hold) = hold.as_mut() {
+            hold.local = None;
+        }
+        self.store
+            .record_usage(record, &deltas, hold_id.as_deref())
+            .await?;
+        for (bucket, requests) in Self::rate_buckets(workspace, payer) {
+            if !requests && amount.tokens > 0 {
+                self.take_rate(&bucket, amount.tokens as f64, f64::NEG_INFINITY)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives a reservation back uncharged (the call was never sent).
+    pub async fn release(&self, hold: Hold) -> Result<(), StoreError> {
+        if self.local.is_none() {
+            self.store.release_shared(&hold.id).await?;
+        }
+        drop(hold);
+        Ok(())
+    }
+
+    /// Every budget's counters now: one entry per subject it counted anything for.
+    pub async fn budgets(
+        &self,
+        workspace: &CompiledWorkspace,
+    ) -> Result<Vec<BudgetState>, StoreError> {
+        let now = Utc::now();
+        let mut states = Vec::new();
+        for budget in &workspace.runtime.budgets {
+            let span = Span::of(budget.window, now);
+            let mut subjects: BTreeMap<String, Amount> = self
+                .store
+                .budget_subjects(&budget.name, span.from_bucket)
+                .await?
+                .into_iter()
+                .collect();
+            if let Some(local) = &self.local
+                && let Ok(counters) = local.counters.lock()
+            {
+                for (key, counter) in counters.iter() {
+                    if key.budget == budget.name && counter.reserved != Amount::default() {
+                        subjects.entry(key.subject.clone()).or_default();
+                    }
+                }
+            }
+            for (subject, used) in subjects {
+                let key = CounterKey {
+                    budget: budget.name.clone(),
+                    subject: subject.clone(),
+                };
+                let reserved = match &self.local {
+                    Some(local) => local
+                        .counters
+                        .lock()
+                        .ok()
+                        .and_then(|counters| counters.get(&key).map(|c| c.reserved))
+                        .unwrap_or_default(),
+                    None => self.store.reserved_shared(&key).await?,
+                };
+                states.push(BudgetState {
+                    name: budget.name.clone(),
+                    scope: wire_name(&budget.scope),
+                    subject,
+                    window: budget.window.describe(),
+                    limit: Figures {
+                        tokens: budget.max_tokens,
+                        cost: budget.max_cost,
+                    },
+                    used: Figures::of(used),
+                    reserved: Figures::of(reserved),
+                    resets_at: span.resets_at,
+                });
+            }
+        }
+        Ok(states)
+    }
+}
+
+/// Tokens and cost as the API shows them.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct Figures {
+    pub tokens: Option<u64>,
+    pub cost: Option<f64>,
+}
+
+impl Figures {
+    fn of(amount: Amount) -> Self {
+        Self {
+            tokens: Some(amount.tokens),
+            cost: Some(from_nanos(amount.cost_nanos)),
+        }
+    }
+}
+
+/// One budget's counter for one subject, as `/admin/budgets` shows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BudgetState {
+    pub name: String,
+    /// `apiKey`, `agent`, `session` or `workspace`.
+    pub scope: String,
+    /// The key identity, agent, session, or `*` for a workspace budget.
+    pub subject: String,
+    pub window: String,
+    pub limit: Figures,
+    pub used: Figures,
+    pub reserved: Figures,
+    /// When the oldest counted usage leaves the window (`null` for `total`).
+    pub resets_at: Option<DateTime<Utc>>,
+}
+
+/// Estimated tokens of a prompt: one per three bytes of its JSON, which is above what
+/// tokenizers count for English and code (about four bytes a token) and near it for
+/// languages written with multi-byte characters.
+pub fn estimate_tokens(bytes: usize) -> u64 {
+    (bytes as u64).div_ceil(3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn windows_count_whole_buckets_and_reset_when_the_oldest_leaves() {
+        let now = at("2026-11-25T10:30:00Z");
+        let day = Span::of(BudgetWindow::CalendarDay, now);
+        assert_eq!(day.bucket, at("2026-11-25T00:00:00Z").timestamp());
+        assert_eq!(day.resets_at, Some(at("2026-11-26T00:00:00Z")));
+        let month = Span::of(BudgetWindow::CalendarMonth, at("2026-12-31T23:59:59Z"));
+        assert_eq!(month.from_bucket, at("2026-12-01T00:00:00Z").timestamp());
+        assert_eq!(month.resets_at, Some(at("2027-01-01T00:00:00Z")));
+        let rolling = Span::of(BudgetWindow::Rolling(Duration::from_secs(3_600)), now);
+        // Buckets of a minute: the one the window starts in counts whole.
+        assert_eq!(rolling.from_bucket, at("2026-11-25T09:30:00Z").timestamp());
+        assert_eq!(rolling.bucket, now.timestamp());
+        assert_eq!(rolling.resets_at, Some(at("2026-11-25T10:31:00Z")));
+        let total = Span::of(BudgetWindow::Total, now);
+        assert_eq!((total.bucket, total.resets_at), (0, None));
+    }
+
+    #[test]
+    fn a_claim_fits_only_within_every_limit() {
+        let claim = Claim {
+            key: CounterKey {
+                budget: "b".into(),
+                subject: "s".into(),
+            },
+            from_bucket: 0,
+            amount: Amount {
+                tokens: 10,
+                cost_nanos: 5,
+            },
+            max_tokens: Some(100),
+            max_cost_nanos: Some(50),
+        };
+        let used = Amount {
+            tokens: 60,
+            cost_nanos: 20,
+        };
+        assert!(claim.fits(
+            used,
+            Amount {
+                tokens: 30,
+                cost_nanos: 0
+            }
+        ));
+        assert!(!claim.fits(
+            used,
+            Amount {
+                tokens: 31,
+                cost_nanos: 0
+            }
+        ));
+        assert!(!claim.fits(
+            used,
+            Amount {
+                tokens: 0,
+                cost_nanos: 26
+            }
+        ));
+    }
+}
