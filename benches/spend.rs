@@ -63,7 +63,7 @@ async fn measure(
     let mut took = Vec::with_capacity(requests);
     for i in 0..WARMUP + requests {
         let started = Instant::now();
-        spend.admit(workspace, &payer).await.unwrap();
+        spend.admit(workspace, &payer, true).await.unwrap();
         let hold = spend
             .reserve(
                 workspace,

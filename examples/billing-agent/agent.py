@@ -133,7 +133,11 @@ class Handler(BaseHTTPRequestHandler):
         words = text.split(" ")
         for place, word in enumerate(words):
             self.event({"type": "delta", "text": word if place == len(words) - 1 else word + " "})
-        self.event({"type": "final", "output": "", "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
+        # What the run cost, charged to the workspace's budgets (this service calls no model:
+        # it reports a word count; a real one reports its model's usage and, if priced, cost).
+        prompt, completion = len(question.split()), len(words)
+        self.event({"type": "final", "output": "", "usage": {
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 

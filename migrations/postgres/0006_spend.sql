@@ -42,12 +42,61 @@ CREATE TABLE budget_reservations (
 );
 CREATE INDEX budget_reservations_counter ON budget_reservations (budget, subject);
 
--- Rate limits' token buckets, refilled on the database's clock.
+-- Rate limits' token buckets, refilled on the database's clock; `taken` says whether the
+-- last take found enough.
 CREATE TABLE rate_buckets (
     name TEXT NOT NULL,
     subject TEXT NOT NULL,
     dimension TEXT NOT NULL,
     level DOUBLE PRECISION NOT NULL,
     updated_at TIMESTAMPTZ NOT NULL,
+    taken BOOLEAN NOT NULL DEFAULT true,
     PRIMARY KEY (name, subject, dimension)
 );
+
+-- Reserves every claim under `hold` for `run`, or none: one call, one transaction. Each claim
+-- is {budget, subject, from_bucket, tokens, cost_nanos, max_tokens, max_cost_nanos} and the
+-- claims come sorted by (budget, subject), so concurrent reservations take the counters' locks
+-- in one order and never deadlock. Returns NULL when reserved, else the first claim that does
+-- not fit: {index, used_tokens, used_cost, reserved_tokens, reserved_cost}.
+CREATE FUNCTION stable_harness_reserve(hold text, run text, lease_ms bigint, claims jsonb)
+RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    claim jsonb;
+    place integer := 0;
+    used_tokens bigint;
+    used_cost bigint;
+    reserved_tokens bigint;
+    reserved_cost bigint;
+BEGIN
+    FOR claim IN SELECT value FROM jsonb_array_elements(claims) LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended((claim->>'budget') || '/' || (claim->>'subject'), 15));
+        -- A dead instance's reservations no longer count: they go here.
+        DELETE FROM budget_reservations r
+         WHERE r.budget = claim->>'budget' AND r.subject = claim->>'subject'
+           AND r.created_at <= now() - lease_ms * interval '1 millisecond'
+           AND NOT EXISTS (SELECT 1 FROM runs u WHERE u.id = r.run_id AND u.lease_expires_at > now()
+                             AND u.status IN ('queued', 'running', 'waiting_approval'));
+        SELECT COALESCE(SUM(b.tokens), 0), COALESCE(SUM(b.cost_nanos), 0)
+          INTO used_tokens, used_cost
+          FROM budget_usage b
+         WHERE b.budget = claim->>'budget' AND b.subject = claim->>'subject'
+           AND b.bucket >= (claim->>'from_bucket')::bigint;
+        SELECT COALESCE(SUM(r.tokens), 0), COALESCE(SUM(r.cost_nanos), 0)
+          INTO reserved_tokens, reserved_cost
+          FROM budget_reservations r
+         WHERE r.budget = claim->>'budget' AND r.subject = claim->>'subject';
+        IF (claim->'max_tokens' <> 'null' AND used_tokens + reserved_tokens + (claim->>'tokens')::bigint > (claim->>'max_tokens')::bigint)
+           OR (claim->'max_cost_nanos' <> 'null' AND used_cost + reserved_cost + (claim->>'cost_nanos')::bigint > (claim->>'max_cost_nanos')::bigint) THEN
+            RETURN jsonb_build_object('index', place, 'used_tokens', used_tokens, 'used_cost', used_cost,
+                                      'reserved_tokens', reserved_tokens, 'reserved_cost', reserved_cost);
+        END IF;
+        place := place + 1;
+    END LOOP;
+    -- Every counter is locked and fits: take the room.
+    INSERT INTO budget_reservations (hold_id, budget, subject, run_id, tokens, cost_nanos)
+    SELECT hold, c->>'budget', c->>'subject', run, (c->>'tokens')::bigint, (c->>'cost_nanos')::bigint
+      FROM jsonb_array_elements(claims) c;
+    RETURN NULL;
+END $$;

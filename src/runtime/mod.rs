@@ -514,7 +514,10 @@ impl Runtime {
             agent: agent_id.clone(),
             session: charge_session.clone(),
         };
-        inner.spend.admit(&workspace, &payer).await?;
+        inner
+            .spend
+            .admit(&workspace, &payer, request.protocol != Protocol::Agent)
+            .await?;
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let leaf = match existing.as_ref().filter(|_| request.with_history) {

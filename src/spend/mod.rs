@@ -34,6 +34,8 @@ use crate::workspace::{BudgetConfig, BudgetScope, BudgetWindow, CompiledWorkspac
 
 /// How many buckets a rolling window is counted in.
 const ROLLING_BUCKETS: u64 = 60;
+/// Counters the embedded store keeps in memory before it lets idle ones go.
+const MAX_LOCAL_COUNTERS: usize = 100_000;
 /// An answer's cap when neither the client nor the model states one: what a budget reserves.
 pub const DEFAULT_OUTPUT_CAP: u64 = 4_096;
 
@@ -262,7 +264,14 @@ pub struct Local {
 struct LocalCounter {
     buckets: BTreeMap<i64, Amount>,
     reserved: Amount,
+    /// When a charge last reached it: a charge may still wait for the writer's next
+    /// transaction, so the counter is not let go for a while after.
+    charged_at: Option<Instant>,
 }
+
+/// How long after a charge a counter stays in memory whatever the cap (a charge commits within
+/// the writer's next transaction, milliseconds later).
+const CHARGE_SETTLING: Duration = Duration::from_secs(5);
 
 impl LocalCounter {
     fn used(&mut self, from_bucket: i64) -> Amount {
@@ -275,10 +284,15 @@ impl LocalCounter {
 }
 
 impl Local {
+    /// The counters, whatever a panicking holder left (every change is one whole step).
+    fn counters(&self) -> std::sync::MutexGuard<'_, HashMap<CounterKey, LocalCounter>> {
+        self.counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn release(&self, entries: &[(CounterKey, Amount)]) {
-        let Ok(mut counters) = self.counters.lock() else {
-            return;
-        };
+        let mut counters = self.counters();
         for (key, amount) in entries {
             if let Some(counter) = counters.get_mut(key) {
                 counter.reserved = counter.reserved.minus(*amount);
@@ -287,9 +301,10 @@ impl Local {
     }
 
     fn take_rate(&self, bucket: &RateBucket, amount: f64, need: f64) -> RateTake {
-        let Ok(mut rates) = self.rates.lock() else {
-            return RateTake::Taken;
-        };
+        let mut rates = self
+            .rates
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let capacity = bucket.per_minute as f64;
         let now = Instant::now();
         let entry = rates
@@ -382,28 +397,33 @@ impl Spend {
     /// Reads a counter's buckets from the store the first time this process touches it.
     async fn load(&self, local: &Local, matched: &[Matched<'_>]) -> Result<(), StoreError> {
         for m in matched {
-            let known = local
-                .counters
-                .lock()
-                .map(|counters| counters.contains_key(&m.key))
-                .unwrap_or(true);
-            if known {
+            if local.counters().contains_key(&m.key) {
                 continue;
             }
             let buckets = self
                 .store
                 .counter_buckets(&m.key, m.span.from_bucket)
                 .await?;
-            if let Ok(mut counters) = local.counters.lock() {
-                // Whoever loaded it first wins: nothing is charged to a counter before it is
-                // loaded, so both read the same rows.
-                counters
-                    .entry(m.key.clone())
-                    .or_insert_with(|| LocalCounter {
-                        buckets: buckets.into_iter().collect(),
-                        reserved: Amount::default(),
-                    });
+            let mut counters = local.counters();
+            // Bounded: past the cap, counters nothing is reserved on are let go (they are
+            // read again from the store when next touched).
+            if counters.len() >= MAX_LOCAL_COUNTERS {
+                counters.retain(|_, counter| {
+                    counter.reserved != Amount::default()
+                        || counter
+                            .charged_at
+                            .is_some_and(|at| at.elapsed() < CHARGE_SETTLING)
+                });
             }
+            // Whoever loaded it first wins: a charge reaches the store before it reaches a
+            // counter in memory, so a later read holds everything an earlier one did.
+            counters
+                .entry(m.key.clone())
+                .or_insert_with(|| LocalCounter {
+                    buckets: buckets.into_iter().collect(),
+                    reserved: Amount::default(),
+                    charged_at: None,
+                });
         }
         Ok(())
     }
@@ -413,22 +433,14 @@ impl Spend {
         match &self.local {
             Some(local) => {
                 self.load(local, std::slice::from_ref(matched)).await?;
-                let mut counters = local
-                    .counters
-                    .lock()
-                    .map_err(|_| StoreError::Writer("spend state poisoned".into()))?;
+                let mut counters = local.counters();
                 let counter = counters.entry(matched.key.clone()).or_default();
                 Ok((counter.used(matched.span.from_bucket), counter.reserved))
             }
             None => {
-                let used = self
-                    .store
-                    .counter_buckets(&matched.key, matched.span.from_bucket)
-                    .await?
-                    .into_iter()
-                    .fold(Amount::default(), |sum, (_, amount)| sum.plus(amount));
-                let reserved = self.store.reserved_shared(&matched.key).await?;
-                Ok((used, reserved))
+                self.store
+                    .counter_state(&matched.key, matched.span.from_bucket)
+                    .await
             }
         }
     }
@@ -477,12 +489,14 @@ impl Spend {
         }
     }
 
-    /// Admission of a new request: every matching budget has room left, and the rate limits
-    /// give it a request (and have tokens left).
+    /// Admission of a new request: every matching budget has room left, and (for a client's
+    /// request, `rate_limited`; a subagent's request is part of its parent's) the rate limits
+    /// give it a request and have tokens left.
     pub async fn admit(
         &self,
         workspace: &CompiledWorkspace,
         payer: &Payer,
+        rate_limited: bool,
     ) -> Result<(), SpendError> {
         let now = Utc::now();
         for matched in Self::matching(workspace, payer, now) {
@@ -496,7 +510,12 @@ impl Spend {
                 return Err(Self::refusal(&matched, used, reserved));
             }
         }
-        for (bucket, requests) in Self::rate_buckets(workspace, payer) {
+        let buckets = if rate_limited {
+            Self::rate_buckets(workspace, payer)
+        } else {
+            Vec::new()
+        };
+        for (bucket, requests) in buckets {
             let (amount, need) = if requests { (1.0, 1.0) } else { (0.0, 1.0) };
             if let RateTake::Refused { wait_secs } = self.take_rate(&bucket, amount, need).await? {
                 crate::metrics::rate_limited(&bucket.name);
@@ -532,10 +551,7 @@ impl Spend {
         match &self.local {
             Some(local) => {
                 self.load(local, &matched).await?;
-                let mut counters = local
-                    .counters
-                    .lock()
-                    .map_err(|_| StoreError::Writer("spend state poisoned".into()))?;
+                let mut counters = local.counters();
                 for m in &matched {
                     let counter = counters.entry(m.key.clone()).or_default();
                     let used = counter.used(m.span.from_bucket);
@@ -598,29 +614,36 @@ impl Spend {
         let hold_id = hold.as_ref().map(|hold| hold.id.clone());
         if let Some(local) = &self.local {
             self.load(local, &matched).await?;
-            // The memory moves first, so that no moment shows the call neither reserved nor
-            // used; the store write follows.
-            if let Ok(mut counters) = local.counters.lock() {
-                if let Some(hold) = hold.as_mut() {
-                    for (key, reserved) in hold.entries.drain(..) {
-                        if let Some(counter) = counters.get_mut(&key) {
-                            counter.reserved = counter.reserved.minus(reserved);
-                        }
+        }
+        // The store first (on the embedded store: handed to its writer, which commits it with
+        // its next transaction), with the reservation still held: no moment shows the call
+        // neither reserved nor used.
+        let written = self
+            .record_with_retries(record, &deltas, hold_id.as_deref())
+            .await;
+        if let Some(local) = &self.local {
+            let mut counters = local.counters();
+            if let Some(hold) = hold.as_mut() {
+                for (key, reserved) in hold.entries.drain(..) {
+                    if let Some(counter) = counters.get_mut(&key) {
+                        counter.reserved = counter.reserved.minus(reserved);
                     }
                 }
-                for delta in &deltas {
-                    let counter = counters.entry(delta.key.clone()).or_default();
+            }
+            // A counter let go meanwhile is read again from the store, charge included.
+            let now = Instant::now();
+            for delta in &deltas {
+                if let Some(counter) = counters.get_mut(&delta.key) {
                     let bucket = counter.buckets.entry(delta.bucket).or_default();
                     *bucket = bucket.plus(delta.amount);
+                    counter.charged_at = Some(now);
                 }
             }
         }
         if let Some(hold) = hold.as_mut() {
             hold.local = None;
         }
-        self.store
-            .record_usage(record, &deltas, hold_id.as_deref())
-            .await?;
+        written?;
         for (bucket, requests) in Self::rate_buckets(workspace, payer) {
             if !requests && amount.tokens > 0 {
                 self.take_rate(&bucket, amount.tokens as f64, f64::NEG_INFINITY)
@@ -628,6 +651,28 @@ impl Spend {
             }
         }
         Ok(())
+    }
+
+    /// Writes a charge, trying again while the store says it may pass (a busy or full disk,
+    /// a database failing over) for up to about five seconds.
+    async fn record_with_retries(
+        &self,
+        record: &UsageRecord,
+        deltas: &[CounterDelta],
+        hold: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let mut delay = Duration::from_millis(20);
+        for _ in 0..8 {
+            match self.store.record_usage(record, deltas, hold).await {
+                Err(error) if error.is_transient() => {
+                    tracing::warn!(%error, "a charge could not be written yet; trying again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(1));
+                }
+                result => return result,
+            }
+        }
+        self.store.record_usage(record, deltas, hold).await
     }
 
     /// Gives a reservation back uncharged (the call was never sent).
@@ -654,10 +699,8 @@ impl Spend {
                 .await?
                 .into_iter()
                 .collect();
-            if let Some(local) = &self.local
-                && let Ok(counters) = local.counters.lock()
-            {
-                for (key, counter) in counters.iter() {
+            if let Some(local) = &self.local {
+                for (key, counter) in local.counters().iter() {
                     if key.budget == budget.name && counter.reserved != Amount::default() {
                         subjects.entry(key.subject.clone()).or_default();
                     }
@@ -670,10 +713,9 @@ impl Spend {
                 };
                 let reserved = match &self.local {
                     Some(local) => local
-                        .counters
-                        .lock()
-                        .ok()
-                        .and_then(|counters| counters.get(&key).map(|c| c.reserved))
+                        .counters()
+                        .get(&key)
+                        .map(|counter| counter.reserved)
                         .unwrap_or_default(),
                     None => self.store.reserved_shared(&key).await?,
                 };

@@ -1,7 +1,8 @@
-//! Spend on PostgreSQL, shared by every instance: a reservation checks and takes room under a
-//! transaction-scoped advisory lock per counter (taken in a fixed order, so two reservations
-//! never deadlock), settling releases it and adds the usage in one transaction, and rate
-//! buckets refill and debit in one statement on the database's clock.
+//! Spend on PostgreSQL, shared by every instance, each operation one statement (one round
+//! trip, one transaction): a reservation (`stable_harness_reserve`) checks and takes room
+//! under a transaction-scoped advisory lock per counter (taken in a fixed order, so two
+//! reservations never deadlock); settling releases it and adds the usage; a rate bucket
+//! refills and is taken from in one upsert on the database's clock.
 
 use sqlx::Row;
 
@@ -9,7 +10,7 @@ use super::StoreError;
 use super::postgres::{PostgresStore, text};
 use super::spend::{
     Amount, Claim, ClaimRefused, CounterDelta, CounterKey, RateBucket, RateTake, SpendStore,
-    UsageFilter, UsageGroupBy, UsageRecord, UsageTotals, from_nanos,
+    UsageFilter, UsageGroupBy, UsageRecord, UsageTotals,
 };
 
 fn int(value: u64) -> i64 {
@@ -44,17 +45,38 @@ impl SpendStore for PostgresStore {
         deltas: &[CounterDelta],
         hold: Option<&str>,
     ) -> Result<(), StoreError> {
-        let mut transaction = self.pool.begin().await?;
-        if let Some(hold) = hold {
-            sqlx::query("DELETE FROM budget_reservations WHERE hold_id = $1")
-                .bind(text(hold))
-                .execute(&mut *transaction)
-                .await?;
-        }
+        let deltas: Vec<serde_json::Value> = deltas
+            .iter()
+            .map(|delta| {
+                serde_json::json!({
+                    "budget": text(&delta.key.budget),
+                    "subject": text(&delta.key.subject),
+                    "bucket": delta.bucket,
+                    "tokens": int(delta.amount.tokens),
+                    "cost_nanos": delta.amount.cost_nanos,
+                })
+            })
+            .collect();
+        // One statement: the reservation released, the ledger record and the counters, in
+        // one transaction and one round trip. A record written already is left as it is.
         sqlx::query(
-            "INSERT INTO usage_records (id, at, request_id, run_id, owner, agent_id, session_id,
-               model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            "WITH released AS (
+               DELETE FROM budget_reservations WHERE hold_id = $14
+             ), recorded AS (
+               INSERT INTO usage_records (id, at, request_id, run_id, owner, agent_id, session_id,
+                 model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+               ON CONFLICT (id) DO NOTHING
+               RETURNING id
+             )
+             INSERT INTO budget_usage (budget, subject, bucket, tokens, cost_nanos)
+             SELECT d.budget, d.subject, d.bucket, d.tokens, d.cost_nanos
+               FROM jsonb_to_recordset($15::jsonb)
+                    AS d(budget text, subject text, bucket bigint, tokens bigint, cost_nanos bigint)
+              WHERE EXISTS (SELECT 1 FROM recorded)
+             ON CONFLICT (budget, subject, bucket) DO UPDATE
+               SET tokens = budget_usage.tokens + excluded.tokens,
+                   cost_nanos = budget_usage.cost_nanos + excluded.cost_nanos",
         )
         .bind(text(&record.id))
         .bind(record.at)
@@ -69,25 +91,10 @@ impl SpendStore for PostgresStore {
         .bind(int(record.completion_tokens))
         .bind(record.cost_nanos)
         .bind(record.estimated)
-        .execute(&mut *transaction)
+        .bind(hold.map(text))
+        .bind(serde_json::Value::Array(deltas))
+        .execute(&self.pool)
         .await?;
-        for delta in deltas {
-            sqlx::query(
-                "INSERT INTO budget_usage (budget, subject, bucket, tokens, cost_nanos)
-                 VALUES ($1, $2, $3, $4, $5)
-                 ON CONFLICT (budget, subject, bucket) DO UPDATE
-                   SET tokens = budget_usage.tokens + excluded.tokens,
-                       cost_nanos = budget_usage.cost_nanos + excluded.cost_nanos",
-            )
-            .bind(text(&delta.key.budget))
-            .bind(text(&delta.key.subject))
-            .bind(delta.bucket)
-            .bind(int(delta.amount.tokens))
-            .bind(delta.amount.cost_nanos)
-            .execute(&mut *transaction)
-            .await?;
-        }
-        transaction.commit().await?;
         Ok(())
     }
 
@@ -180,20 +187,14 @@ impl SpendStore for PostgresStore {
             .await?;
         rows.iter()
             .map(|row| {
-                let prompt = row.try_get::<Option<i64>, _>("prompt")?.unwrap_or(0).max(0) as u64;
-                let completion = row
-                    .try_get::<Option<i64>, _>("completion")?
-                    .unwrap_or(0)
-                    .max(0) as u64;
-                Ok(UsageTotals {
-                    group: row.try_get("grp")?,
-                    calls: row.try_get::<i64, _>("calls")?.max(0) as u64,
-                    prompt_tokens: prompt,
-                    completion_tokens: completion,
-                    total_tokens: prompt.saturating_add(completion),
-                    cost: row.try_get::<Option<i64>, _>("cost")?.map(from_nanos),
-                    estimated_calls: row.try_get::<i64, _>("estimated")?.max(0) as u64,
-                })
+                Ok(UsageTotals::from_sums(
+                    row.try_get("grp")?,
+                    row.try_get("calls")?,
+                    row.try_get("prompt")?,
+                    row.try_get("completion")?,
+                    row.try_get("cost")?,
+                    row.try_get("estimated")?,
+                ))
             })
             .collect()
     }
@@ -204,68 +205,45 @@ impl SpendStore for PostgresStore {
         run_id: &str,
         claims: &[Claim],
     ) -> Result<Option<ClaimRefused>, StoreError> {
+        // Sorted, so that concurrent reservations lock counters in one order.
         let mut order: Vec<usize> = (0..claims.len()).collect();
         order.sort_by(|a, b| claims[*a].key.cmp(&claims[*b].key));
-        let mut transaction = self.pool.begin().await?;
-        for index in order {
-            let claim = &claims[index];
-            let budget = text(&claim.key.budget);
-            let subject = text(&claim.key.subject);
-            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 15))")
-                .bind(&budget)
-                .bind(&subject)
-                .execute(&mut *transaction)
-                .await?;
-            // A dead instance's reservations no longer count: they go here.
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "DELETE FROM budget_reservations r WHERE r.budget = $1 AND r.subject = $2
-                   AND NOT {IN_FORCE}"
-            )))
-            .bind(&budget)
-            .bind(&subject)
-            .bind(self.lease_ms)
-            .execute(&mut *transaction)
-            .await?;
-            let used = sqlx::query(
-                "SELECT SUM(tokens)::BIGINT AS tokens, SUM(cost_nanos)::BIGINT AS cost_nanos
-                 FROM budget_usage WHERE budget = $1 AND subject = $2 AND bucket >= $3",
-            )
-            .bind(&budget)
-            .bind(&subject)
-            .bind(claim.from_bucket)
-            .fetch_one(&mut *transaction)
-            .await?;
-            let used = amount(used.try_get("tokens")?, used.try_get("cost_nanos")?);
-            let reserved = sqlx::query(sqlx::AssertSqlSafe(live_reserved()))
-                .bind(&budget)
-                .bind(&subject)
+        let sorted: Vec<serde_json::Value> = order
+            .iter()
+            .map(|index| {
+                let claim = &claims[*index];
+                serde_json::json!({
+                    "budget": text(&claim.key.budget),
+                    "subject": text(&claim.key.subject),
+                    "from_bucket": claim.from_bucket,
+                    "tokens": int(claim.amount.tokens),
+                    "cost_nanos": claim.amount.cost_nanos,
+                    "max_tokens": claim.max_tokens.map(int),
+                    "max_cost_nanos": claim.max_cost_nanos,
+                })
+            })
+            .collect();
+        let refused: Option<serde_json::Value> =
+            sqlx::query_scalar("SELECT stable_harness_reserve($1, $2, $3, $4::jsonb)")
+                .bind(text(hold))
+                .bind(text(run_id))
                 .bind(self.lease_ms)
-                .fetch_one(&mut *transaction)
+                .bind(serde_json::Value::Array(sorted))
+                .fetch_one(&self.pool)
                 .await?;
-            let reserved = amount(reserved.try_get("tokens")?, reserved.try_get("cost_nanos")?);
-            if !claim.fits(used, reserved) {
-                transaction.rollback().await?;
-                return Ok(Some(ClaimRefused {
-                    index,
-                    used,
-                    reserved,
-                }));
-            }
-            sqlx::query(
-                "INSERT INTO budget_reservations (hold_id, budget, subject, run_id, tokens, cost_nanos)
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(text(hold))
-            .bind(&budget)
-            .bind(&subject)
-            .bind(text(run_id))
-            .bind(int(claim.amount.tokens))
-            .bind(claim.amount.cost_nanos)
-            .execute(&mut *transaction)
-            .await?;
-        }
-        transaction.commit().await?;
-        Ok(None)
+        let Some(refused) = refused else {
+            return Ok(None);
+        };
+        let figure = |name: &str| refused.get(name).and_then(serde_json::Value::as_i64);
+        let place = figure("index")
+            .and_then(|place| usize::try_from(place).ok())
+            .and_then(|place| order.get(place).copied())
+            .ok_or_else(|| StoreError::Corrupt(format!("a reservation's refusal: {refused}")))?;
+        Ok(Some(ClaimRefused {
+            index: place,
+            used: amount(figure("used_tokens"), figure("used_cost")),
+            reserved: amount(figure("reserved_tokens"), figure("reserved_cost")),
+        }))
     }
 
     async fn release_shared(&self, hold: &str) -> Result<(), StoreError> {
@@ -294,45 +272,31 @@ impl SpendStore for PostgresStore {
     ) -> Result<RateTake, StoreError> {
         let capacity = bucket.per_minute as f64;
         let rate = bucket.per_second();
-        let name = text(&bucket.name);
-        let subject = text(&bucket.subject);
-        let mut transaction = self.pool.begin().await?;
-        sqlx::query(
-            "INSERT INTO rate_buckets (name, subject, dimension, level, updated_at)
-             VALUES ($1, $2, $3, $4, now()) ON CONFLICT (name, subject, dimension) DO NOTHING",
-        )
-        .bind(&name)
-        .bind(&subject)
-        .bind(bucket.dimension)
-        .bind(capacity)
-        .execute(&mut *transaction)
-        .await?;
-        // Refilled by the time passed on the database's clock, the same for every instance.
+        // One statement: the bucket refilled by the time passed on the database's clock (the
+        // same for every instance), then taken from if it holds `need`; the row lock of the
+        // upsert orders concurrent takes.
         let row = sqlx::query(
-            "SELECT LEAST($4, level + EXTRACT(EPOCH FROM now() - updated_at)::FLOAT8 * $5) AS level
-             FROM rate_buckets WHERE name = $1 AND subject = $2 AND dimension = $3 FOR UPDATE",
+            "INSERT INTO rate_buckets AS b (name, subject, dimension, level, updated_at, taken)
+             VALUES ($1, $2, $3, $4 - $6, now(), true)
+             ON CONFLICT (name, subject, dimension) DO UPDATE SET
+               level = LEAST($4, b.level + EXTRACT(EPOCH FROM now() - b.updated_at)::FLOAT8 * $5)
+                       - CASE WHEN LEAST($4, b.level + EXTRACT(EPOCH FROM now() - b.updated_at)::FLOAT8 * $5) >= $7
+                              THEN $6 ELSE 0 END,
+               taken = LEAST($4, b.level + EXTRACT(EPOCH FROM now() - b.updated_at)::FLOAT8 * $5) >= $7,
+               updated_at = now()
+             RETURNING level, taken",
         )
-        .bind(&name)
-        .bind(&subject)
+        .bind(text(&bucket.name))
+        .bind(text(&bucket.subject))
         .bind(bucket.dimension)
         .bind(capacity)
         .bind(rate)
-        .fetch_one(&mut *transaction)
+        .bind(amount)
+        .bind(need)
+        .fetch_one(&self.pool)
         .await?;
         let level: f64 = row.try_get("level")?;
-        let taken = level >= need;
-        let after = if taken { level - amount } else { level };
-        sqlx::query(
-            "UPDATE rate_buckets SET level = $4, updated_at = now()
-             WHERE name = $1 AND subject = $2 AND dimension = $3",
-        )
-        .bind(&name)
-        .bind(&subject)
-        .bind(bucket.dimension)
-        .bind(after)
-        .execute(&mut *transaction)
-        .await?;
-        transaction.commit().await?;
+        let taken: bool = row.try_get("taken")?;
         Ok(if taken {
             RateTake::Taken
         } else {
@@ -340,5 +304,36 @@ impl SpendStore for PostgresStore {
                 wait_secs: ((need - level) / rate).max(0.0),
             }
         })
+    }
+
+    async fn counter_state(
+        &self,
+        key: &CounterKey,
+        from_bucket: i64,
+    ) -> Result<(Amount, Amount), StoreError> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT
+               (SELECT SUM(tokens)::BIGINT FROM budget_usage
+                 WHERE budget = $1 AND subject = $2 AND bucket >= $4) AS used_tokens,
+               (SELECT SUM(cost_nanos)::BIGINT FROM budget_usage
+                 WHERE budget = $1 AND subject = $2 AND bucket >= $4) AS used_cost,
+               (SELECT SUM(r.tokens)::BIGINT FROM budget_reservations r
+                 WHERE r.budget = $1 AND r.subject = $2 AND {IN_FORCE}) AS reserved_tokens,
+               (SELECT SUM(r.cost_nanos)::BIGINT FROM budget_reservations r
+                 WHERE r.budget = $1 AND r.subject = $2 AND {IN_FORCE}) AS reserved_cost"
+        )))
+        .bind(text(&key.budget))
+        .bind(text(&key.subject))
+        .bind(self.lease_ms)
+        .bind(from_bucket)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((
+            amount(row.try_get("used_tokens")?, row.try_get("used_cost")?),
+            amount(
+                row.try_get("reserved_tokens")?,
+                row.try_get("reserved_cost")?,
+            ),
+        ))
     }
 }

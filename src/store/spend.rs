@@ -168,6 +168,30 @@ pub struct UsageTotals {
     pub estimated_calls: u64,
 }
 
+impl UsageTotals {
+    /// A group's sums as the databases return them (`SUM` of no rows is `NULL`).
+    pub(crate) fn from_sums(
+        group: String,
+        calls: i64,
+        prompt: Option<i64>,
+        completion: Option<i64>,
+        cost_nanos: Option<i64>,
+        estimated: Option<i64>,
+    ) -> Self {
+        let count = |value: Option<i64>| value.unwrap_or(0).max(0) as u64;
+        let (prompt_tokens, completion_tokens) = (count(prompt), count(completion));
+        Self {
+            group,
+            calls: count(Some(calls)),
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            cost: cost_nanos.map(from_nanos),
+            estimated_calls: count(estimated),
+        }
+    }
+}
+
 /// Nano-units of a currency amount.
 pub fn to_nanos(cost: f64) -> i64 {
     // `as` saturates: a huge or non-finite figure cannot wrap.
@@ -229,6 +253,19 @@ pub trait SpendStore: Send + Sync {
     /// What live runs have reserved on a counter.
     async fn reserved_shared(&self, _key: &CounterKey) -> Result<Amount, StoreError> {
         Ok(Amount::default())
+    }
+    /// A counter's used amount since `from_bucket` and what is reserved on it, read together.
+    async fn counter_state(
+        &self,
+        key: &CounterKey,
+        from_bucket: i64,
+    ) -> Result<(Amount, Amount), StoreError> {
+        let used = self
+            .counter_buckets(key, from_bucket)
+            .await?
+            .into_iter()
+            .fold(Amount::default(), |sum, (_, amount)| sum.plus(amount));
+        Ok((used, self.reserved_shared(key).await?))
     }
     /// Takes `amount` from a bucket if it holds at least `need`, refilling it first.
     async fn take_rate_shared(

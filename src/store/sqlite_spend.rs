@@ -1,17 +1,19 @@
-//! Spend on the embedded store: the ledger and counters are written by the single writer in
-//! one transaction; reservations and rate buckets live in the process (it owns the store).
+//! Spend on the embedded store: a charge (ledger record and counter increments) is handed to
+//! the single writer, which commits it inside its next transaction — with the next batch of
+//! any run, so it costs neither a transaction nor a round trip of its own; reservations and
+//! rate buckets live in the process (it owns the store).
 
 use sqlx::Row;
 
 use super::StoreError;
 use super::spend::{
     Amount, CounterDelta, CounterKey, SpendStore, UsageFilter, UsageGroupBy, UsageRecord,
-    UsageTotals, from_nanos,
+    UsageTotals,
 };
 use super::sqlite::SqliteStore;
 use super::sqlite_writer::time;
 
-const INSERT_USAGE: &str = "INSERT INTO usage_records (id, at, request_id, run_id, owner,
+const INSERT_USAGE: &str = "INSERT OR IGNORE INTO usage_records (id, at, request_id, run_id, owner,
      agent_id, session_id, model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
 const ADD_TO_COUNTER: &str =
@@ -20,6 +22,44 @@ const ADD_TO_COUNTER: &str =
      ON CONFLICT (budget, subject, bucket) DO UPDATE SET tokens = tokens + excluded.tokens,
        cost_nanos = cost_nanos + excluded.cost_nanos";
 
+/// Writes one charge: the ledger record (once: a record written already is left as it is) and
+/// its counters' increments.
+pub(super) fn insert_charge(
+    tx: &rusqlite::Transaction<'_>,
+    record: &UsageRecord,
+    deltas: &[CounterDelta],
+) -> rusqlite::Result<()> {
+    let inserted = tx.prepare_cached(INSERT_USAGE)?.execute(rusqlite::params![
+        record.id,
+        time(&record.at),
+        record.request_id,
+        record.run_id,
+        record.owner,
+        record.agent_id,
+        record.session_id,
+        record.model,
+        record.source,
+        int(record.prompt_tokens),
+        int(record.completion_tokens),
+        record.cost_nanos,
+        record.estimated,
+    ])?;
+    if inserted == 0 {
+        return Ok(());
+    }
+    let mut add = tx.prepare_cached(ADD_TO_COUNTER)?;
+    for delta in deltas {
+        add.execute(rusqlite::params![
+            delta.key.budget,
+            delta.key.subject,
+            delta.bucket,
+            int(delta.amount.tokens),
+            delta.amount.cost_nanos,
+        ])?;
+    }
+    Ok(())
+}
+
 /// SQLite integers are signed 64-bit: token counts past that are held at its maximum.
 fn int(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -27,49 +67,15 @@ fn int(value: u64) -> i64 {
 
 #[async_trait::async_trait]
 impl SpendStore for SqliteStore {
+    /// Queued to the writer: the charge commits with its next transaction, which comes no
+    /// later than the run's next write (see `sqlite_writer::PendingCharges`).
     async fn record_usage(
         &self,
         record: &UsageRecord,
         deltas: &[CounterDelta],
         _hold: Option<&str>,
     ) -> Result<(), StoreError> {
-        let record = record.clone();
-        let deltas = deltas.to_vec();
-        self.writer
-            .maintain(move |connection| {
-                let transaction = connection.transaction()?;
-                transaction
-                    .prepare_cached(INSERT_USAGE)?
-                    .execute(rusqlite::params![
-                        record.id,
-                        time(&record.at),
-                        record.request_id,
-                        record.run_id,
-                        record.owner,
-                        record.agent_id,
-                        record.session_id,
-                        record.model,
-                        record.source,
-                        int(record.prompt_tokens),
-                        int(record.completion_tokens),
-                        record.cost_nanos,
-                        record.estimated,
-                    ])?;
-                {
-                    let mut add = transaction.prepare_cached(ADD_TO_COUNTER)?;
-                    for delta in &deltas {
-                        add.execute(rusqlite::params![
-                            delta.key.budget,
-                            delta.key.subject,
-                            delta.bucket,
-                            int(delta.amount.tokens),
-                            delta.amount.cost_nanos,
-                        ])?;
-                    }
-                }
-                transaction.commit()
-            })
-            .await
+        self.writer.charge((record.clone(), deltas.to_vec()))
     }
 
     async fn counter_buckets(
@@ -149,23 +155,14 @@ impl SpendStore for SqliteStore {
             .await?;
         rows.iter()
             .map(|row| {
-                let prompt = row.try_get::<Option<i64>, _>("prompt")?.unwrap_or(0).max(0) as u64;
-                let completion = row
-                    .try_get::<Option<i64>, _>("completion")?
-                    .unwrap_or(0)
-                    .max(0) as u64;
-                Ok(UsageTotals {
-                    group: row.try_get("grp")?,
-                    calls: row.try_get::<i64, _>("calls")?.max(0) as u64,
-                    prompt_tokens: prompt,
-                    completion_tokens: completion,
-                    total_tokens: prompt.saturating_add(completion),
-                    cost: row.try_get::<Option<i64>, _>("cost")?.map(from_nanos),
-                    estimated_calls: row
-                        .try_get::<Option<i64>, _>("estimated")?
-                        .unwrap_or(0)
-                        .max(0) as u64,
-                })
+                Ok(UsageTotals::from_sums(
+                    row.try_get("grp")?,
+                    row.try_get("calls")?,
+                    row.try_get("prompt")?,
+                    row.try_get("completion")?,
+                    row.try_get("cost")?,
+                    row.try_get("estimated")?,
+                ))
             })
             .collect()
     }

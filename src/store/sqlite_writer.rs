@@ -29,6 +29,7 @@ use rusqlite::{Connection, params};
 use serde_json::Value;
 use tokio::sync::oneshot;
 
+use super::spend::{CounterDelta, UsageRecord};
 use super::{ApprovalDecision, StoreError, WriteOp};
 
 /// WAL size, in pages, past which the writer is asked to catch up and restart the WAL
@@ -47,10 +48,56 @@ const STARVED_RETRY: Duration = Duration::from_secs(5);
 
 enum Job {
     Apply(Vec<WriteOp>, oneshot::Sender<Result<Vec<i64>, StoreError>>),
+    /// A settled call's charge: committed with the next transaction (see [`PendingCharges`]).
+    Charge(Box<Charge>),
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
+}
+
+/// A settled call: its ledger record and its budget counters' increments.
+pub type Charge = (UsageRecord, Vec<CounterDelta>);
+
+/// Charges waiting for the writer's next transaction. A charge rides along with the next
+/// batch (it costs no transaction, and no round trip, of its own); the writer queue is FIFO,
+/// so it commits no later than the next write its run makes (its end at the latest). Kept
+/// until a transaction holding them commits; written alone when the queue falls idle for
+/// [`CHARGE_IDLE`], when [`MAX_PENDING_CHARGES`] wait, or before maintenance.
+#[derive(Default)]
+struct PendingCharges(Vec<Charge>);
+
+/// How long charges wait for a batch to ride along with.
+const CHARGE_IDLE: Duration = Duration::from_millis(20);
+/// Most charges held back at once.
+const MAX_PENDING_CHARGES: usize = 512;
+
+impl PendingCharges {
+    /// Writes every pending charge inside `tx` (cleared only once `tx` commits).
+    fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+        for (record, deltas) in &self.0 {
+            super::sqlite_spend::insert_charge(tx, record, deltas)?;
+        }
+        Ok(())
+    }
+
+    /// Commits the pending charges in a transaction of their own.
+    fn flush(&mut self, connection: &mut Connection) {
+        if self.0.is_empty() {
+            return;
+        }
+        let result = connection.transaction().and_then(|tx| {
+            self.write(&tx)?;
+            tx.commit()
+        });
+        match result {
+            Ok(()) => self.0.clear(),
+            // Kept for the next transaction: a full or busy disk passes.
+            Err(error) => {
+                tracing::warn!(%error, pending = self.0.len(), "charges could not be written yet")
+            }
+        }
+    }
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
@@ -108,6 +155,11 @@ impl SqliteWriter {
         let (done, result) = oneshot::channel();
         self.send(Job::Apply(ops, done))?;
         result.await.map_err(|_| stopped())?
+    }
+
+    /// Queues a settled call's charge; it commits with the writer's next transaction.
+    pub fn charge(&self, charge: Charge) -> Result<(), StoreError> {
+        self.send(Job::Charge(Box::new(charge)))
     }
 
     /// Runs `work` on the writer's connection between two transactions and returns its result.
@@ -213,19 +265,53 @@ fn write_loop(
     leases: &Leases,
 ) {
     let mut last_wait: Option<Instant> = None;
-    while let Ok(job) = queue.recv() {
+    let mut charges = PendingCharges::default();
+    loop {
+        let job = if charges.0.is_empty() {
+            queue
+                .recv()
+                .map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+        } else {
+            queue.recv_timeout(CHARGE_IDLE)
+        };
+        let job = match job {
+            Ok(job) => job,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                charges.flush(&mut connection);
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         match job {
             Job::Apply(ops, done) => {
                 let result =
-                    apply(&mut connection, &ops, leases).map_err(|abandon| match abandon {
-                        Abandon::Sqlite(error) => writer_error(error),
-                        Abandon::Conflict(message) => StoreError::Conflict(message),
-                        Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
-                    });
+                    apply(&mut connection, &ops, leases, &charges).map_err(
+                        |abandon| match abandon {
+                            Abandon::Sqlite(error) => writer_error(error),
+                            Abandon::Conflict(message) => StoreError::Conflict(message),
+                            Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+                        },
+                    );
+                if result.is_ok() {
+                    charges.0.clear();
+                } else {
+                    // A refused batch never holds back the charges that rode along with it.
+                    charges.flush(&mut connection);
+                }
                 let _ = done.send(result);
             }
-            Job::Maintain(work) => work(&mut connection),
+            Job::Charge(charge) => {
+                charges.0.push(*charge);
+                if charges.0.len() >= MAX_PENDING_CHARGES {
+                    charges.flush(&mut connection);
+                }
+            }
+            Job::Maintain(work) => {
+                charges.flush(&mut connection);
+                work(&mut connection);
+            }
             Job::CatchUp => {
+                charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);
                 match checkpoint(&connection, "PASSIVE") {
                     Ok((_, frames, _)) if frames >= STARVED_PAGES => {
@@ -237,6 +323,7 @@ fn write_loop(
             }
         }
     }
+    charges.flush(&mut connection);
 }
 
 /// A checkpoint in `mode`: (busy, frames in the WAL, frames copied).
@@ -319,8 +406,10 @@ fn apply(
     connection: &mut Connection,
     ops: &[WriteOp],
     leases: &Leases,
+    charges: &PendingCharges,
 ) -> Result<Vec<i64>, Abandon> {
     let tx = connection.transaction()?;
+    charges.write(&tx)?;
     let mut numbers = Vec::new();
     // The next number of each request the batch appends to (this writer is the store's only
     // one, so the stored last number plus what the batch appended is exact).

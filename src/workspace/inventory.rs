@@ -58,6 +58,7 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
                     "inputPerMTok": p.input_per_m_tok,
                     "outputPerMTok": p.output_per_m_tok,
                 })),
+                "maxOutputTokens": model.max_output_tokens,
                 "timeoutMs": millis(model.timeout),
             })
         }).collect::<Vec<_>>(),
@@ -112,6 +113,10 @@ pub fn inventory(workspace: &CompiledWorkspace) -> Value {
     })
 }
 
+fn spend_match(matcher: &crate::workspace::SpendMatch) -> Value {
+    json!({ "keys": matcher.keys, "agents": matcher.agents, "labels": matcher.labels })
+}
+
 fn runtime_json(workspace: &CompiledWorkspace) -> Value {
     let runtime = &workspace.runtime;
     let governance = &runtime.governance;
@@ -145,6 +150,21 @@ fn runtime_json(workspace: &CompiledWorkspace) -> Value {
             "maxConcurrentRuns": runtime.limits.max_concurrent_runs,
             "maxOutputBytes": runtime.limits.max_output_bytes,
         },
+        "budgets": runtime.budgets.iter().map(|budget| json!({
+            "name": budget.name,
+            "scope": wire_name(&budget.scope),
+            "match": spend_match(&budget.matcher),
+            "maxTokens": budget.max_tokens,
+            "maxCost": budget.max_cost,
+            "window": budget.window.describe(),
+        })).collect::<Vec<_>>(),
+        "rateLimits": runtime.rate_limits.iter().map(|limit| json!({
+            "name": limit.name,
+            "scope": wire_name(&limit.scope),
+            "match": spend_match(&limit.matcher),
+            "requestsPerMinute": limit.requests_per_minute,
+            "tokensPerMinute": limit.tokens_per_minute,
+        })).collect::<Vec<_>>(),
         "governance": {
             "default": wire_name(&governance.default),
             "rules": governance.rules.iter().map(|rule| json!({

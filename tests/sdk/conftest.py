@@ -118,6 +118,8 @@ spec:
   defaultAgent: coder
   governance:
     default: allow
+  rateLimits:
+    - {{ name: greeter-pace, scope: agent, match: {{ agents: [greeter] }}, requestsPerMinute: 60 }}
 ---
 apiVersion: stable-harness/v1
 kind: ModelCatalog
@@ -146,6 +148,13 @@ spec:
   instructions: You help with code.
   tools: [weather.lookup]
   clientTools: {{ enabled: true, risk: medium }}
+---
+apiVersion: stable-harness/v1
+kind: Agent
+metadata: {{ name: greeter }}
+spec:
+  backend: scripted
+  script: [{{ reply: "Hello {{{{input}}}}" }}]
 """
 
 

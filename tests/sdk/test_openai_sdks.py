@@ -9,7 +9,7 @@ import openai
 import pytest
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from conftest import CLIENT_KEY, calls_reply, text_reply
+from conftest import ADMIN_KEY, CLIENT_KEY, calls_reply, text_reply
 
 set_tracing_disabled(True)
 
@@ -106,3 +106,46 @@ def test_agents_sdk_with_a_client_function_tool(base_url, upstream):
     assert ran == ["UTC"]
     assert result.final_output == "It is noon."
     assert upstream.requests[-1]["messages"][-1]["content"] == "12:00 in UTC"
+
+
+def refusals_counted(base_url):
+    """How many requests the `greeter-pace` limit refused, from the server's metrics."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{base_url}/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith('stable_harness_rate_limited_total{limit="greeter-pace"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_rate_limit_answers_429_and_the_sdk_retry_succeeds(base_url):
+    """`greeter` takes 60 requests a minute (a bucket of 60, refilled one a second): past it the
+    answer is 429 `rate_limited` with `retry-after`, and the SDK's own retry then succeeds."""
+    strict = openai.OpenAI(base_url=f"{base_url}/v1", api_key=CLIENT_KEY, max_retries=0)
+    refused = None
+    for _ in range(200):
+        try:
+            strict.chat.completions.create(model="greeter", messages=[{"role": "user", "content": "you"}])
+        except openai.RateLimitError as error:
+            refused = error
+            break
+    assert refused is not None, "the bucket never ran dry"
+    assert refused.status_code == 429
+    assert refused.body["code"] == "rate_limited"
+    assert refused.body["param"] == "greeter-pace"
+    assert 1 <= int(refused.response.headers["retry-after"]) <= 2
+
+    # Empty the bucket again, then let the SDK wait out `retry-after` and try again.
+    while True:
+        try:
+            strict.chat.completions.create(model="greeter", messages=[{"role": "user", "content": "you"}])
+        except openai.RateLimitError:
+            break
+    before = refusals_counted(base_url)
+    patient = openai.OpenAI(base_url=f"{base_url}/v1", api_key=CLIENT_KEY, max_retries=3)
+    completion = patient.chat.completions.create(model="greeter", messages=[{"role": "user", "content": "you"}])
+    assert completion.choices[0].message.content == "Hello you"
+    assert refusals_counted(base_url) >= before + 1, "the SDK's first try was refused, its retry served"

@@ -179,6 +179,13 @@ fn validate_json_of_a_valid_workspace_prints_the_inventory() {
     );
     assert_eq!(runtime["limits"]["maxOutputBytes"], 1 << 20);
     assert_eq!(
+        runtime["budgets"][1],
+        json!({ "name": "web-sessions", "scope": "session", "match": { "keys": ["web-frontend"], "agents": [], "labels": {} }, "maxTokens": 500000, "maxCost": null, "window": "1d" })
+    );
+    assert_eq!(runtime["budgets"][2]["maxCost"], 500.0);
+    assert_eq!(runtime["rateLimits"][0]["requestsPerMinute"], 1200);
+    assert_eq!(find("models", "id", "local")["maxOutputTokens"], 4096);
+    assert_eq!(
         inventory["workflows"][0]["nodes"][3],
         json!({ "id": "timestamp", "tool": "clock.now", "arguments": null })
     );

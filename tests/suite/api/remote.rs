@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::control::poll;
 use super::tools::{ToolServer, tools_workspace};
-use super::trust::submit;
+use super::trust::{data_of, submit};
 use super::upstream::MockUpstream;
 use super::{CLIENT_KEY, ServerProcess, TestApp, approve_pending, get_json, types};
 use crate::helpers::TestWorkspace;
@@ -151,6 +151,13 @@ async fn streamed_output_reaches_v1_and_callbacks_are_governed() {
             .any(|e| e["data"]["event"]["phase"] == "agent.progress"),
         "the service's progress is an adapter event"
     );
+    // What the service reported is charged to the budgets, as the agent's own model.
+    let usage = data_of(&events, "runtime.usage.recorded");
+    assert_eq!(usage.len(), 1, "{events:?}");
+    assert_eq!(usage[0]["model"], "agent:billing");
+    assert_eq!(usage[0]["source"], "agent");
+    assert_eq!(usage[0]["promptTokens"], 5, "the question's words");
+    assert_eq!(usage[0]["estimated"], false);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
