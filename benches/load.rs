@@ -7,7 +7,8 @@
 //! full run: request, run and every event persisted in the embedded SQLite store, or in the
 //! PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL` names. With
 //! `STABLE_HARNESS_BENCH_INSTANCES=N` (PostgreSQL only), N instances serve that database and
-//! requests go to them in turn, as behind a load balancer.
+//! requests go to them in turn, as behind a load balancer. With `STABLE_HARNESS_BENCH_BUDGETS=1`
+//! every request also passes two budgets and a rate limit (spend control on the hot path).
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -337,9 +338,18 @@ fn write_workspace(root: &std::path::Path, upstream: &str) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
     };
+    // `STABLE_HARNESS_BENCH_BUDGETS=1`: every request also passes two budgets and a rate limit
+    // (limits far above what the run spends), to measure spend control on the hot path.
+    let spend = if std::env::var("STABLE_HARNESS_BENCH_BUDGETS").is_ok_and(|v| v == "1") {
+        "  budgets:\n    - { name: per-key-daily, scope: apiKey, maxTokens: 100000000000, window: calendarDay }\n    - { name: monthly-cost, scope: workspace, maxCost: 1000000000, window: calendarMonth }\n  rateLimits:\n    - { name: per-key, scope: apiKey, requestsPerMinute: 100000000, tokensPerMinute: 1000000000000 }\n"
+    } else {
+        ""
+    };
     write(
         "config/runtime/workspace.yaml",
-        "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: bench }\nspec:\n  defaultAgent: assistant\n  limits: { maxConcurrentRuns: 512 }\n  progress: { narration: { enabled: true } }\n".into(),
+        format!(
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: bench }}\nspec:\n  defaultAgent: assistant\n  limits: {{ maxConcurrentRuns: 512 }}\n  progress: {{ narration: {{ enabled: true }} }}\n{spend}"
+        ),
     );
     write(
         "config/agents/assistant.yaml",
@@ -348,7 +358,7 @@ fn write_workspace(root: &std::path::Path, upstream: &str) {
     write(
         "config/catalogs/models.yaml",
         format!(
-            "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: {{ name: models }}\nspec:\n  models:\n    - {{ id: fast, provider: openai-compatible, baseUrl: \"{upstream}\", upstreamModel: bench-upstream }}\n"
+            "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: {{ name: models }}\nspec:\n  models:\n    - {{ id: fast, provider: openai-compatible, baseUrl: \"{upstream}\", upstreamModel: bench-upstream, maxOutputTokens: 1000, pricing: {{ inputPerMTok: 0.15, outputPerMTok: 0.6 }} }}\n"
         ),
     );
 }

@@ -78,15 +78,17 @@ BEGIN
            AND r.created_at <= now() - lease_ms * interval '1 millisecond'
            AND NOT EXISTS (SELECT 1 FROM runs u WHERE u.id = r.run_id AND u.lease_expires_at > now()
                              AND u.status IN ('queued', 'running', 'waiting_approval'));
+        -- Reserved before used: a call settling between the two reads (its own statement,
+        -- its own snapshot) is then seen twice at worst, never missed.
+        SELECT COALESCE(SUM(r.tokens), 0), COALESCE(SUM(r.cost_nanos), 0)
+          INTO reserved_tokens, reserved_cost
+          FROM budget_reservations r
+         WHERE r.budget = claim->>'budget' AND r.subject = claim->>'subject';
         SELECT COALESCE(SUM(b.tokens), 0), COALESCE(SUM(b.cost_nanos), 0)
           INTO used_tokens, used_cost
           FROM budget_usage b
          WHERE b.budget = claim->>'budget' AND b.subject = claim->>'subject'
            AND b.bucket >= (claim->>'from_bucket')::bigint;
-        SELECT COALESCE(SUM(r.tokens), 0), COALESCE(SUM(r.cost_nanos), 0)
-          INTO reserved_tokens, reserved_cost
-          FROM budget_reservations r
-         WHERE r.budget = claim->>'budget' AND r.subject = claim->>'subject';
         IF (claim->'max_tokens' <> 'null' AND used_tokens + reserved_tokens + (claim->>'tokens')::bigint > (claim->>'max_tokens')::bigint)
            OR (claim->'max_cost_nanos' <> 'null' AND used_cost + reserved_cost + (claim->>'cost_nanos')::bigint > (claim->>'max_cost_nanos')::bigint) THEN
             RETURN jsonb_build_object('index', place, 'used_tokens', used_tokens, 'used_cost', used_cost,

@@ -104,10 +104,10 @@ impl OpenAiAdapter {
                     true,
                 ))
             }
-            Err(failure) if reached_upstream(failure) => Some((
+            Err(failure) if failure.upstream_took => Some((
                 Usage {
                     prompt_tokens,
-                    completion_tokens: 0,
+                    completion_tokens: crate::spend::estimate_tokens(failure.written),
                     total_tokens: 0,
                 },
                 true,
@@ -156,12 +156,17 @@ impl OpenAiAdapter {
         );
         let started = Instant::now();
         let response = tokio::select! {
-            () = context.cancel.cancelled() => return Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled").into()),
+            () = context.cancel.cancelled() => return Err(AttemptError::taken(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"))),
             result = tokio::time::timeout(model.timeout, request.send()) => result,
         };
+        // A call that found no connection never reached the upstream; one that was sent and
+        // then timed out or broke off may have been billed.
         let response = match response {
-            Err(_) => return Err(timeout_error(model).into()),
-            Ok(Err(error)) => return Err(transport_error(model, &error).into()),
+            Err(_) => return Err(AttemptError::taken(timeout_error(model))),
+            Ok(Err(error)) if error.is_connect() => {
+                return Err(transport_error(model, &error).into());
+            }
+            Ok(Err(error)) => return Err(AttemptError::taken(transport_error(model, &error))),
             Ok(Ok(response)) => response,
         };
         if !response.status().is_success() {
@@ -174,8 +179,11 @@ impl OpenAiAdapter {
         } else {
             let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
                 .await
-                .map_err(AttemptError::from)?;
-            let mut turn = parse_completion(model, &text)?;
+                .map_err(AttemptError::taken)?;
+            let mut turn = parse_completion(model, &text).map_err(|mut failure| {
+                failure.upstream_took = true;
+                failure
+            })?;
             if turn.output.text.len() > output_budget {
                 let kept = prefix_within(&turn.output.text, output_budget).len();
                 turn.output.text.truncate(kept);
@@ -231,24 +239,25 @@ impl OpenAiAdapter {
         let mut decoder = SseDecoder::default();
         let mut events = Vec::new();
         let mut body = response.bytes_stream();
-        let fail = |error: AdapterError, delivered: bool| AttemptError {
+        // Whatever fails now, the upstream took the call; `written` bytes of text reached
+        // the run.
+        let fail = |error: AdapterError, written: usize| AttemptError {
             error,
-            delivered_text: delivered,
+            delivered_text: written > 0,
             retry_after: None,
+            upstream_took: true,
+            written,
         };
-        let malformed = |message: String, delivered: bool| {
-            fail(
-                AdapterError::new(FailureKind::Malformed, message),
-                delivered,
-            )
+        let malformed = |message: String, written: usize| {
+            fail(AdapterError::new(FailureKind::Malformed, message), written)
         };
         loop {
             let next = tokio::select! {
-                () = context.cancel.cancelled() => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), !output.text.is_empty())),
+                () = context.cancel.cancelled() => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), output.text.len())),
                 next = tokio::time::timeout(model.timeout, body.next()) => next,
             };
             let chunk = match next {
-                Err(_) => return Err(fail(timeout_error(model), !output.text.is_empty())),
+                Err(_) => return Err(fail(timeout_error(model), output.text.len())),
                 Ok(None) => {
                     let message = format!(
                         "upstream model `{}` closed the stream before [DONE]",
@@ -256,14 +265,11 @@ impl OpenAiAdapter {
                     );
                     return Err(fail(
                         AdapterError::new(FailureKind::Connection, message),
-                        !output.text.is_empty(),
+                        output.text.len(),
                     ));
                 }
                 Ok(Some(Err(error))) => {
-                    return Err(fail(
-                        transport_error(model, &error),
-                        !output.text.is_empty(),
-                    ));
+                    return Err(fail(transport_error(model, &error), output.text.len()));
                 }
                 Ok(Some(Ok(chunk))) => chunk,
             };
@@ -284,7 +290,7 @@ impl OpenAiAdapter {
                         model.id,
                         excerpt(data)
                     );
-                    malformed(message, !output.text.is_empty())
+                    malformed(message, output.text.len())
                 })?;
                 if let Some(error) = parsed.get("error") {
                     let message = format!(
@@ -294,7 +300,7 @@ impl OpenAiAdapter {
                     );
                     return Err(fail(
                         AdapterError::new(FailureKind::Upstream5xx, message),
-                        !output.text.is_empty(),
+                        output.text.len(),
                     ));
                 }
                 if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null())
@@ -334,7 +340,7 @@ impl OpenAiAdapter {
                 {
                     calls.feed(fragments).map_err(|error| {
                         let message = format!("upstream model `{}` sent {error}", model.id);
-                        malformed(message, !output.text.is_empty())
+                        malformed(message, output.text.len())
                     })?;
                 }
                 if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
@@ -343,7 +349,7 @@ impl OpenAiAdapter {
             }
             if let Err(error) = decoded {
                 let message = format!("upstream model `{}` sent {error}", model.id);
-                return Err(malformed(message, !output.text.is_empty()));
+                return Err(malformed(message, output.text.len()));
             }
         }
     }
@@ -365,34 +371,22 @@ struct Turn {
     usage_reported: bool,
 }
 
-/// Whether a failed attempt may have cost tokens: the upstream took the request (it timed
-/// out, failed with a 5xx, broke off, or output had arrived). A call that found no
-/// connection, or that the upstream refused outright (4xx, 429), was not billed.
-fn reached_upstream(failure: &AttemptError) -> bool {
-    failure.delivered_text
-        || !matches!(
-            failure.error.kind,
-            FailureKind::Connection
-                | FailureKind::UpstreamRejected
-                | FailureKind::RateLimited
-                | FailureKind::Cancelled
-                | FailureKind::BudgetExceeded
-        )
-}
-
 /// The most tokens a call's answer may hold: the client's (or the agent's) `max_tokens`,
 /// within the model's `maxOutputTokens` or what its context window leaves; without either,
 /// [`crate::spend::DEFAULT_OUTPUT_CAP`].
 fn output_cap(context: &AdapterContext<'_>, model: &ModelConfig, prompt_tokens: u64) -> u64 {
+    // The largest the client (or the agent) asked for: the upstream honours one of them.
     let asked = ["max_completion_tokens", "max_tokens"]
         .iter()
-        .find_map(|key| {
+        .filter_map(|key| {
             context
                 .options
                 .get(*key)
                 .or_else(|| context.agent.backend_config.get(*key))
                 .and_then(Value::as_u64)
-        });
+                .filter(|asked| *asked > 0)
+        })
+        .max();
     let model_cap = model.max_output_tokens.or_else(|| {
         model
             .context_window
@@ -834,6 +828,17 @@ fn request_body(
     let mut body: Map<String, Value> = context.agent.backend_config.clone();
     for (key, value) in context.options {
         body.insert(key.clone(), value.clone());
+    }
+    // A cap that is not a positive whole number is invalid in Chat Completions, and some
+    // servers read `-1` or `0` as no cap at all: it is never sent, so what a budget reserved
+    // (the model's cap) bounds the answer.
+    for key in ["max_completion_tokens", "max_tokens"] {
+        if body
+            .get(key)
+            .is_some_and(|cap| cap.as_u64().is_none_or(|cap| cap == 0))
+        {
+            body.remove(key);
+        }
     }
     // An agent that answers structured output asks the model for it (unless told otherwise).
     if let Some(schema) = &context.agent.response_schema

@@ -86,7 +86,8 @@ impl RuntimeAdapter for RemoteAdapter {
             };
             // A service's cost is known only from what it reports: the budgets must have
             // room before it is posted, and are charged what its answer reports.
-            let hold = context.spend.reserve(&context.agent.name, 1, 0.0).await?;
+            // The least there is (a token, a billionth of cost): a budget at its limit refuses.
+            let hold = context.spend.reserve(&context.agent.name, 1, 1e-9).await?;
             let result = self.attempt(&context, endpoint, &body, &mut state).await;
             match &result {
                 Ok(output) if output.usage != Usage::default() || output.cost_usd.is_some() => {

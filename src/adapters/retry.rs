@@ -20,6 +20,12 @@ pub(super) struct AttemptError {
     /// Output (or a tool call) reached the run already: the attempt is never repeated.
     pub delivered_text: bool,
     pub retry_after: Option<Duration>,
+    /// The upstream took the call (it may bill it): it was sent, and failed after (a
+    /// timeout, a 5xx, a broken or malformed answer), as opposed to finding no connection or
+    /// being refused outright (4xx, 429).
+    pub upstream_took: bool,
+    /// Bytes of text that reached the run before it failed.
+    pub written: usize,
 }
 
 impl From<AdapterError> for AttemptError {
@@ -28,6 +34,18 @@ impl From<AdapterError> for AttemptError {
             error,
             delivered_text: false,
             retry_after: None,
+            upstream_took: false,
+            written: 0,
+        }
+    }
+}
+
+impl AttemptError {
+    /// A failure after the upstream took the call.
+    pub fn taken(error: AdapterError) -> Self {
+        Self {
+            upstream_took: true,
+            ..Self::from(error)
         }
     }
 }
@@ -118,6 +136,9 @@ pub(super) async fn refused(
         error,
         delivered_text: false,
         retry_after,
+        // A 5xx came from an upstream that took the call; a 4xx or 429 refused it.
+        upstream_took: status.is_server_error(),
+        written: 0,
     }
 }
 

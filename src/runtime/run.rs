@@ -407,9 +407,12 @@ impl crate::adapters::SpendMeter for RunEvents {
             session_id: self.charge_session.clone(),
             model: charge.model.clone(),
             source: charge.source.to_owned(),
-            prompt_tokens: charge.prompt_tokens,
-            completion_tokens: charge.completion_tokens,
-            cost_nanos: charge.cost.map(crate::store::spend::to_nanos),
+            // What an upstream or a service reports is bounded before anything adds it up.
+            prompt_tokens: charge.prompt_tokens.min(MAX_TOKENS_PER_CALL),
+            completion_tokens: charge.completion_tokens.min(MAX_TOKENS_PER_CALL),
+            cost_nanos: charge
+                .cost
+                .map(|cost| crate::store::spend::to_nanos(cost).clamp(0, MAX_COST_NANOS_PER_CALL)),
             estimated: charge.estimated,
         };
         let settled = self
@@ -459,6 +462,8 @@ impl RunEvents {
         }
     }
 }
+
+use crate::store::spend::{MAX_COST_NANOS_PER_CALL, MAX_TOKENS_PER_CALL};
 
 /// The error a run fails with when one of its writes was lost.
 fn store_failure(error: &JournalError) -> AdapterError {

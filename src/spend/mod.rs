@@ -143,45 +143,71 @@ pub struct BudgetRefusal {
     pub reserved: Amount,
     /// When usage starts leaving the window (`None`: a `total` budget never resets).
     pub resets_at: Option<DateTime<Utc>>,
+    /// Only calls in flight hold the room the call needs: it frees when they end.
+    pub in_flight: bool,
 }
 
 impl BudgetRefusal {
-    /// Whole seconds until the window resets (at least 1), for `retry-after`.
+    /// Whole seconds to wait (at least 1), for `retry-after`: a moment when calls in flight
+    /// hold the room, else until the window resets (none for `total`).
     pub fn retry_after(&self) -> Option<u64> {
+        if self.in_flight {
+            return Some(1);
+        }
         let at = self.resets_at?;
         let wait = (at - Utc::now()).num_milliseconds().max(0) as u64;
         Some(wait.div_ceil(1000).max(1))
     }
 
+    /// Whether its figures are the caller's own: a key's or a session's counter. An agent's or
+    /// the workspace's add up other keys' usage, which a client never sees.
+    fn figures_are_own(&self) -> bool {
+        matches!(self.scope, BudgetScope::ApiKey | BudgetScope::Session)
+    }
+
     pub fn message(&self) -> String {
+        let state = if self.in_flight {
+            "calls in flight hold the room this one needs".to_owned()
+        } else if self.figures_are_own() {
+            format!(
+                "{} tokens{} used",
+                self.used.tokens,
+                if self.max_cost.is_some() {
+                    format!(" and {:.6} cost", from_nanos(self.used.cost_nanos))
+                } else {
+                    String::new()
+                }
+            )
+        } else {
+            "its limit is reached".to_owned()
+        };
         format!(
-            "budget `{}` ({} `{}`) is exhausted: {} tokens{} used, {} reserved by calls in flight; {}",
+            "budget `{}` ({}) has no room: {state}; {}",
             self.budget,
             wire_name(&self.scope),
-            self.subject,
-            self.used.tokens,
-            if self.max_cost.is_some() {
-                format!(" and {:.6} cost", from_nanos(self.used.cost_nanos))
-            } else {
-                String::new()
-            },
-            self.reserved.tokens,
-            match self.resets_at {
-                Some(at) => format!("it resets at {}", at.to_rfc3339()),
-                None => "it never resets (window `total`)".to_owned(),
+            match (self.in_flight, self.resets_at) {
+                (true, _) => "try again shortly".to_owned(),
+                (false, Some(at)) => format!("it resets at {}", at.to_rfc3339()),
+                (false, None) => "it never resets (window `total`)".to_owned(),
             }
         )
     }
 
-    /// `runtime.budget.exceeded`'s data.
+    /// `runtime.budget.exceeded`'s data (the request's owner reads it: an agent's or the
+    /// workspace's figures are left out, operators read them at `/admin/budgets`).
     pub fn event_data(&self) -> Value {
+        let own = self.figures_are_own();
+        let figures = |amount: Amount| {
+            own.then(|| json!({ "tokens": amount.tokens, "cost": from_nanos(amount.cost_nanos) }))
+        };
         json!({
             "budget": self.budget,
             "scope": self.scope,
-            "subject": self.subject,
+            "subject": if own { Some(&self.subject) } else { None },
             "limit": { "tokens": self.max_tokens, "cost": self.max_cost },
-            "used": { "tokens": self.used.tokens, "cost": from_nanos(self.used.cost_nanos) },
-            "reserved": { "tokens": self.reserved.tokens, "cost": from_nanos(self.reserved.cost_nanos) },
+            "used": figures(self.used),
+            "reserved": figures(self.reserved),
+            "inFlight": self.in_flight,
             "resetsAt": self.resets_at,
         })
     }
@@ -260,26 +286,34 @@ pub struct Local {
     rates: Mutex<HashMap<RateKey, (f64, Instant)>>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct LocalCounter {
     buckets: BTreeMap<i64, Amount>,
     reserved: Amount,
-    /// When a charge last reached it: a charge may still wait for the writer's next
-    /// transaction, so the counter is not let go for a while after.
-    charged_at: Option<Instant>,
+    /// The first bucket read from the store: a caller counting from an earlier one (a reload
+    /// widened the window) has the counter read again.
+    loaded_from: i64,
+    /// When it was last used: a counter let go must not be one a caller is about to use, nor
+    /// one whose charge may still wait for the writer's next transaction.
+    touched_at: Instant,
 }
 
-/// How long after a charge a counter stays in memory whatever the cap (a charge commits within
-/// the writer's next transaction, milliseconds later).
-const CHARGE_SETTLING: Duration = Duration::from_secs(5);
+/// How long a counter stays in memory after its last use, whatever the cap.
+const KEEP_TOUCHED: Duration = Duration::from_secs(60);
 
 impl LocalCounter {
     fn used(&mut self, from_bucket: i64) -> Amount {
         // Buckets that left the window are never counted again.
         self.buckets = self.buckets.split_off(&from_bucket);
+        self.loaded_from = self.loaded_from.max(from_bucket);
         self.buckets
             .values()
             .fold(Amount::default(), |sum, amount| sum.plus(*amount))
+    }
+
+    /// Whether it holds everything a caller counting from `from_bucket` needs.
+    fn covers(&self, from_bucket: i64) -> bool {
+        self.loaded_from <= from_bucket
     }
 }
 
@@ -381,8 +415,11 @@ impl Spend {
         }
     }
 
-    fn refusal(matched: &Matched<'_>, used: Amount, reserved: Amount) -> SpendError {
+    fn refusal(matched: &Matched<'_>, used: Amount, reserved: Amount, asked: Amount) -> SpendError {
+        // Without the calls in flight it would fit: room comes back when they end.
+        let in_flight = Self::claim(matched, asked).fits(used, Amount::default());
         SpendError::Budget(Box::new(BudgetRefusal {
+            in_flight,
             budget: matched.budget.name.clone(),
             scope: matched.budget.scope,
             subject: matched.key.subject.clone(),
@@ -394,48 +431,101 @@ impl Spend {
         }))
     }
 
-    /// Reads a counter's buckets from the store the first time this process touches it.
+    /// Reads from the store every counter of `matched` this process does not hold (or holds
+    /// from a later bucket than its caller counts from).
     async fn load(&self, local: &Local, matched: &[Matched<'_>]) -> Result<(), StoreError> {
         for m in matched {
-            if local.counters().contains_key(&m.key) {
+            let covered = local
+                .counters()
+                .get(&m.key)
+                .is_some_and(|counter| counter.covers(m.span.from_bucket));
+            if covered {
                 continue;
             }
-            let buckets = self
+            let buckets: BTreeMap<i64, Amount> = self
                 .store
                 .counter_buckets(&m.key, m.span.from_bucket)
-                .await?;
+                .await?
+                .into_iter()
+                .collect();
             let mut counters = local.counters();
-            // Bounded: past the cap, counters nothing is reserved on are let go (they are
-            // read again from the store when next touched).
+            // Bounded: past the cap, counters nothing is reserved on and nobody used for a
+            // while are let go (read again from the store when next touched).
             if counters.len() >= MAX_LOCAL_COUNTERS {
                 counters.retain(|_, counter| {
                     counter.reserved != Amount::default()
-                        || counter
-                            .charged_at
-                            .is_some_and(|at| at.elapsed() < CHARGE_SETTLING)
+                        || counter.touched_at.elapsed() < KEEP_TOUCHED
                 });
             }
-            // Whoever loaded it first wins: a charge reaches the store before it reaches a
-            // counter in memory, so a later read holds everything an earlier one did.
-            counters
-                .entry(m.key.clone())
-                .or_insert_with(|| LocalCounter {
-                    buckets: buckets.into_iter().collect(),
-                    reserved: Amount::default(),
-                    charged_at: None,
-                });
+            let now = Instant::now();
+            match counters.get_mut(&m.key) {
+                // Someone loaded it meanwhile: a charge reaches the store before it reaches a
+                // counter in memory, so theirs holds everything this read does.
+                Some(counter) if counter.covers(m.span.from_bucket) => counter.touched_at = now,
+                Some(counter) => {
+                    counter.buckets = buckets;
+                    counter.loaded_from = m.span.from_bucket;
+                    counter.touched_at = now;
+                }
+                None => {
+                    counters.insert(
+                        m.key.clone(),
+                        LocalCounter {
+                            buckets,
+                            reserved: Amount::default(),
+                            loaded_from: m.span.from_bucket,
+                            touched_at: now,
+                        },
+                    );
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Runs `work` on the counters in memory once every one of `matched` is there (loaded,
+    /// and marked used so that none is let go meanwhile).
+    async fn with_counters<T>(
+        &self,
+        local: &Local,
+        matched: &[Matched<'_>],
+        work: impl FnOnce(&mut HashMap<CounterKey, LocalCounter>) -> T,
+    ) -> Result<T, StoreError> {
+        for _ in 0..3 {
+            self.load(local, matched).await?;
+            let mut counters = local.counters();
+            let ready = matched.iter().all(|m| {
+                counters
+                    .get(&m.key)
+                    .is_some_and(|counter| counter.covers(m.span.from_bucket))
+            });
+            if ready {
+                let now = Instant::now();
+                for m in matched {
+                    if let Some(counter) = counters.get_mut(&m.key) {
+                        counter.touched_at = now;
+                    }
+                }
+                return Ok(work(&mut counters));
+            }
+        }
+        Err(StoreError::Unavailable(
+            "budget counters are being read again; try again shortly".into(),
+        ))
     }
 
     /// A counter's used and reserved amounts now.
     async fn state(&self, matched: &Matched<'_>) -> Result<(Amount, Amount), StoreError> {
         match &self.local {
             Some(local) => {
-                self.load(local, std::slice::from_ref(matched)).await?;
-                let mut counters = local.counters();
-                let counter = counters.entry(matched.key.clone()).or_default();
-                Ok((counter.used(matched.span.from_bucket), counter.reserved))
+                let from = matched.span.from_bucket;
+                self.with_counters(local, std::slice::from_ref(matched), |counters| {
+                    counters
+                        .get_mut(&matched.key)
+                        .map(|counter| (counter.used(from), counter.reserved))
+                        .unwrap_or_default()
+                })
+                .await
             }
             None => {
                 self.store
@@ -507,7 +597,7 @@ impl Spend {
             };
             if !Self::claim(&matched, least).fits(used, reserved) {
                 crate::metrics::budget_refused(&matched.budget.name, "admission");
-                return Err(Self::refusal(&matched, used, reserved));
+                return Err(Self::refusal(&matched, used, reserved, least));
             }
         }
         let buckets = if rate_limited {
@@ -515,15 +605,23 @@ impl Spend {
         } else {
             Vec::new()
         };
-        for (bucket, requests) in buckets {
-            let (amount, need) = if requests { (1.0, 1.0) } else { (0.0, 1.0) };
-            if let RateTake::Refused { wait_secs } = self.take_rate(&bucket, amount, need).await? {
+        let mut taken: Vec<&RateBucket> = Vec::new();
+        for (bucket, requests) in &buckets {
+            let (amount, need) = if *requests { (1.0, 1.0) } else { (0.0, 1.0) };
+            if let RateTake::Refused { wait_secs } = self.take_rate(bucket, amount, need).await? {
+                // A refused request takes nothing: the request tokens taken already go back.
+                for given in taken {
+                    self.take_rate(given, -1.0, f64::NEG_INFINITY).await?;
+                }
                 crate::metrics::rate_limited(&bucket.name);
                 return Err(SpendError::Rate(RateRefusal {
-                    limit: bucket.name,
+                    limit: bucket.name.clone(),
                     dimension: bucket.dimension,
                     wait: Duration::from_secs_f64(wait_secs.clamp(0.0, 86_400.0)),
                 }));
+            }
+            if *requests {
+                taken.push(bucket);
             }
         }
         Ok(())
@@ -545,24 +643,36 @@ impl Spend {
         if matched.is_empty() {
             return Ok(None);
         }
+        let amount = amount.bounded();
         let id = crate::runtime::new_id("hold");
         let entries: Vec<(CounterKey, Amount)> =
             matched.iter().map(|m| (m.key.clone(), amount)).collect();
         match &self.local {
             Some(local) => {
-                self.load(local, &matched).await?;
-                let mut counters = local.counters();
-                for m in &matched {
-                    let counter = counters.entry(m.key.clone()).or_default();
-                    let used = counter.used(m.span.from_bucket);
-                    if !Self::claim(m, amount).fits(used, counter.reserved) {
-                        crate::metrics::budget_refused(&m.budget.name, "call");
-                        return Err(Self::refusal(m, used, counter.reserved));
+                let refused = self
+                    .with_counters(local, &matched, |counters| {
+                        for m in &matched {
+                            let Some(counter) = counters.get_mut(&m.key) else {
+                                continue;
+                            };
+                            let used = counter.used(m.span.from_bucket);
+                            if !Self::claim(m, amount).fits(used, counter.reserved) {
+                                return Some(Self::refusal(m, used, counter.reserved, amount));
+                            }
+                        }
+                        for m in &matched {
+                            if let Some(counter) = counters.get_mut(&m.key) {
+                                counter.reserved = counter.reserved.plus(amount);
+                            }
+                        }
+                        None
+                    })
+                    .await?;
+                if let Some(refused) = refused {
+                    if let SpendError::Budget(refusal) = &refused {
+                        crate::metrics::budget_refused(&refusal.budget, "call");
                     }
-                }
-                for m in &matched {
-                    let counter = counters.entry(m.key.clone()).or_default();
-                    counter.reserved = counter.reserved.plus(amount);
+                    return Err(refused);
                 }
                 Ok(Some(Hold {
                     id,
@@ -575,7 +685,7 @@ impl Spend {
                 if let Some(refused) = self.store.reserve_shared(&id, run_id, &claims).await? {
                     let m = &matched[refused.index.min(matched.len() - 1)];
                     crate::metrics::budget_refused(&m.budget.name, "call");
-                    return Err(Self::refusal(m, refused.used, refused.reserved));
+                    return Err(Self::refusal(m, refused.used, refused.reserved, amount));
                 }
                 Ok(Some(Hold {
                     id,
@@ -600,7 +710,8 @@ impl Spend {
                 .prompt_tokens
                 .saturating_add(record.completion_tokens),
             cost_nanos: record.cost_nanos.unwrap_or(0),
-        };
+        }
+        .bounded();
         let matched = Self::matching(workspace, payer, record.at);
         let deltas: Vec<CounterDelta> = matched
             .iter()
@@ -636,7 +747,7 @@ impl Spend {
                 if let Some(counter) = counters.get_mut(&delta.key) {
                     let bucket = counter.buckets.entry(delta.bucket).or_default();
                     *bucket = bucket.plus(delta.amount);
-                    counter.charged_at = Some(now);
+                    counter.touched_at = now;
                 }
             }
         }

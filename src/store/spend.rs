@@ -41,6 +41,11 @@ pub struct CounterKey {
     pub subject: String,
 }
 
+/// The most tokens one call is charged or reserved.
+pub const MAX_TOKENS_PER_CALL: u64 = 1 << 40;
+/// The most cost one call is charged or reserved, in nano-units (a billion units).
+pub const MAX_COST_NANOS_PER_CALL: i64 = 1_000_000_000 * 1_000_000_000;
+
 /// Tokens and cost, together.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -54,6 +59,15 @@ impl Amount {
         Amount {
             tokens: self.tokens.saturating_add(other.tokens),
             cost_nanos: self.cost_nanos.saturating_add(other.cost_nanos),
+        }
+    }
+
+    /// Within what every database sums without overflow: a trillion tokens and a billion
+    /// units of cost per call (an upstream or a service reports what it likes).
+    pub fn bounded(self) -> Amount {
+        Amount {
+            tokens: self.tokens.min(MAX_TOKENS_PER_CALL),
+            cost_nanos: self.cost_nanos.clamp(0, MAX_COST_NANOS_PER_CALL),
         }
     }
 

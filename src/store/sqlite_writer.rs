@@ -301,8 +301,14 @@ fn write_loop(
                 let _ = done.send(result);
             }
             Job::Charge(charge) => {
+                // Past the bound (the disk refused every flush for a long while) a charge is
+                // dropped, counted in memory only, rather than memory growing without end.
+                if charges.0.len() >= MAX_PENDING_CHARGES * 16 {
+                    tracing::error!("the store keeps refusing charges; one was dropped");
+                    continue;
+                }
                 charges.0.push(*charge);
-                if charges.0.len() >= MAX_PENDING_CHARGES {
+                if charges.0.len() % MAX_PENDING_CHARGES == 0 {
                     charges.flush(&mut connection);
                 }
             }

@@ -570,3 +570,38 @@ async fn the_usage_command_reads_a_running_server() {
     let (status, _) = app.get("/admin/usage", CLIENT_KEY).await;
     assert_eq!(status, 403);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cap_that_is_not_a_positive_number_is_never_sent_upstream() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(metered(0));
+    // Room for one worst case of this model's 10,000-token answers, not two.
+    let budget = "    - { name: tight, scope: workspace, maxTokens: 15000, window: 1h }\n";
+    let app = TestApp::spawn(spend_workspace(&upstream, budget, "")).await;
+    // `-1` reads as "no cap" on some servers: it never leaves; the model's cap was reserved.
+    let (status, body) = app
+        .post(
+            "/v1/chat/completions",
+            CLIENT_KEY,
+            &json!({ "model": "assistant", "max_tokens": -1, "max_completion_tokens": 0,
+                     "messages": [{ "role": "user", "content": "no cap" }] }),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let sent = &upstream.calls()[0].body;
+    assert!(sent.get("max_tokens").is_none(), "{sent}");
+    assert!(sent.get("max_completion_tokens").is_none(), "{sent}");
+    // A small cap beside a large one reserves the large one: 10,010 used + the larger cap's
+    // worst case does not fit, though the smaller one's would.
+    let (status, body) = app
+        .post(
+            "/v1/chat/completions",
+            CLIENT_KEY,
+            &json!({ "model": "assistant", "max_completion_tokens": 1, "max_tokens": 9000,
+                     "messages": [{ "role": "user", "content": "both caps" }] }),
+        )
+        .await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "budget_exceeded", "{body}");
+    assert_eq!(upstream.calls().len(), 1);
+}
