@@ -459,11 +459,15 @@ impl Spend {
             }
             let now = Instant::now();
             match counters.get_mut(&m.key) {
-                // Someone loaded it meanwhile: a charge reaches the store before it reaches a
-                // counter in memory, so theirs holds everything this read does.
+                // Someone loaded it meanwhile: theirs is the one charges went to since.
                 Some(counter) if counter.covers(m.span.from_bucket) => counter.touched_at = now,
+                // A wider window: older buckets from the store, the ones memory holds (charges
+                // that may still wait for the writer included) from memory.
                 Some(counter) => {
-                    counter.buckets = buckets;
+                    let mut merged = buckets;
+                    merged.retain(|bucket, _| *bucket < counter.loaded_from);
+                    merged.append(&mut counter.buckets);
+                    counter.buckets = merged;
                     counter.loaded_from = m.span.from_bucket;
                     counter.touched_at = now;
                 }
