@@ -962,4 +962,176 @@ mod tests {
             }
         ));
     }
+
+    /// A workspace with `spend` (YAML under `spec:`) and an embedded store, in `dir`.
+    async fn spend_on_sqlite(
+        dir: &std::path::Path,
+        spend: &str,
+    ) -> (CompiledWorkspace, Arc<dyn Store>) {
+        let write = |path: &str, text: String| {
+            let path = dir.join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        write(
+            "config/runtime/workspace.yaml",
+            format!(
+                "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: t }}\nspec:\n{spend}"
+            ),
+        );
+        write(
+            "config/agents/a.yaml",
+            "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: helper }\nspec:\n  backend: scripted\n  script: [{ reply: hi }]\n".into(),
+        );
+        let workspace = crate::workspace::load(dir).unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            crate::store::SqliteStore::open_file(&dir.join("state.db"))
+                .await
+                .unwrap(),
+        );
+        (workspace, store)
+    }
+
+    fn payer(key: &str) -> Payer {
+        Payer {
+            key: key.into(),
+            key_labels: BTreeMap::new(),
+            agent: "helper".into(),
+            session: "ses_1".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_request_gives_back_the_rate_tokens_it_took() {
+        let dir = tempfile::tempdir().unwrap();
+        // A bucket of 3 requests shared by the agent, and a bucket of 1 for key `key-aaaaaaaaaaaa`.
+        let (workspace, store) = spend_on_sqlite(
+            dir.path(),
+            "  rateLimits:\n    - { name: agent-pace, scope: agent, requestsPerMinute: 3 }\n    - { name: key-pace, scope: apiKey, match: { keys: [key-aaaaaaaaaaaa] }, requestsPerMinute: 1 }\n",
+        )
+        .await;
+        let spend = Spend::new(store);
+        let (a, b) = (payer("key-aaaaaaaaaaaa"), payer("key-bbbbbbbbbbbb"));
+        spend.admit(&workspace, &a, true).await.unwrap();
+        for _ in 0..5 {
+            let refused = spend.admit(&workspace, &a, true).await;
+            assert!(
+                matches!(&refused, Err(SpendError::Rate(r)) if r.limit == "key-pace"),
+                "{refused:?}"
+            );
+        }
+        // The agent's bucket lost nothing to the refused requests: two are left for others.
+        spend.admit(&workspace, &b, true).await.unwrap();
+        spend.admit(&workspace, &b, true).await.unwrap();
+        let refused = spend.admit(&workspace, &b, true).await;
+        assert!(
+            matches!(&refused, Err(SpendError::Rate(r)) if r.limit == "agent-pace" && r.retry_after() >= 1),
+            "{refused:?}"
+        );
+        // A subagent's request takes no rate-limit token.
+        spend.admit(&workspace, &b, false).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_window_widened_by_a_reload_reads_older_usage_and_keeps_what_memory_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let daily = "  budgets:\n    - { name: pool, scope: workspace, maxTokens: 1000, window: calendarDay }\n";
+        let (workspace, store) = spend_on_sqlite(dir.path(), daily).await;
+        let spend = Spend::new(Arc::clone(&store));
+        let who = payer("key-aaaaaaaaaaaa");
+        let record = |id: &str, tokens: u64| UsageRecord {
+            id: id.into(),
+            at: Utc::now(),
+            request_id: "req_1".into(),
+            run_id: "run_1".into(),
+            owner: who.key.clone(),
+            agent_id: who.agent.clone(),
+            session_id: who.session.clone(),
+            model: "m".into(),
+            source: "model".into(),
+            prompt_tokens: tokens,
+            completion_tokens: 0,
+            cost_nanos: None,
+            estimated: false,
+        };
+        // Ten days ago, 700 tokens: outside today's window.
+        let old = CounterDelta {
+            key: CounterKey {
+                budget: "pool".into(),
+                subject: "*".into(),
+            },
+            bucket: Utc::now().timestamp() - 10 * 86_400,
+            amount: Amount {
+                tokens: 700,
+                cost_nanos: 0,
+            },
+        };
+        store
+            .record_usage(&record("use_old", 700), &[old], None)
+            .await
+            .unwrap();
+        // Today, 200 tokens, charged through the accountant (memory and store).
+        let hold = spend
+            .reserve(
+                &workspace,
+                &who,
+                "run_1",
+                Amount {
+                    tokens: 250,
+                    cost_nanos: 0,
+                },
+            )
+            .await
+            .unwrap();
+        spend
+            .settle(&workspace, &who, hold, &record("use_new", 200))
+            .await
+            .unwrap();
+        let state = |workspace: CompiledWorkspace| {
+            let spend = &spend;
+            async move {
+                spend
+                    .budgets(&workspace)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|b| b.used.tokens.unwrap_or(0))
+                    .sum::<u64>()
+            }
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(state(workspace.clone()).await, 200);
+        // The same budget, now counting everything: the old usage counts, today's once.
+        std::fs::write(
+            dir.path().join("config/runtime/workspace.yaml"),
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: t }\nspec:\n  budgets:\n    - { name: pool, scope: workspace, maxTokens: 1000, window: total }\n",
+        )
+        .unwrap();
+        let widened = crate::workspace::load(dir.path()).unwrap();
+        assert_eq!(state(widened.clone()).await, 900);
+        let refused = spend
+            .reserve(
+                &widened,
+                &who,
+                "run_1",
+                Amount {
+                    tokens: 101,
+                    cost_nanos: 0,
+                },
+            )
+            .await;
+        assert!(matches!(refused, Err(SpendError::Budget(_))), "{refused:?}");
+        let fits = spend
+            .reserve(
+                &widened,
+                &who,
+                "run_1",
+                Amount {
+                    tokens: 100,
+                    cost_nanos: 0,
+                },
+            )
+            .await;
+        assert!(matches!(fits, Ok(Some(_))), "{fits:?}");
+    }
 }
