@@ -74,6 +74,7 @@ conformance!(
     claims_take_free_or_expired_runs_once_and_renewals_keep_them,
     memory_merges_duplicates_and_recalls_by_relevance_within_scope,
     memory_decisions_compaction_and_deletion,
+    a_charge_counts_once_and_the_ledger_adds_up_by_group,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1280,4 +1281,156 @@ async fn memory_decisions_compaction_and_deletion(store: Arc<dyn Store>) {
         found.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
         ["mem_f"]
     );
+}
+
+/// Waits for charges the embedded store's writer holds back (they ride along with its next
+/// transaction, or go alone after a short idle time): a read here may come first.
+async fn until<T>(mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+    for _ in 0..100 {
+        if let Some(found) = probe().await {
+            return found;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the charges never showed");
+}
+
+async fn a_charge_counts_once_and_the_ledger_adds_up_by_group(store: Arc<dyn Store>) {
+    use stable_harness::store::spend::{
+        Amount, CounterDelta, CounterKey, UsageFilter, UsageGroupBy, UsageRecord,
+    };
+    let record = |id: &str, agent: &str, model: &str, prompt: u64, cost: Option<i64>| UsageRecord {
+        id: id.into(),
+        at: Utc::now(),
+        request_id: format!("req_{id}"),
+        run_id: "run_1".into(),
+        owner: "key-a".into(),
+        agent_id: agent.into(),
+        session_id: "ses_1".into(),
+        model: model.into(),
+        source: "model".into(),
+        prompt_tokens: prompt,
+        completion_tokens: 10,
+        cost_nanos: cost,
+        estimated: cost.is_none(),
+    };
+    let key = CounterKey {
+        budget: "pool".into(),
+        subject: "*".into(),
+    };
+    let delta = |tokens: u64| CounterDelta {
+        key: key.clone(),
+        bucket: 1_000,
+        amount: Amount {
+            tokens,
+            cost_nanos: 5,
+        },
+    };
+    let first = record("use_1", "assistant", "main", 100, Some(2_000));
+    store
+        .record_usage(&first, &[delta(110)], None)
+        .await
+        .unwrap();
+    // Written again (a retried write whose reply was lost): counted once.
+    store
+        .record_usage(&first, &[delta(110)], None)
+        .await
+        .unwrap();
+    store
+        .record_usage(
+            &record("use_2", "helper", "main", 40, None),
+            &[delta(50)],
+            None,
+        )
+        .await
+        .unwrap();
+    store
+        .record_usage(
+            &record("use_3", "helper", "fast", 7, Some(1_000)),
+            &[],
+            None,
+        )
+        .await
+        .unwrap();
+    let buckets = until(async || {
+        let buckets = store.counter_buckets(&key, 0).await.unwrap();
+        (buckets.first().is_some_and(|(_, a)| a.tokens == 160)).then_some(buckets)
+    })
+    .await;
+    assert_eq!(
+        buckets,
+        [(
+            1_000,
+            Amount {
+                tokens: 160,
+                cost_nanos: 10
+            }
+        )]
+    );
+    assert!(store.counter_buckets(&key, 1_001).await.unwrap().is_empty());
+    assert_eq!(
+        store.budget_subjects("pool", 0).await.unwrap(),
+        [(
+            "*".to_owned(),
+            Amount {
+                tokens: 160,
+                cost_nanos: 10
+            }
+        )]
+    );
+    let totals = until(async || {
+        let totals = store
+            .usage_totals(&UsageFilter::default(), None)
+            .await
+            .unwrap();
+        (totals.first().is_some_and(|t| t.calls == 3)).then_some(totals)
+    })
+    .await;
+    assert_eq!(totals[0].prompt_tokens, 147);
+    assert_eq!(totals[0].total_tokens, 177);
+    assert_eq!(totals[0].estimated_calls, 1);
+    assert!((totals[0].cost.unwrap() - 3e-6).abs() < 1e-12);
+    let by_agent = store
+        .usage_totals(&UsageFilter::default(), Some(UsageGroupBy::Agent))
+        .await
+        .unwrap();
+    let agents: Vec<(&str, u64)> = by_agent
+        .iter()
+        .map(|t| (t.group.as_str(), t.calls))
+        .collect();
+    assert_eq!(agents, [("assistant", 1), ("helper", 2)]);
+    let by_model = store
+        .usage_totals(
+            &UsageFilter {
+                agent_id: Some("helper".into()),
+                ..Default::default()
+            },
+            Some(UsageGroupBy::Model),
+        )
+        .await
+        .unwrap();
+    let models: Vec<(&str, u64)> = by_model
+        .iter()
+        .map(|t| (t.group.as_str(), t.prompt_tokens))
+        .collect();
+    assert_eq!(models, [("fast", 7), ("main", 40)]);
+    // A model without a price adds no cost to its group; the day groups every call of today.
+    assert_eq!(by_model[1].cost, None);
+    let by_day = store
+        .usage_totals(&UsageFilter::default(), Some(UsageGroupBy::Day))
+        .await
+        .unwrap();
+    assert_eq!(by_day.len(), 1);
+    assert_eq!(by_day[0].group, Utc::now().format("%Y-%m-%d").to_string());
+    let none = store
+        .usage_totals(
+            &UsageFilter {
+                request_id: Some("req_nothing".into()),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(none.is_empty());
 }
