@@ -54,11 +54,12 @@ async fn measure(
     requests: usize,
 ) {
     let spend = Spend::new(Arc::clone(&store));
+    let labels = Default::default();
     let payer = Payer {
-        key: "key-0123456789ab".into(),
-        key_labels: Default::default(),
-        agent: "assistant".into(),
-        session: "ses_bench".into(),
+        key: "key-0123456789ab",
+        key_labels: &labels,
+        agent: "assistant",
+        session: "ses_bench",
     };
     let mut took = Vec::with_capacity(requests);
     for i in 0..WARMUP + requests {
@@ -81,9 +82,9 @@ async fn measure(
             at: Utc::now(),
             request_id: format!("req_{i}"),
             run_id: "run_bench".into(),
-            owner: payer.key.clone(),
-            agent_id: payer.agent.clone(),
-            session_id: payer.session.clone(),
+            owner: payer.key.to_owned(),
+            agent_id: payer.agent.to_owned(),
+            session_id: payer.session.to_owned(),
             model: "main".into(),
             source: "model".into(),
             prompt_tokens: 100,

@@ -416,18 +416,6 @@ impl Runtime {
         &self.inner.spend
     }
 
-    /// The labels of the named key whose identity is `owner` (none for unnamed keys).
-    pub fn key_labels(&self, owner: &str) -> std::collections::BTreeMap<String, String> {
-        self.workspace()
-            .runtime
-            .openai
-            .keys
-            .iter()
-            .find(|key| key.name == owner)
-            .map(|key| key.labels.clone())
-            .unwrap_or_default()
-    }
-
     /// Whether the store accepts writes (for `/readyz`).
     pub fn store_available(&self) -> bool {
         self.inner.journal.is_available()
@@ -508,16 +496,19 @@ impl Runtime {
             charge_session(request.protocol.as_str(), &request.metadata, &session_id);
         // Budgets with no room left and exhausted rate limits refuse the request before
         // anything is stored.
-        let payer = crate::spend::Payer {
-            key_labels: self.key_labels(&request.owner),
-            key: request.owner.clone(),
-            agent: agent_id.clone(),
-            session: charge_session.clone(),
-        };
-        inner
-            .spend
-            .admit(&workspace, &payer, request.protocol != Protocol::Agent)
-            .await?;
+        if workspace.runtime.has_spend_limits() {
+            let key_labels = workspace.key_labels(&request.owner);
+            let payer = crate::spend::Payer {
+                key: &request.owner,
+                key_labels: &key_labels,
+                agent: &agent_id,
+                session: &charge_session,
+            };
+            inner
+                .spend
+                .admit(&workspace, &payer, request.protocol != Protocol::Agent)
+                .await?;
+        }
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let leaf = match existing.as_ref().filter(|_| request.with_history) {

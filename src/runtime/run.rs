@@ -82,6 +82,9 @@ struct RunEvents {
     inventory: Arc<Inventory>,
     submitted: Submitted,
     owner: String,
+    /// The owner's key labels, from the workspace the run started with (policy and budgets
+    /// read them).
+    key_labels: std::collections::BTreeMap<String, String>,
     /// The session its model calls are charged to.
     charge_session: String,
     narration: NarrationConfig,
@@ -405,16 +408,14 @@ impl crate::adapters::SpendMeter for RunEvents {
             owner: self.owner.clone(),
             agent_id: agent.to_owned(),
             session_id: self.charge_session.clone(),
-            model: charge.model.clone(),
+            model: charge.model,
             source: charge.source.to_owned(),
-            // What an upstream or a service reports is bounded before anything adds it up.
-            prompt_tokens: charge.prompt_tokens.min(MAX_TOKENS_PER_CALL),
-            completion_tokens: charge.completion_tokens.min(MAX_TOKENS_PER_CALL),
-            cost_nanos: charge
-                .cost
-                .map(|cost| crate::store::spend::to_nanos(cost).clamp(0, MAX_COST_NANOS_PER_CALL)),
+            prompt_tokens: charge.prompt_tokens,
+            completion_tokens: charge.completion_tokens,
+            cost_nanos: charge.cost.map(crate::store::spend::to_nanos),
             estimated: charge.estimated,
-        };
+        }
+        .bounded();
         let settled = self
             .runtime
             .inner
@@ -427,16 +428,16 @@ impl crate::adapters::SpendMeter for RunEvents {
         self.record(
             USAGE_RECORDED,
             json!({
-                "model": charge.model,
-                "source": charge.source,
+                "model": record.model,
+                "source": record.source,
                 "agent": agent,
                 "key": self.owner,
                 "chargedSession": self.charge_session,
-                "promptTokens": charge.prompt_tokens,
-                "completionTokens": charge.completion_tokens,
-                "totalTokens": charge.prompt_tokens.saturating_add(charge.completion_tokens),
-                "cost": charge.cost,
-                "estimated": charge.estimated,
+                "promptTokens": record.prompt_tokens,
+                "completionTokens": record.completion_tokens,
+                "totalTokens": record.prompt_tokens.saturating_add(record.completion_tokens),
+                "cost": record.cost_nanos.map(crate::store::spend::from_nanos),
+                "estimated": record.estimated,
             }),
         )
         .await;
@@ -453,17 +454,15 @@ impl crate::adapters::SpendMeter for RunEvents {
 
 impl RunEvents {
     /// Who this run's calls by `agent` are charged to.
-    fn payer(&self, agent: &str) -> crate::spend::Payer {
+    fn payer<'a>(&'a self, agent: &'a str) -> crate::spend::Payer<'a> {
         crate::spend::Payer {
-            key: self.owner.clone(),
-            key_labels: self.runtime.key_labels(&self.owner),
-            agent: agent.to_owned(),
-            session: self.charge_session.clone(),
+            key: &self.owner,
+            key_labels: &self.key_labels,
+            agent,
+            session: &self.charge_session,
         }
     }
 }
-
-use crate::store::spend::{MAX_COST_NANOS_PER_CALL, MAX_TOKENS_PER_CALL};
 
 /// The error a run fails with when one of its writes was lost.
 fn store_failure(error: &JournalError) -> AdapterError {
@@ -805,6 +804,7 @@ pub(super) async fn execute(
         runtime: runtime.clone(),
         inventory: Arc::clone(inventory),
         submitted: submitted.clone(),
+        key_labels: inventory.workspace.key_labels(&owner),
         owner,
         charge_session,
         narration: inventory.workspace.runtime.narration,
@@ -882,7 +882,7 @@ pub(super) async fn execute(
             &events,
             events.stop.clone(),
         )
-        .with_key_labels(runtime.key_labels(&events.owner))
+        .with_key_labels(events.key_labels.clone())
     };
     let result = if let Some((workflow, step, tool)) = tool_node {
         let caller = super::workflow::NodeJob::tool_caller(workflow, tool);

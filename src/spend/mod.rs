@@ -39,31 +39,31 @@ const MAX_LOCAL_COUNTERS: usize = 100_000;
 /// An answer's cap when neither the client nor the model states one: what a budget reserves.
 pub const DEFAULT_OUTPUT_CAP: u64 = 4_096;
 
-/// Who a call is charged to.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Payer {
+/// Who a call is charged to (borrowed: it is asked for on every model call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Payer<'a> {
     /// The client key identity.
-    pub key: String,
+    pub key: &'a str,
     /// The named key's labels (none for unnamed keys).
-    pub key_labels: BTreeMap<String, String>,
-    pub agent: String,
+    pub key_labels: &'a BTreeMap<String, String>,
+    pub agent: &'a str,
     /// The session charged: a subagent's calls are charged to its parent's session.
-    pub session: String,
+    pub session: &'a str,
 }
 
-impl Payer {
+impl<'a> Payer<'a> {
     /// The subject of a budget scope: each key, agent or session has its own counter.
-    fn subject(&self, scope: BudgetScope) -> &str {
+    fn subject(&self, scope: BudgetScope) -> &'a str {
         match scope {
-            BudgetScope::ApiKey => &self.key,
-            BudgetScope::Agent => &self.agent,
-            BudgetScope::Session => &self.session,
+            BudgetScope::ApiKey => self.key,
+            BudgetScope::Agent => self.agent,
+            BudgetScope::Session => self.session,
             BudgetScope::Workspace => "*",
         }
     }
 
     fn matches(&self, matcher: &crate::workspace::SpendMatch) -> bool {
-        matcher.matches(&self.key, &self.key_labels, &self.agent)
+        matcher.matches(self.key, self.key_labels, self.agent)
     }
 }
 
@@ -386,7 +386,7 @@ impl Spend {
 
     fn matching<'w>(
         workspace: &'w CompiledWorkspace,
-        payer: &Payer,
+        payer: &Payer<'_>,
         now: DateTime<Utc>,
     ) -> Vec<Matched<'w>> {
         workspace
@@ -548,8 +548,8 @@ impl Spend {
             .filter(|limit| payer.matches(&limit.matcher))
         {
             let subject = match limit.scope {
-                crate::workspace::RateLimitScope::ApiKey => payer.key.clone(),
-                crate::workspace::RateLimitScope::Agent => payer.agent.clone(),
+                crate::workspace::RateLimitScope::ApiKey => payer.key.to_owned(),
+                crate::workspace::RateLimitScope::Agent => payer.agent.to_owned(),
             };
             for (per_minute, dimension, requests) in [
                 (limit.requests_per_minute, "requests", true),
@@ -589,7 +589,7 @@ impl Spend {
     pub async fn admit(
         &self,
         workspace: &CompiledWorkspace,
-        payer: &Payer,
+        payer: &Payer<'_>,
         rate_limited: bool,
     ) -> Result<(), SpendError> {
         let now = Utc::now();
@@ -636,7 +636,7 @@ impl Spend {
     pub async fn reserve(
         &self,
         workspace: &CompiledWorkspace,
-        payer: &Payer,
+        payer: &Payer<'_>,
         run_id: &str,
         amount: Amount,
     ) -> Result<Option<Hold>, SpendError> {
@@ -705,7 +705,7 @@ impl Spend {
     pub async fn settle(
         &self,
         workspace: &CompiledWorkspace,
-        payer: &Payer,
+        payer: &Payer<'_>,
         hold: Option<Hold>,
         record: &UsageRecord,
     ) -> Result<(), StoreError> {
@@ -992,12 +992,14 @@ mod tests {
         (workspace, store)
     }
 
-    fn payer(key: &str) -> Payer {
+    static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+
+    fn payer(key: &str) -> Payer<'_> {
         Payer {
-            key: key.into(),
-            key_labels: BTreeMap::new(),
-            agent: "helper".into(),
-            session: "ses_1".into(),
+            key,
+            key_labels: &NO_LABELS,
+            agent: "helper",
+            session: "ses_1",
         }
     }
 
@@ -1044,9 +1046,9 @@ mod tests {
             at: Utc::now(),
             request_id: "req_1".into(),
             run_id: "run_1".into(),
-            owner: who.key.clone(),
-            agent_id: who.agent.clone(),
-            session_id: who.session.clone(),
+            owner: who.key.to_owned(),
+            agent_id: who.agent.to_owned(),
+            session_id: who.session.to_owned(),
             model: "m".into(),
             source: "model".into(),
             prompt_tokens: tokens,

@@ -156,14 +156,8 @@ impl SpendStore for PostgresStore {
         filter: &UsageFilter,
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
-        let group = match group_by {
-            None => "''",
-            Some(UsageGroupBy::Day) => "to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
-            Some(UsageGroupBy::Agent) => "agent_id",
-            Some(UsageGroupBy::Key) => "owner",
-            Some(UsageGroupBy::Model) => "model",
-        };
-        // Only the grouping expression is formatted in, from the fixed list above.
+        let group = UsageGroupBy::column(group_by, "to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD')");
+        // Only the grouping expression is formatted in (a fixed one); every value is bound.
         let sql = format!(
             "SELECT {group} AS grp, COUNT(*)::BIGINT AS calls,
                SUM(prompt_tokens)::BIGINT AS prompt, SUM(completion_tokens)::BIGINT AS completion,

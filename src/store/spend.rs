@@ -34,6 +34,19 @@ pub struct UsageRecord {
     pub estimated: bool,
 }
 
+impl UsageRecord {
+    /// Its figures within [`Amount::bounded`]'s limits: what an upstream or a service
+    /// reports is bounded before anything adds it up.
+    pub fn bounded(mut self) -> Self {
+        self.prompt_tokens = self.prompt_tokens.min(MAX_TOKENS_PER_CALL);
+        self.completion_tokens = self.completion_tokens.min(MAX_TOKENS_PER_CALL);
+        self.cost_nanos = self
+            .cost_nanos
+            .map(|cost| cost.clamp(0, MAX_COST_NANOS_PER_CALL));
+        self
+    }
+}
+
 /// One budget's counter for one subject (a key identity, agent, session, or `*`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CounterKey {
@@ -151,6 +164,20 @@ pub enum UsageGroupBy {
     Agent,
     Key,
     Model,
+}
+
+impl UsageGroupBy {
+    /// The SQL expression a group is named by; `day` is the dialect's UTC date of `at`. Only
+    /// these fixed expressions are ever formatted into a query.
+    pub(crate) fn column(group_by: Option<Self>, day: &'static str) -> &'static str {
+        match group_by {
+            None => "''",
+            Some(Self::Day) => day,
+            Some(Self::Agent) => "agent_id",
+            Some(Self::Key) => "owner",
+            Some(Self::Model) => "model",
+        }
+    }
 }
 
 /// Which usage records to add up.

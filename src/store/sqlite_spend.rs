@@ -123,15 +123,8 @@ impl SpendStore for SqliteStore {
         filter: &UsageFilter,
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
-        let group = match group_by {
-            None => "''",
-            Some(UsageGroupBy::Day) => "substr(at, 1, 10)",
-            Some(UsageGroupBy::Agent) => "agent_id",
-            Some(UsageGroupBy::Key) => "owner",
-            Some(UsageGroupBy::Model) => "model",
-        };
-        // Only the grouping expression is formatted in, from the fixed list above; every value
-        // is bound.
+        let group = UsageGroupBy::column(group_by, "substr(at, 1, 10)");
+        // Only the grouping expression is formatted in (a fixed one); every value is bound.
         let sql = format!(
             "SELECT {group} AS grp, COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
                SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,

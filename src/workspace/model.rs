@@ -43,6 +43,17 @@ impl CompiledWorkspace {
         self.agents.get(name)
     }
 
+    /// The labels of the named client key whose identity is `owner` (none for unnamed keys).
+    pub fn key_labels(&self, owner: &str) -> BTreeMap<String, String> {
+        self.runtime
+            .openai
+            .keys
+            .iter()
+            .find(|key| key.name == owner)
+            .map(|key| key.labels.clone())
+            .unwrap_or_default()
+    }
+
     pub fn default_agent(&self) -> Option<&AgentConfig> {
         self.runtime
             .default_agent
@@ -78,6 +89,13 @@ pub struct RuntimeConfig {
     pub narration: NarrationConfig,
     pub cli_event_types: Vec<String>,
     pub mcp_servers: BTreeMap<String, McpServerConfig>,
+}
+
+impl RuntimeConfig {
+    /// Whether any budget or rate limit is configured (admission has something to check).
+    pub fn has_spend_limits(&self) -> bool {
+        !self.budgets.is_empty() || !self.rate_limits.is_empty()
+    }
 }
 
 #[derive(Debug, Clone)]
