@@ -1,30 +1,50 @@
 //! Load benchmark: the `stable-harness` binary with the `openai` adapter in front of a fast
-//! loopback upstream, against the same upstream called directly.
+//! loopback upstream, against the same upstream called directly, in the same run.
 //!
-//! `cargo bench --bench load` measures, through stable-harness and directly: requests per
-//! second and p50/p99 latency at concurrency 1 and 32, and at a fixed 200 requests/second;
-//! then prints the added latency, and the server's idle and loaded RSS. Every request is a
-//! full run: request, run and every event persisted in the embedded SQLite store, or in the
-//! PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL` names. With
-//! `STABLE_HARNESS_BENCH_INSTANCES=N` (PostgreSQL only), N instances serve that database and
-//! requests go to them in turn, as behind a load balancer. With `STABLE_HARNESS_BENCH_BUDGETS=1`
-//! every request also passes two budgets and a rate limit (spend control on the hot path).
+//! `cargo bench --bench load` measures, through stable-harness and directly:
+//! - `/v1/chat/completions` (JSON), `/v1/responses` (JSON) and `/runtime/requests` with
+//!   `wait`: p50/p99 latency at concurrency 1, requests per second at concurrency 32, and the
+//!   chat surface at a fixed 200 requests/second;
+//! - the server's CPU time per request (over the concurrency-32 chat phase);
+//! - streaming, with the upstream sending its whole answer at once: time to the first token
+//!   and to the end of a 20-chunk stream on `/v1/chat/completions` and `/v1/responses`; the
+//!   overhead per chunk with 20 and 200 chunks, and with 8 streams at a time;
+//! - the server's RSS idle and after the load.
+//!
+//! It ends with a table of the aims of the performance work (issue 16), each as the figure
+//! and as a ratio to the upstream called directly. The "before" column is measured in the same
+//! run when `STABLE_HARNESS_BENCH_BEFORE` names an earlier build of the binary; otherwise it
+//! shows the figures recorded in `benches/load-before.tsv` (the build the work started from,
+//! on the development machine).
+//!
+//! Every stable-harness request is a full run: request, run and every event persisted in the
+//! embedded SQLite store, or in the PostgreSQL database `STABLE_HARNESS_BENCH_DATABASE_URL`
+//! names. With `STABLE_HARNESS_BENCH_INSTANCES=N` (PostgreSQL only), N instances serve that
+//! database and requests go to them in turn, as behind a load balancer. With
+//! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
+//! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
 #[allow(dead_code)]
 mod upstream;
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{Value, json};
 
-const PHASE: Duration = Duration::from_secs(5);
 const RATE: u32 = 200;
+/// Chunks of the short and the long streamed answer.
+const SHORT_STREAM: usize = 20;
+const LONG_STREAM: usize = 200;
+/// Streams at a time for the concurrent-streams figure.
+const CONCURRENT_STREAMS: usize = 8;
 
 fn main() {
     stable_harness::app::install_crypto_provider();
@@ -36,180 +56,546 @@ fn main() {
     runtime.block_on(run());
 }
 
+fn phase_length() -> Duration {
+    let seconds = std::env::var("STABLE_HARNESS_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .unwrap_or(4.0);
+    Duration::from_secs_f64(seconds)
+}
+
 async fn run() {
     let upstream = upstream::MockUpstream::start().await;
-    upstream.set_default(upstream::Reply::Text(
-        "A short answer from a fast upstream".into(),
-    ));
-    let dir = tempfile::tempdir().unwrap();
-    write_workspace(dir.path(), &upstream.url);
-
-    // `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...` measures the PostgreSQL store.
-    let store_args: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
-        .map(|url| vec!["--database-url".to_owned(), url])
-        .unwrap_or_default();
-    let instances: usize = std::env::var("STABLE_HARNESS_BENCH_INSTANCES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1);
-    let mut servers = Vec::new();
-    let mut bases = Vec::new();
-    for _ in 0..instances {
-        let mut server = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
-            .args(["start", "-w", dir.path().to_str().unwrap(), "--port", "0"])
-            .args(&store_args)
-            .env("STABLE_HARNESS_LOG", "error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(server.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        bases.push(
-            line.split_whitespace()
-                .find(|w| w.starts_with("http://"))
-                .unwrap()
-                .to_owned(),
-        );
-        servers.push(server);
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let idle_rss = rss_kib(servers[0].id());
-
+    // The length of the answer is asked for in the user's message: "chunks N".
+    upstream.set_responder(upstream::Responder::new(|body: &Value| {
+        let asked = body["messages"]
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m["content"].as_str())
+            .and_then(|text| text.strip_prefix("chunks "))
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(7);
+        upstream::Reply::Text(answer_of(asked))
+    }));
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(64)
         .build()
         .unwrap();
-    let harness = Target {
-        name: "stable-harness",
-        urls: Arc::new(
-            bases
-                .iter()
-                .map(|base| format!("{base}/v1/chat/completions"))
-                .collect(),
-        ),
-        next: Arc::default(),
-        body: json!({ "model": "assistant", "messages": [{ "role": "user", "content": "Hello" }] }),
+    let store = if std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL").is_ok() {
+        "PostgreSQL"
+    } else {
+        "SQLite, WAL"
     };
-    // The call stable-harness makes upstream: a streamed completion, read to the end.
-    let direct = Target {
+    let before = std::env::var("STABLE_HARNESS_BENCH_BEFORE")
+        .ok()
+        .map(PathBuf::from);
+    let mut columns: Vec<(String, Figures)> = Vec::new();
+    if let Some(binary) = &before {
+        println!("== before: {}", binary.display());
+        columns.push(("before".into(), measure(binary, &upstream, &client).await));
+    } else if let Some(recorded) = recorded_before() {
+        columns.push(("before (recorded)".into(), recorded));
+    }
+    println!("== after: this build");
+    let after = measure(
+        Path::new(env!("CARGO_BIN_EXE_stable-harness")),
+        &upstream,
+        &client,
+    )
+    .await;
+    if std::env::var("STABLE_HARNESS_BENCH_PRINT_TSV").is_ok_and(|v| v == "1") {
+        for (key, (value, ratio)) in &after {
+            println!("tsv\t{key}\t{value}\t{ratio}");
+        }
+    }
+    columns.push(("after".into(), after));
+    print_aims(store, &columns);
+}
+
+/// The answer of `chunks` words: the upstream streams one chunk per word.
+fn answer_of(chunks: usize) -> String {
+    (0..chunks).map(|i| format!("tok{i} ")).collect()
+}
+
+/// The figures of one build: key -> (figure, ratio to direct; NaN when there is none).
+type Figures = BTreeMap<String, (f64, f64)>;
+
+/// Runs every phase against `binary` (and the upstream directly, next to it in time).
+async fn measure(
+    binary: &Path,
+    upstream: &upstream::MockUpstream,
+    client: &reqwest::Client,
+) -> Figures {
+    let phase = phase_length();
+    let dir = tempfile::tempdir().unwrap();
+    write_workspace(dir.path(), &upstream.url);
+    let servers = Servers::start(binary, dir.path());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle_rss = rss_kib(servers.pid());
+
+    let direct = |chunks: usize| Target {
         name: "direct",
         urls: Arc::new(vec![format!("{}/chat/completions", upstream.url)]),
         next: Arc::default(),
+        // The call stable-harness makes upstream: a streamed completion, read to the end.
         body: json!({ "model": "bench-upstream", "stream": true, "stream_options": { "include_usage": true },
-                      "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": "Hello" }] }),
+                      "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": format!("chunks {chunks}") }] }),
     };
-    // Warm both paths (connections, SQLite pages, allocator).
-    for target in [&harness, &direct] {
-        closed_loop(&client, target, 4, Duration::from_secs(1)).await;
-    }
-
-    println!(
-        "load: {} s per phase; every stable-harness request persisted ({}; {instances} instance(s))",
-        PHASE.as_secs(),
-        if store_args.is_empty() {
-            "SQLite, WAL"
-        } else {
-            "PostgreSQL"
-        }
-    );
-    println!(
-        "{:<34} {:>9} {:>10} {:>10}",
-        "phase", "req/s", "p50 ms", "p99 ms"
-    );
-    let mut overheads = Vec::new();
-    // The fixed rate runs before saturation, so it measures the steady state, not the
-    // recovery from an overload.
-    for phase in [
-        Phase::Concurrency(1),
-        Phase::Rate(RATE),
-        Phase::Concurrency(32),
-    ] {
-        let mut results = Vec::new();
-        for target in [&direct, &harness] {
-            let stats = match phase {
-                Phase::Concurrency(n) => closed_loop(&client, target, n, PHASE).await,
-                Phase::Rate(rate) => open_loop(&client, target, rate, PHASE).await,
-            };
-            print_row(phase, target, &stats);
-            results.push(stats);
-        }
-        overheads.push((
-            phase.label(),
-            results[1].p50 - results[0].p50,
-            results[1].p99 - results[0].p99,
-        ));
-    }
-    // Streaming: `/v1/chat/completions` and `/v1/responses` (its exact event sequence) side
-    // by side, so the Responses surface's own cost is read off the same run.
-    let streamed = |name, path: &str, body| Target {
+    let harness = |name: &'static str, path: &str, body: Value| Target {
         name,
-        urls: Arc::new(bases.iter().map(|base| format!("{base}{path}")).collect()),
+        urls: Arc::new(
+            servers
+                .bases
+                .iter()
+                .map(|base| format!("{base}{path}"))
+                .collect(),
+        ),
         next: Arc::default(),
         body,
     };
-    let chat_stream = streamed(
-        "chat SSE",
+    let chat = harness(
+        "chat JSON",
         "/v1/chat/completions",
-        json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": "Hello" }] }),
+        json!({ "model": "assistant", "messages": [{ "role": "user", "content": "Hello" }] }),
     );
-    let responses_stream = streamed(
+    let responses = harness(
+        "responses JSON",
+        "/v1/responses",
+        json!({ "model": "assistant", "input": "Hello" }),
+    );
+    let wait = harness(
+        "runtime wait",
+        "/runtime/requests",
+        json!({ "input": { "text": "Hello" }, "wait": true }),
+    );
+    let chat_stream = |chunks: usize| {
+        harness(
+            "chat SSE",
+            "/v1/chat/completions",
+            json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": format!("chunks {chunks}") }] }),
+        )
+    };
+    let responses_stream = harness(
         "responses SSE",
         "/v1/responses",
-        json!({ "model": "assistant", "stream": true, "input": "Hello" }),
+        json!({ "model": "assistant", "stream": true, "input": format!("chunks {SHORT_STREAM}") }),
     );
-    for target in [&chat_stream, &responses_stream] {
-        closed_loop(&client, target, 4, Duration::from_secs(1)).await;
+    let (direct_short, direct_stream, direct_long) =
+        (direct(7), direct(SHORT_STREAM), direct(LONG_STREAM));
+    // Warm every path (connections, SQLite pages, allocator).
+    for target in [
+        &direct_short,
+        &chat,
+        &responses,
+        &wait,
+        &direct_stream,
+        &responses_stream,
+    ] {
+        closed_loop(client, target, 4, Duration::from_secs(1)).await;
     }
-    let mut surface = Vec::new();
-    for phase in [Phase::Concurrency(1), Phase::Concurrency(32)] {
-        let mut results = Vec::new();
-        for target in [&chat_stream, &responses_stream] {
-            let Phase::Concurrency(n) = phase else {
-                continue;
-            };
-            let stats = closed_loop(&client, target, n, PHASE).await;
-            print_row(phase, target, &stats);
-            results.push(stats);
-        }
-        surface.push((phase.label(), results.remove(0), results.remove(0)));
-    }
-    println!();
-    for (label, p50, p99) in overheads {
-        println!("added by stable-harness, {label:<20} p50 {p50:+.3} ms   p99 {p99:+.3} ms");
-    }
-    for (label, chat, responses) in surface {
+    closed_loop(
+        client,
+        &chat_stream(SHORT_STREAM),
+        4,
+        Duration::from_secs(1),
+    )
+    .await;
+
+    let mut figures = Figures::new();
+    let mut row = |label: &str, stats: &Stats| {
         println!(
-            "responses SSE over chat SSE, {label:<16} p50 {:+.1}%   p99 {:+.1}%   req/s {:+.1}%",
-            (responses.p50 / chat.p50 - 1.0) * 100.0,
-            (responses.p99 / chat.p99 - 1.0) * 100.0,
-            (responses.rps / chat.rps - 1.0) * 100.0,
+            "{label:<44} {:>8.0} {:>9.3} {:>9.3} {:>9.3}",
+            stats.rps, stats.p50, stats.p99, stats.first_p50
+        );
+    };
+    println!(
+        "{:<44} {:>8} {:>9} {:>9} {:>9}",
+        "phase", "req/s", "p50 ms", "p99 ms", "first ms"
+    );
+
+    // Latency at concurrency 1, each surface against the direct call.
+    let direct_c1 = closed_loop(client, &direct_short, 1, phase).await;
+    row("concurrency 1 direct", &direct_c1);
+    for (key, target) in [("chat", &chat), ("responses", &responses), ("wait", &wait)] {
+        let stats = closed_loop(client, target, 1, phase).await;
+        row(&format!("concurrency 1 {}", target.name), &stats);
+        figures.insert(format!("{key}.c1.p50"), added(stats.p50, direct_c1.p50));
+        figures.insert(format!("{key}.c1.p99"), added(stats.p99, direct_c1.p99));
+    }
+    // A fixed rate before saturation: the steady state, not the recovery from an overload.
+    let direct_rate = open_loop(client, &direct_short, RATE, phase).await;
+    row(&format!("fixed {RATE} req/s direct"), &direct_rate);
+    let rate = open_loop(client, &chat, RATE, phase).await;
+    row(&format!("fixed {RATE} req/s chat JSON"), &rate);
+    figures.insert("chat.rate.p50".into(), added(rate.p50, direct_rate.p50));
+    figures.insert("chat.rate.p99".into(), added(rate.p99, direct_rate.p99));
+
+    // Throughput at concurrency 32, and the server's CPU per request.
+    let direct_c32 = closed_loop(client, &direct_short, 32, phase).await;
+    row("concurrency 32 direct", &direct_c32);
+    for (key, target) in [("chat", &chat), ("responses", &responses), ("wait", &wait)] {
+        let cpu_before = servers.cpu_seconds();
+        let stats = closed_loop(client, target, 32, phase).await;
+        let cpu = servers.cpu_seconds() - cpu_before;
+        row(&format!("concurrency 32 {}", target.name), &stats);
+        figures.insert(
+            format!("{key}.c32.rps"),
+            (stats.rps, stats.rps / direct_c32.rps),
+        );
+        figures.insert(
+            format!("{key}.cpu"),
+            (cpu * 1000.0 / stats.count as f64, f64::NAN),
         );
     }
-    let loaded_rss = rss_kib(servers[0].id());
-    println!(
-        "server RSS: idle {:.1} MiB, after load {:.1} MiB",
-        idle_rss as f64 / 1024.0,
-        loaded_rss as f64 / 1024.0
+
+    // Streaming: the upstream sends its whole answer at once.
+    let direct_s = closed_loop(client, &direct_stream, 1, phase).await;
+    row(
+        &format!("stream {SHORT_STREAM} chunks, concurrency 1 direct"),
+        &direct_s,
     );
-    for mut server in servers {
-        let _ = Command::new("kill")
-            .args(["-TERM", &server.id().to_string()])
-            .status();
-        let _ = server.wait();
+    let chat_s = closed_loop(client, &chat_stream(SHORT_STREAM), 1, phase).await;
+    row(
+        &format!("stream {SHORT_STREAM} chunks, concurrency 1 chat SSE"),
+        &chat_s,
+    );
+    let responses_s = closed_loop(client, &responses_stream, 1, phase).await;
+    row(
+        &format!("stream {SHORT_STREAM} chunks, concurrency 1 responses SSE"),
+        &responses_s,
+    );
+    for (key, stats) in [("chat", &chat_s), ("responses", &responses_s)] {
+        figures.insert(
+            format!("{key}.sse.first"),
+            added(stats.first_p50, direct_s.first_p50),
+        );
+        figures.insert(format!("{key}.sse.whole"), added(stats.p50, direct_s.p50));
+    }
+    let per_chunk = |harness: &Stats, direct: &Stats, chunks: usize| {
+        let added = (harness.p50 - direct.p50) / chunks as f64;
+        (added, harness.p50 / direct.p50)
+    };
+    figures.insert(
+        "chat.sse.chunk20".into(),
+        per_chunk(&chat_s, &direct_s, SHORT_STREAM),
+    );
+    let direct_l = closed_loop(client, &direct_long, 1, phase).await;
+    row(
+        &format!("stream {LONG_STREAM} chunks, concurrency 1 direct"),
+        &direct_l,
+    );
+    let chat_l = closed_loop(client, &chat_stream(LONG_STREAM), 1, phase).await;
+    row(
+        &format!("stream {LONG_STREAM} chunks, concurrency 1 chat SSE"),
+        &chat_l,
+    );
+    figures.insert(
+        "chat.sse.chunk200".into(),
+        per_chunk(&chat_l, &direct_l, LONG_STREAM),
+    );
+    let direct_c = closed_loop(client, &direct_stream, CONCURRENT_STREAMS, phase).await;
+    row(
+        &format!("stream {SHORT_STREAM} chunks, concurrency {CONCURRENT_STREAMS} direct"),
+        &direct_c,
+    );
+    let chat_c = closed_loop(
+        client,
+        &chat_stream(SHORT_STREAM),
+        CONCURRENT_STREAMS,
+        phase,
+    )
+    .await;
+    row(
+        &format!("stream {SHORT_STREAM} chunks, concurrency {CONCURRENT_STREAMS} chat SSE"),
+        &chat_c,
+    );
+    figures.insert(
+        "chat.sse.chunk20c8".into(),
+        per_chunk(&chat_c, &direct_c, SHORT_STREAM),
+    );
+
+    let loaded_rss = rss_kib(servers.pid());
+    figures.insert("rss.idle".into(), (idle_rss as f64 / 1024.0, f64::NAN));
+    figures.insert("rss.loaded".into(), (loaded_rss as f64 / 1024.0, f64::NAN));
+    servers.stop();
+    figures
+}
+
+/// (harness - direct, harness / direct).
+fn added(harness: f64, direct: f64) -> (f64, f64) {
+    (harness - direct, harness / direct)
+}
+
+/// An aim: the figure's key, what it says, the bound, and whether a figure must stay under it.
+struct Aim {
+    key: &'static str,
+    what: &'static str,
+    bound: f64,
+    at_most: bool,
+}
+
+const AIMS: &[Aim] = &[
+    Aim {
+        key: "chat.c1.p50",
+        what: "chat JSON, added p50, c=1 (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.c1.p99",
+        what: "chat JSON, added p99, c=1 (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "responses.c1.p50",
+        what: "responses JSON, added p50, c=1 (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "responses.c1.p99",
+        what: "responses JSON, added p99, c=1 (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "wait.c1.p50",
+        what: "runtime wait, added p50, c=1 (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "wait.c1.p99",
+        what: "runtime wait, added p99, c=1 (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.rate.p50",
+        what: "chat JSON, added p50, 200 req/s (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.rate.p99",
+        what: "chat JSON, added p99, 200 req/s (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.c32.rps",
+        what: "chat JSON, req/s, c=32",
+        bound: 6000.0,
+        at_most: false,
+    },
+    Aim {
+        key: "responses.c32.rps",
+        what: "responses JSON, req/s, c=32",
+        bound: 6000.0,
+        at_most: false,
+    },
+    Aim {
+        key: "wait.c32.rps",
+        what: "runtime wait, req/s, c=32",
+        bound: 6000.0,
+        at_most: false,
+    },
+    Aim {
+        key: "chat.cpu",
+        what: "chat JSON, server CPU per request (ms)",
+        bound: 0.2,
+        at_most: true,
+    },
+    Aim {
+        key: "responses.cpu",
+        what: "responses JSON, server CPU per request (ms)",
+        bound: 0.2,
+        at_most: true,
+    },
+    Aim {
+        key: "wait.cpu",
+        what: "runtime wait, server CPU per request (ms)",
+        bound: 0.2,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.sse.first",
+        what: "chat SSE, added time to first token (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "responses.sse.first",
+        what: "responses SSE, added time to first token (ms)",
+        bound: 0.3,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.sse.whole",
+        what: "chat SSE, 20 chunks at once, added to the end (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "responses.sse.whole",
+        what: "responses SSE, 20 chunks, added to the end (ms)",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.sse.chunk20",
+        what: "chat SSE, added per chunk, 20 chunks (ms)",
+        bound: 0.05,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.sse.chunk200",
+        what: "chat SSE, added per chunk, 200 chunks (ms)",
+        bound: 0.05,
+        at_most: true,
+    },
+    Aim {
+        key: "chat.sse.chunk20c8",
+        what: "chat SSE, added per chunk, 8 streams (ms)",
+        bound: 0.05,
+        at_most: true,
+    },
+    Aim {
+        key: "rss.idle",
+        what: "RSS idle (MiB)",
+        bound: 25.0,
+        at_most: true,
+    },
+    Aim {
+        key: "rss.loaded",
+        what: "RSS after the load (MiB)",
+        bound: 60.0,
+        at_most: true,
+    },
+];
+
+fn print_aims(store: &str, columns: &[(String, Figures)]) {
+    println!();
+    println!("aims ({store}); each figure, then in brackets stable-harness over direct");
+    print!("{:<52} {:>9}", "aim", "bound");
+    for (name, _) in columns {
+        print!(" {name:>22}");
+    }
+    println!("  met");
+    for aim in AIMS {
+        print!(
+            "{:<52} {:>9}",
+            aim.what,
+            format!("{}{}", if aim.at_most { "≤" } else { "≥" }, aim.bound)
+        );
+        let mut met = "";
+        for (_, figures) in columns {
+            match figures.get(aim.key) {
+                Some(&(value, ratio)) => {
+                    let cell = if ratio.is_nan() {
+                        format!("{value:.3}")
+                    } else {
+                        format!("{value:.3} ({ratio:.2}x)")
+                    };
+                    print!(" {cell:>22}");
+                    let ok = if aim.at_most {
+                        value <= aim.bound
+                    } else {
+                        value >= aim.bound
+                    };
+                    met = if ok { "yes" } else { "no" };
+                }
+                None => print!(" {:>22}", "-"),
+            }
+        }
+        println!("  {met}");
     }
 }
 
-fn print_row(phase: Phase, target: &Target, stats: &Stats) {
-    println!(
-        "{:<34} {:>9.0} {:>10.3} {:>10.3}",
-        format!("{} {}", phase.label(), target.name),
-        stats.rps,
-        stats.p50,
-        stats.p99
-    );
+/// The "before" figures recorded in `benches/load-before.tsv`: `key<TAB>figure<TAB>ratio`.
+fn recorded_before() -> Option<Figures> {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/load-before.tsv"),
+    )
+    .ok()?;
+    let mut figures = Figures::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let mut fields = line.split('\t');
+        let (Some(key), Some(value), Some(ratio)) = (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        figures.insert(
+            key.to_owned(),
+            (value.parse().ok()?, ratio.parse().unwrap_or(f64::NAN)),
+        );
+    }
+    Some(figures)
+}
+
+/// The instances under test.
+struct Servers {
+    children: Vec<Child>,
+    bases: Vec<String>,
+}
+
+impl Servers {
+    fn start(binary: &Path, workspace: &Path) -> Self {
+        // `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...` measures the PostgreSQL store.
+        let store_args: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
+            .map(|url| vec!["--database-url".to_owned(), url])
+            .unwrap_or_default();
+        let instances: usize = std::env::var("STABLE_HARNESS_BENCH_INSTANCES")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
+        let mut children = Vec::new();
+        let mut bases = Vec::new();
+        for _ in 0..instances {
+            let mut server = Command::new(binary)
+                .args(["start", "-w", workspace.to_str().unwrap(), "--port", "0"])
+                .args(&store_args)
+                .env("STABLE_HARNESS_LOG", "error")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            BufReader::new(server.stdout.take().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            bases.push(
+                line.split_whitespace()
+                    .find(|w| w.starts_with("http://"))
+                    .unwrap()
+                    .to_owned(),
+            );
+            children.push(server);
+        }
+        Self { children, bases }
+    }
+
+    fn pid(&self) -> u32 {
+        self.children[0].id()
+    }
+
+    /// User and system CPU time of every instance so far.
+    fn cpu_seconds(&self) -> f64 {
+        self.children.iter().map(|c| cpu_seconds(c.id())).sum()
+    }
+
+    fn stop(self) {
+        for mut server in self.children {
+            let _ = Command::new("kill")
+                .args(["-TERM", &server.id().to_string()])
+                .status();
+            let _ = server.wait();
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -218,42 +604,45 @@ struct Target {
     /// Taken in turn (several instances behind a balancer).
     urls: Arc<Vec<String>>,
     next: Arc<AtomicUsize>,
-    body: serde_json::Value,
-}
-
-#[derive(Clone, Copy)]
-enum Phase {
-    Concurrency(usize),
-    Rate(u32),
-}
-
-impl Phase {
-    fn label(self) -> String {
-        match self {
-            Phase::Concurrency(n) => format!("concurrency {n}"),
-            Phase::Rate(rate) => format!("fixed {rate} req/s"),
-        }
-    }
+    body: Value,
 }
 
 struct Stats {
+    count: usize,
     rps: f64,
     p50: f64,
     p99: f64,
+    /// Median time to the first token of the answer.
+    first_p50: f64,
 }
 
-async fn one(client: &reqwest::Client, target: &Target) -> Duration {
+/// One call: (time to the first token, time to the end of the answer).
+async fn one(client: &reqwest::Client, target: &Target) -> (Duration, Duration) {
     let started = Instant::now();
     let url = &target.urls[target.next.fetch_add(1, Ordering::Relaxed) % target.urls.len()];
-    let response = client.post(url).json(&target.body).send().await.unwrap();
+    let mut response = client.post(url).json(&target.body).send().await.unwrap();
     assert!(
         response.status().is_success(),
         "{} answered {}",
         target.name,
         response.status()
     );
-    let _ = response.bytes().await.unwrap();
-    started.elapsed()
+    let mut first = None;
+    // Chunks may split the first token: look at the tail of what came before too.
+    let mut tail: Vec<u8> = Vec::new();
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        if first.is_none() {
+            tail.extend_from_slice(&chunk);
+            if tail.windows(5).any(|w| w == b"tok0 ") {
+                first = Some(started.elapsed());
+            } else {
+                let keep = tail.len().saturating_sub(4);
+                tail.drain(..keep);
+            }
+        }
+    }
+    let whole = started.elapsed();
+    (first.unwrap_or(whole), whole)
 }
 
 async fn closed_loop(
@@ -307,16 +696,19 @@ async fn open_loop(
     stats(latencies, started.elapsed())
 }
 
-fn stats(mut latencies: Vec<Duration>, elapsed: Duration) -> Stats {
-    latencies.sort();
-    let at = |q: f64| {
-        latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)].as_secs_f64()
-            * 1000.0
+fn stats(latencies: Vec<(Duration, Duration)>, elapsed: Duration) -> Stats {
+    let quantile = |mut values: Vec<Duration>, q: f64| {
+        values.sort();
+        values[((values.len() as f64 * q) as usize).min(values.len() - 1)].as_secs_f64() * 1000.0
     };
+    let whole: Vec<Duration> = latencies.iter().map(|l| l.1).collect();
+    let first: Vec<Duration> = latencies.iter().map(|l| l.0).collect();
     Stats {
+        count: latencies.len(),
         rps: latencies.len() as f64 / elapsed.as_secs_f64(),
-        p50: at(0.50),
-        p99: at(0.99),
+        p50: quantile(whole.clone(), 0.50),
+        p99: quantile(whole, 0.99),
+        first_p50: quantile(first, 0.50),
     }
 }
 
@@ -332,7 +724,27 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-fn write_workspace(root: &std::path::Path, upstream: &str) {
+/// utime + stime of a process from `/proc/PID/stat`, in seconds (at 100 ticks a second).
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // The command name may hold spaces: fields are counted after its closing parenthesis.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+fn write_workspace(root: &Path, upstream: &str) {
     let write = |path: &str, text: String| {
         let path = root.join(path);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();

@@ -259,7 +259,14 @@ impl Application {
             );
             let _ = stopping_tx.send(true);
         };
-        let server = axum::serve(self.listener, router).with_graceful_shutdown(signal);
+        // Without TCP_NODELAY, a streamed answer's small writes wait on the client's delayed
+        // ACK (Nagle): tens of milliseconds per stream.
+        let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(%error, "could not set TCP_NODELAY on a connection");
+            }
+        });
+        let server = axum::serve(listener, router).with_graceful_shutdown(signal);
         let mut stopping = stopping_rx;
         let bounded = async move {
             let _ = stopping.wait_for(|stopping| *stopping).await;

@@ -157,7 +157,9 @@ impl SpendStore for PostgresStore {
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
         let group = UsageGroupBy::column(group_by, "to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD')");
-        // Only the grouping expression is formatted in (a fixed one); every value is bound.
+        let request = filter.request_condition("request_id = $7", "$7::TEXT IS NULL");
+        // Only fixed expressions are formatted in (the grouping, the request condition); every
+        // value is bound.
         let sql = format!(
             "SELECT {group} AS grp, COUNT(*)::BIGINT AS calls,
                SUM(prompt_tokens)::BIGINT AS prompt, SUM(completion_tokens)::BIGINT AS completion,
@@ -166,7 +168,7 @@ impl SpendStore for PostgresStore {
              WHERE ($1::TEXT IS NULL OR owner = $1) AND ($2::TEXT IS NULL OR agent_id = $2)
                AND ($3::TEXT IS NULL OR session_id = $3) AND ($4::TEXT IS NULL OR model = $4)
                AND ($5::TIMESTAMPTZ IS NULL OR at >= $5) AND ($6::TIMESTAMPTZ IS NULL OR at < $6)
-               AND ($7::TEXT IS NULL OR request_id = $7)
+               AND {request}
              GROUP BY grp ORDER BY grp"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))

@@ -124,7 +124,9 @@ impl SpendStore for SqliteStore {
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
         let group = UsageGroupBy::column(group_by, "substr(at, 1, 10)");
-        // Only the grouping expression is formatted in (a fixed one); every value is bound.
+        let request = filter.request_condition("request_id = ?7", "?7 IS NULL");
+        // Only fixed expressions are formatted in (the grouping, the request condition); every
+        // value is bound.
         let sql = format!(
             "SELECT {group} AS grp, COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
                SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,
@@ -133,7 +135,7 @@ impl SpendStore for SqliteStore {
              WHERE (?1 IS NULL OR owner = ?1) AND (?2 IS NULL OR agent_id = ?2)
                AND (?3 IS NULL OR session_id = ?3) AND (?4 IS NULL OR model = ?4)
                AND (?5 IS NULL OR at >= ?5) AND (?6 IS NULL OR at < ?6)
-               AND (?7 IS NULL OR request_id = ?7)
+               AND {request}
              GROUP BY grp ORDER BY grp"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
