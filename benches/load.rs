@@ -202,7 +202,7 @@ async fn measure(
     .await;
 
     let mut figures = Figures::new();
-    let mut row = |label: &str, stats: &Stats| {
+    let row = |label: &str, stats: &Stats| {
         println!(
             "{label:<44} {:>8.0} {:>9.3} {:>9.3} {:>9.3}",
             stats.rps, stats.p50, stats.p99, stats.first_p50

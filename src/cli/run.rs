@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use super::{RunArgs, exit, output};
 use crate::app::build_runtime;
 use crate::runtime::events::{APPROVAL_REQUESTED, APPROVAL_RESOLVED, PROGRESS_NARRATION};
-use crate::runtime::{NewRequest, Protocol, Runtime};
+use crate::runtime::{Following, NewRequest, Protocol, Runtime};
 use crate::store::RunStatus;
 use crate::workspace;
 
@@ -97,7 +97,7 @@ pub async fn run(args: RunArgs) -> u8 {
     } else {
         compiled.runtime.cli_event_types.clone()
     };
-    let mut events = std::pin::pin!(runtime.follow(&submitted.request_id, 0));
+    let mut events = std::pin::pin!(runtime.follow(&submitted.request_id, 0, Following::Live));
     let mut denied = false;
     while let Some(event) = events.next().await {
         let event = match event {

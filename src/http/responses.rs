@@ -665,6 +665,7 @@ pub async fn create_response(
             metadata: v1_metadata(request.metadata, request.user.as_deref()),
             session_id: session,
             surface: Some(shape.to_stored()),
+            stream: request.stream.unwrap_or(false),
         },
     )
     .await?;

@@ -24,7 +24,7 @@ use super::views::{
     EventPage, EventsQuery, RequestView, SessionView, request_view, session_view, store_error,
 };
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::{NewRequest, Protocol, RuntimeError};
+use crate::runtime::{Following, NewRequest, Protocol, RuntimeError};
 
 /// `POST /runtime/requests` body.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -103,28 +103,30 @@ pub async fn create_request(
         .param("workflowId"));
     }
     let new_messages = messages.len();
-    let submitted = state
-        .runtime
-        .submit(NewRequest {
-            agent_id: body.agent_id,
-            session_id: body.session_id,
-            owner: caller.identity.clone(),
-            with_history: true,
-            messages,
-            new_messages,
-            options: Map::new(),
-            metadata: body
-                .metadata
-                .map(Value::Object)
-                .unwrap_or_else(|| json!({})),
-            protocol: Protocol::Runtime,
-            durable_before_return: true,
-            client: Default::default(),
-            surface: None,
-            workflow: body.workflow_id,
-        })
-        .await?;
+    let request = NewRequest {
+        agent_id: body.agent_id,
+        session_id: body.session_id,
+        owner: caller.identity.clone(),
+        with_history: true,
+        messages,
+        new_messages,
+        options: Map::new(),
+        metadata: body
+            .metadata
+            .map(Value::Object)
+            .unwrap_or_else(|| json!({})),
+        protocol: Protocol::Runtime,
+        durable_before_return: true,
+        client: Default::default(),
+        surface: None,
+        workflow: body.workflow_id,
+    };
     if body.wait {
+        // Followed from its first event: waiting reads nothing from the store.
+        let (submitted, events) = state
+            .runtime
+            .submit_and_follow(request, Following::ToEnd)
+            .await?;
         let agent_timeout = state
             .runtime
             .workspace()
@@ -134,10 +136,7 @@ pub async fn create_request(
             .unwrap_or(Duration::from_secs(120));
         state
             .runtime
-            .wait(
-                &submitted.request_id,
-                agent_timeout + Duration::from_secs(5),
-            )
+            .wait_followed(events, agent_timeout + Duration::from_secs(5))
             .await?;
         let view = request_view(&state.runtime, &submitted.request_id, None).await?;
         let status = if view.status.is_terminal() {
@@ -147,6 +146,7 @@ pub async fn create_request(
         };
         return Ok((status, Json(view)).into_response());
     }
+    let submitted = state.runtime.submit(request).await?;
     let accepted = Accepted {
         request_id: submitted.request_id,
         run_id: submitted.run_id,
@@ -209,7 +209,7 @@ pub(super) async fn events_response(
         None => after,
     };
     if wants_stream {
-        let events = state.runtime.follow(id, after);
+        let events = state.runtime.follow(id, after, Following::Live);
         let body = events.map(|event| {
             Ok::<Event, Infallible>(match event {
                 Ok(event) => Event::default()

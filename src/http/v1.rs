@@ -26,7 +26,9 @@ use crate::runtime::events::{
     PHASE_TOOL_START, PROGRESS_NARRATION, REQUEST_COMPLETED, TOOL_DENIED, TOOL_DIRECT_COMPLETED,
     TOOL_DIRECT_STARTED, is_terminal, output_delta_text,
 };
-use crate::runtime::{ApprovalWatch, ClientTurn, NewRequest, Protocol, Submitted, Watched};
+use crate::runtime::{
+    ApprovalWatch, ClientTurn, Following, NewRequest, Protocol, Submitted, Watched,
+};
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, CompiledWorkspace, wire_name};
 
@@ -300,6 +302,7 @@ pub async fn chat_completions(
             metadata: v1_metadata(request.metadata, request.user.as_deref()),
             session_id,
             surface: None,
+            stream,
         },
     )
     .await?;
@@ -411,6 +414,8 @@ pub(super) struct V1Submission {
     pub metadata: Value,
     pub session_id: Option<String>,
     pub surface: Option<Value>,
+    /// Answered as an SSE stream: the request's events are stored as they come.
+    pub stream: bool,
 }
 
 /// A submitted `/v1` call, followed.
@@ -465,24 +470,31 @@ pub(super) async fn submit(
     let workflow_requested = workflow.is_some();
     let (submitted, events) = state
         .runtime
-        .submit_and_follow(NewRequest {
-            agent_id: workflow.is_none().then_some(submission.agent),
-            session_id: submission.session_id,
-            owner: caller.identity.clone(),
-            with_history: false,
-            messages,
-            new_messages,
-            options: submission.options,
-            metadata: submission.metadata,
-            protocol: Protocol::V1,
-            durable_before_return: false,
-            client: ClientTurn {
-                tools: submission.tools,
-                results,
+        .submit_and_follow(
+            NewRequest {
+                agent_id: workflow.is_none().then_some(submission.agent),
+                session_id: submission.session_id,
+                owner: caller.identity.clone(),
+                with_history: false,
+                messages,
+                new_messages,
+                options: submission.options,
+                metadata: submission.metadata,
+                protocol: Protocol::V1,
+                durable_before_return: false,
+                client: ClientTurn {
+                    tools: submission.tools,
+                    results,
+                },
+                surface: submission.surface,
+                workflow,
             },
-            surface: submission.surface,
-            workflow,
-        })
+            if submission.stream {
+                Following::Live
+            } else {
+                Following::ToEnd
+            },
+        )
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
     let approval_wait = workspace.runtime.openai.approval_wait;

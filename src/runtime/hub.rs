@@ -1,6 +1,10 @@
 //! Live event fan-out inside one process: one broadcast channel per request with subscribers.
 //! Subscribers that fall behind are told so (`Lagged`) and catch up from the store, so a slow
 //! reader costs memory bounded by the channel size, never by the stream length.
+//!
+//! The hub also knows which requests are *streamed*: followed by someone who shows each event
+//! as it comes (an SSE answer, a tail of the event log). The journal commits their writes at
+//! once; a request only waited on to its end lets its writes ride along with its next commit.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,6 +19,31 @@ const CHANNEL_CAPACITY: usize = 1_024;
 #[derive(Debug, Default)]
 pub struct EventHub {
     channels: Mutex<HashMap<String, broadcast::Sender<Arc<EventRecord>>>>,
+    /// Requests streamed live, with how many followers stream each.
+    streamed: Mutex<HashMap<String, usize>>,
+}
+
+/// A request streamed live, while this is held (see [`EventHub::stream`]).
+#[derive(Debug)]
+pub struct Streamed {
+    hub: Arc<EventHub>,
+    request_id: String,
+}
+
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        let mut streamed = self
+            .hub
+            .streamed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(count) = streamed.get_mut(&self.request_id) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                streamed.remove(&self.request_id);
+            }
+        }
+    }
 }
 
 impl EventHub {
@@ -28,6 +57,29 @@ impl EventHub {
             .entry(request_id.to_owned())
             .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
             .subscribe()
+    }
+
+    /// Marks `request_id` as streamed live until the returned guard drops: its writes
+    /// commit as they come instead of riding along with its next commit.
+    pub fn stream(self: &Arc<Self>, request_id: &str) -> Streamed {
+        *self
+            .streamed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(request_id.to_owned())
+            .or_default() += 1;
+        Streamed {
+            hub: Arc::clone(self),
+            request_id: request_id.to_owned(),
+        }
+    }
+
+    /// Whether someone here streams `request_id` live.
+    pub fn is_streamed(&self, request_id: &str) -> bool {
+        self.streamed
+            .lock()
+            .map(|streamed| streamed.contains_key(request_id))
+            .unwrap_or(true)
     }
 
     /// Delivers a committed event to its request's subscribers.

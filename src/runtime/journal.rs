@@ -22,6 +22,11 @@
 //!   submits are refused with 503, `/readyz` is red, and service resumes by itself once a
 //!   write succeeds again.
 //! - Events reach live subscribers only after their commit.
+//! - **A request answered whole commits once.** A write nobody waits on ([`Journal::write`])
+//!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
+//!   commits with the next write that is waited on (the run's end, at the latest): the
+//!   common request is one transaction, not one per step. A streamed request's writes, and
+//!   every write whose producer waits, commit at once.
 //! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
 //!   `agent.output.delta` events queued while the previous commit was in flight become one
 //!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
@@ -49,6 +54,8 @@ const MAX_BATCH: usize = 512;
 const QUEUE: usize = 8_192;
 /// Largest text of a delta event made of several (a longer one starts a new event).
 const MAX_MERGED_DELTA: usize = 64 * 1024;
+/// Longest a write nobody waits on is held before it commits on its own.
+const HOLD: Duration = Duration::from_millis(5);
 /// Longest pause between two tries of a write the store refused for a transient reason.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -78,6 +85,8 @@ struct Group {
     ops: Vec<WriteOp>,
     /// Applied even to a poisoned request (a run's end), and clears the poison.
     settles: bool,
+    /// Commits at once, though nobody waits on it (see [`Journal::write_group_now`]).
+    now: bool,
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
 }
 
@@ -117,6 +126,17 @@ impl Journal {
         redactor: Redactor,
         tracker: &tokio_util::task::TaskTracker,
     ) -> Self {
+        Self::start_holding(store, hub, redactor, tracker, HOLD)
+    }
+
+    /// [`Journal::start`] holding writes nobody waits on for at most `hold`.
+    fn start_holding(
+        store: Arc<dyn Store>,
+        hub: Arc<EventHub>,
+        redactor: Redactor,
+        tracker: &tokio_util::task::TaskTracker,
+        hold: Duration,
+    ) -> Self {
         let (sender, receiver) = mpsc::channel(QUEUE);
         let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
@@ -126,6 +146,7 @@ impl Journal {
             redactor: Arc::clone(&redactor),
             available: Arc::clone(&available),
             poisoned: HashSet::new(),
+            hold,
         };
         tracker.spawn(writer.run(receiver));
         Self {
@@ -153,7 +174,7 @@ impl Journal {
     /// Queues one write of `request` behind every earlier one, without waiting for it to
     /// commit: the producer learns of a failure at its next [`Journal::commit`].
     pub async fn write(&self, request: Option<&str>, op: WriteOp) -> Result<(), JournalError> {
-        self.enqueue(request, vec![op], false, None).await
+        self.enqueue(request, vec![op], false, false, None).await
     }
 
     /// Queues `ops` as one group (they commit together) without waiting for the commit.
@@ -162,7 +183,17 @@ impl Journal {
         request: Option<&str>,
         ops: Vec<WriteOp>,
     ) -> Result<(), JournalError> {
-        self.enqueue(request, ops, false, None).await
+        self.enqueue(request, ops, false, false, None).await
+    }
+
+    /// Queues `ops` as one group that commits at once, without waiting for it: a request's
+    /// first group, stored while its run calls the model rather than after.
+    pub async fn write_group_now(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+    ) -> Result<(), JournalError> {
+        self.enqueue(request, ops, false, true, None).await
     }
 
     /// Queues `ops` as one group and waits until they committed together.
@@ -187,7 +218,7 @@ impl Journal {
         settles: bool,
     ) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
-        self.enqueue(request, ops, settles, Some(ack)).await?;
+        self.enqueue(request, ops, settles, true, Some(ack)).await?;
         done.await.map_err(|_| JournalError::Closed)?
     }
 
@@ -196,12 +227,14 @@ impl Journal {
         request: Option<&str>,
         ops: Vec<WriteOp>,
         settles: bool,
+        now: bool,
         ack: Option<oneshot::Sender<Result<(), JournalError>>>,
     ) -> Result<(), JournalError> {
         let group = Group {
             request: request.map(str::to_owned),
             ops,
             settles,
+            now,
             ack,
         };
         self.sender
@@ -238,19 +271,51 @@ struct Writer {
     available: Arc<AtomicBool>,
     /// Requests with a lost write since their last settled group.
     poisoned: HashSet<String>,
+    /// Longest a write nobody waits on is held ([`HOLD`]).
+    hold: Duration,
 }
 
 impl Writer {
     async fn run(mut self, mut receiver: mpsc::Receiver<Item>) {
         let mut items = Vec::with_capacity(MAX_BATCH);
-        while receiver.recv_many(&mut items, MAX_BATCH).await > 0 {
-            let mut groups = Vec::with_capacity(items.len());
-            let mut last_delta: HashMap<String, usize> = HashMap::new();
+        let mut groups = Vec::with_capacity(MAX_BATCH);
+        let mut last_delta: HashMap<String, usize> = HashMap::new();
+        // Set while writes nobody waits on are held for the next commit.
+        let mut deadline: Option<tokio::time::Instant> = None;
+        loop {
+            let received = match deadline {
+                None => receiver.recv_many(&mut items, MAX_BATCH).await,
+                Some(at) => {
+                    match tokio::time::timeout_at(at, receiver.recv_many(&mut items, MAX_BATCH))
+                        .await
+                    {
+                        Ok(received) => received,
+                        Err(_) => {
+                            deadline = None;
+                            last_delta.clear();
+                            self.apply(std::mem::take(&mut groups)).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            if received == 0 {
+                // Every producer is gone: what is held still commits.
+                self.apply(groups).await;
+                return;
+            }
+            let mut urgent = false;
             let mut flushes = Vec::new();
             for item in items.drain(..) {
                 match item {
-                    Item::Group(group) => push_merging_deltas(&mut groups, &mut last_delta, group),
-                    Item::Flush(done) => flushes.push(done),
+                    Item::Group(group) => {
+                        urgent = urgent || self.is_urgent(&group);
+                        push_merging_deltas(&mut groups, &mut last_delta, group);
+                    }
+                    Item::Flush(done) => {
+                        urgent = true;
+                        flushes.push(done);
+                    }
                     Item::Forgive(request) => {
                         self.apply(std::mem::take(&mut groups)).await;
                         last_delta.clear();
@@ -258,11 +323,28 @@ impl Writer {
                     }
                 }
             }
-            self.apply(groups).await;
-            for done in flushes {
-                let _ = done.send(());
+            if urgent || groups.len() >= MAX_BATCH {
+                deadline = None;
+                last_delta.clear();
+                self.apply(std::mem::take(&mut groups)).await;
+                for done in flushes {
+                    let _ = done.send(());
+                }
+            } else if !groups.is_empty() && deadline.is_none() {
+                deadline = Some(tokio::time::Instant::now() + self.hold);
             }
         }
+    }
+
+    /// Whether a group commits now: its producer waits on it or asked for it, or its
+    /// request is streamed live. Any other group is held (at most [`HOLD`]) and commits with the next one that
+    /// is: a request answered whole commits once, with its end.
+    fn is_urgent(&self, group: &Group) -> bool {
+        group.now
+            || group
+                .request
+                .as_deref()
+                .is_none_or(|request| self.hub.is_streamed(request))
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -286,7 +368,8 @@ impl Writer {
             redact(op, &secrets);
         }
         drop(secrets);
-        match self.apply_retrying(&ops).await {
+        let (ops, applied) = self.apply_retrying(ops).await;
+        match applied {
             Ok(numbers) => {
                 self.committed(&numbers, ops);
                 for group in groups {
@@ -311,9 +394,10 @@ impl Writer {
             let Some(mut group) = self.refuse_if_poisoned(group) else {
                 continue;
             };
-            let result = match self.apply_retrying(&group.ops).await {
+            let (ops, applied) = self.apply_retrying(std::mem::take(&mut group.ops)).await;
+            let result = match applied {
                 Ok(numbers) => {
-                    self.committed(&numbers, std::mem::take(&mut group.ops));
+                    self.committed(&numbers, ops);
                     Ok(())
                 }
                 Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),
@@ -383,13 +467,17 @@ impl Writer {
 
     /// Applies `ops` in one transaction; a transient failure is retried until it succeeds,
     /// with the store marked unavailable meanwhile. Other failures are returned.
-    async fn apply_retrying(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+    async fn apply_retrying(
+        &self,
+        mut ops: Vec<WriteOp>,
+    ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         let mut delay = Duration::from_millis(20);
         // One id for every try: a try after a commit whose reply was lost is not applied again.
         let batch_id = crate::store::new_batch_id();
         loop {
             let started = std::time::Instant::now();
-            let applied = self.store.apply_batch(&batch_id, ops).await;
+            let applied;
+            (ops, applied) = self.store.apply_owned(&batch_id, ops).await;
             if let Err(error) = &applied {
                 crate::metrics::store_error(error.is_transient());
             }
@@ -399,7 +487,7 @@ impl Writer {
                     if !self.available.swap(true, Ordering::Relaxed) {
                         tracing::info!("the store accepts writes again");
                     }
-                    return Ok(numbers);
+                    return (ops, Ok(numbers));
                 }
                 Err(error) if error.is_transient() => {
                     if self.available.swap(false, Ordering::Relaxed) {
@@ -408,7 +496,7 @@ impl Writer {
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(MAX_RETRY_DELAY);
                 }
-                Err(error) => return Err(error),
+                Err(error) => return (ops, Err(error)),
             }
         }
     }
@@ -534,6 +622,13 @@ mod tests {
     };
 
     async fn journal_on_a_fresh_store() -> (tempfile::TempDir, Arc<dyn Store>, Journal) {
+        let (dir, store, journal, _) = journal_holding(HOLD).await;
+        (dir, store, journal)
+    }
+
+    async fn journal_holding(
+        hold: Duration,
+    ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(
             SqliteStore::open_file(&dir.path().join("state.db"))
@@ -541,13 +636,98 @@ mod tests {
                 .unwrap(),
         );
         let tracker = tokio_util::task::TaskTracker::new();
-        let journal = Journal::start(
+        let hub = Arc::new(EventHub::default());
+        let journal = Journal::start_holding(
             Arc::clone(&store),
-            Arc::new(EventHub::default()),
+            Arc::clone(&hub),
             Redactor::default(),
             &tracker,
+            hold,
         );
-        (dir, store, journal)
+        (dir, store, journal, hub)
+    }
+
+    /// The texts of a request's stored output deltas, one per stored event.
+    async fn stored_deltas(store: &Arc<dyn Store>, request: &str) -> Vec<String> {
+        store
+            .events(request, 0, 100)
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|e| output_delta_text(&e.data).map(str::to_owned))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn writes_nobody_waits_on_commit_with_the_next_commit() {
+        // A hold far longer than the test: only the commit can have stored the deltas.
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        for text in ["one ", "two "] {
+            journal
+                .write(Some("req_a"), delta("req_a", "run", text))
+                .await
+                .unwrap();
+        }
+        journal
+            .commit(Some("req_a"), vec![event("req_a", "end")])
+            .await
+            .unwrap();
+        // Held together, the two deltas were stored as one event, before the end.
+        assert_eq!(stored_deltas(&store, "req_a").await, ["one two "]);
+        let types: Vec<String> = store
+            .events("req_a", 0, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event_type)
+            .collect();
+        assert_eq!(types, [ADAPTER_EVENT, "end"]);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_requests_writes_commit_at_once() {
+        let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        let _streamed = hub.stream("req_a");
+        let mut live = hub.subscribe("req_a");
+        journal
+            .write(Some("req_a"), delta("req_a", "run", "now "))
+            .await
+            .unwrap();
+        // No commit follows: the delta reaches the follower (and the store) by itself.
+        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+            .await
+            .expect("a streamed request's write was held")
+            .unwrap();
+        assert_eq!(output_delta_text(&event.data), Some("now "));
+        assert_eq!(stored_deltas(&store, "req_a").await, ["now "]);
+    }
+
+    #[tokio::test]
+    async fn a_held_write_commits_by_itself_after_the_hold() {
+        let (_dir, store, journal, hub) = journal_holding(Duration::from_millis(20)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        let mut live = hub.subscribe("req_a");
+        journal
+            .write(Some("req_a"), delta("req_a", "run", "later "))
+            .await
+            .unwrap();
+        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+            .await
+            .expect("a held write never committed")
+            .unwrap();
+        assert_eq!(output_delta_text(&event.data), Some("later "));
+        assert_eq!(stored_deltas(&store, "req_a").await, ["later "]);
     }
 
     fn request_ops(id: &str) -> Vec<WriteOp> {

@@ -45,7 +45,7 @@ use crate::store::{
 };
 use crate::workspace::CompiledWorkspace;
 
-pub use hub::EventHub;
+pub use hub::{EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
 pub use memory_admin::{ImportReport, MemoryAdminError};
@@ -424,20 +424,14 @@ impl Runtime {
     /// Persists a request and its first run, and starts the run.
     #[tracing::instrument(skip_all, fields(agent = request.agent_id.as_deref(), protocol = request.protocol.as_str()))]
     pub async fn submit(&self, request: NewRequest) -> Result<Submitted, RuntimeError> {
-        Ok(self.submit_inner(request, false).await?.0)
+        Ok(self.submit_inner(request, None).await?.0)
     }
 
     async fn submit_inner(
         &self,
         request: NewRequest,
-        subscribe: bool,
-    ) -> Result<
-        (
-            Submitted,
-            Option<tokio::sync::broadcast::Receiver<Arc<EventRecord>>>,
-        ),
-        RuntimeError,
-    > {
+        follow: Option<Following>,
+    ) -> Result<(Submitted, Option<Subscription>), RuntimeError> {
         let inner = &self.inner;
         // A run already executing may still hand work to a subagent during the drain: refusing
         // it would fail a run that the shutdown is waiting on to finish.
@@ -650,12 +644,18 @@ impl Runtime {
                 json!({ "workflowId": job.workflow, "node": job.node, "step": 1, "runId": run_id }),
             ));
         }
+        // A live follower is known before the first write, so that every write of the
+        // request commits as it comes.
+        let streamed = (follow == Some(Following::Live)).then(|| inner.hub.stream(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable.
         if request.durable_before_return {
             inner.journal.commit(Some(&request_id), ops).await?;
         } else {
-            inner.journal.write_group(Some(&request_id), ops).await?;
+            inner
+                .journal
+                .write_group_now(Some(&request_id), ops)
+                .await?;
         }
 
         let submitted = Submitted {
@@ -665,7 +665,10 @@ impl Runtime {
             agent_id,
             status,
         };
-        let live = subscribe.then(|| inner.hub.subscribe(&submitted.request_id));
+        let live = follow.map(|_| Subscription {
+            live: inner.hub.subscribe(&submitted.request_id),
+            streamed,
+        });
         let own_from = run_messages.len();
         self.start_run(run::RunJob {
             submitted: Submitted {
@@ -728,9 +731,16 @@ impl Runtime {
 
     /// Stored events of a request after `after`, then live ones, ending after the terminal
     /// event. Subscribes before reading the store, so nothing falls between the two.
-    pub fn follow(&self, request_id: &str, after: i64) -> EventStream {
-        let live = self.inner.hub.subscribe(request_id);
-        self.follow_with(request_id, after, live, true)
+    pub fn follow(&self, request_id: &str, after: i64, following: Following) -> EventStream {
+        let subscription = self.subscribe(request_id, following);
+        self.follow_with(request_id, after, subscription, true)
+    }
+
+    fn subscribe(&self, request_id: &str, following: Following) -> Subscription {
+        Subscription {
+            live: self.inner.hub.subscribe(request_id),
+            streamed: (following == Following::Live).then(|| self.inner.hub.stream(request_id)),
+        }
     }
 
     /// Submits a request and follows its events from the first one. The subscription is taken
@@ -739,10 +749,12 @@ impl Runtime {
     pub async fn submit_and_follow(
         &self,
         request: NewRequest,
+        following: Following,
     ) -> Result<(Submitted, EventStream), RuntimeError> {
-        let (submitted, live) = self.submit_inner(request, true).await?;
-        let live = live.unwrap_or_else(|| self.inner.hub.subscribe(&submitted.request_id));
-        let events = self.follow_with(&submitted.request_id, 0, live, false);
+        let (submitted, subscription) = self.submit_inner(request, Some(following)).await?;
+        let subscription =
+            subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, following));
+        let events = self.follow_with(&submitted.request_id, 0, subscription, false);
         Ok((submitted, events))
     }
 
@@ -750,13 +762,15 @@ impl Runtime {
         &self,
         request_id: &str,
         after: i64,
-        mut live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
+        subscription: Subscription,
         replay_store: bool,
     ) -> EventStream {
         let inner = Arc::clone(&self.inner);
         let request_id = request_id.to_owned();
+        let Subscription { mut live, streamed } = subscription;
         Box::pin(async_stream::try_stream! {
             let _release = ReleaseOnDrop { hub: Arc::clone(&inner.hub), request_id: request_id.clone() };
+            let _streamed = streamed;
             let mut last = after;
             let mut ended = false;
             // Catch up from the store (unless subscribed before the run started).
@@ -826,15 +840,16 @@ impl Runtime {
         self.wait_watching(request_id, limit, limit).await
     }
 
-    /// Waits for a request to end (or `limit` to pass, or a call of it to wait
-    /// `protocols.openai.approvalWait` on an approval) and returns its record.
-    pub async fn wait(
+    /// Follows `events` (a request's, from [`Runtime::submit_and_follow`]) until the request
+    /// ends, `limit` passes, or a call of it has waited `protocols.openai.approvalWait` on an
+    /// approval. Reads nothing from the store.
+    pub async fn wait_followed(
         &self,
-        request_id: &str,
+        events: EventStream,
         limit: std::time::Duration,
-    ) -> Result<RequestRecord, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         let approval_wait = self.workspace().runtime.openai.approval_wait;
-        self.wait_watching(request_id, limit, approval_wait).await
+        watch_to_end(ApprovalWatch::new(events, approval_wait), limit).await
     }
 
     /// Follows a request until it ends, `limit` passes, or a call has waited `approval_wait`
@@ -845,20 +860,9 @@ impl Runtime {
         limit: std::time::Duration,
         approval_wait: std::time::Duration,
     ) -> Result<RequestRecord, RuntimeError> {
-        let mut events = ApprovalWatch::new(self.follow(request_id, 0), approval_wait);
-        let finished = tokio::time::timeout(limit, async {
-            loop {
-                match events.next().await {
-                    Watched::Event(_) => {}
-                    Watched::Ended | Watched::StillPending(_) => return Ok(()),
-                    Watched::Failed(error) => return Err(error),
-                }
-            }
-        })
-        .await;
-        if let Ok(result) = finished {
-            result?;
-        }
+        let events =
+            ApprovalWatch::new(self.follow(request_id, 0, Following::ToEnd), approval_wait);
+        watch_to_end(events, limit).await?;
         self.inner
             .store
             .request(request_id)
@@ -1001,6 +1005,41 @@ impl Runtime {
     pub fn live_runs(&self) -> usize {
         self.inner.live.lock().map(|live| live.len()).unwrap_or(0)
     }
+}
+
+/// Takes a request's events until it ends, `limit` passes or a call waited on an approval.
+async fn watch_to_end(
+    mut events: ApprovalWatch,
+    limit: std::time::Duration,
+) -> Result<(), RuntimeError> {
+    let finished = tokio::time::timeout(limit, async {
+        loop {
+            match events.next().await {
+                Watched::Event(_) => {}
+                Watched::Ended | Watched::StillPending(_) => return Ok(()),
+                Watched::Failed(error) => return Err(error),
+            }
+        }
+    })
+    .await;
+    Ok(finished.unwrap_or(Ok(()))?)
+}
+
+/// What a follower of a request needs of its events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Following {
+    /// Each event as soon as it is stored (a stream shown as it comes): the request's writes
+    /// commit as they come.
+    Live,
+    /// The end (an answer rendered whole, a wait): the request's writes that nobody waits
+    /// on may wait for its next commit, so that most requests commit once.
+    ToEnd,
+}
+
+/// A follower's live subscription, and the mark that makes its request streamed.
+struct Subscription {
+    live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
+    streamed: Option<Streamed>,
 }
 
 struct ReleaseOnDrop {

@@ -703,13 +703,14 @@ async fn cancel_pending_approvals(
         .collect()
 }
 
-/// Moves a live run (and its request) to `status`.
+/// Moves a live run (and its request) to `status`, committed at once: whoever looks sees a
+/// run parked on an approval as waiting as soon as the approval shows.
 async fn set_status(runtime: &Runtime, submitted: &Submitted, status: RunStatus) {
     let now = Utc::now();
     let written = runtime
         .inner
         .journal
-        .write_group(
+        .write_group_now(
             Some(&submitted.request_id),
             vec![
                 WriteOp::UpdateRun {

@@ -166,6 +166,16 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// returns the numbers it got instead of applying anything. Only the runtime's journal
     /// writes, giving each batch one id for all its tries.
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError>;
+    /// [`Store::apply_batch`] taking the batch and handing it back with the outcome: a
+    /// store that writes on another thread takes it there without copying it.
+    async fn apply_owned(
+        &self,
+        batch_id: &str,
+        ops: Vec<WriteOp>,
+    ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
+        let applied = self.apply_batch(batch_id, &ops).await;
+        (ops, applied)
+    }
     /// [`Store::apply_batch`] under a new id.
     async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         self.apply_batch(&new_batch_id(), ops).await

@@ -423,10 +423,18 @@ const EVENT_SELECT: &str =
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
-    async fn apply_batch(&self, _batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+    async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+        self.apply_owned(batch_id, ops.to_vec()).await.1
+    }
+
+    async fn apply_owned(
+        &self,
+        _batch_id: &str,
+        ops: Vec<WriteOp>,
+    ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         // The writer is in this process: a commit's outcome is never lost on the way back, so
         // a batch is never tried again after it committed.
-        self.writer.apply(ops.to_vec()).await
+        self.writer.apply(ops).await
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {

@@ -46,8 +46,12 @@ const STARVED_WAIT: Duration = Duration::from_millis(50);
 /// Least time between two waits for readers.
 const STARVED_RETRY: Duration = Duration::from_secs(5);
 
+/// A batch and its numbers (or why it failed), handed back with the batch.
+pub type Applied = (Vec<WriteOp>, Result<Vec<i64>, StoreError>);
+
 enum Job {
-    Apply(Vec<WriteOp>, oneshot::Sender<Result<Vec<i64>, StoreError>>),
+    /// A batch goes to the writer and comes back with its outcome: never copied.
+    Apply(Vec<WriteOp>, oneshot::Sender<Applied>),
     /// A settled call's charge: committed with the next transaction (see [`PendingCharges`]).
     Charge(Box<Charge>),
     /// Copy the WAL's last frames so that the next write restarts it.
@@ -151,10 +155,18 @@ impl SqliteWriter {
     }
 
     /// Applies `ops` in one transaction on the writer thread; returns the events' numbers.
-    pub async fn apply(&self, ops: Vec<WriteOp>) -> Result<Vec<i64>, StoreError> {
+    pub async fn apply(&self, ops: Vec<WriteOp>) -> Applied {
         let (done, result) = oneshot::channel();
-        self.send(Job::Apply(ops, done))?;
-        result.await.map_err(|_| stopped())?
+        if let Err(mpsc::SendError(job)) = self.jobs.send(Job::Apply(ops, done)) {
+            let ops = match job {
+                Job::Apply(ops, _) => ops,
+                _ => Vec::new(),
+            };
+            return (ops, Err(stopped()));
+        }
+        result
+            .await
+            .unwrap_or_else(|_| (Vec::new(), Err(stopped())))
     }
 
     /// Queues a settled call's charge; it commits with the writer's next transaction.
@@ -298,7 +310,7 @@ fn write_loop(
                     // A refused batch never holds back the charges that rode along with it.
                     charges.flush(&mut connection);
                 }
-                let _ = done.send(result);
+                let _ = done.send((ops, result));
             }
             Job::Charge(charge) => {
                 // Past the bound (the disk refused every flush for a long while) a charge is
