@@ -1494,18 +1494,20 @@ async fn finish(
     ops.extend(trailing);
     // A cancelled run's calls still waiting on a human are moot: their approvals end
     // `cancelled` in the run's last transaction. One decided meanwhile refuses the group, so
-    // the approvals are read again.
-    let mut tries = 0;
-    let settled = loop {
-        tries += 1;
-        let mut group = ops.clone();
-        if status == RunStatus::Cancelled {
+    // the approvals are read again. Any other end is one try (nothing in it can conflict).
+    let settled = if status == RunStatus::Cancelled {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut group = ops.clone();
             group.extend(cancel_pending_approvals(runtime, &submitted.run_id, now).await);
+            let settled = runtime.inner.journal.settle(&request_id, group).await;
+            if tries == 3 || !matches!(settled, Err(JournalError::Conflict(_))) {
+                break settled;
+            }
         }
-        let settled = runtime.inner.journal.settle(&request_id, group).await;
-        if tries == 3 || !matches!(settled, Err(JournalError::Conflict(_))) {
-            break settled;
-        }
+    } else {
+        runtime.inner.journal.settle(&request_id, ops).await
     };
     if status == RunStatus::Cancelled
         && let Some(by) = events.cancelled_by.get()
