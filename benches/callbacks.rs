@@ -9,8 +9,9 @@
 //! `cargo bench --bench callbacks` (SQLite; `STABLE_HARNESS_BENCH_DATABASE_URL` for PostgreSQL).
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+#[path = "support/server.rs"]
+mod server;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -108,26 +109,10 @@ fn main() {
             ),
         )
         .unwrap();
-        let store: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
-            .map(|url| vec!["--database-url".to_owned(), url])
-            .unwrap_or_default();
-        let mut server = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
-            .args(["start", "-w", dir.path().to_str().unwrap(), "--port", "0"])
-            .args(&store)
-            .env("STABLE_HARNESS_LOG", "error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(server.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap()
-            .to_owned();
+        let (server, base) = server::start(
+            std::path::Path::new(env!("CARGO_BIN_EXE_stable-harness")),
+            dir.path(),
+        );
         let view: Value = reqwest::Client::new()
             .post(format!("{base}/runtime/requests"))
             .json(&json!({ "input": { "text": "go" }, "wait": true }))
@@ -145,7 +130,7 @@ fn main() {
         baseline.sort();
         println!(
             "callbacks: {CALLS} sequential `clock.now` calls from a remote agent's service, one keep-alive connection ({})",
-            if store.is_empty() { "SQLite" } else { "PostgreSQL" }
+            if server::store_args().is_empty() { "SQLite" } else { "PostgreSQL" }
         );
         println!("{:<32} {:>10} {:>10}", "", "p50 ms", "p99 ms");
         let row = |name: &str, sorted: &[Duration]| {
@@ -162,9 +147,6 @@ fn main() {
             percentile(&callbacks, 0.50) - percentile(&baseline, 0.50),
             percentile(&callbacks, 0.99) - percentile(&baseline, 0.99)
         );
-        let _ = Command::new("kill")
-            .args(["-TERM", &server.id().to_string()])
-            .status();
-        let _ = server.wait();
+        server::stop(server);
     });
 }

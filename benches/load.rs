@@ -29,10 +29,12 @@
 #[allow(dead_code)]
 mod upstream;
 
+#[path = "support/server.rs"]
+mod server;
+
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -249,21 +251,20 @@ async fn measure(
     }
 
     // Streaming: the upstream sends its whole answer at once.
-    let direct_s = closed_loop(client, &direct_stream, 1, phase).await;
-    row(
-        &format!("stream {SHORT_STREAM} chunks, concurrency 1 direct"),
-        &direct_s,
-    );
-    let chat_s = closed_loop(client, &chat_stream(SHORT_STREAM), 1, phase).await;
-    row(
-        &format!("stream {SHORT_STREAM} chunks, concurrency 1 chat SSE"),
-        &chat_s,
-    );
-    let responses_s = closed_loop(client, &responses_stream, 1, phase).await;
-    row(
-        &format!("stream {SHORT_STREAM} chunks, concurrency 1 responses SSE"),
-        &responses_s,
-    );
+    let streamed = async |chunks: usize, workers: usize, target: &Target| {
+        let stats = closed_loop(client, target, workers, phase).await;
+        row(
+            &format!(
+                "stream {chunks} chunks, concurrency {workers} {}",
+                target.name
+            ),
+            &stats,
+        );
+        stats
+    };
+    let direct_s = streamed(SHORT_STREAM, 1, &direct_stream).await;
+    let chat_s = streamed(SHORT_STREAM, 1, &chat_stream(SHORT_STREAM)).await;
+    let responses_s = streamed(SHORT_STREAM, 1, &responses_stream).await;
     for (key, stats) in [("chat", &chat_s), ("responses", &responses_s)] {
         figures.insert(
             format!("{key}.sse.first"),
@@ -271,6 +272,7 @@ async fn measure(
         );
         figures.insert(format!("{key}.sse.whole"), added(stats.p50, direct_s.p50));
     }
+    // The time stable-harness adds to a whole stream, per chunk.
     let per_chunk = |harness: &Stats, direct: &Stats, chunks: usize| {
         let added = (harness.p50 - direct.p50) / chunks as f64;
         (added, harness.p50 / direct.p50)
@@ -279,36 +281,14 @@ async fn measure(
         "chat.sse.chunk20".into(),
         per_chunk(&chat_s, &direct_s, SHORT_STREAM),
     );
-    let direct_l = closed_loop(client, &direct_long, 1, phase).await;
-    row(
-        &format!("stream {LONG_STREAM} chunks, concurrency 1 direct"),
-        &direct_l,
-    );
-    let chat_l = closed_loop(client, &chat_stream(LONG_STREAM), 1, phase).await;
-    row(
-        &format!("stream {LONG_STREAM} chunks, concurrency 1 chat SSE"),
-        &chat_l,
-    );
+    let direct_l = streamed(LONG_STREAM, 1, &direct_long).await;
+    let chat_l = streamed(LONG_STREAM, 1, &chat_stream(LONG_STREAM)).await;
     figures.insert(
         "chat.sse.chunk200".into(),
         per_chunk(&chat_l, &direct_l, LONG_STREAM),
     );
-    let direct_c = closed_loop(client, &direct_stream, CONCURRENT_STREAMS, phase).await;
-    row(
-        &format!("stream {SHORT_STREAM} chunks, concurrency {CONCURRENT_STREAMS} direct"),
-        &direct_c,
-    );
-    let chat_c = closed_loop(
-        client,
-        &chat_stream(SHORT_STREAM),
-        CONCURRENT_STREAMS,
-        phase,
-    )
-    .await;
-    row(
-        &format!("stream {SHORT_STREAM} chunks, concurrency {CONCURRENT_STREAMS} chat SSE"),
-        &chat_c,
-    );
+    let direct_c = streamed(SHORT_STREAM, CONCURRENT_STREAMS, &direct_stream).await;
+    let chat_c = streamed(SHORT_STREAM, CONCURRENT_STREAMS, &chat_stream(SHORT_STREAM)).await;
     figures.insert(
         "chat.sse.chunk20c8".into(),
         per_chunk(&chat_c, &direct_c, SHORT_STREAM),
@@ -545,10 +525,6 @@ struct Servers {
 
 impl Servers {
     fn start(binary: &Path, workspace: &Path) -> Self {
-        // `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...` measures the PostgreSQL store.
-        let store_args: Vec<String> = std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
-            .map(|url| vec!["--database-url".to_owned(), url])
-            .unwrap_or_default();
         let instances: usize = std::env::var("STABLE_HARNESS_BENCH_INSTANCES")
             .ok()
             .and_then(|n| n.parse().ok())
@@ -556,25 +532,9 @@ impl Servers {
         let mut children = Vec::new();
         let mut bases = Vec::new();
         for _ in 0..instances {
-            let mut server = Command::new(binary)
-                .args(["start", "-w", workspace.to_str().unwrap(), "--port", "0"])
-                .args(&store_args)
-                .env("STABLE_HARNESS_LOG", "error")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
-            let mut line = String::new();
-            BufReader::new(server.stdout.take().unwrap())
-                .read_line(&mut line)
-                .unwrap();
-            bases.push(
-                line.split_whitespace()
-                    .find(|w| w.starts_with("http://"))
-                    .unwrap()
-                    .to_owned(),
-            );
-            children.push(server);
+            let (child, base) = server::start(binary, workspace);
+            children.push(child);
+            bases.push(base);
         }
         Self { children, bases }
     }
@@ -589,12 +549,7 @@ impl Servers {
     }
 
     fn stop(self) {
-        for mut server in self.children {
-            let _ = Command::new("kill")
-                .args(["-TERM", &server.id().to_string()])
-                .status();
-            let _ = server.wait();
-        }
+        self.children.into_iter().for_each(server::stop);
     }
 }
 

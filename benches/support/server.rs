@@ -1,0 +1,43 @@
+//! Starting the `stable-harness` binary for a benchmark, as users start it.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+/// The store arguments the benchmarks share: `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...`
+/// measures the PostgreSQL store instead of the embedded one.
+pub fn store_args() -> Vec<String> {
+    std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
+        .map(|url| vec!["--database-url".to_owned(), url])
+        .unwrap_or_default()
+}
+
+/// Starts `binary` on `workspace` on a free port and returns it with its base URL.
+pub fn start(binary: &Path, workspace: &Path) -> (Child, String) {
+    let mut server = Command::new(binary)
+        .args(["start", "-w", workspace.to_str().unwrap(), "--port", "0"])
+        .args(store_args())
+        .env("STABLE_HARNESS_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap()
+        .to_owned();
+    (server, base)
+}
+
+/// Stops a server as an operator does (SIGTERM) and waits for it.
+pub fn stop(mut server: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status();
+    let _ = server.wait();
+}
