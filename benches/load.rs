@@ -68,6 +68,7 @@ fn phase_length() -> Duration {
 
 async fn run() {
     let upstream = upstream::MockUpstream::start().await;
+    upstream.stop_recording();
     // The length of the answer is asked for in the user's message: "chunks N".
     upstream.set_responder(upstream::Responder::new(|body: &Value| {
         let asked = body["messages"]

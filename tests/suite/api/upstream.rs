@@ -76,6 +76,8 @@ struct MockState {
     script: Mutex<VecDeque<Reply>>,
     fallback: Mutex<Reply>,
     calls: Mutex<Vec<Call>>,
+    /// Off for benchmarks: a record of millions of calls would grow (and stall) the process.
+    recording: std::sync::atomic::AtomicBool,
     endless_sent: Arc<AtomicUsize>,
     responder: Mutex<Option<Responder>>,
 }
@@ -111,6 +113,7 @@ impl MockUpstream {
             script: Mutex::new(VecDeque::new()),
             fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
             calls: Mutex::new(Vec::new()),
+            recording: std::sync::atomic::AtomicBool::new(true),
             endless_sent: Arc::new(AtomicUsize::new(0)),
             responder: Mutex::new(None),
         });
@@ -148,6 +151,11 @@ impl MockUpstream {
         self.state.endless_sent.load(Ordering::SeqCst)
     }
 
+    /// Stops recording calls ([`MockUpstream::calls`] stays as it is).
+    pub fn stop_recording(&self) {
+        self.state.recording.store(false, Ordering::Relaxed);
+    }
+
     /// From now on every call is answered by `responder` (the queue and default are unused).
     pub fn set_responder(&self, responder: Responder) {
         *self.state.responder.lock().unwrap() = Some(responder);
@@ -156,10 +164,12 @@ impl MockUpstream {
 
 async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    state.calls.lock().unwrap().push(Call {
-        body: body.clone(),
-        at: Instant::now(),
-    });
+    if state.recording.load(Ordering::Relaxed) {
+        state.calls.lock().unwrap().push(Call {
+            body: body.clone(),
+            at: Instant::now(),
+        });
+    }
     let responder = state.responder.lock().unwrap().clone();
     let reply = match responder {
         Some(responder) => (responder.0)(&body),
