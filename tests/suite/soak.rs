@@ -78,6 +78,8 @@ async fn the_store_and_the_process_stay_bounded_under_a_fixed_rate() {
     let sizes = Sizes::from_env();
     println!("soak: {sizes:?}");
     let upstream = MockUpstream::start().await;
+    // Hours at full size: a record of every call would grow this process without end.
+    upstream.stop_recording();
     upstream.set_default(Reply::Text("A short answer from a fast upstream".into()));
     let workspace = api_workspace(&upstream, "  limits: { maxConcurrentRuns: 512 }\n");
     let server = ServerProcess::start(workspace.path(), &[("STABLE_HARNESS_LOG", "error")]);
