@@ -177,15 +177,6 @@ impl Journal {
         self.enqueue(request, vec![op], false, false, None).await
     }
 
-    /// Queues `ops` as one group (they commit together) without waiting for the commit.
-    pub async fn write_group(
-        &self,
-        request: Option<&str>,
-        ops: Vec<WriteOp>,
-    ) -> Result<(), JournalError> {
-        self.enqueue(request, ops, false, false, None).await
-    }
-
     /// Queues `ops` as one group that commits at once, without waiting for it: a request's
     /// first group, stored while its run calls the model rather than after.
     pub async fn write_group_now(
@@ -278,67 +269,55 @@ struct Writer {
 impl Writer {
     async fn run(mut self, mut receiver: mpsc::Receiver<Item>) {
         let mut items = Vec::with_capacity(MAX_BATCH);
-        let mut groups = Vec::with_capacity(MAX_BATCH);
-        let mut last_delta: HashMap<String, usize> = HashMap::new();
+        let mut held = Held::default();
         // Set while writes nobody waits on are held for the next commit.
         let mut deadline: Option<tokio::time::Instant> = None;
         loop {
+            // `None`: the hold passed with nothing urgent arriving.
             let received = match deadline {
-                None => receiver.recv_many(&mut items, MAX_BATCH).await,
-                Some(at) => {
-                    match tokio::time::timeout_at(at, receiver.recv_many(&mut items, MAX_BATCH))
-                        .await
-                    {
-                        Ok(received) => received,
-                        Err(_) => {
-                            deadline = None;
-                            last_delta.clear();
-                            self.apply(std::mem::take(&mut groups)).await;
-                            continue;
-                        }
-                    }
-                }
+                None => Some(receiver.recv_many(&mut items, MAX_BATCH).await),
+                Some(at) => tokio::time::timeout_at(at, receiver.recv_many(&mut items, MAX_BATCH))
+                    .await
+                    .ok(),
             };
-            if received == 0 {
+            if received == Some(0) {
                 // Every producer is gone: what is held still commits.
-                self.apply(groups).await;
+                self.apply(held.take()).await;
                 return;
             }
-            let mut urgent = false;
+            let mut urgent = received.is_none();
             let mut flushes = Vec::new();
             for item in items.drain(..) {
                 match item {
                     Item::Group(group) => {
                         urgent = urgent || self.is_urgent(&group);
-                        push_merging_deltas(&mut groups, &mut last_delta, group);
+                        held.push(group);
                     }
                     Item::Flush(done) => {
                         urgent = true;
                         flushes.push(done);
                     }
                     Item::Forgive(request) => {
-                        self.apply(std::mem::take(&mut groups)).await;
-                        last_delta.clear();
+                        self.apply(held.take()).await;
                         self.poisoned.remove(&request);
                     }
                 }
             }
-            if urgent || groups.len() >= MAX_BATCH {
+            if urgent || held.groups.len() >= MAX_BATCH {
                 deadline = None;
-                last_delta.clear();
-                self.apply(std::mem::take(&mut groups)).await;
+                self.apply(held.take()).await;
                 for done in flushes {
                     let _ = done.send(());
                 }
-            } else if !groups.is_empty() && deadline.is_none() {
+            } else if !held.groups.is_empty() && deadline.is_none() {
                 deadline = Some(tokio::time::Instant::now() + self.hold);
             }
         }
     }
 
     /// Whether a group commits now: its producer waits on it or asked for it, or its
-    /// request is streamed live. Any other group is held (at most [`HOLD`]) and commits with the next one that
-    /// is: a request answered whole commits once, with its end.
+    /// request is streamed live. Any other group is held (at most [`HOLD`]) and commits with
+    /// the next one that is: a request answered whole commits once, with its end.
     fn is_urgent(&self, group: &Group) -> bool {
         group.now
             || group
@@ -499,6 +478,27 @@ impl Writer {
                 Err(error) => return (ops, Err(error)),
             }
         }
+    }
+}
+
+/// The groups waiting for the writer's next transaction, in order, with consecutive output
+/// deltas merged.
+#[derive(Default)]
+struct Held {
+    groups: Vec<Group>,
+    /// Per request, the index of its last group when that is a lone delta.
+    last_delta: HashMap<String, usize>,
+}
+
+impl Held {
+    fn push(&mut self, group: Group) {
+        push_merging_deltas(&mut self.groups, &mut self.last_delta, group);
+    }
+
+    /// Everything held, for one transaction.
+    fn take(&mut self) -> Vec<Group> {
+        self.last_delta.clear();
+        std::mem::take(&mut self.groups)
     }
 }
 
