@@ -3,7 +3,9 @@
 //! Writes arrive in *groups*: ops that belong together (a submit, a run's end, an approval
 //! decision, a tool call's start) are one group and always commit in one transaction. The
 //! writer task applies whatever is queued as one transaction, so a streaming run costs one
-//! commit per burst of tokens, not one per token.
+//! commit per burst of tokens, not one per token. The writer task runs where the store says
+//! writes are cheapest to hand over ([`Store::writer_runtime`]): on the embedded store, the
+//! writer thread itself, so a commit wakes one thread (its producer's), not three.
 //!
 //! What the journal promises:
 //! - **An acknowledged write has committed.** [`Journal::commit`] resolves only after the
@@ -140,6 +142,7 @@ impl Journal {
         let (sender, receiver) = mpsc::channel(QUEUE);
         let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
+        let runtime = store.writer_runtime();
         let writer = Writer {
             store,
             hub,
@@ -148,7 +151,10 @@ impl Journal {
             poisoned: HashSet::new(),
             hold,
         };
-        tracker.spawn(writer.run(receiver));
+        match runtime {
+            Some(runtime) => tracker.spawn_on(writer.run(receiver), &runtime),
+            None => tracker.spawn(writer.run(receiver)),
+        };
         Self {
             sender,
             available,

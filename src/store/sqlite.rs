@@ -427,6 +427,10 @@ impl Store for SqliteStore {
         self.apply_owned(batch_id, ops.to_vec()).await.1
     }
 
+    fn writer_runtime(&self) -> Option<tokio::runtime::Handle> {
+        Some(self.writer.runtime().clone())
+    }
+
     async fn apply_owned(
         &self,
         _batch_id: &str,

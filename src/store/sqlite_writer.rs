@@ -20,14 +20,14 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use rusqlite::{Connection, params};
 use serde_json::Value;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::spend::{CounterDelta, UsageRecord};
 use super::{ApprovalDecision, StoreError, WriteOp};
@@ -107,7 +107,10 @@ impl PendingCharges {
 /// Handle to the writer thread; the thread ends when the handle is dropped.
 #[derive(Debug)]
 pub struct SqliteWriter {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::UnboundedSender<Job>,
+    /// The writer thread's own runtime: a task spawned here hands batches to the writer
+    /// without waking another thread (see [`SqliteWriter::runtime`]).
+    runtime: tokio::runtime::Handle,
     /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
     catch_up_queued: Arc<AtomicBool>,
 }
@@ -141,23 +144,52 @@ impl SqliteWriter {
                 .map_err(writer_error)?;
         }
         connection.set_prepared_statement_cache_capacity(32);
-        let (jobs, queue) = mpsc::channel::<Job>();
+        // Unbounded, but never long: the journal's queue bounds batches, charges are bounded
+        // below, and at most one catch-up waits.
+        let (jobs, queue) = mpsc::unbounded_channel::<Job>();
         let catch_up_queued = Arc::new(AtomicBool::new(false));
         let queued = Arc::clone(&catch_up_queued);
+        let (started, runtime) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || write_loop(connection, queue, &queued, &leases))
+            .spawn(move || {
+                // The runtime is made and dropped on this thread: never inside another one.
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        let _ = started.send(Err(error));
+                        return;
+                    }
+                };
+                let _ = started.send(Ok(runtime.handle().clone()));
+                runtime.block_on(write_loop(connection, queue, &queued, &leases));
+            })
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
+        let runtime = runtime
+            .recv()
+            .map_err(|_| stopped())?
+            .map_err(|e| StoreError::Writer(format!("cannot start the writer's runtime: {e}")))?;
         Ok(Self {
             jobs,
+            runtime,
             catch_up_queued,
         })
+    }
+
+    /// The writer thread's runtime. Its only other task is the one applying jobs, which runs
+    /// each job to its end before yielding: a task spawned here (the runtime's journal) hands
+    /// a batch over and gets it back within one thread, instead of two wake-ups of another.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
     }
 
     /// Applies `ops` in one transaction on the writer thread; returns the events' numbers.
     pub async fn apply(&self, ops: Vec<WriteOp>) -> Applied {
         let (done, result) = oneshot::channel();
-        if let Err(mpsc::SendError(job)) = self.jobs.send(Job::Apply(ops, done)) {
+        if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job::Apply(ops, done)) {
             let ops = match job {
                 Job::Apply(ops, _) => ops,
                 _ => Vec::new(),
@@ -270,9 +302,9 @@ impl From<rusqlite::Error> for Abandon {
     }
 }
 
-fn write_loop(
+async fn write_loop(
     mut connection: Connection,
-    queue: mpsc::Receiver<Job>,
+    mut queue: mpsc::UnboundedReceiver<Job>,
     catch_up_queued: &AtomicBool,
     leases: &Leases,
 ) {
@@ -280,19 +312,18 @@ fn write_loop(
     let mut charges = PendingCharges::default();
     loop {
         let job = if charges.0.is_empty() {
-            queue
-                .recv()
-                .map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+            queue.recv().await
         } else {
-            queue.recv_timeout(CHARGE_IDLE)
-        };
-        let job = match job {
-            Ok(job) => job,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                charges.flush(&mut connection);
-                continue;
+            match tokio::time::timeout(CHARGE_IDLE, queue.recv()).await {
+                Ok(job) => job,
+                Err(_) => {
+                    charges.flush(&mut connection);
+                    continue;
+                }
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let Some(job) = job else {
+            break;
         };
         match job {
             Job::Apply(ops, done) => {
