@@ -11,11 +11,11 @@
 //! the old frames; a checkpoint on another connection never wins that race while writes keep
 //! coming (the WAL grew by gigabytes under sustained load). So the bulk copying runs on the
 //! store's checkpointer connection, off the request path; when that finds the WAL past
-//! [`CATCH_UP_PAGES`], it asks the writer ([`SqliteWriter::catch_up`]) to copy the few frames
+//! [`CATCH_UP_BYTES`], it asks the writer ([`SqliteWriter::catch_up`]) to copy the few frames
 //! written since, between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning.
 //! `journal_size_limit` gives the file's space back after a restart. Should readers starve
-//! the restart (a long backup read), the catch-up finds the WAL past [`STARVED_PAGES`] and
+//! the restart (a long backup read), the catch-up finds the WAL past [`STARVED_BYTES`] and
 //! waits for them with a TRUNCATE checkpoint, for at most [`STARVED_WAIT`].
 
 use std::collections::HashMap;
@@ -32,13 +32,13 @@ use tokio::sync::{mpsc, oneshot};
 use super::spend::{CounterDelta, UsageRecord};
 use super::{ApprovalDecision, StoreError, WriteOp};
 
-/// WAL size, in pages, past which the writer is asked to catch up and restart the WAL
-/// (SQLite's own default auto-checkpoint size: 4 MiB with 4 KiB pages).
-pub const CATCH_UP_PAGES: i64 = 1_000;
+/// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
+/// default auto-checkpoint size: 1,000 pages of 4 KiB).
+const CATCH_UP_BYTES: i64 = 4 * 1024 * 1024;
 /// The WAL file is cut back to this size after each restart.
 const WAL_SIZE_LIMIT: u64 = 16 * 1024 * 1024;
-/// A WAL this long (32 MiB with 4 KiB pages) means restarts are being starved by readers.
-const STARVED_PAGES: i64 = 8_192;
+/// A WAL this long means restarts are being starved by readers.
+const STARVED_BYTES: i64 = 32 * 1024 * 1024;
 /// How long the writer waits on a busy database before reporting it unavailable.
 const BUSY_TIMEOUT: Duration = Duration::from_millis(2_000);
 /// How long the writer waits for readers to leave old WAL frames.
@@ -113,6 +113,8 @@ pub struct SqliteWriter {
     runtime: tokio::runtime::Handle,
     /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
     catch_up_queued: Arc<AtomicBool>,
+    /// The database's page size: a WAL frame holds one page.
+    page_size: i64,
 }
 
 impl SqliteWriter {
@@ -132,12 +134,13 @@ impl SqliteWriter {
         connection
             .busy_timeout(BUSY_TIMEOUT)
             .map_err(writer_error)?;
+        let page_size: i64 = connection
+            .query_row("PRAGMA page_size", [], |row| row.get(0))
+            .map_err(writer_error)?;
+        let page_size = page_size.max(1);
         if let Some(max_bytes) = max_bytes {
             // Past the cap SQLite answers SQLITE_FULL, which the journal handles as a full
             // disk: writes wait, new requests get 503, service resumes once there is room.
-            let page_size: i64 = connection
-                .query_row("PRAGMA page_size", [], |row| row.get(0))
-                .map_err(writer_error)?;
             let pages = (max_bytes / page_size.max(1) as u64).max(1);
             connection
                 .execute_batch(&format!("PRAGMA max_page_count = {pages};"))
@@ -165,7 +168,7 @@ impl SqliteWriter {
                     }
                 };
                 let _ = started.send(Ok(runtime.handle().clone()));
-                runtime.block_on(write_loop(connection, queue, &queued, &leases));
+                runtime.block_on(write_loop(connection, queue, &queued, &leases, page_size));
             })
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         let runtime = runtime
@@ -176,6 +179,7 @@ impl SqliteWriter {
             jobs,
             runtime,
             catch_up_queued,
+            page_size,
         })
     }
 
@@ -216,6 +220,11 @@ impl SqliteWriter {
             let _ = done.send(work(connection).map_err(writer_error));
         })))?;
         result.await.map_err(|_| stopped())?
+    }
+
+    /// Whether a WAL of `frames` frames is long enough to ask for a catch-up.
+    pub fn wants_catch_up(&self, frames: i64) -> bool {
+        frames.saturating_mul(self.page_size) >= CATCH_UP_BYTES
     }
 
     /// Asks the writer to copy the WAL's remaining frames between two transactions (the
@@ -307,6 +316,7 @@ async fn write_loop(
     mut queue: mpsc::UnboundedReceiver<Job>,
     catch_up_queued: &AtomicBool,
     leases: &Leases,
+    page_size: i64,
 ) {
     let mut last_wait: Option<Instant> = None;
     let mut charges = PendingCharges::default();
@@ -363,7 +373,7 @@ async fn write_loop(
                 charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);
                 match checkpoint(&connection, "PASSIVE") {
-                    Ok((_, frames, _)) if frames >= STARVED_PAGES => {
+                    Ok((_, frames, _)) if frames.saturating_mul(page_size) >= STARVED_BYTES => {
                         wait_for_readers(&connection, &mut last_wait, frames);
                     }
                     Ok(_) => {}
@@ -382,7 +392,7 @@ fn checkpoint(connection: &Connection, mode: &str) -> Result<(i64, i64, i64), ru
     })
 }
 
-/// The WAL is past [`STARVED_PAGES`]: readers hold old frames and keep it from restarting.
+/// The WAL is past [`STARVED_BYTES`]: readers hold old frames and keep it from restarting.
 /// Waits for them (at most [`STARVED_WAIT`], at most once per [`STARVED_RETRY`]), copies
 /// everything and restarts the WAL.
 fn wait_for_readers(connection: &Connection, last_wait: &mut Option<Instant>, frames: i64) {
