@@ -8,7 +8,9 @@
 //! - the server's CPU time per request (over the concurrency-32 chat phase);
 //! - streaming, with the upstream sending its whole answer at once: time to the first token
 //!   and to the end of a 20-chunk stream on `/v1/chat/completions` and `/v1/responses`; the
-//!   overhead per chunk with 20 and 200 chunks, and with 8 streams at a time;
+//!   overhead per chunk with 20 and 200 chunks, and with 8 streams at a time, in time and in
+//!   server CPU (on 2 cores, 8 streams queue for the CPU: their time per chunk grows, their
+//!   CPU per chunk need not);
 //! - the server's RSS idle and after the load.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
@@ -252,8 +254,13 @@ async fn measure(
     }
 
     // Streaming: the upstream sends its whole answer at once.
+    // Each phase also measures stable-harness's CPU per chunk (idle, and unused, in a direct
+    // phase).
     let streamed = async |chunks: usize, workers: usize, target: &Target| {
-        let stats = closed_loop(client, target, workers, phase).await;
+        let cpu_before = servers.cpu_seconds();
+        let mut stats = closed_loop(client, target, workers, phase).await;
+        stats.cpu_per_chunk =
+            (servers.cpu_seconds() - cpu_before) * 1000.0 / (stats.count * chunks) as f64;
         row(
             &format!(
                 "stream {chunks} chunks, concurrency {workers} {}",
@@ -294,7 +301,19 @@ async fn measure(
         "chat.sse.chunk20c8".into(),
         per_chunk(&chat_c, &direct_c, SHORT_STREAM),
     );
+    // Flat with concurrency, measured as work: with 8 streams on 2 cores the time per chunk
+    // grows with the queue for the CPU, the CPU a chunk costs need not.
+    figures.insert("chat.sse.cpu20".into(), (chat_s.cpu_per_chunk, f64::NAN));
+    figures.insert("chat.sse.cpu20c8".into(), (chat_c.cpu_per_chunk, f64::NAN));
+    figures.insert(
+        "chat.sse.cpu.flat".into(),
+        (chat_c.cpu_per_chunk / chat_s.cpu_per_chunk, f64::NAN),
+    );
 
+    println!(
+        "server CPU per chunk of a {SHORT_STREAM}-chunk chat stream: {:.3} ms with 1 stream, {:.3} ms with {CONCURRENT_STREAMS}",
+        chat_s.cpu_per_chunk, chat_c.cpu_per_chunk
+    );
     let loaded_rss = rss_kib(servers.pid());
     figures.insert("rss.idle".into(), (idle_rss as f64 / 1024.0, f64::NAN));
     figures.insert("rss.loaded".into(), (loaded_rss as f64 / 1024.0, f64::NAN));
@@ -443,6 +462,12 @@ const AIMS: &[Aim] = &[
         at_most: true,
     },
     Aim {
+        key: "chat.sse.cpu.flat",
+        what: "chat SSE, server CPU per chunk, 8 streams / 1",
+        bound: 1.0,
+        at_most: true,
+    },
+    Aim {
         key: "rss.idle",
         what: "RSS idle (MiB)",
         bound: 25.0,
@@ -570,6 +595,8 @@ struct Stats {
     p99: f64,
     /// Median time to the first token of the answer.
     first_p50: f64,
+    /// The server's CPU per chunk of a streamed answer, in ms (set by streaming phases).
+    cpu_per_chunk: f64,
 }
 
 /// One call: (time to the first token, time to the end of the answer).
@@ -665,6 +692,7 @@ fn stats(latencies: Vec<(Duration, Duration)>, elapsed: Duration) -> Stats {
         p50: quantile(whole.clone(), 0.50),
         p99: quantile(whole, 0.99),
         first_p50: quantile(first, 0.50),
+        cpu_per_chunk: f64::NAN,
     }
 }
 
