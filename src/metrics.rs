@@ -169,7 +169,8 @@ pub fn event_committed(event: &EventRecord) {
                 ("completion_tokens", "completion"),
             ] {
                 if let Some(tokens) = data
-                    .pointer(&format!("/usage/{field}"))
+                    .get("usage")
+                    .and_then(|usage| usage.get(field))
                     .and_then(Value::as_u64)
                 {
                     counter!("stable_harness_model_tokens_total", "model" => model.clone(), "kind" => kind)

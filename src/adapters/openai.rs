@@ -17,6 +17,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::retry::{AttemptError, refused, settle};
@@ -25,6 +26,7 @@ use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
     ToolCall, ToolSpec, Usage, call_tools,
 };
+use crate::json;
 use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, output_delta};
 use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
@@ -304,7 +306,7 @@ impl OpenAiAdapter {
                     ));
                 }
                 if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null())
-                    && let Ok(usage) = serde_json::from_value(usage.clone())
+                    && let Ok(usage) = Usage::deserialize(usage)
                 {
                     output.usage = usage;
                     usage_reported = true;
@@ -312,7 +314,7 @@ impl OpenAiAdapter {
                 let Some(choice) = parsed.get("choices").and_then(|c| c.get(0)) else {
                     continue;
                 };
-                if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str)
+                if let Some(text) = json::str_at(choice, &["delta", "content"])
                     && !text.is_empty()
                 {
                     let room = output_budget.saturating_sub(output.text.len());
@@ -335,7 +337,8 @@ impl OpenAiAdapter {
                     output.text.push_str(text);
                 }
                 if let Some(fragments) = choice
-                    .pointer("/delta/tool_calls")
+                    .get("delta")
+                    .and_then(|delta| delta.get("tool_calls"))
                     .and_then(Value::as_array)
                 {
                     calls.feed(fragments).map_err(|error| {
@@ -455,13 +458,10 @@ impl StreamedCalls {
             if let Some(id) = fragment.get("id").and_then(Value::as_str) {
                 append_bounded(&mut call.id, id, "id", MAX_TOOL_CALL_ID_BYTES)?;
             }
-            if let Some(name) = fragment.pointer("/function/name").and_then(Value::as_str) {
+            if let Some(name) = json::str_at(fragment, &["function", "name"]) {
                 append_bounded(&mut call.name, name, "name", MAX_FUNCTION_NAME_BYTES)?;
             }
-            if let Some(arguments) = fragment
-                .pointer("/function/arguments")
-                .and_then(Value::as_str)
-            {
+            if let Some(arguments) = json::str_at(fragment, &["function", "arguments"]) {
                 self.argument_bytes = self.argument_bytes.saturating_add(arguments.len());
                 if self.argument_bytes > MAX_TURN_ARGUMENT_BYTES {
                     return Err(StreamedCallError::ArgumentsTooLong);

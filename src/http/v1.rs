@@ -587,7 +587,7 @@ pub(super) fn is_tool_progress(event: &EventRecord) -> bool {
         | APPROVAL_REQUESTED
         | APPROVAL_RESOLVED => true,
         ADAPTER_EVENT => matches!(
-            event.data.pointer("/event/phase").and_then(Value::as_str),
+            crate::json::str_at(&event.data, &["event", "phase"]),
             Some(PHASE_TOOL_START | PHASE_TOOL_RESULT | PHASE_HANDOFF)
         ),
         _ => false,

@@ -121,10 +121,7 @@ pub fn category(event_type: &str, data: &serde_json::Value) -> &'static str {
         "artifact" => "artifact",
         "workflow" => "plan",
         "adapter" | "progress" => {
-            let phase = data
-                .pointer("/event/phase")
-                .and_then(serde_json::Value::as_str)
-                .unwrap_or("");
+            let phase = crate::json::str_at(data, &["event", "phase"]).unwrap_or("");
             if phase == PHASE_HANDOFF {
                 "delegation"
             } else if phase.starts_with("agent.plan") {

@@ -524,7 +524,8 @@ fn push_merging_deltas(
     if let Some(previous) = last_delta.get(request).and_then(|&i| groups.get_mut(i))
         && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
         && event.run_id == run
-        && let Some(Value::String(joined)) = event.data.pointer_mut("/event/text")
+        && let Some(Value::String(joined)) =
+            crate::json::at_mut(&mut event.data, &["event", "text"])
         && joined.len().saturating_add(text.len()) <= MAX_MERGED_DELTA
     {
         joined.push_str(text);

@@ -67,7 +67,7 @@ impl ApprovalWatch {
             Some(Err(error)) => Watched::Failed(error),
             Some(Ok(event)) => {
                 if event.event_type == APPROVAL_REQUESTED
-                    && let Some(id) = event.data.pointer("/approval/id").and_then(Value::as_str)
+                    && let Some(id) = crate::json::str_at(&event.data, &["approval", "id"])
                 {
                     self.pending.push(id.to_owned());
                     self.deadline
