@@ -37,13 +37,13 @@
 //! - **Nothing secret is stored.** Every write is redacted ([`crate::redact`]) before it is
 //!   applied, whoever produced it: the one choke point for everything persisted.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
 
 use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
@@ -101,13 +101,101 @@ enum Item {
     Forgive(String),
 }
 
+impl Item {
+    /// Whether the writer must wake for it (see [`is_urgent`]).
+    fn is_urgent(&self, hub: &EventHub) -> bool {
+        match self {
+            Item::Group(group) => is_urgent(group, hub),
+            Item::Flush(_) | Item::Forgive(_) => true,
+        }
+    }
+}
+
+/// Whether a group commits now: its producer waits on it or asked for it, or its request is
+/// streamed live. Any other group is held (at most [`HOLD`]) and commits with the next one
+/// that is: a request answered whole commits once, with its end.
+fn is_urgent(group: &Group, hub: &EventHub) -> bool {
+    group.now
+        || group
+            .request
+            .as_deref()
+            .is_none_or(|request| hub.is_streamed(request))
+}
+
+/// The queue from producers to the writer: items in the order they were queued, each
+/// marked urgent or not when queued.
+///
+/// A channel would wake the writer for every item. Here a producer wakes it only for an
+/// urgent item, or when the writer has no hold running: a write that will be held anyway
+/// (most of a request answered whole) costs no thread wake-up.
+struct Queue {
+    state: std::sync::Mutex<QueueState>,
+    wake: Notify,
+    /// One permit per free place ([`QUEUE`] in all): producers wait while the queue is full.
+    room: Semaphore,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<(Item, bool)>,
+    /// The writer holds writes with a deadline set: it drains the queue by then, so a
+    /// write that is not urgent needs no wake-up.
+    timed: bool,
+    /// Every producer is gone.
+    closed: bool,
+}
+
+impl Queue {
+    fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        // Nothing panics while holding the lock; a poisoned one still holds whole items.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Held by every [`Journal`] clone: the last one dropped tells the writer to finish.
+struct Producers(Arc<Queue>);
+
+impl Drop for Producers {
+    fn drop(&mut self) {
+        self.0.state().closed = true;
+        self.0.wake.notify_one();
+    }
+}
+
+/// Held by the writer task: if it ends (or is dropped with its runtime), producers get
+/// [`JournalError::Closed`] rather than waiting forever.
+struct Finished(Arc<Queue>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.room.close();
+        // Dropping the items drops their acknowledgements: their producers learn it.
+        let items = std::mem::take(&mut self.0.state().items);
+        drop(items);
+    }
+}
+
 /// Handle to the writer task; cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Journal {
-    sender: mpsc::Sender<Item>,
+    queue: Arc<Queue>,
+    /// Only dropped: the last clone's drop ends the writer.
+    _producers: Arc<Producers>,
+    hub: Arc<EventHub>,
     available: Arc<AtomicBool>,
     /// Shared with the writer: a reload adds the new workspace's secrets.
     redactor: Arc<std::sync::RwLock<Redactor>>,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("queued", &self.queue.state().items.len())
+            .field("available", &self.is_available())
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Item {
@@ -139,24 +227,30 @@ impl Journal {
         tracker: &tokio_util::task::TaskTracker,
         hold: Duration,
     ) -> Self {
-        let (sender, receiver) = mpsc::channel(QUEUE);
+        let queue = Arc::new(Queue {
+            state: std::sync::Mutex::default(),
+            wake: Notify::new(),
+            room: Semaphore::new(QUEUE),
+        });
         let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
         let runtime = store.writer_runtime();
         let writer = Writer {
             store,
-            hub,
+            hub: Arc::clone(&hub),
             redactor: Arc::clone(&redactor),
             available: Arc::clone(&available),
             poisoned: HashSet::new(),
             hold,
         };
         match runtime {
-            Some(runtime) => tracker.spawn_on(writer.run(receiver), &runtime),
-            None => tracker.spawn(writer.run(receiver)),
+            Some(runtime) => tracker.spawn_on(writer.run(Arc::clone(&queue)), &runtime),
+            None => tracker.spawn(writer.run(Arc::clone(&queue))),
         };
         Self {
-            sender,
+            _producers: Arc::new(Producers(Arc::clone(&queue))),
+            queue,
+            hub,
             available,
             redactor,
         }
@@ -234,28 +328,41 @@ impl Journal {
             now,
             ack,
         };
-        self.sender
-            .send(Item::Group(group))
+        self.push(Item::Group(group)).await
+    }
+
+    /// Queues `item` behind every earlier one, waiting while the queue is full.
+    async fn push(&self, item: Item) -> Result<(), JournalError> {
+        let permit = self
+            .queue
+            .room
+            .acquire()
             .await
-            .map_err(|_| JournalError::Closed)
+            .map_err(|_| JournalError::Closed)?;
+        // Given back by the writer as it takes items.
+        permit.forget();
+        let urgent = item.is_urgent(&self.hub);
+        let wake = {
+            let mut state = self.queue.state();
+            state.items.push_back((item, urgent));
+            urgent || !state.timed
+        };
+        if wake {
+            self.queue.wake.notify_one();
+        }
+        Ok(())
     }
 
     /// Clears the lost-write state of `request`, behind everything queued so far: a run this
     /// instance lost and then claimed again starts over from the store.
     pub async fn forgive(&self, request: &str) -> Result<(), JournalError> {
-        self.sender
-            .send(Item::Forgive(request.to_owned()))
-            .await
-            .map_err(|_| JournalError::Closed)
+        self.push(Item::Forgive(request.to_owned())).await
     }
 
     /// Waits until everything queued so far has been committed or refused.
     pub async fn flush(&self) -> Result<(), JournalError> {
         let (done, wait) = oneshot::channel();
-        self.sender
-            .send(Item::Flush(done))
-            .await
-            .map_err(|_| JournalError::Closed)?;
+        self.push(Item::Flush(done)).await?;
         wait.await.map_err(|_| JournalError::Closed)
     }
 }
@@ -273,63 +380,71 @@ struct Writer {
 }
 
 impl Writer {
-    async fn run(mut self, mut receiver: mpsc::Receiver<Item>) {
+    async fn run(mut self, queue: Arc<Queue>) {
+        let _finished = Finished(Arc::clone(&queue));
         let mut items = Vec::with_capacity(MAX_BATCH);
         let mut held = Held::default();
         // Set while writes nobody waits on are held for the next commit.
         let mut deadline: Option<tokio::time::Instant> = None;
+        // Items were left in the queue (more than a batch): take them without waiting.
+        let mut more = false;
         loop {
-            // `None`: the hold passed with nothing urgent arriving.
-            let received = match deadline {
-                None => Some(receiver.recv_many(&mut items, MAX_BATCH).await),
-                Some(at) => tokio::time::timeout_at(at, receiver.recv_many(&mut items, MAX_BATCH))
+            // `false`: the hold passed with nothing urgent arriving.
+            let woken = match (more, deadline) {
+                (true, _) => true,
+                (false, None) => {
+                    queue.wake.notified().await;
+                    true
+                }
+                (false, Some(at)) => tokio::time::timeout_at(at, queue.wake.notified())
                     .await
-                    .ok(),
+                    .is_ok(),
             };
-            if received == Some(0) {
-                // Every producer is gone: what is held still commits.
-                self.apply(held.take()).await;
-                return;
-            }
-            let mut urgent = received.is_none();
+            let (mut urgent, closed) = {
+                let mut state = queue.state();
+                let taken = state.items.len().min(MAX_BATCH);
+                let mut urgent = !woken;
+                for (item, item_urgent) in state.items.drain(..taken) {
+                    urgent |= item_urgent;
+                    items.push(item);
+                }
+                more = !state.items.is_empty();
+                let groups = held.groups.len().saturating_add(items.len());
+                // Decided with the queue locked, so that no producer skips a wake-up the
+                // writer needs: `timed` only while a deadline will drain what is queued.
+                state.timed = !urgent && !more && groups > 0 && groups < MAX_BATCH;
+                (urgent, state.closed && !more)
+            };
+            queue.room.add_permits(items.len());
             let mut flushes = Vec::new();
             for item in items.drain(..) {
                 match item {
-                    Item::Group(group) => {
-                        urgent = urgent || self.is_urgent(&group);
-                        held.push(group);
-                    }
-                    Item::Flush(done) => {
-                        urgent = true;
-                        flushes.push(done);
-                    }
+                    Item::Group(group) => held.push(group),
+                    Item::Flush(done) => flushes.push(done),
                     Item::Forgive(request) => {
                         self.apply(held.take()).await;
                         self.poisoned.remove(&request);
                     }
                 }
             }
-            if urgent || held.groups.len() >= MAX_BATCH {
+            if closed {
+                // Every producer is gone: what is held still commits.
+                self.apply(held.take()).await;
+                return;
+            }
+            urgent |= held.groups.len() >= MAX_BATCH;
+            if urgent {
                 deadline = None;
                 self.apply(held.take()).await;
                 for done in flushes {
                     let _ = done.send(());
                 }
-            } else if !held.groups.is_empty() && deadline.is_none() {
+            } else if held.groups.is_empty() {
+                deadline = None;
+            } else if deadline.is_none() {
                 deadline = Some(tokio::time::Instant::now() + self.hold);
             }
         }
-    }
-
-    /// Whether a group commits now: its producer waits on it or asked for it, or its
-    /// request is streamed live. Any other group is held (at most [`HOLD`]) and commits with
-    /// the next one that is: a request answered whole commits once, with its end.
-    fn is_urgent(&self, group: &Group) -> bool {
-        group.now
-            || group
-                .request
-                .as_deref()
-                .is_none_or(|request| self.hub.is_streamed(request))
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -735,6 +850,61 @@ mod tests {
             .unwrap();
         assert_eq!(output_delta_text(&event.data), Some("later "));
         assert_eq!(stored_deltas(&store, "req_a").await, ["later "]);
+    }
+
+    #[tokio::test]
+    async fn more_held_writes_than_a_batch_all_commit_in_order_by_a_flush() {
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        let count = MAX_BATCH * 2 + 10;
+        for n in 0..count {
+            journal
+                .write(Some("req_a"), event("req_a", &format!("tick.{n}")))
+                .await
+                .unwrap();
+        }
+        journal.flush().await.unwrap();
+        let types: Vec<String> = store
+            .events("req_a", 0, 10_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event_type)
+            .collect();
+        let expected: Vec<String> = (0..count).map(|n| format!("tick.{n}")).collect();
+        assert_eq!(types, expected);
+    }
+
+    #[tokio::test]
+    async fn the_last_handle_dropped_commits_what_is_held() {
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        journal
+            .write(Some("req_a"), event("req_a", "last"))
+            .await
+            .unwrap();
+        drop(journal);
+        // The hold is far longer than the test: only the writer finishing stores it.
+        let stored = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let events = store.events("req_a", 0, 10).await.unwrap();
+                if events.iter().any(|e| e.event_type == "last") {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            stored.is_ok(),
+            "a held write was lost when the journal closed"
+        );
     }
 
     fn request_ops(id: &str) -> Vec<WriteOp> {
