@@ -143,6 +143,8 @@ struct QueueState {
     timed: bool,
     /// Every producer is gone.
     closed: bool,
+    /// The writer is gone: nothing queued will be applied.
+    finished: bool,
 }
 
 impl Queue {
@@ -172,7 +174,11 @@ impl Drop for Finished {
     fn drop(&mut self) {
         self.0.room.close();
         // Dropping the items drops their acknowledgements: their producers learn it.
-        let items = std::mem::take(&mut self.0.state().items);
+        let items = {
+            let mut state = self.0.state();
+            state.finished = true;
+            std::mem::take(&mut state.items)
+        };
         drop(items);
     }
 }
@@ -344,6 +350,9 @@ impl Journal {
         let urgent = item.is_urgent(&self.hub);
         let wake = {
             let mut state = self.queue.state();
+            if state.finished {
+                return Err(JournalError::Closed);
+            }
             state.items.push_back((item, urgent));
             urgent || !state.timed
         };
