@@ -7,7 +7,7 @@
 //! once; a request only waited on to its end lets its writes ride along with its next commit.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::broadcast;
 
@@ -36,11 +36,7 @@ pub struct Streamed {
 
 impl Drop for Streamed {
     fn drop(&mut self) {
-        let mut streamed = self
-            .hub
-            .streamed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut streamed = locked(&self.hub.streamed);
         if let Some(count) = streamed.get_mut(&self.request_id) {
             *count = count.saturating_sub(1);
             if *count == 0 {
@@ -53,10 +49,7 @@ impl Drop for Streamed {
 impl EventHub {
     /// Receives every event of `request_id` committed from now on.
     pub fn subscribe(&self, request_id: &str) -> broadcast::Receiver<Arc<EventRecord>> {
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut channels = locked(&self.channels);
         channels
             .entry(request_id.to_owned())
             .or_insert_with(|| broadcast::channel(CHANNEL_CAPACITY).0)
@@ -66,10 +59,7 @@ impl EventHub {
     /// Marks `request_id` as streamed live until the returned guard drops: its writes
     /// commit as they come instead of riding along with its next commit.
     pub fn stream(self: &Arc<Self>, request_id: &str) -> Streamed {
-        *self
-            .streamed
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        *locked(&self.streamed)
             .entry(request_id.to_owned())
             .or_default() += 1;
         Streamed {
@@ -88,10 +78,7 @@ impl EventHub {
 
     /// Delivers a committed event to its request's subscribers.
     pub fn publish(&self, event: Arc<EventRecord>) {
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut channels = locked(&self.channels);
         let terminal = super::events::is_terminal(&event.event_type);
         if let Some(sender) = channels.get(&event.request_id) {
             let _ = sender.send(event.clone());
@@ -103,10 +90,7 @@ impl EventHub {
 
     /// Drops the channel of a request nobody listens to any more.
     pub fn release(&self, request_id: &str) {
-        let mut channels = self
-            .channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut channels = locked(&self.channels);
         if channels
             .get(request_id)
             .is_some_and(|sender| sender.receiver_count() == 0)
@@ -131,4 +115,11 @@ impl EventHub {
     pub fn channel_count(&self) -> usize {
         self.channels.lock().map(|c| c.len()).unwrap_or(0)
     }
+}
+
+/// The hub's maps stay whole if a holder panicked (nothing panics while holding them).
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

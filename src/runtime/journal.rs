@@ -102,24 +102,22 @@ enum Item {
 }
 
 impl Item {
-    /// Whether the writer must wake for it (see [`is_urgent`]).
+    /// Whether the writer commits at once for it. A group does when its producer waits on
+    /// it or asked for it, or its request is streamed live; any other group is held (at most
+    /// [`HOLD`]) and commits with the next one that is: a request answered whole commits
+    /// once, with its end.
     fn is_urgent(&self, hub: &EventHub) -> bool {
         match self {
-            Item::Group(group) => is_urgent(group, hub),
+            Item::Group(group) => {
+                group.now
+                    || group
+                        .request
+                        .as_deref()
+                        .is_none_or(|request| hub.is_streamed(request))
+            }
             Item::Flush(_) | Item::Forgive(_) => true,
         }
     }
-}
-
-/// Whether a group commits now: its producer waits on it or asked for it, or its request is
-/// streamed live. Any other group is held (at most [`HOLD`]) and commits with the next one
-/// that is: a request answered whole commits once, with its end.
-fn is_urgent(group: &Group, hub: &EventHub) -> bool {
-    group.now
-        || group
-            .request
-            .as_deref()
-            .is_none_or(|request| hub.is_streamed(request))
 }
 
 /// The queue from producers to the writer: items in the order they were queued, each
@@ -621,54 +619,50 @@ struct Held {
 }
 
 impl Held {
+    /// Adds `group`, or, when it is a lone output delta following another of the same run
+    /// with nothing of its request in between, appends its text to that one.
     fn push(&mut self, group: Group) {
-        push_merging_deltas(&mut self.groups, &mut self.last_delta, group);
+        let (Some(request), Some((run, text))) = (group.request.as_deref(), lone_delta(&group))
+        else {
+            self.end_delta_stretches(&group);
+            self.groups.push(group);
+            return;
+        };
+        if let Some(previous) = self
+            .last_delta
+            .get(request)
+            .and_then(|&i| self.groups.get_mut(i))
+            && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
+            && event.run_id == run
+            && let Some(Value::String(joined)) =
+                crate::json::at_mut(&mut event.data, &["event", "text"])
+            && joined.len().saturating_add(text.len()) <= MAX_MERGED_DELTA
+        {
+            joined.push_str(text);
+            return;
+        }
+        self.last_delta
+            .insert(request.to_owned(), self.groups.len());
+        self.groups.push(group);
+    }
+
+    /// Any other group ends the stretch of deltas of its request and of every request it
+    /// has an event of, whoever queued it (an approval decision carries its request's event).
+    fn end_delta_stretches(&mut self, group: &Group) {
+        if let Some(request) = &group.request {
+            self.last_delta.remove(request);
+        }
+        for op in &group.ops {
+            if let WriteOp::AppendEvent(event) = op {
+                self.last_delta.remove(&event.request_id);
+            }
+        }
     }
 
     /// Everything held, for one transaction.
     fn take(&mut self) -> Vec<Group> {
         self.last_delta.clear();
         std::mem::take(&mut self.groups)
-    }
-}
-
-/// Adds `group` to the batch, or, when it is a lone output delta following another of the
-/// same run with nothing of its request in between, appends its text to that one.
-/// `last_delta` holds, per request, the index of its last group when that is a lone delta.
-fn push_merging_deltas(
-    groups: &mut Vec<Group>,
-    last_delta: &mut HashMap<String, usize>,
-    group: Group,
-) {
-    let (Some(request), Some((run, text))) = (group.request.as_deref(), lone_delta(&group)) else {
-        end_delta_stretches(last_delta, &group);
-        groups.push(group);
-        return;
-    };
-    if let Some(previous) = last_delta.get(request).and_then(|&i| groups.get_mut(i))
-        && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
-        && event.run_id == run
-        && let Some(Value::String(joined)) =
-            crate::json::at_mut(&mut event.data, &["event", "text"])
-        && joined.len().saturating_add(text.len()) <= MAX_MERGED_DELTA
-    {
-        joined.push_str(text);
-        return;
-    }
-    last_delta.insert(request.to_owned(), groups.len());
-    groups.push(group);
-}
-
-/// Any other group ends the stretch of deltas of its request and of every request it has an
-/// event of, whoever queued it (an approval decision carries its request's event).
-fn end_delta_stretches(last_delta: &mut HashMap<String, usize>, group: &Group) {
-    if let Some(request) = &group.request {
-        last_delta.remove(request);
-    }
-    for op in &group.ops {
-        if let WriteOp::AppendEvent(event) = op {
-            last_delta.remove(&event.request_id);
-        }
     }
 }
 
@@ -778,6 +772,29 @@ mod tests {
         (dir, store, journal, hub)
     }
 
+    /// A journal holding writes nobody waits on for `hold`, with request `req_a` stored.
+    async fn request_a_held_for(
+        hold: Duration,
+    ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
+        let (dir, store, journal, hub) = journal_holding(hold).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        (dir, store, journal, hub)
+    }
+
+    /// The types of a request's stored events, in order.
+    async fn stored_types(store: &Arc<dyn Store>, request: &str) -> Vec<String> {
+        store
+            .events(request, 0, 10_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.event_type)
+            .collect()
+    }
+
     /// The texts of a request's stored output deltas, one per stored event.
     async fn stored_deltas(store: &Arc<dyn Store>, request: &str) -> Vec<String> {
         store
@@ -792,11 +809,7 @@ mod tests {
     #[tokio::test]
     async fn writes_nobody_waits_on_commit_with_the_next_commit() {
         // A hold far longer than the test: only the commit can have stored the deltas.
-        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
-        journal
-            .commit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
+        let (_dir, store, journal, _hub) = request_a_held_for(Duration::from_secs(600)).await;
         for text in ["one ", "two "] {
             journal
                 .write(Some("req_a"), delta("req_a", "run", text))
@@ -809,23 +822,13 @@ mod tests {
             .unwrap();
         // Held together, the two deltas were stored as one event, before the end.
         assert_eq!(stored_deltas(&store, "req_a").await, ["one two "]);
-        let types: Vec<String> = store
-            .events("req_a", 0, 100)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|e| e.event_type)
-            .collect();
+        let types = stored_types(&store, "req_a").await;
         assert_eq!(types, [ADAPTER_EVENT, "end"]);
     }
 
     #[tokio::test]
     async fn a_streamed_requests_writes_commit_at_once() {
-        let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
-        journal
-            .commit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
+        let (_dir, store, journal, hub) = request_a_held_for(Duration::from_secs(600)).await;
         let _streamed = hub.stream("req_a");
         let mut live = hub.subscribe("req_a");
         journal
@@ -843,11 +846,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_held_write_commits_by_itself_after_the_hold() {
-        let (_dir, store, journal, hub) = journal_holding(Duration::from_millis(20)).await;
-        journal
-            .commit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
+        let (_dir, store, journal, hub) = request_a_held_for(Duration::from_millis(20)).await;
         let mut live = hub.subscribe("req_a");
         journal
             .write(Some("req_a"), delta("req_a", "run", "later "))
@@ -863,11 +862,7 @@ mod tests {
 
     #[tokio::test]
     async fn more_held_writes_than_a_batch_all_commit_in_order_by_a_flush() {
-        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
-        journal
-            .commit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
+        let (_dir, store, journal, _hub) = request_a_held_for(Duration::from_secs(600)).await;
         let count = MAX_BATCH * 2 + 10;
         for n in 0..count {
             journal
@@ -876,24 +871,14 @@ mod tests {
                 .unwrap();
         }
         journal.flush().await.unwrap();
-        let types: Vec<String> = store
-            .events("req_a", 0, 10_000)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|e| e.event_type)
-            .collect();
+        let types = stored_types(&store, "req_a").await;
         let expected: Vec<String> = (0..count).map(|n| format!("tick.{n}")).collect();
         assert_eq!(types, expected);
     }
 
     #[tokio::test]
     async fn the_last_handle_dropped_commits_what_is_held() {
-        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
-        journal
-            .commit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
+        let (_dir, store, journal, _hub) = request_a_held_for(Duration::from_secs(600)).await;
         journal
             .write(Some("req_a"), event("req_a", "last"))
             .await
