@@ -25,6 +25,9 @@
 //! database and requests go to them in turn, as behind a load balancer. With
 //! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
+//! `STABLE_HARNESS_BENCH_ONLY=chat:32` runs one phase alone (after the warm-up, printing the
+//! server's pid first), for a profiler to attach to, or to compare two builds on it in
+//! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -94,6 +97,11 @@ async fn run() {
     let before = std::env::var("STABLE_HARNESS_BENCH_BEFORE")
         .ok()
         .map(PathBuf::from);
+    let this_build = Path::new(env!("CARGO_BIN_EXE_stable-harness"));
+    if only_phase().is_some() {
+        compare_one_phase(before.as_deref(), this_build, &upstream, &client).await;
+        return;
+    }
     let mut columns: Vec<(String, Figures)> = Vec::new();
     if let Some(binary) = &before {
         println!("== before: {}", binary.display());
@@ -102,12 +110,7 @@ async fn run() {
         columns.push(("before (recorded)".into(), recorded));
     }
     println!("== after: this build");
-    let after = measure(
-        Path::new(env!("CARGO_BIN_EXE_stable-harness")),
-        &upstream,
-        &client,
-    )
-    .await;
+    let after = measure(this_build, &upstream, &client).await;
     if std::env::var("STABLE_HARNESS_BENCH_PRINT_TSV").is_ok_and(|v| v == "1") {
         for (key, (value, ratio)) in &after {
             println!("tsv\t{key}\t{value}\t{ratio}");
@@ -205,6 +208,35 @@ async fn measure(
         Duration::from_secs(1),
     )
     .await;
+
+    if let Some((key, workers)) = only_phase() {
+        // Profiling mode: one surface, one concurrency, for `perf` to attach to.
+        let target = match key.as_str() {
+            "chat" => chat.clone(),
+            "responses" => responses.clone(),
+            "wait" => wait.clone(),
+            "chat-sse" => chat_stream(SHORT_STREAM),
+            "responses-sse" => responses_stream.clone(),
+            "direct" => direct_short.clone(),
+            other => panic!("STABLE_HARNESS_BENCH_ONLY: unknown surface `{other}`"),
+        };
+        println!("server pid {}", servers.pid());
+        let cpu_before = servers.cpu_seconds();
+        let stats = closed_loop(client, &target, workers, phase).await;
+        let cpu = servers.cpu_seconds() - cpu_before;
+        servers.stop();
+        let mut figures = Figures::new();
+        for (name, value) in [
+            ("req/s", stats.rps),
+            ("p50 ms", stats.p50),
+            ("p99 ms", stats.p99),
+            ("first ms", stats.first_p50),
+            ("CPU ms/request", cpu * 1000.0 / stats.count as f64),
+        ] {
+            figures.insert(name.to_owned(), (value, f64::NAN));
+        }
+        return figures;
+    }
 
     let mut figures = Figures::new();
     let row = |label: &str, stats: &Stats| {
@@ -319,6 +351,60 @@ async fn measure(
     figures.insert("rss.loaded".into(), (loaded_rss as f64 / 1024.0, f64::NAN));
     servers.stop();
     figures
+}
+
+/// One phase alone (`STABLE_HARNESS_BENCH_ONLY`), against this build and, when
+/// `STABLE_HARNESS_BENCH_BEFORE` names one, an earlier build, in turn for
+/// `STABLE_HARNESS_BENCH_ROUNDS` rounds (default 3; 1 without an earlier build). Alternating
+/// builds, each on a fresh store, is how a change of a few percent is measured on a machine
+/// whose speed drifts by more than that within minutes: the medians are compared.
+async fn compare_one_phase(
+    before: Option<&Path>,
+    this_build: &Path,
+    upstream: &upstream::MockUpstream,
+    client: &reqwest::Client,
+) {
+    let rounds: usize = std::env::var("STABLE_HARNESS_BENCH_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(if before.is_some() { 3 } else { 1 });
+    let builds: Vec<(&str, &Path)> = before
+        .map(|before| ("before", before))
+        .into_iter()
+        .chain([("after", this_build)])
+        .collect();
+    let mut runs: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
+    for round in 1..=rounds {
+        for &(name, binary) in &builds {
+            let figures = measure(binary, upstream, client).await;
+            let cells: Vec<String> = figures
+                .iter()
+                .map(|(key, (value, _))| format!("{key} {value:.3}"))
+                .collect();
+            println!("round {round} {name:>6}: {}", cells.join(", "));
+            runs.entry(name).or_default().push(figures);
+        }
+    }
+    for (name, runs) in &runs {
+        let keys: Vec<&String> = runs[0].keys().collect();
+        let cells: Vec<String> = keys
+            .iter()
+            .map(|key| {
+                let mut values: Vec<f64> = runs.iter().map(|f| f[*key].0).collect();
+                values.sort_by(f64::total_cmp);
+                format!("{key} {:.3}", values[values.len() / 2])
+            })
+            .collect();
+        println!("median {name:>6}: {}", cells.join(", "));
+    }
+}
+
+/// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` (surfaces: chat, responses, wait,
+/// chat-sse, responses-sse, direct): run that phase alone against this build, for a profiler.
+fn only_phase() -> Option<(String, usize)> {
+    let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
+    let (key, workers) = value.split_once(':').unwrap_or((&value, "32"));
+    Some((key.to_owned(), workers.parse().expect("a concurrency")))
 }
 
 /// (harness - direct, harness / direct).
