@@ -263,59 +263,78 @@ impl Secrets<'_> {
 }
 
 /// Credential words, matched against the words of a key (`apiKey`, `api_key`, `x-api-key`
-/// and `APIKEY` all have the words `api` `key`).
-const CREDENTIAL_WORDS: &[&[&str]] = &[
-    &["password"],
-    &["passwd"],
-    &["passphrase"],
-    &["secret"],
-    &["token"],
-    &["apikey"],
-    &["api", "key"],
-    &["authorization"],
-    &["auth"],
-    &["credential"],
-    &["credentials"],
-    &["private", "key"],
-    &["privatekey"],
-    &["cookie"],
+/// and `APIKEY` all have the words `api` `key`). Each is one word, or two in a row.
+const CREDENTIAL_WORDS: &[(&str, Option<&str>)] = &[
+    ("password", None),
+    ("passwd", None),
+    ("passphrase", None),
+    ("secret", None),
+    ("token", None),
+    ("apikey", None),
+    ("api", Some("key")),
+    ("authorization", None),
+    ("auth", None),
+    ("credential", None),
+    ("credentials", None),
+    ("private", Some("key")),
+    ("privatekey", None),
+    ("cookie", None),
 ];
 
 /// Whether an object key names a credential, judged on its words: `access_token`,
 /// `clientSecret` and `X-Api-Key` do; `max_tokens`, `total_tokens` and `secretary` do not.
+/// Every key of everything stored passes here, so it allocates nothing.
 pub fn is_credential_key(key: &str) -> bool {
-    let words = words(key);
-    CREDENTIAL_WORDS.iter().any(|wanted| {
-        words
-            .windows(wanted.len())
-            .any(|window| window.iter().zip(wanted.iter()).all(|(a, b)| a == b))
-    })
+    let mut previous: Option<&str> = None;
+    for word in Words::new(key) {
+        let found = CREDENTIAL_WORDS.iter().any(|(first, second)| match second {
+            None => word.eq_ignore_ascii_case(first),
+            Some(second) => {
+                word.eq_ignore_ascii_case(second)
+                    && previous.is_some_and(|p| p.eq_ignore_ascii_case(first))
+            }
+        });
+        if found {
+            return true;
+        }
+        previous = Some(word);
+    }
+    false
 }
 
-/// The lower-case words of an identifier: split on non-alphanumerics and on lower-to-upper
-/// case changes.
-fn words(key: &str) -> Vec<String> {
-    let mut words = Vec::new();
-    let mut word = String::new();
-    let mut previous_lower = false;
-    for c in key.chars() {
-        if !c.is_ascii_alphanumeric() {
-            if !word.is_empty() {
-                words.push(std::mem::take(&mut word));
+/// The words of an identifier, as slices of it: runs of ASCII letters and digits, split on
+/// anything else and on lower-to-upper case changes (compared without regard to case).
+struct Words<'a> {
+    key: &'a str,
+    at: usize,
+}
+
+impl<'a> Words<'a> {
+    fn new(key: &'a str) -> Self {
+        Self { key, at: 0 }
+    }
+}
+
+impl<'a> Iterator for Words<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let bytes = self.key.as_bytes();
+        while self.at < bytes.len() && !bytes[self.at].is_ascii_alphanumeric() {
+            self.at += 1;
+        }
+        let start = self.at;
+        let mut previous_lower = false;
+        while let Some(&byte) = bytes.get(self.at) {
+            if !byte.is_ascii_alphanumeric() || (byte.is_ascii_uppercase() && previous_lower) {
+                break;
             }
-            previous_lower = false;
-            continue;
+            previous_lower = byte.is_ascii_lowercase() || byte.is_ascii_digit();
+            self.at += 1;
         }
-        if c.is_ascii_uppercase() && previous_lower && !word.is_empty() {
-            words.push(std::mem::take(&mut word));
-        }
-        previous_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
-        word.push(c.to_ascii_lowercase());
+        // ASCII bytes only: the slice ends on character boundaries.
+        (self.at > start).then(|| &self.key[start..self.at])
     }
-    if !word.is_empty() {
-        words.push(word);
-    }
-    words
 }
 
 #[cfg(test)]
@@ -372,6 +391,10 @@ mod tests {
             "APIKEY",
             "refresh_token",
             "auth",
+            "X-Api-Key",
+            "privateKey",
+            "sessionCookie",
+            "APIKey",
         ] {
             assert!(is_credential_key(key), "{key}");
         }
@@ -382,6 +405,10 @@ mod tests {
             "author",
             "keyboard",
             "secretary",
+            "apiVersion",
+            "key_api",
+            "tökens",
+            "",
         ] {
             assert!(!is_credential_key(key), "{key}");
         }
