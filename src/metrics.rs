@@ -148,8 +148,7 @@ pub fn store_error(transient: bool) {
 
 /// An event was committed: it counts, and some carry figures.
 pub fn event_committed(event: &EventRecord) {
-    let kind = event.event_type.clone();
-    counter!("stable_harness_events_appended_total", "type" => kind).increment(1);
+    event_appended(&event.event_type);
     let data = &event.data;
     let text = |key: &str| {
         data.get(key)
@@ -218,6 +217,35 @@ pub fn event_committed(event: &EventRecord) {
         }
         _ => {}
     }
+}
+
+/// Counts an appended event of type `kind`. Every event passes here, on the journal's
+/// thread: each type's counter is looked up in the registry once (which allocates its labels
+/// and takes a lock), then kept. Kept only once the recorder is installed (before, the
+/// registry hands out counters that record nothing), and for at most [`KEPT_TYPES`] types.
+fn event_appended(kind: &str) {
+    const KEPT_TYPES: usize = 256;
+    thread_local! {
+        static BY_TYPE: std::cell::RefCell<std::collections::HashMap<String, metrics::Counter>> =
+            std::cell::RefCell::default();
+    }
+    let lookup = || counter!("stable_harness_events_appended_total", "type" => kind.to_owned());
+    if !matches!(HANDLE.get(), Some(Some(_))) {
+        lookup().increment(1);
+        return;
+    }
+    BY_TYPE.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        if let Some(counter) = kept.get(kind) {
+            counter.increment(1);
+            return;
+        }
+        let counter = lookup();
+        counter.increment(1);
+        if kept.len() < KEPT_TYPES {
+            kept.insert(kind.to_owned(), counter);
+        }
+    });
 }
 
 fn tool_call(tool: String, decision: &'static str) {
