@@ -320,6 +320,7 @@ async fn write_loop(
 ) {
     let mut last_wait: Option<Instant> = None;
     let mut charges = PendingCharges::default();
+    let mut last_seqs = LastSeqs::default();
     loop {
         let job = if charges.0.is_empty() {
             queue.recv().await
@@ -338,7 +339,7 @@ async fn write_loop(
         match job {
             Job::Apply(ops, done) => {
                 let result =
-                    apply(&mut connection, &ops, leases, &charges).map_err(
+                    apply(&mut connection, &ops, leases, &charges, &mut last_seqs).map_err(
                         |abandon| match abandon {
                             Abandon::Sqlite(error) => writer_error(error),
                             Abandon::Conflict(message) => StoreError::Conflict(message),
@@ -367,6 +368,7 @@ async fn write_loop(
             }
             Job::Maintain(work) => {
                 charges.flush(&mut connection);
+                last_seqs.forget();
                 work(&mut connection);
             }
             Job::CatchUp => {
@@ -453,8 +455,10 @@ pub(super) fn time(value: &DateTime<Utc>) -> String {
     value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
+/// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
+/// formatter, a call per token (a `Value` always serializes).
 fn json(value: &Value) -> String {
-    value.to_string()
+    serde_json::to_string(value).unwrap_or_default()
 }
 
 fn json_opt(value: &Option<Value>) -> Option<String> {
@@ -466,6 +470,7 @@ fn apply(
     ops: &[WriteOp],
     leases: &Leases,
     charges: &PendingCharges,
+    last_seqs: &mut LastSeqs,
 ) -> Result<Vec<i64>, Abandon> {
     let tx = connection.transaction()?;
     charges.write(&tx)?;
@@ -474,6 +479,9 @@ fn apply(
     // one, so the stored last number plus what the batch appended is exact).
     let mut next_seq: HashMap<&str, i64> = HashMap::new();
     for op in ops {
+        if let WriteOp::InsertRequest(request) = op {
+            next_seq.insert(&request.id, 1);
+        }
         match op {
             WriteOp::TouchSession(session) => {
                 tx.prepare_cached(
@@ -690,11 +698,14 @@ fn apply(
                 let seq = match next_seq.get_mut(event.request_id.as_str()) {
                     Some(seq) => seq,
                     None => {
-                        let last: i64 = tx
-                            .prepare_cached(
-                                "SELECT COALESCE(MAX(seq), 0) FROM events WHERE request_id = ?1",
-                            )?
-                            .query_row(params![event.request_id], |row| row.get(0))?;
+                        let last: i64 = match last_seqs.get(&event.request_id) {
+                            Some(last) => last,
+                            None => tx
+                                .prepare_cached(
+                                    "SELECT COALESCE(MAX(seq), 0) FROM events WHERE request_id = ?1",
+                                )?
+                                .query_row(params![event.request_id], |row| row.get(0))?,
+                        };
                         next_seq.entry(&event.request_id).or_insert(last + 1)
                     }
                 };
@@ -718,5 +729,40 @@ fn apply(
         }
     }
     tx.commit()?;
+    last_seqs.committed(next_seq);
     Ok(numbers)
+}
+
+/// The last event number of requests this writer appended to or inserted lately, so that a
+/// batch numbers their events without reading the store's last one first. Exact because this
+/// writer is the store's only one; forgotten whole when maintenance ran (it may delete
+/// events) and when it reaches [`LastSeqs::MAX`] requests.
+#[derive(Default)]
+struct LastSeqs(HashMap<String, i64>);
+
+impl LastSeqs {
+    const MAX: usize = 4_096;
+
+    fn get(&self, request: &str) -> Option<i64> {
+        self.0.get(request).copied()
+    }
+
+    /// A batch committed: `next` holds each request's next number after it.
+    fn committed(&mut self, next: HashMap<&str, i64>) {
+        if self.0.len().saturating_add(next.len()) > Self::MAX {
+            self.0.clear();
+        }
+        for (request, next) in next {
+            match self.0.get_mut(request) {
+                Some(last) => *last = next - 1,
+                None => {
+                    self.0.insert(request.to_owned(), next - 1);
+                }
+            }
+        }
+    }
+
+    fn forget(&mut self) {
+        self.0.clear();
+    }
 }
