@@ -28,7 +28,9 @@
 //!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
 //!   commits with the next write that is waited on (the run's end, at the latest): the
 //!   common request is one transaction, not one per step. A streamed request's writes, and
-//!   every write whose producer waits, commit at once.
+//!   every write whose producer waits, commit at once. A write asked to commit at once that
+//!   nobody waits on (a submit, [`Journal::write_group_now`]) does too, unless other runs
+//!   execute here: then it waits for their next commit, at most [`PROMPT_HOLD`].
 //! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
 //!   `agent.output.delta` events queued while the previous commit was in flight become one
 //!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
@@ -48,7 +50,7 @@ use tokio::sync::{Notify, Semaphore, oneshot};
 use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
 use crate::redact::{Redactor, Secrets};
-use crate::store::{Store, StoreError, WriteOp};
+use crate::store::{EventRecord, Store, StoreError, WriteOp};
 
 /// Most groups applied in one transaction.
 const MAX_BATCH: usize = 512;
@@ -58,6 +60,8 @@ const QUEUE: usize = 8_192;
 const MAX_MERGED_DELTA: usize = 64 * 1024;
 /// Longest a write nobody waits on is held before it commits on its own.
 const HOLD: Duration = Duration::from_millis(5);
+/// Longest a prompt write waits for another run's commit (see [`Urgency::Prompt`]).
+const PROMPT_HOLD: Duration = Duration::from_millis(1);
 /// Longest pause between two tries of a write the store refused for a transient reason.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -101,22 +105,54 @@ enum Item {
     Forgive(String),
 }
 
+/// When the writer commits for an item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Urgency {
+    /// Nobody waits on it and its request is not streamed live: held (at most [`HOLD`]), it
+    /// commits with the next write that is not: a request answered whole commits once, with
+    /// its end.
+    Held,
+    /// Asked to commit at once, though nobody waits on it (a request's submit, a status
+    /// change). While other runs execute here it may wait for their next commit, at most
+    /// [`PROMPT_HOLD`]: at concurrency a request's submit rides with another's end instead of
+    /// costing a transaction of its own.
+    Prompt,
+    /// Its producer waits on it, or its request is streamed live: committed at once.
+    Now,
+}
+
 impl Item {
-    /// Whether the writer commits at once for it. A group does when its producer waits on
-    /// it or asked for it, or its request is streamed live; any other group is held (at most
-    /// [`HOLD`]) and commits with the next one that is: a request answered whole commits
-    /// once, with its end.
-    fn is_urgent(&self, hub: &EventHub) -> bool {
+    fn urgency(&self, hub: &EventHub) -> Urgency {
         match self {
             Item::Group(group) => {
-                group.now
-                    || group
-                        .request
-                        .as_deref()
-                        .is_none_or(|request| hub.is_streamed(request))
+                let streamed = group
+                    .request
+                    .as_deref()
+                    .is_none_or(|request| hub.is_streamed(request));
+                if group.ack.is_some() || streamed {
+                    Urgency::Now
+                } else if group.now {
+                    Urgency::Prompt
+                } else {
+                    Urgency::Held
+                }
             }
-            Item::Flush(_) | Item::Forgive(_) => true,
+            Item::Flush(_) | Item::Forgive(_) => Urgency::Now,
         }
+    }
+}
+
+/// The runs executing on this instance (holding an execution slot), as the writer reads
+/// them to decide whether a prompt write may wait for another run's commit.
+#[derive(Debug, Clone)]
+pub struct Executing {
+    pub slots: Arc<Semaphore>,
+    pub limit: usize,
+}
+
+impl Executing {
+    fn count(&self) -> usize {
+        self.limit.saturating_sub(self.slots.available_permits())
     }
 }
 
@@ -135,7 +171,7 @@ struct Queue {
 
 #[derive(Default)]
 struct QueueState {
-    items: VecDeque<(Item, bool)>,
+    items: VecDeque<(Item, Urgency)>,
     /// The writer holds writes with a deadline set: it drains the queue by then, so a
     /// write that is not urgent needs no wake-up.
     timed: bool,
@@ -220,7 +256,19 @@ impl Journal {
         redactor: Redactor,
         tracker: &tokio_util::task::TaskTracker,
     ) -> Self {
-        Self::start_holding(store, hub, redactor, tracker, HOLD)
+        Self::start_holding(store, hub, redactor, tracker, HOLD, None)
+    }
+
+    /// [`Journal::start`] for a runtime whose executing runs are counted by `executing`:
+    /// while others execute, a prompt write may wait (see [`Urgency::Prompt`]).
+    pub fn start_serving(
+        store: Arc<dyn Store>,
+        hub: Arc<EventHub>,
+        redactor: Redactor,
+        tracker: &tokio_util::task::TaskTracker,
+        executing: Executing,
+    ) -> Self {
+        Self::start_holding(store, hub, redactor, tracker, HOLD, Some(executing))
     }
 
     /// [`Journal::start`] holding writes nobody waits on for at most `hold`.
@@ -230,6 +278,7 @@ impl Journal {
         redactor: Redactor,
         tracker: &tokio_util::task::TaskTracker,
         hold: Duration,
+        executing: Option<Executing>,
     ) -> Self {
         let queue = Arc::new(Queue {
             state: std::sync::Mutex::default(),
@@ -246,6 +295,7 @@ impl Journal {
             available: Arc::clone(&available),
             poisoned: HashSet::new(),
             hold,
+            executing,
         };
         match runtime {
             Some(runtime) => tracker.spawn_on(writer.run(Arc::clone(&queue)), &runtime),
@@ -345,14 +395,14 @@ impl Journal {
             .map_err(|_| JournalError::Closed)?;
         // Given back by the writer as it takes items.
         permit.forget();
-        let urgent = item.is_urgent(&self.hub);
+        let urgency = item.urgency(&self.hub);
         let wake = {
             let mut state = self.queue.state();
             if state.finished {
                 return Err(JournalError::Closed);
             }
-            state.items.push_back((item, urgent));
-            urgent || !state.timed
+            state.items.push_back((item, urgency));
+            urgency > Urgency::Held || !state.timed
         };
         if wake {
             self.queue.wake.notify_one();
@@ -384,6 +434,9 @@ struct Writer {
     poisoned: HashSet<String>,
     /// Longest a write nobody waits on is held ([`HOLD`]).
     hold: Duration,
+    /// The runs executing here, when the journal serves a runtime (prompt writes linger
+    /// only while others execute).
+    executing: Option<Executing>,
 }
 
 impl Writer {
@@ -407,20 +460,24 @@ impl Writer {
                     .await
                     .is_ok(),
             };
-            let (mut urgent, closed) = {
+            let (mut urgent, lingers, closed) = {
                 let mut state = queue.state();
                 let taken = state.items.len().min(MAX_BATCH);
-                let mut urgent = !woken;
-                for (item, item_urgent) in state.items.drain(..taken) {
-                    urgent |= item_urgent;
+                let mut urgency = if woken { Urgency::Held } else { Urgency::Now };
+                for (item, item_urgency) in state.items.drain(..taken) {
+                    urgency = urgency.max(item_urgency);
                     items.push(item);
                 }
                 more = !state.items.is_empty();
                 let groups = held.groups.len().saturating_add(items.len());
+                // Prompt writes wait for another run's commit only while others execute.
+                let lingers = urgency == Urgency::Prompt
+                    && self.executing.as_ref().is_some_and(|e| e.count() > 1);
+                let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
                 // Decided with the queue locked, so that no producer skips a wake-up the
                 // writer needs: `timed` only while a deadline will drain what is queued.
                 state.timed = !urgent && !more && groups > 0 && groups < MAX_BATCH;
-                (urgent, state.closed && !more)
+                (urgent, lingers, state.closed && !more)
             };
             queue.room.add_permits(items.len());
             let mut flushes = Vec::new();
@@ -448,8 +505,10 @@ impl Writer {
                 }
             } else if held.groups.is_empty() {
                 deadline = None;
-            } else if deadline.is_none() {
-                deadline = Some(tokio::time::Instant::now() + self.hold);
+            } else {
+                let now = tokio::time::Instant::now();
+                let hold = if lingers { PROMPT_HOLD } else { self.hold };
+                deadline = Some(deadline.map_or(now + hold, |at| at.min(now + hold)));
             }
         }
     }
@@ -478,11 +537,14 @@ impl Writer {
         let (ops, applied) = self.apply_retrying(ops).await;
         match applied {
             Ok(numbers) => {
-                self.committed(&numbers, ops);
+                let published = self.committed(&numbers, ops);
                 for group in groups {
                     self.settled(&group, &Ok(()));
                     ack(group.ack, Ok(()));
                 }
+                // Counted once the waiters are on their way: a JSON answer waits on the
+                // publication, not on the metrics.
+                published.iter().for_each(|e| crate::metrics::event_committed(e));
             }
             Err(_) => {
                 // Give every group its ops back, in order, and try them one by one.
@@ -504,7 +566,8 @@ impl Writer {
             let (ops, applied) = self.apply_retrying(std::mem::take(&mut group.ops)).await;
             let result = match applied {
                 Ok(numbers) => {
-                    self.committed(&numbers, ops);
+                    let published = self.committed(&numbers, ops);
+                    published.iter().for_each(|e| crate::metrics::event_committed(e));
                     Ok(())
                 }
                 Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),
@@ -548,7 +611,7 @@ impl Writer {
     }
 
     /// After a commit: give the events the numbers the store gave them and publish them.
-    fn committed(&mut self, numbers: &[i64], ops: Vec<WriteOp>) {
+    fn committed(&mut self, numbers: &[i64], ops: Vec<WriteOp>) -> Vec<Arc<EventRecord>> {
         let events = ops
             .iter()
             .filter(|op| matches!(op, WriteOp::AppendEvent(_)))
@@ -561,15 +624,18 @@ impl Writer {
             );
         }
         let mut numbers = numbers.iter();
+        let mut published = Vec::with_capacity(events);
         for op in ops {
             if let WriteOp::AppendEvent(mut event) = op {
                 if let Some(seq) = numbers.next() {
                     event.seq = *seq;
                 }
-                crate::metrics::event_committed(&event);
-                self.hub.publish(Arc::new(event));
+                let event = Arc::new(event);
+                self.hub.publish(Arc::clone(&event));
+                published.push(event);
             }
         }
+        published
     }
 
     /// Applies `ops` in one transaction; a transient failure is retried until it succeeds,
@@ -768,6 +834,7 @@ mod tests {
             Redactor::default(),
             &tracker,
             hold,
+            None,
         );
         (dir, store, journal, hub)
     }

@@ -332,13 +332,18 @@ impl Runtime {
         let tasks = TaskTracker::new();
         let hub = Arc::new(EventHub::default());
         let redactor = Redactor::from_workspace(&workspace);
-        let journal = Journal::start(
+        let limit = workspace.runtime.limits.max_concurrent_runs as usize;
+        let slots = Arc::new(Semaphore::new(limit));
+        let journal = Journal::start_serving(
             Arc::clone(&store),
             Arc::clone(&hub),
             redactor.clone(),
             &tasks,
+            journal::Executing {
+                slots: Arc::clone(&slots),
+                limit,
+            },
         );
-        let limit = workspace.runtime.limits.max_concurrent_runs as usize;
         let approvals = Arc::new(ApprovalWaiters::default());
         let gateway = ToolGateway::new(
             Arc::clone(&workspace),
@@ -361,7 +366,7 @@ impl Runtime {
                 )),
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
-                slots: Arc::new(Semaphore::new(limit)),
+                slots,
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
                 spend: crate::spend::Spend::new(Arc::clone(&store)),
                 store,
