@@ -278,23 +278,30 @@ impl OpenAiAdapter {
             // Events completed before a decoding error still count: one may be `[DONE]`.
             events.clear();
             let decoded = decoder.feed(&chunk, &mut events);
+            // The text of every delta this read brought, emitted as one event when the read
+            // is handled (or before anything else happens): a fast upstream's burst of
+            // chunks costs one event, not one each; the text and its order are the same.
+            let mut pending = String::new();
             for data in &events {
                 if data.trim() == "[DONE]" {
+                    emit_pending(context, &mut pending).await;
                     return Ok(Turn {
                         output,
                         tool_calls: calls.finish(),
                         usage_reported,
                     });
                 }
-                let parsed: Value = serde_json::from_str(data).map_err(|_| {
+                let Ok(parsed) = serde_json::from_str::<Value>(data) else {
+                    emit_pending(context, &mut pending).await;
                     let message = format!(
                         "upstream model `{}` sent a malformed stream chunk: {}",
                         model.id,
                         excerpt(data)
                     );
-                    malformed(message, output.text.len())
-                })?;
+                    return Err(malformed(message, output.text.len()));
+                };
                 if let Some(error) = parsed.get("error") {
+                    emit_pending(context, &mut pending).await;
                     let message = format!(
                         "upstream model `{}` reported an error mid-stream: {}",
                         model.id,
@@ -322,10 +329,9 @@ impl OpenAiAdapter {
                         // The run's output is capped: keep what fits and end the answer
                         // here, as a model does at its token limit.
                         let kept = prefix_within(text, room);
-                        if !kept.is_empty() {
-                            emit_delta(context, kept).await;
-                            output.text.push_str(kept);
-                        }
+                        pending.push_str(kept);
+                        output.text.push_str(kept);
+                        emit_pending(context, &mut pending).await;
                         output.finish_reason = "length".to_owned();
                         return Ok(Turn {
                             output,
@@ -333,7 +339,7 @@ impl OpenAiAdapter {
                             usage_reported,
                         });
                     }
-                    emit_delta(context, text).await;
+                    pending.push_str(text);
                     output.text.push_str(text);
                 }
                 if let Some(fragments) = choice
@@ -341,15 +347,17 @@ impl OpenAiAdapter {
                     .and_then(|delta| delta.get("tool_calls"))
                     .and_then(Value::as_array)
                 {
-                    calls.feed(fragments).map_err(|error| {
+                    if let Err(error) = calls.feed(fragments) {
+                        emit_pending(context, &mut pending).await;
                         let message = format!("upstream model `{}` sent {error}", model.id);
-                        malformed(message, output.text.len())
-                    })?;
+                        return Err(malformed(message, output.text.len()));
+                    }
                 }
                 if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
                     output.finish_reason = reason.to_owned();
                 }
             }
+            emit_pending(context, &mut pending).await;
             if let Err(error) = decoded {
                 let message = format!("upstream model `{}` sent {error}", model.id);
                 return Err(malformed(message, output.text.len()));
@@ -939,6 +947,14 @@ fn prefix_within(text: &str, limit: usize) -> &str {
 
 async fn emit_delta(context: &AdapterContext<'_>, text: &str) {
     context.events.emit(ADAPTER_EVENT, output_delta(text)).await;
+}
+
+/// Emits the text gathered from one read of a stream, if any, as one delta.
+async fn emit_pending(context: &AdapterContext<'_>, pending: &mut String) {
+    if !pending.is_empty() {
+        emit_delta(context, pending).await;
+        pending.clear();
+    }
 }
 
 pub(super) async fn read_limited(
