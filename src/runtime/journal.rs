@@ -912,6 +912,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_prompt_write_commits_by_itself_while_other_runs_execute() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(
+            SqliteStore::open_file(&dir.path().join("state.db"))
+                .await
+                .unwrap(),
+        );
+        let hub = Arc::new(EventHub::default());
+        // Two of four slots taken: other runs execute, so the prompt write may wait for
+        // their commit, which never comes; the hold far longer than the test is not its.
+        let slots = Arc::new(Semaphore::new(4));
+        let _running = Arc::clone(&slots).acquire_many_owned(2).await.unwrap();
+        let journal = Journal::start_serving(
+            Arc::clone(&store),
+            Arc::clone(&hub),
+            Redactor::default(),
+            &tokio_util::task::TaskTracker::new(),
+            Executing { slots, limit: 4 },
+        );
+        let mut live = hub.subscribe("req_a");
+        let mut ops = request_ops("req_a");
+        ops.push(event("req_a", "submitted"));
+        journal.write_group_now(Some("req_a"), ops).await.unwrap();
+        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+            .await
+            .expect("a prompt write waited for a commit that never came")
+            .unwrap();
+        assert_eq!(event.event_type, "submitted");
+        assert_eq!(stored_types(&store, "req_a").await, ["submitted"]);
+    }
+
+    #[tokio::test]
     async fn a_held_write_commits_by_itself_after_the_hold() {
         let (_dir, store, journal, hub) = request_a_held_for(Duration::from_millis(20)).await;
         let mut live = hub.subscribe("req_a");
