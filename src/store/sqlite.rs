@@ -84,6 +84,7 @@ impl SqliteStore {
         let checkpointer = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
+            .test_before_acquire(false)
             // Pruned space goes back to the filesystem in small steps (takes effect when the
             // file is created; an older store is converted once, below).
             .connect_with(options.clone().auto_vacuum(SqliteAutoVacuum::Incremental))
@@ -99,9 +100,13 @@ impl SqliteStore {
             duration: open.lease,
         };
         let writer = Arc::new(SqliteWriter::open(path, open.max_bytes, leases.clone())?);
+        // A connection to a local file does not go stale: no ping before each use (in sqlx's
+        // SQLite driver a ping is a round trip to the connection's thread, doubling the
+        // cost of every read).
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
             .min_connections(1)
+            .test_before_acquire(false)
             .connect_with(options.read_only(true))
             .await?;
         tokio::spawn(checkpoint_loop(checkpointer, Arc::clone(&writer)));
