@@ -116,7 +116,9 @@ pub async fn create_request(
             .map(Value::Object)
             .unwrap_or_else(|| json!({})),
         protocol: Protocol::Runtime,
-        durable_before_return: true,
+        // A 202 is sent once the request is durable; a waiting client is answered only after
+        // the request's end (or its approval) committed, and its submit with it.
+        durable_before_return: !body.wait,
         client: Default::default(),
         surface: None,
         workflow: body.workflow_id,
