@@ -168,11 +168,11 @@ pub async fn request_view(
     id: &str,
     owner: Option<&str>,
 ) -> Result<RequestView, ApiError> {
-    let store = runtime.store();
-    let request = store
-        .request(id)
+    let full = runtime
+        .store()
+        .request_in_full(id)
         .await?
-        .filter(|request| owner.is_none_or(|owner| request.owner == owner))
+        .filter(|full| owner.is_none_or(|owner| full.request.owner == owner))
         .ok_or_else(|| {
             ApiError::new(
                 ErrorCode::RequestNotFound,
@@ -180,26 +180,9 @@ pub async fn request_view(
             )
             .param("id")
         })?;
-    let runs = store.runs_of(id).await?;
-    let mut approvals = Vec::new();
-    for run in &runs {
-        approvals.extend(store.approvals_of_run(&run.id).await?);
-    }
-    let charged = store
-        .usage_totals(
-            &crate::store::spend::UsageFilter {
-                request_id: Some(id.to_owned()),
-                ..Default::default()
-            },
-            None,
-        )
-        .await?
-        .into_iter()
-        .next()
-        .unwrap_or_default();
-    let mut view = RequestView::new(request, runs);
-    view.approvals = Some(approvals);
-    view.charged = Some(charged);
+    let mut view = RequestView::new(full.request, full.runs);
+    view.approvals = Some(full.approvals);
+    view.charged = Some(full.charged);
     Ok(view)
 }
 

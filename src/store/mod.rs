@@ -24,6 +24,18 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 pub use model::*;
+
+/// A request as its view shows it (see [`Store::request_in_full`]).
+#[derive(Debug, Clone)]
+pub struct RequestInFull {
+    pub request: RequestRecord,
+    /// Oldest first.
+    pub runs: Vec<RunRecord>,
+    /// Of every run, run by run, oldest first.
+    pub approvals: Vec<ApprovalRecord>,
+    /// What the budgets were charged for the request's calls.
+    pub charged: spend::UsageTotals,
+}
 pub use postgres::PostgresStore;
 pub use spend::SpendStore;
 pub use sqlite::SqliteStore;
@@ -187,6 +199,37 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         self.apply_batch(&new_batch_id(), ops).await
     }
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
+    /// A request with its runs, their approvals and what its calls were charged: what a
+    /// request's view shows. One read where the store can (the embedded store reads it on
+    /// its writer's connection, in one hop), else a read each.
+    async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
+        let Some(request) = self.request(id).await? else {
+            return Ok(None);
+        };
+        let runs = self.runs_of(id).await?;
+        let mut approvals = Vec::new();
+        for run in &runs {
+            approvals.extend(self.approvals_of_run(&run.id).await?);
+        }
+        let charged = self
+            .usage_totals(
+                &spend::UsageFilter {
+                    request_id: Some(id.to_owned()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await?
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        Ok(Some(RequestInFull {
+            request,
+            runs,
+            approvals,
+            charged,
+        }))
+    }
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
     // index seek straight to a deep page (`'~'` sorts after every character of the ids we
@@ -279,9 +322,9 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         status: Option<ApprovalStatus>,
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError>;
-    /// The approvals of one run, oldest first.
     /// How many approvals are pending.
     async fn count_pending_approvals(&self) -> Result<u64, StoreError>;
+    /// The approvals of one run, oldest first.
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError>;
     /// The recorded tool calls of one run (started ones included).
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError>;

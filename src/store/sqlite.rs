@@ -19,11 +19,13 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
+use super::spend::UsageTotals;
 use super::sqlite_writer::{Leases, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
-    RequestFilter, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
+    RequestFilter, RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter,
+    SessionRecord, Store,
     StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
@@ -324,41 +326,86 @@ pub(super) fn parse_time_opt(text: Option<String>) -> Result<Option<DateTime<Utc
     text.as_deref().map(parse_time).transpose()
 }
 
-fn request_from_row(row: &SqliteRow) -> Result<RequestRecord, StoreError> {
+/// A row of either SQLite driver: the reader pool's (sqlx) or the writer's connection
+/// (rusqlite, [`SqliteWriter::read`]): the records both read are mapped once.
+trait Columns {
+    fn text(&self, name: &str) -> Result<String, StoreError>;
+    fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError>;
+    fn int(&self, name: &str) -> Result<i64, StoreError>;
+
+    fn json(&self, name: &str) -> Result<Option<Value>, StoreError> {
+        parse_json(self.opt_text(name)?)
+    }
+
+    fn time(&self, name: &str) -> Result<DateTime<Utc>, StoreError> {
+        parse_time(&self.text(name)?)
+    }
+
+    fn opt_time(&self, name: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        parse_time_opt(self.opt_text(name)?)
+    }
+}
+
+impl Columns for SqliteRow {
+    fn text(&self, name: &str) -> Result<String, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+
+    fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+
+    fn int(&self, name: &str) -> Result<i64, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+}
+
+impl Columns for rusqlite::Row<'_> {
+    fn text(&self, name: &str) -> Result<String, StoreError> {
+        self.get(name).map_err(super::sqlite_writer::writer_error)
+    }
+
+    fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
+        self.get(name).map_err(super::sqlite_writer::writer_error)
+    }
+
+    fn int(&self, name: &str) -> Result<i64, StoreError> {
+        self.get(name).map_err(super::sqlite_writer::writer_error)
+    }
+}
+
+fn request_from_row<R: Columns>(row: &R) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
-        id: row.try_get("id")?,
-        session_id: row.try_get("session_id")?,
-        agent_id: row.try_get("agent_id")?,
-        protocol: row.try_get("protocol")?,
-        owner: row.try_get("owner")?,
-        status: parse_status(&row.try_get::<String, _>("status")?)?,
-        input: parse_json(row.try_get("input")?)?.unwrap_or(Value::Null),
-        output: row.try_get("output")?,
-        error: parse_json(row.try_get("error")?)?,
-        usage: parse_json(row.try_get("usage")?)?,
-        metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
-        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
+        id: row.text("id")?,
+        session_id: row.text("session_id")?,
+        agent_id: row.text("agent_id")?,
+        protocol: row.text("protocol")?,
+        owner: row.text("owner")?,
+        status: parse_status(&row.text("status")?)?,
+        input: row.json("input")?.unwrap_or(Value::Null),
+        output: row.opt_text("output")?,
+        error: row.json("error")?,
+        usage: row.json("usage")?,
+        metadata: row.json("metadata")?.unwrap_or(Value::Null),
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
     })
 }
 
-fn run_from_row(row: &SqliteRow) -> Result<RunRecord, StoreError> {
+fn run_from_row<R: Columns>(row: &R) -> Result<RunRecord, StoreError> {
     Ok(RunRecord {
-        id: row.try_get("id")?,
-        request_id: row.try_get("request_id")?,
-        attempt: row.try_get("attempt")?,
-        status: parse_status(&row.try_get::<String, _>("status")?)?,
-        state: parse_json(row.try_get("state")?)?,
-        error: parse_json(row.try_get("error")?)?,
-        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
-        started_at: parse_time_opt(row.try_get("started_at")?)?,
-        ended_at: parse_time_opt(row.try_get("ended_at")?)?,
-        lease: Lease::from_columns(
-            row.try_get("lease_holder")?,
-            parse_time_opt(row.try_get("lease_expires_at")?)?,
-        ),
-        cancel_requested_by: row.try_get("cancel_requested_by")?,
+        id: row.text("id")?,
+        request_id: row.text("request_id")?,
+        attempt: row.int("attempt")?,
+        status: parse_status(&row.text("status")?)?,
+        state: row.json("state")?,
+        error: row.json("error")?,
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
+        started_at: row.opt_time("started_at")?,
+        ended_at: row.opt_time("ended_at")?,
+        lease: Lease::from_columns(row.opt_text("lease_holder")?, row.opt_time("lease_expires_at")?),
+        cancel_requested_by: row.opt_text("cancel_requested_by")?,
     })
 }
 
@@ -404,30 +451,30 @@ fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
     })
 }
 
-fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
-    let status: String = row.try_get("status")?;
-    let kind: String = row.try_get("kind")?;
+fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> {
+    let status = row.text("status")?;
+    let kind = row.text("kind")?;
     Ok(ApprovalRecord {
-        id: row.try_get("id")?,
-        request_id: row.try_get("request_id")?,
-        run_id: row.try_get("run_id")?,
-        session_id: row.try_get("session_id")?,
-        agent_id: row.try_get("agent_id")?,
-        call_key: row.try_get("call_key")?,
-        execution: row.try_get("execution")?,
+        id: row.text("id")?,
+        request_id: row.text("request_id")?,
+        run_id: row.text("run_id")?,
+        session_id: row.text("session_id")?,
+        agent_id: row.text("agent_id")?,
+        call_key: row.text("call_key")?,
+        execution: row.int("execution")?,
         kind: ApprovalKind::parse(&kind)
             .ok_or_else(|| StoreError::Corrupt(format!("unknown approval kind `{kind}`")))?,
-        tool_call_id: row.try_get("tool_call_id")?,
-        tool_id: row.try_get("tool_id")?,
-        arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
-        rule: row.try_get("rule")?,
+        tool_call_id: row.text("tool_call_id")?,
+        tool_id: row.text("tool_id")?,
+        arguments: row.json("arguments")?.unwrap_or(Value::Null),
+        rule: row.opt_text("rule")?,
         status: ApprovalStatus::parse(&status)
             .ok_or_else(|| StoreError::Corrupt(format!("unknown approval status `{status}`")))?,
-        reason: row.try_get("reason")?,
-        decided_by: row.try_get("decided_by")?,
-        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-        expires_at: parse_time_opt(row.try_get("expires_at")?)?,
-        decided_at: parse_time_opt(row.try_get("decided_at")?)?,
+        reason: row.opt_text("reason")?,
+        decided_by: row.opt_text("decided_by")?,
+        created_at: row.time("created_at")?,
+        expires_at: row.opt_time("expires_at")?,
+        decided_at: row.opt_time("decided_at")?,
     })
 }
 
@@ -454,6 +501,68 @@ impl Store for SqliteStore {
         // The writer is in this process: a commit's outcome is never lost on the way back, so
         // a batch is never tried again after it committed.
         self.writer.apply(ops).await
+    }
+
+    /// One hop to the writer's thread, whose connection holds the request's pages: the view
+    /// of a request that just ended (`wait`) read four round trips to reader threads.
+    async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
+        let id = id.to_owned();
+        self.writer
+            .read(move |connection| {
+                let sqlite = super::sqlite_writer::writer_error;
+                let mut statement = connection
+                    .prepare_cached("SELECT * FROM requests WHERE id = ?1")
+                    .map_err(sqlite)?;
+                let mut rows = statement.query([&id]).map_err(sqlite)?;
+                let Some(row) = rows.next().map_err(sqlite)? else {
+                    return Ok(None);
+                };
+                let request = request_from_row(row)?;
+                let mut runs = Vec::new();
+                let mut statement = connection
+                    .prepare_cached("SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt")
+                    .map_err(sqlite)?;
+                let mut rows = statement.query([&id]).map_err(sqlite)?;
+                while let Some(row) = rows.next().map_err(sqlite)? {
+                    runs.push(run_from_row(row)?);
+                }
+                let mut approvals = Vec::new();
+                let mut statement = connection
+                    .prepare_cached("SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id")
+                    .map_err(sqlite)?;
+                for run in &runs {
+                    let mut rows = statement.query([&run.id]).map_err(sqlite)?;
+                    while let Some(row) = rows.next().map_err(sqlite)? {
+                        approvals.push(approval_from_row(row)?);
+                    }
+                }
+                let charged = connection
+                    .prepare_cached(
+                        "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),
+                           SUM(cost_nanos), SUM(estimated)
+                         FROM usage_records WHERE request_id = ?1",
+                    )
+                    .and_then(|mut statement| {
+                        statement.query_row([&id], |row| {
+                            Ok(UsageTotals::from_sums(
+                                String::new(),
+                                row.get(0)?,
+                                row.get(1)?,
+                                row.get(2)?,
+                                row.get(3)?,
+                                row.get(4)?,
+                            ))
+                        })
+                    })
+                    .map_err(sqlite)?;
+                Ok(Some(RequestInFull {
+                    request,
+                    runs,
+                    approvals,
+                    charged,
+                }))
+            })
+            .await
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {

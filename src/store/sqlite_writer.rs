@@ -58,6 +58,8 @@ enum Job {
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
+    /// A read on the writer's connection, between writes (see [`SqliteWriter::read`]).
+    Read(Box<dyn FnOnce(&Connection) + Send>),
 }
 
 /// A settled call: its ledger record and its budget counters' increments.
@@ -222,6 +224,22 @@ impl SqliteWriter {
         result.await.map_err(|_| stopped())?
     }
 
+    /// Runs the read `work` on the writer's connection, between two transactions. For a
+    /// read of a few rows that follows a write (a request's view once it ended): this
+    /// connection's cache holds the pages it just wrote, and the read costs one hop to this
+    /// thread, where every statement through sqlx's driver costs two. It holds up writes
+    /// while it runs: lists and scans stay on the reader pool.
+    pub async fn read<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (done, result) = oneshot::channel();
+        self.send(Job::Read(Box::new(move |connection| {
+            let _ = done.send(work(connection));
+        })))?;
+        result.await.map_err(|_| stopped())?
+    }
+
     /// Whether a WAL of `frames` frames is long enough to ask for a catch-up.
     pub fn wants_catch_up(&self, frames: i64) -> bool {
         frames.saturating_mul(self.page_size) >= CATCH_UP_BYTES
@@ -246,7 +264,7 @@ fn stopped() -> StoreError {
 
 /// A write failure, classified: the database being busy, out of space or failing I/O may pass
 /// (the journal retries); anything else (a constraint, a malformed value) will not.
-fn writer_error(error: rusqlite::Error) -> StoreError {
+pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
     use rusqlite::ErrorCode as Code;
     match error.sqlite_error_code() {
         Some(
@@ -371,6 +389,7 @@ async fn write_loop(
                 last_seqs.forget();
                 work(&mut connection);
             }
+            Job::Read(work) => work(&connection),
             Job::CatchUp => {
                 charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);
