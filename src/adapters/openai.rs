@@ -346,12 +346,11 @@ impl OpenAiAdapter {
                     .get("delta")
                     .and_then(|delta| delta.get("tool_calls"))
                     .and_then(Value::as_array)
+                    && let Err(error) = calls.feed(fragments)
                 {
-                    if let Err(error) = calls.feed(fragments) {
-                        emit_pending(context, &mut pending).await;
-                        let message = format!("upstream model `{}` sent {error}", model.id);
-                        return Err(malformed(message, output.text.len()));
-                    }
+                    emit_pending(context, &mut pending).await;
+                    let message = format!("upstream model `{}` sent {error}", model.id);
+                    return Err(malformed(message, output.text.len()));
                 }
                 if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
                     output.finish_reason = reason.to_owned();

@@ -544,7 +544,9 @@ impl Writer {
                 }
                 // Counted once the waiters are on their way: a JSON answer waits on the
                 // publication, not on the metrics.
-                published.iter().for_each(|e| crate::metrics::event_committed(e));
+                published
+                    .iter()
+                    .for_each(|e| crate::metrics::event_committed(e));
             }
             Err(_) => {
                 // Give every group its ops back, in order, and try them one by one.
@@ -567,7 +569,9 @@ impl Writer {
             let result = match applied {
                 Ok(numbers) => {
                     let published = self.committed(&numbers, ops);
-                    published.iter().for_each(|e| crate::metrics::event_committed(e));
+                    published
+                        .iter()
+                        .for_each(|e| crate::metrics::event_committed(e));
                     Ok(())
                 }
                 Err(StoreError::Conflict(message)) => Err(JournalError::Conflict(message)),

@@ -25,8 +25,7 @@ use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
     RequestFilter, RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter,
-    SessionRecord, Store,
-    StoreError, StoreStats, ToolCallRecord, WriteOp,
+    SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -404,7 +403,10 @@ fn run_from_row<R: Columns>(row: &R) -> Result<RunRecord, StoreError> {
         updated_at: row.time("updated_at")?,
         started_at: row.opt_time("started_at")?,
         ended_at: row.opt_time("ended_at")?,
-        lease: Lease::from_columns(row.opt_text("lease_holder")?, row.opt_time("lease_expires_at")?),
+        lease: Lease::from_columns(
+            row.opt_text("lease_holder")?,
+            row.opt_time("lease_expires_at")?,
+        ),
         cancel_requested_by: row.opt_text("cancel_requested_by")?,
     })
 }

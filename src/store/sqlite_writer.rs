@@ -58,7 +58,8 @@ enum Job {
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
-    /// A read on the writer's connection, between writes (see [`SqliteWriter::read`]).
+    /// A read on the writer's connection, between writes, after the pending charges (see
+    /// [`SqliteWriter::read`]).
     Read(Box<dyn FnOnce(&Connection) + Send>),
 }
 
@@ -356,14 +357,12 @@ async fn write_loop(
         };
         match job {
             Job::Apply(ops, done) => {
-                let result =
-                    apply(&mut connection, &ops, leases, &charges, &mut last_seqs).map_err(
-                        |abandon| match abandon {
-                            Abandon::Sqlite(error) => writer_error(error),
-                            Abandon::Conflict(message) => StoreError::Conflict(message),
-                            Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
-                        },
-                    );
+                let result = apply(&mut connection, &ops, leases, &charges, &mut last_seqs)
+                    .map_err(|abandon| match abandon {
+                        Abandon::Sqlite(error) => writer_error(error),
+                        Abandon::Conflict(message) => StoreError::Conflict(message),
+                        Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+                    });
                 if result.is_ok() {
                     charges.0.clear();
                 } else {
@@ -389,7 +388,12 @@ async fn write_loop(
                 last_seqs.forget();
                 work(&mut connection);
             }
-            Job::Read(work) => work(&connection),
+            Job::Read(work) => {
+                // A read sees every charge accepted before it (and reads never keep the
+                // idle flush from coming).
+                charges.flush(&mut connection);
+                work(&connection);
+            }
             Job::CatchUp => {
                 charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);

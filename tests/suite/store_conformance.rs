@@ -75,6 +75,7 @@ conformance!(
     memory_merges_duplicates_and_recalls_by_relevance_within_scope,
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
+    a_request_is_read_in_full_with_runs_approvals_and_charges,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1285,6 +1286,82 @@ async fn memory_decisions_compaction_and_deletion(store: Arc<dyn Store>) {
 
 /// Waits for charges the embedded store's writer holds back (they ride along with its next
 /// transaction, or go alone after a short idle time): a read here may come first.
+async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dyn Store>) {
+    use stable_harness::store::spend::UsageRecord;
+    seed(&store, "a", RunStatus::WaitingApproval).await;
+    seed(&store, "b", RunStatus::Running).await;
+    store
+        .apply(&[
+            approval("apr_2", ApprovalStatus::Approved),
+            approval("apr_1", ApprovalStatus::Pending),
+        ])
+        .await
+        .unwrap();
+    let charge = |id: &str, request: &str, prompt: u64, cost: Option<i64>| UsageRecord {
+        id: id.into(),
+        at: Utc::now(),
+        request_id: request.into(),
+        run_id: "run_a".into(),
+        owner: "alice".into(),
+        agent_id: "assistant".into(),
+        session_id: "ses_a".into(),
+        model: "main".into(),
+        source: "model".into(),
+        prompt_tokens: prompt,
+        completion_tokens: 5,
+        cost_nanos: cost,
+        estimated: cost.is_none(),
+    };
+    for record in [
+        charge("use_1", "req_a", 100, Some(2_000)),
+        charge("use_2", "req_a", 20, None),
+        charge("use_3", "req_b", 7, Some(1)),
+    ] {
+        store.record_usage(&record, &[], None).await.unwrap();
+    }
+    // Charges may ride along with the store's next write: read until both show.
+    let full = until(async || {
+        let full = store.request_in_full("req_a").await.unwrap().unwrap();
+        (full.charged.calls == 2).then_some(full)
+    })
+    .await;
+    assert_eq!(full.request.id, "req_a");
+    assert_eq!(full.request.owner, "alice");
+    assert_eq!(full.request.status, RunStatus::WaitingApproval);
+    let runs: Vec<&str> = full.runs.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(runs, ["run_a"]);
+    let approvals: Vec<(&str, ApprovalStatus)> = full
+        .approvals
+        .iter()
+        .map(|a| (a.id.as_str(), a.status))
+        .collect();
+    assert_eq!(
+        approvals,
+        [
+            ("apr_1", ApprovalStatus::Pending),
+            ("apr_2", ApprovalStatus::Approved)
+        ]
+    );
+    assert_eq!(full.charged.prompt_tokens, 120);
+    assert_eq!(full.charged.completion_tokens, 10);
+    assert_eq!(full.charged.estimated_calls, 1);
+    assert!(
+        full.charged
+            .cost
+            .is_some_and(|cost| (cost - 2e-6).abs() < 1e-12)
+    );
+    let other = store.request_in_full("req_b").await.unwrap().unwrap();
+    assert!(other.approvals.is_empty());
+    assert_eq!(other.charged.calls, 1);
+    assert!(
+        store
+            .request_in_full("req_missing")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
 async fn until<T>(mut probe: impl AsyncFnMut() -> Option<T>) -> T {
     for _ in 0..100 {
         if let Some(found) = probe().await {
