@@ -5,6 +5,7 @@
 //! transcript, an event sink, a tool-gateway handle (the only way to run a tool) and a
 //! cancellation signal — and never route on keywords, never hard-code a tool or domain.
 
+mod chat_wire;
 mod openai;
 mod remote;
 mod retry;

@@ -20,6 +20,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use super::chat_wire;
 use super::retry::{AttemptError, refused, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
@@ -291,7 +292,7 @@ impl OpenAiAdapter {
                         usage_reported,
                     });
                 }
-                let Ok(parsed) = serde_json::from_str::<Value>(data) else {
+                let Ok(parsed) = chat_wire::parse(data) else {
                     emit_pending(context, &mut pending).await;
                     let message = format!(
                         "upstream model `{}` sent a malformed stream chunk: {}",
@@ -300,7 +301,10 @@ impl OpenAiAdapter {
                     );
                     return Err(malformed(message, output.text.len()));
                 };
-                if let Some(error) = parsed.get("error") {
+                let Some(parsed) = parsed else {
+                    continue;
+                };
+                if let Some(error) = &parsed.error.0 {
                     emit_pending(context, &mut pending).await;
                     let message = format!(
                         "upstream model `{}` reported an error mid-stream: {}",
@@ -312,16 +316,17 @@ impl OpenAiAdapter {
                         output.text.len(),
                     ));
                 }
-                if let Some(usage) = parsed.get("usage").filter(|u| !u.is_null())
+                if let Some(usage) = parsed.usage.as_ref().filter(|u| !u.is_null())
                     && let Ok(usage) = Usage::deserialize(usage)
                 {
                     output.usage = usage;
                     usage_reported = true;
                 }
-                let Some(choice) = parsed.get("choices").and_then(|c| c.get(0)) else {
+                let Some(choice) = parsed.choice() else {
                     continue;
                 };
-                if let Some(text) = json::str_at(choice, &["delta", "content"])
+                let delta = choice.delta.0.as_ref();
+                if let Some(text) = delta.and_then(|delta| delta.content.as_str())
                     && !text.is_empty()
                 {
                     let room = output_budget.saturating_sub(output.text.len());
@@ -342,17 +347,14 @@ impl OpenAiAdapter {
                     pending.push_str(text);
                     output.text.push_str(text);
                 }
-                if let Some(fragments) = choice
-                    .get("delta")
-                    .and_then(|delta| delta.get("tool_calls"))
-                    .and_then(Value::as_array)
+                if let Some(fragments) = delta.and_then(|delta| delta.tool_calls.0.as_deref())
                     && let Err(error) = calls.feed(fragments)
                 {
                     emit_pending(context, &mut pending).await;
                     let message = format!("upstream model `{}` sent {error}", model.id);
                     return Err(malformed(message, output.text.len()));
                 }
-                if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+                if let Some(reason) = choice.finish_reason.as_str() {
                     output.finish_reason = reason.to_owned();
                 }
             }
@@ -881,11 +883,14 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
             ),
         ))
     };
-    let parsed: Value = serde_json::from_str(text).map_err(|_| malformed())?;
-    let choice = parsed.pointer("/choices/0").ok_or_else(malformed)?;
-    let tool_calls = choice
-        .pointer("/message/tool_calls")
-        .and_then(Value::as_array)
+    let parsed = chat_wire::parse(text)
+        .map_err(|_| malformed())?
+        .ok_or_else(malformed)?;
+    // A first choice must be there; one that is not an object says nothing.
+    let choice = parsed.choices.0.as_ref().ok_or_else(malformed)?.0.as_ref();
+    let message = choice.and_then(|choice| choice.message.0.as_ref());
+    let tool_calls = message
+        .and_then(|message| message.tool_calls.0.as_deref())
         .map(|calls| {
             calls
                 .iter()
@@ -895,14 +900,10 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
                         .and_then(Value::as_str)
                         .unwrap_or_default()
                         .to_owned(),
-                    name: call
-                        .pointer("/function/name")
-                        .and_then(Value::as_str)
+                    name: json::str_at(call, &["function", "name"])
                         .unwrap_or_default()
                         .to_owned(),
-                    arguments: call
-                        .pointer("/function/arguments")
-                        .and_then(Value::as_str)
+                    arguments: json::str_at(call, &["function", "arguments"])
                         .unwrap_or_default()
                         .to_owned(),
                 })
@@ -910,21 +911,20 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
         })
         .unwrap_or_default();
     let usage = parsed
-        .get("usage")
-        .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok());
+        .usage
+        .as_ref()
+        .and_then(|usage| Usage::deserialize(usage).ok());
     let output = RuntimeOutput {
         client_calls: Vec::new(),
         client_turns: Vec::new(),
         cost_usd: None,
-        text: choice
-            .pointer("/message/content")
-            .and_then(Value::as_str)
+        text: message
+            .and_then(|message| message.content.as_str())
             .unwrap_or_default()
             .to_owned(),
         usage: usage.unwrap_or_default(),
         finish_reason: choice
-            .get("finish_reason")
-            .and_then(Value::as_str)
+            .and_then(|choice| choice.finish_reason.as_str())
             .unwrap_or("stop")
             .to_owned(),
     };
