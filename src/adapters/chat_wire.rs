@@ -22,20 +22,24 @@ use serde_json::Value;
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 pub(super) struct ChunkView<'a> {
-    /// The first choice, if `choices` is an array with one: `Some(None)` when that choice
-    /// is not an object.
+    /// `choices`, each an object or nothing (usually one).
     #[serde(borrow)]
-    pub choices: First<Object<ChoiceView<'a>>>,
+    pub choices: Array<Object<ChoiceView<'a>>>,
     /// `usage` as sent (rare: once per call), read into the adapter's type by the caller.
     pub usage: Option<Value>,
     /// `error`, present even when `null` (an upstream reporting an error mid-stream).
     pub error: Present,
 }
 
-impl ChunkView<'_> {
+impl<'a> ChunkView<'a> {
+    /// The first choice, whatever it is: none when `choices` is not a non-empty array.
+    pub fn first_choice(&self) -> Option<&Object<ChoiceView<'a>>> {
+        self.choices.0.as_ref()?.first()
+    }
+
     /// The first choice, when it is an object.
-    pub fn choice(&self) -> Option<&ChoiceView<'_>> {
-        self.choices.0.as_ref().and_then(|choice| choice.0.as_ref())
+    pub fn choice(&self) -> Option<&ChoiceView<'a>> {
+        self.first_choice()?.0.as_ref()
     }
 }
 
@@ -75,16 +79,6 @@ impl<T> Default for Object<T> {
 pub(super) struct Array<T>(pub Option<Vec<T>>);
 
 impl<T> Default for Array<T> {
-    fn default() -> Self {
-        Self(None)
-    }
-}
-
-/// The first element when the value is a non-empty array, else nothing; the rest is skipped.
-#[derive(Debug)]
-pub(super) struct First<T>(pub Option<T>);
-
-impl<T> Default for First<T> {
     fn default() -> Self {
         Self(None)
     }
@@ -213,32 +207,6 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Array<T> {
     }
 }
 
-struct FirstVisitor<T>(PhantomData<T>);
-
-impl<'de, T: Deserialize<'de>> Visitor<'de> for FirstVisitor<T> {
-    type Value = First<T>;
-
-    fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
-        formatter.write_str("any JSON value")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let first = seq.next_element()?;
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(First(first))
-    }
-
-    nothing_for_other_types!();
-    skip_strings!();
-    skip_objects!();
-}
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for First<T> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(FirstVisitor(PhantomData))
-    }
-}
-
 struct StrVisitor;
 
 impl<'de> Visitor<'de> for StrVisitor {
@@ -322,13 +290,13 @@ mod tests {
 
         // A first choice that is not an object is there, with nothing in it.
         let view = parse(r#"{"choices":[42]}"#).unwrap().unwrap();
-        assert!(view.choices.0.is_some());
+        assert!(view.first_choice().is_some());
         assert!(view.choice().is_none());
-        // `choices` that is not an array: no first choice.
+        // `choices` that is not an array, or an empty one: no first choice.
         let view = parse(r#"{"choices":{"0":{}}}"#).unwrap().unwrap();
-        assert!(view.choices.0.is_none());
+        assert!(view.first_choice().is_none());
         let view = parse(r#"{"choices":[]}"#).unwrap().unwrap();
-        assert!(view.choices.0.is_none());
+        assert!(view.first_choice().is_none());
     }
 
     #[test]

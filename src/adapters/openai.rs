@@ -887,7 +887,7 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
         .map_err(|_| malformed())?
         .ok_or_else(malformed)?;
     // A first choice must be there; one that is not an object says nothing.
-    let choice = parsed.choices.0.as_ref().ok_or_else(malformed)?.0.as_ref();
+    let choice = parsed.first_choice().ok_or_else(malformed)?.0.as_ref();
     let message = choice.and_then(|choice| choice.message.0.as_ref());
     let tool_calls = message
         .and_then(|message| message.tool_calls.0.as_deref())

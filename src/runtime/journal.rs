@@ -821,15 +821,20 @@ mod tests {
         (dir, store, journal)
     }
 
-    async fn journal_holding(
-        hold: Duration,
-    ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
+    async fn fresh_store() -> (tempfile::TempDir, Arc<dyn Store>) {
         let dir = tempfile::tempdir().unwrap();
         let store: Arc<dyn Store> = Arc::new(
             SqliteStore::open_file(&dir.path().join("state.db"))
                 .await
                 .unwrap(),
         );
+        (dir, store)
+    }
+
+    async fn journal_holding(
+        hold: Duration,
+    ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
+        let (dir, store) = fresh_store().await;
         let tracker = tokio_util::task::TaskTracker::new();
         let hub = Arc::new(EventHub::default());
         let journal = Journal::start_holding(
@@ -917,12 +922,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_prompt_write_commits_by_itself_while_other_runs_execute() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open_file(&dir.path().join("state.db"))
-                .await
-                .unwrap(),
-        );
+        let (_dir, store) = fresh_store().await;
         let hub = Arc::new(EventHub::default());
         // Two of four slots taken: other runs execute, so the prompt write may wait for
         // their commit, which never comes; the hold far longer than the test is not its.
