@@ -7,7 +7,8 @@
 //!
 //! The reading is as forgiving as the adapter's rules: a field of another type than expected
 //! counts as absent (a `content` that is not a string is no text), never as a malformed
-//! answer. Only a body that is not JSON at all is malformed.
+//! answer. A body that is not JSON is malformed, and so is one that repeats a key this reads
+//! within one object (JSON asks names to be unique; a `Value` kept the last one).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -318,5 +319,8 @@ mod tests {
         assert!(parse("\"text\"").unwrap().is_none());
         assert!(parse("{\"choices\":[").is_err());
         assert!(parse("not json").is_err());
+        assert!(parse(r#"{"choices":[],"choices":[]}"#).is_err());
+        // A repeated key this does not read is skipped like any other.
+        assert!(parse(r#"{"id":"a","id":"b"}"#).unwrap().is_some());
     }
 }
