@@ -88,6 +88,12 @@ impl EventHub {
         }
     }
 
+    /// Ends the live stream of a request that will have no more events here (the store
+    /// refused its first write): its subscribers see the channel closed.
+    pub fn close(&self, request_id: &str) {
+        locked(&self.channels).remove(request_id);
+    }
+
     /// Drops the channel of a request nobody listens to any more.
     pub fn release(&self, request_id: &str) {
         let mut channels = locked(&self.channels);

@@ -463,7 +463,14 @@ impl Writer {
             let (mut urgent, lingers, closed) = {
                 let mut state = queue.state();
                 let taken = state.items.len().min(MAX_BATCH);
-                let mut urgency = if woken { Urgency::Held } else { Urgency::Now };
+                // A hold that has passed commits, whatever woke the writer: a stream of
+                // writes arriving one by one must not stretch it.
+                let expired = deadline.is_some_and(|at| at <= tokio::time::Instant::now());
+                let mut urgency = if woken && !expired {
+                    Urgency::Held
+                } else {
+                    Urgency::Now
+                };
                 for (item, item_urgency) in state.items.drain(..taken) {
                     urgency = urgency.max(item_urgency);
                     items.push(item);
@@ -578,6 +585,13 @@ impl Writer {
                 Err(StoreError::LeaseLost(message)) => Err(JournalError::LeaseLost(message)),
                 Err(error) => {
                     tracing::error!(%error, request = group.request.as_deref(), "the store refused a write group");
+                    // A request whose submit nobody waited on was never stored: its followers
+                    // learn it now instead of waiting for an end that cannot come.
+                    if let Some(request) = &group.request
+                        && ops.iter().any(|op| matches!(op, WriteOp::InsertRequest(_)))
+                    {
+                        self.hub.close(request);
+                    }
                     Err(JournalError::Rejected(error.to_string()))
                 }
             };

@@ -59,6 +59,11 @@ pub type EventStream =
 /// The key of a stored request input naming the session message its history runs through.
 const HISTORY_THROUGH: &str = "historyThrough";
 
+/// What a follower of a request is told when the store refused the request's first write
+/// (the journal's log has the store's own error).
+const REQUEST_NOT_STORED: &str =
+    "the store refused to store this request, so it was not run to its end here";
+
 /// Where a request's run starts: the messages (the session's history path through the
 /// message the input names, if any, then the input's own messages), and the message the
 /// run's answer hangs under (the request's own last message, else the history's end).
@@ -652,15 +657,20 @@ impl Runtime {
         // A live follower is known before the first write, so that every write of the
         // request commits as it comes.
         let streamed = (follow == Some(Following::Live)).then(|| inner.hub.stream(&request_id));
+        // Subscribed before the first write, too: if the store refuses a submit nobody waits
+        // on, the journal closes the request's channel, and the follower must hold it by then.
+        let live = follow.map(|_| inner.hub.subscribe(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable.
-        if request.durable_before_return {
-            inner.journal.commit(Some(&request_id), ops).await?;
+        let written = if request.durable_before_return {
+            inner.journal.commit(Some(&request_id), ops).await
         } else {
-            inner
-                .journal
-                .write_group_now(Some(&request_id), ops)
-                .await?;
+            inner.journal.write_group_now(Some(&request_id), ops).await
+        };
+        if let Err(error) = written {
+            drop(live);
+            inner.hub.release(&request_id);
+            return Err(error.into());
         }
 
         let submitted = Submitted {
@@ -670,10 +680,7 @@ impl Runtime {
             agent_id,
             status,
         };
-        let live = follow.map(|_| Subscription {
-            live: inner.hub.subscribe(&submitted.request_id),
-            streamed,
-        });
+        let live = live.map(|live| Subscription { live, streamed });
         let own_from = run_messages.len();
         self.start_run(run::RunJob {
             submitted: Submitted {
@@ -817,6 +824,10 @@ impl Runtime {
                             last = event.seq;
                             ended = events::is_terminal(&event.event_type);
                             yield Arc::new(event);
+                        }
+                        if closed && !ended {
+                            // Closed with no end stored: the store refused the request.
+                            Err(StoreError::Writer(REQUEST_NOT_STORED.to_owned()))?;
                         }
                         if closed { break; }
                         continue;

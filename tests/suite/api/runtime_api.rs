@@ -233,3 +233,61 @@ async fn following_events_live_resumes_from_last_event_id_without_gaps() {
         "the stream ends after the terminal event"
     );
 }
+
+/// `/v1` and `wait: true` start the run without waiting for the submit to commit. When the
+/// store refuses that submit (here a trigger on `requests`), the client gets the error at once,
+/// not a hang or, at the agent's timeout, a 404 for an id it was never given.
+#[tokio::test]
+async fn a_request_the_store_refuses_is_answered_with_an_error_at_once() {
+    let upstream = MockUpstream::start().await;
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let db = crate::helpers::store_path(app.workspace.path());
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute_batch(
+            "CREATE TRIGGER refuse_marked_requests BEFORE INSERT ON requests
+             WHEN NEW.input LIKE '%refuse-me%'
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;",
+        )
+        .unwrap();
+    let within = std::time::Duration::from_secs(20);
+
+    let (status, body) = tokio::time::timeout(
+        within,
+        app.post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "greeter", "input": { "text": "refuse-me" }, "wait": true }),
+        ),
+    )
+    .await
+    .expect("a refused waiting request was answered at once");
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+
+    let (status, body) = tokio::time::timeout(
+        within,
+        app.post(
+            "/v1/chat/completions",
+            CLIENT_KEY,
+            &json!({ "model": "greeter", "messages": [{ "role": "user", "content": "refuse-me" }] }),
+        ),
+    )
+    .await
+    .expect("a refused /v1 request was answered at once");
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+
+    // Nothing of either was stored, and the next request is served as usual.
+    let stored = crate::helpers::store_rows(&db, "SELECT id FROM requests");
+    assert!(stored.is_empty(), "{stored:?}");
+    let (status, view) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "greeter", "input": { "text": "Ada" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["output"], "Hello Ada!");
+}
