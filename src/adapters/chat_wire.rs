@@ -19,6 +19,8 @@ use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, de};
 use serde_json::Value;
 
+use super::Usage;
+
 /// A completion, or one chunk of a stream (the same fields, `message` or `delta`).
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
@@ -26,7 +28,7 @@ pub(super) struct ChunkView<'a> {
     /// `choices`, each an object or nothing (usually one).
     #[serde(borrow)]
     pub choices: Array<Object<ChoiceView<'a>>>,
-    /// `usage` as sent (rare: once per call), read into the adapter's type by the caller.
+    /// `usage` as sent (rare: once per call); see [`ChunkView::reported_usage`].
     pub usage: Option<Value>,
     /// `error`, present even when `null` (an upstream reporting an error mid-stream).
     pub error: Present,
@@ -41,6 +43,14 @@ impl<'a> ChunkView<'a> {
     /// The first choice, when it is an object.
     pub fn choice(&self) -> Option<&ChoiceView<'a>> {
         self.first_choice()?.0.as_ref()
+    }
+
+    /// The usage reported, when `usage` reads as one (absent, `null` or malformed: none).
+    pub fn reported_usage(&self) -> Option<Usage> {
+        self.usage
+            .as_ref()
+            .filter(|usage| !usage.is_null())
+            .and_then(|usage| Usage::deserialize(usage).ok())
     }
 }
 

@@ -17,7 +17,6 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::chat_wire;
@@ -316,9 +315,7 @@ impl OpenAiAdapter {
                         output.text.len(),
                     ));
                 }
-                if let Some(usage) = parsed.usage.as_ref().filter(|u| !u.is_null())
-                    && let Ok(usage) = Usage::deserialize(usage)
-                {
+                if let Some(usage) = parsed.reported_usage() {
                     output.usage = usage;
                     usage_reported = true;
                 }
@@ -910,10 +907,7 @@ fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptErro
                 .collect()
         })
         .unwrap_or_default();
-    let usage = parsed
-        .usage
-        .as_ref()
-        .and_then(|usage| Usage::deserialize(usage).ok());
+    let usage = parsed.reported_usage();
     let output = RuntimeOutput {
         client_calls: Vec::new(),
         client_turns: Vec::new(),

@@ -373,6 +373,29 @@ impl Columns for rusqlite::Row<'_> {
     }
 }
 
+/// The statements a request's view reads, shared by the reader pool's methods and the
+/// writer-connection read of [`Store::request_in_full`].
+const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
+const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
+const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
+
+/// The rows `sql` selects for `key` on the writer's connection, each mapped by `map`.
+fn writer_rows<T>(
+    connection: &rusqlite::Connection,
+    sql: &str,
+    key: &str,
+    map: impl Fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let sqlite = super::sqlite_writer::writer_error;
+    let mut statement = connection.prepare_cached(sql).map_err(sqlite)?;
+    let mut rows = statement.query([key]).map_err(sqlite)?;
+    let mut mapped = Vec::new();
+    while let Some(row) = rows.next().map_err(sqlite)? {
+        mapped.push(map(row)?);
+    }
+    Ok(mapped)
+}
+
 fn request_from_row<R: Columns>(row: &R) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
         id: row.text("id")?,
@@ -511,32 +534,17 @@ impl Store for SqliteStore {
         let id = id.to_owned();
         self.writer
             .read(move |connection| {
-                let sqlite = super::sqlite_writer::writer_error;
-                let mut statement = connection
-                    .prepare_cached("SELECT * FROM requests WHERE id = ?1")
-                    .map_err(sqlite)?;
-                let mut rows = statement.query([&id]).map_err(sqlite)?;
-                let Some(row) = rows.next().map_err(sqlite)? else {
+                let Some(request) =
+                    writer_rows(connection, REQUEST_BY_ID, &id, |row| request_from_row(row))?.pop()
+                else {
                     return Ok(None);
                 };
-                let request = request_from_row(row)?;
-                let mut runs = Vec::new();
-                let mut statement = connection
-                    .prepare_cached("SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt")
-                    .map_err(sqlite)?;
-                let mut rows = statement.query([&id]).map_err(sqlite)?;
-                while let Some(row) = rows.next().map_err(sqlite)? {
-                    runs.push(run_from_row(row)?);
-                }
+                let runs = writer_rows(connection, RUNS_OF_REQUEST, &id, |row| run_from_row(row))?;
                 let mut approvals = Vec::new();
-                let mut statement = connection
-                    .prepare_cached("SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id")
-                    .map_err(sqlite)?;
                 for run in &runs {
-                    let mut rows = statement.query([&run.id]).map_err(sqlite)?;
-                    while let Some(row) = rows.next().map_err(sqlite)? {
-                        approvals.push(approval_from_row(row)?);
-                    }
+                    approvals.extend(writer_rows(connection, APPROVALS_OF_RUN, &run.id, |row| {
+                        approval_from_row(row)
+                    })?);
                 }
                 let charged = connection
                     .prepare_cached(
@@ -556,7 +564,7 @@ impl Store for SqliteStore {
                             ))
                         })
                     })
-                    .map_err(sqlite)?;
+                    .map_err(super::sqlite_writer::writer_error)?;
                 Ok(Some(RequestInFull {
                     request,
                     runs,
@@ -568,7 +576,7 @@ impl Store for SqliteStore {
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM requests WHERE id = ?")
+        let row = sqlx::query(REQUEST_BY_ID)
             .bind(id)
             .fetch_optional(&self.reader)
             .await?;
@@ -615,7 +623,7 @@ impl Store for SqliteStore {
     }
 
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM runs WHERE request_id = ? ORDER BY attempt")
+        let rows = sqlx::query(RUNS_OF_REQUEST)
             .bind(request_id)
             .fetch_all(&self.reader)
             .await?;
@@ -930,7 +938,7 @@ impl Store for SqliteStore {
     }
 
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM approvals WHERE run_id = ? ORDER BY id")
+        let rows = sqlx::query(APPROVALS_OF_RUN)
             .bind(run_id)
             .fetch_all(&self.reader)
             .await?;
