@@ -16,6 +16,7 @@ pub mod spend;
 mod sqlite;
 mod sqlite_memory;
 mod sqlite_spend;
+mod sqlite_wal_vfs;
 mod sqlite_writer;
 
 use std::path::{Path, PathBuf};

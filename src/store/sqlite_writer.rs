@@ -237,13 +237,22 @@ impl std::fmt::Debug for SqliteWriter {
 impl SqliteWriter {
     /// Opens the (already migrated) database and starts the writer thread.
     pub fn open(path: &Path, max_bytes: Option<u64>, leases: Leases) -> Result<Self, StoreError> {
-        let connection = Connection::open(path).map_err(writer_error)?;
+        // Through the WAL shim, a commit's frames are one write; its syncs are NORMAL's
+        // under the name FULL (see `sqlite_wal_vfs`). Without it, SQLite's own NORMAL.
+        let (connection, synchronous) = match super::sqlite_wal_vfs::register() {
+            Some(vfs) => (
+                Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs),
+                "FULL",
+            ),
+            None => (Connection::open(path), "NORMAL"),
+        };
+        let connection = connection.map_err(writer_error)?;
         // This process owns the store (a lock file), so only an outside tool holding the
         // database can make the writer wait: after 2s that is reported as the store being
         // unavailable (and retried by the journal) rather than a request hanging.
         connection
             .execute_batch(&format!(
-                "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;
                  PRAGMA wal_autocheckpoint = 0;
                  PRAGMA journal_size_limit = {WAL_SIZE_LIMIT};"
             ))
