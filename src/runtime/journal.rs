@@ -3,10 +3,9 @@
 //! Writes arrive in *groups*: ops that belong together (a submit, a run's end, an approval
 //! decision, a tool call's start) are one group and always commit in one transaction. The
 //! writer task applies whatever is queued as one transaction, so a streaming run costs one
-//! commit per burst of tokens, not one per token. The writer task runs on the caller's
-//! runtime: woken by a producer on the same worker thread, it runs right after it, and the
-//! embedded store applies its batch inline there (see [`crate::store::sqlite_writer`]), so
-//! the common commit wakes no other thread.
+//! commit per burst of tokens, not one per token. The writer task runs where the store says
+//! writes are cheapest to hand over ([`Store::writer_runtime`]): on the embedded store, the
+//! writer thread itself, so a commit wakes one thread (its producer's), not three.
 //!
 //! What the journal promises:
 //! - **An acknowledged write has committed.** [`Journal::commit`] resolves only after the
@@ -288,6 +287,7 @@ impl Journal {
         });
         let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
+        let runtime = store.writer_runtime();
         let writer = Writer {
             store,
             hub: Arc::clone(&hub),
@@ -297,7 +297,10 @@ impl Journal {
             hold,
             executing,
         };
-        tracker.spawn(writer.run(Arc::clone(&queue)));
+        match runtime {
+            Some(runtime) => tracker.spawn_on(writer.run(Arc::clone(&queue)), &runtime),
+            None => tracker.spawn(writer.run(Arc::clone(&queue))),
+        };
         Self {
             _producers: Arc::new(Producers(Arc::clone(&queue))),
             queue,

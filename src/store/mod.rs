@@ -189,6 +189,12 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         let applied = self.apply_batch(batch_id, &ops).await;
         (ops, applied)
     }
+    /// Where the journal should run: a store that writes on a thread of its own with a runtime
+    /// there (the embedded store's writer thread) saves each batch two thread wake-ups.
+    /// `None`: the caller's runtime.
+    fn writer_runtime(&self) -> Option<tokio::runtime::Handle> {
+        None
+    }
     /// [`Store::apply_batch`] under a new id.
     async fn apply(&self, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         self.apply_batch(&new_batch_id(), ops).await

@@ -1,7 +1,7 @@
 //! The embedded store: one SQLite file in write-ahead-log mode.
 //!
-//! Writes go through a single writer connection ([`super::sqlite_writer`]) that applies each
-//! batch in one transaction; reads use a small sqlx pool and never wait for the writer (WAL readers see the
+//! Writes go to a single writer thread ([`super::sqlite_writer`]) that applies each batch in one
+//! transaction; reads use a small sqlx pool and never wait for the writer (WAL readers see the
 //! last committed state). `synchronous = NORMAL` in WAL mode makes a commit durable against a
 //! process crash without an fsync per commit, and checkpoints run in the background.
 
@@ -514,6 +514,10 @@ impl Store for SqliteStore {
         self.apply_owned(batch_id, ops.to_vec()).await.1
     }
 
+    fn writer_runtime(&self) -> Option<tokio::runtime::Handle> {
+        Some(self.writer.runtime().clone())
+    }
+
     async fn apply_owned(
         &self,
         _batch_id: &str,
@@ -524,9 +528,8 @@ impl Store for SqliteStore {
         self.writer.apply(ops).await
     }
 
-    /// On the writer's connection, which holds the request's pages: inline when it is free,
-    /// else one hop to the writer's thread. The view of a request that just ended (`wait`)
-    /// read four round trips to reader threads.
+    /// One hop to the writer's thread, whose connection holds the request's pages: the view
+    /// of a request that just ended (`wait`) read four round trips to reader threads.
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = id.to_owned();
         self.writer

@@ -1,16 +1,10 @@
-//! The embedded store's writer: one SQLite connection applying each batch of writes as one
-//! transaction with cached prepared statements, and a thread of its own for the work that
-//! may take long (maintenance, catch-up, idle charges).
+//! The embedded store's writer: one thread owning one SQLite connection, applying each batch of
+//! writes as one transaction with cached prepared statements.
 //!
 //! Why not sqlx here: sqlx's SQLite driver runs every statement on the connection's worker
 //! thread, so a batch of N statements costs N + 2 cross-thread round trips. Measured with
 //! `benches/load.rs`, those hops were most of the latency stable-harness added to a request.
-//! Here a batch costs no hop at all when the connection is free: the journal applies it
-//! inline, on the worker thread its producer woke it on (a transaction is ~0.1 ms at
-//! concurrency 1, a few at 32: short enough for an async worker). When the writer's thread
-//! holds the connection, the batch queues there and costs one round trip. The connection is
-//! behind a lock that the thread takes and a caller only tries. Reads and migrations stay on
-//! sqlx.
+//! Here a batch costs one round trip, whatever its size. Reads and migrations stay on sqlx.
 //!
 //! The writer also keeps the write-ahead log bounded. SQLite reuses the WAL from its start
 //! only when a checkpoint has copied every frame and then a write begins with no reader on
@@ -58,9 +52,8 @@ pub type Applied = (Vec<WriteOp>, Result<Vec<i64>, StoreError>);
 enum Job {
     /// A batch goes to the writer and comes back with its outcome: never copied.
     Apply(Vec<WriteOp>, oneshot::Sender<Applied>),
-    /// A charge was queued where none waited: the idle flush's clock starts (see
-    /// [`PendingCharges`]).
-    Charged,
+    /// A settled call's charge: committed with the next transaction (see [`PendingCharges`]).
+    Charge(Box<Charge>),
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
@@ -74,13 +67,12 @@ enum Job {
 pub type Charge = (UsageRecord, Vec<CounterDelta>);
 
 /// Charges waiting for the writer's next transaction. A charge rides along with the next
-/// batch (it costs no transaction of its own); a batch takes every charge queued before it,
-/// so a charge commits no later than the next write its run makes (its end at the latest).
-/// Written alone when no batch came for [`CHARGE_IDLE`], when [`MAX_PENDING_CHARGES`] wait,
-/// or before maintenance. Its own lock, held only to push or take: queuing a charge never
-/// waits for a transaction.
+/// batch (it costs no transaction, and no round trip, of its own); the writer queue is FIFO,
+/// so it commits no later than the next write its run makes (its end at the latest). Kept
+/// until a transaction holding them commits; written alone when the queue falls idle for
+/// [`CHARGE_IDLE`], when [`MAX_PENDING_CHARGES`] wait, or before maintenance.
 #[derive(Default)]
-struct PendingCharges(std::sync::Mutex<Vec<Charge>>);
+struct PendingCharges(Vec<Charge>);
 
 /// How long charges wait for a batch to ride along with.
 const CHARGE_IDLE: Duration = Duration::from_millis(20);
@@ -88,150 +80,44 @@ const CHARGE_IDLE: Duration = Duration::from_millis(20);
 const MAX_PENDING_CHARGES: usize = 512;
 
 impl PendingCharges {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Charge>> {
-        // Nothing panics while holding the lock; a poisoned one still holds whole charges.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Queues a charge; true when none waited before it (the idle flush must be armed) or
-    /// when enough wait to be written now.
-    fn push(&self, charge: Charge) -> bool {
-        let mut pending = self.lock();
-        // Past the bound (the disk refused every flush for a long while) a charge is
-        // dropped, counted in memory only, rather than memory growing without end.
-        if pending.len() >= MAX_PENDING_CHARGES * 16 {
-            tracing::error!("the store keeps refusing charges; one was dropped");
-            return false;
+    /// Writes every pending charge inside `tx` (cleared only once `tx` commits).
+    fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+        for (record, deltas) in &self.0 {
+            super::sqlite_spend::insert_charge(tx, record, deltas)?;
         }
-        pending.push(charge);
-        pending.len() == 1 || pending.len() >= MAX_PENDING_CHARGES
+        Ok(())
     }
 
-    fn is_empty(&self) -> bool {
-        self.lock().is_empty()
-    }
-
-    fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Takes every queued charge for a transaction; [`PendingCharges::restore`] gives them
-    /// back if it does not commit.
-    fn take(&self) -> Vec<Charge> {
-        std::mem::take(&mut *self.lock())
-    }
-
-    /// Puts charges a transaction did not commit back in front of any queued since.
-    fn restore(&self, mut charges: Vec<Charge>) {
-        if charges.is_empty() {
-            return;
-        }
-        let mut pending = self.lock();
-        charges.append(&mut pending);
-        *pending = charges;
-    }
-
-    /// Commits the queued charges in a transaction of their own.
-    fn flush(&self, connection: &mut Connection) {
-        let charges = self.take();
-        if charges.is_empty() {
+    /// Commits the pending charges in a transaction of their own.
+    fn flush(&mut self, connection: &mut Connection) {
+        if self.0.is_empty() {
             return;
         }
         let result = connection.transaction().and_then(|tx| {
-            write_charges(&tx, &charges)?;
+            self.write(&tx)?;
             tx.commit()
         });
-        if let Err(error) = result {
+        match result {
+            Ok(()) => self.0.clear(),
             // Kept for the next transaction: a full or busy disk passes.
-            tracing::warn!(%error, pending = charges.len(), "charges could not be written yet");
-            self.restore(charges);
+            Err(error) => {
+                tracing::warn!(%error, pending = self.0.len(), "charges could not be written yet")
+            }
         }
-    }
-}
-
-/// Writes `charges` inside `tx`.
-fn write_charges(tx: &rusqlite::Transaction<'_>, charges: &[Charge]) -> rusqlite::Result<()> {
-    for (record, deltas) in charges {
-        super::sqlite_spend::insert_charge(tx, record, deltas)?;
-    }
-    Ok(())
-}
-
-/// The writer's connection and what it remembers between transactions: used by one
-/// transaction at a time, on the writer's thread or inline by the caller (see
-/// [`SqliteWriter::apply`]).
-struct Connected {
-    connection: Connection,
-    last_seqs: LastSeqs,
-}
-
-/// What the writer's handle and its thread share.
-struct Shared {
-    connected: std::sync::Mutex<Connected>,
-    charges: PendingCharges,
-    leases: Leases,
-}
-
-impl Shared {
-    /// The connection, waiting for the transaction that holds it (the writer's thread only:
-    /// a caller on an async worker takes it with `try_lock` or hands the job over).
-    fn connected(&self) -> std::sync::MutexGuard<'_, Connected> {
-        // Nothing panics while holding the lock; a transaction cut short rolls back on drop.
-        self.connected
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn try_connected(&self) -> Option<std::sync::MutexGuard<'_, Connected>> {
-        match self.connected.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    /// Applies `ops` in one transaction with every queued charge.
-    fn apply(&self, connected: &mut Connected, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
-        let charges = self.charges.take();
-        let result = apply(
-            &mut connected.connection,
-            ops,
-            &self.leases,
-            &charges,
-            &mut connected.last_seqs,
-        )
-        .map_err(|abandon| match abandon {
-            Abandon::Sqlite(error) => writer_error(error),
-            Abandon::Conflict(message) => StoreError::Conflict(message),
-            Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
-        });
-        if result.is_err() {
-            // A refused batch never holds back the charges that rode along with it.
-            self.charges.restore(charges);
-            self.charges.flush(&mut connected.connection);
-        }
-        result
     }
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
+#[derive(Debug)]
 pub struct SqliteWriter {
     jobs: mpsc::UnboundedSender<Job>,
-    shared: Arc<Shared>,
+    /// The writer thread's own runtime: a task spawned here hands batches to the writer
+    /// without waking another thread (see [`SqliteWriter::runtime`]).
+    runtime: tokio::runtime::Handle,
     /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
     catch_up_queued: Arc<AtomicBool>,
     /// The database's page size: a WAL frame holds one page.
     page_size: i64,
-}
-
-impl std::fmt::Debug for SqliteWriter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteWriter")
-            .field("page_size", &self.page_size)
-            .finish_non_exhaustive()
-    }
 }
 
 impl SqliteWriter {
@@ -278,15 +164,6 @@ impl SqliteWriter {
         let (jobs, queue) = mpsc::unbounded_channel::<Job>();
         let catch_up_queued = Arc::new(AtomicBool::new(false));
         let queued = Arc::clone(&catch_up_queued);
-        let shared = Arc::new(Shared {
-            connected: std::sync::Mutex::new(Connected {
-                connection,
-                last_seqs: LastSeqs::default(),
-            }),
-            charges: PendingCharges::default(),
-            leases,
-        });
-        let on_thread = Arc::clone(&shared);
         let (started, runtime) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("sqlite-writer".into())
@@ -302,31 +179,31 @@ impl SqliteWriter {
                         return;
                     }
                 };
-                let _ = started.send(Ok(()));
-                runtime.block_on(write_loop(&on_thread, queue, &queued, page_size));
+                let _ = started.send(Ok(runtime.handle().clone()));
+                runtime.block_on(write_loop(connection, queue, &queued, &leases, page_size));
             })
             .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
-        runtime
+        let runtime = runtime
             .recv()
             .map_err(|_| stopped())?
             .map_err(|e| StoreError::Writer(format!("cannot start the writer's runtime: {e}")))?;
         Ok(Self {
             jobs,
-            shared,
+            runtime,
             catch_up_queued,
             page_size,
         })
     }
 
-    /// Applies `ops` in one transaction; returns the events' numbers. When the connection is
-    /// free the caller applies it inline, on its own thread: the common batch costs no thread
-    /// wake-up to hand it over and none to hand it back. When the writer's thread holds the
-    /// connection (maintenance, a read, a catch-up) the batch queues there behind it.
+    /// The writer thread's runtime. Its only other task is the one applying jobs, which runs
+    /// each job to its end before yielding: a task spawned here (the runtime's journal) hands
+    /// a batch over and gets it back within one thread, instead of two wake-ups of another.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
+    }
+
+    /// Applies `ops` in one transaction on the writer thread; returns the events' numbers.
     pub async fn apply(&self, ops: Vec<WriteOp>) -> Applied {
-        if let Some(mut connected) = self.shared.try_connected() {
-            let result = self.shared.apply(&mut connected, &ops);
-            return (ops, result);
-        }
         let (done, result) = oneshot::channel();
         if let Err(mpsc::error::SendError(job)) = self.jobs.send(Job::Apply(ops, done)) {
             let ops = match job {
@@ -342,10 +219,7 @@ impl SqliteWriter {
 
     /// Queues a settled call's charge; it commits with the writer's next transaction.
     pub fn charge(&self, charge: Charge) -> Result<(), StoreError> {
-        if self.shared.charges.push(charge) {
-            self.send(Job::Charged)?;
-        }
-        Ok(())
+        self.send(Job::Charge(Box::new(charge)))
     }
 
     /// Runs `work` on the writer's connection between two transactions and returns its result.
@@ -369,10 +243,6 @@ impl SqliteWriter {
         &self,
         work: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        if let Some(mut connected) = self.shared.try_connected() {
-            self.shared.charges.flush(&mut connected.connection);
-            return work(&connected.connection);
-        }
         let (done, result) = oneshot::channel();
         self.send(Job::Read(Box::new(move |connection| {
             let _ = done.send(work(connection));
@@ -470,21 +340,23 @@ impl From<rusqlite::Error> for Abandon {
 }
 
 async fn write_loop(
-    shared: &Shared,
+    mut connection: Connection,
     mut queue: mpsc::UnboundedReceiver<Job>,
     catch_up_queued: &AtomicBool,
+    leases: &Leases,
     page_size: i64,
 ) {
     let mut last_wait: Option<Instant> = None;
-    let charges = &shared.charges;
+    let mut charges = PendingCharges::default();
+    let mut last_seqs = LastSeqs::default();
     loop {
-        let job = if charges.is_empty() {
+        let job = if charges.0.is_empty() {
             queue.recv().await
         } else {
             match tokio::time::timeout(CHARGE_IDLE, queue.recv()).await {
                 Ok(job) => job,
                 Err(_) => {
-                    charges.flush(&mut shared.connected().connection);
+                    charges.flush(&mut connection);
                     continue;
                 }
             }
@@ -494,34 +366,49 @@ async fn write_loop(
         };
         match job {
             Job::Apply(ops, done) => {
-                let result = shared.apply(&mut shared.connected(), &ops);
+                let result = apply(&mut connection, &ops, leases, &charges, &mut last_seqs)
+                    .map_err(|abandon| match abandon {
+                        Abandon::Sqlite(error) => writer_error(error),
+                        Abandon::Conflict(message) => StoreError::Conflict(message),
+                        Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+                    });
+                if result.is_ok() {
+                    charges.0.clear();
+                } else {
+                    // A refused batch never holds back the charges that rode along with it.
+                    charges.flush(&mut connection);
+                }
                 let _ = done.send((ops, result));
             }
-            Job::Charged => {
-                if charges.len() >= MAX_PENDING_CHARGES {
-                    charges.flush(&mut shared.connected().connection);
+            Job::Charge(charge) => {
+                // Past the bound (the disk refused every flush for a long while) a charge is
+                // dropped, counted in memory only, rather than memory growing without end.
+                if charges.0.len() >= MAX_PENDING_CHARGES * 16 {
+                    tracing::error!("the store keeps refusing charges; one was dropped");
+                    continue;
+                }
+                charges.0.push(*charge);
+                if charges.0.len() % MAX_PENDING_CHARGES == 0 {
+                    charges.flush(&mut connection);
                 }
             }
             Job::Maintain(work) => {
-                let mut connected = shared.connected();
-                charges.flush(&mut connected.connection);
-                connected.last_seqs.forget();
-                work(&mut connected.connection);
+                charges.flush(&mut connection);
+                last_seqs.forget();
+                work(&mut connection);
             }
             Job::Read(work) => {
                 // A read sees every charge accepted before it (and reads never keep the
                 // idle flush from coming).
-                let mut connected = shared.connected();
-                charges.flush(&mut connected.connection);
-                work(&connected.connection);
+                charges.flush(&mut connection);
+                work(&connection);
             }
             Job::CatchUp => {
-                let mut connected = shared.connected();
-                charges.flush(&mut connected.connection);
+                charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);
-                match checkpoint(&connected.connection, "PASSIVE") {
+                match checkpoint(&connection, "PASSIVE") {
                     Ok((_, frames, _)) if frames.saturating_mul(page_size) >= STARVED_BYTES => {
-                        wait_for_readers(&connected.connection, &mut last_wait, frames);
+                        wait_for_readers(&connection, &mut last_wait, frames);
                     }
                     Ok(_) => {}
                     Err(error) => tracing::warn!(%error, "WAL catch-up checkpoint failed"),
@@ -529,7 +416,7 @@ async fn write_loop(
             }
         }
     }
-    charges.flush(&mut shared.connected().connection);
+    charges.flush(&mut connection);
 }
 
 /// A checkpoint in `mode`: (busy, frames in the WAL, frames copied).
@@ -614,11 +501,11 @@ fn apply(
     connection: &mut Connection,
     ops: &[WriteOp],
     leases: &Leases,
-    charges: &[Charge],
+    charges: &PendingCharges,
     last_seqs: &mut LastSeqs,
 ) -> Result<Vec<i64>, Abandon> {
     let tx = connection.transaction()?;
-    write_charges(&tx, charges)?;
+    charges.write(&tx)?;
     let mut numbers = Vec::new();
     // The next number of each request the batch appends to (this writer is the store's only
     // one, so the stored last number plus what the batch appended is exact).
