@@ -116,9 +116,18 @@ unsafe fn extension<'a>(file: *mut ffi::sqlite3_file) -> &'a mut Extension {
         .get()
         .and_then(Option::as_ref)
         .map_or(0, |wrapped| wrapped.extension_offset);
-    // SAFETY: SQLite allocated `szOsFile` bytes for `file`, the extension included, and
-    // `open` initialised it; the default VFS's functions never touch past their own part.
-    unsafe { &mut *file.cast::<u8>().add(offset).cast::<Extension>() }
+    // SAFETY: `open` initialised the extension; the default VFS's functions never touch
+    // past their own part.
+    unsafe { &mut *extension_at(file, offset) }
+}
+
+/// Where the extension of `file` starts.
+///
+/// # Safety
+/// SQLite allocated `szOsFile` bytes for `file`, the extension at `offset` included.
+unsafe fn extension_at(file: *mut ffi::sqlite3_file, offset: usize) -> *mut Extension {
+    // SAFETY: within the file's allocation, as the caller promises.
+    unsafe { file.cast::<u8>().add(offset).cast::<Extension>() }
 }
 
 /// Passes the buffered writes on, in one call.
@@ -170,15 +179,11 @@ unsafe extern "C" fn open(
     unsafe {
         if rc == ffi::SQLITE_OK && flags & ffi::SQLITE_OPEN_WAL != 0 && !(*file).pMethods.is_null()
         {
-            let offset = wrapped.extension_offset;
-            file.cast::<u8>()
-                .add(offset)
-                .cast::<Extension>()
-                .write(Extension {
-                    real: (*file).pMethods,
-                    bytes: Vec::new(),
-                    start: 0,
-                });
+            extension_at(file, wrapped.extension_offset).write(Extension {
+                real: (*file).pMethods,
+                bytes: Vec::new(),
+                start: 0,
+            });
             (*file).pMethods = &WAL_METHODS;
         }
     }
