@@ -307,7 +307,9 @@ async fn kill_9_of_the_instance_holding_a_run_hands_it_to_the_other_after_its_le
 /// A TCP proxy to PostgreSQL the tests can break. Armed with a marker, it cuts the connection
 /// that next sends it (a value bound to a statement: the statement runs and commits) as the
 /// reply comes back, so the client never hears of the commit. Down, it cuts every connection
-/// and closes its port, as an unreachable database would.
+/// and refuses new ones, as an unreachable database would. It keeps its port meanwhile (bound,
+/// not listening): a port it gave back could go to another test's server, and the database
+/// client would then talk to that.
 struct PgProxy {
     port: u16,
     armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -318,7 +320,15 @@ impl PgProxy {
     async fn start(target: std::net::SocketAddr, marker: &'static [u8]) -> Self {
         use std::sync::atomic::{AtomicBool, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // SO_REUSEPORT lets the socket that keeps the port while down be bound before the
+        // listener goes; nothing else can bind it.
+        let bound = |port: u16| {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.set_reuseport(true)?;
+            socket.bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))?;
+            std::io::Result::Ok(socket)
+        };
+        let listener = bound(0).unwrap().listen(1024).unwrap();
         let port = listener.local_addr().unwrap().port();
         let armed = std::sync::Arc::new(AtomicBool::new(false));
         let (down, _) = tokio::sync::watch::channel(false);
@@ -326,15 +336,15 @@ impl PgProxy {
         let downs = down.clone();
         tokio::spawn(async move {
             let mut listener = Some(listener);
+            // Down: the port bound, not listening (connections are refused).
+            let mut kept = None;
             let mut watching = downs.subscribe();
             loop {
-                // Down, the port is closed (connections are refused), as an unreachable
-                // database's would be; up again, it is opened on the same port.
                 let Some(open) = &listener else {
                     let _ = watching.wait_for(|down| !*down).await;
-                    listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-                        .await
-                        .ok();
+                    listener = kept
+                        .take()
+                        .and_then(|socket: tokio::net::TcpSocket| socket.listen(1024).ok());
                     continue;
                 };
                 let client = tokio::select! {
@@ -343,6 +353,7 @@ impl PgProxy {
                         Err(_) => continue,
                     },
                     _ = watching.wait_for(|down| *down) => {
+                        kept = Some(bound(port).expect("the proxy keeps its port"));
                         listener = None;
                         continue;
                     }
