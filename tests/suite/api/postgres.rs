@@ -342,9 +342,11 @@ impl PgProxy {
             loop {
                 let Some(open) = &listener else {
                     let _ = watching.wait_for(|down| !*down).await;
+                    // A failed listen binds the port again on the next turn.
                     listener = kept
                         .take()
-                        .and_then(|socket: tokio::net::TcpSocket| socket.listen(1024).ok());
+                        .or_else(|| bound(port).ok())
+                        .and_then(|socket| socket.listen(1024).ok());
                     continue;
                 };
                 let client = tokio::select! {
