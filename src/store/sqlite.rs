@@ -205,13 +205,19 @@ impl StoreOwnership {
     }
 }
 
-/// Copies the write-ahead log's frames back into the database ten times a second, off the
-/// request path, and asks the writer to catch up (which restarts the WAL, see
+/// How often the checkpointer copies the WAL's frames back into the database. A page the
+/// requests rewrite all the time (an index's last leaf) is copied once per pass, so fewer
+/// passes copy less; and requests that meet a pass are slower, fewer of them with fewer
+/// passes (docs/profiling.md, the fifth pass).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(400);
+
+/// Copies the write-ahead log's frames back into the database every [`CHECKPOINT_EVERY`], off
+/// the request path, and asks the writer to catch up (which restarts the WAL, see
 /// [`super::sqlite_writer`]) once the WAL is past 4 MiB: the writer then has
 /// only the frames of the last moment left to copy. PASSIVE never blocks the writer or
 /// readers; the loop stops by itself when the store is dropped (pool closed).
 async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
     // A failing checkpoint (a full disk) is said once, and again when it passes.
     let mut failing = false;
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

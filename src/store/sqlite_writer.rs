@@ -35,10 +35,12 @@ use super::{ApprovalDecision, StoreError, WriteOp};
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
 /// default auto-checkpoint size: 1,000 pages of 4 KiB).
 const CATCH_UP_BYTES: i64 = 4 * 1024 * 1024;
-/// The WAL file is cut back to this size after each restart.
-const WAL_SIZE_LIMIT: u64 = 16 * 1024 * 1024;
+/// The WAL file is cut back to this size after each restart. Larger than what is written
+/// between two of the checkpointer's passes at full load, so that the file's space is reused
+/// rather than given back and allocated again at every restart.
+const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
 /// A WAL this long means restarts are being starved by readers.
-const STARVED_BYTES: i64 = 32 * 1024 * 1024;
+const STARVED_BYTES: i64 = 128 * 1024 * 1024;
 /// How long the writer waits on a busy database before reporting it unavailable.
 const BUSY_TIMEOUT: Duration = Duration::from_millis(2_000);
 /// How long the writer waits for readers to leave old WAL frames.
