@@ -35,9 +35,10 @@ use super::{ApprovalDecision, StoreError, WriteOp};
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
 /// default auto-checkpoint size: 1,000 pages of 4 KiB).
 const CATCH_UP_BYTES: i64 = 4 * 1024 * 1024;
-/// The WAL file is cut back to this size after each restart. Larger than what is written
-/// between two of the checkpointer's passes at full load, so that the file's space is reused
-/// rather than given back and allocated again at every restart.
+/// The WAL file is cut back to this size after each restart. Under the load benchmark (one
+/// request at a time or 32) the file reached ~89 MB between two of the checkpointer's
+/// passes; cut back to 64 MiB rather than 16, a restart gives back (and the next writes
+/// allocate again) a fraction of what it did (docs/profiling.md, the fifth pass).
 const WAL_SIZE_LIMIT: u64 = 64 * 1024 * 1024;
 /// A WAL this long means restarts are being starved by readers.
 const STARVED_BYTES: i64 = 128 * 1024 * 1024;
