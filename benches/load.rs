@@ -27,7 +27,9 @@
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
 //! `STABLE_HARNESS_BENCH_ONLY=chat:32` runs one phase alone (after the warm-up, printing the
 //! server's pid first), for a profiler to attach to, or to compare two builds on it in
-//! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`.
+//! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`. Such a
+//! phase also reports the bytes the server wrote per request (mostly the store's WAL), a
+//! figure the machine's speed does not move.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -222,8 +224,10 @@ async fn measure(
         };
         println!("server pid {}", servers.pid());
         let cpu_before = servers.cpu_seconds();
+        let written_before = servers.written_bytes();
         let stats = closed_loop(client, &target, workers, phase).await;
         let cpu = servers.cpu_seconds() - cpu_before;
+        let written = servers.written_bytes() - written_before;
         servers.stop();
         let mut figures = Figures::new();
         for (name, value) in [
@@ -232,6 +236,7 @@ async fn measure(
             ("p99 ms", stats.p99),
             ("first ms", stats.first_p50),
             ("CPU ms/request", cpu * 1000.0 / stats.count as f64),
+            ("KiB written/request", written / 1024.0 / stats.count as f64),
         ] {
             figures.insert(name.to_owned(), (value, f64::NAN));
         }
@@ -660,6 +665,12 @@ impl Servers {
         self.children.iter().map(|c| cpu_seconds(c.id())).sum()
     }
 
+    /// Bytes the servers passed to `write` and its kin (the store's WAL and checkpoints, and
+    /// the sockets, whose share is the same from build to build).
+    fn written_bytes(&self) -> f64 {
+        self.children.iter().map(|c| written_bytes(c.id())).sum()
+    }
+
     fn stop(self) {
         self.children.into_iter().for_each(server::stop);
     }
@@ -812,6 +823,17 @@ fn cpu_seconds(pid: u32) -> f64 {
     };
     // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
     (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+fn written_bytes(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .ok()
+        .and_then(|io| {
+            io.lines()
+                .find_map(|l| l.strip_prefix("wchar:"))
+                .and_then(|n| n.trim().parse::<f64>().ok())
+        })
+        .unwrap_or(0.0)
 }
 
 fn write_workspace(root: &Path, upstream: &str) {
