@@ -509,6 +509,33 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
     })
 }
 
+/// A page of requests, newest first. Optional filters are spelled `?n IS NULL OR column = ?n`
+/// so that one prepared statement serves every combination; SQLite plans a statement once,
+/// so such a filter never picks an index and the page walks the primary key backwards. The
+/// two selective filters that have an index get a statement of their own that names them
+/// plainly: a session's requests (`requests_by_session`, read for every archived session)
+/// and an owner's (`requests_by_owner`).
+macro_rules! requests_page {
+    ($session:literal, $owner:literal) => {
+        concat!(
+            "SELECT * FROM requests
+             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
+               AND ",
+            $session,
+            " AND id < COALESCE(?4, '~') AND ",
+            $owner,
+            " AND (?7 IS NULL OR created_at >= ?7) AND (?8 IS NULL OR created_at < ?8)
+             ORDER BY id DESC LIMIT ?5"
+        )
+    };
+}
+const REQUESTS_PAGE: &str = requests_page!(
+    "(?3 IS NULL OR session_id = ?3)",
+    "(?6 IS NULL OR owner = ?6)"
+);
+const REQUESTS_OF_SESSION: &str = requests_page!("session_id = ?3", "(?6 IS NULL OR owner = ?6)");
+const REQUESTS_OF_OWNER: &str = requests_page!("(?3 IS NULL OR session_id = ?3)", "owner = ?6");
+
 /// An event row with the session and agent of its request (events do not repeat them).
 const EVENT_SELECT: &str =
     "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
@@ -594,25 +621,24 @@ impl Store for SqliteStore {
         filter: &RequestFilter,
         page: &PageRequest,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        // Fixed SQL with optional filters: `? IS NULL OR column = ?` keeps it one prepared statement.
-        let rows = sqlx::query(
-            "SELECT * FROM requests
-             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
-               AND (?3 IS NULL OR session_id = ?3) AND id < COALESCE(?4, '~')
-               AND (?6 IS NULL OR owner = ?6)
-               AND (?7 IS NULL OR created_at >= ?7) AND (?8 IS NULL OR created_at < ?8)
-             ORDER BY id DESC LIMIT ?5",
-        )
-        .bind(filter.status.map(RunStatus::as_str))
-        .bind(&filter.agent_id)
-        .bind(&filter.session_id)
-        .bind(&page.cursor)
-        .bind(page.limit + 1)
-        .bind(&filter.owner)
-        .bind(stored_time(filter.created_from.as_ref()))
-        .bind(stored_time(filter.created_before.as_ref()))
-        .fetch_all(&self.reader)
-        .await?;
+        let statement = if filter.session_id.is_some() {
+            REQUESTS_OF_SESSION
+        } else if filter.owner.is_some() {
+            REQUESTS_OF_OWNER
+        } else {
+            REQUESTS_PAGE
+        };
+        let rows = sqlx::query(statement)
+            .bind(filter.status.map(RunStatus::as_str))
+            .bind(&filter.agent_id)
+            .bind(&filter.session_id)
+            .bind(&page.cursor)
+            .bind(page.limit + 1)
+            .bind(&filter.owner)
+            .bind(stored_time(filter.created_from.as_ref()))
+            .bind(stored_time(filter.created_before.as_ref()))
+            .fetch_all(&self.reader)
+            .await?;
         let items = rows
             .iter()
             .map(request_from_row)
@@ -1218,4 +1244,52 @@ fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, S
         duration_ms: row.try_get("duration_ms")?,
         recorded_at: parse_time(&row.try_get::<String, _>("recorded_at")?)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan SQLite chose for `sql`, one line per step.
+    async fn plan(store: &SqliteStore, sql: &str) -> String {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+            .fetch_all(&store.reader)
+            .await
+            .expect("a plan");
+        rows.iter()
+            .map(|row| row.try_get::<String, _>("detail").unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The listings of one session's or one owner's requests exist as statements of their own
+    /// so that they read their index: with `?n IS NULL OR` spellings they would walk every
+    /// request (an archived session's requests, read per session, made a prune quadratic).
+    #[tokio::test]
+    async fn selective_request_listings_read_their_index() {
+        let dir = tempfile::tempdir().expect("a folder");
+        let store = SqliteStore::open_file(&dir.path().join("state.db"))
+            .await
+            .expect("a store");
+        let of_session = plan(&store, REQUESTS_OF_SESSION).await;
+        assert!(of_session.contains("requests_by_session"), "{of_session}");
+        let of_owner = plan(&store, REQUESTS_OF_OWNER).await;
+        assert!(of_owner.contains("requests_by_owner"), "{of_owner}");
+        for (name, sql) in [
+            ("session", REQUESTS_OF_SESSION),
+            ("owner", REQUESTS_OF_OWNER),
+            ("page", REQUESTS_PAGE),
+        ] {
+            let found = plan(&store, sql).await;
+            assert!(!found.contains("TEMP B-TREE"), "{name} sorts: {found}");
+        }
+        let events = plan(
+            &store,
+            &format!(
+                "{EVENT_SELECT} WHERE e.request_id = ?1 AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
+            ),
+        )
+        .await;
+        assert!(events.contains("events_by_request"), "{events}");
+    }
 }
