@@ -1292,4 +1292,82 @@ mod tests {
         .await;
         assert!(events.contains("events_by_request"), "{events}");
     }
+
+    /// A store from before migration 0010 (events in a `WITHOUT ROWID` table) opens with its
+    /// events intact and in order, and its rebuilt table still refuses a number taken twice.
+    #[tokio::test]
+    async fn events_stored_before_their_table_was_rebuilt_survive_it() {
+        let dir = tempfile::tempdir().expect("a folder");
+        let path = dir.path().join("state.db");
+        let options = SqliteConnectOptions::from_str("sqlite://")
+            .expect("options")
+            .filename(&path)
+            .create_if_missing(true)
+            .foreign_keys(true);
+        let old = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .expect("a database");
+        MIGRATOR.run_to(9, &old).await.expect("the schema of 0009");
+        // Inserted out of order: the rebuild must keep them by number, not by arrival.
+        sqlx::raw_sql(
+            "INSERT INTO sessions (id, agent_id, created_at, updated_at)
+                 VALUES ('ses_1', 'support', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
+             INSERT INTO requests (id, session_id, agent_id, protocol, status, input, created_at, updated_at)
+                 VALUES ('req_1', 'ses_1', 'support', 'runtime', 'completed', '[]',
+                         '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
+             INSERT INTO events (request_id, seq, id, run_id, type, at, data) VALUES
+                 ('req_1', 3, 'evt_3', 'run_1', 'runtime.request.completed', '2026-01-01T00:00:03Z', '{\"n\":3}'),
+                 ('req_1', 1, 'evt_1', 'run_1', 'runtime.request.started', '2026-01-01T00:00:01Z', '{\"n\":1}'),
+                 ('req_1', 2, 'evt_2', 'run_1', 'runtime.progress.narration', '2026-01-01T00:00:02Z', '{\"n\":2}');",
+        )
+        .execute(&old)
+        .await
+        .expect("rows of the old schema");
+        old.close().await;
+
+        let store = SqliteStore::open_file(&path)
+            .await
+            .expect("the store, migrated");
+        let events = store.events("req_1", 0, 10).await.expect("its events");
+        let found: Vec<(i64, &str, &str, Value)> = events
+            .iter()
+            .map(|e| {
+                (
+                    e.seq,
+                    e.id.as_str(),
+                    e.session_id.as_str(),
+                    e.data["n"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                (1, "evt_1", "ses_1", Value::from(1)),
+                (2, "evt_2", "ses_1", Value::from(2)),
+                (3, "evt_3", "ses_1", Value::from(3)),
+            ]
+        );
+        assert_eq!(
+            store.events("req_1", 2, 10).await.expect("after 2").len(),
+            1
+        );
+        drop(store);
+
+        let raw = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("the database");
+        let taken = sqlx::query(
+            "INSERT INTO events (request_id, seq, id, run_id, type, at, data)
+             VALUES ('req_1', 2, 'evt_x', 'run_1', 'runtime.progress.narration', '2026-01-01T00:00:04Z', '{}')",
+        )
+        .execute(&raw)
+        .await
+        .expect_err("a number taken twice");
+        assert!(taken.to_string().contains("UNIQUE"), "{taken}");
+    }
 }
