@@ -537,9 +537,21 @@ const REQUESTS_OF_SESSION: &str = requests_page!("session_id = ?3", "(?6 IS NULL
 const REQUESTS_OF_OWNER: &str = requests_page!("(?3 IS NULL OR session_id = ?3)", "owner = ?6");
 
 /// An event row with the session and agent of its request (events do not repeat them).
-const EVENT_SELECT: &str =
-    "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
-     FROM events e JOIN requests r ON r.id = e.request_id";
+macro_rules! event_select {
+    ($condition:literal) => {
+        concat!(
+            "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
+             FROM events e JOIN requests r ON r.id = e.request_id WHERE ",
+            $condition,
+            " AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
+        )
+    };
+}
+/// A request's events after `?2` (`events_by_request`).
+const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
+/// A run's events after `?2`, within its request's key range: events have no index by run.
+const EVENTS_OF_RUN: &str =
+    event_select!("e.request_id = (SELECT request_id FROM runs WHERE id = ?1) AND e.run_id = ?1");
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
@@ -816,9 +828,7 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        let sql =
-            format!("{EVENT_SELECT} WHERE e.request_id = ? AND e.seq > ? ORDER BY e.seq LIMIT ?");
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        let rows = sqlx::query(EVENTS_OF_REQUEST)
             .bind(request_id)
             .bind(after)
             .bind(limit)
@@ -833,12 +843,7 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        // Within the run's request's key range: events have no index by run.
-        let sql = format!(
-            "{EVENT_SELECT} WHERE e.request_id = (SELECT request_id FROM runs WHERE id = ?1)
-             AND e.run_id = ?1 AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
-        );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        let rows = sqlx::query(EVENTS_OF_RUN)
             .bind(run_id)
             .bind(after)
             .bind(limit)
@@ -1283,13 +1288,7 @@ mod tests {
             let found = plan(&store, sql).await;
             assert!(!found.contains("TEMP B-TREE"), "{name} sorts: {found}");
         }
-        let events = plan(
-            &store,
-            &format!(
-                "{EVENT_SELECT} WHERE e.request_id = ?1 AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
-            ),
-        )
-        .await;
+        let events = plan(&store, EVENTS_OF_REQUEST).await;
         assert!(events.contains("events_by_request"), "{events}");
     }
 
