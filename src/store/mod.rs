@@ -7,6 +7,7 @@
 //! the runtime's journal groups a streaming run's events into few commits. Migrations live in
 //! `migrations/<database>/` and run when a store is opened.
 
+mod conditions;
 mod model;
 mod postgres;
 mod postgres_memory;

@@ -34,6 +34,7 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow}
 use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use super::conditions::Conditions;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -299,15 +300,19 @@ const EVENT_SELECT: &str =
 
 /// The sessions a prune may remove; the same conditions as the embedded store's
 /// (`$1`: per-agent cutoffs, a JSON object; `$2`: everyone else's or NULL; `$3`: minKeep;
-/// `$4`: after this id; `$5`: limit; `$6`: only among these ids, or NULL).
-const PRUNABLE_SESSIONS: &str = "
+/// `$4`: after this id (`after`); `$5`: limit; `$6`: only among these ids (`among`)).
+fn prunable_sessions(after: bool, among: bool) -> String {
+    let conditions = Conditions::new()
+        .filter(after, "s.id > $4", "$4::text")
+        .filter(among, "s.id = ANY($6)", "$6::text[]");
+    format!(
+        "
 WITH kept AS (
     SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
     ORDER BY id DESC LIMIT $3
 )
 SELECT s.id FROM sessions s
-WHERE ($4::text IS NULL OR s.id > $4)
-  AND ($6::text[] IS NULL OR s.id = ANY($6))
+WHERE {conditions}
   AND s.updated_at < COALESCE(($1::jsonb ->> s.agent_id)::timestamptz, $2::timestamptz, '-infinity')
   AND NOT EXISTS (SELECT 1 FROM sessions f WHERE f.metadata -> 'forkedFrom' ->> 'sessionId' = s.id)
   AND NOT EXISTS (
@@ -318,7 +323,9 @@ WHERE ($4::text IS NULL OR s.id > $4)
         OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
                    AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
-ORDER BY s.id LIMIT $5";
+ORDER BY s.id LIMIT $5"
+    )
+}
 
 /// How this store's SQL names the set of session ids a prune counts or deletes.
 const IN_SESSIONS: &str = "= ANY($1)";
@@ -457,25 +464,34 @@ impl Store for PostgresStore {
         filter: &RequestFilter,
         page: &PageRequest,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM requests
-             WHERE ($1::text IS NULL OR status = $1) AND ($2::text IS NULL OR agent_id = $2)
-               AND ($3::text IS NULL OR session_id = $3) AND id < COALESCE($4::text, '~')
-               AND ($6::text IS NULL OR owner = $6)
-               AND ($7::timestamptz IS NULL OR created_at >= $7)
-               AND ($8::timestamptz IS NULL OR created_at < $8)
-             ORDER BY id DESC LIMIT $5",
-        )
-        .bind(filter.status.map(RunStatus::as_str))
-        .bind(filter.agent_id.as_deref().map(text))
-        .bind(filter.session_id.as_deref().map(text))
-        .bind(page.cursor.as_deref().map(text))
-        .bind(page.limit + 1)
-        .bind(filter.owner.as_deref().map(text))
-        .bind(filter.created_from)
-        .bind(filter.created_before)
-        .fetch_all(&self.pool)
-        .await?;
+        let conditions = Conditions::new()
+            .filter(filter.status.is_some(), "status = $1", "$1::text")
+            .filter(filter.agent_id.is_some(), "agent_id = $2", "$2::text")
+            .filter(filter.session_id.is_some(), "session_id = $3", "$3::text")
+            .always("id < COALESCE($4::text, '~')")
+            .filter(filter.owner.is_some(), "owner = $6", "$6::text")
+            .filter(
+                filter.created_from.is_some(),
+                "created_at >= $7",
+                "$7::timestamptz",
+            )
+            .filter(
+                filter.created_before.is_some(),
+                "created_at < $8",
+                "$8::timestamptz",
+            );
+        let sql = format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(filter.status.map(RunStatus::as_str))
+            .bind(filter.agent_id.as_deref().map(text))
+            .bind(filter.session_id.as_deref().map(text))
+            .bind(page.cursor.as_deref().map(text))
+            .bind(page.limit + 1)
+            .bind(filter.owner.as_deref().map(text))
+            .bind(filter.created_from)
+            .bind(filter.created_before)
+            .fetch_all(&self.pool)
+            .await?;
         let items = rows
             .iter()
             .map(request_from_row)
@@ -741,18 +757,19 @@ impl Store for PostgresStore {
         filter: &SessionFilter,
         page: &PageRequest,
     ) -> Result<Page<SessionRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM sessions
-             WHERE ($1::text IS NULL OR agent_id = $1) AND ($2::text IS NULL OR owner = $2)
-               AND ($3::text IS NULL OR id < $3)
-             ORDER BY id DESC LIMIT $4",
-        )
-        .bind(filter.agent_id.as_deref().map(text))
-        .bind(filter.owner.as_deref().map(text))
-        .bind(page.cursor.as_deref().map(text))
-        .bind(page.limit + 1)
-        .fetch_all(&self.pool)
-        .await?;
+        // Clients choose session ids: no stand-in value (`COALESCE($3, '~')`) bounds them.
+        let conditions = Conditions::new()
+            .filter(filter.agent_id.is_some(), "agent_id = $1", "$1::text")
+            .filter(filter.owner.is_some(), "owner = $2", "$2::text")
+            .filter(page.cursor.is_some(), "id < $3", "$3::text");
+        let sql = format!("SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT $4");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(filter.agent_id.as_deref().map(text))
+            .bind(filter.owner.as_deref().map(text))
+            .bind(page.cursor.as_deref().map(text))
+            .bind(page.limit + 1)
+            .fetch_all(&self.pool)
+            .await?;
         let items = rows
             .iter()
             .map(session_from_row)
@@ -773,15 +790,16 @@ impl Store for PostgresStore {
         status: Option<ApprovalStatus>,
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM approvals WHERE ($1::text IS NULL OR status = $1) AND id < COALESCE($2::text, '~')
-             ORDER BY id DESC LIMIT $3",
-        )
-        .bind(status.map(ApprovalStatus::as_str))
-        .bind(page.cursor.as_deref().map(text))
-        .bind(page.limit + 1)
-        .fetch_all(&self.pool)
-        .await?;
+        let conditions = Conditions::new()
+            .filter(status.is_some(), "status = $1", "$1::text")
+            .always("id < COALESCE($2::text, '~')");
+        let sql = format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT $3");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(status.map(ApprovalStatus::as_str))
+            .bind(page.cursor.as_deref().map(text))
+            .bind(page.limit + 1)
+            .fetch_all(&self.pool)
+            .await?;
         let items = rows
             .iter()
             .map(approval_from_row)
@@ -873,7 +891,8 @@ impl Store for PostgresStore {
         after: Option<&str>,
         limit: i64,
     ) -> Result<Vec<String>, StoreError> {
-        let ids: Vec<String> = sqlx::query_scalar(PRUNABLE_SESSIONS)
+        let sql = prunable_sessions(after.is_some(), false);
+        let ids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .bind(agent_cutoffs(&filter.agent_cutoffs))
             .bind(&filter.default_cutoff)
             .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
@@ -910,15 +929,16 @@ impl Store for PostgresStore {
                 .bind(sessions)
                 .fetch_all(&mut *tx)
                 .await?;
-        let still: Vec<String> = sqlx::query_scalar(PRUNABLE_SESSIONS)
-            .bind(agent_cutoffs(&filter.agent_cutoffs))
-            .bind(&filter.default_cutoff)
-            .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
-            .bind(None::<String>)
-            .bind(i64::try_from(locked.len()).unwrap_or(i64::MAX))
-            .bind(&locked)
-            .fetch_all(&mut *tx)
-            .await?;
+        let still: Vec<String> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(prunable_sessions(false, true)))
+                .bind(agent_cutoffs(&filter.agent_cutoffs))
+                .bind(&filter.default_cutoff)
+                .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
+                .bind(None::<String>)
+                .bind(i64::try_from(locked.len()).unwrap_or(i64::MAX))
+                .bind(&locked)
+                .fetch_all(&mut *tx)
+                .await?;
         let mut counts = [0; 8];
         for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
             *count = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))

@@ -5,6 +5,7 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
+use super::conditions::Conditions;
 use super::postgres::{PostgresStore, json, text};
 use super::{
     CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, MemoryStore, MemoryTransition, Page,
@@ -106,21 +107,26 @@ impl MemoryStore for PostgresStore {
         page: &PageRequest,
     ) -> Result<Page<MemoryRecord>, StoreError> {
         let words = (!filter.words.is_empty()).then(|| any_of(&filter.words));
-        let rows = sqlx::query(
-            "SELECT * FROM memories
-             WHERE ($1::text IS NULL OR namespace = $1) AND ($2::text IS NULL OR status = $2)
-               AND ($3::text IS NULL OR owner = $3) AND id < COALESCE($4::text, '~')
-               AND ($5::text IS NULL OR words @@ to_tsquery('english', $5))
-             ORDER BY id DESC LIMIT $6",
-        )
-        .bind(filter.namespace.as_deref().map(text))
-        .bind(filter.status.map(MemoryStatus::as_str))
-        .bind(filter.owner.as_deref().map(text))
-        .bind(page.cursor.as_deref().map(text))
-        .bind(words)
-        .bind(page.limit + 1)
-        .fetch_all(&self.pool)
-        .await?;
+        let conditions = Conditions::new()
+            .filter(filter.namespace.is_some(), "namespace = $1", "$1::text")
+            .filter(filter.status.is_some(), "status = $2", "$2::text")
+            .filter(filter.owner.is_some(), "owner = $3", "$3::text")
+            .always("id < COALESCE($4::text, '~')")
+            .filter(
+                words.is_some(),
+                "words @@ to_tsquery('english', $5)",
+                "$5::text",
+            );
+        let sql = format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT $6");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(filter.namespace.as_deref().map(text))
+            .bind(filter.status.map(MemoryStatus::as_str))
+            .bind(filter.owner.as_deref().map(text))
+            .bind(page.cursor.as_deref().map(text))
+            .bind(words)
+            .bind(page.limit + 1)
+            .fetch_all(&self.pool)
+            .await?;
         let items = rows
             .iter()
             .map(memory_from_row)

@@ -7,6 +7,7 @@
 use sqlx::Row;
 
 use super::StoreError;
+use super::conditions::Conditions;
 use super::postgres::{PostgresStore, text};
 use super::spend::{
     Amount, Claim, ClaimRefused, CounterDelta, CounterKey, RateBucket, RateTake, SpendStore,
@@ -157,18 +158,21 @@ impl SpendStore for PostgresStore {
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
         let group = UsageGroupBy::column(group_by, "to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD')");
-        let request = filter.request_condition("request_id = $7", "$7::TEXT IS NULL");
-        // Only fixed expressions are formatted in (the grouping, the request condition); every
-        // value is bound.
+        let conditions = Conditions::new()
+            .filter(filter.owner.is_some(), "owner = $1", "$1::TEXT")
+            .filter(filter.agent_id.is_some(), "agent_id = $2", "$2::TEXT")
+            .filter(filter.session_id.is_some(), "session_id = $3", "$3::TEXT")
+            .filter(filter.model.is_some(), "model = $4", "$4::TEXT")
+            .filter(filter.from.is_some(), "at >= $5", "$5::TIMESTAMPTZ")
+            .filter(filter.to.is_some(), "at < $6", "$6::TIMESTAMPTZ")
+            .filter(filter.request_id.is_some(), "request_id = $7", "$7::TEXT");
+        // Only fixed expressions are formatted in (the grouping, the conditions); every value
+        // is bound.
         let sql = format!(
             "SELECT {group} AS grp, COUNT(*)::BIGINT AS calls,
                SUM(prompt_tokens)::BIGINT AS prompt, SUM(completion_tokens)::BIGINT AS completion,
                SUM(cost_nanos)::BIGINT AS cost, COUNT(*) FILTER (WHERE estimated)::BIGINT AS estimated
-             FROM usage_records
-             WHERE ($1::TEXT IS NULL OR owner = $1) AND ($2::TEXT IS NULL OR agent_id = $2)
-               AND ($3::TEXT IS NULL OR session_id = $3) AND ($4::TEXT IS NULL OR model = $4)
-               AND ($5::TIMESTAMPTZ IS NULL OR at >= $5) AND ($6::TIMESTAMPTZ IS NULL OR at < $6)
-               AND {request}
+             FROM usage_records WHERE {conditions}
              GROUP BY grp ORDER BY grp"
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))

@@ -193,24 +193,6 @@ pub struct UsageFilter {
     pub to: Option<DateTime<Utc>>,
 }
 
-impl UsageFilter {
-    /// The query's condition on the request: `filtered` when one is asked for, else
-    /// `unfiltered` (which still names the bound parameter). A fixed `? IS NULL OR
-    /// request_id = ?` would keep the planner from the request index, so one request's view
-    /// would scan the whole ledger.
-    pub(crate) fn request_condition(
-        &self,
-        filtered: &'static str,
-        unfiltered: &'static str,
-    ) -> &'static str {
-        if self.request_id.is_some() {
-            filtered
-        } else {
-            unfiltered
-        }
-    }
-}
-
 /// Usage added up over a group of records.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

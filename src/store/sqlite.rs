@@ -19,6 +19,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
+use super::conditions::Conditions;
 use super::spend::UsageTotals;
 use super::sqlite_writer::{Leases, SqliteWriter};
 use super::{
@@ -281,16 +282,22 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
 /// The sessions a prune may remove: idle past the cutoff of their agent, with every request
 /// ended past the cutoff of its own agent, none among the newest `min_keep` ended requests,
 /// no pending approval and no live run. An agent without a cutoff keeps everything (`?1`:
-/// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL; `?6`: only among these
-/// ids, a JSON array, or NULL).
-const PRUNABLE_SESSIONS: &str = r#"
+/// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL; `?3`: minKeep; `?4`:
+/// after this id (`after`); `?5`: limit; `?6`: only among these ids, a JSON array (`among`)).
+fn prunable_sessions(after: bool, among: bool) -> String {
+    let conditions = Conditions::new().filter(after, "s.id > ?4", "?4").filter(
+        among,
+        "s.id IN (SELECT value FROM json_each(?6))",
+        "?6",
+    );
+    format!(
+        r#"
 WITH kept AS (
     SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
     ORDER BY id DESC LIMIT ?3
 )
 SELECT s.id FROM sessions s
-WHERE (?4 IS NULL OR s.id > ?4)
-  AND (?6 IS NULL OR s.id IN (SELECT value FROM json_each(?6)))
+WHERE {conditions}
   AND s.updated_at < COALESCE(json_extract(?1, '$."' || s.agent_id || '"'), ?2, '')
   AND NOT EXISTS (SELECT 1 FROM sessions f
                   WHERE json_extract(f.metadata, '$.forkedFrom.sessionId') = s.id)
@@ -302,7 +309,9 @@ WHERE (?4 IS NULL OR s.id > ?4)
         OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
                    AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
-ORDER BY s.id LIMIT ?5"#;
+ORDER BY s.id LIMIT ?5"#
+    )
+}
 
 /// Maintenance records kept (the newest).
 const MAINTENANCE_KEPT: u32 = 1_000;
@@ -509,32 +518,28 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
     })
 }
 
-/// A page of requests, newest first. Optional filters are spelled `?n IS NULL OR column = ?n`
-/// so that one prepared statement serves every combination; SQLite plans a statement once,
-/// so such a filter never picks an index and the page walks the primary key backwards. The
-/// two selective filters that have an index get a statement of their own that names them
-/// plainly: a session's requests (`requests_by_session`, read for every archived session)
-/// and an owner's (`requests_by_owner`).
-macro_rules! requests_page {
-    ($session:literal, $owner:literal) => {
-        concat!(
-            "SELECT * FROM requests
-             WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR agent_id = ?2)
-               AND ",
-            $session,
-            " AND id < COALESCE(?4, '~') AND ",
-            $owner,
-            " AND (?7 IS NULL OR created_at >= ?7) AND (?8 IS NULL OR created_at < ?8)
-             ORDER BY id DESC LIMIT ?5"
-        )
-    };
+/// A page of requests, newest first, with only the filters given spelled as tests (see
+/// [`Conditions`]): one session's requests read `requests_by_session` (every archived
+/// session's are read), one owner's `requests_by_owner`.
+fn requests_page(filter: &RequestFilter) -> String {
+    let conditions = Conditions::new()
+        .filter(filter.status.is_some(), "status = ?1", "?1")
+        .filter(filter.agent_id.is_some(), "agent_id = ?2", "?2")
+        .filter(filter.session_id.is_some(), "session_id = ?3", "?3")
+        .always("id < COALESCE(?4, '~')")
+        .filter(filter.owner.is_some(), "owner = ?6", "?6")
+        .filter(filter.created_from.is_some(), "created_at >= ?7", "?7")
+        .filter(filter.created_before.is_some(), "created_at < ?8", "?8");
+    format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT ?5")
 }
-const REQUESTS_PAGE: &str = requests_page!(
-    "(?3 IS NULL OR session_id = ?3)",
-    "(?6 IS NULL OR owner = ?6)"
-);
-const REQUESTS_OF_SESSION: &str = requests_page!("session_id = ?3", "(?6 IS NULL OR owner = ?6)");
-const REQUESTS_OF_OWNER: &str = requests_page!("(?3 IS NULL OR session_id = ?3)", "owner = ?6");
+
+/// A page of approvals, newest first; one status's read `approvals_by_status`.
+fn approvals_page(status: Option<ApprovalStatus>) -> String {
+    let conditions = Conditions::new()
+        .filter(status.is_some(), "status = ?1", "?1")
+        .always("id < COALESCE(?2, '~')");
+    format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT ?3")
+}
 
 /// An event row with the session and agent of its request (events do not repeat them).
 macro_rules! event_select {
@@ -633,14 +638,7 @@ impl Store for SqliteStore {
         filter: &RequestFilter,
         page: &PageRequest,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        let statement = if filter.session_id.is_some() {
-            REQUESTS_OF_SESSION
-        } else if filter.owner.is_some() {
-            REQUESTS_OF_OWNER
-        } else {
-            REQUESTS_PAGE
-        };
-        let rows = sqlx::query(statement)
+        let rows = sqlx::query(sqlx::AssertSqlSafe(requests_page(filter)))
             .bind(filter.status.map(RunStatus::as_str))
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
@@ -918,18 +916,19 @@ impl Store for SqliteStore {
         filter: &SessionFilter,
         page: &PageRequest,
     ) -> Result<Page<SessionRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM sessions
-             WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 IS NULL OR owner = ?2)
-               AND (?3 IS NULL OR id < ?3)
-             ORDER BY id DESC LIMIT ?4",
-        )
-        .bind(&filter.agent_id)
-        .bind(&filter.owner)
-        .bind(&page.cursor)
-        .bind(page.limit + 1)
-        .fetch_all(&self.reader)
-        .await?;
+        // Clients choose session ids: no stand-in value (`COALESCE(?3, '~')`) bounds them.
+        let conditions = Conditions::new()
+            .filter(filter.agent_id.is_some(), "agent_id = ?1", "?1")
+            .filter(filter.owner.is_some(), "owner = ?2", "?2")
+            .filter(page.cursor.is_some(), "id < ?3", "?3");
+        let sql = format!("SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT ?4");
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&filter.agent_id)
+            .bind(&filter.owner)
+            .bind(&page.cursor)
+            .bind(page.limit + 1)
+            .fetch_all(&self.reader)
+            .await?;
         let items = rows
             .iter()
             .map(session_from_row)
@@ -950,15 +949,12 @@ impl Store for SqliteStore {
         status: Option<ApprovalStatus>,
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT * FROM approvals WHERE (?1 IS NULL OR status = ?1) AND id < COALESCE(?2, '~')
-             ORDER BY id DESC LIMIT ?3",
-        )
-        .bind(status.map(ApprovalStatus::as_str))
-        .bind(&page.cursor)
-        .bind(page.limit + 1)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(approvals_page(status)))
+            .bind(status.map(ApprovalStatus::as_str))
+            .bind(&page.cursor)
+            .bind(page.limit + 1)
+            .fetch_all(&self.reader)
+            .await?;
         let items = rows
             .iter()
             .map(approval_from_row)
@@ -1058,7 +1054,8 @@ impl Store for SqliteStore {
     ) -> Result<Vec<String>, StoreError> {
         let agents = serde_json::to_string(&filter.agent_cutoffs)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let rows = sqlx::query(PRUNABLE_SESSIONS)
+        let sql = prunable_sessions(after.is_some(), false);
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(agents)
             .bind(&filter.default_cutoff)
             .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
@@ -1103,7 +1100,7 @@ impl Store for SqliteStore {
                 // Judged again inside the writer's transaction: a session continued since it
                 // was listed is live again and stays.
                 let still: Vec<String> = tx
-                    .prepare(PRUNABLE_SESSIONS)?
+                    .prepare(&prunable_sessions(false, true))?
                     .query_map(
                         rusqlite::params![
                             agents,
@@ -1267,29 +1264,91 @@ mod tests {
             .join("\n")
     }
 
-    /// The listings of one session's or one owner's requests exist as statements of their own
-    /// so that they read their index: with `?n IS NULL OR` spellings they would walk every
-    /// request (an archived session's requests, read per session, made a prune quadratic).
+    /// Every listing spells only the filters given, so a selective filter reads its index: with
+    /// `?n IS NULL OR column = ?n` SQLite planned one statement for every value and walked the
+    /// whole table (an archived session's requests, read per session, made a prune
+    /// quadratic). Unfiltered pages walk the key backwards without sorting.
     #[tokio::test]
-    async fn selective_request_listings_read_their_index() {
+    async fn listings_read_the_index_of_the_filter_given() {
+        use super::super::spend::UsageFilter;
+        use super::super::{MemoryFilter, MemoryStatus};
         let dir = tempfile::tempdir().expect("a folder");
         let store = SqliteStore::open_file(&dir.path().join("state.db"))
             .await
             .expect("a store");
-        let of_session = plan(&store, REQUESTS_OF_SESSION).await;
-        assert!(of_session.contains("requests_by_session"), "{of_session}");
-        let of_owner = plan(&store, REQUESTS_OF_OWNER).await;
-        assert!(of_owner.contains("requests_by_owner"), "{of_owner}");
-        for (name, sql) in [
-            ("session", REQUESTS_OF_SESSION),
-            ("owner", REQUESTS_OF_OWNER),
-            ("page", REQUESTS_PAGE),
-        ] {
-            let found = plan(&store, sql).await;
-            assert!(!found.contains("TEMP B-TREE"), "{name} sorts: {found}");
+        let given = || Some("x".to_owned());
+        let reads = [
+            (
+                requests_page(&RequestFilter {
+                    session_id: given(),
+                    ..RequestFilter::default()
+                }),
+                "requests_by_session",
+            ),
+            (
+                requests_page(&RequestFilter {
+                    owner: given(),
+                    status: Some(RunStatus::Completed),
+                    ..RequestFilter::default()
+                }),
+                "requests_by_owner",
+            ),
+            (
+                approvals_page(Some(ApprovalStatus::Pending)),
+                "approvals_by_status",
+            ),
+            (
+                super::super::sqlite_memory::memories_page(&MemoryFilter {
+                    status: Some(MemoryStatus::Active),
+                    ..MemoryFilter::default()
+                }),
+                "memories_by_status",
+            ),
+            (
+                super::super::sqlite_memory::memories_page(&MemoryFilter {
+                    owner: given(),
+                    ..MemoryFilter::default()
+                }),
+                "memories_by_owner",
+            ),
+            (
+                super::super::sqlite_spend::usage_totals(
+                    &UsageFilter {
+                        from: Some(Utc::now()),
+                        ..UsageFilter::default()
+                    },
+                    None,
+                ),
+                "usage_records_at",
+            ),
+            (
+                super::super::sqlite_spend::usage_totals(
+                    &UsageFilter {
+                        request_id: given(),
+                        ..UsageFilter::default()
+                    },
+                    None,
+                ),
+                "usage_records_request",
+            ),
+            (
+                prunable_sessions(false, true),
+                "SEARCH s USING INDEX sqlite_autoindex_sessions_1 (id=?)",
+            ),
+            (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
+        ];
+        for (sql, index) in reads {
+            let found = plan(&store, &sql).await;
+            assert!(found.contains(index), "{index} unread by {sql}: {found}");
         }
-        let events = plan(&store, EVENTS_OF_REQUEST).await;
-        assert!(events.contains("events_by_request"), "{events}");
+        for sql in [
+            requests_page(&RequestFilter::default()),
+            approvals_page(None),
+            super::super::sqlite_memory::memories_page(&MemoryFilter::default()),
+        ] {
+            let found = plan(&store, &sql).await;
+            assert!(!found.contains("TEMP B-TREE"), "sorts: {sql}: {found}");
+        }
     }
 
     /// A store from before migration 0010 (events in a `WITHOUT ROWID` table) opens with its

@@ -6,6 +6,7 @@ use rusqlite::OptionalExtension;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
+use super::conditions::Conditions;
 use super::sqlite::{SqliteStore, parse_json, parse_time};
 use super::sqlite_writer::time;
 use super::{
@@ -105,6 +106,22 @@ impl SqliteStore {
     }
 }
 
+/// A page of memories, newest first, spelled from the filters given: a status's or an
+/// owner's read their index (`memories_by_status`, `memories_by_owner`).
+pub(super) fn memories_page(filter: &MemoryFilter) -> String {
+    let conditions = Conditions::new()
+        .filter(filter.namespace.is_some(), "namespace = ?1", "?1")
+        .filter(filter.status.is_some(), "status = ?2", "?2")
+        .filter(filter.owner.is_some(), "owner = ?3", "?3")
+        .always("id < COALESCE(?4, '~')")
+        .filter(
+            !filter.words.is_empty(),
+            "rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?5)",
+            "?5",
+        );
+    format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT ?6")
+}
+
 #[async_trait::async_trait]
 impl MemoryStore for SqliteStore {
     async fn put_memory(&self, record: &MemoryRecord) -> Result<(MemoryRecord, bool), StoreError> {
@@ -148,21 +165,15 @@ impl MemoryStore for SqliteStore {
         page: &PageRequest,
     ) -> Result<Page<MemoryRecord>, StoreError> {
         let words = (!filter.words.is_empty()).then(|| any_of(&filter.words));
-        let rows = sqlx::query(
-            "SELECT * FROM memories
-             WHERE (?1 IS NULL OR namespace = ?1) AND (?2 IS NULL OR status = ?2)
-               AND (?3 IS NULL OR owner = ?3) AND id < COALESCE(?4, '~')
-               AND (?5 IS NULL OR rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?5))
-             ORDER BY id DESC LIMIT ?6",
-        )
-        .bind(&filter.namespace)
-        .bind(filter.status.map(MemoryStatus::as_str))
-        .bind(&filter.owner)
-        .bind(&page.cursor)
-        .bind(words)
-        .bind(page.limit + 1)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(memories_page(filter)))
+            .bind(&filter.namespace)
+            .bind(filter.status.map(MemoryStatus::as_str))
+            .bind(&filter.owner)
+            .bind(&page.cursor)
+            .bind(words)
+            .bind(page.limit + 1)
+            .fetch_all(&self.reader)
+            .await?;
         let items = rows
             .iter()
             .map(memory_from_row)

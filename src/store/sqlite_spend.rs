@@ -6,6 +6,7 @@
 use sqlx::Row;
 
 use super::StoreError;
+use super::conditions::Conditions;
 use super::spend::{
     Amount, CounterDelta, CounterKey, SpendStore, UsageFilter, UsageGroupBy, UsageRecord,
     UsageTotals,
@@ -123,21 +124,7 @@ impl SpendStore for SqliteStore {
         filter: &UsageFilter,
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
-        let group = UsageGroupBy::column(group_by, "substr(at, 1, 10)");
-        let request = filter.request_condition("request_id = ?7", "?7 IS NULL");
-        // Only fixed expressions are formatted in (the grouping, the request condition); every
-        // value is bound.
-        let sql = format!(
-            "SELECT {group} AS grp, COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
-               SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,
-               SUM(estimated) AS estimated
-             FROM usage_records
-             WHERE (?1 IS NULL OR owner = ?1) AND (?2 IS NULL OR agent_id = ?2)
-               AND (?3 IS NULL OR session_id = ?3) AND (?4 IS NULL OR model = ?4)
-               AND (?5 IS NULL OR at >= ?5) AND (?6 IS NULL OR at < ?6)
-               AND {request}
-             GROUP BY grp ORDER BY grp"
-        );
+        let sql = usage_totals(filter, group_by);
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&filter.owner)
             .bind(&filter.agent_id)
@@ -161,6 +148,28 @@ impl SpendStore for SqliteStore {
             })
             .collect()
     }
+}
+
+/// Usage added up, spelled from the filters given: a time range reads `usage_records_at`, one
+/// request's records `usage_records_request`. Only fixed expressions are formatted in (the
+/// grouping, the conditions); every value is bound.
+pub(super) fn usage_totals(filter: &UsageFilter, group_by: Option<UsageGroupBy>) -> String {
+    let group = UsageGroupBy::column(group_by, "substr(at, 1, 10)");
+    let conditions = Conditions::new()
+        .filter(filter.owner.is_some(), "owner = ?1", "?1")
+        .filter(filter.agent_id.is_some(), "agent_id = ?2", "?2")
+        .filter(filter.session_id.is_some(), "session_id = ?3", "?3")
+        .filter(filter.model.is_some(), "model = ?4", "?4")
+        .filter(filter.from.is_some(), "at >= ?5", "?5")
+        .filter(filter.to.is_some(), "at < ?6", "?6")
+        .filter(filter.request_id.is_some(), "request_id = ?7", "?7");
+    format!(
+        "SELECT {group} AS grp, COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
+           SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,
+           SUM(estimated) AS estimated
+         FROM usage_records WHERE {conditions}
+         GROUP BY grp ORDER BY grp"
+    )
 }
 
 fn amount(tokens: i64, cost_nanos: i64) -> Amount {
