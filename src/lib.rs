@@ -8,6 +8,7 @@ pub mod error;
 pub mod gateway;
 pub mod governance;
 pub mod http;
+pub mod ids;
 pub mod json;
 pub mod memory;
 pub mod metrics;

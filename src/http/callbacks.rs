@@ -66,7 +66,7 @@ fn authorize(
 /// recorded result), else a new one.
 fn call_key(headers: &HeaderMap) -> Result<String, ApiError> {
     match headers.get("idempotency-key") {
-        None => Ok(format!("cb.{}", uuid::Uuid::now_v7().simple())),
+        None => Ok(format!("cb.{}", crate::ids::time_ordered().simple())),
         Some(value) => {
             let key = value.to_str().ok().filter(|key| {
                 !key.is_empty()

@@ -402,12 +402,12 @@ impl Default for OpenOptions {
 
 /// A new batch id (time-ordered).
 pub fn new_batch_id() -> String {
-    uuid::Uuid::now_v7().simple().to_string()
+    crate::ids::time_ordered().simple().to_string()
 }
 
 /// A new lease holder identity: one per opened store, so per process.
 fn new_holder() -> String {
-    format!("ins_{}", uuid::Uuid::now_v7().simple())
+    crate::ids::prefixed("ins")
 }
 
 /// Opens (creating and migrating) the store `url` names, or the embedded SQLite file of the
