@@ -18,7 +18,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::AppState;
@@ -130,33 +130,81 @@ impl Shape {
         })
     }
 
+    /// The response object, as a value (a stream's events carry it inside their own).
     fn body(&self, outcome: &Outcome) -> Value {
-        json!({
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": outcome.status,
-            "model": self.model,
-            "output": outcome.output,
-            "usage": outcome.usage,
-            "error": outcome.error,
-            "incomplete_details": outcome.incomplete,
-            "instructions": self.instructions,
-            "metadata": self.metadata,
-            "parallel_tool_calls": self.parallel_tool_calls,
-            "tool_choice": self.tool_choice,
-            "tools": self.tools,
-            "previous_response_id": self.previous_response_id,
-            "store": self.store,
-            "text": { "format": { "type": "text" } },
-            "truncation": "disabled",
-            "temperature": null,
-            "top_p": null,
-            "max_output_tokens": null,
-            "reasoning": null,
-            "user": null,
-        })
+        serde_json::to_value(self.object(outcome)).unwrap_or_default()
     }
+
+    /// The response object, borrowed from the shape and the outcome: a JSON answer writes
+    /// it out without building a `Value` tree first.
+    fn object<'a>(&'a self, outcome: &'a Outcome) -> ResponseObject<'a> {
+        ResponseObject {
+            id: &self.id,
+            object: "response",
+            created_at: self.created_at,
+            status: outcome.status,
+            model: &self.model,
+            output: &outcome.output,
+            usage: &outcome.usage,
+            error: &outcome.error,
+            incomplete_details: &outcome.incomplete,
+            instructions: self.instructions.as_deref(),
+            metadata: &self.metadata,
+            parallel_tool_calls: &self.parallel_tool_calls,
+            tool_choice: &self.tool_choice,
+            tools: &self.tools,
+            previous_response_id: self.previous_response_id.as_deref(),
+            store: self.store,
+            text: TextConfig {
+                format: TextFormat { kind: "text" },
+            },
+            truncation: "disabled",
+            temperature: (),
+            top_p: (),
+            max_output_tokens: (),
+            reasoning: (),
+            user: (),
+        }
+    }
+}
+
+/// A response object as written out (`()` is written `null`).
+#[derive(Serialize)]
+struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created_at: i64,
+    status: &'static str,
+    model: &'a str,
+    output: &'a [Value],
+    usage: &'a Value,
+    error: &'a Value,
+    incomplete_details: &'a Value,
+    instructions: Option<&'a str>,
+    metadata: &'a Value,
+    parallel_tool_calls: &'a Value,
+    tool_choice: &'a Value,
+    tools: &'a Value,
+    previous_response_id: Option<&'a str>,
+    store: bool,
+    text: TextConfig,
+    truncation: &'static str,
+    temperature: (),
+    top_p: (),
+    max_output_tokens: (),
+    reasoning: (),
+    user: (),
+}
+
+#[derive(Serialize)]
+struct TextConfig {
+    format: TextFormat,
+}
+
+#[derive(Serialize)]
+struct TextFormat {
+    #[serde(rename = "type")]
+    kind: &'static str,
 }
 
 /// What a run made of a response.
@@ -691,13 +739,13 @@ pub async fn get_response(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let store = state.runtime.store();
     let Some((request, shape)) = stored_request(store.as_ref(), &caller, &id).await? else {
         return Err(response_not_found(&id, None));
     };
     let outcome = stored_outcome(&state.runtime, &request).await?;
-    Ok(Json(shape.body(&outcome)))
+    Ok(Json(shape.object(&outcome)).into_response())
 }
 
 async fn complete_response(
@@ -707,7 +755,7 @@ async fn complete_response(
 ) -> Result<Response, ApiError> {
     let event = completed_event(&mut events, submitted).await?;
     let outcome = Outcome::ended(&submitted.request_id, &event);
-    Ok(Json(shape.body(&outcome)).into_response())
+    Ok(Json(shape.object(&outcome)).into_response())
 }
 
 /// Numbers a stream's events from 0, as every Responses event carries `sequence_number`.
