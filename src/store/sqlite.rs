@@ -31,6 +31,15 @@ use super::{
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
+/// A live run: the condition of the partial index `runs_live`, spelled exactly as the index
+/// is (SQLite reads a partial index only for a query that repeats its condition), and as
+/// comparisons, not `IN (...)`, which built a temporary b-tree on every run written.
+macro_rules! live_run {
+    () => {
+        "(status = 'queued' OR status = 'running' OR status = 'waiting_approval')"
+    };
+}
+
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     path: PathBuf,
@@ -93,10 +102,13 @@ impl SqliteStore {
             .await?;
         MIGRATOR.run(&checkpointer).await?;
         convert_to_incremental_vacuum(&checkpointer).await?;
-        sqlx::query("UPDATE runs SET lease_expires_at = NULL, lease_holder = NULL
-             WHERE status IN ('queued', 'running', 'waiting_approval') AND lease_holder IS NOT NULL")
-            .execute(&checkpointer)
-            .await?;
+        sqlx::query(concat!(
+            "UPDATE runs SET lease_expires_at = NULL, lease_holder = NULL WHERE ",
+            live_run!(),
+            " AND lease_holder IS NOT NULL"
+        ))
+        .execute(&checkpointer)
+        .await?;
         let leases = Leases {
             holder: super::new_holder(),
             duration: open.lease,
@@ -541,6 +553,15 @@ fn approvals_page(status: Option<ApprovalStatus>) -> String {
     format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT ?3")
 }
 
+/// Claims up to `?4` live runs whose lease is free or expired (`runs_live`).
+const CLAIM_RUNS: &str = concat!(
+    "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
+     WHERE id IN (SELECT id FROM runs WHERE ",
+    live_run!(),
+    " AND (lease_holder IS NULL OR lease_expires_at < ?3) ORDER BY id LIMIT ?4)
+     RETURNING id"
+);
+
 /// An event row with the session and agent of its request (events do not repeat them).
 macro_rules! event_select {
     ($condition:literal) => {
@@ -705,14 +726,7 @@ impl Store for SqliteStore {
             .writer
             .maintain(move |connection| {
                 let now = super::sqlite_writer::now();
-                let mut claim = connection.prepare_cached(
-                    "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
-                     WHERE id IN (SELECT id FROM runs
-                                  WHERE status IN ('queued', 'running', 'waiting_approval')
-                                    AND (lease_holder IS NULL OR lease_expires_at < ?3)
-                                  ORDER BY id LIMIT ?4)
-                     RETURNING id",
-                )?;
+                let mut claim = connection.prepare_cached(CLAIM_RUNS)?;
                 let ids = claim
                     .query_map(
                         rusqlite::params![leases.holder, leases.expiry(), now, limit],
@@ -730,12 +744,11 @@ impl Store for SqliteStore {
         let runs = serde_json::to_string(runs).unwrap_or_default();
         self.writer
             .maintain(move |connection| {
-                let mut renew = connection.prepare_cached(
-                    "UPDATE runs SET lease_expires_at = ?2
-                     WHERE lease_holder = ?1 AND status IN ('queued', 'running', 'waiting_approval')
-                       AND id IN (SELECT value FROM json_each(?3))
-                     RETURNING id",
-                )?;
+                let mut renew = connection.prepare_cached(concat!(
+                    "UPDATE runs SET lease_expires_at = ?2 WHERE lease_holder = ?1 AND ",
+                    live_run!(),
+                    " AND id IN (SELECT value FROM json_each(?3)) RETURNING id"
+                ))?;
                 let ids = renew
                     .query_map(
                         rusqlite::params![leases.holder, leases.expiry(), runs],
@@ -770,10 +783,11 @@ impl Store for SqliteStore {
                 let now = super::sqlite_writer::now();
                 connection
                     .prepare_cached(
-                        "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
-                         WHERE id = ?3 AND status IN ('queued', 'running', 'waiting_approval')
-                           AND (lease_holder IS NULL OR lease_expires_at < ?4)
-                         RETURNING id",
+                        concat!(
+                            "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2 WHERE id = ?3 AND ",
+                            live_run!(),
+                            " AND (lease_holder IS NULL OR lease_expires_at < ?4) RETURNING id"
+                        ),
                     )?
                     .query_row(
                         rusqlite::params![leases.holder, leases.expiry(), run, now],
@@ -793,10 +807,11 @@ impl Store for SqliteStore {
         self.writer
             .maintain(move |connection| {
                 connection
-                    .prepare_cached(
+                    .prepare_cached(concat!(
                         "UPDATE runs SET cancel_requested_by = COALESCE(cancel_requested_by, ?2)
-                         WHERE id = ?1 AND status IN ('queued', 'running', 'waiting_approval')",
-                    )?
+                             WHERE id = ?1 AND ",
+                        live_run!()
+                    ))?
                     .execute(rusqlite::params![run, by])
                     .map(|marked| marked == 1)
             })
@@ -810,11 +825,11 @@ impl Store for SqliteStore {
         if runs.is_empty() {
             return Ok(Vec::new());
         }
-        Ok(sqlx::query_as(
+        Ok(sqlx::query_as(concat!(
             "SELECT id, cancel_requested_by FROM runs WHERE id IN (SELECT value FROM json_each(?))
-               AND cancel_requested_by IS NOT NULL
-               AND status IN ('queued', 'running', 'waiting_approval')",
-        )
+               AND cancel_requested_by IS NOT NULL AND ",
+            live_run!()
+        ))
         .bind(serde_json::to_string(runs).unwrap_or_default())
         .fetch_all(&self.reader)
         .await?)
@@ -1336,6 +1351,7 @@ mod tests {
                 "SEARCH s USING INDEX sqlite_autoindex_sessions_1 (id=?)",
             ),
             (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
+            (CLAIM_RUNS.to_owned(), "runs_live"),
         ];
         for (sql, index) in reads {
             let found = plan(&store, &sql).await;
@@ -1348,6 +1364,38 @@ mod tests {
         ] {
             let found = plan(&store, &sql).await;
             assert!(!found.contains("TEMP B-TREE"), "sorts: {sql}: {found}");
+        }
+    }
+
+    /// Writing a run evaluates the condition of `runs_live`; spelled `status IN (...)` it
+    /// built a temporary b-tree of the statuses for every run written (migration 0011).
+    #[tokio::test]
+    async fn writing_a_run_builds_no_temporary_table() {
+        let dir = tempfile::tempdir().expect("a folder");
+        let store = SqliteStore::open_file(&dir.path().join("state.db"))
+            .await
+            .expect("a store");
+        for sql in [
+            "INSERT INTO runs (id, request_id, attempt, status, created_at, updated_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            "UPDATE runs SET status = ?1, updated_at = ?2 WHERE id = ?3",
+        ] {
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
+                .fetch_all(&store.reader)
+                .await
+                .expect("a program");
+            let program: Vec<String> = rows
+                .iter()
+                .map(|row| row.try_get::<String, _>("opcode").unwrap_or_default())
+                .collect();
+            assert!(
+                program.iter().any(|op| op == "IdxInsert"),
+                "{sql}: {program:?}"
+            );
+            assert!(
+                !program.iter().any(|op| op == "OpenEphemeral"),
+                "{sql}: {program:?}"
+            );
         }
     }
 
