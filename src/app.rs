@@ -203,7 +203,7 @@ impl Application {
         runtime.start_retention();
         crate::metrics::install();
         if config.watch {
-            runtime.watch_workspace();
+            runtime.watch_workspace().await;
         }
         let mut state = AppState::new(runtime.clone(), keys);
         state.metrics_public = config.metrics_public;

@@ -169,13 +169,16 @@ impl Runtime {
     }
 
     /// Reloads whenever the workspace's files change and then stay unchanged for a moment,
-    /// until shutdown (`start --watch`).
-    pub fn watch_workspace(&self) {
+    /// until shutdown (`start --watch`). The files as they are now are the baseline, taken
+    /// before this returns: a change made once the server serves is always seen (taken in
+    /// the watching task instead, an edit made right after start could become the baseline
+    /// and never be loaded).
+    pub async fn watch_workspace(&self) {
         let runtime = self.clone();
         let stop = self.inner.leasing.clone();
+        let root = runtime.workspace().root.clone();
+        let mut seen = fingerprint(&root).await;
         tokio::spawn(async move {
-            let root = runtime.workspace().root.clone();
-            let mut seen = fingerprint(&root).await;
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
