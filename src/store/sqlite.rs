@@ -1267,6 +1267,15 @@ fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, S
 mod tests {
     use super::*;
 
+    /// A new store in a folder of its own (kept while the folder is).
+    async fn fresh_store() -> (tempfile::TempDir, SqliteStore) {
+        let dir = tempfile::tempdir().expect("a folder");
+        let store = SqliteStore::open_file(&dir.path().join("state.db"))
+            .await
+            .expect("a store");
+        (dir, store)
+    }
+
     /// The plan SQLite chose for `sql`, one line per step.
     async fn plan(store: &SqliteStore, sql: &str) -> String {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
@@ -1287,10 +1296,7 @@ mod tests {
     async fn listings_read_the_index_of_the_filter_given() {
         use super::super::spend::UsageFilter;
         use super::super::{MemoryFilter, MemoryStatus};
-        let dir = tempfile::tempdir().expect("a folder");
-        let store = SqliteStore::open_file(&dir.path().join("state.db"))
-            .await
-            .expect("a store");
+        let (_dir, store) = fresh_store().await;
         let given = || Some("x".to_owned());
         let reads = [
             (
@@ -1371,10 +1377,7 @@ mod tests {
     /// built a temporary b-tree of the statuses for every run written (migration 0011).
     #[tokio::test]
     async fn writing_a_run_builds_no_temporary_table() {
-        let dir = tempfile::tempdir().expect("a folder");
-        let store = SqliteStore::open_file(&dir.path().join("state.db"))
-            .await
-            .expect("a store");
+        let (_dir, store) = fresh_store().await;
         for sql in [
             "INSERT INTO runs (id, request_id, attempt, status, created_at, updated_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
