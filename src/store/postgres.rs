@@ -34,7 +34,7 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow}
 use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::conditions::Conditions;
+use super::conditions::{self, Conditions, Dialect};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -302,9 +302,9 @@ const EVENT_SELECT: &str =
 /// (`$1`: per-agent cutoffs, a JSON object; `$2`: everyone else's or NULL; `$3`: minKeep;
 /// `$4`: after this id (`after`); `$5`: limit; `$6`: only among these ids (`among`)).
 fn prunable_sessions(after: bool, among: bool) -> String {
-    let conditions = Conditions::new()
-        .filter(after, "s.id > $4", "$4::text")
-        .filter(among, "s.id = ANY($6)", "$6::text[]");
+    let conditions = Conditions::new(Dialect::Postgres)
+        .compare(after, "s.id", ">", 4, "text")
+        .filter(among, "s.id = ANY($6)", 6, "text[]");
     format!(
         "
 WITH kept AS (
@@ -464,22 +464,7 @@ impl Store for PostgresStore {
         filter: &RequestFilter,
         page: &PageRequest,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        let conditions = Conditions::new()
-            .filter(filter.status.is_some(), "status = $1", "$1::text")
-            .filter(filter.agent_id.is_some(), "agent_id = $2", "$2::text")
-            .filter(filter.session_id.is_some(), "session_id = $3", "$3::text")
-            .always("id < COALESCE($4::text, '~')")
-            .filter(filter.owner.is_some(), "owner = $6", "$6::text")
-            .filter(
-                filter.created_from.is_some(),
-                "created_at >= $7",
-                "$7::timestamptz",
-            )
-            .filter(
-                filter.created_before.is_some(),
-                "created_at < $8",
-                "$8::timestamptz",
-            );
+        let conditions = conditions::of_requests(filter, Dialect::Postgres);
         let sql = format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.status.map(RunStatus::as_str))
@@ -757,11 +742,7 @@ impl Store for PostgresStore {
         filter: &SessionFilter,
         page: &PageRequest,
     ) -> Result<Page<SessionRecord>, StoreError> {
-        // Clients choose session ids: no stand-in value (`COALESCE($3, '~')`) bounds them.
-        let conditions = Conditions::new()
-            .filter(filter.agent_id.is_some(), "agent_id = $1", "$1::text")
-            .filter(filter.owner.is_some(), "owner = $2", "$2::text")
-            .filter(page.cursor.is_some(), "id < $3", "$3::text");
+        let conditions = conditions::of_sessions(filter, page.cursor.is_some(), Dialect::Postgres);
         let sql = format!("SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT $4");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.agent_id.as_deref().map(text))
@@ -790,9 +771,7 @@ impl Store for PostgresStore {
         status: Option<ApprovalStatus>,
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
-        let conditions = Conditions::new()
-            .filter(status.is_some(), "status = $1", "$1::text")
-            .always("id < COALESCE($2::text, '~')");
+        let conditions = conditions::of_approvals(status.is_some(), Dialect::Postgres);
         let sql = format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT $3");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(status.map(ApprovalStatus::as_str))

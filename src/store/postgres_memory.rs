@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::conditions::Conditions;
+use super::conditions::{self, Dialect};
 use super::postgres::{PostgresStore, json, text};
 use super::{
     CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, MemoryStore, MemoryTransition, Page,
@@ -107,16 +107,11 @@ impl MemoryStore for PostgresStore {
         page: &PageRequest,
     ) -> Result<Page<MemoryRecord>, StoreError> {
         let words = (!filter.words.is_empty()).then(|| any_of(&filter.words));
-        let conditions = Conditions::new()
-            .filter(filter.namespace.is_some(), "namespace = $1", "$1::text")
-            .filter(filter.status.is_some(), "status = $2", "$2::text")
-            .filter(filter.owner.is_some(), "owner = $3", "$3::text")
-            .always("id < COALESCE($4::text, '~')")
-            .filter(
-                words.is_some(),
-                "words @@ to_tsquery('english', $5)",
-                "$5::text",
-            );
+        let conditions = conditions::of_memories(
+            filter,
+            "words @@ to_tsquery('english', $5)",
+            Dialect::Postgres,
+        );
         let sql = format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT $6");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.namespace.as_deref().map(text))

@@ -7,7 +7,7 @@
 use sqlx::Row;
 
 use super::StoreError;
-use super::conditions::Conditions;
+use super::conditions::{self, Dialect};
 use super::postgres::{PostgresStore, text};
 use super::spend::{
     Amount, Claim, ClaimRefused, CounterDelta, CounterKey, RateBucket, RateTake, SpendStore,
@@ -158,14 +158,7 @@ impl SpendStore for PostgresStore {
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
         let group = UsageGroupBy::column(group_by, "to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD')");
-        let conditions = Conditions::new()
-            .filter(filter.owner.is_some(), "owner = $1", "$1::TEXT")
-            .filter(filter.agent_id.is_some(), "agent_id = $2", "$2::TEXT")
-            .filter(filter.session_id.is_some(), "session_id = $3", "$3::TEXT")
-            .filter(filter.model.is_some(), "model = $4", "$4::TEXT")
-            .filter(filter.from.is_some(), "at >= $5", "$5::TIMESTAMPTZ")
-            .filter(filter.to.is_some(), "at < $6", "$6::TIMESTAMPTZ")
-            .filter(filter.request_id.is_some(), "request_id = $7", "$7::TEXT");
+        let conditions = conditions::of_usage(filter, Dialect::Postgres);
         // Only fixed expressions are formatted in (the grouping, the conditions); every value
         // is bound.
         let sql = format!(

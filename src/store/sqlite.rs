@@ -19,7 +19,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Row, SqlitePool};
 
-use super::conditions::Conditions;
+use super::conditions::{self, Conditions, Dialect};
 use super::spend::UsageTotals;
 use super::sqlite_writer::{Leases, SqliteWriter};
 use super::{
@@ -297,11 +297,14 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
 /// per-agent cutoffs as a JSON object, `?2`: everyone else's, or NULL; `?3`: minKeep; `?4`:
 /// after this id (`after`); `?5`: limit; `?6`: only among these ids, a JSON array (`among`)).
 fn prunable_sessions(after: bool, among: bool) -> String {
-    let conditions = Conditions::new().filter(after, "s.id > ?4", "?4").filter(
-        among,
-        "s.id IN (SELECT value FROM json_each(?6))",
-        "?6",
-    );
+    let conditions = Conditions::new(Dialect::Sqlite)
+        .compare(after, "s.id", ">", 4, "text")
+        .filter(
+            among,
+            "s.id IN (SELECT value FROM json_each(?6))",
+            6,
+            "text",
+        );
     format!(
         r#"
 WITH kept AS (
@@ -534,22 +537,13 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
 /// [`Conditions`]): one session's requests read `requests_by_session` (every archived
 /// session's are read), one owner's `requests_by_owner`.
 fn requests_page(filter: &RequestFilter) -> String {
-    let conditions = Conditions::new()
-        .filter(filter.status.is_some(), "status = ?1", "?1")
-        .filter(filter.agent_id.is_some(), "agent_id = ?2", "?2")
-        .filter(filter.session_id.is_some(), "session_id = ?3", "?3")
-        .always("id < COALESCE(?4, '~')")
-        .filter(filter.owner.is_some(), "owner = ?6", "?6")
-        .filter(filter.created_from.is_some(), "created_at >= ?7", "?7")
-        .filter(filter.created_before.is_some(), "created_at < ?8", "?8");
+    let conditions = conditions::of_requests(filter, Dialect::Sqlite);
     format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT ?5")
 }
 
 /// A page of approvals, newest first; one status's read `approvals_by_status`.
 fn approvals_page(status: Option<ApprovalStatus>) -> String {
-    let conditions = Conditions::new()
-        .filter(status.is_some(), "status = ?1", "?1")
-        .always("id < COALESCE(?2, '~')");
+    let conditions = conditions::of_approvals(status.is_some(), Dialect::Sqlite);
     format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT ?3")
 }
 
@@ -931,11 +925,7 @@ impl Store for SqliteStore {
         filter: &SessionFilter,
         page: &PageRequest,
     ) -> Result<Page<SessionRecord>, StoreError> {
-        // Clients choose session ids: no stand-in value (`COALESCE(?3, '~')`) bounds them.
-        let conditions = Conditions::new()
-            .filter(filter.agent_id.is_some(), "agent_id = ?1", "?1")
-            .filter(filter.owner.is_some(), "owner = ?2", "?2")
-            .filter(page.cursor.is_some(), "id < ?3", "?3");
+        let conditions = conditions::of_sessions(filter, page.cursor.is_some(), Dialect::Sqlite);
         let sql = format!("SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT ?4");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&filter.agent_id)

@@ -6,7 +6,7 @@ use rusqlite::OptionalExtension;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-use super::conditions::Conditions;
+use super::conditions::{self, Dialect};
 use super::sqlite::{SqliteStore, parse_json, parse_time};
 use super::sqlite_writer::time;
 use super::{
@@ -109,16 +109,11 @@ impl SqliteStore {
 /// A page of memories, newest first, spelled from the filters given: a status's or an
 /// owner's read their index (`memories_by_status`, `memories_by_owner`).
 pub(super) fn memories_page(filter: &MemoryFilter) -> String {
-    let conditions = Conditions::new()
-        .filter(filter.namespace.is_some(), "namespace = ?1", "?1")
-        .filter(filter.status.is_some(), "status = ?2", "?2")
-        .filter(filter.owner.is_some(), "owner = ?3", "?3")
-        .always("id < COALESCE(?4, '~')")
-        .filter(
-            !filter.words.is_empty(),
-            "rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?5)",
-            "?5",
-        );
+    let conditions = conditions::of_memories(
+        filter,
+        "rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?5)",
+        Dialect::Sqlite,
+    );
     format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT ?6")
 }
 

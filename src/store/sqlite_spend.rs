@@ -6,7 +6,7 @@
 use sqlx::Row;
 
 use super::StoreError;
-use super::conditions::Conditions;
+use super::conditions::{self, Dialect};
 use super::spend::{
     Amount, CounterDelta, CounterKey, SpendStore, UsageFilter, UsageGroupBy, UsageRecord,
     UsageTotals,
@@ -155,14 +155,7 @@ impl SpendStore for SqliteStore {
 /// grouping, the conditions); every value is bound.
 pub(super) fn usage_totals(filter: &UsageFilter, group_by: Option<UsageGroupBy>) -> String {
     let group = UsageGroupBy::column(group_by, "substr(at, 1, 10)");
-    let conditions = Conditions::new()
-        .filter(filter.owner.is_some(), "owner = ?1", "?1")
-        .filter(filter.agent_id.is_some(), "agent_id = ?2", "?2")
-        .filter(filter.session_id.is_some(), "session_id = ?3", "?3")
-        .filter(filter.model.is_some(), "model = ?4", "?4")
-        .filter(filter.from.is_some(), "at >= ?5", "?5")
-        .filter(filter.to.is_some(), "at < ?6", "?6")
-        .filter(filter.request_id.is_some(), "request_id = ?7", "?7");
+    let conditions = conditions::of_usage(filter, Dialect::Sqlite);
     format!(
         "SELECT {group} AS grp, COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
            SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,
