@@ -836,13 +836,8 @@ mod tests {
     }
 
     async fn fresh_store() -> (tempfile::TempDir, Arc<dyn Store>) {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open_file(&dir.path().join("state.db"))
-                .await
-                .unwrap(),
-        );
-        (dir, store)
+        let (dir, store) = SqliteStore::in_temporary_folder().await;
+        (dir, Arc::new(store))
     }
 
     async fn journal_holding(

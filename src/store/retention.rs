@@ -352,12 +352,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_session_continued_after_it_was_listed_is_not_deleted() {
-        let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(
-            SqliteStore::open_file(&dir.path().join("state.db"))
-                .await
-                .unwrap(),
-        );
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        let store: Arc<dyn Store> = Arc::new(store);
         store
             .apply(&session_and_request(
                 "ses_old",

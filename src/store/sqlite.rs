@@ -1254,17 +1254,20 @@ fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, S
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A new store in a folder of its own (kept while the folder is).
-    async fn fresh_store() -> (tempfile::TempDir, SqliteStore) {
+impl SqliteStore {
+    /// A new store in a folder of its own, for unit tests (kept while the folder is).
+    pub(crate) async fn in_temporary_folder() -> (tempfile::TempDir, SqliteStore) {
         let dir = tempfile::tempdir().expect("a folder");
         let store = SqliteStore::open_file(&dir.path().join("state.db"))
             .await
             .expect("a store");
         (dir, store)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     /// The plan SQLite chose for `sql`, one line per step.
     async fn plan(store: &SqliteStore, sql: &str) -> String {
@@ -1286,7 +1289,7 @@ mod tests {
     async fn listings_read_the_index_of_the_filter_given() {
         use super::super::spend::UsageFilter;
         use super::super::{MemoryFilter, MemoryStatus};
-        let (_dir, store) = fresh_store().await;
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
         let given = || Some("x".to_owned());
         let reads = [
             (
@@ -1367,7 +1370,7 @@ mod tests {
     /// built a temporary b-tree of the statuses for every run written (migration 0011).
     #[tokio::test]
     async fn writing_a_run_builds_no_temporary_table() {
-        let (_dir, store) = fresh_store().await;
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
         for sql in [
             "INSERT INTO runs (id, request_id, attempt, status, created_at, updated_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
