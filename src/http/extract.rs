@@ -1,7 +1,8 @@
 //! Extractors that answer in the error envelope, never in axum's plain-text rejections.
 //!
-//! - Bodies ([`ApiJson`], [`V1Json`]): read within `limits.maxRequestBytes` (413 beyond),
-//!   parsed as JSON with the path of the offending field as the error's `param`. Malformed JSON
+//! - Bodies ([`ApiJson`], [`V1Json`]): read within `limits.maxRequestBytes` (413 beyond, sent
+//!   once the refused body was read on to its end, within bounds: a client still writing it
+//!   gets the answer, not a broken pipe), parsed as JSON with the path of the offending field as the error's `param`. Malformed JSON
 //!   and unknown fields are 400; well-formed but invalid content is 422 (400 on `/v1`, as
 //!   OpenAI does).
 //! - Query strings ([`ApiQuery`]): a value that does not parse is 400 `invalid_parameter`, an
@@ -10,7 +11,7 @@
 //! - Path parameters ([`ApiPath`]): a segment that does not decode or parse (invalid UTF-8
 //!   after percent-decoding) is 400 `invalid_parameter` naming the parameter.
 
-use axum::body::Body;
+use futures::StreamExt;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
@@ -61,18 +62,53 @@ async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Resul
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > limit) {
+    let drain_bound = limit.saturating_add(DRAIN_BYTES);
+    if declared.is_some_and(|length| length > drain_bound) {
         return Err(too_large());
     }
-    let body: Body = request.into_body();
-    let bytes = axum::body::to_bytes(body, usize::try_from(limit).unwrap_or(usize::MAX))
-        .await
-        .map_err(|_| too_large())?;
+    let mut body = request.into_body().into_data_stream();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|_| read_failed())?;
+        if (bytes.len() as u64).saturating_add(chunk.len() as u64) > limit {
+            drain(body, drain_bound.saturating_sub(bytes.len() as u64)).await;
+            return Err(too_large());
+        }
+        bytes.extend_from_slice(&chunk);
+    }
     // No body reads as `{}`: a POST whose fields are all optional needs none.
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return from_json(b"{}");
     }
     from_json(&bytes)
+}
+
+/// A refused body is read on and dropped, up to this many bytes past the limit and for at
+/// most [`DRAIN_TIME`], before the 413 is sent. A client still writing its body when the
+/// server closes the connection gets a broken pipe, and HTTP clients report that failure,
+/// not the answer waiting for them. Past either bound the connection closes at once.
+const DRAIN_BYTES: u64 = 16 * 1024 * 1024;
+/// Longest a refused body is read on.
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads and drops at most `bound` more bytes of `body`, for at most [`DRAIN_TIME`].
+async fn drain(mut body: axum::body::BodyDataStream, bound: u64) {
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut read = 0u64;
+        while read <= bound
+            && let Some(Ok(chunk)) = body.next().await
+        {
+            read = read.saturating_add(chunk.len() as u64);
+        }
+    })
+    .await;
+}
+
+fn read_failed() -> ApiError {
+    ApiError::new(
+        ErrorCode::InvalidRequest,
+        "the request body could not be read to its end",
+    )
 }
 
 /// Parses JSON, naming the field at fault.
