@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use crate::http::shards::Shards;
 use crate::http::{ApiKeys, AppState, KeySet};
 use crate::redact::Secret;
 use crate::runtime::{Runtime, RuntimeError};
@@ -259,24 +260,26 @@ impl Application {
             );
             let _ = stopping_tx.send(true);
         };
-        // Without TCP_NODELAY, a streamed answer's small writes wait on the client's delayed
-        // ACK (Nagle): tens of milliseconds per stream.
-        let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
-            if let Err(error) = tcp.set_nodelay(true) {
-                tracing::debug!(%error, "could not set TCP_NODELAY on a connection");
-            }
-        });
-        let server = axum::serve(listener, router).with_graceful_shutdown(signal);
+        let count = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let mut shards =
+            Shards::start(count, &router, self.address, &stopping_rx).map_err(AppError::Serve)?;
+        let accepting = shards.dealer().accept(self.listener, stopping_rx.clone());
         let mut stopping = stopping_rx;
         let bounded = async move {
             let _ = stopping.wait_for(|stopping| *stopping).await;
             tokio::time::sleep(SHUTDOWN_GRACE).await;
         };
+        let served = async {
+            tokio::join!(signal, accepting);
+            shards.drained().await
+        };
         tokio::select! {
-            result = server => result.map_err(AppError::Serve)?,
+            result = served => result.map_err(AppError::Serve)?,
             () = bounded => tracing::warn!("in-flight responses did not finish in time; closing them"),
         }
+        shards.abort();
         self.runtime.shutdown(SHUTDOWN_GRACE).await;
+        shards.stop();
         Ok(())
     }
 }

@@ -25,3 +25,24 @@ pub async fn read_capped(response: reqwest::Response, max: u64) -> Result<Vec<u8
     }
     Ok(body)
 }
+
+thread_local! {
+    /// This thread's own outbound client, on threads that keep one (an HTTP shard).
+    static THREAD_CLIENT: std::cell::OnceCell<reqwest::Client> = const { std::cell::OnceCell::new() };
+}
+
+/// Gives this thread a client of its own (an HTTP shard does, at its start): a pooled
+/// connection is driven by the runtime that opened it, so a shard calling upstream through
+/// a connection another thread opened would wake that thread at every read and write.
+pub fn keep_thread_client(client: reqwest::Client) {
+    THREAD_CLIENT.with(|own| {
+        let _ = own.set(client);
+    });
+}
+
+/// The client to call out with from this thread: its own, if it keeps one, else `shared`.
+pub fn client_here(shared: &reqwest::Client) -> reqwest::Client {
+    THREAD_CLIENT
+        .with(|own| own.get().cloned())
+        .unwrap_or_else(|| shared.clone())
+}

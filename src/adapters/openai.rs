@@ -187,7 +187,7 @@ impl OpenAiAdapter {
         let streaming = model.capabilities.streaming;
         let output_budget = request.output_budget;
         let request = authorized(
-            self.http
+            crate::net::client_here(&self.http)
                 .post(url)
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .body(body),

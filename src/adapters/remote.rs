@@ -131,8 +131,7 @@ impl RemoteAdapter {
         body: &Value,
         state: &mut Attempt<'_>,
     ) -> Result<RuntimeOutput, AttemptError> {
-        let mut request = self
-            .http
+        let mut request = crate::net::client_here(&self.http)
             .post(&endpoint.url)
             .header(
                 reqwest::header::ACCEPT,

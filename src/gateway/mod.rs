@@ -778,13 +778,14 @@ impl ToolGateway {
         idempotency_key: &str,
     ) -> ToolResult {
         let started = Instant::now();
+        let http = crate::net::client_here(&self.http);
         let context = exec::ExecContext {
             workspace: &self.workspace,
             agent: scope.agent,
             host: scope.host,
             call_id: &call.id,
             idempotency_key,
-            http: &self.http,
+            http: &http,
             mcp: &self.mcp,
         };
         let outcome = tokio::select! {

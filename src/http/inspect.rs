@@ -155,11 +155,12 @@ pub async fn health(State(state): State<AppState>) -> Json<Health> {
             Ok(()) => None,
         },
     };
+    let http = runtime.http();
     let probes = futures::future::join_all(
         workspace
             .models
             .values()
-            .map(|model| probe(runtime.http(), model, PROBE_TIMEOUT)),
+            .map(|model| probe(&http, model, PROBE_TIMEOUT)),
     )
     .await;
     let healthy = store_health.ok && probes.iter().all(|p| p.reachable && p.error.is_none());

@@ -17,6 +17,7 @@ mod messages;
 pub mod openapi;
 mod responses;
 mod runtime_api;
+pub mod shards;
 mod spend;
 mod v1;
 mod views;

@@ -406,8 +406,10 @@ impl Runtime {
         Arc::clone(&self.inventory().workspace)
     }
 
-    pub fn http(&self) -> &reqwest::Client {
-        &self.inner.http
+    /// The client to call out with from here: this thread's own on an HTTP shard
+    /// ([`crate::net::client_here`]).
+    pub fn http(&self) -> reqwest::Client {
+        crate::net::client_here(&self.inner.http)
     }
 
     /// Remote agents' tool callbacks (the HTTP surface authorizes and queues them).

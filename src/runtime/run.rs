@@ -148,7 +148,7 @@ impl RunEvents {
             config,
             agent: memory,
             store: Arc::clone(&self.runtime.inner.store),
-            http: self.runtime.http().clone(),
+            http: self.runtime.http(),
         })
     }
 
