@@ -87,6 +87,16 @@ pub fn upstream_client() -> reqwest::Client {
         .unwrap_or_default()
 }
 
+/// How many HTTP shards serve: `TOKIO_WORKER_THREADS` when set to a count, else one per core
+/// this process may use.
+fn shard_count() -> usize {
+    std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|count| count.trim().parse::<usize>().ok())
+        .filter(|count| *count > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
+}
+
 /// Builds the runtime over the configured (or embedded) store and keeps its run leases. With
 /// `resume`, it also claims — now and from then on — the runs no instance executes: those a
 /// dead process left unfinished (on a shared store, once their lease expired).
@@ -260,7 +270,7 @@ impl Application {
             );
             let _ = stopping_tx.send(true);
         };
-        let count = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let count = shard_count();
         let mut shards =
             Shards::start(count, &router, self.address, &stopping_rx).map_err(AppError::Serve)?;
         let accepting = shards.dealer().accept(self.listener, stopping_rx.clone());

@@ -11,10 +11,10 @@
 //! - Path parameters ([`ApiPath`]): a segment that does not decode or parse (invalid UTF-8
 //!   after percent-decoding) is 400 `invalid_parameter` naming the parameter.
 
-use futures::StreamExt;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
+use futures::StreamExt;
 use serde::de::DeserializeOwned;
 
 use super::AppState;
