@@ -595,10 +595,10 @@ impl Store for SqliteStore {
 
     /// One hop to the writer's thread, whose connection holds the request's pages: the view
     /// of a request that just ended (`wait`) read four round trips to reader threads.
-    async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
-        let id = id.to_owned();
+    async fn request_in_full(&self, request_id: &str) -> Result<Option<RequestInFull>, StoreError> {
+        let id = request_id.to_owned();
         self.writer
-            .read(move |connection| {
+            .read(request_id, move |connection| {
                 let Some(request) =
                     writer_rows(connection, REQUEST_BY_ID, &id, |row| request_from_row(row))?.pop()
                 else {
@@ -1268,6 +1268,76 @@ impl SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Usage records of `request_id` the reader pool sees.
+    async fn usage_rows(store: &SqliteStore, request_id: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM usage_records WHERE request_id = ?1")
+            .bind(request_id)
+            .fetch_one(&store.reader)
+            .await
+            .expect("a count")
+    }
+
+    /// The view of a request is read after its own pending charges are stored, and only
+    /// those: flushing every pending charge for each `wait` cost a commit per request at
+    /// concurrency. Others' still commit on their own within `CHARGE_IDLE`.
+    #[tokio::test]
+    async fn reading_a_request_stores_its_own_pending_charges_only() {
+        use super::super::spend::{SpendStore, UsageRecord};
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        let charge = |id: &str, request_id: &str| UsageRecord {
+            id: id.to_owned(),
+            at: Utc::now(),
+            request_id: request_id.to_owned(),
+            run_id: format!("run_{request_id}"),
+            owner: "key".to_owned(),
+            agent_id: "assistant".to_owned(),
+            session_id: "ses_1".to_owned(),
+            model: "main".to_owned(),
+            source: "model".to_owned(),
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            cost_nanos: None,
+            estimated: false,
+        };
+        let started = std::time::Instant::now();
+        store
+            .record_usage(&charge("use_b", "req_b"), &[], None)
+            .await
+            .expect("queued");
+        // No such request: the read still runs, after its (no) charges.
+        assert!(
+            store
+                .request_in_full("req_a")
+                .await
+                .expect("read")
+                .is_none()
+        );
+        if started.elapsed() < std::time::Duration::from_millis(15) {
+            assert_eq!(
+                usage_rows(&store, "req_b").await,
+                0,
+                "b waits to ride along"
+            );
+        }
+        store
+            .record_usage(&charge("use_a", "req_a"), &[], None)
+            .await
+            .expect("queued");
+        assert!(
+            store
+                .request_in_full("req_a")
+                .await
+                .expect("read")
+                .is_none()
+        );
+        assert_eq!(usage_rows(&store, "req_a").await, 1);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while usage_rows(&store, "req_b").await == 0 {
+            assert!(std::time::Instant::now() < deadline, "b was never stored");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
 
     /// The plan SQLite chose for `sql`, one line per step.
     async fn plan(store: &SqliteStore, sql: &str) -> String {

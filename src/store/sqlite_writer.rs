@@ -61,9 +61,9 @@ enum Job {
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
-    /// A read on the writer's connection, between writes, after the pending charges (see
-    /// [`SqliteWriter::read`]).
-    Read(Box<dyn FnOnce(&Connection) + Send>),
+    /// A read on the writer's connection, between writes, after the pending charges of the
+    /// request it reads (see [`SqliteWriter::read`]).
+    Read(String, Box<dyn FnOnce(&Connection) + Send>),
 }
 
 /// A settled call: its ledger record and its budget counters' increments.
@@ -72,10 +72,15 @@ pub type Charge = (UsageRecord, Vec<CounterDelta>);
 /// Charges waiting for the writer's next transaction. A charge rides along with the next
 /// batch (it costs no transaction, and no round trip, of its own); the writer queue is FIFO,
 /// so it commits no later than the next write its run makes (its end at the latest). Kept
-/// until a transaction holding them commits; written alone when the queue falls idle for
-/// [`CHARGE_IDLE`], when [`MAX_PENDING_CHARGES`] wait, or before maintenance.
+/// until a transaction holding them commits; written alone once the oldest has waited
+/// [`CHARGE_IDLE`] with no transaction to ride along with, when [`MAX_PENDING_CHARGES`] wait,
+/// before maintenance, or before a read of their request.
 #[derive(Default)]
-struct PendingCharges(Vec<Charge>);
+struct PendingCharges {
+    charges: Vec<Charge>,
+    /// When the oldest pending charge was queued.
+    since: Option<tokio::time::Instant>,
+}
 
 /// How long charges wait for a batch to ride along with.
 const CHARGE_IDLE: Duration = Duration::from_millis(20);
@@ -83,9 +88,36 @@ const CHARGE_IDLE: Duration = Duration::from_millis(20);
 const MAX_PENDING_CHARGES: usize = 512;
 
 impl PendingCharges {
+    fn push(&mut self, charge: Charge) {
+        self.since.get_or_insert_with(tokio::time::Instant::now);
+        self.charges.push(charge);
+    }
+
+    fn len(&self) -> usize {
+        self.charges.len()
+    }
+
+    /// The transaction that wrote them committed.
+    fn committed(&mut self) {
+        self.charges.clear();
+        self.since = None;
+    }
+
+    /// When they are written alone, if no transaction carries them first.
+    fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.since.map(|since| since + CHARGE_IDLE)
+    }
+
+    /// Whether a charge of `request_id` is pending.
+    fn of_request(&self, request_id: &str) -> bool {
+        self.charges
+            .iter()
+            .any(|(record, _)| record.request_id == request_id)
+    }
+
     /// Writes every pending charge inside `tx` (cleared only once `tx` commits).
     fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
-        for (record, deltas) in &self.0 {
+        for (record, deltas) in &self.charges {
             super::sqlite_spend::insert_charge(tx, record, deltas)?;
         }
         Ok(())
@@ -93,7 +125,7 @@ impl PendingCharges {
 
     /// Commits the pending charges in a transaction of their own.
     fn flush(&mut self, connection: &mut Connection) {
-        if self.0.is_empty() {
+        if self.charges.is_empty() {
             return;
         }
         let result = connection.transaction().and_then(|tx| {
@@ -101,10 +133,10 @@ impl PendingCharges {
             tx.commit()
         });
         match result {
-            Ok(()) => self.0.clear(),
+            Ok(()) => self.committed(),
             // Kept for the next transaction: a full or busy disk passes.
             Err(error) => {
-                tracing::warn!(%error, pending = self.0.len(), "charges could not be written yet")
+                tracing::warn!(%error, pending = self.len(), "charges could not be written yet")
             }
         }
     }
@@ -237,19 +269,24 @@ impl SqliteWriter {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Runs the read `work` on the writer's connection, between two transactions. For a
-    /// read of a few rows that follows a write (a request's view once it ended): this
-    /// connection's cache holds the pages it just wrote, and the read costs one hop to this
-    /// thread, where every statement through sqlx's driver costs two. It holds up writes
-    /// while it runs: lists and scans stay on the reader pool.
+    /// Runs the read `work` of request `request_id` on the writer's connection, between two
+    /// transactions, once that request's pending charges are stored. For a read of a few
+    /// rows that follows a write (a request's view once it ended): this connection's cache
+    /// holds the pages it just wrote, and the read costs one hop to this thread, where every
+    /// statement through sqlx's driver costs two. It holds up writes while it runs: lists
+    /// and scans stay on the reader pool.
     pub async fn read<T: Send + 'static>(
         &self,
+        request_id: &str,
         work: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (done, result) = oneshot::channel();
-        self.send(Job::Read(Box::new(move |connection| {
-            let _ = done.send(work(connection));
-        })))?;
+        self.send(Job::Read(
+            request_id.to_owned(),
+            Box::new(move |connection| {
+                let _ = done.send(work(connection));
+            }),
+        ))?;
         result.await.map_err(|_| stopped())?
     }
 
@@ -353,16 +390,15 @@ async fn write_loop(
     let mut charges = PendingCharges::default();
     let mut last_seqs = LastSeqs::default();
     loop {
-        let job = if charges.0.is_empty() {
-            queue.recv().await
-        } else {
-            match tokio::time::timeout(CHARGE_IDLE, queue.recv()).await {
+        let job = match charges.deadline() {
+            None => queue.recv().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, queue.recv()).await {
                 Ok(job) => job,
                 Err(_) => {
                     charges.flush(&mut connection);
                     continue;
                 }
-            }
+            },
         };
         let Some(job) = job else {
             break;
@@ -376,7 +412,7 @@ async fn write_loop(
                         Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
                     });
                 if result.is_ok() {
-                    charges.0.clear();
+                    charges.committed();
                 } else {
                     // A refused batch never holds back the charges that rode along with it.
                     charges.flush(&mut connection);
@@ -386,12 +422,12 @@ async fn write_loop(
             Job::Charge(charge) => {
                 // Past the bound (the disk refused every flush for a long while) a charge is
                 // dropped, counted in memory only, rather than memory growing without end.
-                if charges.0.len() >= MAX_PENDING_CHARGES * 16 {
+                if charges.len() >= MAX_PENDING_CHARGES * 16 {
                     tracing::error!("the store keeps refusing charges; one was dropped");
                     continue;
                 }
-                charges.0.push(*charge);
-                if charges.0.len() % MAX_PENDING_CHARGES == 0 {
+                charges.push(*charge);
+                if charges.len() % MAX_PENDING_CHARGES == 0 {
                     charges.flush(&mut connection);
                 }
             }
@@ -400,10 +436,13 @@ async fn write_loop(
                 last_seqs.forget();
                 work(&mut connection);
             }
-            Job::Read(work) => {
-                // A read sees every charge accepted before it (and reads never keep the
-                // idle flush from coming).
-                charges.flush(&mut connection);
+            Job::Read(request_id, work) => {
+                // A read sees every charge of its request accepted before it. Other
+                // requests' charges go on waiting for a transaction to ride along with: at
+                // concurrency, flushing them for every `wait` cost a commit per request.
+                if charges.of_request(&request_id) {
+                    charges.flush(&mut connection);
+                }
                 work(&connection);
             }
             Job::CatchUp => {
