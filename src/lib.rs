@@ -18,4 +18,5 @@ pub mod runtime;
 pub mod spend;
 pub mod store;
 pub mod text;
+pub mod threads;
 pub mod workspace;

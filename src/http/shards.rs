@@ -61,22 +61,14 @@ impl Shards {
             let (end, ended) = oneshot::channel::<()>();
             let router = router.clone();
             let mut stopping = stopping.clone();
-            let (started_tx, started) = std::sync::mpsc::sync_channel(1);
-            let thread = std::thread::Builder::new()
-                .name(format!("http-shard-{index}"))
-                .spawn(move || {
-                    // Made and dropped on this thread: never inside another runtime.
-                    let runtime = match tokio::runtime::Builder::new_current_thread()
+            let (thread, _) = crate::threads::spawn_with_runtime(
+                &format!("http-shard-{index}"),
+                || {
+                    tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
-                    {
-                        Ok(runtime) => runtime,
-                        Err(error) => {
-                            let _ = started_tx.send(Err(error));
-                            return;
-                        }
-                    };
-                    let _ = started_tx.send(Ok(()));
+                },
+                move |runtime| {
                     crate::net::keep_thread_client(crate::app::upstream_client());
                     runtime.block_on(async move {
                         let listener = Dealt { incoming, local };
@@ -95,10 +87,8 @@ impl Shards {
                     // Whatever is left was given its grace already: a blocking task still
                     // running is not waited for.
                     runtime.shutdown_timeout(ABANDON_AFTER);
-                })?;
-            started.recv().map_err(|_| {
-                std::io::Error::other("an HTTP shard's thread ended before it started")
-            })??;
+                },
+            )?;
             shards.push(Shard {
                 connections,
                 abort: Some(abort),

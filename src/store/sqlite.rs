@@ -1300,37 +1300,26 @@ mod tests {
             cost_nanos: None,
             estimated: false,
         };
+        // Queues `record`, then reads request `req_a` (which does not exist: the read still
+        // runs, after its charges).
+        let charge_then_read_a = |record: UsageRecord| {
+            let store = &store;
+            async move {
+                store
+                    .record_usage(&record, &[], None)
+                    .await
+                    .expect("queued");
+                let view = store.request_in_full("req_a").await.expect("read");
+                assert!(view.is_none());
+            }
+        };
         let started = std::time::Instant::now();
-        store
-            .record_usage(&charge("use_b", "req_b"), &[], None)
-            .await
-            .expect("queued");
-        // No such request: the read still runs, after its (no) charges.
-        assert!(
-            store
-                .request_in_full("req_a")
-                .await
-                .expect("read")
-                .is_none()
-        );
+        charge_then_read_a(charge("use_b", "req_b")).await;
         if started.elapsed() < std::time::Duration::from_millis(15) {
-            assert_eq!(
-                usage_rows(&store, "req_b").await,
-                0,
-                "b waits to ride along"
-            );
+            let stored = usage_rows(&store, "req_b").await;
+            assert_eq!(stored, 0, "b waits to ride along");
         }
-        store
-            .record_usage(&charge("use_a", "req_a"), &[], None)
-            .await
-            .expect("queued");
-        assert!(
-            store
-                .request_in_full("req_a")
-                .await
-                .expect("read")
-                .is_none()
-        );
+        charge_then_read_a(charge("use_a", "req_a")).await;
         assert_eq!(usage_rows(&store, "req_a").await, 1);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while usage_rows(&store, "req_b").await == 0 {

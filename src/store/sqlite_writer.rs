@@ -199,29 +199,18 @@ impl SqliteWriter {
         let (jobs, queue) = mpsc::unbounded_channel::<Job>();
         let catch_up_queued = Arc::new(AtomicBool::new(false));
         let queued = Arc::clone(&catch_up_queued);
-        let (started, runtime) = std::sync::mpsc::sync_channel(1);
-        std::thread::Builder::new()
-            .name("sqlite-writer".into())
-            .spawn(move || {
-                // The runtime is made and dropped on this thread: never inside another one.
-                let runtime = match tokio::runtime::Builder::new_current_thread()
+        let (_thread, runtime) = crate::threads::spawn_with_runtime(
+            "sqlite-writer",
+            || {
+                tokio::runtime::Builder::new_current_thread()
                     .enable_time()
                     .build()
-                {
-                    Ok(runtime) => runtime,
-                    Err(error) => {
-                        let _ = started.send(Err(error));
-                        return;
-                    }
-                };
-                let _ = started.send(Ok(runtime.handle().clone()));
+            },
+            move |runtime| {
                 runtime.block_on(write_loop(connection, queue, &queued, &leases, page_size));
-            })
-            .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
-        let runtime = runtime
-            .recv()
-            .map_err(|_| stopped())?
-            .map_err(|e| StoreError::Writer(format!("cannot start the writer's runtime: {e}")))?;
+            },
+        )
+        .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             jobs,
             runtime,
