@@ -2,9 +2,9 @@
 //!
 //! - Bodies ([`ApiJson`], [`V1Json`]): read within `limits.maxRequestBytes` (413 beyond, sent
 //!   once the refused body was read on to its end, within bounds: a client still writing it
-//!   gets the answer, not a broken pipe), parsed as JSON with the path of the offending field as the error's `param`. Malformed JSON
-//!   and unknown fields are 400; well-formed but invalid content is 422 (400 on `/v1`, as
-//!   OpenAI does).
+//!   gets the answer, not a broken pipe), parsed as JSON with the path of the offending field
+//!   as the error's `param`. Malformed JSON and unknown fields are 400; well-formed but
+//!   invalid content is 422 (400 on `/v1`, as OpenAI does).
 //! - Query strings ([`ApiQuery`]): a value that does not parse is 400 `invalid_parameter`, an
 //!   unknown parameter 400 `unknown_field`, both naming the parameter. Range checks (422) are
 //!   the handler's, on the parsed value.
@@ -63,10 +63,16 @@ async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Resul
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let drain_bound = limit.saturating_add(DRAIN_BYTES);
-    if declared.is_some_and(|length| length > drain_bound) {
+    let mut body = request.into_body().into_data_stream();
+    if let Some(length) = declared
+        && length > limit
+    {
+        // Refused before a byte is kept; read on (and dropped) only if it ends within bounds.
+        if length <= drain_bound {
+            drain(body, length).await;
+        }
         return Err(too_large());
     }
-    let mut body = request.into_body().into_data_stream();
     let mut bytes = Vec::new();
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|_| read_failed())?;

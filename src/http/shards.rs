@@ -136,10 +136,8 @@ impl Shards {
     }
 
     fn end_threads(&mut self) {
+        self.abort();
         for shard in &mut self.shards {
-            if let Some(abort) = shard.abort.take() {
-                let _ = abort.send(());
-            }
             if let Some(end) = shard.end.take() {
                 let _ = end.send(());
             }

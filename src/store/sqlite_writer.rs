@@ -134,8 +134,10 @@ impl PendingCharges {
         });
         match result {
             Ok(()) => self.committed(),
-            // Kept for the next transaction: a full or busy disk passes.
+            // Kept for the next transaction: a full or busy disk passes. Tried alone again
+            // only after another `CHARGE_IDLE`, not at once and again.
             Err(error) => {
+                self.since = Some(tokio::time::Instant::now());
                 tracing::warn!(%error, pending = self.len(), "charges could not be written yet")
             }
         }
