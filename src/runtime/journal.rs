@@ -28,9 +28,11 @@
 //!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
 //!   commits with the next write that is waited on (the run's end, at the latest): the
 //!   common request is one transaction, not one per step. A streamed request's writes, and
-//!   every write whose producer waits, commit at once. A write asked to commit at once that
-//!   nobody waits on (a submit, [`Journal::write_group_now`]) does too, unless other runs
-//!   execute here: then it waits for their next commit, at most [`PROMPT_HOLD`].
+//!   every write whose producer waits, commit at once. A request's submit is held too
+//!   ([`Journal::write_group`]): the common request is one transaction, its submit and its
+//!   end. A write asked to commit at once that nobody waits on (a status change,
+//!   [`Journal::write_group_now`]) does too, unless other runs execute here: then it waits
+//!   for their next commit, at most [`PROMPT_HOLD`].
 //! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
 //!   `agent.output.delta` events queued while the previous commit was in flight become one
 //!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
@@ -112,10 +114,8 @@ enum Urgency {
     /// commits with the next write that is not: a request answered whole commits once, with
     /// its end.
     Held,
-    /// Asked to commit at once, though nobody waits on it (a request's submit, a status
-    /// change). While other runs execute here it may wait for their next commit, at most
-    /// [`PROMPT_HOLD`]: at concurrency a request's submit rides with another's end instead of
-    /// costing a transaction of its own.
+    /// Asked to commit at once, though nobody waits on it (a status change). While other
+    /// runs execute here it may wait for their next commit, at most [`PROMPT_HOLD`].
     Prompt,
     /// Its producer waits on it, or its request is streamed live: committed at once.
     Now,
@@ -331,8 +331,19 @@ impl Journal {
         self.enqueue(request, vec![op], false, false, None).await
     }
 
-    /// Queues `ops` as one group that commits at once, without waiting for it: a request's
-    /// first group, stored while its run calls the model rather than after.
+    /// Queues `ops` as one group without waiting for it, held like [`Journal::write`]: a
+    /// request's submit, which commits with its run's first acknowledged write (its end,
+    /// when the model answers at once), or after the hold.
+    pub async fn write_group(
+        &self,
+        request: Option<&str>,
+        ops: Vec<WriteOp>,
+    ) -> Result<(), JournalError> {
+        self.enqueue(request, ops, false, false, None).await
+    }
+
+    /// Queues `ops` as one group that commits at once, without waiting for it: a status
+    /// change that whoever looks should see.
     pub async fn write_group_now(
         &self,
         request: Option<&str>,
@@ -909,6 +920,22 @@ mod tests {
         assert_eq!(stored_deltas(&store, "req_a").await, ["one two "]);
         let types = stored_types(&store, "req_a").await;
         assert_eq!(types, [ADAPTER_EVENT, "end"]);
+    }
+
+    #[tokio::test]
+    async fn a_submit_nobody_waits_on_commits_with_its_runs_end() {
+        // A hold far longer than the test: only the end's commit can store the submit.
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        let mut ops = request_ops("req_a");
+        ops.push(event("req_a", "submitted"));
+        journal.write_group(Some("req_a"), ops).await.unwrap();
+        assert!(store.request("req_a").await.unwrap().is_none());
+        journal
+            .commit(Some("req_a"), vec![event("req_a", "end")])
+            .await
+            .unwrap();
+        assert!(store.request("req_a").await.unwrap().is_some());
+        assert_eq!(stored_types(&store, "req_a").await, ["submitted", "end"]);
     }
 
     #[tokio::test]

@@ -666,11 +666,14 @@ impl Runtime {
         // on, the journal closes the request's channel, and the follower must hold it by then.
         let live = follow.map(|_| inner.hub.subscribe(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
-        // before the run ends (202) wait for that commit: accepted means durable.
+        // before the run ends (202) wait for that commit: accepted means durable. The others
+        // hold it for the run's first acknowledged write: a request whose model answers at
+        // once is one transaction, not two (the submit's commit, on a core the upstream
+        // needed, cost more than it overlapped: docs/profiling.md, the ninth pass).
         let written = if request.durable_before_return {
             inner.journal.commit(Some(&request_id), ops).await
         } else {
-            inner.journal.write_group_now(Some(&request_id), ops).await
+            inner.journal.write_group(Some(&request_id), ops).await
         };
         if let Err(error) = written {
             drop(live);
