@@ -29,7 +29,7 @@
 //!   commits with the next write that is waited on (the run's end, at the latest): the
 //!   common request is one transaction, not one per step. A streamed request's writes, and
 //!   every write whose producer waits, commit at once. A request's submit is held too
-//!   ([`Journal::write_group`]): the common request is one transaction, its submit and its
+//!   ([`Journal::write_submit`]): the common request is one transaction, its submit and its
 //!   end. A write asked to commit at once that nobody waits on (a status change,
 //!   [`Journal::write_group_now`]) does too, unless other runs execute here: then it waits
 //!   for their next commit, at most [`PROMPT_HOLD`].
@@ -86,6 +86,18 @@ pub enum JournalError {
     LeaseLost(String),
 }
 
+/// When a group nobody waits on commits, as its producer asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    /// Held, unless its request is streamed live ([`Journal::write`]).
+    Held,
+    /// Held even when its request is streamed live: a request's submit, which commits with
+    /// the run's first event ([`Journal::write_submit`]).
+    Submit,
+    /// Committed at once ([`Journal::write_group_now`]).
+    Now,
+}
+
 /// A group of writes as queued.
 struct Group {
     /// The request the group belongs to: a failure poisons it.
@@ -93,8 +105,8 @@ struct Group {
     ops: Vec<WriteOp>,
     /// Applied even to a poisoned request (a run's end), and clears the poison.
     settles: bool,
-    /// Commits at once, though nobody waits on it (see [`Journal::write_group_now`]).
-    now: bool,
+    /// When it commits if nobody waits on it.
+    asked: Asked,
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
 }
 
@@ -129,12 +141,12 @@ impl Item {
                     .request
                     .as_deref()
                     .is_none_or(|request| hub.is_streamed(request));
-                if group.ack.is_some() || streamed {
-                    Urgency::Now
-                } else if group.now {
-                    Urgency::Prompt
-                } else {
-                    Urgency::Held
+                match group.asked {
+                    _ if group.ack.is_some() => Urgency::Now,
+                    Asked::Submit => Urgency::Held,
+                    _ if streamed => Urgency::Now,
+                    Asked::Now => Urgency::Prompt,
+                    Asked::Held => Urgency::Held,
                 }
             }
             Item::Flush(_) | Item::Forgive(_) => Urgency::Now,
@@ -328,18 +340,20 @@ impl Journal {
     /// Queues one write of `request` behind every earlier one, without waiting for it to
     /// commit: the producer learns of a failure at its next [`Journal::commit`].
     pub async fn write(&self, request: Option<&str>, op: WriteOp) -> Result<(), JournalError> {
-        self.enqueue(request, vec![op], false, false, None).await
+        self.enqueue(request, vec![op], false, Asked::Held, None)
+            .await
     }
 
-    /// Queues `ops` as one group without waiting for it, held like [`Journal::write`]: a
-    /// request's submit, which commits with its run's first acknowledged write (its end,
-    /// when the model answers at once), or after the hold.
-    pub async fn write_group(
+    /// Queues a request's submit as one group without waiting for it, held like
+    /// [`Journal::write`] even when the request is streamed live: it commits with the run's
+    /// first write that commits (its end when the model answers at once, its first event
+    /// when streamed), or after the hold.
+    pub async fn write_submit(
         &self,
         request: Option<&str>,
         ops: Vec<WriteOp>,
     ) -> Result<(), JournalError> {
-        self.enqueue(request, ops, false, false, None).await
+        self.enqueue(request, ops, false, Asked::Submit, None).await
     }
 
     /// Queues `ops` as one group that commits at once, without waiting for it: a status
@@ -349,7 +363,7 @@ impl Journal {
         request: Option<&str>,
         ops: Vec<WriteOp>,
     ) -> Result<(), JournalError> {
-        self.enqueue(request, ops, false, true, None).await
+        self.enqueue(request, ops, false, Asked::Now, None).await
     }
 
     /// Queues `ops` as one group and waits until they committed together.
@@ -374,7 +388,8 @@ impl Journal {
         settles: bool,
     ) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
-        self.enqueue(request, ops, settles, true, Some(ack)).await?;
+        self.enqueue(request, ops, settles, Asked::Now, Some(ack))
+            .await?;
         done.await.map_err(|_| JournalError::Closed)?
     }
 
@@ -383,14 +398,14 @@ impl Journal {
         request: Option<&str>,
         ops: Vec<WriteOp>,
         settles: bool,
-        now: bool,
+        asked: Asked,
         ack: Option<oneshot::Sender<Result<(), JournalError>>>,
     ) -> Result<(), JournalError> {
         let group = Group {
             request: request.map(str::to_owned),
             ops,
             settles,
-            now,
+            asked,
             ack,
         };
         self.push(Item::Group(group)).await
@@ -928,7 +943,7 @@ mod tests {
         let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
         let mut ops = request_ops("req_a");
         ops.push(event("req_a", "submitted"));
-        journal.write_group(Some("req_a"), ops).await.unwrap();
+        journal.write_submit(Some("req_a"), ops).await.unwrap();
         assert!(store.request("req_a").await.unwrap().is_none());
         journal
             .commit(Some("req_a"), vec![event("req_a", "end")])
@@ -936,6 +951,28 @@ mod tests {
             .unwrap();
         assert!(store.request("req_a").await.unwrap().is_some());
         assert_eq!(stored_types(&store, "req_a").await, ["submitted", "end"]);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_requests_submit_commits_with_its_first_event() {
+        let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
+        let _streamed = hub.stream("req_a");
+        let mut live = hub.subscribe("req_a");
+        journal
+            .write_submit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        assert!(store.request("req_a").await.unwrap().is_none());
+        journal
+            .write(Some("req_a"), delta("req_a", "run", "first "))
+            .await
+            .unwrap();
+        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+            .await
+            .expect("a streamed request's first event was held")
+            .unwrap();
+        assert_eq!(output_delta_text(&event.data), Some("first "));
+        assert!(store.request("req_a").await.unwrap().is_some());
     }
 
     #[tokio::test]

@@ -673,7 +673,7 @@ impl Runtime {
         let written = if request.durable_before_return {
             inner.journal.commit(Some(&request_id), ops).await
         } else {
-            inner.journal.write_group(Some(&request_id), ops).await
+            inner.journal.write_submit(Some(&request_id), ops).await
         };
         if let Err(error) = written {
             drop(live);
