@@ -28,9 +28,9 @@
 //!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
 //!   commits with the next write that is waited on (the run's end, at the latest): the
 //!   common request is one transaction, not one per step. A streamed request's writes, and
-//!   every write whose producer waits, commit at once. A request's submit is held too
-//!   ([`Journal::write_submit`]): the common request is one transaction, its submit and its
-//!   end. A write asked to commit at once that nobody waits on (a status change,
+//!   every write whose producer waits, commit at once. A request's submit is held too, even
+//!   when streamed ([`Journal::write_submit`]): it commits with its run's first write that
+//!   commits, so the common request is one transaction. A write asked to commit at once that nobody waits on (a status change,
 //!   [`Journal::write_group_now`]) does too, unless other runs execute here: then it waits
 //!   for their next commit, at most [`PROMPT_HOLD`].
 //! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
@@ -129,7 +129,8 @@ enum Urgency {
     /// Asked to commit at once, though nobody waits on it (a status change). While other
     /// runs execute here it may wait for their next commit, at most [`PROMPT_HOLD`].
     Prompt,
-    /// Its producer waits on it, or its request is streamed live: committed at once.
+    /// Its producer waits on it, or its request is streamed live (a submit excepted):
+    /// committed at once.
     Now,
 }
 

@@ -667,7 +667,7 @@ impl Runtime {
         let live = follow.map(|_| inner.hub.subscribe(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable. The others
-        // hold it for the run's first acknowledged write: a request whose model answers at
+        // hold it for the run's first write that commits: a request whose model answers at
         // once is one transaction, not two (the submit's commit, on a core the upstream
         // needed, cost more than it overlapped: docs/profiling.md, the ninth pass).
         let written = if request.durable_before_return {
