@@ -955,7 +955,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_streamed_requests_submit_commits_with_its_first_event() {
+    async fn a_streamed_requests_writes_commit_at_once_its_submit_with_the_first() {
         let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
         let _streamed = hub.stream("req_a");
         let mut live = hub.subscribe("req_a");
@@ -963,35 +963,21 @@ mod tests {
             .write_submit(Some("req_a"), request_ops("req_a"))
             .await
             .unwrap();
+        // The submit waits for the run's first event, though the request is streamed.
         assert!(store.request("req_a").await.unwrap().is_none());
-        journal
-            .write(Some("req_a"), delta("req_a", "run", "first "))
-            .await
-            .unwrap();
-        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
-            .await
-            .expect("a streamed request's first event was held")
-            .unwrap();
-        assert_eq!(output_delta_text(&event.data), Some("first "));
-        assert!(store.request("req_a").await.unwrap().is_some());
-    }
-
-    #[tokio::test]
-    async fn a_streamed_requests_writes_commit_at_once() {
-        let (_dir, store, journal, hub) = request_a_held_for(Duration::from_secs(600)).await;
-        let _streamed = hub.stream("req_a");
-        let mut live = hub.subscribe("req_a");
         journal
             .write(Some("req_a"), delta("req_a", "run", "now "))
             .await
             .unwrap();
-        // No commit follows: the delta reaches the follower (and the store) by itself.
+        // No commit follows: the delta reaches the follower (and the store) by itself, and
+        // the submit with it.
         let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
             .await
             .expect("a streamed request's write was held")
             .unwrap();
         assert_eq!(output_delta_text(&event.data), Some("now "));
         assert_eq!(stored_deltas(&store, "req_a").await, ["now "]);
+        assert!(store.request("req_a").await.unwrap().is_some());
     }
 
     #[tokio::test]
