@@ -188,6 +188,8 @@ struct QueueState {
     /// The writer holds writes with a deadline set: it drains the queue by then, so a
     /// write that is not urgent needs no wake-up.
     timed: bool,
+    /// When the oldest item not yet taken by the writer was queued: a hold counts from it.
+    since: Option<tokio::time::Instant>,
     /// Every producer is gone.
     closed: bool,
     /// The writer is gone: nothing queued will be applied.
@@ -428,6 +430,7 @@ impl Journal {
             if state.finished {
                 return Err(JournalError::Closed);
             }
+            state.since.get_or_insert_with(tokio::time::Instant::now);
             state.items.push_back((item, urgency));
             urgency > Urgency::Held || !state.timed
         };
@@ -471,46 +474,56 @@ impl Writer {
         let _finished = Finished(Arc::clone(&queue));
         let mut items = Vec::with_capacity(MAX_BATCH);
         let mut held = Held::default();
-        // Set while writes nobody waits on are held for the next commit.
+        // Set while writes nobody waits on are held for the next commit, and for a hold's
+        // length after a commit: the next held write (a request's submit) then needs no
+        // wake-up, and a request answered whole wakes the writer once, for its end.
         let mut deadline: Option<tokio::time::Instant> = None;
+        // When the oldest held write was queued, when a lingering prompt write stops
+        // waiting, and until when the writer watches after a commit.
+        let mut held_since: Option<tokio::time::Instant> = None;
+        let mut prompt_until: Option<tokio::time::Instant> = None;
+        let mut watch_until: Option<tokio::time::Instant> = None;
         // Items were left in the queue (more than a batch): take them without waiting.
         let mut more = false;
         loop {
-            // `false`: the hold passed with nothing urgent arriving.
-            let woken = match (more, deadline) {
-                (true, _) => true,
-                (false, None) => {
-                    queue.wake.notified().await;
-                    true
+            // Woken by a producer or by the deadline: what is due is decided below.
+            match (more, deadline) {
+                (true, _) => {}
+                (false, None) => queue.wake.notified().await,
+                (false, Some(at)) => {
+                    let _ = tokio::time::timeout_at(at, queue.wake.notified()).await;
                 }
-                (false, Some(at)) => tokio::time::timeout_at(at, queue.wake.notified())
-                    .await
-                    .is_ok(),
-            };
+            }
+            let now = tokio::time::Instant::now();
             let (mut urgent, lingers, closed) = {
                 let mut state = queue.state();
                 let taken = state.items.len().min(MAX_BATCH);
-                // A hold that has passed commits, whatever woke the writer: a stream of
-                // writes arriving one by one must not stretch it.
-                let expired = deadline.is_some_and(|at| at <= tokio::time::Instant::now());
-                let mut urgency = if woken && !expired {
-                    Urgency::Held
-                } else {
-                    Urgency::Now
-                };
+                let mut urgency = Urgency::Held;
                 for (item, item_urgency) in state.items.drain(..taken) {
                     urgency = urgency.max(item_urgency);
                     items.push(item);
                 }
                 more = !state.items.is_empty();
+                if taken > 0 {
+                    held_since = held_since.or(state.since);
+                    state.since = more.then_some(now);
+                }
+                // A hold that has passed commits, whatever woke the writer: a stream of
+                // writes arriving one by one must not stretch it.
+                let expired = held_since.is_some_and(|since| since + self.hold <= now)
+                    || prompt_until.is_some_and(|until| until <= now);
+                if expired {
+                    urgency = Urgency::Now;
+                }
                 let groups = held.groups.len().saturating_add(items.len());
                 // Prompt writes wait for another run's commit only while others execute.
                 let lingers = urgency == Urgency::Prompt
                     && self.executing.as_ref().is_some_and(|e| e.count() > 1);
                 let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
+                let watching = watch_until.is_some_and(|until| until > now);
                 // Decided with the queue locked, so that no producer skips a wake-up the
                 // writer needs: `timed` only while a deadline will drain what is queued.
-                state.timed = !urgent && !more && groups > 0 && groups < MAX_BATCH;
+                state.timed = !urgent && !more && groups < MAX_BATCH && (groups > 0 || watching);
                 (urgent, lingers, state.closed && !more)
             };
             queue.room.add_permits(items.len());
@@ -532,18 +545,26 @@ impl Writer {
             }
             urgent |= held.groups.len() >= MAX_BATCH;
             if urgent {
-                deadline = None;
+                held_since = None;
+                prompt_until = None;
                 self.apply(held.take()).await;
                 for done in flushes {
                     let _ = done.send(());
                 }
-            } else if held.groups.is_empty() {
-                deadline = None;
-            } else {
-                let now = tokio::time::Instant::now();
-                let hold = if lingers { PROMPT_HOLD } else { self.hold };
-                deadline = Some(deadline.map_or(now + hold, |at| at.min(now + hold)));
+                // Watch for a hold's length: whatever is queued meanwhile is drained by then.
+                queue.state().timed = true;
+                watch_until = Some(tokio::time::Instant::now() + self.hold);
+            } else if lingers {
+                prompt_until = prompt_until.or(Some(now + PROMPT_HOLD));
             }
+            let held_until = (!held.groups.is_empty())
+                .then(|| held_since.map(|since| since + self.hold))
+                .flatten();
+            let watching = watch_until.filter(|until| *until > tokio::time::Instant::now());
+            deadline = [held_until, prompt_until, watching]
+                .into_iter()
+                .flatten()
+                .min();
         }
     }
 
