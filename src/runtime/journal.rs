@@ -30,9 +30,9 @@
 //!   common request is one transaction, not one per step. A streamed request's writes, and
 //!   every write whose producer waits, commit at once. A request's submit is held too, even
 //!   when streamed ([`Journal::write_submit`]): it commits with its run's first write that
-//!   commits, so the common request is one transaction. A write asked to commit at once that nobody waits on (a status change,
-//!   [`Journal::write_group_now`]) does too, unless other runs execute here: then it waits
-//!   for their next commit, at most [`PROMPT_HOLD`].
+//!   commits, so the common request is one transaction. A write asked to commit at once
+//!   that nobody waits on (a status change, [`Journal::write_group_now`]) does too, unless
+//!   other runs execute here: then it waits for their next commit, at most [`PROMPT_HOLD`].
 //! - **Output deltas are stored as they commit, not as they arrive.** A run's consecutive
 //!   `agent.output.delta` events queued while the previous commit was in flight become one
 //!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
@@ -173,8 +173,9 @@ impl Executing {
 /// marked urgent or not when queued.
 ///
 /// A channel would wake the writer for every item. Here a producer wakes it only for an
-/// urgent item, or when the writer has no hold running: a write that will be held anyway
-/// (most of a request answered whole) costs no thread wake-up.
+/// urgent item, or when the writer has no deadline set (none within a hold's length of its
+/// last commit): a write that will be held anyway (a request's submit, most of a request
+/// answered whole) costs no thread wake-up.
 struct Queue {
     state: std::sync::Mutex<QueueState>,
     wake: Notify,
