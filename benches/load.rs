@@ -25,8 +25,8 @@
 //! database and requests go to them in turn, as behind a load balancer. With
 //! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
-//! `STABLE_HARNESS_BENCH_ONLY=chat:32` runs one phase alone (after the warm-up, printing the
-//! server's pid first), for a profiler to attach to, or to compare two builds on it in
+//! `STABLE_HARNESS_BENCH_ONLY=chat:32` (or `chat@200`, at a fixed 200 requests a second)
+//! runs one phase alone (after the warm-up, printing the server's pid first), for a profiler to attach to, or to compare two builds on it in
 //! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`. Such a
 //! phase also reports the bytes the server wrote per request (mostly the store's WAL), a
 //! figure the machine's speed does not move.
@@ -211,7 +211,7 @@ async fn measure(
     )
     .await;
 
-    if let Some((key, workers)) = only_phase() {
+    if let Some((key, load)) = only_phase() {
         // Profiling mode: one surface, one concurrency, for `perf` to attach to.
         let target = match key.as_str() {
             "chat" => chat.clone(),
@@ -225,7 +225,10 @@ async fn measure(
         println!("server pid {}", servers.pid());
         let cpu_before = servers.cpu_seconds();
         let written_before = servers.written_bytes();
-        let stats = closed_loop(client, &target, workers, phase).await;
+        let stats = match load {
+            Load::Concurrency(workers) => closed_loop(client, &target, workers, phase).await,
+            Load::Rate(rate) => open_loop(client, &target, rate, phase).await,
+        };
         let cpu = servers.cpu_seconds() - cpu_before;
         let written = servers.written_bytes() - written_before;
         servers.stop();
@@ -404,12 +407,28 @@ async fn compare_one_phase(
     }
 }
 
-/// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` (surfaces: chat, responses, wait,
-/// chat-sse, responses-sse, direct): run that phase alone against this build, for a profiler.
-fn only_phase() -> Option<(String, usize)> {
+/// How a phase run alone loads the server.
+#[derive(Debug, Clone, Copy)]
+enum Load {
+    /// A closed loop of this many clients.
+    Concurrency(usize),
+    /// Requests sent at this many per second, whatever the answers' pace.
+    Rate(u32),
+}
+
+/// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
+/// responses, wait, chat-sse, responses-sse, direct): run that phase alone against this
+/// build, for a profiler or to compare two builds.
+fn only_phase() -> Option<(String, Load)> {
     let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
+    if let Some((key, rate)) = value.split_once('@') {
+        return Some((key.to_owned(), Load::Rate(rate.parse().expect("a rate"))));
+    }
     let (key, workers) = value.split_once(':').unwrap_or((&value, "32"));
-    Some((key.to_owned(), workers.parse().expect("a concurrency")))
+    Some((
+        key.to_owned(),
+        Load::Concurrency(workers.parse().expect("a concurrency")),
+    ))
 }
 
 /// (harness - direct, harness / direct).
