@@ -89,6 +89,25 @@ pub struct TestApp {
     server: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Waits until the embedded store of `workspace` (if it has one) is released: its writer
+/// thread lets go of it once the journal, dropped with the stopped server, has finished,
+/// which on a loaded machine can come after the server's task. A process restart waits
+/// for the old process to exit; a restart within the test process waits for this.
+async fn wait_for_the_store_released(workspace: &std::path::Path) {
+    let lock = workspace.join(".stable-harness/state.db.lock");
+    let Ok(file) = std::fs::File::open(&lock) else {
+        return;
+    };
+    for _ in 0..1_000 {
+        if file.try_lock().is_ok() {
+            let _ = file.unlock();
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the stopped server still holds {}", lock.display());
+}
+
 impl TestApp {
     /// Serves `workspace` with one client and one admin key.
     pub async fn spawn(workspace: TestWorkspace) -> Self {
@@ -163,6 +182,7 @@ impl TestApp {
         if let Some(server) = self.server.take() {
             let _ = server.await;
         }
+        wait_for_the_store_released(self.workspace.path()).await;
         std::mem::replace(&mut self.workspace, TestWorkspace::empty())
     }
 
