@@ -5,10 +5,7 @@
 //! writer task applies whatever is queued as one transaction, so a streaming run costs one
 //! commit per burst of tokens, not one per token. The writer task runs where the store says
 //! writes are cheapest to hand over ([`Store::writer_runtime`]): on the embedded store, the
-//! writer thread itself, so a commit wakes one thread (its producer's), not three. And a
-//! producer that waits on its group while the writer task is idle and no other run executes
-//! here commits it itself, on its own thread, with whatever is held ([`Journal::commit`]):
-//! the request answered whole at concurrency 1 commits with no hand-over and no wake-up.
+//! writer thread itself, so a commit wakes one thread (its producer's), not three.
 //!
 //! What the journal promises:
 //! - **An acknowledged write has committed.** [`Journal::commit`] resolves only after the
@@ -240,11 +237,6 @@ impl Drop for Finished {
 #[derive(Clone)]
 pub struct Journal {
     queue: Arc<Queue>,
-    /// The writer's state: its task's, or a producer's that commits in place.
-    writer: Arc<tokio::sync::Mutex<Writer>>,
-    /// The runs executing here, when a producer waiting on its group may commit it on its own
-    /// thread (the store writes in this process; see [`Journal::commits_here`]).
-    here: Option<Executing>,
     /// Only dropped: the last clone's drop ends the writer.
     _producers: Arc<Producers>,
     hub: Arc<EventHub>,
@@ -312,9 +304,7 @@ impl Journal {
         let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
         let runtime = store.writer_runtime();
-        // Only a store writing in this process applies a batch on the caller's thread.
-        let here = executing.clone().filter(|_| runtime.is_some());
-        let writer = Arc::new(tokio::sync::Mutex::new(Writer {
+        let writer = Writer {
             store,
             hub: Arc::clone(&hub),
             redactor: Arc::clone(&redactor),
@@ -322,21 +312,14 @@ impl Journal {
             poisoned: HashSet::new(),
             hold,
             executing,
-            held: Held::default(),
-            held_since: None,
-            prompt_until: None,
-            watch_until: None,
-        }));
-        let task = write_loop(Arc::clone(&writer), Arc::clone(&queue));
+        };
         match runtime {
-            Some(runtime) => tracker.spawn_on(task, &runtime),
-            None => tracker.spawn(task),
+            Some(runtime) => tracker.spawn_on(writer.run(Arc::clone(&queue)), &runtime),
+            None => tracker.spawn(writer.run(Arc::clone(&queue))),
         };
         Self {
             _producers: Arc::new(Producers(Arc::clone(&queue))),
             queue,
-            writer,
-            here,
             hub,
             available,
             redactor,
@@ -387,8 +370,7 @@ impl Journal {
         self.enqueue(request, ops, false, Asked::Now, None).await
     }
 
-    /// Queues `ops` as one group and waits until they committed together: on the caller's
-    /// own thread when it can ([`Journal::commits_here`]).
+    /// Queues `ops` as one group and waits until they committed together.
     pub async fn commit(
         &self,
         request: Option<&str>,
@@ -410,35 +392,9 @@ impl Journal {
         settles: bool,
     ) -> Result<(), JournalError> {
         let (ack, done) = oneshot::channel();
-        let group = Group {
-            request: request.map(str::to_owned),
-            ops,
-            settles,
-            asked: Asked::Now,
-            ack: Some(ack),
-        };
-        let here = self.commits_here();
-        self.push(Item::Group(group), !here).await?;
-        if here {
-            match self.writer.try_lock() {
-                Ok(mut writer) => writer.combine(&self.queue).await,
-                // The writer's task is at work: it takes this group next.
-                Err(_) => self.queue.wake.notify_one(),
-            }
-        }
+        self.enqueue(request, ops, settles, Asked::Now, Some(ack))
+            .await?;
         done.await.map_err(|_| JournalError::Closed)?
-    }
-
-    /// Whether a producer waiting on its group commits it itself, on its own thread, when the
-    /// writer's task is idle: on a store writing in this process, while no other run executes
-    /// here. A request answered whole then commits with no thread hand-over and no wake-up;
-    /// with other runs executing, the writer's task batches their commits, and no connection
-    /// thread stops serving for a transaction.
-    fn commits_here(&self) -> bool {
-        self.here
-            .as_ref()
-            .is_some_and(|executing| executing.count() <= 1)
-            && self.is_available()
     }
 
     async fn enqueue(
@@ -456,12 +412,11 @@ impl Journal {
             asked,
             ack,
         };
-        self.push(Item::Group(group), true).await
+        self.push(Item::Group(group)).await
     }
 
-    /// Queues `item` behind every earlier one, waiting while the queue is full; wakes the
-    /// writer's task if `wake` and the item needs it.
-    async fn push(&self, item: Item, wake: bool) -> Result<(), JournalError> {
+    /// Queues `item` behind every earlier one, waiting while the queue is full.
+    async fn push(&self, item: Item) -> Result<(), JournalError> {
         let permit = self
             .queue
             .room
@@ -478,7 +433,7 @@ impl Journal {
             }
             state.since.get_or_insert_with(tokio::time::Instant::now);
             state.items.push_back((item, urgency));
-            wake && (urgency > Urgency::Held || !state.timed)
+            urgency > Urgency::Held || !state.timed
         };
         if wake {
             self.queue.wake.notify_one();
@@ -489,19 +444,18 @@ impl Journal {
     /// Clears the lost-write state of `request`, behind everything queued so far: a run this
     /// instance lost and then claimed again starts over from the store.
     pub async fn forgive(&self, request: &str) -> Result<(), JournalError> {
-        self.push(Item::Forgive(request.to_owned()), true).await
+        self.push(Item::Forgive(request.to_owned())).await
     }
 
     /// Waits until everything queued so far has been committed or refused.
     pub async fn flush(&self) -> Result<(), JournalError> {
         let (done, wait) = oneshot::channel();
-        self.push(Item::Flush(done), true).await?;
+        self.push(Item::Flush(done)).await?;
         wait.await.map_err(|_| JournalError::Closed)
     }
 }
 
-/// The writer's state, locked by whoever applies writes: the writer's task, or a producer
-/// that commits in place ([`Journal::commits_here`]).
+/// The writer task's state: it alone applies writes.
 struct Writer {
     store: Arc<dyn Store>,
     hub: Arc<EventHub>,
@@ -514,188 +468,110 @@ struct Writer {
     /// The runs executing here, when the journal serves a runtime (prompt writes linger
     /// only while others execute).
     executing: Option<Executing>,
-    /// The groups taken from the queue and not yet applied.
-    held: Held,
-    /// When the oldest held write was queued.
-    held_since: Option<tokio::time::Instant>,
-    /// When a lingering prompt write stops waiting.
-    prompt_until: Option<tokio::time::Instant>,
-    /// Until when the writer's task watches after its commit.
-    watch_until: Option<tokio::time::Instant>,
-}
-
-/// Where a batch is applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Place {
-    /// Handed to the store (on the embedded store, its writer's thread).
-    Store,
-    /// On the calling thread, if the store's writer is free ([`Store::apply_here`]).
-    Here,
-}
-
-/// What the writer's task does after a step.
-enum Next {
-    /// Waits for a producer, or until `deadline`; goes on at once if `more` is queued.
-    Wait {
-        more: bool,
-        deadline: Option<tokio::time::Instant>,
-    },
-    /// Every producer is gone and everything queued is applied.
-    Finish,
-}
-
-/// The writer's task: applies what is queued when it is due, until every producer is gone.
-async fn write_loop(writer: Arc<tokio::sync::Mutex<Writer>>, queue: Arc<Queue>) {
-    let _finished = Finished(Arc::clone(&queue));
-    let mut items = Vec::with_capacity(MAX_BATCH);
-    // Set while writes nobody waits on are held for the next commit, and for a hold's
-    // length after a commit: the next held write (a request's submit) then needs no
-    // wake-up, and a request answered whole wakes the writer once, for its end.
-    let mut deadline: Option<tokio::time::Instant> = None;
-    // Items were left in the queue (more than a batch): take them without waiting.
-    let mut more = false;
-    loop {
-        // Woken by a producer or by the deadline: what is due is decided below.
-        match (more, deadline) {
-            (true, _) => {}
-            (false, None) => queue.wake.notified().await,
-            (false, Some(at)) => {
-                let _ = tokio::time::timeout_at(at, queue.wake.notified()).await;
-            }
-        }
-        match writer.lock().await.step(&queue, &mut items).await {
-            Next::Wait {
-                more: left,
-                deadline: next,
-            } => (more, deadline) = (left, next),
-            Next::Finish => return,
-        }
-    }
 }
 
 impl Writer {
-    /// Takes what is queued (a batch at most) and applies what is due.
-    async fn step(&mut self, queue: &Queue, items: &mut Vec<Item>) -> Next {
-        let now = tokio::time::Instant::now();
-        let (mut urgent, lingers, closed, more) = {
-            let mut state = queue.state();
-            let taken = state.items.len().min(MAX_BATCH);
-            let mut urgency = Urgency::Held;
-            for (item, item_urgency) in state.items.drain(..taken) {
-                urgency = urgency.max(item_urgency);
-                items.push(item);
-            }
-            let more = !state.items.is_empty();
-            if taken > 0 {
-                self.held_since = self.held_since.or(state.since);
-                state.since = more.then_some(now);
-            }
-            // A hold that has passed commits, whatever woke the writer: a stream of
-            // writes arriving one by one must not stretch it.
-            let expired = self
-                .held_since
-                .is_some_and(|since| since + self.hold <= now)
-                || self.prompt_until.is_some_and(|until| until <= now);
-            if expired {
-                urgency = Urgency::Now;
-            }
-            let groups = self.held.groups.len().saturating_add(items.len());
-            // Prompt writes wait for another run's commit only while others execute.
-            let lingers = urgency == Urgency::Prompt
-                && self.executing.as_ref().is_some_and(|e| e.count() > 1);
-            let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
-            let watching = self.watch_until.is_some_and(|until| until > now);
-            // Decided with the queue locked, so that no producer skips a wake-up the
-            // writer needs: `timed` only while a deadline will drain what is queued.
-            state.timed = !urgent && !more && groups < MAX_BATCH && (groups > 0 || watching);
-            (urgent, lingers, state.closed && !more, more)
-        };
-        queue.room.add_permits(items.len());
-        let flushes = self.sort(items, Place::Store).await;
-        if closed {
-            // Every producer is gone: what is held still commits.
-            let held = self.held.take();
-            self.apply(held, Place::Store).await;
-            return Next::Finish;
-        }
-        urgent |= self.held.groups.len() >= MAX_BATCH;
-        if urgent {
-            self.apply_held(flushes, Place::Store).await;
-            // Watch for a hold's length: whatever is queued meanwhile is drained by then.
-            queue.state().timed = true;
-            self.watch_until = Some(tokio::time::Instant::now() + self.hold);
-        } else if lingers {
-            self.prompt_until = self.prompt_until.or(Some(now + PROMPT_HOLD));
-        }
-        let held_until = (!self.held.groups.is_empty())
-            .then(|| self.held_since.map(|since| since + self.hold))
-            .flatten();
-        let watching = self
-            .watch_until
-            .filter(|until| *until > tokio::time::Instant::now());
-        let deadline = [held_until, self.prompt_until, watching]
-            .into_iter()
-            .flatten()
-            .min();
-        Next::Wait { more, deadline }
-    }
-
-    /// Applies everything queued and held, on the calling thread where the store can: a
-    /// producer waiting on its group commits it itself while the writer's task is idle.
-    /// The task's deadlines and `timed` stay as they were: its next wake-up finds less to
-    /// do, never something overdue.
-    async fn combine(&mut self, queue: &Queue) {
-        let mut items = Vec::new();
+    async fn run(mut self, queue: Arc<Queue>) {
+        let _finished = Finished(Arc::clone(&queue));
+        let mut items = Vec::with_capacity(MAX_BATCH);
+        let mut held = Held::default();
+        // Set while writes nobody waits on are held for the next commit, and for a hold's
+        // length after a commit: the next held write (a request's submit) then needs no
+        // wake-up, and a request answered whole wakes the writer once, for its end.
+        let mut deadline: Option<tokio::time::Instant> = None;
+        // When the oldest held write was queued, when a lingering prompt write stops
+        // waiting, and until when the writer watches after a commit.
+        let mut held_since: Option<tokio::time::Instant> = None;
+        let mut prompt_until: Option<tokio::time::Instant> = None;
+        let mut watch_until: Option<tokio::time::Instant> = None;
+        // Items were left in the queue (more than a batch): take them without waiting.
+        let mut more = false;
         loop {
-            let more = {
-                let mut state = queue.state();
-                let taken = state.items.len().min(MAX_BATCH);
-                items.extend(state.items.drain(..taken).map(|(item, _)| item));
-                let more = !state.items.is_empty();
-                state.since = more.then(tokio::time::Instant::now);
-                more
-            };
-            queue.room.add_permits(items.len());
-            let flushes = self.sort(&mut items, Place::Here).await;
-            self.apply_held(flushes, Place::Here).await;
-            if !more {
-                return;
-            }
-        }
-    }
-
-    /// Applies everything held at `place`, then resolves `flushes`.
-    async fn apply_held(&mut self, flushes: Vec<oneshot::Sender<()>>, place: Place) {
-        self.held_since = None;
-        self.prompt_until = None;
-        let held = self.held.take();
-        self.apply(held, place).await;
-        for done in flushes {
-            let _ = done.send(());
-        }
-    }
-
-    /// Moves taken `items` into what is held, applies what is held before a forgiveness,
-    /// and returns the flushes waiting for the next commit.
-    async fn sort(&mut self, items: &mut Vec<Item>, place: Place) -> Vec<oneshot::Sender<()>> {
-        let mut flushes = Vec::new();
-        for item in items.drain(..) {
-            match item {
-                Item::Group(group) => self.held.push(group),
-                Item::Flush(done) => flushes.push(done),
-                Item::Forgive(request) => {
-                    let held = self.held.take();
-                    self.apply(held, place).await;
-                    self.poisoned.remove(&request);
+            // Woken by a producer or by the deadline: what is due is decided below.
+            match (more, deadline) {
+                (true, _) => {}
+                (false, None) => queue.wake.notified().await,
+                (false, Some(at)) => {
+                    let _ = tokio::time::timeout_at(at, queue.wake.notified()).await;
                 }
             }
+            let now = tokio::time::Instant::now();
+            let (mut urgent, lingers, closed) = {
+                let mut state = queue.state();
+                let taken = state.items.len().min(MAX_BATCH);
+                let mut urgency = Urgency::Held;
+                for (item, item_urgency) in state.items.drain(..taken) {
+                    urgency = urgency.max(item_urgency);
+                    items.push(item);
+                }
+                more = !state.items.is_empty();
+                if taken > 0 {
+                    held_since = held_since.or(state.since);
+                    state.since = more.then_some(now);
+                }
+                // A hold that has passed commits, whatever woke the writer: a stream of
+                // writes arriving one by one must not stretch it.
+                let expired = held_since.is_some_and(|since| since + self.hold <= now)
+                    || prompt_until.is_some_and(|until| until <= now);
+                if expired {
+                    urgency = Urgency::Now;
+                }
+                let groups = held.groups.len().saturating_add(items.len());
+                // Prompt writes wait for another run's commit only while others execute.
+                let lingers = urgency == Urgency::Prompt
+                    && self.executing.as_ref().is_some_and(|e| e.count() > 1);
+                let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
+                let watching = watch_until.is_some_and(|until| until > now);
+                // Decided with the queue locked, so that no producer skips a wake-up the
+                // writer needs: `timed` only while a deadline will drain what is queued.
+                state.timed = !urgent && !more && groups < MAX_BATCH && (groups > 0 || watching);
+                (urgent, lingers, state.closed && !more)
+            };
+            queue.room.add_permits(items.len());
+            let mut flushes = Vec::new();
+            for item in items.drain(..) {
+                match item {
+                    Item::Group(group) => held.push(group),
+                    Item::Flush(done) => flushes.push(done),
+                    Item::Forgive(request) => {
+                        self.apply(held.take()).await;
+                        self.poisoned.remove(&request);
+                    }
+                }
+            }
+            if closed {
+                // Every producer is gone: what is held still commits.
+                self.apply(held.take()).await;
+                return;
+            }
+            urgent |= held.groups.len() >= MAX_BATCH;
+            if urgent {
+                held_since = None;
+                prompt_until = None;
+                self.apply(held.take()).await;
+                for done in flushes {
+                    let _ = done.send(());
+                }
+                // Watch for a hold's length: whatever is queued meanwhile is drained by then.
+                queue.state().timed = true;
+                watch_until = Some(tokio::time::Instant::now() + self.hold);
+            } else if lingers {
+                prompt_until = prompt_until.or(Some(now + PROMPT_HOLD));
+            }
+            let held_until = (!held.groups.is_empty())
+                .then(|| held_since.map(|since| since + self.hold))
+                .flatten();
+            let watching = watch_until.filter(|until| *until > tokio::time::Instant::now());
+            deadline = [held_until, prompt_until, watching]
+                .into_iter()
+                .flatten()
+                .min();
         }
-        flushes
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
     /// that is not transient, each group alone.
-    async fn apply(&mut self, groups: Vec<Group>, place: Place) {
+    async fn apply(&mut self, groups: Vec<Group>) {
         let mut groups: Vec<Group> = groups
             .into_iter()
             .filter_map(|group| self.refuse_if_poisoned(group))
@@ -714,7 +590,7 @@ impl Writer {
             redact(op, &secrets);
         }
         drop(secrets);
-        let (ops, applied) = self.apply_retrying(ops, place).await;
+        let (ops, applied) = self.apply_retrying(ops).await;
         match applied {
             Ok(numbers) => {
                 let published = self.committed(&numbers, ops);
@@ -734,20 +610,18 @@ impl Writer {
                 for (group, length) in groups.iter_mut().zip(lengths) {
                     group.ops = rest.by_ref().take(length).collect();
                 }
-                self.apply_each(groups, place).await;
+                self.apply_each(groups).await;
             }
         }
     }
 
     /// The fallback: each group in its own transaction, so only the failing one is refused.
-    async fn apply_each(&mut self, groups: Vec<Group>, place: Place) {
+    async fn apply_each(&mut self, groups: Vec<Group>) {
         for group in groups {
             let Some(mut group) = self.refuse_if_poisoned(group) else {
                 continue;
             };
-            let (ops, applied) = self
-                .apply_retrying(std::mem::take(&mut group.ops), place)
-                .await;
+            let (ops, applied) = self.apply_retrying(std::mem::take(&mut group.ops)).await;
             let result = match applied {
                 Ok(numbers) => {
                     let published = self.committed(&numbers, ops);
@@ -836,7 +710,6 @@ impl Writer {
     async fn apply_retrying(
         &self,
         mut ops: Vec<WriteOp>,
-        place: Place,
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         let mut delay = Duration::from_millis(20);
         // One id for every try: a try after a commit whose reply was lost is not applied again.
@@ -844,13 +717,7 @@ impl Writer {
         loop {
             let started = std::time::Instant::now();
             let applied;
-            (ops, applied) = match place {
-                Place::Here => match self.store.apply_here(ops) {
-                    Ok(done) => done,
-                    Err(ops) => self.store.apply_owned(&batch_id, ops).await,
-                },
-                Place::Store => self.store.apply_owned(&batch_id, ops).await,
-            };
+            (ops, applied) = self.store.apply_owned(&batch_id, ops).await;
             if let Err(error) = &applied {
                 crate::metrics::store_error(error.is_transient());
             }
@@ -1160,112 +1027,6 @@ mod tests {
             .unwrap();
         assert_eq!(event.event_type, "submitted");
         assert_eq!(stored_types(&store, "req_a").await, ["submitted"]);
-    }
-
-    /// A serving journal on a fresh store with `taken` of four execution slots taken, and the
-    /// store's writer thread blocked until the returned sender is dropped or sent to.
-    async fn serving_with_the_writer_thread_blocked(
-        taken: u32,
-    ) -> (
-        tempfile::TempDir,
-        Arc<dyn Store>,
-        Journal,
-        std::sync::mpsc::Sender<()>,
-        tokio::sync::OwnedSemaphorePermit,
-    ) {
-        let (dir, store) = fresh_store().await;
-        let slots = Arc::new(Semaphore::new(4));
-        let running = Arc::clone(&slots).acquire_many_owned(taken).await.unwrap();
-        let journal = Journal::start_serving(
-            Arc::clone(&store),
-            Arc::new(EventHub::default()),
-            Redactor::default(),
-            &tokio_util::task::TaskTracker::new(),
-            Executing { slots, limit: 4 },
-        );
-        // A task that blocks the writer's thread: neither the journal's task nor the
-        // writer's loop runs until it is released.
-        let (release, blocked) = std::sync::mpsc::channel::<()>();
-        let (started, running_now) = oneshot::channel();
-        store.writer_runtime().unwrap().spawn(async move {
-            let _ = started.send(());
-            let _ = blocked.recv();
-        });
-        running_now.await.unwrap();
-        (dir, store, journal, release, running)
-    }
-
-    fn charge_of(request: &str) -> crate::store::spend::UsageRecord {
-        crate::store::spend::UsageRecord {
-            id: crate::runtime::new_id("use"),
-            at: Utc::now(),
-            request_id: request.into(),
-            run_id: "run".into(),
-            owner: "o".into(),
-            agent_id: "a".into(),
-            session_id: format!("ses_{request}"),
-            model: "m".into(),
-            source: "model".into(),
-            prompt_tokens: 3,
-            completion_tokens: 4,
-            cost_nanos: None,
-            estimated: false,
-        }
-    }
-
-    #[tokio::test]
-    async fn a_run_executing_alone_commits_its_end_itself_with_its_submit_and_charge() {
-        let (_dir, store, journal, release, _this_run) =
-            serving_with_the_writer_thread_blocked(1).await;
-        journal
-            .write_submit(Some("req_a"), request_ops("req_a"))
-            .await
-            .unwrap();
-        store
-            .record_usage(&charge_of("req_a"), &[], None)
-            .await
-            .unwrap();
-        let settled = tokio::time::timeout(
-            Duration::from_secs(30),
-            journal.settle("req_a", vec![event("req_a", "ended")]),
-        )
-        .await;
-        // Read through the reader pool while the writer's thread is still blocked.
-        let charged = store
-            .usage_totals(&crate::store::spend::UsageFilter::default(), None)
-            .await
-            .unwrap();
-        let request = store.request("req_a").await.unwrap();
-        release.send(()).unwrap();
-        settled
-            .expect("the end waited for the blocked writer thread")
-            .unwrap();
-        assert_eq!(stored_types(&store, "req_a").await, ["ended"]);
-        assert!(
-            request.is_some(),
-            "the held submit did not commit with the end"
-        );
-        assert_eq!(charged.first().map(|t| t.calls), Some(1), "{charged:?}");
-    }
-
-    #[tokio::test]
-    async fn with_other_runs_executing_the_writer_thread_commits_an_end() {
-        let (_dir, store, journal, release, _runs) =
-            serving_with_the_writer_thread_blocked(2).await;
-        let settle = journal.settle("req_a", {
-            let mut ops = request_ops("req_a");
-            ops.push(event("req_a", "ended"));
-            ops
-        });
-        tokio::pin!(settle);
-        let early = tokio::time::timeout(Duration::from_millis(200), &mut settle).await;
-        assert!(early.is_err(), "an end committed off the writer's thread");
-        release.send(()).unwrap();
-        tokio::time::timeout(Duration::from_secs(30), settle)
-            .await
-            .expect("the end never committed")
-            .unwrap();
-        assert_eq!(stored_types(&store, "req_a").await, ["ended"]);
     }
 
     #[tokio::test]

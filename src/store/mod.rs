@@ -170,9 +170,6 @@ pub trait MemoryStore: Send + Sync {
     ) -> Result<CompactReport, StoreError>;
 }
 
-/// A batch handed back with its outcome: the events' numbers, or why it failed.
-pub type Applied = (Vec<WriteOp>, Result<Vec<i64>, StoreError>);
-
 /// One store, whatever the database behind it.
 #[async_trait::async_trait]
 pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
@@ -192,13 +189,6 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         let applied = self.apply_batch(batch_id, &ops).await;
         (ops, applied)
-    }
-    /// Applies a batch in one transaction on the calling thread, when the store writes in
-    /// this process and its writer is free this moment: no hand-over to another thread and
-    /// no wake-up. Hands `ops` back when it cannot (the writer is busy, or the store writes
-    /// elsewhere): the caller then uses [`Store::apply_owned`].
-    fn apply_here(&self, ops: Vec<WriteOp>) -> Result<Applied, Vec<WriteOp>> {
-        Err(ops)
     }
     /// Where the journal should run: a store that writes on a thread of its own with a runtime
     /// there (the embedded store's writer thread) saves each batch two thread wake-ups.

@@ -593,10 +593,6 @@ impl Store for SqliteStore {
         self.writer.apply(ops).await
     }
 
-    fn apply_here(&self, ops: Vec<WriteOp>) -> Result<super::Applied, Vec<WriteOp>> {
-        self.writer.apply_here(ops)
-    }
-
     /// One hop to the writer's thread, whose connection holds the request's pages: the view
     /// of a request that just ended (`wait`) read four round trips to reader threads.
     async fn request_in_full(&self, request_id: &str) -> Result<Option<RequestInFull>, StoreError> {

@@ -1,12 +1,10 @@
-//! The embedded store's writer: one SQLite connection, applying each batch of writes as one
-//! transaction with cached prepared statements. A thread of its own owns it; a caller may
-//! borrow it to apply a batch in place while that thread is idle ([`SqliteWriter::apply_here`]).
+//! The embedded store's writer: one thread owning one SQLite connection, applying each batch of
+//! writes as one transaction with cached prepared statements.
 //!
 //! Why not sqlx here: sqlx's SQLite driver runs every statement on the connection's worker
 //! thread, so a batch of N statements costs N + 2 cross-thread round trips. Measured with
 //! `benches/load.rs`, those hops were most of the latency stable-harness added to a request.
-//! Here a batch costs one round trip, whatever its size, or none when applied in place.
-//! Reads and migrations stay on sqlx.
+//! Here a batch costs one round trip, whatever its size. Reads and migrations stay on sqlx.
 //!
 //! The writer also keeps the write-ahead log bounded. SQLite reuses the WAL from its start
 //! only when a checkpoint has copied every frame and then a write begins with no reader on
@@ -22,17 +20,17 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use rusqlite::{Connection, params};
 use serde_json::Value;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use super::spend::{CounterDelta, UsageRecord};
-use super::{Applied, ApprovalDecision, StoreError, WriteOp};
+use super::{ApprovalDecision, StoreError, WriteOp};
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
 /// default auto-checkpoint size: 1,000 pages of 4 KiB).
@@ -51,9 +49,14 @@ const STARVED_WAIT: Duration = Duration::from_millis(50);
 /// Least time between two waits for readers.
 const STARVED_RETRY: Duration = Duration::from_secs(5);
 
+/// A batch and its numbers (or why it failed), handed back with the batch.
+pub type Applied = (Vec<WriteOp>, Result<Vec<i64>, StoreError>);
+
 enum Job {
     /// A batch goes to the writer and comes back with its outcome: never copied.
     Apply(Vec<WriteOp>, oneshot::Sender<Applied>),
+    /// A settled call's charge: committed with the next transaction (see [`PendingCharges`]).
+    Charge(Box<Charge>),
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
@@ -67,7 +70,7 @@ enum Job {
 pub type Charge = (UsageRecord, Vec<CounterDelta>);
 
 /// Charges waiting for the writer's next transaction. A charge rides along with the next
-/// batch, wherever it is applied (it costs no transaction, and no round trip, of its own),
+/// batch (it costs no transaction, and no round trip, of its own); the writer queue is FIFO,
 /// so it commits no later than the next write its run makes (its end at the latest). Kept
 /// until a transaction holding them commits; written alone once the oldest has waited
 /// [`CHARGE_IDLE`] with no transaction to ride along with, when [`MAX_PENDING_CHARGES`] wait,
@@ -83,13 +86,21 @@ struct PendingCharges {
 const CHARGE_IDLE: Duration = Duration::from_millis(20);
 /// Most charges held back at once.
 const MAX_PENDING_CHARGES: usize = 512;
-/// Past this many (the disk refused every flush for a long while), a charge is dropped,
-/// counted in memory only, rather than memory growing without end.
-const MAX_REFUSED_CHARGES: usize = MAX_PENDING_CHARGES * 16;
 
 impl PendingCharges {
+    fn push(&mut self, charge: Charge) {
+        self.since.get_or_insert_with(tokio::time::Instant::now);
+        self.charges.push(charge);
+    }
+
     fn len(&self) -> usize {
         self.charges.len()
+    }
+
+    /// The transaction that wrote them committed.
+    fn committed(&mut self) {
+        self.charges.clear();
+        self.since = None;
     }
 
     /// When they are written alone, if no transaction carries them first.
@@ -104,101 +115,39 @@ impl PendingCharges {
             .any(|(record, _)| record.request_id == request_id)
     }
 
-    /// Writes every pending charge inside `tx`.
+    /// Writes every pending charge inside `tx` (cleared only once `tx` commits).
     fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
         for (record, deltas) in &self.charges {
             super::sqlite_spend::insert_charge(tx, record, deltas)?;
         }
         Ok(())
     }
-}
-
-/// What the writer's thread and a caller applying in place share.
-struct Shared {
-    /// The connection, held for one job or one transaction at a time.
-    core: Mutex<Core>,
-    /// Charges not yet committed: queued by any thread without waiting for a transaction,
-    /// taken out by the transaction that writes them (and put back if it fails).
-    charges: Mutex<PendingCharges>,
-    /// Tells the writer's thread that charges wait with no deadline of its set yet.
-    charges_queued: Notify,
-    leases: Leases,
-}
-
-/// The writer's connection and what it knows of the rows it wrote.
-struct Core {
-    connection: Connection,
-    last_seqs: LastSeqs,
-}
-
-/// Locks `mutex`; nothing panics while holding these locks, and a poisoned one still holds
-/// a whole value.
-fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Shared {
-    /// Takes every pending charge, for a transaction to write.
-    fn take_charges(&self) -> PendingCharges {
-        std::mem::take(&mut *locked(&self.charges))
-    }
-
-    /// Puts back charges a transaction could not write, before any queued since: tried alone
-    /// again only after another [`CHARGE_IDLE`], not at once and again.
-    fn put_back(&self, mut taken: PendingCharges) {
-        {
-            let mut pending = locked(&self.charges);
-            taken.charges.append(&mut pending.charges);
-            taken.since = Some(tokio::time::Instant::now());
-            *pending = taken;
-        }
-        self.charges_queued.notify_one();
-    }
 
     /// Commits the pending charges in a transaction of their own.
-    fn flush_charges(&self, core: &mut Core) {
-        let charges = self.take_charges();
-        if charges.charges.is_empty() {
+    fn flush(&mut self, connection: &mut Connection) {
+        if self.charges.is_empty() {
             return;
         }
-        let result = core.connection.transaction().and_then(|tx| {
-            charges.write(&tx)?;
+        let result = connection.transaction().and_then(|tx| {
+            self.write(&tx)?;
             tx.commit()
         });
-        if let Err(error) = result {
-            // Kept for the next transaction: a full or busy disk passes.
-            tracing::warn!(%error, pending = charges.len(), "charges could not be written yet");
-            self.put_back(charges);
-        }
-    }
-
-    /// Applies `ops` and the pending charges in one transaction on `core`.
-    fn apply(&self, core: &mut Core, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
-        let charges = self.take_charges();
-        let Core {
-            connection,
-            last_seqs,
-        } = core;
-        let result = apply(connection, ops, &self.leases, &charges, last_seqs).map_err(|abandon| {
-            match abandon {
-                Abandon::Sqlite(error) => writer_error(error),
-                Abandon::Conflict(message) => StoreError::Conflict(message),
-                Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+        match result {
+            Ok(()) => self.committed(),
+            // Kept for the next transaction: a full or busy disk passes. Tried alone again
+            // only after another `CHARGE_IDLE`, not at once and again.
+            Err(error) => {
+                self.since = Some(tokio::time::Instant::now());
+                tracing::warn!(%error, pending = self.len(), "charges could not be written yet")
             }
-        });
-        if result.is_err() && !charges.charges.is_empty() {
-            // A refused batch never holds back the charges that rode along with it.
-            self.put_back(charges);
-            self.flush_charges(core);
         }
-        result
     }
 }
 
 /// Handle to the writer thread; the thread ends when the handle is dropped.
+#[derive(Debug)]
 pub struct SqliteWriter {
     jobs: mpsc::UnboundedSender<Job>,
-    shared: Arc<Shared>,
     /// The writer thread's own runtime: a task spawned here hands batches to the writer
     /// without waking another thread (see [`SqliteWriter::runtime`]).
     runtime: tokio::runtime::Handle,
@@ -206,14 +155,6 @@ pub struct SqliteWriter {
     catch_up_queued: Arc<AtomicBool>,
     /// The database's page size: a WAL frame holds one page.
     page_size: i64,
-}
-
-impl std::fmt::Debug for SqliteWriter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteWriter")
-            .field("page_size", &self.page_size)
-            .finish_non_exhaustive()
-    }
 }
 
 impl SqliteWriter {
@@ -255,21 +196,11 @@ impl SqliteWriter {
                 .map_err(writer_error)?;
         }
         connection.set_prepared_statement_cache_capacity(32);
-        let shared = Arc::new(Shared {
-            core: Mutex::new(Core {
-                connection,
-                last_seqs: LastSeqs::default(),
-            }),
-            charges: Mutex::default(),
-            charges_queued: Notify::new(),
-            leases,
-        });
-        // Unbounded, but never long: the journal's queue bounds batches, and at most one
-        // catch-up waits.
+        // Unbounded, but never long: the journal's queue bounds batches, charges are bounded
+        // below, and at most one catch-up waits.
         let (jobs, queue) = mpsc::unbounded_channel::<Job>();
         let catch_up_queued = Arc::new(AtomicBool::new(false));
         let queued = Arc::clone(&catch_up_queued);
-        let for_thread = Arc::clone(&shared);
         let (_thread, runtime) = crate::threads::spawn_with_runtime(
             "sqlite-writer",
             || {
@@ -278,13 +209,12 @@ impl SqliteWriter {
                     .build()
             },
             move |runtime| {
-                runtime.block_on(write_loop(&for_thread, queue, &queued, page_size));
+                runtime.block_on(write_loop(connection, queue, &queued, &leases, page_size));
             },
         )
         .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             jobs,
-            shared,
             runtime,
             catch_up_queued,
             page_size,
@@ -313,61 +243,9 @@ impl SqliteWriter {
             .unwrap_or_else(|_| (Vec::new(), Err(stopped())))
     }
 
-    /// Applies `ops` in one transaction on the calling thread, if the connection is free
-    /// (the writer's thread is between jobs): no hand-over and no wake-up. Hands `ops` back
-    /// when it is not.
-    pub fn apply_here(&self, ops: Vec<WriteOp>) -> Result<Applied, Vec<WriteOp>> {
-        let mut core = match self.shared.core.try_lock() {
-            Ok(core) => core,
-            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => return Err(ops),
-        };
-        let result = self.shared.apply(&mut core, &ops);
-        Ok((ops, result))
-    }
-
-    /// Queues a settled call's charge; it commits with the next transaction, wherever that
-    /// is applied, or alone after [`CHARGE_IDLE`].
+    /// Queues a settled call's charge; it commits with the writer's next transaction.
     pub fn charge(&self, charge: Charge) -> Result<(), StoreError> {
-        if self.jobs.is_closed() {
-            return Err(stopped());
-        }
-        let first = {
-            let mut pending = locked(&self.shared.charges);
-            if pending.len() >= MAX_REFUSED_CHARGES {
-                tracing::error!("the store keeps refusing charges; one was dropped");
-                return Ok(());
-            }
-            pending.since.get_or_insert_with(tokio::time::Instant::now);
-            pending.charges.push(charge);
-            pending.len() == 1 || pending.len().is_multiple_of(MAX_PENDING_CHARGES)
-        };
-        if first {
-            self.charges_queued();
-        }
-        Ok(())
-    }
-
-    /// Charges wait that no deadline covers yet: the first (or a full set, written at once).
-    /// From a runtime, a timer there looks again after [`CHARGE_IDLE`] and tells the writer's
-    /// thread only if they still wait: the common charge rides along with its run's end,
-    /// committed in place ([`SqliteWriter::apply_here`]) before then, and wakes no thread.
-    fn charges_queued(&self) {
-        let full = locked(&self.shared.charges).len() >= MAX_PENDING_CHARGES;
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if !full => {
-                let shared = Arc::downgrade(&self.shared);
-                runtime.spawn(async move {
-                    tokio::time::sleep(CHARGE_IDLE).await;
-                    if let Some(shared) = shared.upgrade()
-                        && locked(&shared.charges).deadline().is_some()
-                    {
-                        shared.charges_queued.notify_one();
-                    }
-                });
-            }
-            _ => self.shared.charges_queued.notify_one(),
-        }
+        self.send(Job::Charge(Box::new(charge)))
     }
 
     /// Runs `work` on the writer's connection between two transactions and returns its result.
@@ -493,72 +371,77 @@ impl From<rusqlite::Error> for Abandon {
 }
 
 async fn write_loop(
-    shared: &Shared,
+    mut connection: Connection,
     mut queue: mpsc::UnboundedReceiver<Job>,
     catch_up_queued: &AtomicBool,
+    leases: &Leases,
     page_size: i64,
 ) {
     let mut last_wait: Option<Instant> = None;
+    let mut charges = PendingCharges::default();
+    let mut last_seqs = LastSeqs::default();
     loop {
-        let deadline = locked(&shared.charges).deadline();
-        let charges_due = async {
-            match deadline {
-                Some(deadline) => tokio::time::sleep_until(deadline).await,
-                None => std::future::pending().await,
-            }
-        };
-        let job = tokio::select! {
-            job = queue.recv() => job,
-            () = shared.charges_queued.notified() => {
-                // A first charge (its deadline is set above) or a full set (written now).
-                let full = locked(&shared.charges).len() >= MAX_PENDING_CHARGES;
-                if full {
-                    shared.flush_charges(&mut locked(&shared.core));
+        let job = match charges.deadline() {
+            None => queue.recv().await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, queue.recv()).await {
+                Ok(job) => job,
+                Err(_) => {
+                    charges.flush(&mut connection);
+                    continue;
                 }
-                continue;
-            }
-            () = charges_due => {
-                // Unless a transaction took them meanwhile (and newer ones wait their turn).
-                let due = locked(&shared.charges)
-                    .deadline()
-                    .is_some_and(|at| at <= tokio::time::Instant::now());
-                if due {
-                    shared.flush_charges(&mut locked(&shared.core));
-                }
-                continue;
-            }
+            },
         };
         let Some(job) = job else {
             break;
         };
-        let mut core = locked(&shared.core);
         match job {
             Job::Apply(ops, done) => {
-                let result = shared.apply(&mut core, &ops);
-                drop(core);
+                let result = apply(&mut connection, &ops, leases, &charges, &mut last_seqs)
+                    .map_err(|abandon| match abandon {
+                        Abandon::Sqlite(error) => writer_error(error),
+                        Abandon::Conflict(message) => StoreError::Conflict(message),
+                        Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
+                    });
+                if result.is_ok() {
+                    charges.committed();
+                } else {
+                    // A refused batch never holds back the charges that rode along with it.
+                    charges.flush(&mut connection);
+                }
                 let _ = done.send((ops, result));
             }
+            Job::Charge(charge) => {
+                // Past the bound (the disk refused every flush for a long while) a charge is
+                // dropped, counted in memory only, rather than memory growing without end.
+                if charges.len() >= MAX_PENDING_CHARGES * 16 {
+                    tracing::error!("the store keeps refusing charges; one was dropped");
+                    continue;
+                }
+                charges.push(*charge);
+                if charges.len() % MAX_PENDING_CHARGES == 0 {
+                    charges.flush(&mut connection);
+                }
+            }
             Job::Maintain(work) => {
-                shared.flush_charges(&mut core);
-                core.last_seqs.forget();
-                work(&mut core.connection);
+                charges.flush(&mut connection);
+                last_seqs.forget();
+                work(&mut connection);
             }
             Job::Read(request_id, work) => {
                 // A read sees every charge of its request accepted before it. Other
                 // requests' charges go on waiting for a transaction to ride along with: at
                 // concurrency, flushing them for every `wait` cost a commit per request.
-                let of_request = locked(&shared.charges).of_request(&request_id);
-                if of_request {
-                    shared.flush_charges(&mut core);
+                if charges.of_request(&request_id) {
+                    charges.flush(&mut connection);
                 }
-                work(&core.connection);
+                work(&connection);
             }
             Job::CatchUp => {
-                shared.flush_charges(&mut core);
+                charges.flush(&mut connection);
                 catch_up_queued.store(false, Ordering::Release);
-                match checkpoint(&core.connection, "PASSIVE") {
+                match checkpoint(&connection, "PASSIVE") {
                     Ok((_, frames, _)) if frames.saturating_mul(page_size) >= STARVED_BYTES => {
-                        wait_for_readers(&core.connection, &mut last_wait, frames);
+                        wait_for_readers(&connection, &mut last_wait, frames);
                     }
                     Ok(_) => {}
                     Err(error) => tracing::warn!(%error, "WAL catch-up checkpoint failed"),
@@ -566,7 +449,7 @@ async fn write_loop(
             }
         }
     }
-    shared.flush_charges(&mut locked(&shared.core));
+    charges.flush(&mut connection);
 }
 
 /// A checkpoint in `mode`: (busy, frames in the WAL, frames copied).
