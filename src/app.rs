@@ -251,7 +251,9 @@ impl Application {
     /// Serves until `shutdown` completes, then stops admitting requests (503
     /// `shutting_down`) and accepting connections, gives in-flight responses a bounded grace
     /// period, waits (bounded too) only for runs actively executing — a run parked on an
-    /// approval is left as it is stored — and leaves unfinished runs resumable.
+    /// approval is left as it is stored — and leaves unfinished runs resumable. The embedded
+    /// store is released just after it returns, once the journal's task has finished on the
+    /// store's writer thread (a process exit releases it whatever happens).
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,

@@ -68,6 +68,14 @@ impl SqliteStore {
         Self::open_file_with(path, &OpenOptions::default()).await
     }
 
+    /// The file whose advisory lock (`flock`) marks the database at `database` as owned by a
+    /// process: `state.db.lock` beside `state.db`.
+    pub fn ownership_lock_path(database: &Path) -> PathBuf {
+        let mut name = database.as_os_str().to_owned();
+        name.push(".lock");
+        PathBuf::from(name)
+    }
+
     /// [`SqliteStore::open_file`], with the workspace's `store` settings: the database capped
     /// at `store.maxSize`, runs leased for `store.leaseDuration`.
     ///
@@ -193,9 +201,7 @@ struct StoreOwnership {
 
 impl StoreOwnership {
     fn take(database: &Path) -> Result<Self, StoreError> {
-        let mut name = database.as_os_str().to_owned();
-        name.push(".lock");
-        let path = PathBuf::from(name);
+        let path = SqliteStore::ownership_lock_path(database);
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)

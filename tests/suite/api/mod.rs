@@ -94,13 +94,16 @@ pub struct TestApp {
 /// which on a loaded machine can come after the server's task. A process restart waits
 /// for the old process to exit; a restart within the test process waits for this.
 async fn wait_for_the_store_released(workspace: &std::path::Path) {
-    let lock = workspace.join(".stable-harness/state.db.lock");
+    let Ok(database) = stable_harness::store::sqlite_path(None, workspace) else {
+        return;
+    };
+    let lock = stable_harness::store::SqliteStore::ownership_lock_path(&database);
     let Ok(file) = std::fs::File::open(&lock) else {
         return;
     };
     for _ in 0..1_000 {
+        // Taken means released; dropping `file` gives it back.
         if file.try_lock().is_ok() {
-            let _ = file.unlock();
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
