@@ -76,6 +76,7 @@ conformance!(
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
     a_request_is_read_in_full_with_runs_approvals_and_charges,
+    updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1510,4 +1511,154 @@ async fn a_charge_counts_once_and_the_ledger_adds_up_by_group(store: Arc<dyn Sto
         .await
         .unwrap();
     assert!(none.is_empty());
+}
+
+/// A request and its run inserted, started, and ended: the ops the common request commits
+/// in one transaction. `at` is fixed, so two copies store the same times.
+fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> Vec<WriteOp> {
+    let session = format!("ses_{name}");
+    let request_id = format!("req_{name}");
+    let run_id = format!("run_{name}");
+    let mut inserted_request = request(
+        &request_id,
+        &session,
+        "alice",
+        RunStatus::Queued,
+        Age::zero(),
+    );
+    if let WriteOp::InsertRequest(record) = &mut inserted_request {
+        record.created_at = at;
+        record.updated_at = at;
+    }
+    let mut inserted_run = run(&run_id, &request_id, RunStatus::Queued);
+    if let WriteOp::InsertRun(record) = &mut inserted_run {
+        record.created_at = at;
+        record.updated_at = at;
+        record.error = Some(json!({ "first": true }));
+    }
+    let later = at + Age::milliseconds(5);
+    let mut ops = vec![
+        session_at(&session, at),
+        inserted_request,
+        inserted_run,
+        event(&request_id, &run_id, 0),
+        WriteOp::UpdateRun {
+            id: run_id.clone(),
+            status: RunStatus::Running,
+            error: None,
+            state: Some(json!({ "messages": ["checkpoint"] })),
+            at,
+        },
+        WriteOp::UpdateRequest {
+            id: request_id.clone(),
+            status: RunStatus::Running,
+            output: Some("partial".into()),
+            error: Some(json!({ "transient": true })),
+            usage: Some(json!({ "total_tokens": 1 })),
+            at,
+        },
+        event(&request_id, &run_id, 0),
+    ];
+    if let Some(end) = end {
+        ops.extend([
+            WriteOp::UpdateRun {
+                id: run_id.clone(),
+                status: end,
+                error: None,
+                state: Some(json!({ "messages": ["dropped"] })),
+                at: later,
+            },
+            WriteOp::UpdateRequest {
+                id: request_id.clone(),
+                status: end,
+                output: None,
+                error: None,
+                usage: Some(json!({ "total_tokens": 2 })),
+                at: later,
+            },
+            event(&request_id, &run_id, 0),
+        ]);
+    }
+    ops
+}
+
+fn session_at(id: &str, at: chrono::DateTime<Utc>) -> WriteOp {
+    let mut op = session(id, "alice", Age::zero());
+    if let WriteOp::TouchSession(record) = &mut op {
+        record.created_at = at;
+        record.updated_at = at;
+    }
+    op
+}
+
+/// The stored request and run of `lifecycle(name)`, with their ids blanked for comparison
+/// and the lease's expiry dropped (it is taken at each write).
+async fn stored(store: &Arc<dyn Store>, name: &str) -> (RequestRecord, RunRecord) {
+    let mut request = store
+        .request(&format!("req_{name}"))
+        .await
+        .unwrap()
+        .unwrap();
+    request.id.clear();
+    request.session_id.clear();
+    let mut run = store.run(&format!("run_{name}")).await.unwrap().unwrap();
+    run.id.clear();
+    run.request_id.clear();
+    if let Some(lease) = &mut run.lease {
+        lease.expires_at = chrono::DateTime::<Utc>::MIN_UTC;
+    }
+    (request, run)
+}
+
+async fn updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave(
+    store: Arc<dyn Store>,
+) {
+    // Whole microseconds: what both stores keep.
+    let at = chrono::SubsecRound::trunc_subsecs(Utc::now() - Age::seconds(1), 6);
+    for (end, ended) in [(Some(RunStatus::Completed), true), (None, false)] {
+        let (one, apart) = if ended {
+            ("one", "apart")
+        } else {
+            ("one_live", "apart_live")
+        };
+        // One transaction (the store may write each row once), against one per op.
+        store.apply(&lifecycle(one, at, end)).await.unwrap();
+        for op in lifecycle(apart, at, end) {
+            store.apply(&[op]).await.unwrap();
+        }
+        assert_eq!(stored(&store, one).await, stored(&store, apart).await);
+        let (request, run) = stored(&store, one).await;
+        // What the updates left: the last status, output and usage kept, the error replaced,
+        // the run's first error kept, its checkpoint and lease dropped once it ended.
+        assert_eq!(request.output.as_deref(), Some("partial"));
+        assert_eq!(run.error, Some(json!({ "first": true })));
+        assert_eq!(run.started_at, Some(at));
+        if ended {
+            assert_eq!(request.status, RunStatus::Completed);
+            assert_eq!(request.error, None);
+            assert_eq!(request.usage, Some(json!({ "total_tokens": 2 })));
+            assert_eq!(run.status, RunStatus::Completed);
+            assert_eq!((run.state.as_ref(), run.lease.as_ref()), (None, None));
+            assert_eq!(run.ended_at, Some(at + Age::milliseconds(5)));
+        } else {
+            assert_eq!(request.error, Some(json!({ "transient": true })));
+            assert_eq!(run.status, RunStatus::Running);
+            assert_eq!(run.state, Some(json!({ "messages": ["checkpoint"] })));
+            assert!(run.lease.is_some(), "a live run keeps its lease");
+        }
+        assert_eq!(
+            store.last_seq(&format!("req_{one}")).await.unwrap(),
+            if ended { 3 } else { 2 }
+        );
+    }
+    // An update after the run ended, in the same batch, is refused as it is on its own: the
+    // run holds no lease any more. The whole batch is refused.
+    let mut ops = lifecycle("late", at, Some(RunStatus::Completed));
+    ops.push(update_run("run_late", RunStatus::Running));
+    let refused = store.apply(&ops).await;
+    assert!(
+        matches!(refused, Err(StoreError::LeaseLost(_))),
+        "{refused:?}"
+    );
+    assert!(store.request("req_late").await.unwrap().is_none());
 }
