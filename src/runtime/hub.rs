@@ -2,11 +2,6 @@
 //! Subscribers that fall behind are told so (`Lagged`) and catch up from the store, so a slow
 //! reader costs memory bounded by the channel size, never by the stream length.
 //!
-//! A message is a request's events of one commit ([`LiveEvents`]), not one event: a follower
-//! on another thread is woken once per commit. Sent one by one, the five events of a common
-//! request's commit woke its follower's thread five times (an `eventfd` write each from the
-//! writer thread, and as many turns of the follower's runtime).
-//!
 //! The hub also knows which requests are *streamed*: followed by someone who shows each event
 //! as it comes (an SSE answer, a tail of the event log). The journal commits their writes at
 //! once; a request only waited on to its end lets its writes ride along with its next commit.
@@ -18,10 +13,7 @@ use tokio::sync::broadcast;
 
 use crate::store::EventRecord;
 
-/// A request's events committed together, in `seq` order.
-pub type LiveEvents = Arc<[Arc<EventRecord>]>;
-
-/// Messages (commits) buffered per request for live subscribers. Every request with a follower has a
+/// Events buffered per request for live subscribers. Every request with a follower has a
 /// channel, allocated whole when it is made: a 1,024-slot channel was ~50 KB of allocation
 /// per request, visible in the profile. A follower further behind catches up from the store
 /// (and a streamed run's deltas merge into one event per commit), so a short buffer loses
@@ -30,7 +22,7 @@ const CHANNEL_CAPACITY: usize = 64;
 
 #[derive(Debug, Default)]
 pub struct EventHub {
-    channels: Mutex<HashMap<String, broadcast::Sender<LiveEvents>>>,
+    channels: Mutex<HashMap<String, broadcast::Sender<Arc<EventRecord>>>>,
     /// Requests streamed live, with how many followers stream each.
     streamed: Mutex<HashMap<String, usize>>,
 }
@@ -56,7 +48,7 @@ impl Drop for Streamed {
 
 impl EventHub {
     /// Receives every event of `request_id` committed from now on.
-    pub fn subscribe(&self, request_id: &str) -> broadcast::Receiver<LiveEvents> {
+    pub fn subscribe(&self, request_id: &str) -> broadcast::Receiver<Arc<EventRecord>> {
         let mut channels = locked(&self.channels);
         channels
             .entry(request_id.to_owned())
@@ -84,37 +76,15 @@ impl EventHub {
             .unwrap_or(true)
     }
 
-    /// Delivers committed events, in commit order, to their requests' subscribers: each run
-    /// of consecutive events of one request as one message. A commit's groups keep their
-    /// events together, so a request's events of one commit are usually one message.
-    ///
-    /// Sends after letting go of the map: a woken follower that ends at once drops its
-    /// subscription ([`EventHub::release`]), and found the map still held by the writer's
-    /// thread (a futex wait and wake on both sides, for every request).
-    pub fn publish(&self, events: &[Arc<EventRecord>]) {
-        let mut sends = Vec::new();
-        {
-            let mut channels = locked(&self.channels);
-            for run in events.chunk_by(|a, b| a.request_id == b.request_id) {
-                let Some(request_id) = run.first().map(|event| &event.request_id) else {
-                    continue;
-                };
-                let terminal = run
-                    .iter()
-                    .any(|event| super::events::is_terminal(&event.event_type));
-                let sender = match channels.get(request_id) {
-                    None => continue,
-                    // Nobody listens any more, or nothing more comes: the channel goes.
-                    Some(sender) if terminal || sender.receiver_count() == 0 => {
-                        channels.remove(request_id)
-                    }
-                    Some(sender) => Some(sender.clone()),
-                };
-                sends.extend(sender.map(|sender| (sender, run)));
+    /// Delivers a committed event to its request's subscribers.
+    pub fn publish(&self, event: Arc<EventRecord>) {
+        let mut channels = locked(&self.channels);
+        let terminal = super::events::is_terminal(&event.event_type);
+        if let Some(sender) = channels.get(&event.request_id) {
+            let _ = sender.send(event.clone());
+            if terminal || sender.receiver_count() == 0 {
+                channels.remove(&event.request_id);
             }
-        }
-        for (sender, run) in sends {
-            let _ = sender.send(LiveEvents::from(run));
         }
     }
 
@@ -158,55 +128,4 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn event(request_id: &str, seq: i64, event_type: &str) -> Arc<EventRecord> {
-        Arc::new(EventRecord {
-            id: format!("evt_{request_id}_{seq}"),
-            request_id: request_id.to_owned(),
-            run_id: "run".to_owned(),
-            session_id: "ses".to_owned(),
-            agent_id: "agent".to_owned(),
-            seq,
-            event_type: event_type.to_owned(),
-            at: chrono::Utc::now(),
-            data: serde_json::Value::Null,
-        })
-    }
-
-    fn seqs(events: &LiveEvents) -> Vec<(String, i64)> {
-        events
-            .iter()
-            .map(|e| (e.request_id.clone(), e.seq))
-            .collect()
-    }
-
-    #[test]
-    fn a_commit_reaches_each_follower_as_one_message_per_run_of_its_events() {
-        let hub = EventHub::default();
-        let mut a = hub.subscribe("req_a");
-        let mut b = hub.subscribe("req_b");
-        // One commit: two of a's events, one of b's, then a's end.
-        hub.publish(&[
-            event("req_a", 1, "runtime.request.accepted"),
-            event("req_a", 2, "agent.output.delta"),
-            event("req_b", 1, "runtime.request.accepted"),
-            event("req_c", 1, "runtime.request.accepted"),
-            event("req_a", 3, super::super::events::REQUEST_COMPLETED),
-        ]);
-        let first = a.try_recv().unwrap();
-        assert_eq!(seqs(&first), [("req_a".into(), 1), ("req_a".into(), 2)]);
-        assert_eq!(seqs(&a.try_recv().unwrap()), [("req_a".into(), 3)]);
-        assert!(a.try_recv().is_err());
-        assert_eq!(seqs(&b.try_recv().unwrap()), [("req_b".into(), 1)]);
-        assert!(b.try_recv().is_err());
-        // a ended: its channel is gone; b's stays for what comes next.
-        assert!(!hub.has_subscribers("req_a"));
-        assert!(hub.has_subscribers("req_b"));
-        assert_eq!(hub.channel_count(), 1);
-    }
 }

@@ -824,8 +824,8 @@ impl Runtime {
                     }
                     continue;
                 };
-                let batch = match received {
-                    Ok(batch) => batch,
+                let event = match received {
+                    Ok(event) => event,
                     Err(error) => {
                         // Fell behind (`Lagged`), or the channel closed after the terminal
                         // event was published: either way the store has everything.
@@ -843,19 +843,16 @@ impl Runtime {
                         continue;
                     }
                 };
-                for event in batch.iter() {
-                    if event.seq <= last { continue; }
-                    if event.seq > last + 1 {
-                        // Published out of order with a concurrent catch-up: fill the gap from the store.
-                        for missed in inner.store.events(&request_id, last, event.seq - last - 1).await? {
-                            yield Arc::new(missed);
-                        }
+                if event.seq <= last { continue; }
+                if event.seq > last + 1 {
+                    // Published out of order with a concurrent catch-up: fill the gap from the store.
+                    for missed in inner.store.events(&request_id, last, event.seq - last - 1).await? {
+                        yield Arc::new(missed);
                     }
-                    last = event.seq;
-                    ended = events::is_terminal(&event.event_type);
-                    yield Arc::clone(event);
-                    if ended { break; }
                 }
+                last = event.seq;
+                ended = events::is_terminal(&event.event_type);
+                yield event;
             }
         })
     }
@@ -1067,7 +1064,7 @@ pub enum Following {
 
 /// A follower's live subscription, and the mark that makes its request streamed.
 struct Subscription {
-    live: tokio::sync::broadcast::Receiver<hub::LiveEvents>,
+    live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
     streamed: Option<Streamed>,
 }
 
