@@ -518,53 +518,41 @@ pub fn now() -> String {
 
 /// `value` as the store writes times: RFC 3339 in UTC to the microsecond,
 /// `2026-11-27T05:57:06.123456Z`, what `to_rfc3339_opts(Micros, true)` writes. Written digit
-/// by digit from the Unix time: chrono's general formatter took ~700 instructions a time,
-/// and a request writes ~20 (docs/profiling.md, the twelfth pass). Years past four digits
-/// and leap seconds, which chrono spells its own way, go to chrono.
+/// by digit: chrono's general formatter took ~700 instructions a time, and a request writes
+/// ~20 (docs/profiling.md, the twelfth pass). Years past four digits and leap seconds, which
+/// chrono spells its own way, go to chrono.
 pub(super) fn time(value: &DateTime<Utc>) -> String {
-    /// 0000-01-01T00:00:00Z and 10000-01-01T00:00:00Z in Unix seconds.
-    const FIRST: i64 = -62_167_219_200;
-    const PAST_LAST: i64 = 253_402_300_800;
-    let (seconds, nanos) = (value.timestamp(), value.timestamp_subsec_nanos());
-    if !(FIRST..PAST_LAST).contains(&seconds) || nanos >= 1_000_000_000 {
+    use chrono::{Datelike, Timelike};
+    let (year, nanos) = (value.year(), value.nanosecond());
+    if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
         return value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
     }
-    let (days, of_day) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
-    let (year, month, day) = civil_from_days(days);
-    let mut text = *b"0000-00-00T00:00:00.000000Z";
-    let mut put = |at: usize, width: usize, mut number: i64| {
+    let mut text = [0u8; 27];
+    let mut put = |at: usize, width: usize, mut number: u32| {
         for place in (at..at + width).rev() {
             text[place] = b'0' + (number % 10) as u8;
             number /= 10;
         }
     };
-    put(0, 4, year);
-    put(5, 2, month);
-    put(8, 2, day);
-    put(11, 2, of_day / 3_600);
-    put(14, 2, of_day / 60 % 60);
-    put(17, 2, of_day % 60);
-    put(20, 6, i64::from(nanos / 1_000));
-    std::str::from_utf8(&text).unwrap_or_default().to_owned()
-}
-
-/// The proleptic Gregorian date of a day counted from 1970-01-01 (Howard Hinnant's
-/// `civil_from_days`: eras of 400 years, March-based years so that February comes last).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let days = days + 719_468;
-    let era = days.div_euclid(146_097);
-    let of_era = days.rem_euclid(146_097);
-    let year_of_era = (of_era - of_era / 1_460 + of_era / 36_524 - of_era / 146_096) / 365;
-    let of_year = of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_from_march = (5 * of_year + 2) / 153;
-    let day = of_year - (153 * month_from_march + 2) / 5 + 1;
-    let month = if month_from_march < 10 {
-        month_from_march + 3
-    } else {
-        month_from_march - 9
-    };
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
+    put(0, 4, year.unsigned_abs());
+    put(5, 2, value.month());
+    put(8, 2, value.day());
+    put(11, 2, value.hour());
+    put(14, 2, value.minute());
+    put(17, 2, value.second());
+    put(20, 6, nanos / 1_000);
+    for (at, separator) in [
+        (4, b'-'),
+        (7, b'-'),
+        (10, b'T'),
+        (13, b':'),
+        (16, b':'),
+        (19, b'.'),
+        (26, b'Z'),
+    ] {
+        text[at] = separator;
+    }
+    text.iter().map(|&byte| char::from(byte)).collect()
 }
 
 /// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
