@@ -697,10 +697,11 @@ impl Writer {
                 if let Some(seq) = numbers.next() {
                     event.seq = *seq;
                 }
-                published.push(Arc::new(event));
+                let event = Arc::new(event);
+                self.hub.publish(Arc::clone(&event));
+                published.push(event);
             }
         }
-        self.hub.publish(&published);
         published
     }
 

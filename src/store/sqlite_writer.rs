@@ -516,43 +516,8 @@ pub fn now() -> String {
     time(&Utc::now())
 }
 
-/// `value` as the store writes times: RFC 3339 in UTC to the microsecond,
-/// `2026-11-27T05:57:06.123456Z`, what `to_rfc3339_opts(Micros, true)` writes. Written digit
-/// by digit: chrono's general formatter took ~700 instructions a time, and a request writes
-/// ~20 (docs/profiling.md, the twelfth pass). Years past four digits and leap seconds, which
-/// chrono spells its own way, go to chrono.
 pub(super) fn time(value: &DateTime<Utc>) -> String {
-    use chrono::{Datelike, Timelike};
-    let (year, nanos) = (value.year(), value.nanosecond());
-    if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
-        return value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-    }
-    let mut text = [0u8; 27];
-    let mut put = |at: usize, width: usize, mut number: u32| {
-        for place in (at..at + width).rev() {
-            text[place] = b'0' + (number % 10) as u8;
-            number /= 10;
-        }
-    };
-    put(0, 4, year.unsigned_abs());
-    put(5, 2, value.month());
-    put(8, 2, value.day());
-    put(11, 2, value.hour());
-    put(14, 2, value.minute());
-    put(17, 2, value.second());
-    put(20, 6, nanos / 1_000);
-    for (at, separator) in [
-        (4, b'-'),
-        (7, b'-'),
-        (10, b'T'),
-        (13, b':'),
-        (16, b':'),
-        (19, b'.'),
-        (26, b'Z'),
-    ] {
-        text[at] = separator;
-    }
-    text.iter().map(|&byte| char::from(byte)).collect()
+    value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
 }
 
 /// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
@@ -1133,43 +1098,6 @@ mod tests {
             error: None,
             usage: None,
             at: Utc::now(),
-        }
-    }
-
-    #[test]
-    fn times_are_written_as_chrono_writes_them() {
-        use chrono::TimeZone;
-        let chrono_writes =
-            |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-        let mut times = vec![
-            Utc::now(),
-            DateTime::<Utc>::MIN_UTC,
-            DateTime::<Utc>::MAX_UTC,
-            Utc.with_ymd_and_hms(0, 1, 1, 0, 0, 0).unwrap(),
-            Utc.with_ymd_and_hms(9999, 12, 31, 23, 59, 59).unwrap(),
-            Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap(),
-            Utc.with_ymd_and_hms(-1, 12, 31, 23, 59, 59).unwrap(),
-            // A leap second, as chrono holds it.
-            Utc.with_ymd_and_hms(2016, 12, 31, 23, 59, 59).unwrap()
-                + chrono::Duration::nanoseconds(999_999_999),
-        ];
-        if let Some(leap) = chrono::NaiveDate::from_ymd_opt(2016, 12, 31)
-            .and_then(|d| d.and_hms_nano_opt(23, 59, 59, 1_500_000_000))
-        {
-            times.push(leap.and_utc());
-        }
-        // Every field's digits, and sub-microsecond parts that are cut, not rounded.
-        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-        for _ in 0..20_000 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let seconds = (state % 400_000_000_000) as i64 - 62_000_000_000;
-            let nanos = (state >> 40) as u32 % 1_000_000_000;
-            times.extend(DateTime::<Utc>::from_timestamp(seconds, nanos));
-        }
-        for t in &times {
-            assert_eq!(time(t), chrono_writes(t), "{t:?}");
         }
     }
 
