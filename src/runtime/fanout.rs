@@ -46,9 +46,8 @@ pub(super) fn start(runtime: &Runtime, mut changes: broadcast::Receiver<StoreCha
                         .await
                     {
                         Ok(events) => {
-                            for event in events {
-                                inner.hub.publish(Arc::new(event));
-                            }
+                            let events: Vec<_> = events.into_iter().map(Arc::new).collect();
+                            inner.hub.publish(&events);
                         }
                         // Followers find the events on their next read of the store.
                         Err(error) => {

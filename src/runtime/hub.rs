@@ -76,15 +76,33 @@ impl EventHub {
             .unwrap_or(true)
     }
 
-    /// Delivers a committed event to its request's subscribers.
-    pub fn publish(&self, event: Arc<EventRecord>) {
-        let mut channels = locked(&self.channels);
-        let terminal = super::events::is_terminal(&event.event_type);
-        if let Some(sender) = channels.get(&event.request_id) {
-            let _ = sender.send(event.clone());
-            if terminal || sender.receiver_count() == 0 {
-                channels.remove(&event.request_id);
+    /// Delivers committed events, in order, to their requests' subscribers: each event its
+    /// own message, so that a follower on another thread takes the first while the rest are
+    /// being sent (sent as one message per commit, c=1 was slower: docs/profiling.md, the
+    /// twelfth pass). Sent after letting go of the map: a follower that ends at once drops
+    /// its subscription ([`EventHub::release`]), and found the map still held by the
+    /// writer's thread, a futex wait and wake on both sides.
+    pub fn publish(&self, events: &[Arc<EventRecord>]) {
+        let mut sends = Vec::with_capacity(events.len());
+        {
+            let mut channels = locked(&self.channels);
+            for event in events {
+                let sender = match channels.get(&event.request_id) {
+                    None => continue,
+                    // Nothing more comes, or nobody listens any more: the channel goes.
+                    Some(sender)
+                        if super::events::is_terminal(&event.event_type)
+                            || sender.receiver_count() == 0 =>
+                    {
+                        channels.remove(&event.request_id)
+                    }
+                    Some(sender) => Some(sender.clone()),
+                };
+                sends.extend(sender.map(|sender| (sender, event)));
             }
+        }
+        for (sender, event) in sends {
+            let _ = sender.send(Arc::clone(event));
         }
     }
 
@@ -128,4 +146,51 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(request_id: &str, seq: i64, event_type: &str) -> Arc<EventRecord> {
+        Arc::new(EventRecord {
+            id: format!("evt_{request_id}_{seq}"),
+            request_id: request_id.to_owned(),
+            run_id: "run".to_owned(),
+            session_id: "ses".to_owned(),
+            agent_id: "agent".to_owned(),
+            seq,
+            event_type: event_type.to_owned(),
+            at: chrono::Utc::now(),
+            data: serde_json::Value::Null,
+        })
+    }
+
+    #[test]
+    fn a_commit_reaches_each_follower_in_order_and_an_end_closes_its_channel() {
+        let hub = EventHub::default();
+        let mut a = hub.subscribe("req_a");
+        let mut b = hub.subscribe("req_b");
+        hub.publish(&[
+            event("req_a", 1, "runtime.request.started"),
+            event("req_b", 1, "runtime.request.started"),
+            event("req_c", 1, "runtime.request.started"),
+            event("req_a", 2, "runtime.adapter.event"),
+            event("req_a", 3, super::super::events::REQUEST_COMPLETED),
+        ]);
+        let mut seen = Vec::new();
+        while let Ok(event) = a.try_recv() {
+            seen.push(event.seq);
+        }
+        assert_eq!(seen, [1, 2, 3]);
+        assert_eq!(b.try_recv().unwrap().seq, 1);
+        // a ended: its channel is gone and its follower sees it closed; b's stays.
+        assert!(matches!(
+            a.try_recv(),
+            Err(broadcast::error::TryRecvError::Closed)
+        ));
+        assert!(!hub.has_subscribers("req_a"));
+        assert!(hub.has_subscribers("req_b"));
+        assert_eq!(hub.channel_count(), 1);
+    }
 }

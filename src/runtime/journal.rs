@@ -697,11 +697,10 @@ impl Writer {
                 if let Some(seq) = numbers.next() {
                     event.seq = *seq;
                 }
-                let event = Arc::new(event);
-                self.hub.publish(Arc::clone(&event));
-                published.push(event);
+                published.push(Arc::new(event));
             }
         }
+        self.hub.publish(&published);
         published
     }
 
