@@ -647,15 +647,15 @@ impl Folds {
     fn plan(ops: &[WriteOp]) -> Self {
         let mut folds = Folds::default();
         // Rows inserted by this batch that later updates may still fold into, by id.
-        let mut runs: HashMap<&str, usize> = HashMap::new();
-        let mut requests: HashMap<&str, usize> = HashMap::new();
+        let mut runs: HashMap<&str, (usize, &super::RunRecord)> = HashMap::new();
+        let mut requests: HashMap<&str, (usize, &super::RequestRecord)> = HashMap::new();
         for (index, op) in ops.iter().enumerate() {
             match op {
                 WriteOp::InsertRun(run) => {
-                    runs.insert(&run.id, index);
+                    runs.insert(&run.id, (index, run));
                 }
                 WriteOp::InsertRequest(request) => {
-                    requests.insert(&request.id, index);
+                    requests.insert(&request.id, (index, request));
                 }
                 WriteOp::UpdateRun {
                     id,
@@ -664,23 +664,18 @@ impl Folds {
                     state,
                     at,
                 } => {
-                    let Some(&insert) = runs.get(id.as_str()) else {
-                        continue;
-                    };
-                    let ops_run = match &ops[insert] {
-                        WriteOp::InsertRun(run) => run,
-                        _ => continue,
-                    };
-                    folds
-                        .runs
-                        .entry(insert)
-                        .or_insert_with(|| RunRow::inserted(ops_run))
-                        .update(*status, error, state, at);
-                    folds.folded.push(index);
-                    // An ended run holds no lease: a later update of it must fail as a
-                    // statement would.
-                    if status.is_terminal() {
-                        runs.remove(id.as_str());
+                    if let Some(&(insert, run)) = runs.get(id.as_str()) {
+                        folds
+                            .runs
+                            .entry(insert)
+                            .or_insert_with(|| RunRow::inserted(run))
+                            .update(*status, error, state, at);
+                        folds.folded.push(index);
+                        // An ended run holds no lease: a later update of it must fail as a
+                        // statement would.
+                        if status.is_terminal() {
+                            runs.remove(id.as_str());
+                        }
                     }
                 }
                 WriteOp::UpdateRequest {
@@ -691,19 +686,14 @@ impl Folds {
                     usage,
                     at,
                 } => {
-                    let Some(&insert) = requests.get(id.as_str()) else {
-                        continue;
-                    };
-                    let ops_request = match &ops[insert] {
-                        WriteOp::InsertRequest(request) => request,
-                        _ => continue,
-                    };
-                    folds
-                        .requests
-                        .entry(insert)
-                        .or_insert_with(|| RequestRow::inserted(ops_request))
-                        .update(*status, output, error, usage, at);
-                    folds.folded.push(index);
+                    if let Some(&(insert, request)) = requests.get(id.as_str()) {
+                        folds
+                            .requests
+                            .entry(insert)
+                            .or_insert_with(|| RequestRow::inserted(request))
+                            .update(*status, output, error, usage, at);
+                        folds.folded.push(index);
+                    }
                 }
                 WriteOp::TouchSession(_) | WriteOp::InsertMessage(_) | WriteOp::AppendEvent(_) => {}
                 _ => {
