@@ -9,9 +9,6 @@
 //! Run durations are measured by the run itself; approvals pending are read from the store
 //! when scraped. Counters are this process's since it started.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::fmt::Write;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -151,23 +148,20 @@ pub fn store_error(transient: bool) {
 
 /// An event was committed: it counts, and some carry figures.
 pub fn event_committed(event: &EventRecord) {
-    let kind = event.event_type.as_str();
-    kept_counter(
-        "stable_harness_events_appended_total",
-        &[kind],
-        || counter!("stable_harness_events_appended_total", "type" => kind.to_owned()),
-    )
-    .increment(1);
+    event_appended(&event.event_type);
     let data = &event.data;
-    let text = |key: &str| data.get(key).and_then(Value::as_str).unwrap_or("");
-    match kind {
+    let text = |key: &str| {
+        data.get(key)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    match event.event_type.as_str() {
         events::MODEL_CALL_COMPLETED => {
             let model = text("model");
             if let Some(ms) = data.get("latencyMs").and_then(Value::as_f64) {
-                kept_histogram("stable_harness_model_call_duration_seconds", &[model], || {
-                    histogram!("stable_harness_model_call_duration_seconds", "model" => model.to_owned())
-                })
-                .record(ms / 1000.0);
+                histogram!("stable_harness_model_call_duration_seconds", "model" => model.clone())
+                    .record(ms / 1000.0);
             }
             for (field, kind) in [
                 ("prompt_tokens", "prompt"),
@@ -178,31 +172,26 @@ pub fn event_committed(event: &EventRecord) {
                     .and_then(|usage| usage.get(field))
                     .and_then(Value::as_u64)
                 {
-                    kept_counter("stable_harness_model_tokens_total", &[model, kind], || {
-                        counter!("stable_harness_model_tokens_total", "model" => model.to_owned(), "kind" => kind)
-                    })
-                    .increment(tokens);
+                    counter!("stable_harness_model_tokens_total", "model" => model.clone(), "kind" => kind)
+                        .increment(tokens);
                 }
             }
         }
         events::USAGE_RECORDED => {
-            let (key, model, agent) = (text("key"), text("model"), event.agent_id.as_str());
+            let (key, model) = (text("key"), text("model"));
+            let agent = event.agent_id.clone();
             for (field, kind) in [
                 ("promptTokens", "prompt"),
                 ("completionTokens", "completion"),
             ] {
                 if let Some(tokens) = data.get(field).and_then(Value::as_u64) {
-                    kept_counter("stable_harness_usage_tokens_total", &[key, agent, model, kind], || {
-                        counter!("stable_harness_usage_tokens_total", "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned(), "kind" => kind)
-                    })
-                    .increment(tokens);
+                    counter!("stable_harness_usage_tokens_total", "key" => key.clone(), "agent" => agent.clone(), "model" => model.clone(), "kind" => kind)
+                        .increment(tokens);
                 }
             }
             if let Some(cost) = data.get("cost").and_then(Value::as_f64) {
-                kept_gauge("stable_harness_usage_cost_total", &[key, agent, model], || {
-                    gauge!("stable_harness_usage_cost_total", "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned())
-                })
-                .increment(cost);
+                gauge!("stable_harness_usage_cost_total", "key" => key, "agent" => agent, "model" => model)
+                    .increment(cost);
             }
         }
         events::TOOL_DIRECT_COMPLETED => tool_call(text("toolId"), "allow"),
@@ -210,111 +199,64 @@ pub fn event_committed(event: &EventRecord) {
         events::TOOL_DENIED
             if data.get("rule").and_then(Value::as_str) == Some("tool_not_allowed") =>
         {
-            tool_call("not_offered", "deny");
+            tool_call("not_offered".to_owned(), "deny");
         }
         events::TOOL_DENIED => tool_call(text("toolId"), "deny"),
         events::APPROVAL_REQUESTED => {
             let tool = data
                 .pointer("/approval/toolId")
                 .and_then(Value::as_str)
-                .unwrap_or("");
+                .unwrap_or("")
+                .to_owned();
             tool_call(tool, "needs_approval");
         }
         events::REQUEST_COMPLETED | events::REQUEST_FAILED | events::REQUEST_CANCELLED => {
-            let (agent, status) = (
-                event.agent_id.as_str(),
-                kind.rsplit('.').next().unwrap_or(""),
-            );
-            kept_counter("stable_harness_requests_total", &[agent, status], || {
-                counter!("stable_harness_requests_total", "agent" => agent.to_owned(), "status" => status.to_owned())
-            })
-            .increment(1);
+            let status = event.event_type.rsplit('.').next().unwrap_or("").to_owned();
+            counter!("stable_harness_requests_total", "agent" => event.agent_id.clone(), "status" => status)
+                .increment(1);
         }
         _ => {}
     }
 }
 
-/// Most labelled handles kept per thread and kind of metric.
-const KEPT_HANDLES: usize = 4_096;
-
-thread_local! {
-    static COUNTERS: RefCell<HashMap<String, metrics::Counter>> = RefCell::default();
-    static HISTOGRAMS: RefCell<HashMap<String, metrics::Histogram>> = RefCell::default();
-    static GAUGES: RefCell<HashMap<String, metrics::Gauge>> = RefCell::default();
-}
-
-/// A labelled metric's handle, looked up in the registry (`lookup`) once per thread and label
-/// values, then kept: the registry's lookup allocates every label and hashes the whole key
-/// under a lock, ~2,500 instructions, and a request's events made seven of them on the
-/// journal's thread (docs/profiling.md, the twelfth pass). Kept only once the recorder is
-/// installed (before, the registry hands out handles that record nothing), and at most
-/// [`KEPT_HANDLES`] of a kind: past that, looked up each time.
-fn kept<H: Clone>(
-    cache: &'static std::thread::LocalKey<RefCell<HashMap<String, H>>>,
-    name: &str,
-    values: &[&str],
-    lookup: impl FnOnce() -> H,
-) -> H {
+/// Counts an appended event of type `kind`. Every event passes here, on the journal's
+/// thread: each type's counter is looked up in the registry once (which allocates its labels
+/// and takes a lock), then kept. Kept only once the recorder is installed (before, the
+/// registry hands out counters that record nothing), and for at most [`KEPT_TYPES`] types.
+fn event_appended(kind: &str) {
+    const KEPT_TYPES: usize = 256;
+    thread_local! {
+        static BY_TYPE: std::cell::RefCell<std::collections::HashMap<String, metrics::Counter>> =
+            std::cell::RefCell::default();
+    }
+    let lookup = || counter!("stable_harness_events_appended_total", "type" => kind.to_owned());
     if !matches!(HANDLE.get(), Some(Some(_))) {
-        return lookup();
+        lookup().increment(1);
+        return;
     }
-    // Each value prefixed with its length: no two label sets share a key, whatever they hold.
-    let mut key =
-        String::with_capacity(name.len() + values.iter().map(|v| v.len() + 4).sum::<usize>());
-    key.push_str(name);
-    for value in values {
-        let _ = write!(key, "\u{1f}{}:{value}", value.len());
-    }
-    cache.with(|kept| {
+    BY_TYPE.with(|kept| {
         let mut kept = kept.borrow_mut();
-        if let Some(handle) = kept.get(&key) {
-            return handle.clone();
+        if let Some(counter) = kept.get(kind) {
+            counter.increment(1);
+            return;
         }
-        let handle = lookup();
-        if kept.len() < KEPT_HANDLES {
-            kept.insert(key, handle.clone());
+        let counter = lookup();
+        counter.increment(1);
+        if kept.len() < KEPT_TYPES {
+            kept.insert(kind.to_owned(), counter);
         }
-        handle
-    })
+    });
 }
 
-fn kept_counter(
-    name: &str,
-    values: &[&str],
-    lookup: impl FnOnce() -> metrics::Counter,
-) -> metrics::Counter {
-    kept(&COUNTERS, name, values, lookup)
-}
-
-fn kept_histogram(
-    name: &str,
-    values: &[&str],
-    lookup: impl FnOnce() -> metrics::Histogram,
-) -> metrics::Histogram {
-    kept(&HISTOGRAMS, name, values, lookup)
-}
-
-fn kept_gauge(
-    name: &str,
-    values: &[&str],
-    lookup: impl FnOnce() -> metrics::Gauge,
-) -> metrics::Gauge {
-    kept(&GAUGES, name, values, lookup)
-}
-
-fn tool_call(tool: &str, decision: &'static str) {
-    kept_counter("stable_harness_tool_calls_total", &[tool, decision], || {
-        counter!("stable_harness_tool_calls_total", "tool" => tool.to_owned(), "decision" => decision)
-    })
-    .increment(1);
+fn tool_call(tool: String, decision: &'static str) {
+    counter!("stable_harness_tool_calls_total", "tool" => tool, "decision" => decision)
+        .increment(1);
 }
 
 /// A run ended with `status` after `took`.
 pub fn run_ended(agent: &str, status: &str, took: Duration) {
-    kept_histogram("stable_harness_run_duration_seconds", &[agent, status], || {
-        histogram!("stable_harness_run_duration_seconds", "agent" => agent.to_owned(), "status" => status.to_owned())
-    })
-    .record(took.as_secs_f64());
+    histogram!("stable_harness_run_duration_seconds", "agent" => agent.to_owned(), "status" => status.to_owned())
+        .record(took.as_secs_f64());
 }
 
 /// The approvals pending, as the store counts them now.
