@@ -87,7 +87,7 @@ impl SseDecoder {
             bytes = &bytes[1..];
         }
         while !bytes.is_empty() {
-            match bytes.iter().position(|b| *b == b'\n' || *b == b'\r') {
+            match memchr::memchr2(b'\n', b'\r', bytes) {
                 None => {
                     self.count(bytes.len())?;
                     self.line.extend_from_slice(bytes);
@@ -106,8 +106,17 @@ impl SseDecoder {
                     // A line end counts as one byte whatever its form, so that the count
                     // (and where the limit strikes) never depends on how reads were cut.
                     self.count(end + 1)?;
-                    self.line.extend_from_slice(&bytes[..end]);
-                    self.end_line(events);
+                    if self.line.is_empty() {
+                        // The whole line is in this read: no copy into `self.line`.
+                        self.end_line(&bytes[..end], events);
+                    } else {
+                        let mut line = std::mem::take(&mut self.line);
+                        line.extend_from_slice(&bytes[..end]);
+                        self.end_line(&line, events);
+                        // Keep the allocation for the next split line.
+                        line.clear();
+                        self.line = line;
+                    }
                     bytes = &bytes[end + terminator..];
                 }
             }
@@ -134,32 +143,31 @@ impl SseDecoder {
         Ok(())
     }
 
-    /// Interprets the line just completed (held in `self.line`).
-    fn end_line(&mut self, events: &mut Vec<String>) {
-        let mut line = std::mem::take(&mut self.line);
-        if std::mem::replace(&mut self.first_line, false) && line.starts_with(BOM) {
-            line.drain(..BOM.len());
+    /// Interprets a completed line (without its line end).
+    fn end_line(&mut self, mut line: &[u8], events: &mut Vec<String>) {
+        if std::mem::replace(&mut self.first_line, false) {
+            line = line.strip_prefix(BOM).unwrap_or(line);
         }
         if line.is_empty() {
             self.event_bytes = 0;
             if let Some(mut data) = self.data.take() {
                 data.pop(); // the `\n` after the last data line
-                events.push(String::from_utf8_lossy(&data).into_owned());
+                // Valid UTF-8 (the rule) becomes the event's text without a copy.
+                events.push(String::from_utf8(data).unwrap_or_else(|invalid| {
+                    String::from_utf8_lossy(invalid.as_bytes()).into_owned()
+                }));
             }
-        } else if let Some(value) = data_value(&line) {
+        } else if let Some(value) = data_value(line) {
             let data = self.data.get_or_insert_with(Vec::new);
             data.extend_from_slice(value);
             data.push(b'\n');
         }
-        // Keep the allocation for the next line.
-        line.clear();
-        self.line = line;
     }
 }
 
 /// The value of a `data` field line; `None` for comments and other fields.
 fn data_value(line: &[u8]) -> Option<&[u8]> {
-    let (name, value) = match line.iter().position(|b| *b == b':') {
+    let (name, value) = match memchr::memchr(b':', line) {
         Some(0) => return None,
         Some(colon) => (&line[..colon], &line[colon + 1..]),
         None => (line, &line[line.len()..]),
