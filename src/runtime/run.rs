@@ -891,7 +891,13 @@ pub(super) async fn execute(
         let arguments = node
             .as_ref()
             .map_or_else(|| json!({}), |job| job.arguments(step));
-        run_tool_node(runtime, &events, scope, step, tool, arguments, resumed).await
+        // Boxed: a tool node's future (the gateway's call in it) is several times the size of
+        // the rest of a run's, and an unboxed one made every run's future that large, copied
+        // whole when its task was spawned (docs/profiling.md, the thirteenth pass).
+        Box::pin(run_tool_node(
+            runtime, &events, scope, step, tool, arguments, resumed,
+        ))
+        .await
     } else {
         match agent {
             Some(agent) => {
