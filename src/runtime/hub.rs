@@ -6,11 +6,11 @@
 //! as it comes (an SSE answer, a tail of the event log). The journal commits their writes at
 //! once; a request only waited on to its end lets its writes ride along with its next commit.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::broadcast;
 
+use crate::ids::IdMap;
 use crate::store::EventRecord;
 
 /// Events buffered per request for live subscribers. Every request with a follower has a
@@ -22,9 +22,9 @@ const CHANNEL_CAPACITY: usize = 64;
 
 #[derive(Debug, Default)]
 pub struct EventHub {
-    channels: Mutex<HashMap<String, broadcast::Sender<Arc<EventRecord>>>>,
+    channels: Mutex<IdMap<String, broadcast::Sender<Arc<EventRecord>>>>,
     /// Requests streamed live, with how many followers stream each.
-    streamed: Mutex<HashMap<String, usize>>,
+    streamed: Mutex<IdMap<String, usize>>,
 }
 
 /// A request streamed live, while this is held (see [`EventHub::stream`]).

@@ -41,7 +41,7 @@
 //! - **Nothing secret is stored.** Every write is redacted ([`crate::redact`]) before it is
 //!   applied, whoever produced it: the one choke point for everything persisted.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -51,6 +51,7 @@ use tokio::sync::{Notify, Semaphore, oneshot};
 
 use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
+use crate::ids::IdMap;
 use crate::redact::{Redactor, Secrets};
 use crate::store::{EventRecord, Store, StoreError, WriteOp};
 
@@ -747,7 +748,7 @@ impl Writer {
 struct Held {
     groups: Vec<Group>,
     /// Per request, the index of its last group when that is a lone delta.
-    last_delta: HashMap<String, usize>,
+    last_delta: IdMap<String, usize>,
 }
 
 impl Held {

@@ -26,7 +26,6 @@ mod steering;
 mod watch;
 pub mod workflow;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use chrono::Utc;
@@ -38,6 +37,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::adapters::Adapters;
 use crate::gateway::{ApprovalWaiters, ToolGateway};
+use crate::ids::IdMap;
 use crate::redact::Redactor;
 use crate::store::{
     ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, RequestRecord,
@@ -283,7 +283,7 @@ struct Inner {
     admitting_stopped: CancellationToken,
     shutdown: CancellationToken,
     /// The runs executing or waiting here, by request id.
-    live: Mutex<HashMap<String, LiveRun>>,
+    live: Mutex<IdMap<String, LiveRun>>,
     /// Cancelled at shutdown, once the leases were given back: the lease loop ends.
     leasing: CancellationToken,
     /// Held by a store maintenance pass (prune, backup): one at a time.
@@ -383,7 +383,7 @@ impl Runtime {
                 tasks,
                 admitting_stopped: CancellationToken::new(),
                 shutdown: CancellationToken::new(),
-                live: Mutex::new(HashMap::new()),
+                live: Mutex::new(IdMap::default()),
                 maintenance: tokio::sync::Mutex::new(()),
             }),
         };

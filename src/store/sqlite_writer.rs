@@ -18,7 +18,6 @@
 //! the restart (a long backup read), the catch-up finds the WAL past [`STARVED_BYTES`] and
 //! waits for them with a TRUNCATE checkpoint, for at most [`STARVED_WAIT`].
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::spend::{CounterDelta, UsageRecord};
 use super::{ApprovalDecision, StoreError, WriteOp};
+use crate::ids::IdMap;
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
 /// default auto-checkpoint size: 1,000 pages of 4 KiB).
@@ -637,8 +637,8 @@ impl RequestRow {
 /// check the run's lease) ends the folding, and later updates run as statements.
 #[derive(Debug, Default)]
 struct Folds {
-    runs: HashMap<usize, RunRow>,
-    requests: HashMap<usize, RequestRow>,
+    runs: IdMap<usize, RunRow>,
+    requests: IdMap<usize, RequestRow>,
     /// Updates already folded into an insert, by index.
     folded: Vec<usize>,
 }
@@ -647,8 +647,8 @@ impl Folds {
     fn plan(ops: &[WriteOp]) -> Self {
         let mut folds = Folds::default();
         // Rows inserted by this batch that later updates may still fold into, by id.
-        let mut runs: HashMap<&str, (usize, &super::RunRecord)> = HashMap::new();
-        let mut requests: HashMap<&str, (usize, &super::RequestRecord)> = HashMap::new();
+        let mut runs: IdMap<&str, (usize, &super::RunRecord)> = IdMap::default();
+        let mut requests: IdMap<&str, (usize, &super::RequestRecord)> = IdMap::default();
         for (index, op) in ops.iter().enumerate() {
             match op {
                 WriteOp::InsertRun(run) => {
@@ -724,7 +724,7 @@ fn apply(
     let mut numbers = Vec::new();
     // The next number of each request the batch appends to (this writer is the store's only
     // one, so the stored last number plus what the batch appended is exact).
-    let mut next_seq: HashMap<&str, i64> = HashMap::new();
+    let mut next_seq: IdMap<&str, i64> = IdMap::default();
     let mut folds = Folds::plan(ops);
     for (index, op) in ops.iter().enumerate() {
         if folds.is_folded(index) {
@@ -997,7 +997,7 @@ fn apply(
 /// writer is the store's only one; forgotten whole when maintenance ran (it may delete
 /// events) and when it reaches [`LastSeqs::MAX`] requests.
 #[derive(Default)]
-struct LastSeqs(HashMap<String, i64>);
+struct LastSeqs(IdMap<String, i64>);
 
 impl LastSeqs {
     const MAX: usize = 4_096;
@@ -1007,7 +1007,7 @@ impl LastSeqs {
     }
 
     /// A batch committed: `next` holds each request's next number after it.
-    fn committed(&mut self, next: HashMap<&str, i64>) {
+    fn committed(&mut self, next: IdMap<&str, i64>) {
         if self.0.len().saturating_add(next.len()) > Self::MAX {
             self.0.clear();
         }
