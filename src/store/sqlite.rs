@@ -40,6 +40,12 @@ macro_rules! live_run {
     };
 }
 
+/// Every `LIMIT` binds its count as `CAST(?n AS INTEGER)`, never as a bare `?n`. SQLite
+/// (3.51) plans a bare `LIMIT ?n` with the value bound, so binding it again marks the
+/// statement expired, and every execution of a cached statement prepared it anew: each page
+/// of a listing, and the writer's claim of runs every second, which held up writes while it
+/// did (docs/profiling.md, the thirteenth pass). The cast leaves the count a value read at
+/// run time.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     path: PathBuf,
@@ -315,7 +321,7 @@ fn prunable_sessions(after: bool, among: bool) -> String {
         r#"
 WITH kept AS (
     SELECT id FROM requests WHERE status IN ('completed', 'failed', 'cancelled')
-    ORDER BY id DESC LIMIT ?3
+    ORDER BY id DESC LIMIT CAST(?3 AS INTEGER)
 )
 SELECT s.id FROM sessions s
 WHERE {conditions}
@@ -330,7 +336,7 @@ WHERE {conditions}
         OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
                    AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
-ORDER BY s.id LIMIT ?5"#
+ORDER BY s.id LIMIT CAST(?5 AS INTEGER)"#
     )
 }
 
@@ -544,13 +550,13 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
 /// session's are read), one owner's `requests_by_owner`.
 fn requests_page(filter: &RequestFilter) -> String {
     let conditions = conditions::of_requests(filter, Dialect::Sqlite);
-    format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT ?5")
+    format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT CAST(?5 AS INTEGER)")
 }
 
 /// A page of approvals, newest first; one status's read `approvals_by_status`.
 fn approvals_page(status: Option<ApprovalStatus>) -> String {
     let conditions = conditions::of_approvals(status.is_some(), Dialect::Sqlite);
-    format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT ?3")
+    format!("SELECT * FROM approvals WHERE {conditions} ORDER BY id DESC LIMIT CAST(?3 AS INTEGER)")
 }
 
 /// Claims up to `?4` live runs whose lease is free or expired (`runs_live`).
@@ -558,7 +564,7 @@ const CLAIM_RUNS: &str = concat!(
     "UPDATE runs SET lease_holder = ?1, lease_expires_at = ?2
      WHERE id IN (SELECT id FROM runs WHERE ",
     live_run!(),
-    " AND (lease_holder IS NULL OR lease_expires_at < ?3) ORDER BY id LIMIT ?4)
+    " AND (lease_holder IS NULL OR lease_expires_at < ?3) ORDER BY id LIMIT CAST(?4 AS INTEGER))
      RETURNING id"
 );
 
@@ -569,7 +575,7 @@ macro_rules! event_select {
             "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
              FROM events e JOIN requests r ON r.id = e.request_id WHERE ",
             $condition,
-            " AND e.seq > ?2 ORDER BY e.seq LIMIT ?3"
+            " AND e.seq > ?2 ORDER BY e.seq LIMIT CAST(?3 AS INTEGER)"
         )
     };
 }
@@ -932,7 +938,9 @@ impl Store for SqliteStore {
         page: &PageRequest,
     ) -> Result<Page<SessionRecord>, StoreError> {
         let conditions = conditions::of_sessions(filter, page.cursor.is_some(), Dialect::Sqlite);
-        let sql = format!("SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT ?4");
+        let sql = format!(
+            "SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT CAST(?4 AS INTEGER)"
+        );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&filter.agent_id)
             .bind(&filter.owner)
@@ -1219,10 +1227,11 @@ impl Store for SqliteStore {
     }
 
     async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT ?")
-            .bind(limit)
-            .fetch_all(&self.reader)
-            .await?;
+        let rows =
+            sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT CAST(? AS INTEGER)")
+                .bind(limit)
+                .fetch_all(&self.reader)
+                .await?;
         rows.iter()
             .map(|row| {
                 Ok(MaintenanceRecord {
@@ -1274,6 +1283,52 @@ impl SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cached statement with a `LIMIT` runs again without being prepared again (see
+    /// [`SqliteStore`]): the writer's claim of runs, bound with a new limit each pass, and
+    /// no bare `LIMIT ?` in any of the embedded store's statements.
+    #[tokio::test]
+    async fn a_limit_bound_again_never_prepares_its_statement_again() {
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        let leases = store.leases.clone();
+        let reprepared = store
+            .writer
+            .maintain(move |connection| {
+                for limit in [1_i64, 256, 7, 256] {
+                    let mut claim = connection.prepare_cached(CLAIM_RUNS)?;
+                    claim
+                        .query_map(
+                            rusqlite::params![leases.holder, leases.expiry(), "", limit],
+                            |row| row.get::<_, String>(0),
+                        )?
+                        .collect::<Result<Vec<String>, _>>()?;
+                }
+                let claim = connection.prepare_cached(CLAIM_RUNS)?;
+                Ok(claim.get_status(rusqlite::StatementStatus::RePrepare))
+            })
+            .await
+            .expect("the claim runs");
+        assert_eq!(
+            reprepared, 0,
+            "the claim was prepared again when bound again"
+        );
+        let bare = regex::Regex::new(r"LIMIT\s+\?").expect("a pattern");
+        for (file, source) in [
+            ("sqlite.rs", include_str!("sqlite.rs")),
+            ("sqlite_memory.rs", include_str!("sqlite_memory.rs")),
+            ("sqlite_spend.rs", include_str!("sqlite_spend.rs")),
+            ("retention.rs", include_str!("retention.rs")),
+            ("conditions.rs", include_str!("conditions.rs")),
+        ] {
+            // Comments and this test's own pattern name what it looks for: statements only.
+            let found: Vec<&str> = source
+                .lines()
+                .filter(|line| !line.trim_start().starts_with("//") && !line.contains("Regex::new"))
+                .filter(|line| bare.is_match(line))
+                .collect();
+            assert!(found.is_empty(), "{file} binds a bare LIMIT: {found:?}");
+        }
+    }
 
     /// Usage records of `request_id` the reader pool sees.
     async fn usage_rows(store: &SqliteStore, request_id: &str) -> i64 {

@@ -75,19 +75,19 @@ const RECALL_CANDIDATES: i64 = 200;
 // walk the namespace's rows and run the search again for each one.
 const RECALL_FROM_CANDIDATES: &str = "SELECT m.* FROM
        (SELECT rowid AS hit, rank AS relevance FROM memory_fts WHERE memory_fts MATCH ?4
-         ORDER BY rank LIMIT ?5) f
+         ORDER BY rank LIMIT CAST(?5 AS INTEGER)) f
      CROSS JOIN memories m ON m.rowid = f.hit
      WHERE m.namespace = ?1 AND m.scope = ?2 AND m.status = 'active'
      ORDER BY f.relevance / (1.0 + max(julianday('now') - julianday(m.updated_at), 0) / 30.0),
               m.id DESC
-     LIMIT ?3";
+     LIMIT CAST(?3 AS INTEGER)";
 const RECALL_EVERY_MATCH: &str =
     "SELECT m.* FROM memory_fts CROSS JOIN memories m ON m.rowid = memory_fts.rowid
      WHERE memory_fts MATCH ?4 AND m.namespace = ?1 AND m.scope = ?2 AND m.status = 'active'
      ORDER BY bm25(memory_fts)
             / (1.0 + max(julianday('now') - julianday(m.updated_at), 0) / 30.0),
               m.id DESC
-     LIMIT ?3";
+     LIMIT CAST(?3 AS INTEGER)";
 
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
 fn any_of(words: &[String]) -> String {
@@ -114,7 +114,7 @@ pub(super) fn memories_page(filter: &MemoryFilter) -> String {
         "rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?5)",
         Dialect::Sqlite,
     );
-    format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT ?6")
+    format!("SELECT * FROM memories WHERE {conditions} ORDER BY id DESC LIMIT CAST(?6 AS INTEGER)")
 }
 
 #[async_trait::async_trait]
@@ -186,7 +186,7 @@ impl MemoryStore for SqliteStore {
         if words.is_empty() {
             let rows = sqlx::query(
                 "SELECT * FROM memories WHERE namespace = ?1 AND scope = ?2 AND status = 'active'
-                 ORDER BY updated_at DESC LIMIT ?3",
+                 ORDER BY updated_at DESC LIMIT CAST(?3 AS INTEGER)",
             )
             .bind(namespace)
             .bind(scope)
