@@ -290,14 +290,26 @@ impl OpenAiAdapter {
         let malformed = |message: String, written: usize| {
             fail(AdapterError::new(FailureKind::Malformed, message), written)
         };
+        // One wait for cancellation and one idle timer for the whole stream, the timer moved
+        // on at each read: made anew for each read, both registered and unregistered
+        // themselves (with the token's waiters, in the timer wheel) once per chunk.
+        let cancelled = context.cancel.cancelled();
+        tokio::pin!(cancelled);
+        let idle = tokio::time::sleep(model.timeout);
+        tokio::pin!(idle);
         loop {
+            // Biased: a cancellation wins, and a read that is ready wins over the timer, as
+            // `timeout` around the read did.
             let next = tokio::select! {
-                () = context.cancel.cancelled() => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), output.text.len())),
-                next = tokio::time::timeout(model.timeout, body.next()) => next,
+                biased;
+                () = &mut cancelled => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), output.text.len())),
+                next = body.next() => next,
+                () = &mut idle => return Err(fail(timeout_error(model), output.text.len())),
             };
+            idle.as_mut()
+                .reset(tokio::time::Instant::now() + model.timeout);
             let chunk = match next {
-                Err(_) => return Err(fail(timeout_error(model), output.text.len())),
-                Ok(None) => {
+                None => {
                     let message = format!(
                         "upstream model `{}` closed the stream before [DONE]",
                         model.id
@@ -307,10 +319,10 @@ impl OpenAiAdapter {
                         output.text.len(),
                     ));
                 }
-                Ok(Some(Err(error))) => {
+                Some(Err(error)) => {
                     return Err(fail(transport_error(model, &error), output.text.len()));
                 }
-                Ok(Some(Ok(chunk))) => chunk,
+                Some(Ok(chunk)) => chunk,
             };
             // Events completed before a decoding error still count: one may be `[DONE]`.
             events.clear();

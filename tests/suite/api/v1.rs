@@ -303,6 +303,41 @@ async fn upstream_failures_become_502_and_504_envelopes_never_hangs() {
     assert!(started.elapsed() < std::time::Duration::from_secs(6));
 }
 
+/// A model's `timeout` bounds each wait for the upstream's next bytes, not the whole stream:
+/// a stream longer in all than the timeout completes while each pause is shorter than it,
+/// and a pause longer than it fails the call as a timeout.
+#[tokio::test]
+async fn a_model_timeout_bounds_each_pause_of_a_stream_not_the_whole() {
+    let upstream = MockUpstream::start().await;
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    let impatient =
+        json!({ "model": "impatient", "messages": [{ "role": "user", "content": "hi" }] });
+    // Six parts (a role, three words, the stop and the usage, then `[DONE]`) 0.3 s apart:
+    // 2.1 s in all against the `slow` model's 1 s.
+    upstream.set_default(Reply::Slow {
+        text: "a b c".into(),
+        pause: std::time::Duration::from_millis(300),
+    });
+    let (status, body) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &impatient)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "a b c", "{body}");
+    // The headers come at once, then nothing for 2.5 s: each attempt times out.
+    upstream.set_default(Reply::Slow {
+        text: "late".into(),
+        pause: std::time::Duration::from_millis(2_500),
+    });
+    let (status, envelope) = app
+        .post("/v1/chat/completions", CLIENT_KEY, &impatient)
+        .await;
+    assert_eq!(
+        (status, envelope["error"]["code"].as_str()),
+        (504, Some("upstream_timeout")),
+        "{envelope}"
+    );
+}
+
 #[tokio::test]
 async fn session_header_groups_requests_and_v1_stays_stateless() {
     let upstream = MockUpstream::start().await;
