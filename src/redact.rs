@@ -212,7 +212,7 @@ impl Secrets<'_> {
             Value::Array(items) => items.iter_mut().for_each(|v| self.redact_in_place(v)),
             Value::Object(fields) => {
                 for (key, field) in fields.iter_mut() {
-                    if is_credential_key(key) && !field.is_null() {
+                    if is_credential_key_judged(key) && !field.is_null() {
                         *field = Value::String(REDACTED.to_owned());
                     } else if key == "arguments"
                         && let Value::String(text) = field
@@ -302,6 +302,34 @@ pub fn is_credential_key(key: &str) -> bool {
     false
 }
 
+/// Most keys remembered per thread by [`is_credential_key_judged`]; past it, keys are judged
+/// each time (a client's own keys cannot grow the memory without bound).
+const MAX_JUDGED_KEYS: usize = 1_024;
+
+/// [`is_credential_key`], remembered per key on this thread. The same few dozen keys pass in
+/// every write (`role`, `content`, `usage`, ...), and judging one word by word cost more
+/// than looking it up (docs/profiling.md, the thirteenth pass). Hashed with foldhash, seeded
+/// per process; the table is bounded, so keys chosen to collide cost at most a scan of it.
+fn is_credential_key_judged(key: &str) -> bool {
+    type Judged = std::collections::HashMap<Box<str>, bool, foldhash::fast::RandomState>;
+    thread_local! {
+        static JUDGED: std::cell::RefCell<Judged> = std::cell::RefCell::new(Judged::default());
+    }
+    JUDGED.with(|judged| {
+        let Ok(mut judged) = judged.try_borrow_mut() else {
+            return is_credential_key(key);
+        };
+        if let Some(&credential) = judged.get(key) {
+            return credential;
+        }
+        let credential = is_credential_key(key);
+        if judged.len() < MAX_JUDGED_KEYS {
+            judged.insert(key.into(), credential);
+        }
+        credential
+    })
+}
+
 /// The words of an identifier, as slices of it: runs of ASCII letters and digits, split on
 /// anything else and on lower-to-upper case changes (compared without regard to case).
 struct Words<'a> {
@@ -380,6 +408,29 @@ mod tests {
                 "secretary": "Ann",
             })
         );
+    }
+
+    /// The remembered judgement is the judgement, before and after the memory is full.
+    #[test]
+    fn a_remembered_judgement_is_the_judgement_of_the_words() {
+        let keys: Vec<String> = (0..MAX_JUDGED_KEYS * 2)
+            .map(|i| match i % 4 {
+                0 => format!("token_{i}"),
+                1 => format!("max_tokens_{i}"),
+                2 => format!("x{i}ApiKey"),
+                _ => format!("secretary{i}"),
+            })
+            .collect();
+        for pass in 0..2 {
+            for key in &keys {
+                assert_eq!(
+                    is_credential_key_judged(key),
+                    is_credential_key(key),
+                    "{key} (pass {pass})"
+                );
+            }
+        }
+        assert!(is_credential_key_judged("token_0") && !is_credential_key_judged("max_tokens_1"));
     }
 
     #[test]
