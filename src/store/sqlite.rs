@@ -1284,6 +1284,32 @@ impl SqliteStore {
 mod tests {
     use super::*;
 
+    /// The bundled SQLite is built as `.cargo/config.toml` asks: without the shared page
+    /// cache group whose global mutex every page fetch took.
+    #[tokio::test]
+    async fn the_bundled_sqlite_keeps_a_page_cache_per_connection() {
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        let options: Vec<String> = store
+            .writer
+            .maintain(|connection| {
+                let mut statement = connection.prepare("PRAGMA compile_options")?;
+                let options = statement
+                    .query_map([], |row| row.get(0))?
+                    .collect::<Result<Vec<String>, _>>()?;
+                Ok(options)
+            })
+            .await
+            .expect("the options");
+        assert!(
+            options.iter().any(|o| o.starts_with("THREADSAFE=1")),
+            "{options:?}"
+        );
+        assert!(
+            !options.iter().any(|o| o == "ENABLE_MEMORY_MANAGEMENT"),
+            "{options:?}"
+        );
+    }
+
     /// A cached statement with a `LIMIT` runs again without being prepared again (see
     /// [`SqliteStore`]): the writer's claim of runs, bound with a new limit each pass, and
     /// no bare `LIMIT ?` in any of the embedded store's statements.
