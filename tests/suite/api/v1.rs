@@ -312,25 +312,22 @@ async fn a_model_timeout_bounds_each_pause_of_a_stream_not_the_whole() {
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
     let impatient =
         json!({ "model": "impatient", "messages": [{ "role": "user", "content": "hi" }] });
+    // The upstream streams `text` word by word, `pause` before each part.
+    let ask = async |text: &str, pause_ms: u64| {
+        upstream.set_default(Reply::Slow {
+            text: text.into(),
+            pause: std::time::Duration::from_millis(pause_ms),
+        });
+        app.post("/v1/chat/completions", CLIENT_KEY, &impatient)
+            .await
+    };
     // Six parts (a role, three words, the stop and the usage, then `[DONE]`) 0.3 s apart:
     // 2.1 s in all against the `slow` model's 1 s.
-    upstream.set_default(Reply::Slow {
-        text: "a b c".into(),
-        pause: std::time::Duration::from_millis(300),
-    });
-    let (status, body) = app
-        .post("/v1/chat/completions", CLIENT_KEY, &impatient)
-        .await;
+    let (status, body) = ask("a b c", 300).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["message"]["content"], "a b c", "{body}");
     // The headers come at once, then nothing for 2.5 s: each attempt times out.
-    upstream.set_default(Reply::Slow {
-        text: "late".into(),
-        pause: std::time::Duration::from_millis(2_500),
-    });
-    let (status, envelope) = app
-        .post("/v1/chat/completions", CLIENT_KEY, &impatient)
-        .await;
+    let (status, envelope) = ask("late", 2_500).await;
     assert_eq!(
         (status, envelope["error"]["code"].as_str()),
         (504, Some("upstream_timeout")),
