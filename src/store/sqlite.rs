@@ -4,6 +4,13 @@
 //! transaction; reads use a small sqlx pool and never wait for the writer (WAL readers see the
 //! last committed state). `synchronous = NORMAL` in WAL mode makes a commit durable against a
 //! process crash without an fsync per commit, and checkpoints run in the background.
+//!
+//! Every `LIMIT` binds its count as `CAST(?n AS INTEGER)`, never as a bare `?n`. SQLite
+//! (3.51) plans a bare `LIMIT ?n` with the value bound, so binding it again marks the
+//! statement expired, and every execution of a cached statement prepared it anew: each page
+//! of a listing, and the writer's claim of runs every second, which held up writes while it
+//! did (docs/profiling.md, the thirteenth pass). The cast leaves the count a value read at
+//! run time.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -40,12 +47,6 @@ macro_rules! live_run {
     };
 }
 
-/// Every `LIMIT` binds its count as `CAST(?n AS INTEGER)`, never as a bare `?n`. SQLite
-/// (3.51) plans a bare `LIMIT ?n` with the value bound, so binding it again marks the
-/// statement expired, and every execution of a cached statement prepared it anew: each page
-/// of a listing, and the writer's claim of runs every second, which held up writes while it
-/// did (docs/profiling.md, the thirteenth pass). The cast leaves the count a value read at
-/// run time.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     path: PathBuf,
@@ -1310,8 +1311,8 @@ mod tests {
         );
     }
 
-    /// A cached statement with a `LIMIT` runs again without being prepared again (see
-    /// [`SqliteStore`]): the writer's claim of runs, bound with a new limit each pass, and
+    /// A cached statement with a `LIMIT` runs again without being prepared again (see the
+    /// module's doc): the writer's claim of runs, bound with a new limit each pass, and
     /// no bare `LIMIT ?` in any of the embedded store's statements.
     #[tokio::test]
     async fn a_limit_bound_again_never_prepares_its_statement_again() {
