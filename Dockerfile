@@ -2,6 +2,8 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
+# The build's settings (the bundled SQLite's compile options).
+COPY .cargo ./.cargo
 COPY src ./src
 COPY benches ./benches
 COPY migrations ./migrations
