@@ -1290,15 +1290,9 @@ mod tests {
     #[tokio::test]
     async fn the_bundled_sqlite_keeps_a_page_cache_per_connection() {
         let (_dir, store) = SqliteStore::in_temporary_folder().await;
-        let options: Vec<String> = store
-            .writer
-            .maintain(|connection| {
-                let mut statement = connection.prepare("PRAGMA compile_options")?;
-                let options = statement
-                    .query_map([], |row| row.get(0))?
-                    .collect::<Result<Vec<String>, _>>()?;
-                Ok(options)
-            })
+        // One library for every connection: the reader pool's tells the writer's too.
+        let options: Vec<String> = sqlx::query_scalar("PRAGMA compile_options")
+            .fetch_all(&store.reader)
             .await
             .expect("the options");
         assert!(
