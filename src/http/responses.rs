@@ -27,7 +27,7 @@ use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::v1::{
     V1Submission, client_calls, client_functions, completed_event, delta_text, finish_reason,
-    hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
+    hold_until_started, json_event, keep_alive, next_streamed, progress_event, session_id, submit,
     terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
 use super::views::{run_failure, store_error};
@@ -762,12 +762,47 @@ async fn complete_response(
 struct Sequence(u64);
 
 impl Sequence {
+    fn next(&mut self) -> u64 {
+        let number = self.0;
+        self.0 += 1;
+        number
+    }
+
     fn event(&mut self, event_type: &str, mut data: Value) -> Result<Event, Infallible> {
         data["type"] = Value::String(event_type.to_owned());
-        data["sequence_number"] = json!(self.0);
-        self.0 += 1;
-        Ok(Event::default().event(event_type).data(data.to_string()))
+        data["sequence_number"] = json!(self.next());
+        Ok(json_event(Event::default().event(event_type), &data))
     }
+
+    /// `response.output_text.delta`, the event a stream sends per delta: serialized from its
+    /// fields, no `Value` built.
+    fn text_delta(&mut self, item_id: &str, delta: &str) -> Result<Event, Infallible> {
+        const TYPE: &str = "response.output_text.delta";
+        let data = TextDeltaEvent {
+            content_index: 0,
+            delta,
+            item_id,
+            logprobs: [],
+            output_index: 0,
+            sequence_number: self.next(),
+            event_type: TYPE,
+        };
+        Ok(json_event(Event::default().event(TYPE), &data))
+    }
+}
+
+/// The data of `response.output_text.delta`, its fields in the order a `Value`'s map prints
+/// them (as the other events are).
+#[derive(Serialize)]
+struct TextDeltaEvent<'a> {
+    content_index: u32,
+    delta: &'a str,
+    item_id: &'a str,
+    logprobs: [(); 0],
+    output_index: u32,
+    sequence_number: u64,
+    #[serde(rename = "type")]
+    event_type: &'static str,
 }
 
 async fn stream_response(
@@ -811,8 +846,7 @@ async fn stream_response(
                         "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
                 }
                 text.push_str(delta);
-                yield seq.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": 0,
-                    "content_index": 0, "delta": delta, "logprobs": [] }));
+                yield seq.text_delta(&item_id, delta);
                 continue;
             }
             if !is_terminal(&event.event_type) {
@@ -835,8 +869,7 @@ async fn stream_response(
                     "item": { "type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [] } }));
                 yield seq.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0,
                     "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
-                yield seq.event("response.output_text.delta", json!({ "item_id": item_id, "output_index": 0,
-                    "content_index": 0, "delta": text, "logprobs": [] }));
+                yield seq.text_delta(&item_id, &text);
             }
             let mut output_index = 0;
             if opened {

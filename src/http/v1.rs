@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::AppState;
@@ -512,21 +512,82 @@ struct Completion {
 }
 
 impl Completion {
-    fn chunk(&self, delta: Value, finish_reason: Option<&str>, include_usage: bool) -> Value {
-        let mut chunk = json!({
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": null,
-            "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason }],
-        });
-        if include_usage {
-            chunk["usage"] = Value::Null;
-        }
-        chunk
+    /// One `chat.completion.chunk` event: `delta` as the first choice's, and `usage: null`
+    /// when the client asked for usage (it comes in a chunk of its own at the end).
+    fn chunk(
+        &self,
+        delta: impl Serialize,
+        finish_reason: Option<&str>,
+        include_usage: bool,
+    ) -> Event {
+        let choice = ChunkChoice {
+            delta,
+            finish_reason,
+            index: 0,
+            logprobs: (),
+        };
+        self.event(
+            std::slice::from_ref(&choice),
+            include_usage.then_some(&Value::Null),
+        )
+    }
+
+    /// The chunk after the last choice: no choices, and the request's usage.
+    fn usage_chunk(&self, usage: &Value) -> Event {
+        self.event::<()>(&[], Some(usage))
+    }
+
+    fn event<D: Serialize>(&self, choices: &[ChunkChoice<'_, D>], usage: Option<&Value>) -> Event {
+        json_event(
+            Event::default(),
+            &ChunkBody {
+                choices,
+                created: self.created,
+                id: &self.id,
+                model: &self.model,
+                object: "chat.completion.chunk",
+                system_fingerprint: (),
+                usage,
+            },
+        )
     }
 }
+
+/// A `chat.completion.chunk` as sent, serialized straight into its event: a stream built no
+/// `Value` per chunk. The fields are in the order a `Value`'s map prints them, as before.
+#[derive(Serialize)]
+struct ChunkBody<'a, D> {
+    choices: &'a [ChunkChoice<'a, D>],
+    created: i64,
+    id: &'a str,
+    model: &'a str,
+    object: &'static str,
+    /// Always `null`.
+    system_fingerprint: (),
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<&'a Value>,
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a, D> {
+    delta: D,
+    finish_reason: Option<&'a str>,
+    index: u32,
+    /// Always `null`.
+    logprobs: (),
+}
+
+/// A chunk's delta of text (`role` only in the first).
+#[derive(Serialize)]
+struct TextDelta<'a> {
+    content: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+}
+
+/// The delta of the chunk that carries the finish reason: `{}`.
+#[derive(Serialize)]
+struct NoDelta {}
 
 /// The calls a completed request handed to the client (`clientToolCalls`).
 pub(super) fn client_calls(data: &Value) -> Vec<ClientCall> {
@@ -678,6 +739,16 @@ pub(super) async fn next_streamed(
     }
 }
 
+/// `event` with `data` as its JSON data, serialized straight into the event's buffer (no
+/// `String` in between). What a stream sends serializes (string-keyed maps and structs):
+/// should that ever fail, the stream sends a comment in its place and says why in the log.
+pub(super) fn json_event(event: Event, data: impl Serialize) -> Event {
+    event.json_data(data).unwrap_or_else(|error| {
+        tracing::error!(%error, "a stream's event did not serialize");
+        Event::default().comment("an event was left out: it did not serialize")
+    })
+}
+
 /// The named progress event a client that opted in (`x-stable-harness-events: true`)
 /// receives for `event`, if it is one.
 pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
@@ -690,11 +761,10 @@ pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
                 .data(data.to_string()),
         )
     } else if event.event_type == PROGRESS_NARRATION {
-        Some(
-            Event::default()
-                .event("stable_harness.progress.narration")
-                .data(event.data.to_string()),
-        )
+        Some(json_event(
+            Event::default().event("stable_harness.progress.narration"),
+            &event.data,
+        ))
     } else {
         None
     }
@@ -765,7 +835,7 @@ async fn stream_response(
     let held = hold_until_started(&mut events, &submitted, final_only).await?;
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
-        yield Ok::<Event, Infallible>(Event::default().data(completion.chunk(json!({ "role": "assistant", "content": "" }), None, include_usage).to_string()));
+        yield Ok::<Event, Infallible>(completion.chunk(TextDelta { content: "", role: Some("assistant") }, None, include_usage));
         let mut held = held.into_iter();
         loop {
             let event = match next_streamed(&mut held, &mut events, &submitted).await {
@@ -781,27 +851,24 @@ async fn stream_response(
             }
             if let Some(text) = delta_text(&event) {
                 if !final_only {
-                    yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
+                    yield Ok(completion.chunk(TextDelta { content: text, role: None }, None, include_usage));
                 }
             } else if event.event_type == REQUEST_COMPLETED {
                 if final_only && let Some(text) = event.data.get("output").and_then(Value::as_str).filter(|t| !t.is_empty()) {
-                    yield Ok(Event::default().data(completion.chunk(json!({ "content": text }), None, include_usage).to_string()));
+                    yield Ok(completion.chunk(TextDelta { content: text, role: None }, None, include_usage));
                 }
                 // Calls handed to the client: one `index` each, its name first, then its
                 // arguments as a delta, as OpenAI streams them.
                 for (index, call) in client_calls(&event.data).iter().enumerate() {
                     let opened = json!({ "tool_calls": [{ "index": index, "id": call.id, "type": "function", "function": { "name": call.name, "arguments": "" } }] });
-                    yield Ok(Event::default().data(completion.chunk(opened, None, include_usage).to_string()));
+                    yield Ok(completion.chunk(opened, None, include_usage));
                     let arguments = json!({ "tool_calls": [{ "index": index, "function": { "arguments": call.arguments } }] });
-                    yield Ok(Event::default().data(completion.chunk(arguments, None, include_usage).to_string()));
+                    yield Ok(completion.chunk(arguments, None, include_usage));
                 }
                 let reason = finish_reason(&event.data);
-                yield Ok(Event::default().data(completion.chunk(json!({}), Some(reason), include_usage).to_string()));
+                yield Ok(completion.chunk(NoDelta {}, Some(reason), include_usage));
                 if include_usage {
-                    let mut usage = completion.chunk(json!({}), None, false);
-                    usage["choices"] = json!([]);
-                    usage["usage"] = event.data.get("usage").cloned().unwrap_or(Value::Null);
-                    yield Ok(Event::default().data(usage.to_string()));
+                    yield Ok(completion.usage_chunk(event.data.get("usage").unwrap_or(&Value::Null)));
                 }
                 yield Ok(Event::default().data("[DONE]"));
                 return;

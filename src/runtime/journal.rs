@@ -581,7 +581,12 @@ impl Writer {
             return;
         }
         let lengths: Vec<usize> = groups.iter().map(|g| g.ops.len()).collect();
-        let mut ops: Vec<WriteOp> = groups.iter_mut().flat_map(|g| g.ops.drain(..)).collect();
+        // Sized once: collected through `flat_map`, a batch of many groups grew it by
+        // doubling, copying every op so far each time.
+        let mut ops: Vec<WriteOp> = Vec::with_capacity(lengths.iter().sum());
+        for group in &mut groups {
+            ops.append(&mut group.ops);
+        }
         let redactor = match self.redactor.read() {
             Ok(redactor) => redactor.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),

@@ -98,6 +98,127 @@ async fn sdk_stream_and_non_stream_give_the_same_text_and_usage() {
     assert_eq!(call.body["messages"][1]["content"], "What is the answer?");
 }
 
+/// Every chunk of a stream carries OpenAI's fields, each chunk's its own: the first delta
+/// names the role, the text follows, the finish reason comes with an empty delta, and with
+/// `include_usage` every chunk says `usage: null` until the last, which has no choices.
+#[tokio::test]
+async fn every_stream_chunk_has_openai_fields_and_usage_only_at_the_end() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("one two".into()));
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    for include_usage in [false, true] {
+        let mut body = json!({ "model": "assistant", "stream": true,
+                               "messages": [{ "role": "user", "content": "hi" }] });
+        if include_usage {
+            body["stream_options"] = json!({ "include_usage": true });
+        }
+        let response = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let id = response.headers()["x-stable-harness-request-id"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let text = response.text().await.unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(lines.last(), Some(&"[DONE]"), "{text}");
+        let chunks: Vec<Value> = lines[..lines.len() - 1]
+            .iter()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        let (usage_chunk, choice_chunks) = if include_usage {
+            let (last, rest) = chunks.split_last().unwrap();
+            (Some(last), rest)
+        } else {
+            (None, &chunks[..])
+        };
+        let created = &chunks[0]["created"];
+        assert!(
+            created.as_i64().is_some_and(|t| t > 1_700_000_000),
+            "{created}"
+        );
+        let mut streamed = String::new();
+        for (n, chunk) in choice_chunks.iter().enumerate() {
+            let mut expected_keys = vec![
+                "choices",
+                "created",
+                "id",
+                "model",
+                "object",
+                "system_fingerprint",
+            ];
+            if include_usage {
+                expected_keys.push("usage");
+                assert_eq!(chunk["usage"], Value::Null);
+            }
+            let keys: Vec<&str> = chunk
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(String::as_str)
+                .collect();
+            assert_eq!(keys, expected_keys, "{chunk}");
+            assert_eq!(
+                (
+                    &chunk["id"],
+                    &chunk["object"],
+                    &chunk["model"],
+                    &chunk["created"],
+                    &chunk["system_fingerprint"]
+                ),
+                (
+                    &json!(format!("chatcmpl-{id}")),
+                    &json!("chat.completion.chunk"),
+                    &json!("assistant"),
+                    created,
+                    &Value::Null
+                ),
+            );
+            let choices = chunk["choices"].as_array().unwrap();
+            assert_eq!(choices.len(), 1, "{chunk}");
+            let choice = &choices[0];
+            assert_eq!(
+                (&choice["index"], &choice["logprobs"]),
+                (&json!(0), &Value::Null)
+            );
+            let delta = &choice["delta"];
+            if n == 0 {
+                assert_eq!(delta, &json!({ "role": "assistant", "content": "" }));
+            }
+            if n + 1 == choice_chunks.len() {
+                assert_eq!(
+                    (delta, &choice["finish_reason"]),
+                    (&json!({}), &json!("stop"))
+                );
+            } else {
+                assert_eq!(choice["finish_reason"], Value::Null, "{chunk}");
+                streamed.push_str(delta["content"].as_str().unwrap());
+            }
+        }
+        assert_eq!(streamed, "one two");
+        if let Some(last) = usage_chunk {
+            assert_eq!(last["choices"], json!([]), "{last}");
+            assert_eq!(last["id"], json!(format!("chatcmpl-{id}")));
+            assert_eq!(
+                last["usage"]["total_tokens"].as_u64(),
+                Some(
+                    last["usage"]["prompt_tokens"].as_u64().unwrap()
+                        + last["usage"]["completion_tokens"].as_u64().unwrap()
+                )
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_default_stream_is_pure_openai_chunks_ending_in_done() {
     let upstream = MockUpstream::start().await;
