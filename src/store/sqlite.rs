@@ -1338,6 +1338,7 @@ mod tests {
             ("sqlite.rs", include_str!("sqlite.rs")),
             ("sqlite_memory.rs", include_str!("sqlite_memory.rs")),
             ("sqlite_spend.rs", include_str!("sqlite_spend.rs")),
+            ("sqlite_writer.rs", include_str!("sqlite_writer.rs")),
             ("retention.rs", include_str!("retention.rs")),
             ("conditions.rs", include_str!("conditions.rs")),
         ] {
