@@ -917,3 +917,29 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event,
         ),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed delta prints exactly what the `Value` it replaced printed.
+    #[test]
+    fn a_text_delta_prints_the_bytes_its_value_printed() {
+        let typed = TextDeltaEvent {
+            content_index: 0,
+            delta: "hé \"x\"\n",
+            item_id: "msg_1",
+            logprobs: [],
+            output_index: 0,
+            sequence_number: 7,
+            event_type: "response.output_text.delta",
+        };
+        let value = json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                            "delta": "hé \"x\"\n", "logprobs": [],
+                            "type": "response.output_text.delta", "sequence_number": 7 });
+        assert_eq!(
+            serde_json::to_string(&typed).expect("a delta serializes"),
+            value.to_string()
+        );
+    }
+}

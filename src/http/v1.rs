@@ -540,7 +540,7 @@ impl Completion {
     fn event<D: Serialize>(&self, choices: &[ChunkChoice<'_, D>], usage: Option<&Value>) -> Event {
         json_event(
             Event::default(),
-            &self.body("chat.completion.chunk", choices, usage),
+            self.body("chat.completion.chunk", choices, usage),
         )
     }
 
@@ -916,4 +916,111 @@ async fn stream_response(
         }
     };
     Ok(Sse::new(body).keep_alive(keep_alive).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The typed answer and chunks print exactly what the `Value`s they replaced printed
+    /// (a `Value`'s map prints its keys in order): the same bytes reach clients.
+    #[test]
+    fn typed_answers_print_the_bytes_the_values_printed() {
+        let completion = Completion {
+            id: "chatcmpl-req_1".to_owned(),
+            created: 1_800_000_000,
+            model: "assistant".to_owned(),
+        };
+        let usage = json!({ "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5 });
+        let chunk = |delta: Value, reason: Option<&str>| {
+            json!({ "id": "chatcmpl-req_1", "object": "chat.completion.chunk", "created": 1_800_000_000,
+                    "model": "assistant", "system_fingerprint": null, "usage": null,
+                    "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": reason }] })
+            .to_string()
+        };
+        let text = ChunkChoice {
+            delta: TextDelta {
+                content: "hé \"x\"\n",
+                role: None,
+            },
+            finish_reason: None,
+            index: 0,
+            logprobs: (),
+        };
+        assert_eq!(
+            print(completion.body(
+                "chat.completion.chunk",
+                std::slice::from_ref(&text),
+                Some(&Value::Null)
+            )),
+            chunk(json!({ "content": "hé \"x\"\n" }), None)
+        );
+        let first = ChunkChoice {
+            delta: TextDelta {
+                content: "",
+                role: Some("assistant"),
+            },
+            finish_reason: None,
+            index: 0,
+            logprobs: (),
+        };
+        assert_eq!(
+            print(completion.body(
+                "chat.completion.chunk",
+                std::slice::from_ref(&first),
+                Some(&Value::Null)
+            )),
+            chunk(json!({ "role": "assistant", "content": "" }), None)
+        );
+        let last = ChunkChoice {
+            delta: NoDelta {},
+            finish_reason: Some("stop"),
+            index: 0,
+            logprobs: (),
+        };
+        assert_eq!(
+            print(completion.body(
+                "chat.completion.chunk",
+                std::slice::from_ref(&last),
+                Some(&Value::Null)
+            )),
+            chunk(json!({}), Some("stop"))
+        );
+        let mut usage_chunk: Value =
+            serde_json::from_str(&chunk(json!({}), None)).expect("a chunk");
+        usage_chunk["choices"] = json!([]);
+        usage_chunk["usage"] = usage.clone();
+        assert_eq!(
+            print(completion.body::<ChunkChoice<'_, NoDelta>>(
+                "chat.completion.chunk",
+                &[],
+                Some(&usage)
+            )),
+            usage_chunk.to_string()
+        );
+        let call = json!({ "id": "call_1", "type": "function", "function": { "name": "f", "arguments": "{}" } });
+        let answer = MessageChoice {
+            finish_reason: "tool_calls",
+            index: 0,
+            logprobs: (),
+            message: CompletionMessage {
+                content: &Value::Null,
+                refusal: (),
+                role: "assistant",
+                tool_calls: vec![call.clone()],
+            },
+        };
+        assert_eq!(
+            print(completion.body("chat.completion", std::slice::from_ref(&answer), Some(&usage))),
+            json!({ "id": "chatcmpl-req_1", "object": "chat.completion", "created": 1_800_000_000,
+                    "model": "assistant", "system_fingerprint": null, "usage": usage,
+                    "choices": [{ "index": 0, "logprobs": null, "finish_reason": "tool_calls",
+                                  "message": { "role": "assistant", "content": null, "refusal": null, "tool_calls": [call] } }] })
+            .to_string()
+        );
+    }
+
+    fn print(body: impl Serialize) -> String {
+        serde_json::to_string(&body).expect("a body serializes")
+    }
 }
