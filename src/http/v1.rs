@@ -512,42 +512,36 @@ struct Completion {
 }
 
 impl Completion {
-    /// One `chat.completion.chunk` event: `delta` as the first choice's, and `usage: null`
-    /// when the client asked for usage (it comes in a chunk of its own at the end).
-    fn chunk(
-        &self,
-        delta: impl Serialize,
-        finish_reason: Option<&str>,
+    /// One `chat.completion.chunk`: `delta` as its one choice's, and `usage: null` when the
+    /// client asked for usage (it comes in a chunk of its own at the end).
+    fn chunk<'a, D>(
+        &'a self,
+        delta: D,
+        finish_reason: Option<&'a str>,
         include_usage: bool,
-    ) -> Event {
+    ) -> CompletionBody<'a, [ChunkChoice<'a, D>; 1]> {
         let choice = ChunkChoice {
             delta,
             finish_reason,
             index: 0,
             logprobs: (),
         };
-        self.event(
-            std::slice::from_ref(&choice),
+        self.body(
+            "chat.completion.chunk",
+            [choice],
             include_usage.then_some(&Value::Null),
         )
     }
 
     /// The chunk after the last choice: no choices, and the request's usage.
-    fn usage_chunk(&self, usage: &Value) -> Event {
-        self.event::<()>(&[], Some(usage))
-    }
-
-    fn event<D: Serialize>(&self, choices: &[ChunkChoice<'_, D>], usage: Option<&Value>) -> Event {
-        json_event(
-            Event::default(),
-            self.body("chat.completion.chunk", choices, usage),
-        )
+    fn usage_chunk<'a>(&'a self, usage: &'a Value) -> CompletionBody<'a, [(); 0]> {
+        self.body("chat.completion.chunk", [], Some(usage))
     }
 
     fn body<'a, C>(
         &'a self,
         object: &'static str,
-        choices: &'a [C],
+        choices: C,
         usage: Option<&'a Value>,
     ) -> CompletionBody<'a, C> {
         CompletionBody {
@@ -567,7 +561,8 @@ impl Completion {
 /// `Value`'s map prints them, as before.
 #[derive(Serialize)]
 struct CompletionBody<'a, C> {
-    choices: &'a [C],
+    /// An array: one choice, or none in the usage chunk.
+    choices: C,
     created: i64,
     id: &'a str,
     model: &'a str,
@@ -714,7 +709,7 @@ async fn complete_response(
     };
     Ok(Json(completion.body(
         "chat.completion",
-        std::slice::from_ref(&choice),
+        [choice],
         Some(data.get("usage").unwrap_or(&Value::Null)),
     ))
     .into_response())
@@ -871,7 +866,7 @@ async fn stream_response(
     let held = hold_until_started(&mut events, &submitted, final_only).await?;
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
-        yield Ok::<Event, Infallible>(completion.chunk(TextDelta { content: "", role: Some("assistant") }, None, include_usage));
+        yield Ok::<Event, Infallible>(json_event(Event::default(), completion.chunk(TextDelta { content: "", role: Some("assistant") }, None, include_usage)));
         let mut held = held.into_iter();
         loop {
             let event = match next_streamed(&mut held, &mut events, &submitted).await {
@@ -887,24 +882,24 @@ async fn stream_response(
             }
             if let Some(text) = delta_text(&event) {
                 if !final_only {
-                    yield Ok(completion.chunk(TextDelta { content: text, role: None }, None, include_usage));
+                    yield Ok(json_event(Event::default(), completion.chunk(TextDelta { content: text, role: None }, None, include_usage)));
                 }
             } else if event.event_type == REQUEST_COMPLETED {
                 if final_only && let Some(text) = event.data.get("output").and_then(Value::as_str).filter(|t| !t.is_empty()) {
-                    yield Ok(completion.chunk(TextDelta { content: text, role: None }, None, include_usage));
+                    yield Ok(json_event(Event::default(), completion.chunk(TextDelta { content: text, role: None }, None, include_usage)));
                 }
                 // Calls handed to the client: one `index` each, its name first, then its
                 // arguments as a delta, as OpenAI streams them.
                 for (index, call) in client_calls(&event.data).iter().enumerate() {
                     let opened = json!({ "tool_calls": [{ "index": index, "id": call.id, "type": "function", "function": { "name": call.name, "arguments": "" } }] });
-                    yield Ok(completion.chunk(opened, None, include_usage));
+                    yield Ok(json_event(Event::default(), completion.chunk(opened, None, include_usage)));
                     let arguments = json!({ "tool_calls": [{ "index": index, "function": { "arguments": call.arguments } }] });
-                    yield Ok(completion.chunk(arguments, None, include_usage));
+                    yield Ok(json_event(Event::default(), completion.chunk(arguments, None, include_usage)));
                 }
                 let reason = finish_reason(&event.data);
-                yield Ok(completion.chunk(NoDelta {}, Some(reason), include_usage));
+                yield Ok(json_event(Event::default(), completion.chunk(NoDelta {}, Some(reason), include_usage)));
                 if include_usage {
-                    yield Ok(completion.usage_chunk(event.data.get("usage").unwrap_or(&Value::Null)));
+                    yield Ok(json_event(Event::default(), completion.usage_chunk(event.data.get("usage").unwrap_or(&Value::Null))));
                 }
                 yield Ok(Event::default().data("[DONE]"));
                 return;
@@ -938,52 +933,24 @@ mod tests {
                     "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": reason }] })
             .to_string()
         };
-        let text = ChunkChoice {
-            delta: TextDelta {
-                content: "hé \"x\"\n",
-                role: None,
-            },
-            finish_reason: None,
-            index: 0,
-            logprobs: (),
+        let text = TextDelta {
+            content: "hé \"x\"\n",
+            role: None,
         };
         assert_eq!(
-            print(completion.body(
-                "chat.completion.chunk",
-                std::slice::from_ref(&text),
-                Some(&Value::Null)
-            )),
+            print(completion.chunk(text, None, true)),
             chunk(json!({ "content": "hé \"x\"\n" }), None)
         );
-        let first = ChunkChoice {
-            delta: TextDelta {
-                content: "",
-                role: Some("assistant"),
-            },
-            finish_reason: None,
-            index: 0,
-            logprobs: (),
+        let first = TextDelta {
+            content: "",
+            role: Some("assistant"),
         };
         assert_eq!(
-            print(completion.body(
-                "chat.completion.chunk",
-                std::slice::from_ref(&first),
-                Some(&Value::Null)
-            )),
+            print(completion.chunk(first, None, true)),
             chunk(json!({ "role": "assistant", "content": "" }), None)
         );
-        let last = ChunkChoice {
-            delta: NoDelta {},
-            finish_reason: Some("stop"),
-            index: 0,
-            logprobs: (),
-        };
         assert_eq!(
-            print(completion.body(
-                "chat.completion.chunk",
-                std::slice::from_ref(&last),
-                Some(&Value::Null)
-            )),
+            print(completion.chunk(NoDelta {}, Some("stop"), true)),
             chunk(json!({}), Some("stop"))
         );
         let mut usage_chunk: Value =
@@ -991,11 +958,7 @@ mod tests {
         usage_chunk["choices"] = json!([]);
         usage_chunk["usage"] = usage.clone();
         assert_eq!(
-            print(completion.body::<ChunkChoice<'_, NoDelta>>(
-                "chat.completion.chunk",
-                &[],
-                Some(&usage)
-            )),
+            print(completion.usage_chunk(&usage)),
             usage_chunk.to_string()
         );
         let call = json!({ "id": "call_1", "type": "function", "function": { "name": "f", "arguments": "{}" } });
@@ -1011,7 +974,7 @@ mod tests {
             },
         };
         assert_eq!(
-            print(completion.body("chat.completion", std::slice::from_ref(&answer), Some(&usage))),
+            print(completion.body("chat.completion", [answer], Some(&usage))),
             json!({ "id": "chatcmpl-req_1", "object": "chat.completion", "created": 1_800_000_000,
                     "model": "assistant", "system_fingerprint": null, "usage": usage,
                     "choices": [{ "index": 0, "logprobs": null, "finish_reason": "tool_calls",
