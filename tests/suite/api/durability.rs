@@ -8,7 +8,7 @@ use futures::StreamExt;
 use serde_json::json;
 
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace};
+use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, request_id_header};
 
 /// The real binary serving `dir` on a random port; returns the process and its base URL.
 fn start_server(dir: &std::path::Path) -> (Child, String) {
@@ -58,10 +58,7 @@ async fn a_second_server_process_on_the_same_store_sees_earlier_requests() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let request_id = request_id_header(&response);
     terminate(&mut first);
 
     let (mut second, base) = start_server(workspace.path());

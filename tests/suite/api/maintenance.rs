@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::tools::{ToolServer, tools_workspace};
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, TestApp, api_workspace};
+use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, TestApp, api_workspace, request_id_header};
 use crate::helpers::{stable_harness, stderr, stdout, store_path, store_rows};
 
 /// Requests of one id set still in the store's tables (any table that names a request).
@@ -288,10 +288,7 @@ async fn a_backup_taken_under_load_opens_as_a_store_holding_every_request_acknow
                     .await
                     .unwrap();
                 assert_eq!(response.status(), 200);
-                let id = response.headers()["x-stable-harness-request-id"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned();
+                let id = request_id_header(&response);
                 acknowledged.lock().unwrap().push(id);
             }
         }));

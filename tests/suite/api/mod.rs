@@ -228,10 +228,7 @@ impl TestApp {
             .send()
             .await
             .unwrap();
-        let request_id = response.headers()["x-stable-harness-request-id"]
-            .to_str()
-            .unwrap()
-            .to_owned();
+        let request_id = request_id_header(&response);
         (response, request_id)
     }
 
@@ -297,6 +294,14 @@ pub fn streamed_content(stream: &str) -> String {
 }
 
 /// `GET url` with a bearer key: the status and the JSON body (`null` if there is none).
+/// The request id a `/v1` answer names in its `x-stable-harness-request-id` header.
+pub fn request_id_header(response: &reqwest::Response) -> String {
+    response.headers()["x-stable-harness-request-id"]
+        .to_str()
+        .expect("a request id header of ASCII")
+        .to_owned()
+}
+
 pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
     let response = http.get(url).bearer_auth(key).send().await.unwrap();
     let status = response.status().as_u16();

@@ -13,8 +13,8 @@ use super::tools::{ToolServer, tools_workspace};
 use super::trust::{data_of, pending_approvals, submit, teller_workspace};
 use super::upstream::{MockUpstream, Reply};
 use super::{
-    ADMIN_KEY, CLIENT_KEY, RecordingTools, ServerProcess, all_events, assert_gapless, sse_ids,
-    wait_until_done_at,
+    ADMIN_KEY, CLIENT_KEY, RecordingTools, ServerProcess, all_events, assert_gapless,
+    request_id_header, sse_ids, wait_until_done_at,
 };
 
 /// Runs are leased for 2s in these tests, so a takeover happens within seconds.
@@ -49,10 +49,7 @@ async fn the_server_on_postgres_answers_v1_with_a_tool_call_beside_a_second_inst
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let request_id = request_id_header(&response);
     let body: Value = response.json().await.unwrap();
     assert_eq!(
         body["choices"][0]["message"]["content"],

@@ -10,7 +10,9 @@ use serde_json::{Value, json};
 use super::control::OTHER_CLIENT_KEY;
 use super::tools::{ToolServer, offered_functions};
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, approve_pending, types};
+use super::{
+    ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, approve_pending, request_id_header, types,
+};
 use crate::helpers::TestWorkspace;
 
 /// The API workspace plus the agent `coder`, which takes client tools (risk medium) beside
@@ -702,10 +704,7 @@ async fn a_client_that_disconnects_mid_stream_finds_the_result_stored() {
         .send()
         .await
         .unwrap();
-    let request_id = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let request_id = request_id_header(&response);
     let mut received = String::new();
     while !received.contains("\n\n") {
         let chunk = response.chunk().await.unwrap().unwrap();

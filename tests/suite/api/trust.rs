@@ -13,7 +13,7 @@ use stable_harness::http::fingerprint;
 use super::upstream::{MockUpstream, Reply};
 use super::{
     ADMIN_KEY, CLIENT_KEY, RecordingTools, ServerProcess, TestApp, all_events, api_workspace,
-    approve_pending, assert_gapless, get_json,
+    approve_pending, assert_gapless, get_json, request_id_header,
 };
 use crate::helpers::{TestWorkspace, output_within, stderr, store_path, store_rows, store_texts};
 
@@ -927,10 +927,7 @@ async fn secrets_never_reach_the_store_wherever_they_appear() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    let v1_request = response.headers()["x-stable-harness-request-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let v1_request = request_id_header(&response);
     // In /runtime input and metadata, and in an upstream 4xx error body.
     let (status, failed) = submit(
         &http,

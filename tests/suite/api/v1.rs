@@ -8,7 +8,9 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, assert_gapless, types};
+use super::{
+    ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, assert_gapless, request_id_header, types,
+};
 
 fn user_request(
     model: &str,
@@ -121,10 +123,7 @@ async fn every_stream_chunk_has_openai_fields_and_usage_only_at_the_end() {
             .await
             .unwrap();
         assert_eq!(response.status(), 200);
-        let id = response.headers()["x-stable-harness-request-id"]
-            .to_str()
-            .unwrap()
-            .to_owned();
+        let id = request_id_header(&response);
         let text = response.text().await.unwrap();
         let lines: Vec<&str> = text
             .lines()
