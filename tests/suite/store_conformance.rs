@@ -61,6 +61,7 @@ macro_rules! conformance {
 
 conformance!(
     seq_stays_gapless_under_concurrent_appends,
+    a_batch_of_many_events_keeps_each_events_fields_and_order,
     pages_and_filters_list_requests_newest_first,
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
@@ -226,6 +227,61 @@ async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
         .map(|e| e.seq)
         .collect();
     assert_eq!(seqs, (1..=400).collect::<Vec<_>>());
+}
+
+/// One batch appends many events to two requests, interleaved and split by another op: each
+/// is stored with its own id, data and run, numbered in the order appended per request
+/// (the embedded store inserts consecutive events several to a statement).
+async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    seed(&store, "b", RunStatus::Running).await;
+    let mut ops = Vec::new();
+    let mut expected: Vec<(&str, String, i64)> = Vec::new();
+    for n in 1..=23 {
+        // Requests alternate every few events and an update splits the batch, so an insert
+        // of several rows spans both requests, the split and the limit of rows per insert.
+        let request = if (n / 3) % 2 == 0 { "a" } else { "b" };
+        let op = event(&format!("req_{request}"), &format!("run_{request}"), n);
+        if let WriteOp::AppendEvent(record) = &op {
+            expected.push((request, record.id.clone(), n));
+        }
+        ops.push(op);
+        if n == 11 {
+            ops.push(update_run("run_b", RunStatus::Running));
+        }
+    }
+    let numbers = store.apply(&ops).await.unwrap();
+    let mut next = std::collections::HashMap::new();
+    let numbered: Vec<i64> = expected
+        .iter()
+        .map(|(request, _, _)| {
+            let seq = next.entry(*request).or_insert(0);
+            *seq += 1;
+            *seq
+        })
+        .collect();
+    assert_eq!(numbers, numbered);
+    for request in ["a", "b"] {
+        let stored = store
+            .events(&format!("req_{request}"), 0, 100)
+            .await
+            .unwrap();
+        let wanted: Vec<(String, i64)> = expected
+            .iter()
+            .filter(|(r, _, _)| *r == request)
+            .map(|(_, id, n)| (id.clone(), *n))
+            .collect();
+        let found: Vec<(String, i64)> = stored
+            .iter()
+            .map(|e| (e.id.clone(), e.data["n"].as_i64().unwrap()))
+            .collect();
+        assert_eq!(found, wanted, "request {request}");
+        let seqs: Vec<i64> = stored.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=wanted.len() as i64).collect::<Vec<_>>());
+        assert!(stored.iter().all(
+            |e| e.run_id == format!("run_{request}") && e.event_type == "runtime.adapter.event"
+        ));
+    }
 }
 
 fn update_run(id: &str, status: RunStatus) -> WriteOp {
