@@ -29,7 +29,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
 use super::spend::{CounterDelta, UsageRecord};
-use super::{ApprovalDecision, EventRecord, StoreError, WriteOp};
+use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
@@ -195,8 +195,7 @@ impl SqliteWriter {
                 .execute_batch(&format!("PRAGMA max_page_count = {pages};"))
                 .map_err(writer_error)?;
         }
-        // The writer's statements, each event insert's row count among them, stay prepared.
-        connection.set_prepared_statement_cache_capacity(64);
+        connection.set_prepared_statement_cache_capacity(32);
         // Unbounded, but never long: the journal's queue bounds batches, charges are bounded
         // below, and at most one catch-up waits.
         let (jobs, queue) = mpsc::unbounded_channel::<Job>();
@@ -727,15 +726,9 @@ fn apply(
     // one, so the stored last number plus what the batch appended is exact).
     let mut next_seq: IdMap<&str, i64> = IdMap::default();
     let mut folds = Folds::plan(ops);
-    // Consecutive appends share one insert: each statement executed has its own cost
-    // (preparing from the cache, opening its cursors, resetting), whatever its rows.
-    let mut events: Vec<(&EventRecord, i64)> = Vec::with_capacity(EVENTS_PER_INSERT);
     for (index, op) in ops.iter().enumerate() {
         if folds.is_folded(index) {
             continue;
-        }
-        if !matches!(op, WriteOp::AppendEvent(_)) {
-            insert_events(&tx, &mut events)?;
         }
         if let WriteOp::InsertRequest(request) = op {
             next_seq.insert(&request.id, 1);
@@ -978,62 +971,25 @@ fn apply(
                 let number = *seq;
                 *seq += 1;
                 numbers.push(number);
-                events.push((event, number));
-                if events.len() == EVENTS_PER_INSERT {
-                    insert_events(&tx, &mut events)?;
-                }
+                tx.prepare_cached(
+                    "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                )?
+                .execute(params![
+                    event.id,
+                    event.request_id,
+                    event.run_id,
+                    number,
+                    event.event_type,
+                    time(&event.at),
+                    json(&event.data)
+                ])?;
             }
         }
     }
-    insert_events(&tx, &mut events)?;
     tx.commit()?;
     last_seqs.committed(next_seq);
     Ok(numbers)
-}
-
-/// Most events one insert statement carries.
-const EVENTS_PER_INSERT: usize = 8;
-
-/// Inserts `events` (numbered already, at most [`EVENTS_PER_INSERT`]) with one statement,
-/// and empties it.
-fn insert_events(tx: &Connection, events: &mut Vec<(&EventRecord, i64)>) -> rusqlite::Result<()> {
-    if events.is_empty() {
-        return Ok(());
-    }
-    let texts: Vec<(String, String)> = events
-        .iter()
-        .map(|(event, _)| (time(&event.at), json(&event.data)))
-        .collect();
-    let mut values: Vec<&dyn rusqlite::ToSql> = Vec::with_capacity(events.len() * 7);
-    for ((event, number), (at, data)) in events.iter().zip(&texts) {
-        values.extend([
-            &event.id as &dyn rusqlite::ToSql,
-            &event.request_id,
-            &event.run_id,
-            number,
-            &event.event_type,
-            at,
-            data,
-        ]);
-    }
-    tx.prepare_cached(insert_events_sql(events.len()))?
-        .execute(rusqlite::params_from_iter(values))?;
-    events.clear();
-    Ok(())
-}
-
-/// The insert of `rows` events (1 to [`EVENTS_PER_INSERT`]), made once per process.
-fn insert_events_sql(rows: usize) -> &'static str {
-    static STATEMENTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    let statements = STATEMENTS.get_or_init(|| {
-        (1..=EVENTS_PER_INSERT)
-            .map(|rows| {
-                let values = vec!["(?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
-                format!("INSERT INTO events (id, request_id, run_id, seq, type, at, data) VALUES {values}")
-            })
-            .collect()
-    });
-    &statements[rows.clamp(1, EVENTS_PER_INSERT) - 1]
 }
 
 /// The last event number of requests this writer appended to or inserted lately, so that a

@@ -230,16 +230,14 @@ async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
 }
 
 /// One batch appends many events to two requests, interleaved and split by another op: each
-/// is stored with its own id, data and run, numbered in the order appended per request
-/// (the embedded store inserts consecutive events several to a statement).
+/// is stored with its own id, data and run, numbered in the order appended per request.
 async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dyn Store>) {
     seed(&store, "a", RunStatus::Running).await;
     seed(&store, "b", RunStatus::Running).await;
     let mut ops = Vec::new();
     let mut expected: Vec<(&str, String, i64)> = Vec::new();
     for n in 1..=23 {
-        // Requests alternate every few events and an update splits the batch, so an insert
-        // of several rows spans both requests, the split and the limit of rows per insert.
+        // Requests alternate every few events, and an update splits the batch.
         let request = if (n / 3) % 2 == 0 { "a" } else { "b" };
         let op = event(&format!("req_{request}"), &format!("run_{request}"), n);
         if let WriteOp::AppendEvent(record) = &op {
