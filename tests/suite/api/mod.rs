@@ -293,7 +293,6 @@ pub fn streamed_content(stream: &str) -> String {
         .collect()
 }
 
-/// `GET url` with a bearer key: the status and the JSON body (`null` if there is none).
 /// The request id a `/v1` answer names in its `x-stable-harness-request-id` header.
 pub fn request_id_header(response: &reqwest::Response) -> String {
     response.headers()["x-stable-harness-request-id"]
@@ -302,6 +301,7 @@ pub fn request_id_header(response: &reqwest::Response) -> String {
         .to_owned()
 }
 
+/// `GET url` with a bearer key: the status and the JSON body (`null` if there is none).
 pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Value) {
     let response = http.get(url).bearer_auth(key).send().await.unwrap();
     let status = response.status().as_u16();
