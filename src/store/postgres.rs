@@ -341,7 +341,7 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 
 /// One op as `stable_harness_apply` reads it (see `migrations/postgres`): a `None` field is
 /// a JSON null, which the function reads as SQL NULL; every string is made storable. Events
-/// go in one `append_events` op per batch ([`event_json`]).
+/// go in one `append_events` op per batch ([`EventJson`]).
 fn op_json(op: &WriteOp) -> Value {
     let mut value = match op {
         WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
@@ -400,19 +400,78 @@ fn op_json(op: &WriteOp) -> Value {
             "result": call.result, "duration_ms": call.duration_ms,
             "recorded_at": call.recorded_at }),
         WriteOp::AppendEvent(event) => {
-            json!({ "op": "append_events", "events": [event_json(event)] })
+            json!({ "op": "append_events", "events": [EventJson::of(event)] })
         }
     };
     scrub(&mut value);
     value
 }
 
-/// An event as `append_events` reads it, storable (the function numbers it).
-fn event_json(event: &EventRecord) -> Value {
-    let mut value = json!({ "id": event.id, "request_id": event.request_id,
-        "run_id": event.run_id, "type": event.event_type, "at": event.at, "data": event.data });
-    scrub(&mut value);
-    value
+/// An event as `append_events` reads it (the function numbers it), serialized from the
+/// record itself: a batch's events are most of its JSON, and building them as `Value`s
+/// copied every event's data and cost a third of a chat request's instructions here
+/// (docs/profiling.md, the fourteenth pass).
+#[derive(serde::Serialize)]
+struct EventJson<'a> {
+    id: Storable<'a, str>,
+    request_id: Storable<'a, str>,
+    run_id: Storable<'a, str>,
+    #[serde(rename = "type")]
+    event_type: Storable<'a, str>,
+    at: &'a chrono::DateTime<chrono::Utc>,
+    data: Storable<'a, Value>,
+}
+
+impl<'a> EventJson<'a> {
+    fn of(event: &'a EventRecord) -> Self {
+        Self {
+            id: Storable(&event.id),
+            request_id: Storable(&event.request_id),
+            run_id: Storable(&event.run_id),
+            event_type: Storable(&event.event_type),
+            at: &event.at,
+            data: Storable(&event.data),
+        }
+    }
+}
+
+/// A batch as `stable_harness_apply` reads it: the ops in order, then the batch's events.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum BatchItem<'a> {
+    Op(Value),
+    Events {
+        op: &'static str,
+        events: Vec<EventJson<'a>>,
+    },
+}
+
+/// A string or JSON value serialized as PostgreSQL can store it, as [`scrub`] leaves it
+/// (U+0000 in a string or key becomes U+FFFD), without copying what needs no change.
+struct Storable<'a, T: ?Sized>(&'a T);
+
+impl serde::Serialize for Storable<'_, str> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if self.0.contains('\0') {
+            serializer.serialize_str(&text(self.0))
+        } else {
+            serializer.serialize_str(self.0)
+        }
+    }
+}
+
+impl serde::Serialize for Storable<'_, Value> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            Value::String(string) => Storable(string.as_str()).serialize(serializer),
+            Value::Array(items) => serializer.collect_seq(items.iter().map(Storable)),
+            Value::Object(map) => serializer.collect_map(
+                map.iter()
+                    .map(|(key, item)| (Storable(key.as_str()), Storable(item))),
+            ),
+            other => other.serialize(serializer),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -420,20 +479,23 @@ impl Store for PostgresStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides).
-        let mut batch = Vec::with_capacity(ops.len());
+        let mut batch = Vec::with_capacity(ops.len().saturating_add(1));
         let mut events = Vec::new();
         for op in ops {
             match op {
-                WriteOp::AppendEvent(event) => events.push(event_json(event)),
-                op => batch.push(op_json(op)),
+                WriteOp::AppendEvent(event) => events.push(EventJson::of(event)),
+                op => batch.push(BatchItem::Op(op_json(op))),
             }
         }
         if !events.is_empty() {
-            batch.push(json!({ "op": "append_events", "events": events }));
+            batch.push(BatchItem::Events {
+                op: "append_events",
+                events,
+            });
         }
         let applied =
             sqlx::query_scalar::<_, Vec<i64>>("SELECT stable_harness_apply($1, $2, $3, $4)")
-                .bind(Value::Array(batch))
+                .bind(sqlx::types::Json(&batch))
                 .bind(&self.holder)
                 .bind(self.lease_ms)
                 .bind(batch_id)

@@ -62,6 +62,7 @@ macro_rules! conformance {
 conformance!(
     seq_stays_gapless_under_concurrent_appends,
     a_batch_of_many_events_keeps_each_events_fields_and_order,
+    an_event_holding_u0000_is_stored_whole,
     pages_and_filters_list_requests_newest_first,
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
@@ -280,6 +281,28 @@ async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dy
             |e| e.run_id == format!("run_{request}") && e.event_type == "runtime.adapter.event"
         ));
     }
+}
+
+/// An event whose data holds U+0000 in strings and keys, at any depth, is stored and read
+/// back whole: as sent (SQLite), or with U+FFFD in its place and nothing else changed
+/// (PostgreSQL, whose text cannot hold it). The batch never fails for it.
+async fn an_event_holding_u0000_is_stored_whole(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    let with = |nul: &str| {
+        let mut inner = serde_json::Map::new();
+        inner.insert(format!("k{nul}"), json!(format!("v{nul}")));
+        json!({ "text": format!("a{nul}b"), "list": [nul, 1, null, 2.5, true, inner], "n": 1 })
+    };
+    let mut op = event("req_a", "run_a", 1);
+    if let WriteOp::AppendEvent(record) = &mut op {
+        record.data = with("\u{0}");
+    }
+    assert_eq!(store.apply(&[op]).await.unwrap(), vec![1]);
+    let stored = store.events("req_a", 0, 10).await.unwrap();
+    assert_eq!(stored.len(), 1);
+    let data = &stored[0].data;
+    let kept = data["text"].as_str().is_some_and(|t| t.contains('\0'));
+    assert_eq!(data, &with(if kept { "\u{0}" } else { "\u{FFFD}" }));
 }
 
 fn update_run(id: &str, status: RunStatus) -> WriteOp {
