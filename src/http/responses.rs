@@ -27,10 +27,10 @@ use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::v1::{
     V1Submission, client_calls, client_functions, completed_event, delta_text, finish_reason,
-    hold_until_started, json_event, keep_alive, next_streamed, progress_event, session_id, submit,
+    hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
     terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
-use super::views::{run_failure, store_error};
+use super::views::{json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};

@@ -21,7 +21,8 @@ use super::auth::Caller;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::messages::validate_messages;
 use super::views::{
-    EventPage, EventsQuery, RequestView, SessionView, request_view, session_view, store_error,
+    EventPage, EventsQuery, RequestView, SessionView, json_event, request_view, session_view,
+    store_error,
 };
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{Following, NewRequest, Protocol, RuntimeError};
@@ -214,13 +215,15 @@ pub(super) async fn events_response(
         let events = state.runtime.follow(id, after, Following::Live);
         let body = events.map(|event| {
             Ok::<Event, Infallible>(match event {
-                Ok(event) => Event::default()
-                    .id(event.seq.to_string())
-                    .event(event.event_type.clone())
-                    .data(serde_json::to_string(&*event).unwrap_or_default()),
-                Err(error) => Event::default()
-                    .event("error")
-                    .data(store_error(&error).body().to_string()),
+                Ok(event) => json_event(
+                    Event::default()
+                        .id(event.seq.to_string())
+                        .event(event.event_type.clone()),
+                    &*event,
+                ),
+                Err(error) => {
+                    json_event(Event::default().event("error"), store_error(&error).body())
+                }
             })
         });
         return Ok(Sse::new(body)

@@ -17,7 +17,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::views::{run_failure, store_error};
+use super::views::{json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::client::{self, ClientFunction};
@@ -765,32 +765,16 @@ pub(super) async fn next_streamed(
     }
 }
 
-/// `event` with `data` as its JSON data. Serialized into one `String` first: axum's
-/// `json_data` writes into the event directly but scans each of serde's many small writes
-/// for line breaks, which cost more than the copy (docs/profiling.md, the fourteenth pass).
-/// What a stream sends serializes (string-keyed maps and structs): should that ever fail,
-/// the stream sends a comment in its place and says why in the log.
-pub(super) fn json_event(event: Event, data: impl Serialize) -> Event {
-    match serde_json::to_string(&data) {
-        Ok(text) => event.data(text),
-        Err(error) => {
-            tracing::error!(%error, "a stream's event did not serialize");
-            Event::default().comment("an event was left out: it did not serialize")
-        }
-    }
-}
-
 /// The named progress event a client that opted in (`x-stable-harness-events: true`)
 /// receives for `event`, if it is one.
 pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
     if is_tool_progress(event) {
         let mut data = event.data.clone();
         data["type"] = Value::String(event.event_type.clone());
-        Some(
-            Event::default()
-                .event("stable_harness.tool.progress")
-                .data(data.to_string()),
-        )
+        Some(json_event(
+            Event::default().event("stable_harness.tool.progress"),
+            &data,
+        ))
     } else if event.event_type == PROGRESS_NARRATION {
         Some(json_event(
             Event::default().event("stable_harness.progress.narration"),
@@ -873,7 +857,7 @@ async fn stream_response(
                 Some(Ok(event)) => event,
                 None => return,
                 Some(Err(error)) => {
-                    yield Ok(Event::default().data(error.body().to_string()));
+                    yield Ok(json_event(Event::default(), error.body()));
                     return;
                 }
             };
@@ -905,7 +889,7 @@ async fn stream_response(
                 return;
             } else if is_terminal(&event.event_type) {
                 // Failed after text was sent: an error event, then the stream closes.
-                yield Ok(Event::default().data(terminal_failure(&submitted, &event).body().to_string()));
+                yield Ok(json_event(Event::default(), terminal_failure(&submitted, &event).body()));
                 return;
             }
         }
