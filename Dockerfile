@@ -1,7 +1,7 @@
 # Two stages: build the single static-ish binary, then ship it on a small Debian base.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
 # The build's settings (the bundled SQLite's compile options).
 COPY .cargo ./.cargo
 COPY src ./src

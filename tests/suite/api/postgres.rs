@@ -694,3 +694,56 @@ async fn a_cancel_asked_on_b_stops_the_run_executing_on_a() {
     a.terminate();
     b.terminate();
 }
+
+/// A batch finds the requests it locks by their keys (migration 0008): however many requests
+/// are stored, it reads the index entries of those it names, not of every request. Counted by
+/// PostgreSQL's own statistics of the transaction that applies the batch.
+#[tokio::test]
+async fn a_batch_reads_only_the_requests_it_names_however_many_are_stored() {
+    const STORED: usize = 2_000;
+    let url = crate::pg::fresh_database();
+    // Opening the store migrates the database.
+    let store = stable_harness::store::open(
+        Some(&url),
+        std::path::Path::new("."),
+        &stable_harness::store::OpenOptions::default(),
+    )
+    .await
+    .unwrap();
+    crate::pg::psql(
+        &url,
+        &format!(
+            "INSERT INTO sessions (id, agent_id, created_at, updated_at)
+                 VALUES ('ses_many', 'assistant', now(), now());
+             INSERT INTO requests (id, session_id, agent_id, protocol, status, input,
+                                   created_at, updated_at)
+                 SELECT 'req_' || lpad(n::text, 6, '0'), 'ses_many', 'assistant', 'runtime',
+                        'running', '{{}}', now(), now()
+                   FROM generate_series(1, {STORED}) AS n;
+             ANALYZE requests"
+        ),
+    );
+    // The newest request (`req_002000`), as a live request is: its key is the index's last.
+    let batch = json!([{ "op": "update_request", "id": "req_002000", "status": "completed",
+        "output": "done", "at": "2026-11-27T12:00:00Z" }]);
+    // One transaction: the batch, then what it read of `requests_pkey`.
+    let out = crate::pg::psql(
+        &url,
+        &format!(
+            "SELECT stable_harness_apply('{batch}'::jsonb, 'tester', 1000, 'batch_1');
+             SELECT pg_stat_get_xact_tuples_returned('requests_pkey'::regclass)"
+        ),
+    );
+    let read: u64 = out
+        .lines()
+        .last()
+        .and_then(|line| line.trim().parse().ok())
+        .unwrap_or_else(|| panic!("psql printed {out:?}"));
+    assert!(
+        read <= 10,
+        "a batch naming one request read {read} entries of requests_pkey ({STORED} stored)"
+    );
+    let request = store.request("req_002000").await.unwrap().unwrap();
+    assert_eq!(request.status, stable_harness::store::RunStatus::Completed);
+    assert_eq!(request.output.as_deref(), Some("done"));
+}
