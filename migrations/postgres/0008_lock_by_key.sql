@@ -4,7 +4,12 @@
 -- that walked `requests_pkey` whole, so every batch read every stored request's key (0.8 ms
 -- at 1,700 requests, growing with the table). 0007's `enable_seqscan = off` had only moved
 -- that walk from the table to its index. The ids are now gathered first and the rows found
--- with `id = ANY(...)`: an index lookup per id. Everything else is 0002's function as it was.
+-- with `id = ANY(...)`: an index lookup per id.
+--
+-- And `insert_run` takes `"leased": false` for a run inserted already ended: the writer folds
+-- a batch's updates of the runs and requests it inserts into their inserts (as the embedded
+-- store does), so the common request writes each row once instead of inserting it and then
+-- updating every index of it. Everything else is 0002's function as it was.
 
 CREATE OR REPLACE FUNCTION stable_harness_apply(batch jsonb, holder text, lease_ms bigint, batch_id text)
 RETURNS bigint[]
@@ -62,7 +67,10 @@ BEGIN
             VALUES (op->>'id', op->>'request_id', (op->>'attempt')::bigint, op->>'status',
                     NULLIF(op->'state', 'null'), NULLIF(op->'error', 'null'), (op->>'created_at')::timestamptz,
                     (op->>'updated_at')::timestamptz, (op->>'started_at')::timestamptz,
-                    (op->>'ended_at')::timestamptz, holder, now() + lease_ms * interval '1 millisecond');
+                    (op->>'ended_at')::timestamptz,
+                    CASE WHEN op->'leased' = 'false' THEN NULL ELSE holder END,
+                    CASE WHEN op->'leased' = 'false' THEN NULL
+                         ELSE now() + lease_ms * interval '1 millisecond' END);
         WHEN 'update_run' THEN
             -- Only the holder changes a run; an ended run keeps no checkpoint and no lease.
             UPDATE runs SET status = op->>'status', error = COALESCE(NULLIF(op->'error', 'null'), error),

@@ -8,6 +8,7 @@
 //! `migrations/<database>/` and run when a store is opened.
 
 mod conditions;
+mod folds;
 mod model;
 mod postgres;
 mod postgres_memory;

@@ -35,6 +35,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::conditions::{self, Conditions, Dialect};
+use super::folds::{Folds, RequestRow, RunRow};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -340,10 +341,10 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 }
 
 /// One op as `stable_harness_apply` reads it (see `migrations/postgres`): a `None` field is
-/// a JSON null, which the function reads as SQL NULL; every string is made storable. Events
-/// go in one `append_events` op per batch ([`EventJson`]).
+/// a JSON null, which the function reads as SQL NULL. Its strings are made storable by
+/// [`scrub`] before it is sent. Events go in one `append_events` op per batch ([`EventJson`]).
 fn op_json(op: &WriteOp) -> Value {
-    let mut value = match op {
+    match op {
         WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
             "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
             "created_at": session.created_at, "updated_at": session.updated_at }),
@@ -402,9 +403,27 @@ fn op_json(op: &WriteOp) -> Value {
         WriteOp::AppendEvent(event) => {
             json!({ "op": "append_events", "events": [EventJson::of(event)] })
         }
-    };
-    scrub(&mut value);
-    value
+    }
+}
+
+/// A request's insert written as the batch's updates of it left the row (see `folds`).
+fn folded_request(request: &RequestRecord, row: &RequestRow<'_>) -> Value {
+    json!({ "op": "insert_request", "id": request.id,
+        "session_id": request.session_id, "agent_id": request.agent_id,
+        "protocol": request.protocol, "status": row.status.as_str(), "input": request.input,
+        "output": row.output, "error": row.error, "usage": row.usage,
+        "metadata": request.metadata, "created_at": request.created_at,
+        "updated_at": row.updated_at, "owner": request.owner })
+}
+
+/// A run's insert written as the batch's updates of it left the row; an ended run is
+/// inserted without a lease.
+fn folded_run(run: &RunRecord, row: &RunRow<'_>) -> Value {
+    json!({ "op": "insert_run", "id": run.id,
+        "request_id": run.request_id, "attempt": run.attempt, "status": row.status.as_str(),
+        "state": row.state, "error": row.error, "created_at": run.created_at,
+        "updated_at": row.updated_at, "started_at": row.started_at, "ended_at": row.ended_at,
+        "leased": row.leased })
 }
 
 /// An event as `append_events` reads it (the function numbers it), serialized from the
@@ -478,14 +497,32 @@ impl serde::Serialize for Storable<'_, Value> {
 impl Store for PostgresStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
-        // need their request, which an earlier op or the store provides).
+        // need their request, which an earlier op or the store provides). Updates of a run
+        // or request the batch inserts are folded into the insert, as on SQLite (`folds`).
         let mut batch = Vec::with_capacity(ops.len().saturating_add(1));
         let mut events = Vec::new();
-        for op in ops {
-            match op {
-                WriteOp::AppendEvent(event) => events.push(EventJson::of(event)),
-                op => batch.push(BatchItem::Op(op_json(op))),
+        let mut folds = Folds::plan(ops);
+        for (index, op) in ops.iter().enumerate() {
+            if folds.is_folded(index) {
+                continue;
             }
+            let mut value = match op {
+                WriteOp::AppendEvent(event) => {
+                    events.push(EventJson::of(event));
+                    continue;
+                }
+                WriteOp::InsertRequest(request) => match folds.take_request(index) {
+                    Some(row) => folded_request(request, &row),
+                    None => op_json(op),
+                },
+                WriteOp::InsertRun(run) => match folds.take_run(index) {
+                    Some(row) => folded_run(run, &row),
+                    None => op_json(op),
+                },
+                op => op_json(op),
+            };
+            scrub(&mut value);
+            batch.push(BatchItem::Op(value));
         }
         if !events.is_empty() {
             batch.push(BatchItem::Events {

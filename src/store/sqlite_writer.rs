@@ -28,6 +28,7 @@ use rusqlite::{Connection, params};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
+use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
@@ -530,188 +531,6 @@ fn json_opt(value: &Option<Value>) -> Option<String> {
     value.as_ref().map(json)
 }
 
-/// A run's row as written by its insert with the batch's later updates of it folded in.
-#[derive(Debug)]
-struct RunRow {
-    status: &'static str,
-    state: Option<String>,
-    error: Option<String>,
-    updated_at: String,
-    started_at: Option<String>,
-    ended_at: Option<String>,
-    /// Whether the row keeps its lease (a run that ended holds none).
-    leased: bool,
-}
-
-impl RunRow {
-    fn inserted(run: &super::RunRecord) -> Self {
-        Self {
-            status: run.status.as_str(),
-            state: json_opt(&run.state),
-            error: json_opt(&run.error),
-            updated_at: time(&run.updated_at),
-            started_at: run.started_at.as_ref().map(time),
-            ended_at: run.ended_at.as_ref().map(time),
-            leased: true,
-        }
-    }
-
-    /// What the `UpdateRun` statements below do to the row (their lease condition holds: the
-    /// row was inserted by this writer, and a run that ended takes no more updates here).
-    fn update(
-        &mut self,
-        status: super::RunStatus,
-        error: &Option<Value>,
-        state: &Option<Value>,
-        at: &DateTime<Utc>,
-    ) {
-        let at = time(at);
-        self.status = status.as_str();
-        if let Some(error) = json_opt(error) {
-            self.error = Some(error);
-        }
-        if status.is_terminal() {
-            self.state = None;
-            self.ended_at = Some(at.clone());
-            self.leased = false;
-        } else {
-            if let Some(state) = json_opt(state) {
-                self.state = Some(state);
-            }
-            if status == super::RunStatus::Running && self.started_at.is_none() {
-                self.started_at = Some(at.clone());
-            }
-        }
-        self.updated_at = at;
-    }
-}
-
-/// A request's row as written by its insert with the batch's later updates of it folded in.
-#[derive(Debug)]
-struct RequestRow {
-    status: &'static str,
-    output: Option<String>,
-    error: Option<String>,
-    usage: Option<String>,
-    updated_at: String,
-}
-
-impl RequestRow {
-    fn inserted(request: &super::RequestRecord) -> Self {
-        Self {
-            status: request.status.as_str(),
-            output: request.output.clone(),
-            error: json_opt(&request.error),
-            usage: json_opt(&request.usage),
-            updated_at: time(&request.updated_at),
-        }
-    }
-
-    /// What the `UpdateRequest` statement below does to the row.
-    fn update(
-        &mut self,
-        status: super::RunStatus,
-        output: &Option<String>,
-        error: &Option<Value>,
-        usage: &Option<Value>,
-        at: &DateTime<Utc>,
-    ) {
-        self.status = status.as_str();
-        if let Some(output) = output {
-            self.output = Some(output.clone());
-        }
-        self.error = json_opt(error);
-        if let Some(usage) = json_opt(usage) {
-            self.usage = Some(usage);
-        }
-        self.updated_at = time(at);
-    }
-}
-
-/// The batch's updates of a run or request it also inserts, folded into the insert: the
-/// common request inserts its request and run and ends them in one transaction, and wrote
-/// each row twice (the run's twice more in the `runs_live` index: in as running, out as
-/// ended). Folding writes each once, as the updates would have left it.
-///
-/// Only across ops that never read those rows: any other op (an approval, a tool call, which
-/// check the run's lease) ends the folding, and later updates run as statements.
-#[derive(Debug, Default)]
-struct Folds {
-    runs: IdMap<usize, RunRow>,
-    requests: IdMap<usize, RequestRow>,
-    /// Updates already folded into an insert, by index.
-    folded: Vec<usize>,
-}
-
-impl Folds {
-    fn plan(ops: &[WriteOp]) -> Self {
-        let mut folds = Folds::default();
-        // Rows inserted by this batch that later updates may still fold into, by id.
-        let mut runs: IdMap<&str, (usize, &super::RunRecord)> = IdMap::default();
-        let mut requests: IdMap<&str, (usize, &super::RequestRecord)> = IdMap::default();
-        for (index, op) in ops.iter().enumerate() {
-            match op {
-                WriteOp::InsertRun(run) => {
-                    runs.insert(&run.id, (index, run));
-                }
-                WriteOp::InsertRequest(request) => {
-                    requests.insert(&request.id, (index, request));
-                }
-                WriteOp::UpdateRun {
-                    id,
-                    status,
-                    error,
-                    state,
-                    at,
-                } => {
-                    if let Some(&(insert, run)) = runs.get(id.as_str()) {
-                        folds
-                            .runs
-                            .entry(insert)
-                            .or_insert_with(|| RunRow::inserted(run))
-                            .update(*status, error, state, at);
-                        folds.folded.push(index);
-                        // An ended run holds no lease: a later update of it must fail as a
-                        // statement would.
-                        if status.is_terminal() {
-                            runs.remove(id.as_str());
-                        }
-                    }
-                }
-                WriteOp::UpdateRequest {
-                    id,
-                    status,
-                    output,
-                    error,
-                    usage,
-                    at,
-                } => {
-                    if let Some(&(insert, request)) = requests.get(id.as_str()) {
-                        folds
-                            .requests
-                            .entry(insert)
-                            .or_insert_with(|| RequestRow::inserted(request))
-                            .update(*status, output, error, usage, at);
-                        folds.folded.push(index);
-                    }
-                }
-                WriteOp::TouchSession(_) | WriteOp::InsertMessage(_) | WriteOp::AppendEvent(_) => {}
-                _ => {
-                    runs.clear();
-                    requests.clear();
-                }
-            }
-        }
-        folds
-    }
-
-    /// Whether the op at `index` was folded into an earlier insert.
-    fn is_folded(&self, index: usize) -> bool {
-        // Pushed in the order of the ops: sorted.
-        self.folded.binary_search(&index).is_ok()
-    }
-}
-
 fn apply(
     connection: &mut Connection,
     ops: &[WriteOp],
@@ -765,8 +584,7 @@ fn apply(
             }
             WriteOp::InsertRequest(request) => {
                 let row = folds
-                    .requests
-                    .remove(&index)
+                    .take_request(index)
                     .unwrap_or_else(|| RequestRow::inserted(request));
                 tx.prepare_cached(
                     "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
@@ -777,14 +595,14 @@ fn apply(
                     request.session_id,
                     request.agent_id,
                     request.protocol,
-                    row.status,
+                    row.status.as_str(),
                     json(&request.input),
                     row.output,
-                    row.error,
-                    row.usage,
+                    row.error.map(json),
+                    row.usage.map(json),
                     json(&request.metadata),
                     time(&request.created_at),
-                    row.updated_at,
+                    time(&row.updated_at),
                     request.owner
                 ])?;
             }
@@ -811,8 +629,7 @@ fn apply(
             }
             WriteOp::InsertRun(run) => {
                 let row = folds
-                    .runs
-                    .remove(&index)
+                    .take_run(index)
                     .unwrap_or_else(|| RunRow::inserted(run));
                 tx.prepare_cached(
                     "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
@@ -823,13 +640,13 @@ fn apply(
                     run.id,
                     run.request_id,
                     run.attempt,
-                    row.status,
-                    row.state,
-                    row.error,
+                    row.status.as_str(),
+                    row.state.map(json),
+                    row.error.map(json),
                     time(&run.created_at),
-                    row.updated_at,
-                    row.started_at,
-                    row.ended_at,
+                    time(&row.updated_at),
+                    row.started_at.as_ref().map(time),
+                    row.ended_at.as_ref().map(time),
                     row.leased.then_some(&leases.holder),
                     row.leased.then(|| leases.expiry())
                 ])?;
@@ -1023,107 +840,5 @@ impl LastSeqs {
 
     fn forget(&mut self) {
         self.0.clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-    use crate::store::{RequestRecord, RunRecord, RunStatus};
-
-    fn insert_run(id: &str) -> WriteOp {
-        let now = Utc::now();
-        WriteOp::InsertRun(RunRecord {
-            id: id.into(),
-            request_id: "req".into(),
-            attempt: 1,
-            status: RunStatus::Running,
-            state: None,
-            error: None,
-            created_at: now,
-            updated_at: now,
-            started_at: Some(now),
-            ended_at: None,
-            lease: None,
-            cancel_requested_by: None,
-        })
-    }
-
-    fn insert_request(id: &str) -> WriteOp {
-        let now = Utc::now();
-        WriteOp::InsertRequest(RequestRecord {
-            id: id.into(),
-            session_id: "ses".into(),
-            agent_id: "a".into(),
-            protocol: "v1".into(),
-            owner: "o".into(),
-            status: RunStatus::Running,
-            input: json!({}),
-            output: None,
-            error: None,
-            usage: None,
-            metadata: json!({}),
-            created_at: now,
-            updated_at: now,
-        })
-    }
-
-    fn end_run(id: &str) -> WriteOp {
-        WriteOp::UpdateRun {
-            id: id.into(),
-            status: RunStatus::Completed,
-            error: None,
-            state: None,
-            at: Utc::now(),
-        }
-    }
-
-    fn end_request(id: &str) -> WriteOp {
-        WriteOp::UpdateRequest {
-            id: id.into(),
-            status: RunStatus::Completed,
-            output: Some("done".into()),
-            error: None,
-            usage: None,
-            at: Utc::now(),
-        }
-    }
-
-    #[test]
-    fn a_batch_folds_the_updates_of_rows_it_inserts_and_no_others() {
-        let approval_decided = WriteOp::DecideApproval(ApprovalDecision {
-            id: "apr".into(),
-            status: crate::store::ApprovalStatus::Approved,
-            reason: None,
-            decided_by: "op".into(),
-            at: Utc::now(),
-        });
-        let ops = [
-            insert_request("req"), // 0
-            insert_run("run"),     // 1
-            end_run("run"),        // 2: folded into 1
-            end_request("req"),    // 3: folded into 0
-            end_run("run"),        // 4: after the end: runs as a statement
-            end_run("elsewhere"),  // 5: not inserted here
-            insert_run("run_b"),   // 6
-            approval_decided,      // 7: reads rows: folding stops
-            end_run("run_b"),      // 8
-        ];
-        let folds = Folds::plan(&ops);
-        assert_eq!(folds.folded, [2, 3]);
-        let run = &folds.runs[&1];
-        assert_eq!(
-            (run.status, run.leased, run.state.as_deref()),
-            ("completed", false, None)
-        );
-        assert!(run.ended_at.is_some());
-        let request = &folds.requests[&0];
-        assert_eq!(
-            (request.status, request.output.as_deref()),
-            ("completed", Some("done"))
-        );
-        assert!(!folds.runs.contains_key(&6));
     }
 }
