@@ -670,8 +670,11 @@ impl Store for PostgresStore {
     }
 
     async fn release_leases(&self) -> Result<u64, StoreError> {
+        // Only a live run holds a lease: the status reads `runs_by_status` instead of every
+        // run ever stored.
         Ok(sqlx::query(
-            "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL WHERE lease_holder = $1",
+            "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL
+             WHERE lease_holder = $1 AND status IN ('queued', 'running', 'waiting_approval')",
         )
         .bind(&self.holder)
         .execute(&self.pool)

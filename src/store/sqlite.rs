@@ -569,6 +569,13 @@ const CLAIM_RUNS: &str = concat!(
      RETURNING id"
 );
 
+/// Gives up this process's leases (a graceful stop). Only a live run holds one, so the
+/// condition reads `runs_live` instead of every run stored.
+const RELEASE_LEASES: &str = concat!(
+    "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL WHERE lease_holder = ?1 AND ",
+    live_run!()
+);
+
 /// An event row with the session and agent of its request (events do not repeat them).
 macro_rules! event_select {
     ($condition:literal) => {
@@ -772,9 +779,7 @@ impl Store for SqliteStore {
         self.writer
             .maintain(move |connection| {
                 connection
-                    .prepare_cached(
-                        "UPDATE runs SET lease_holder = NULL, lease_expires_at = NULL WHERE lease_holder = ?1",
-                    )?
+                    .prepare_cached(RELEASE_LEASES)?
                     .execute(rusqlite::params![leases.holder])
                     .map(|released| released as u64)
             })
@@ -1493,6 +1498,7 @@ mod tests {
             ),
             (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
             (CLAIM_RUNS.to_owned(), "runs_live"),
+            (RELEASE_LEASES.to_owned(), "runs_live"),
         ];
         for (sql, index) in reads {
             let found = plan(&store, &sql).await;
