@@ -352,12 +352,7 @@ fn op_json(op: &WriteOp) -> Value {
             "session_id": message.session_id, "parent_id": message.parent_id,
             "request_id": message.request_id, "role": message.role, "content": message.content,
             "created_at": message.created_at }),
-        WriteOp::InsertRequest(request) => json!({ "op": "insert_request", "id": request.id,
-            "session_id": request.session_id, "agent_id": request.agent_id,
-            "protocol": request.protocol, "status": request.status.as_str(), "input": request.input,
-            "output": request.output, "error": request.error, "usage": request.usage,
-            "metadata": request.metadata, "created_at": request.created_at,
-            "updated_at": request.updated_at, "owner": request.owner }),
+        WriteOp::InsertRequest(request) => request_json(request, &RequestRow::inserted(request)),
         WriteOp::UpdateRequest {
             id,
             status,
@@ -368,10 +363,7 @@ fn op_json(op: &WriteOp) -> Value {
         } => json!({
             "op": "update_request", "id": id, "status": status.as_str(), "output": output,
             "error": error, "usage": usage, "at": at }),
-        WriteOp::InsertRun(run) => json!({ "op": "insert_run", "id": run.id,
-            "request_id": run.request_id, "attempt": run.attempt, "status": run.status.as_str(),
-            "state": run.state, "error": run.error, "created_at": run.created_at,
-            "updated_at": run.updated_at, "started_at": run.started_at, "ended_at": run.ended_at }),
+        WriteOp::InsertRun(run) => run_json(run, &RunRow::inserted(run)),
         WriteOp::UpdateRun {
             id,
             status,
@@ -406,8 +398,9 @@ fn op_json(op: &WriteOp) -> Value {
     }
 }
 
-/// A request's insert written as the batch's updates of it left the row (see `folds`).
-fn folded_request(request: &RequestRecord, row: &RequestRow<'_>) -> Value {
+/// A request's insert, its row as inserted or as the batch's updates of it left it (see
+/// `folds`).
+fn request_json(request: &RequestRecord, row: &RequestRow<'_>) -> Value {
     json!({ "op": "insert_request", "id": request.id,
         "session_id": request.session_id, "agent_id": request.agent_id,
         "protocol": request.protocol, "status": row.status.as_str(), "input": request.input,
@@ -416,9 +409,9 @@ fn folded_request(request: &RequestRecord, row: &RequestRow<'_>) -> Value {
         "updated_at": row.updated_at, "owner": request.owner })
 }
 
-/// A run's insert written as the batch's updates of it left the row; an ended run is
-/// inserted without a lease.
-fn folded_run(run: &RunRecord, row: &RunRow<'_>) -> Value {
+/// A run's insert, its row as inserted or as the batch's updates of it left it; a run they
+/// ended is inserted without a lease.
+fn run_json(run: &RunRecord, row: &RunRow<'_>) -> Value {
     json!({ "op": "insert_run", "id": run.id,
         "request_id": run.request_id, "attempt": run.attempt, "status": row.status.as_str(),
         "state": row.state, "error": row.error, "created_at": run.created_at,
@@ -511,14 +504,18 @@ impl Store for PostgresStore {
                     events.push(EventJson::of(event));
                     continue;
                 }
-                WriteOp::InsertRequest(request) => match folds.take_request(index) {
-                    Some(row) => folded_request(request, &row),
-                    None => op_json(op),
-                },
-                WriteOp::InsertRun(run) => match folds.take_run(index) {
-                    Some(row) => folded_run(run, &row),
-                    None => op_json(op),
-                },
+                WriteOp::InsertRequest(request) => request_json(
+                    request,
+                    &folds
+                        .take_request(index)
+                        .unwrap_or_else(|| RequestRow::inserted(request)),
+                ),
+                WriteOp::InsertRun(run) => run_json(
+                    run,
+                    &folds
+                        .take_run(index)
+                        .unwrap_or_else(|| RunRow::inserted(run)),
+                ),
                 op => op_json(op),
             };
             scrub(&mut value);
