@@ -62,6 +62,7 @@ macro_rules! conformance {
 conformance!(
     seq_stays_gapless_under_concurrent_appends,
     a_batch_of_many_events_keeps_each_events_fields_and_order,
+    every_cursor_and_limit_reads_the_events_after_it,
     an_event_holding_u0000_is_stored_whole,
     pages_and_filters_list_requests_newest_first,
     an_approval_is_decided_once_under_concurrent_deciders,
@@ -280,6 +281,72 @@ async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dy
         assert!(stored.iter().all(
             |e| e.run_id == format!("run_{request}") && e.event_type == "runtime.adapter.event"
         ));
+    }
+}
+
+/// A request's events, written by two runs in batches of several (split by other ops and by
+/// commits), are read back from every cursor with every limit, by request and by run: each
+/// read is exactly the events after the cursor, in order, up to the limit.
+async fn every_cursor_and_limit_reads_the_events_after_it(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    let mut second_run = run("run_a2", "req_a", RunStatus::Running);
+    if let WriteOp::InsertRun(record) = &mut second_run {
+        record.attempt = 2;
+    }
+    // (run, n) in the order appended; n is also what each event's data says.
+    let order: Vec<(&str, i64)> = (1..=6)
+        .map(|n| ("run_a", n))
+        .chain((7..=11).map(|n| ("run_a2", n)))
+        .chain((12..=15).map(|n| ("run_a", n)))
+        .chain((16..=18).map(|n| ("run_a2", n)))
+        .collect();
+    let mut first = Vec::new();
+    for &(run_id, n) in &order[..15] {
+        if n == 7 {
+            first.push(second_run.clone());
+        }
+        first.push(event("req_a", run_id, n));
+    }
+    store.apply(&first).await.unwrap();
+    let rest: Vec<WriteOp> = order[15..]
+        .iter()
+        .map(|&(run_id, n)| event("req_a", run_id, n))
+        .collect();
+    store.apply(&rest).await.unwrap();
+    assert_eq!(store.last_seq("req_a").await.unwrap(), 18);
+
+    let read = |events: Vec<EventRecord>| -> Vec<(i64, String, i64)> {
+        events
+            .into_iter()
+            .map(|e| (e.seq, e.run_id, e.data["n"].as_i64().unwrap_or(-1)))
+            .collect()
+    };
+    // The n-th appended event is number n.
+    let all: Vec<(i64, String, i64)> = order
+        .iter()
+        .map(|&(run_id, n)| (n, run_id.to_owned(), n))
+        .collect();
+    for after in 0..=18 {
+        for limit in [1, 2, 3, 5, 7, 100] {
+            let wanted: Vec<_> = all
+                .iter()
+                .filter(|(seq, _, _)| *seq > after)
+                .take(limit as usize)
+                .cloned()
+                .collect();
+            let found = read(store.events("req_a", after, limit).await.unwrap());
+            assert_eq!(found, wanted, "request, after {after}, limit {limit}");
+            for run_id in ["run_a", "run_a2"] {
+                let wanted: Vec<_> = all
+                    .iter()
+                    .filter(|(seq, run, _)| *seq > after && run == run_id)
+                    .take(limit as usize)
+                    .cloned()
+                    .collect();
+                let found = read(store.run_events(run_id, after, limit).await.unwrap());
+                assert_eq!(found, wanted, "{run_id}, after {after}, limit {limit}");
+            }
+        }
     }
 }
 
