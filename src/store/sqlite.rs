@@ -505,8 +505,9 @@ fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
     value.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
 }
 
-fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
-    Ok(EventRecord {
+/// The events one row of `events` holds: its first, then those in `more`, numbered on.
+fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
+    let first = EventRecord {
         id: row.try_get("id")?,
         request_id: row.try_get("request_id")?,
         run_id: row.try_get("run_id")?,
@@ -516,7 +517,28 @@ fn event_from_row(row: &SqliteRow) -> Result<EventRecord, StoreError> {
         event_type: row.try_get("type")?,
         at: parse_time(&row.try_get::<String, _>("at")?)?,
         data: parse_json(row.try_get("data")?)?.unwrap_or(Value::Null),
-    })
+    };
+    let Some(more) = row.try_get::<Option<String>, _>("more")? else {
+        return Ok(vec![first]);
+    };
+    let later: Vec<LaterEvent<String, Value>> = serde_json::from_str(&more)
+        .map_err(|e| StoreError::Corrupt(format!("events.more of `{}`: {e}", first.id)))?;
+    let mut events = Vec::with_capacity(later.len().saturating_add(1));
+    for (offset, event) in (1_i64..).zip(later) {
+        events.push(EventRecord {
+            id: event.id,
+            request_id: first.request_id.clone(),
+            run_id: first.run_id.clone(),
+            session_id: first.session_id.clone(),
+            agent_id: first.agent_id.clone(),
+            seq: first.seq.saturating_add(offset),
+            event_type: event.event_type,
+            at: parse_time(&event.at)?,
+            data: event.data,
+        });
+    }
+    events.insert(0, first);
+    Ok(events)
 }
 
 fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> {
@@ -576,11 +598,30 @@ const RELEASE_LEASES: &str = concat!(
     live_run!()
 );
 
-/// An event row with the session and agent of its request (events do not repeat them).
+/// Most events one row of `events` holds (migration 0012): the writer stores a batch's
+/// consecutive events of one run as one row, which costs one table and one index entry
+/// instead of one each per event.
+pub(super) const EVENTS_PER_ROW: usize = 16;
+
+/// An event after the first of its row, as `events.more` holds it (migration 0012).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct LaterEvent<S, V> {
+    pub id: S,
+    #[serde(rename = "type")]
+    pub event_type: S,
+    pub at: S,
+    pub data: V,
+}
+
+/// Rows of events with the session and agent of their request (events do not repeat them),
+/// from the row that may hold the event after `?2` (a row starts at most
+/// [`EVENTS_PER_ROW`] - 1 events before it): the caller binds `?2` and `?3` through
+/// [`EventRows`].
 macro_rules! event_select {
     ($condition:literal) => {
         concat!(
-            "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
+            "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data,
+                    e.more
              FROM events e JOIN requests r ON r.id = e.request_id WHERE ",
             $condition,
             " AND e.seq > ?2 ORDER BY e.seq LIMIT CAST(?3 AS INTEGER)"
@@ -590,8 +631,60 @@ macro_rules! event_select {
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
 /// A run's events after `?2`, within its request's key range: events have no index by run.
+/// A row holds one run's events, so the run is a condition on rows.
 const EVENTS_OF_RUN: &str =
     event_select!("e.request_id = (SELECT request_id FROM runs WHERE id = ?1) AND e.run_id = ?1");
+
+/// The last event number of request `?1`: its last row's first number and those after it.
+pub(super) const LAST_SEQ: &str =
+    "SELECT COALESCE((SELECT seq + COALESCE(json_array_length(more), 0)
+                          FROM events WHERE request_id = ?1 ORDER BY seq DESC LIMIT 1), 0)";
+
+/// How many events the rows of `events` a `FROM`-clause names hold.
+pub(super) fn count_events(rows: &str) -> String {
+    format!("SELECT COALESCE(SUM(1 + COALESCE(json_array_length(more), 0)), 0) FROM {rows}")
+}
+
+/// What a read of events after a cursor asks of the rows, and how it keeps the events.
+struct EventRows {
+    after: i64,
+    limit: i64,
+}
+
+impl EventRows {
+    /// The lowest first number a row holding an event after the cursor can have (`?2`).
+    fn lowest_first_seq(&self) -> i64 {
+        self.after.saturating_sub(EVENTS_PER_ROW as i64 - 1)
+    }
+
+    /// Rows enough for `limit` events after the cursor (`?3`): up to
+    /// [`EVENTS_PER_ROW`] - 1 rows read may hold only events at or before it. A negative
+    /// limit is no limit, as SQLite reads one.
+    fn rows(&self) -> i64 {
+        if self.limit < 0 {
+            self.limit
+        } else {
+            self.limit.saturating_add(EVENTS_PER_ROW as i64 - 1)
+        }
+    }
+
+    /// The events of `rows` after the cursor, at most `limit`.
+    fn keep(&self, rows: &[SqliteRow]) -> Result<Vec<EventRecord>, StoreError> {
+        let most = usize::try_from(self.limit).unwrap_or(usize::MAX);
+        let mut events = Vec::new();
+        for row in rows {
+            for event in events_from_row(row)? {
+                if events.len() == most {
+                    return Ok(events);
+                }
+                if event.seq > self.after {
+                    events.push(event);
+                }
+            }
+        }
+        Ok(events)
+    }
+}
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
@@ -853,13 +946,14 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
+        let read = EventRows { after, limit };
         let rows = sqlx::query(EVENTS_OF_REQUEST)
             .bind(request_id)
-            .bind(after)
-            .bind(limit)
+            .bind(read.lowest_first_seq())
+            .bind(read.rows())
             .fetch_all(&self.reader)
             .await?;
-        rows.iter().map(event_from_row).collect()
+        read.keep(&rows)
     }
 
     async fn run_events(
@@ -868,22 +962,21 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
+        let read = EventRows { after, limit };
         let rows = sqlx::query(EVENTS_OF_RUN)
             .bind(run_id)
-            .bind(after)
-            .bind(limit)
+            .bind(read.lowest_first_seq())
+            .bind(read.rows())
             .fetch_all(&self.reader)
             .await?;
-        rows.iter().map(event_from_row).collect()
+        read.keep(&rows)
     }
 
     async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
-        let row =
-            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS seq FROM events WHERE request_id = ?")
-                .bind(request_id)
-                .fetch_one(&self.reader)
-                .await?;
-        Ok(row.try_get("seq")?)
+        Ok(sqlx::query_scalar(LAST_SEQ)
+            .bind(request_id)
+            .fetch_one(&self.reader)
+            .await?)
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
@@ -1096,8 +1189,17 @@ impl Store for SqliteStore {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut counts = [0; 8];
-        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = format!("SELECT COUNT(*) FROM {rows}");
+        for (index, (count, rows)) in counts
+            .iter_mut()
+            .zip(super::owned_by_sessions(IN_SESSIONS))
+            .enumerate()
+        {
+            // The first table is `events`, whose rows hold several events each.
+            let sql = if index == 0 {
+                count_events(&rows)
+            } else {
+                format!("SELECT COUNT(*) FROM {rows}")
+            };
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_one(&self.reader)
@@ -1140,8 +1242,19 @@ impl Store for SqliteStore {
                     .collect::<Result<_, _>>()?;
                 let ids = serde_json::to_string(&still).unwrap_or_else(|_| "[]".to_owned());
                 let mut counts = [0; 8];
-                for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-                    *count = tx.execute(&format!("DELETE FROM {rows}"), [&ids])? as u64;
+                for (index, (count, rows)) in counts
+                    .iter_mut()
+                    .zip(super::owned_by_sessions(IN_SESSIONS))
+                    .enumerate()
+                {
+                    // The first table is `events`, whose rows hold several events each.
+                    let events: Option<i64> = if index == 0 {
+                        Some(tx.query_row(&count_events(&rows), [&ids], |row| row.get(0))?)
+                    } else {
+                        None
+                    };
+                    let deleted = tx.execute(&format!("DELETE FROM {rows}"), [&ids])? as u64;
+                    *count = events.map_or(deleted, |events| events.max(0) as u64);
                 }
                 tx.commit()?;
                 Ok(PruneCounts::from_owned(counts))

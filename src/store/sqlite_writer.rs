@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
+use super::sqlite::{EVENTS_PER_ROW, LAST_SEQ, LaterEvent};
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
 
@@ -545,9 +546,14 @@ fn apply(
     // one, so the stored last number plus what the batch appended is exact).
     let mut next_seq: IdMap<&str, i64> = IdMap::default();
     let mut folds = Folds::plan(ops);
+    // Consecutive events of one run, numbered, being gathered into one row.
+    let mut row = EventRow::default();
     for (index, op) in ops.iter().enumerate() {
         if folds.is_folded(index) {
             continue;
+        }
+        if !matches!(op, WriteOp::AppendEvent(_)) {
+            row.write(&tx)?;
         }
         if let WriteOp::InsertRequest(request) = op {
             next_seq.insert(&request.id, 1);
@@ -777,9 +783,7 @@ fn apply(
                         let last: i64 = match last_seqs.get(&event.request_id) {
                             Some(last) => last,
                             None => tx
-                                .prepare_cached(
-                                    "SELECT COALESCE(MAX(seq), 0) FROM events WHERE request_id = ?1",
-                                )?
+                                .prepare_cached(LAST_SEQ)?
                                 .query_row(params![event.request_id], |row| row.get(0))?,
                         };
                         next_seq.entry(&event.request_id).or_insert(last + 1)
@@ -788,25 +792,103 @@ fn apply(
                 let number = *seq;
                 *seq += 1;
                 numbers.push(number);
-                tx.prepare_cached(
-                    "INSERT INTO events (id, request_id, run_id, seq, type, at, data)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                )?
-                .execute(params![
-                    event.id,
-                    event.request_id,
-                    event.run_id,
-                    number,
-                    event.event_type,
-                    time(&event.at),
-                    json(&event.data)
-                ])?;
+                row.add(&tx, event, number)?;
             }
         }
     }
+    row.write(&tx)?;
     tx.commit()?;
     last_seqs.committed(next_seq);
     Ok(numbers)
+}
+
+/// Consecutive events of one run being gathered into one row of `events` (migration 0012):
+/// the first in the row's columns, the others in `more`. A row takes at most
+/// [`EVENTS_PER_ROW`] events and about [`ROW_BYTES`] bytes: a row past a page's room spills
+/// into overflow pages and packs its pages worse than single events did.
+#[derive(Default)]
+struct EventRow<'a> {
+    /// The first event, its number, and its data as stored.
+    first: Option<(&'a super::EventRecord, i64, String)>,
+    /// The events after the first, as a JSON array still open at its end.
+    more: Vec<u8>,
+    count: usize,
+}
+
+/// About how many bytes a row of several events may hold (a page is 2 KiB).
+const ROW_BYTES: usize = 640;
+
+impl<'a> EventRow<'a> {
+    /// Adds `event`, numbered `number`, to this row, or writes this row and starts the next
+    /// with it.
+    fn add(
+        &mut self,
+        tx: &rusqlite::Transaction<'_>,
+        event: &'a super::EventRecord,
+        number: i64,
+    ) -> rusqlite::Result<()> {
+        if let Some((first, _, data)) = &self.first {
+            let same_run = event.request_id == first.request_id && event.run_id == first.run_id;
+            if same_run && self.count < EVENTS_PER_ROW {
+                let at = time(&event.at);
+                let later = LaterEvent {
+                    id: event.id.as_str(),
+                    event_type: event.event_type.as_str(),
+                    at: at.as_str(),
+                    data: &event.data,
+                };
+                let mut json = Vec::new();
+                // Strings and maps with string keys: writing them into a `Vec` cannot fail.
+                serde_json::to_writer(&mut json, &later)
+                    .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+                let bytes = data.len() + self.more.len() + json.len();
+                if bytes <= ROW_BYTES {
+                    self.more
+                        .push(if self.more.is_empty() { b'[' } else { b',' });
+                    self.more.extend_from_slice(&json);
+                    self.count += 1;
+                    return Ok(());
+                }
+            }
+            self.write(tx)?;
+        }
+        self.first = Some((event, number, json(&event.data)));
+        self.count = 1;
+        Ok(())
+    }
+
+    /// Writes the row gathered so far, if any, and empties it.
+    fn write(&mut self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+        let Some((first, number, data)) = self.first.take() else {
+            return Ok(());
+        };
+        let more = if self.more.is_empty() {
+            None
+        } else {
+            self.more.push(b']');
+            // Built from `serde_json`'s output and ASCII brackets and commas.
+            Some(
+                String::from_utf8(std::mem::take(&mut self.more))
+                    .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?,
+            )
+        };
+        self.count = 0;
+        tx.prepare_cached(
+            "INSERT INTO events (id, request_id, run_id, seq, type, at, data, more)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )?
+        .execute(params![
+            first.id,
+            first.request_id,
+            first.run_id,
+            number,
+            first.event_type,
+            time(&first.at),
+            data,
+            more
+        ])?;
+        Ok(())
+    }
 }
 
 /// The last event number of requests this writer appended to or inserted lately, so that a

@@ -925,7 +925,11 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
                     &format!("req_{name}"),
                     RunStatus::Completed,
                 ),
+                // Three events of one run in one batch (on SQLite, one row of them): each
+                // counts.
                 event(&format!("req_{name}"), &format!("run_{name}"), 1),
+                event(&format!("req_{name}"), &format!("run_{name}"), 2),
+                event(&format!("req_{name}"), &format!("run_{name}"), 3),
             ])
             .await
             .unwrap();
@@ -954,7 +958,7 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
     let listed = store.prunable_sessions(&filter, None, 10).await.unwrap();
     assert_eq!(listed, ["ses_old1", "ses_old2"]);
     let counts = store.count_owned(&listed).await.unwrap();
-    assert_eq!((counts.sessions, counts.requests, counts.events), (2, 2, 2));
+    assert_eq!((counts.sessions, counts.requests, counts.events), (2, 2, 6));
     // ses_old2 is continued before the delete: it stays.
     store
         .apply(&[
@@ -977,7 +981,7 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
             removed.events,
             removed.runs
         ),
-        (1, 1, 1, 1)
+        (1, 1, 3, 1)
     );
     assert!(store.request("req_old1").await.unwrap().is_none());
     assert!(store.request("req_old2").await.unwrap().is_some());
