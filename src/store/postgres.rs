@@ -340,10 +340,12 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
     )
 }
 
-/// One op as `stable_harness_apply` reads it (see `migrations/postgres`): a `None` field is
-/// a JSON null, which the function reads as SQL NULL. Its strings are made storable by
-/// [`scrub`] before it is sent. Events go in one `append_events` op per batch ([`EventJson`]).
-fn op_json(op: &WriteOp) -> Value {
+/// The op at `index` of a batch as `stable_harness_apply` reads it (see
+/// `migrations/postgres`): a `None` field is a JSON null, which the function reads as SQL
+/// NULL; an insert the batch's updates fold into is written as they leave its row
+/// (`folds`). Its strings are made storable as it is sent ([`Storable`]). A batch's events
+/// go in one `append_events` op ([`EventJson`]).
+fn op_json(op: &WriteOp, index: usize, folds: &mut Folds<'_>) -> Value {
     match op {
         WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
             "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
@@ -352,7 +354,12 @@ fn op_json(op: &WriteOp) -> Value {
             "session_id": message.session_id, "parent_id": message.parent_id,
             "request_id": message.request_id, "role": message.role, "content": message.content,
             "created_at": message.created_at }),
-        WriteOp::InsertRequest(request) => request_json(request, &RequestRow::inserted(request)),
+        WriteOp::InsertRequest(request) => request_json(
+            request,
+            &folds
+                .take_request(index)
+                .unwrap_or_else(|| RequestRow::inserted(request)),
+        ),
         WriteOp::UpdateRequest {
             id,
             status,
@@ -363,7 +370,12 @@ fn op_json(op: &WriteOp) -> Value {
         } => json!({
             "op": "update_request", "id": id, "status": status.as_str(), "output": output,
             "error": error, "usage": usage, "at": at }),
-        WriteOp::InsertRun(run) => run_json(run, &RunRow::inserted(run)),
+        WriteOp::InsertRun(run) => run_json(
+            run,
+            &folds
+                .take_run(index)
+                .unwrap_or_else(|| RunRow::inserted(run)),
+        ),
         WriteOp::UpdateRun {
             id,
             status,
@@ -448,10 +460,11 @@ impl<'a> EventJson<'a> {
 }
 
 /// A batch as `stable_harness_apply` reads it: the ops in order, then the batch's events.
+/// Both are made storable as they are serialized, without a walk of their own.
 #[derive(serde::Serialize)]
 #[serde(untagged)]
 enum BatchItem<'a> {
-    Op(Value),
+    Op(#[serde(serialize_with = "storable_value")] Value),
     Events {
         op: &'static str,
         events: Vec<EventJson<'a>>,
@@ -470,6 +483,11 @@ impl serde::Serialize for Storable<'_, str> {
             serializer.serialize_str(self.0)
         }
     }
+}
+
+/// Serializes an op's `Value` as [`Storable`] writes it.
+fn storable_value<S: serde::Serializer>(value: &Value, serializer: S) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&Storable(value), serializer)
 }
 
 impl serde::Serialize for Storable<'_, Value> {
@@ -499,27 +517,10 @@ impl Store for PostgresStore {
             if folds.is_folded(index) {
                 continue;
             }
-            let mut value = match op {
-                WriteOp::AppendEvent(event) => {
-                    events.push(EventJson::of(event));
-                    continue;
-                }
-                WriteOp::InsertRequest(request) => request_json(
-                    request,
-                    &folds
-                        .take_request(index)
-                        .unwrap_or_else(|| RequestRow::inserted(request)),
-                ),
-                WriteOp::InsertRun(run) => run_json(
-                    run,
-                    &folds
-                        .take_run(index)
-                        .unwrap_or_else(|| RunRow::inserted(run)),
-                ),
-                op => op_json(op),
-            };
-            scrub(&mut value);
-            batch.push(BatchItem::Op(value));
+            match op {
+                WriteOp::AppendEvent(event) => events.push(EventJson::of(event)),
+                op => batch.push(BatchItem::Op(op_json(op, index, &mut folds))),
+            }
         }
         if !events.is_empty() {
             batch.push(BatchItem::Events {

@@ -640,9 +640,19 @@ pub(super) const LAST_SEQ: &str =
     "SELECT COALESCE((SELECT seq + COALESCE(json_array_length(more), 0)
                           FROM events WHERE request_id = ?1 ORDER BY seq DESC LIMIT 1), 0)";
 
-/// How many events the rows of `events` a `FROM`-clause names hold.
-pub(super) fn count_events(rows: &str) -> String {
-    format!("SELECT COALESCE(SUM(1 + COALESCE(json_array_length(more), 0)), 0) FROM {rows}")
+/// Whether a prune's `FROM`-clause names rows of `events`.
+fn holds_events(rows: &str) -> bool {
+    rows.starts_with("events ")
+}
+
+/// How many of what a prune's `FROM`-clause (`owned_by_sessions`) names there are: rows,
+/// or for `events`, whose rows hold several events each, the events.
+fn count_owned_sql(rows: &str) -> String {
+    if holds_events(rows) {
+        format!("SELECT COALESCE(SUM(1 + COALESCE(json_array_length(more), 0)), 0) FROM {rows}")
+    } else {
+        format!("SELECT COUNT(*) FROM {rows}")
+    }
 }
 
 /// What a read of events after a cursor asks of the rows, and how it keeps the events.
@@ -1189,17 +1199,8 @@ impl Store for SqliteStore {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut counts = [0; 8];
-        for (index, (count, rows)) in counts
-            .iter_mut()
-            .zip(super::owned_by_sessions(IN_SESSIONS))
-            .enumerate()
-        {
-            // The first table is `events`, whose rows hold several events each.
-            let sql = if index == 0 {
-                count_events(&rows)
-            } else {
-                format!("SELECT COUNT(*) FROM {rows}")
-            };
+        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+            let sql = count_owned_sql(&rows);
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_one(&self.reader)
@@ -1242,14 +1243,10 @@ impl Store for SqliteStore {
                     .collect::<Result<_, _>>()?;
                 let ids = serde_json::to_string(&still).unwrap_or_else(|_| "[]".to_owned());
                 let mut counts = [0; 8];
-                for (index, (count, rows)) in counts
-                    .iter_mut()
-                    .zip(super::owned_by_sessions(IN_SESSIONS))
-                    .enumerate()
-                {
-                    // The first table is `events`, whose rows hold several events each.
-                    let events: Option<i64> = if index == 0 {
-                        Some(tx.query_row(&count_events(&rows), [&ids], |row| row.get(0))?)
+                for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+                    // An events row may hold several events: they are counted before the delete.
+                    let events: Option<i64> = if holds_events(&rows) {
+                        Some(tx.query_row(&count_owned_sql(&rows), [&ids], |row| row.get(0))?)
                     } else {
                         None
                     };

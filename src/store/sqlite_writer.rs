@@ -837,18 +837,19 @@ impl<'a> EventRow<'a> {
                     at: at.as_str(),
                     data: &event.data,
                 };
-                let mut json = Vec::new();
+                // Written straight into `more`, and taken back out if the row would be too
+                // long.
+                let mark = self.more.len();
+                self.more.push(if mark == 0 { b'[' } else { b',' });
                 // Strings and maps with string keys: writing them into a `Vec` cannot fail.
-                serde_json::to_writer(&mut json, &later)
+                serde_json::to_writer(&mut self.more, &later)
                     .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
-                let bytes = data.len() + self.more.len() + json.len();
-                if bytes <= ROW_BYTES {
-                    self.more
-                        .push(if self.more.is_empty() { b'[' } else { b',' });
-                    self.more.extend_from_slice(&json);
+                // The event's bytes, without the separator, as the row's length.
+                if data.len() + self.more.len() - 1 <= ROW_BYTES {
                     self.count += 1;
                     return Ok(());
                 }
+                self.more.truncate(mark);
             }
             self.write(tx)?;
         }
