@@ -18,6 +18,7 @@ pub mod spend;
 mod sqlite;
 mod sqlite_memory;
 mod sqlite_spend;
+mod sqlite_time;
 mod sqlite_wal_vfs;
 mod sqlite_writer;
 

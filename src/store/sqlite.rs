@@ -359,8 +359,7 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
 }
 
 pub(super) fn parse_time(text: &str) -> Result<DateTime<Utc>, StoreError> {
-    DateTime::parse_from_rfc3339(text)
-        .map(|t| t.with_timezone(&Utc))
+    super::sqlite_time::parse(text)
         .map_err(|e| StoreError::Corrupt(format!("timestamp `{text}`: {e}")))
 }
 
@@ -502,7 +501,7 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
 
 /// A time as this store writes it, for comparisons in SQL.
 fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
-    value.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+    value.map(super::sqlite_writer::time)
 }
 
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.
@@ -1323,12 +1322,8 @@ impl Store for SqliteStore {
                         record.id,
                         record.operation,
                         record.status,
-                        record
-                            .started_at
-                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                        record
-                            .ended_at
-                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        super::sqlite_writer::time(&record.started_at),
+                        super::sqlite_writer::time(&record.ended_at),
                         record.report.to_string()
                     ],
                 )?;

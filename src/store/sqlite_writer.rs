@@ -519,7 +519,7 @@ pub fn now() -> String {
 }
 
 pub(super) fn time(value: &DateTime<Utc>) -> String {
-    value.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+    super::sqlite_time::format(value)
 }
 
 /// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
