@@ -104,6 +104,10 @@ async fn run() {
         compare_one_phase(before.as_deref(), this_build, &upstream, &client).await;
         return;
     }
+    println!(
+        "machine: two threads waking each other, a round trip of {:.1} µs (p50; a few µs where an idle CPU polls before it halts)",
+        wake_round_trip_micros()
+    );
     let mut columns: Vec<(String, Figures)> = Vec::new();
     if let Some(binary) = &before {
         println!("== before: {}", binary.display());
@@ -120,6 +124,44 @@ async fn run() {
     }
     columns.push(("after".into(), after));
     print_aims(store, &columns);
+}
+
+/// The median round trip of two threads waking each other in turn, each blocked (parked) in
+/// between: the cost of a wake-up on this machine. A governed request at concurrency 1 hands
+/// over between threads several times more than a proxy does (the client, the server's shard,
+/// the upstream, the store's writer), and on a virtual machine whose idle CPUs halt at once
+/// each hand-over to an idle CPU costs tens of µs (docs/profiling.md, the sixteenth pass).
+fn wake_round_trip_micros() -> f64 {
+    use std::sync::atomic::AtomicU64;
+    const ROUND_TRIPS: u64 = 4_000;
+    let asked = Arc::new(AtomicU64::new(0));
+    let answered = Arc::new(AtomicU64::new(0));
+    let main = std::thread::current();
+    let echo = {
+        let (asked, answered) = (asked.clone(), answered.clone());
+        std::thread::spawn(move || {
+            for round in 1..=ROUND_TRIPS {
+                while asked.load(Ordering::Acquire) < round {
+                    std::thread::park();
+                }
+                answered.store(round, Ordering::Release);
+                main.unpark();
+            }
+        })
+    };
+    let mut times = Vec::with_capacity(ROUND_TRIPS as usize);
+    for round in 1..=ROUND_TRIPS {
+        let start = Instant::now();
+        asked.store(round, Ordering::Release);
+        echo.thread().unpark();
+        while answered.load(Ordering::Acquire) < round {
+            std::thread::park();
+        }
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    echo.join().unwrap();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 /// The answer of `chunks` words: the upstream streams one chunk per word.
