@@ -11,7 +11,8 @@
 //!   overhead per chunk with 20 and 200 chunks, and with 8 streams at a time, in time and in
 //!   server CPU (on 2 cores, 8 streams queue for the CPU: their time per chunk grows, their
 //!   CPU per chunk need not);
-//! - the server's RSS idle and after the load.
+//! - the server's RSS idle and after the load;
+//! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
 //! and as a ratio to the upstream called directly. The "before" column is measured in the same
