@@ -13,6 +13,17 @@ use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 /// The stored text's length in the fixed layout.
 const WIDTH: usize = "2026-11-27T16:04:41.123456Z".len();
 
+/// Where the layout's separators stand, between its digits.
+const SEPARATORS: [(usize, u8); 7] = [
+    (4, b'-'),
+    (7, b'-'),
+    (10, b'T'),
+    (13, b':'),
+    (16, b':'),
+    (19, b'.'),
+    (WIDTH - 1, b'Z'),
+];
+
 /// `value` as the store writes it.
 pub(super) fn format(value: &DateTime<Utc>) -> String {
     let (date, time) = (value.date_naive(), value.time());
@@ -36,17 +47,9 @@ pub(super) fn format(value: &DateTime<Utc>) -> String {
     put(14, 2, time.minute());
     put(17, 2, time.second());
     put(20, 6, time.nanosecond() / 1_000);
-    for (at, separator) in [
-        (4, b'-'),
-        (7, b'-'),
-        (10, b'T'),
-        (13, b':'),
-        (16, b':'),
-        (19, b'.'),
-    ] {
+    for (at, separator) in SEPARATORS {
         text[at] = separator;
     }
-    text[WIDTH - 1] = b'Z';
     // Every byte written is ASCII, so the check passes (and is a few instructions).
     String::from_utf8(text.to_vec())
         .unwrap_or_else(|_| value.to_rfc3339_opts(SecondsFormat::Micros, true))
@@ -62,20 +65,10 @@ pub(super) fn parse(text: &str) -> Result<DateTime<Utc>, chrono::ParseError> {
 
 /// The fixed layout, or `None` when `text` is not in it or names no valid time.
 fn parse_fixed(text: &[u8]) -> Option<DateTime<Utc>> {
-    if text.len() != WIDTH || text[WIDTH - 1] != b'Z' {
-        return None;
-    }
-    let separators = [
-        (4, b'-'),
-        (7, b'-'),
-        (10, b'T'),
-        (13, b':'),
-        (16, b':'),
-        (19, b'.'),
-    ];
-    if separators
-        .iter()
-        .any(|&(at, separator)| text[at] != separator)
+    if text.len() != WIDTH
+        || SEPARATORS
+            .iter()
+            .any(|&(at, separator)| text[at] != separator)
     {
         return None;
     }
