@@ -120,9 +120,10 @@ async fn fallbacks_are_tried_after_the_last_attempt() {
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
     let (response, request_id) = app.chat(&ask("resilient", true)).await;
     assert_eq!(response.status(), 200);
-    let events = app.events(&request_id).await;
+    // The stream is read to its end first: its events are stored by then, not before.
     let text = response.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let events = app.events(&request_id).await;
     let models: Vec<String> = upstream
         .calls()
         .iter()
