@@ -2,7 +2,7 @@
 //! (`2026-11-27T16:04:41.123456Z`), always the same width, so that the text order of two
 //! stored times is their order in time (listings, cursors and the prune compare them in SQL).
 //!
-//! A chat request writes about fifteen times and a view reads a few: chrono's general
+//! A chat request writes about twenty times and a view reads a few: chrono's general
 //! formatter and parser took ~15,000 instructions of a request (~2%). Times in the usual
 //! range go through the fixed layout here; anything else (a year outside 0-9999, a leap
 //! second, text another writer left with an offset or fewer digits) through chrono, which
