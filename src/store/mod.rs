@@ -459,21 +459,40 @@ pub fn sqlite_path(url: Option<&str>, workspace_root: &Path) -> Result<PathBuf, 
 }
 
 /// What the sessions a prune takes own, table by table, children first (so every foreign key
-/// holds at each statement's end): `FROM`-clauses for a count or a delete. `in_sessions` is
-/// how the store's SQL names the set of session ids (`IN (...)` or `= ANY($1)`).
-pub(crate) fn owned_by_sessions(in_sessions: &str) -> [String; 8] {
+/// holds at each statement's end): each table's name and the `FROM`-clause of its rows, for a
+/// count or a delete. `in_sessions` is how the store's SQL names the set of session ids
+/// (`IN (...)` or `= ANY($1)`).
+pub(crate) fn owned_by_sessions(in_sessions: &str) -> [(&'static str, String); 8] {
     let of_requests = format!("(SELECT id FROM requests WHERE session_id {in_sessions})");
     [
-        format!("events WHERE request_id IN {of_requests}"),
-        format!(
-            "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id WHERE r.session_id {in_sessions})"
+        (
+            "events",
+            format!("events WHERE request_id IN {of_requests}"),
         ),
-        format!("approvals WHERE request_id IN {of_requests}"),
-        format!("artifacts WHERE request_id IN {of_requests}"),
-        format!("runs WHERE request_id IN {of_requests}"),
-        format!("messages WHERE session_id {in_sessions}"),
-        format!("requests WHERE session_id {in_sessions}"),
-        format!("sessions WHERE id {in_sessions}"),
+        (
+            "tool_calls",
+            format!(
+                "tool_calls WHERE run_id IN (SELECT u.id FROM runs u JOIN requests r ON r.id = u.request_id WHERE r.session_id {in_sessions})"
+            ),
+        ),
+        (
+            "approvals",
+            format!("approvals WHERE request_id IN {of_requests}"),
+        ),
+        (
+            "artifacts",
+            format!("artifacts WHERE request_id IN {of_requests}"),
+        ),
+        ("runs", format!("runs WHERE request_id IN {of_requests}")),
+        (
+            "messages",
+            format!("messages WHERE session_id {in_sessions}"),
+        ),
+        (
+            "requests",
+            format!("requests WHERE session_id {in_sessions}"),
+        ),
+        ("sessions", format!("sessions WHERE id {in_sessions}")),
     ]
 }
 

@@ -985,7 +985,7 @@ impl Store for PostgresStore {
 
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
         let mut counts = [0; 8];
-        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+        for (count, (_, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
             let sql = format!("SELECT COUNT(*) FROM {rows}");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(sessions)
@@ -1019,7 +1019,7 @@ impl Store for PostgresStore {
                 .fetch_all(&mut *tx)
                 .await?;
         let mut counts = [0; 8];
-        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+        for (count, (_, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
             *count = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
                 .bind(&still)
                 .execute(&mut *tx)

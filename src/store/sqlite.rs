@@ -639,15 +639,11 @@ pub(super) const LAST_SEQ: &str =
     "SELECT COALESCE((SELECT seq + COALESCE(json_array_length(more), 0)
                           FROM events WHERE request_id = ?1 ORDER BY seq DESC LIMIT 1), 0)";
 
-/// Whether a prune's `FROM`-clause names rows of `events`.
-fn holds_events(rows: &str) -> bool {
-    rows.starts_with("events ")
-}
-
-/// How many of what a prune's `FROM`-clause (`owned_by_sessions`) names there are: rows,
-/// or for `events`, whose rows hold several events each, the events.
-fn count_owned_sql(rows: &str) -> String {
-    if holds_events(rows) {
+/// How many of what a prune takes from `table` there are (`rows`, a `FROM`-clause of
+/// `owned_by_sessions`): rows, or for `events`, whose rows hold several events each, the
+/// events.
+fn count_owned_sql(table: &str, rows: &str) -> String {
+    if table == "events" {
         format!("SELECT COALESCE(SUM(1 + COALESCE(json_array_length(more), 0)), 0) FROM {rows}")
     } else {
         format!("SELECT COUNT(*) FROM {rows}")
@@ -1198,8 +1194,8 @@ impl Store for SqliteStore {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut counts = [0; 8];
-        for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = count_owned_sql(&rows);
+        for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+            let sql = count_owned_sql(table, &rows);
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_one(&self.reader)
@@ -1242,15 +1238,19 @@ impl Store for SqliteStore {
                     .collect::<Result<_, _>>()?;
                 let ids = serde_json::to_string(&still).unwrap_or_else(|_| "[]".to_owned());
                 let mut counts = [0; 8];
-                for (count, rows) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-                    // An events row may hold several events: they are counted before the delete.
-                    let events: Option<i64> = if holds_events(&rows) {
-                        Some(tx.query_row(&count_owned_sql(&rows), [&ids], |row| row.get(0))?)
+                for (count, (table, rows)) in
+                    counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS))
+                {
+                    let delete = format!("DELETE FROM {rows}");
+                    *count = if table == "events" {
+                        // A row of events may hold several: they are counted, then deleted.
+                        let events: i64 =
+                            tx.query_row(&count_owned_sql(table, &rows), [&ids], |row| row.get(0))?;
+                        tx.execute(&delete, [&ids])?;
+                        events.max(0) as u64
                     } else {
-                        None
+                        tx.execute(&delete, [&ids])? as u64
                     };
-                    let deleted = tx.execute(&format!("DELETE FROM {rows}"), [&ids])? as u64;
-                    *count = events.map_or(deleted, |events| events.max(0) as u64);
                 }
                 tx.commit()?;
                 Ok(PruneCounts::from_owned(counts))
