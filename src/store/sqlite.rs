@@ -28,6 +28,7 @@ use sqlx::{Row, SqlitePool};
 
 use super::conditions::{self, Conditions, Dialect};
 use super::spend::UsageTotals;
+use super::sqlite_time;
 use super::sqlite_writer::{Leases, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
@@ -358,15 +359,6 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
     RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
 }
 
-pub(super) fn parse_time(text: &str) -> Result<DateTime<Utc>, StoreError> {
-    super::sqlite_time::parse(text)
-        .map_err(|e| StoreError::Corrupt(format!("timestamp `{text}`: {e}")))
-}
-
-pub(super) fn parse_time_opt(text: Option<String>) -> Result<Option<DateTime<Utc>>, StoreError> {
-    text.as_deref().map(parse_time).transpose()
-}
-
 /// A row of either SQLite driver: the reader pool's (sqlx) or the writer's connection
 /// (rusqlite, [`SqliteWriter::read`]): the records both read are mapped once.
 trait Columns {
@@ -379,11 +371,11 @@ trait Columns {
     }
 
     fn time(&self, name: &str) -> Result<DateTime<Utc>, StoreError> {
-        parse_time(&self.text(name)?)
+        sqlite_time::parse(&self.text(name)?)
     }
 
     fn opt_time(&self, name: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
-        parse_time_opt(self.opt_text(name)?)
+        sqlite_time::parse_opt(self.opt_text(name)?)
     }
 }
 
@@ -482,8 +474,8 @@ fn session_from_row(row: &SqliteRow) -> Result<SessionRecord, StoreError> {
         agent_id: row.try_get("agent_id")?,
         owner: row.try_get("owner")?,
         metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
-        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: parse_time(&row.try_get::<String, _>("updated_at")?)?,
+        created_at: sqlite_time::parse(&row.try_get::<String, _>("created_at")?)?,
+        updated_at: sqlite_time::parse(&row.try_get::<String, _>("updated_at")?)?,
     })
 }
 
@@ -495,13 +487,13 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
         request_id: row.try_get("request_id")?,
         role: row.try_get("role")?,
         content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
-        created_at: parse_time(&row.try_get::<String, _>("created_at")?)?,
+        created_at: sqlite_time::parse(&row.try_get::<String, _>("created_at")?)?,
     })
 }
 
 /// A time as this store writes it, for comparisons in SQL.
 fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
-    value.map(super::sqlite_writer::time)
+    value.map(sqlite_time::text)
 }
 
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.
@@ -514,7 +506,7 @@ fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
         agent_id: row.try_get("agent_id")?,
         seq: row.try_get("seq")?,
         event_type: row.try_get("type")?,
-        at: parse_time(&row.try_get::<String, _>("at")?)?,
+        at: sqlite_time::parse(&row.try_get::<String, _>("at")?)?,
         data: parse_json(row.try_get("data")?)?.unwrap_or(Value::Null),
     };
     let Some(more) = row.try_get::<Option<String>, _>("more")? else {
@@ -532,7 +524,7 @@ fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
             agent_id: first.agent_id.clone(),
             seq: first.seq.saturating_add(offset),
             event_type: event.event_type,
-            at: parse_time(&event.at)?,
+            at: sqlite_time::parse(&event.at)?,
             data: event.data,
         });
     }
@@ -837,7 +829,7 @@ impl Store for SqliteStore {
         let claimed: Vec<String> = self
             .writer
             .maintain(move |connection| {
-                let now = super::sqlite_writer::now();
+                let now = sqlite_time::now();
                 let mut claim = connection.prepare_cached(CLAIM_RUNS)?;
                 let ids = claim
                     .query_map(
@@ -890,7 +882,7 @@ impl Store for SqliteStore {
         let claimed: Option<String> = self
             .writer
             .maintain(move |connection| {
-                let now = super::sqlite_writer::now();
+                let now = sqlite_time::now();
                 connection
                     .prepare_cached(
                         concat!(
@@ -1157,7 +1149,7 @@ impl Store for SqliteStore {
                         run_id,
                         call_key,
                         result,
-                        super::sqlite_writer::time(&at)
+                        sqlite_time::text(&at)
                     ])?;
                 Ok(changed == 1)
             })
@@ -1322,8 +1314,8 @@ impl Store for SqliteStore {
                         record.id,
                         record.operation,
                         record.status,
-                        super::sqlite_writer::time(&record.started_at),
-                        super::sqlite_writer::time(&record.ended_at),
+                        sqlite_time::text(&record.started_at),
+                        sqlite_time::text(&record.ended_at),
                         record.report.to_string()
                     ],
                 )?;
@@ -1349,8 +1341,8 @@ impl Store for SqliteStore {
                     id: row.try_get("id")?,
                     operation: row.try_get("operation")?,
                     status: row.try_get("status")?,
-                    started_at: parse_time(&row.try_get::<String, _>("started_at")?)?,
-                    ended_at: parse_time(&row.try_get::<String, _>("ended_at")?)?,
+                    started_at: sqlite_time::parse(&row.try_get::<String, _>("started_at")?)?,
+                    ended_at: sqlite_time::parse(&row.try_get::<String, _>("ended_at")?)?,
                     report: parse_json(row.try_get("report")?)?.unwrap_or(Value::Null),
                 })
             })
@@ -1375,7 +1367,7 @@ fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, S
         outcome: row.try_get("outcome")?,
         result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
         duration_ms: row.try_get("duration_ms")?,
-        recorded_at: parse_time(&row.try_get::<String, _>("recorded_at")?)?,
+        recorded_at: sqlite_time::parse(&row.try_get::<String, _>("recorded_at")?)?,
     })
 }
 

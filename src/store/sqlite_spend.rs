@@ -12,7 +12,7 @@ use super::spend::{
     UsageTotals,
 };
 use super::sqlite::SqliteStore;
-use super::sqlite_writer::time;
+use super::sqlite_time;
 
 const INSERT_USAGE: &str = "INSERT OR IGNORE INTO usage_records (id, at, request_id, run_id, owner,
      agent_id, session_id, model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
@@ -32,7 +32,7 @@ pub(super) fn insert_charge(
 ) -> rusqlite::Result<()> {
     let inserted = tx.prepare_cached(INSERT_USAGE)?.execute(rusqlite::params![
         record.id,
-        time(&record.at),
+        sqlite_time::text(&record.at),
         record.request_id,
         record.run_id,
         record.owner,
@@ -130,8 +130,8 @@ impl SpendStore for SqliteStore {
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
             .bind(&filter.model)
-            .bind(filter.from.as_ref().map(time))
-            .bind(filter.to.as_ref().map(time))
+            .bind(filter.from.as_ref().map(sqlite_time::text))
+            .bind(filter.to.as_ref().map(sqlite_time::text))
             .bind(&filter.request_id)
             .fetch_all(&self.reader)
             .await?;

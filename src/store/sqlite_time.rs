@@ -10,6 +10,8 @@
 
 use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 
+use super::StoreError;
+
 /// The stored text's length in the fixed layout.
 const WIDTH: usize = "2026-11-27T16:04:41.123456Z".len();
 
@@ -24,8 +26,13 @@ const SEPARATORS: [(usize, u8); 7] = [
     (WIDTH - 1, b'Z'),
 ];
 
+/// The current time as the store writes it.
+pub(super) fn now() -> String {
+    text(&Utc::now())
+}
+
 /// `value` as the store writes it.
-pub(super) fn format(value: &DateTime<Utc>) -> String {
+pub(super) fn text(value: &DateTime<Utc>) -> String {
     let (date, time) = (value.date_naive(), value.time());
     let year = date.year();
     // chrono represents a leap second as a nanosecond count past one second.
@@ -56,11 +63,18 @@ pub(super) fn format(value: &DateTime<Utc>) -> String {
 }
 
 /// A stored time: the fixed layout read directly, any other RFC 3339 text through chrono.
-pub(super) fn parse(text: &str) -> Result<DateTime<Utc>, chrono::ParseError> {
+pub(super) fn parse(text: &str) -> Result<DateTime<Utc>, StoreError> {
     match parse_fixed(text.as_bytes()) {
         Some(time) => Ok(time),
-        None => DateTime::parse_from_rfc3339(text).map(|time| time.with_timezone(&Utc)),
+        None => DateTime::parse_from_rfc3339(text)
+            .map(|time| time.with_timezone(&Utc))
+            .map_err(|e| StoreError::Corrupt(format!("timestamp `{text}`: {e}"))),
     }
+}
+
+/// A stored time that may be absent.
+pub(super) fn parse_opt(text: Option<String>) -> Result<Option<DateTime<Utc>>, StoreError> {
+    text.as_deref().map(parse).transpose()
 }
 
 /// The fixed layout, or `None` when `text` is not in it or names no valid time.
@@ -122,9 +136,9 @@ mod tests {
                             .and_hms_micro_opt(hour, minute, second, micro)
                             .expect("a valid time")
                             .and_utc();
-                        let text = format(&value);
-                        assert_eq!(text, chrono_text(&value));
-                        assert_eq!(parse(&text).expect("parses"), value);
+                        let stored = text(&value);
+                        assert_eq!(stored, chrono_text(&value));
+                        assert_eq!(parse(&stored).expect("parses"), value);
                         checked += 1;
                     }
                 }
@@ -137,21 +151,17 @@ mod tests {
     fn times_outside_the_fixed_layout_go_through_chrono() {
         // Nanoseconds are cut to microseconds, as chrono cuts them.
         let value = DateTime::from_timestamp(1_795_000_000, 123_456_789).expect("valid");
-        assert_eq!(format(&value), chrono_text(&value));
-        assert!(
-            format(&value).ends_with(":40.123456Z"),
-            "{}",
-            format(&value)
-        );
+        assert_eq!(text(&value), chrono_text(&value));
+        assert!(text(&value).ends_with(":40.123456Z"), "{}", text(&value));
         for value in [DateTime::<Utc>::MIN_UTC, DateTime::<Utc>::MAX_UTC] {
-            assert_eq!(format(&value), chrono_text(&value));
+            assert_eq!(text(&value), chrono_text(&value));
         }
         let leap = NaiveDate::from_ymd_opt(2016, 12, 31)
             .and_then(|date| date.and_hms_micro_opt(23, 59, 59, 1_500_000))
             .expect("a leap second")
             .and_utc();
-        assert_eq!(format(&leap), chrono_text(&leap));
-        assert_eq!(parse(&format(&leap)).expect("parses"), leap);
+        assert_eq!(text(&leap), chrono_text(&leap));
+        assert_eq!(parse(&text(&leap)).expect("parses"), leap);
         // Other RFC 3339 forms are read; the fixed layout with an impossible date is not.
         assert_eq!(
             parse("2026-11-27T18:04:41+02:00").expect("parses"),

@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
 use super::sqlite::{EVENTS_PER_ROW, LAST_SEQ, LaterEvent};
+use super::sqlite_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
 
@@ -334,7 +335,7 @@ impl Leases {
     /// When a lease taken or renewed now expires.
     pub fn expiry(&self) -> String {
         let duration = chrono::Duration::from_std(self.duration).unwrap_or(chrono::Duration::MAX);
-        time(
+        sqlite_time::text(
             &Utc::now()
                 .checked_add_signed(duration)
                 .unwrap_or(DateTime::<Utc>::MAX_UTC),
@@ -500,7 +501,7 @@ fn decide(tx: &rusqlite::Transaction<'_>, decision: &ApprovalDecision) -> Result
             decision.status.as_str(),
             decision.reason,
             decision.decided_by,
-            time(&decision.at),
+            sqlite_time::text(&decision.at),
             decision.id
         ])?;
     if changed == 1 {
@@ -511,15 +512,6 @@ fn decide(tx: &rusqlite::Transaction<'_>, decision: &ApprovalDecision) -> Result
             decision.id
         )))
     }
-}
-
-/// The current time as the store writes times.
-pub fn now() -> String {
-    time(&Utc::now())
-}
-
-pub(super) fn time(value: &DateTime<Utc>) -> String {
-    super::sqlite_time::format(value)
 }
 
 /// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
@@ -569,8 +561,8 @@ fn apply(
                     session.agent_id,
                     session.owner,
                     json(&session.metadata),
-                    time(&session.created_at),
-                    time(&session.updated_at)
+                    sqlite_time::text(&session.created_at),
+                    sqlite_time::text(&session.updated_at)
                 ])?;
             }
             WriteOp::InsertMessage(message) => {
@@ -585,7 +577,7 @@ fn apply(
                     message.request_id,
                     message.role,
                     json(&message.content),
-                    time(&message.created_at)
+                    sqlite_time::text(&message.created_at)
                 ])?;
             }
             WriteOp::InsertRequest(request) => {
@@ -607,8 +599,8 @@ fn apply(
                     row.error.map(json),
                     row.usage.map(json),
                     json(&request.metadata),
-                    time(&request.created_at),
-                    time(&row.updated_at),
+                    sqlite_time::text(&request.created_at),
+                    sqlite_time::text(&row.updated_at),
                     request.owner
                 ])?;
             }
@@ -629,7 +621,7 @@ fn apply(
                     output,
                     json_opt(error),
                     json_opt(usage),
-                    time(at),
+                    sqlite_time::text(at),
                     id
                 ])?;
             }
@@ -649,10 +641,10 @@ fn apply(
                     row.status.as_str(),
                     row.state.map(json),
                     row.error.map(json),
-                    time(&run.created_at),
-                    time(&row.updated_at),
-                    row.started_at.as_ref().map(time),
-                    row.ended_at.as_ref().map(time),
+                    sqlite_time::text(&run.created_at),
+                    sqlite_time::text(&row.updated_at),
+                    row.started_at.as_ref().map(sqlite_time::text),
+                    row.ended_at.as_ref().map(sqlite_time::text),
                     row.leased.then_some(&leases.holder),
                     row.leased.then(|| leases.expiry())
                 ])?;
@@ -678,7 +670,7 @@ fn apply(
                     .execute(params![
                         status.as_str(),
                         json_opt(error),
-                        time(at),
+                        sqlite_time::text(at),
                         id,
                         leases.holder
                     ])?
@@ -693,7 +685,7 @@ fn apply(
                         status.as_str(),
                         json_opt(error),
                         json_opt(state),
-                        time(at),
+                        sqlite_time::text(at),
                         id,
                         leases.holder
                     ])?
@@ -722,9 +714,9 @@ fn apply(
                     approval.status.as_str(),
                     approval.reason,
                     approval.decided_by,
-                    time(&approval.created_at),
-                    approval.expires_at.as_ref().map(time),
-                    approval.decided_at.as_ref().map(time),
+                    sqlite_time::text(&approval.created_at),
+                    approval.expires_at.as_ref().map(sqlite_time::text),
+                    approval.decided_at.as_ref().map(sqlite_time::text),
                     approval.call_key,
                     approval.kind.as_str(),
                     approval.execution
@@ -747,7 +739,7 @@ fn apply(
                     call.tool_id,
                     json(&call.arguments),
                     call.idempotency_key,
-                    time(&call.recorded_at)
+                    sqlite_time::text(&call.recorded_at)
                 ])?;
             }
             WriteOp::RecordToolCall(call) => {
@@ -773,7 +765,7 @@ fn apply(
                     call.outcome,
                     json(&call.result),
                     call.duration_ms,
-                    time(&call.recorded_at)
+                    sqlite_time::text(&call.recorded_at)
                 ])?;
             }
             WriteOp::AppendEvent(event) => {
@@ -830,7 +822,7 @@ impl<'a> EventRow<'a> {
         if let Some((first, _, data)) = &self.first {
             let same_run = event.request_id == first.request_id && event.run_id == first.run_id;
             if same_run && self.count < EVENTS_PER_ROW {
-                let at = time(&event.at);
+                let at = sqlite_time::text(&event.at);
                 let later = LaterEvent {
                     id: event.id.as_str(),
                     event_type: event.event_type.as_str(),
@@ -884,7 +876,7 @@ impl<'a> EventRow<'a> {
             first.run_id,
             number,
             first.event_type,
-            time(&first.at),
+            sqlite_time::text(&first.at),
             data,
             more
         ])?;
