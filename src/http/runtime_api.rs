@@ -25,7 +25,7 @@ use super::views::{
     store_error,
 };
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::{Following, NewRequest, Protocol, RuntimeError};
+use crate::runtime::{AwaitedView, Following, NewRequest, Protocol, RuntimeError};
 
 /// `POST /runtime/requests` body.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -125,11 +125,9 @@ pub async fn create_request(
         workflow: body.workflow_id,
     };
     if body.wait {
-        // Followed from its first event: waiting reads nothing from the store.
-        let (submitted, events) = state
-            .runtime
-            .submit_and_follow(request, Following::ToEnd)
-            .await?;
+        // Followed from its first event: waiting reads nothing from the store, and the view
+        // at the end comes with it (read by the journal beside the end's commit).
+        let (submitted, events, mut awaited) = state.runtime.submit_and_await_view(request).await?;
         let agent_timeout = state
             .runtime
             .workspace()
@@ -141,7 +139,11 @@ pub async fn create_request(
             .runtime
             .wait_followed(events, agent_timeout + Duration::from_secs(5))
             .await?;
-        let view = request_view(&state.runtime, &submitted.request_id, None).await?;
+        let view = match awaited.as_mut().and_then(AwaitedView::take) {
+            Some(full) => RequestView::in_full(full),
+            // Stopped short of the end (an approval, the limit), or a shared store.
+            None => request_view(&state.runtime, &submitted.request_id, None).await?,
+        };
         let status = if view.status.is_terminal() {
             StatusCode::OK
         } else {

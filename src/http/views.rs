@@ -9,8 +9,8 @@ use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{JournalError, Runtime, RuntimeError};
 use crate::spend::SpendError;
 use crate::store::{
-    ApprovalRecord, EventRecord, MessageRecord, RequestRecord, RunRecord, RunStatus, SessionRecord,
-    StoreError,
+    ApprovalRecord, EventRecord, MessageRecord, RequestInFull, RequestRecord, RunRecord, RunStatus,
+    SessionRecord, StoreError,
 };
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -100,6 +100,14 @@ impl RequestView {
             charged: None,
         }
     }
+
+    /// The view of one request, with its approvals and what it was charged.
+    pub fn in_full(full: RequestInFull) -> Self {
+        let mut view = Self::new(full.request, full.runs);
+        view.approvals = Some(full.approvals);
+        view.charged = Some(full.charged);
+        view
+    }
 }
 
 /// A page of events: `nextAfter` is the `after` of the next call.
@@ -180,10 +188,7 @@ pub async fn request_view(
             )
             .param("id")
         })?;
-    let mut view = RequestView::new(full.request, full.runs);
-    view.approvals = Some(full.approvals);
-    view.charged = Some(full.charged);
-    Ok(view)
+    Ok(RequestView::in_full(full))
 }
 
 /// Requests with their runs, read in one go for a page of a list.

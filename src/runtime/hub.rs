@@ -5,13 +5,17 @@
 //! The hub also knows which requests are *streamed*: followed by someone who shows each event
 //! as it comes (an SSE answer, a tail of the event log). The journal commits their writes at
 //! once; a request only waited on to its end lets its writes ride along with its next commit.
+//!
+//! And which requests' *views are awaited at their end* (a `wait` answer): the journal reads
+//! such a request's view right after the commit of its terminal event, and hands it over
+//! before it publishes that event, so the waiter has it when it wakes.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, oneshot};
 
 use crate::ids::IdMap;
-use crate::store::EventRecord;
+use crate::store::{EventRecord, RequestInFull};
 
 /// Events buffered per request for live subscribers. Every request with a follower has a
 /// channel, allocated whole when it is made: a 1,024-slot channel was ~50 KB of allocation
@@ -25,6 +29,8 @@ pub struct EventHub {
     channels: Mutex<IdMap<String, broadcast::Sender<Arc<EventRecord>>>>,
     /// Requests streamed live, with how many followers stream each.
     streamed: Mutex<IdMap<String, usize>>,
+    /// Requests whose view someone awaits at their end.
+    views: Mutex<IdMap<String, oneshot::Sender<RequestInFull>>>,
 }
 
 /// A request streamed live, while this is held (see [`EventHub::stream`]).
@@ -43,6 +49,29 @@ impl Drop for Streamed {
                 streamed.remove(&self.request_id);
             }
         }
+    }
+}
+
+/// A request's view awaited at its end (see [`EventHub::await_view`]); dropped, the hub
+/// forgets it.
+#[derive(Debug)]
+pub struct AwaitedView {
+    hub: Arc<EventHub>,
+    request_id: String,
+    receiver: oneshot::Receiver<RequestInFull>,
+}
+
+impl AwaitedView {
+    /// The view, if the journal delivered it: it does so before publishing the terminal
+    /// event, so a waiter that saw the end finds it here.
+    pub fn take(&mut self) -> Option<RequestInFull> {
+        self.receiver.try_recv().ok()
+    }
+}
+
+impl Drop for AwaitedView {
+    fn drop(&mut self) {
+        locked(&self.hub.views).remove(&self.request_id);
     }
 }
 
@@ -66,6 +95,41 @@ impl EventHub {
             hub: Arc::clone(self),
             request_id: request_id.to_owned(),
         }
+    }
+
+    /// Asks for the view of `request_id` as it stands right after the commit of its
+    /// terminal event, until the returned guard drops. Nothing arrives if the request has
+    /// not ended by then, or the read failed: the waiter reads the view itself.
+    pub fn await_view(self: &Arc<Self>, request_id: &str) -> AwaitedView {
+        let (sender, receiver) = oneshot::channel();
+        locked(&self.views).insert(request_id.to_owned(), sender);
+        AwaitedView {
+            hub: Arc::clone(self),
+            request_id: request_id.to_owned(),
+            receiver,
+        }
+    }
+
+    /// The requests among `events` that end here and whose view is still awaited, taken
+    /// out of the hub: the journal reads each view and sends it before it publishes the
+    /// request's events.
+    pub fn views_awaited(
+        &self,
+        events: &[Arc<EventRecord>],
+    ) -> Vec<(String, oneshot::Sender<RequestInFull>)> {
+        let mut views = locked(&self.views);
+        if views.is_empty() {
+            return Vec::new();
+        }
+        events
+            .iter()
+            .filter(|event| super::events::is_terminal(&event.event_type))
+            .filter_map(|event| {
+                let sender = views.remove(&event.request_id)?;
+                // The waiter gave up (its client went away): no read for nobody.
+                (!sender.is_closed()).then(|| (event.request_id.clone(), sender))
+            })
+            .collect()
     }
 
     /// Whether someone here streams `request_id` live.
@@ -110,6 +174,7 @@ impl EventHub {
     /// refused its first write): its subscribers see the channel closed.
     pub fn close(&self, request_id: &str) {
         locked(&self.channels).remove(request_id);
+        locked(&self.views).remove(request_id);
     }
 
     /// Drops the channel of a request nobody listens to any more.
@@ -192,5 +257,32 @@ mod tests {
         assert!(!hub.has_subscribers("req_a"));
         assert!(hub.has_subscribers("req_b"));
         assert_eq!(hub.channel_count(), 1);
+    }
+
+    #[test]
+    fn a_view_is_awaited_only_at_its_requests_end_and_only_while_a_waiter_holds_it() {
+        let hub = Arc::new(EventHub::default());
+        let a = hub.await_view("req_a");
+        let b = hub.await_view("req_b");
+        let c = hub.await_view("req_c");
+        drop(b);
+        let started = [event("req_a", 1, "runtime.request.started")];
+        assert!(hub.views_awaited(&started).is_empty());
+        let ended = [
+            event("req_a", 2, super::super::events::REQUEST_COMPLETED),
+            event("req_b", 2, super::super::events::REQUEST_FAILED),
+        ];
+        let awaited: Vec<String> = hub
+            .views_awaited(&ended)
+            .into_iter()
+            .map(|(request, _)| request)
+            .collect();
+        // b's waiter was gone before its end: forgotten, not read; c has not ended.
+        assert_eq!(awaited, ["req_a"]);
+        assert!(hub.views_awaited(&ended).is_empty());
+        assert_eq!(locked(&hub.views).len(), 1);
+        drop(c);
+        drop(a);
+        assert!(locked(&hub.views).is_empty());
     }
 }

@@ -45,7 +45,7 @@ use crate::store::{
 };
 use crate::workspace::CompiledWorkspace;
 
-pub use hub::{EventHub, Streamed};
+pub use hub::{AwaitedView, EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
 pub use memory_admin::{ImportReport, MemoryAdminError};
@@ -439,13 +439,14 @@ impl Runtime {
     /// Persists a request and its first run, and starts the run.
     #[tracing::instrument(skip_all, fields(agent = request.agent_id.as_deref(), protocol = request.protocol.as_str()))]
     pub async fn submit(&self, request: NewRequest) -> Result<Submitted, RuntimeError> {
-        Ok(self.submit_inner(request, None).await?.0)
+        Ok(self.submit_inner(request, None, false).await?.0)
     }
 
     async fn submit_inner(
         &self,
         request: NewRequest,
         follow: Option<Following>,
+        await_view: bool,
     ) -> Result<(Submitted, Option<Subscription>), RuntimeError> {
         let inner = &self.inner;
         // A run already executing may still hand work to a subagent during the drain: refusing
@@ -665,6 +666,11 @@ impl Runtime {
         // Subscribed before the first write, too: if the store refuses a submit nobody waits
         // on, the journal closes the request's channel, and the follower must hold it by then.
         let live = follow.map(|_| inner.hub.subscribe(&request_id));
+        // The view at the end is read next to its commit only on a store this process alone
+        // writes (on the writer's own connection); on a shared store that read is a round
+        // trip the journal would wait on before its next commit.
+        let view =
+            (await_view && !inner.store.is_shared()).then(|| inner.hub.await_view(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable. The others
         // hold it for the run's first write that commits: a request whose model answers at
@@ -688,7 +694,11 @@ impl Runtime {
             agent_id,
             status,
         };
-        let live = live.map(|live| Subscription { live, streamed });
+        let live = live.map(|live| Subscription {
+            live,
+            streamed,
+            view,
+        });
         let own_from = run_messages.len();
         self.start_run(run::RunJob {
             submitted: Submitted {
@@ -762,6 +772,7 @@ impl Runtime {
         Subscription {
             live: self.inner.hub.subscribe(request_id),
             streamed: (following == Following::Live).then(|| self.inner.hub.stream(request_id)),
+            view: None,
         }
     }
 
@@ -773,11 +784,29 @@ impl Runtime {
         request: NewRequest,
         following: Following,
     ) -> Result<(Submitted, EventStream), RuntimeError> {
-        let (submitted, subscription) = self.submit_inner(request, Some(following)).await?;
+        let (submitted, subscription) = self.submit_inner(request, Some(following), false).await?;
         let subscription =
             subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, following));
         let events = self.follow_with(&submitted.request_id, 0, subscription, false);
         Ok((submitted, events))
+    }
+
+    /// [`Runtime::submit_and_follow`] to the end, with the request's view as it stands right
+    /// after the commit of its end, read by the journal beside that commit (`None` on a
+    /// shared store). Take it once the events ended: the view is delivered before the
+    /// terminal event is published.
+    pub async fn submit_and_await_view(
+        &self,
+        request: NewRequest,
+    ) -> Result<(Submitted, EventStream, Option<AwaitedView>), RuntimeError> {
+        let (submitted, subscription) = self
+            .submit_inner(request, Some(Following::ToEnd), true)
+            .await?;
+        let mut subscription =
+            subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, Following::ToEnd));
+        let view = subscription.view.take();
+        let events = self.follow_with(&submitted.request_id, 0, subscription, false);
+        Ok((submitted, events, view))
     }
 
     fn follow_with(
@@ -789,7 +818,9 @@ impl Runtime {
     ) -> EventStream {
         let inner = Arc::clone(&self.inner);
         let request_id = request_id.to_owned();
-        let Subscription { mut live, streamed } = subscription;
+        let Subscription {
+            mut live, streamed, ..
+        } = subscription;
         Box::pin(async_stream::try_stream! {
             let _release = ReleaseOnDrop { hub: Arc::clone(&inner.hub), request_id: request_id.clone() };
             let _streamed = streamed;
@@ -1066,6 +1097,8 @@ pub enum Following {
 struct Subscription {
     live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
     streamed: Option<Streamed>,
+    /// The request's view awaited at its end, if asked for.
+    view: Option<AwaitedView>,
 }
 
 struct ReleaseOnDrop {

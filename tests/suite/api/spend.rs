@@ -353,6 +353,42 @@ async fn retries_and_tool_turns_are_all_charged(database: Option<String>) {
 }
 on_both_stores!(retries_and_tool_turns_are_all_charged);
 
+/// A waiting submit answers with the view the store keeps: on the embedded store the journal
+/// reads it beside the end's commit, on PostgreSQL the waiter reads it after the end. Either
+/// way it holds the end and the run's charge, and equals what a read afterwards returns.
+async fn a_waited_answer_is_the_view_as_stored(database: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.push([Reply::Metered {
+        text: "a metered answer".into(),
+        usage: Some((123, 456)),
+        pause: Duration::ZERO,
+    }]);
+    let workspace = spend_workspace(&upstream, "", "");
+    let app = TestApp::spawn_on(workspace, database, &[CLIENT_KEY], &[ADMIN_KEY]).await;
+    let (status, waited) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "assistant", "input": { "text": "meter me" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{waited}");
+    assert_eq!(waited["status"], "completed", "{waited}");
+    assert_eq!(waited["output"], "a metered answer", "{waited}");
+    assert_eq!(waited["runs"][0]["status"], "completed", "{waited}");
+    assert_eq!(waited["charged"]["calls"], 1, "{waited}");
+    assert_eq!(waited["charged"]["promptTokens"], 123, "{waited}");
+    assert_eq!(waited["charged"]["completionTokens"], 456, "{waited}");
+    let request_id = waited["requestId"].as_str().unwrap();
+    let (status, read) = app
+        .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{read}");
+    assert_eq!(waited, read);
+}
+
+on_both_stores!(a_waited_answer_is_the_view_as_stored);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_is_charged_from_its_final_usage_chunk_and_silence_is_estimated() {
     let upstream = MockUpstream::start().await;
