@@ -784,10 +784,7 @@ impl Runtime {
         request: NewRequest,
         following: Following,
     ) -> Result<(Submitted, EventStream), RuntimeError> {
-        let (submitted, subscription) = self.submit_inner(request, Some(following), false).await?;
-        let subscription =
-            subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, following));
-        let events = self.follow_with(&submitted.request_id, 0, subscription, false);
+        let (submitted, events, _) = self.submit_following(request, following, false).await?;
         Ok((submitted, events))
     }
 
@@ -799,11 +796,22 @@ impl Runtime {
         &self,
         request: NewRequest,
     ) -> Result<(Submitted, EventStream, Option<AwaitedView>), RuntimeError> {
+        self.submit_following(request, Following::ToEnd, true).await
+    }
+
+    /// Submits and follows the request from its first event, with its view awaited at the
+    /// end when `await_view` (and the store allows it).
+    async fn submit_following(
+        &self,
+        request: NewRequest,
+        following: Following,
+        await_view: bool,
+    ) -> Result<(Submitted, EventStream, Option<AwaitedView>), RuntimeError> {
         let (submitted, subscription) = self
-            .submit_inner(request, Some(Following::ToEnd), true)
+            .submit_inner(request, Some(following), await_view)
             .await?;
         let mut subscription =
-            subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, Following::ToEnd));
+            subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, following));
         let view = subscription.view.take();
         let events = self.follow_with(&submitted.request_id, 0, subscription, false);
         Ok((submitted, events, view))
