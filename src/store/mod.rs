@@ -204,36 +204,9 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     }
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// A request with its runs, their approvals and what its calls were charged: what a
-    /// request's view shows. One read where the store can (the embedded store reads it on
-    /// its writer's connection, in one hop), else a read each.
-    async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
-        let Some(request) = self.request(id).await? else {
-            return Ok(None);
-        };
-        let runs = self.runs_of(id).await?;
-        let mut approvals = Vec::new();
-        for run in &runs {
-            approvals.extend(self.approvals_of_run(&run.id).await?);
-        }
-        let charged = self
-            .usage_totals(
-                &spend::UsageFilter {
-                    request_id: Some(id.to_owned()),
-                    ..Default::default()
-                },
-                None,
-            )
-            .await?
-            .into_iter()
-            .next()
-            .unwrap_or_default();
-        Ok(Some(RequestInFull {
-            request,
-            runs,
-            approvals,
-            charged,
-        }))
-    }
+    /// request's view shows. Read in one hop where the store can: the embedded store on its
+    /// writer's connection, PostgreSQL as three reads sent at once.
+    async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
     // index seek straight to a deep page (`'~'` sorts after every character of the ids we

@@ -1439,10 +1439,22 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
     use stable_harness::store::spend::UsageRecord;
     seed(&store, "a", RunStatus::WaitingApproval).await;
     seed(&store, "b", RunStatus::Running).await;
+    // A second attempt whose id, and its approval's, sort before the first's: the view
+    // lists runs by attempt, and approvals run by run.
+    let WriteOp::InsertRun(mut retry) = run("run_0a", "req_a", RunStatus::Queued) else {
+        unreachable!("run() inserts a run")
+    };
+    retry.attempt = 2;
+    let WriteOp::InsertApproval(mut on_retry) = approval("apr_0", ApprovalStatus::Pending) else {
+        unreachable!("approval() inserts an approval")
+    };
+    on_retry.run_id = "run_0a".into();
     store
         .apply(&[
             approval("apr_2", ApprovalStatus::Approved),
             approval("apr_1", ApprovalStatus::Pending),
+            WriteOp::InsertRun(retry),
+            WriteOp::InsertApproval(on_retry),
         ])
         .await
         .unwrap();
@@ -1478,7 +1490,7 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
     assert_eq!(full.request.owner, "alice");
     assert_eq!(full.request.status, RunStatus::WaitingApproval);
     let runs: Vec<&str> = full.runs.iter().map(|r| r.id.as_str()).collect();
-    assert_eq!(runs, ["run_a"]);
+    assert_eq!(runs, ["run_a", "run_0a"]);
     let approvals: Vec<(&str, ApprovalStatus)> = full
         .approvals
         .iter()
@@ -1488,7 +1500,8 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
         approvals,
         [
             ("apr_1", ApprovalStatus::Pending),
-            ("apr_2", ApprovalStatus::Approved)
+            ("apr_2", ApprovalStatus::Approved),
+            ("apr_0", ApprovalStatus::Pending)
         ]
     );
     assert_eq!(full.charged.prompt_tokens, 120);
@@ -1502,6 +1515,12 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
     let other = store.request_in_full("req_b").await.unwrap().unwrap();
     assert!(other.approvals.is_empty());
     assert_eq!(other.charged.calls, 1);
+    seed(&store, "c", RunStatus::Queued).await;
+    let uncharged = store.request_in_full("req_c").await.unwrap().unwrap();
+    assert_eq!(uncharged.runs.len(), 1);
+    assert_eq!(uncharged.charged.calls, 0);
+    assert_eq!(uncharged.charged.total_tokens, 0);
+    assert_eq!(uncharged.charged.cost, None);
     assert!(
         store
             .request_in_full("req_missing")
