@@ -79,6 +79,7 @@ conformance!(
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
     a_request_is_read_in_full_with_runs_approvals_and_charges,
+    a_view_never_shows_an_ended_request_with_a_live_run,
     updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
 );
 
@@ -1528,6 +1529,46 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
             .unwrap()
             .is_none()
     );
+}
+
+/// A view is never older in its parts than in its request: read again and again while the
+/// request and its run end in one transaction, a view that shows the request ended shows its
+/// run ended too.
+async fn a_view_never_shows_an_ended_request_with_a_live_run(store: Arc<dyn Store>) {
+    for n in 0..40 {
+        let name = format!("v{n:02}");
+        seed(&store, &name, RunStatus::Running).await;
+        let (request, run) = (format!("req_{name}"), format!("run_{name}"));
+        let reader = async {
+            for _ in 0..5_000 {
+                let full = store.request_in_full(&request).await.unwrap().unwrap();
+                if full.request.status == RunStatus::Completed {
+                    let runs: Vec<RunStatus> = full.runs.iter().map(|r| r.status).collect();
+                    assert_eq!(runs, [RunStatus::Completed], "the view of {request}");
+                    return;
+                }
+            }
+            panic!("{request} never showed as ended");
+        };
+        let ender = async {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            store
+                .apply(&[
+                    update_run(&run, RunStatus::Completed),
+                    WriteOp::UpdateRequest {
+                        id: request.clone(),
+                        status: RunStatus::Completed,
+                        output: Some("done".into()),
+                        error: None,
+                        usage: None,
+                        at: Utc::now(),
+                    },
+                ])
+                .await
+                .unwrap();
+        };
+        tokio::join!(reader, ender);
+    }
 }
 
 async fn until<T>(mut probe: impl AsyncFnMut() -> Option<T>) -> T {
