@@ -447,7 +447,7 @@ impl Runtime {
         request: NewRequest,
         follow: Option<Following>,
         await_view: bool,
-    ) -> Result<(Submitted, Option<Subscription>), RuntimeError> {
+    ) -> Result<(Submitted, Option<Subscription>, Option<AwaitedView>), RuntimeError> {
         let inner = &self.inner;
         // A run already executing may still hand work to a subagent during the drain: refusing
         // it would fail a run that the shutdown is waiting on to finish.
@@ -694,11 +694,7 @@ impl Runtime {
             agent_id,
             status,
         };
-        let live = live.map(|live| Subscription {
-            live,
-            streamed,
-            view,
-        });
+        let live = live.map(|live| Subscription { live, streamed });
         let own_from = run_messages.len();
         self.start_run(run::RunJob {
             submitted: Submitted {
@@ -720,7 +716,7 @@ impl Runtime {
             permit: Some(permit),
             slot,
         });
-        Ok((submitted, live))
+        Ok((submitted, live, view))
     }
 
     fn start_run(&self, job: run::RunJob) {
@@ -772,7 +768,6 @@ impl Runtime {
         Subscription {
             live: self.inner.hub.subscribe(request_id),
             streamed: (following == Following::Live).then(|| self.inner.hub.stream(request_id)),
-            view: None,
         }
     }
 
@@ -807,12 +802,11 @@ impl Runtime {
         following: Following,
         await_view: bool,
     ) -> Result<(Submitted, EventStream, Option<AwaitedView>), RuntimeError> {
-        let (submitted, subscription) = self
+        let (submitted, subscription, view) = self
             .submit_inner(request, Some(following), await_view)
             .await?;
-        let mut subscription =
+        let subscription =
             subscription.unwrap_or_else(|| self.subscribe(&submitted.request_id, following));
-        let view = subscription.view.take();
         let events = self.follow_with(&submitted.request_id, 0, subscription, false);
         Ok((submitted, events, view))
     }
@@ -826,9 +820,7 @@ impl Runtime {
     ) -> EventStream {
         let inner = Arc::clone(&self.inner);
         let request_id = request_id.to_owned();
-        let Subscription {
-            mut live, streamed, ..
-        } = subscription;
+        let Subscription { mut live, streamed } = subscription;
         Box::pin(async_stream::try_stream! {
             let _release = ReleaseOnDrop { hub: Arc::clone(&inner.hub), request_id: request_id.clone() };
             let _streamed = streamed;
@@ -1105,8 +1097,6 @@ pub enum Following {
 struct Subscription {
     live: tokio::sync::broadcast::Receiver<Arc<EventRecord>>,
     streamed: Option<Streamed>,
-    /// The request's view awaited at its end, if asked for.
-    view: Option<AwaitedView>,
 }
 
 struct ReleaseOnDrop {
