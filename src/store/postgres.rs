@@ -36,7 +36,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::conditions::{self, Conditions, Dialect};
 use super::folds::{Folds, RequestRow, RunRow};
-use super::spend::UsageTotals;
+use super::postgres_spend::{usage_sums, usage_totals_from_row};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -557,17 +557,11 @@ impl Store for PostgresStore {
     // comparison in that collation cannot use `usage_records`' index (a scan of every charge).
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = text(id);
-        let request = sqlx::query(
-            "SELECT r.*, u.calls AS charged_calls, u.prompt AS charged_prompt,
-               u.completion AS charged_completion, u.cost AS charged_cost,
-               u.estimated AS charged_estimated
-             FROM requests r, LATERAL (
-               SELECT COUNT(*)::BIGINT AS calls, SUM(prompt_tokens)::BIGINT AS prompt,
-                 SUM(completion_tokens)::BIGINT AS completion, SUM(cost_nanos)::BIGINT AS cost,
-                 COUNT(*) FILTER (WHERE estimated)::BIGINT AS estimated
-               FROM usage_records WHERE request_id = $1) u
-             WHERE r.id = $1",
-        )
+        let request = sqlx::query(concat!(
+            "SELECT r.*, u.* FROM requests r, LATERAL (SELECT ",
+            usage_sums!(),
+            " FROM usage_records WHERE request_id = $1) u WHERE r.id = $1"
+        ))
         .bind(&id)
         .fetch_optional(&self.pool)
         .await?;
@@ -585,14 +579,8 @@ impl Store for PostgresStore {
         .bind(&id)
         .fetch_all(&self.pool);
         let (runs, approvals) = tokio::try_join!(runs, approvals)?;
-        let charged = UsageTotals::from_sums(
-            String::new(),
-            request.try_get("charged_calls")?,
-            request.try_get("charged_prompt")?,
-            request.try_get("charged_completion")?,
-            request.try_get("charged_cost")?,
-            request.try_get("charged_estimated")?,
-        );
+        // The sums' columns are named as `usage_totals` names them; none is a request's.
+        let charged = usage_totals_from_row(&request, String::new())?;
         Ok(Some(RequestInFull {
             request: request_from_row(&request)?,
             runs: runs.iter().map(run_from_row).collect::<Result<_, _>>()?,

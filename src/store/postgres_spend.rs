@@ -18,6 +18,31 @@ fn int(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
+/// The sums of a group of usage records, as the columns [`usage_totals_from_row`] reads.
+macro_rules! usage_sums {
+    () => {
+        "COUNT(*)::BIGINT AS calls, SUM(prompt_tokens)::BIGINT AS prompt,
+         SUM(completion_tokens)::BIGINT AS completion, SUM(cost_nanos)::BIGINT AS cost,
+         COUNT(*) FILTER (WHERE estimated)::BIGINT AS estimated"
+    };
+}
+pub(super) use usage_sums;
+
+/// The sums of a group of usage records, from the columns [`usage_sums`] names.
+pub(super) fn usage_totals_from_row(
+    row: &sqlx::postgres::PgRow,
+    group: String,
+) -> Result<UsageTotals, StoreError> {
+    Ok(UsageTotals::from_sums(
+        group,
+        row.try_get("calls")?,
+        row.try_get("prompt")?,
+        row.try_get("completion")?,
+        row.try_get("cost")?,
+        row.try_get("estimated")?,
+    ))
+}
+
 fn amount(tokens: Option<i64>, cost_nanos: Option<i64>) -> Amount {
     Amount {
         tokens: tokens.unwrap_or(0).max(0) as u64,
@@ -162,11 +187,13 @@ impl SpendStore for PostgresStore {
         // Only fixed expressions are formatted in (the grouping, the conditions); every value
         // is bound.
         let sql = format!(
-            "SELECT {group} AS grp, COUNT(*)::BIGINT AS calls,
-               SUM(prompt_tokens)::BIGINT AS prompt, SUM(completion_tokens)::BIGINT AS completion,
-               SUM(cost_nanos)::BIGINT AS cost, COUNT(*) FILTER (WHERE estimated)::BIGINT AS estimated
-             FROM usage_records WHERE {conditions}
-             GROUP BY grp ORDER BY grp"
+            concat!(
+                "SELECT {group} AS grp, ",
+                usage_sums!(),
+                " FROM usage_records WHERE {conditions} GROUP BY grp ORDER BY grp"
+            ),
+            group = group,
+            conditions = conditions
         );
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.owner.as_deref().map(text))
@@ -179,16 +206,7 @@ impl SpendStore for PostgresStore {
             .fetch_all(&self.pool)
             .await?;
         rows.iter()
-            .map(|row| {
-                Ok(UsageTotals::from_sums(
-                    row.try_get("grp")?,
-                    row.try_get("calls")?,
-                    row.try_get("prompt")?,
-                    row.try_get("completion")?,
-                    row.try_get("cost")?,
-                    row.try_get("estimated")?,
-                ))
-            })
+            .map(|row| usage_totals_from_row(row, row.try_get("grp")?))
             .collect()
     }
 
