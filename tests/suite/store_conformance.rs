@@ -81,6 +81,7 @@ conformance!(
     a_request_is_read_in_full_with_runs_approvals_and_charges,
     a_view_never_shows_an_ended_request_with_a_live_run,
     updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
+    a_batch_of_many_submits_writes_what_one_op_at_a_time_writes,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1870,4 +1871,147 @@ async fn updates_in_the_batch_that_inserts_leave_what_separate_transactions_leav
         "{refused:?}"
     );
     assert!(store.request("req_late").await.unwrap().is_none());
+}
+
+/// Three requests' submits and ends as the journal batches them (one after another, each
+/// request's ops in its order), with their session touched by each, under `prefix`; and a
+/// request stored before, updated in the same batch.
+fn submits(prefix: &str, at: chrono::DateTime<Utc>) -> Vec<WriteOp> {
+    let session = format!("ses_{prefix}");
+    let mut ops = Vec::new();
+    let mut parent = None;
+    for n in 0..3 {
+        let step = at + Age::milliseconds(10 * n);
+        let request_id = format!("req_{prefix}_{n}");
+        let run_id = format!("run_{prefix}_{n}");
+        let mut touch = session_at(&session, step);
+        if let WriteOp::TouchSession(record) = &mut touch {
+            // Only a new session's first touch says who made it: later touches only move
+            // `updated_at`, whatever else they carry.
+            record.agent_id = format!("agent_{n}");
+            record.metadata = json!({ "touch": n });
+        }
+        let mut inserted = request(&request_id, &session, "alice", RunStatus::Queued, Age::zero());
+        if let WriteOp::InsertRequest(record) = &mut inserted {
+            record.created_at = step;
+            record.updated_at = step;
+        }
+        let message_id = format!("msg_{prefix}_{n}");
+        let message = WriteOp::InsertMessage(MessageRecord {
+            id: message_id.clone(),
+            session_id: session.clone(),
+            parent_id: parent.replace(message_id),
+            request_id: Some(request_id.clone()),
+            role: "user".into(),
+            content: json!({ "role": "user", "content": format!("turn {n}") }),
+            created_at: step,
+        });
+        let mut inserted_run = run(&run_id, &request_id, RunStatus::Queued);
+        if let WriteOp::InsertRun(record) = &mut inserted_run {
+            record.created_at = step;
+            record.updated_at = step;
+        }
+        ops.extend([touch, inserted, message, inserted_run, event(&request_id, &run_id, 0)]);
+        if n == 1 {
+            // A request stored earlier ends in this batch, between two submits.
+            ops.push(WriteOp::UpdateRequest {
+                id: format!("req_{prefix}_before"),
+                status: RunStatus::Failed,
+                output: Some("gave up".into()),
+                error: Some(json!({ "code": "upstream" })),
+                usage: None,
+                at: step,
+            });
+        }
+    }
+    ops
+}
+
+async fn a_batch_of_many_submits_writes_what_one_op_at_a_time_writes(store: Arc<dyn Store>) {
+    // Whole microseconds: what both stores keep.
+    let at = chrono::SubsecRound::trunc_subsecs(Utc::now() - Age::seconds(1), 6);
+    for prefix in ["one", "apart"] {
+        store
+            .apply(&[
+                session(&format!("ses_{prefix}_before"), "alice", Age::zero()),
+                request(
+                    &format!("req_{prefix}_before"),
+                    &format!("ses_{prefix}_before"),
+                    "alice",
+                    RunStatus::Running,
+                    Age::zero(),
+                ),
+            ])
+            .await
+            .unwrap();
+    }
+    let numbers = store.apply(&submits("one", at)).await.unwrap();
+    assert_eq!(numbers, vec![1, 1, 1], "each request's first event is its first");
+    for op in submits("apart", at) {
+        store.apply(&[op]).await.unwrap();
+    }
+
+    // Everything each wrote, with its prefix taken out.
+    async fn written(store: &Arc<dyn Store>, prefix: &str) -> String {
+        let session = store.session(&format!("ses_{prefix}")).await.unwrap();
+        let messages = store.messages(&format!("ses_{prefix}")).await.unwrap();
+        let mut requests = Vec::new();
+        for name in ["0", "1", "2", "before"] {
+            let mut request = store
+                .request(&format!("req_{prefix}_{name}"))
+                .await
+                .unwrap()
+                .unwrap();
+            // The earlier request's own times are taken at its insert.
+            if name == "before" {
+                request.created_at = chrono::DateTime::<Utc>::MIN_UTC;
+            }
+            requests.push(request);
+        }
+        let mut runs = Vec::new();
+        for n in 0..3 {
+            let mut run = store.run(&format!("run_{prefix}_{n}")).await.unwrap().unwrap();
+            if let Some(lease) = &mut run.lease {
+                lease.expires_at = chrono::DateTime::<Utc>::MIN_UTC;
+            }
+            runs.push(run);
+        }
+        format!("{session:?}\n{messages:?}\n{requests:?}\n{runs:?}").replace(&format!("_{prefix}"), "_P")
+    }
+    let (one, apart) = (written(&store, "one").await, written(&store, "apart").await);
+    assert_eq!(one, apart);
+
+    // And what that is: the session as its first touch made it, moved by its last; the
+    // messages chained in order; the earlier request ended; the runs leased and queued.
+    let session = store.session("ses_one").await.unwrap().unwrap();
+    assert_eq!(
+        (session.agent_id.as_str(), &session.metadata),
+        ("agent_0", &json!({ "touch": 0 }))
+    );
+    assert_eq!(session.created_at, at);
+    assert_eq!(session.updated_at, at + Age::milliseconds(20));
+    let messages = store.messages("ses_one").await.unwrap();
+    let chain: Vec<_> = messages
+        .iter()
+        .map(|message| (message.id.as_str(), message.parent_id.as_deref()))
+        .collect();
+    assert_eq!(
+        chain,
+        [
+            ("msg_one_0", None),
+            ("msg_one_1", Some("msg_one_0")),
+            ("msg_one_2", Some("msg_one_1")),
+        ]
+    );
+    let before = store.request("req_one_before").await.unwrap().unwrap();
+    assert_eq!(
+        (before.status, before.output.as_deref()),
+        (RunStatus::Failed, Some("gave up"))
+    );
+    for n in 0..3 {
+        let run = store.run(&format!("run_one_{n}")).await.unwrap().unwrap();
+        assert_eq!(run.status, RunStatus::Queued);
+        assert!(run.lease.is_some(), "a queued run is leased to its writer");
+        assert_eq!(store.last_seq(&format!("req_one_{n}")).await.unwrap(), 1);
+    }
 }
