@@ -37,6 +37,12 @@ pub trait EventSink: Send + Sync {
     /// commit: a run resumed after a crash starts from the last checkpoint, and a model turn's
     /// tools never run before the turn is stored. `Err`: the run cannot go on.
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError>;
+    /// Whether someone is shown the run's events as they come (a stream). While nobody is,
+    /// an adapter may gather a streamed answer's text into fewer output deltas: the same
+    /// text, in the same order, in fewer events.
+    fn shown_live(&self) -> bool {
+        true
+    }
 }
 
 /// The run's handle on its budgets (see [`crate::spend`]): every upstream call is reserved

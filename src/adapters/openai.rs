@@ -58,6 +58,11 @@ pub struct OpenAiAdapter {
 
 /// Most upstream endpoints kept parsed.
 const MAX_ENDPOINTS: usize = 64;
+/// Longest a streamed answer's text nobody is shown live is gathered before it is emitted:
+/// the journal's own hold, so a poll of the run's events sees it at most that much later.
+const GATHERED_FOR: Duration = Duration::from_millis(5);
+/// Most text gathered into one delta: the journal's merged deltas stop at this size too.
+const GATHERED_BYTES: usize = 64 * 1024;
 
 impl OpenAiAdapter {
     pub fn new(http: reqwest::Client) -> Self {
@@ -297,40 +302,46 @@ impl OpenAiAdapter {
         tokio::pin!(cancelled);
         let idle = tokio::time::sleep(model.timeout);
         tokio::pin!(idle);
+        // The text of the deltas read and not yet emitted, and since when it waits. It is
+        // emitted as one event when a read is handled (or before anything else happens): a
+        // fast upstream's burst of chunks costs one event, not one each. While nobody is
+        // shown the run live (an answer rendered whole), it is gathered over reads, for at
+        // most `GATHERED_FOR` or `GATHERED_BYTES`: its events commit with the run's next
+        // write anyway. The text and its order are the same either way.
+        let mut pending = String::new();
+        let mut pending_since = None;
         loop {
             // Biased: a cancellation wins, and a read that is ready wins over the timer, as
             // `timeout` around the read did.
             let next = tokio::select! {
                 biased;
-                () = &mut cancelled => return Err(fail(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"), output.text.len())),
-                next = body.next() => next,
-                () = &mut idle => return Err(fail(timeout_error(model), output.text.len())),
+                () = &mut cancelled => Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled")),
+                next = body.next() => Ok(next),
+                () = &mut idle => Err(timeout_error(model)),
             };
             idle.as_mut()
                 .reset(tokio::time::Instant::now() + model.timeout);
             let chunk = match next {
-                None => {
-                    let message = format!(
-                        "upstream model `{}` closed the stream before [DONE]",
-                        model.id
-                    );
-                    return Err(fail(
-                        AdapterError::new(FailureKind::Connection, message),
-                        output.text.len(),
-                    ));
+                Ok(Some(Ok(chunk))) => chunk,
+                ended => {
+                    emit_pending(context, &mut pending).await;
+                    let error = match ended {
+                        Err(error) => error,
+                        Ok(Some(Err(error))) => transport_error(model, &error),
+                        _ => AdapterError::new(
+                            FailureKind::Connection,
+                            format!(
+                                "upstream model `{}` closed the stream before [DONE]",
+                                model.id
+                            ),
+                        ),
+                    };
+                    return Err(fail(error, output.text.len()));
                 }
-                Some(Err(error)) => {
-                    return Err(fail(transport_error(model, &error), output.text.len()));
-                }
-                Some(Ok(chunk)) => chunk,
             };
             // Events completed before a decoding error still count: one may be `[DONE]`.
             events.clear();
             let decoded = decoder.feed(&chunk, &mut events);
-            // The text of every delta this read brought, emitted as one event when the read
-            // is handled (or before anything else happens): a fast upstream's burst of
-            // chunks costs one event, not one each; the text and its order are the same.
-            let mut pending = String::new();
             for data in &events {
                 if data.trim() == "[DONE]" {
                     emit_pending(context, &mut pending).await;
@@ -404,8 +415,18 @@ impl OpenAiAdapter {
                     output.finish_reason = reason.to_owned();
                 }
             }
-            emit_pending(context, &mut pending).await;
+            if !pending.is_empty() {
+                let since = *pending_since.get_or_insert_with(Instant::now);
+                if pending.len() >= GATHERED_BYTES
+                    || since.elapsed() >= GATHERED_FOR
+                    || context.events.shown_live()
+                {
+                    emit_pending(context, &mut pending).await;
+                    pending_since = None;
+                }
+            }
             if let Err(error) = decoded {
+                emit_pending(context, &mut pending).await;
                 let message = format!("upstream model `{}` sent {error}", model.id);
                 return Err(malformed(message, output.text.len()));
             }

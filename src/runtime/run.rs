@@ -356,6 +356,13 @@ impl EventSink for RunEvents {
         .await
         .map_err(|error| store_failure(&error))
     }
+
+    fn shown_live(&self) -> bool {
+        self.runtime
+            .inner
+            .hub
+            .is_streamed(&self.submitted.request_id)
+    }
 }
 
 #[async_trait::async_trait]

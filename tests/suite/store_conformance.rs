@@ -1891,7 +1891,13 @@ fn submits(prefix: &str, at: chrono::DateTime<Utc>) -> Vec<WriteOp> {
             record.agent_id = format!("agent_{n}");
             record.metadata = json!({ "touch": n });
         }
-        let mut inserted = request(&request_id, &session, "alice", RunStatus::Queued, Age::zero());
+        let mut inserted = request(
+            &request_id,
+            &session,
+            "alice",
+            RunStatus::Queued,
+            Age::zero(),
+        );
         if let WriteOp::InsertRequest(record) = &mut inserted {
             record.created_at = step;
             record.updated_at = step;
@@ -1911,7 +1917,13 @@ fn submits(prefix: &str, at: chrono::DateTime<Utc>) -> Vec<WriteOp> {
             record.created_at = step;
             record.updated_at = step;
         }
-        ops.extend([touch, inserted, message, inserted_run, event(&request_id, &run_id, 0)]);
+        ops.extend([
+            touch,
+            inserted,
+            message,
+            inserted_run,
+            event(&request_id, &run_id, 0),
+        ]);
         if n == 1 {
             // A request stored earlier ends in this batch, between two submits.
             ops.push(WriteOp::UpdateRequest {
@@ -1946,7 +1958,11 @@ async fn a_batch_of_many_submits_writes_what_one_op_at_a_time_writes(store: Arc<
             .unwrap();
     }
     let numbers = store.apply(&submits("one", at)).await.unwrap();
-    assert_eq!(numbers, vec![1, 1, 1], "each request's first event is its first");
+    assert_eq!(
+        numbers,
+        vec![1, 1, 1],
+        "each request's first event is its first"
+    );
     for op in submits("apart", at) {
         store.apply(&[op]).await.unwrap();
     }
@@ -1970,13 +1986,18 @@ async fn a_batch_of_many_submits_writes_what_one_op_at_a_time_writes(store: Arc<
         }
         let mut runs = Vec::new();
         for n in 0..3 {
-            let mut run = store.run(&format!("run_{prefix}_{n}")).await.unwrap().unwrap();
+            let mut run = store
+                .run(&format!("run_{prefix}_{n}"))
+                .await
+                .unwrap()
+                .unwrap();
             if let Some(lease) = &mut run.lease {
                 lease.expires_at = chrono::DateTime::<Utc>::MIN_UTC;
             }
             runs.push(run);
         }
-        format!("{session:?}\n{messages:?}\n{requests:?}\n{runs:?}").replace(&format!("_{prefix}"), "_P")
+        format!("{session:?}\n{messages:?}\n{requests:?}\n{runs:?}")
+            .replace(&format!("_{prefix}"), "_P")
     }
     let (one, apart) = (written(&store, "one").await, written(&store, "apart").await);
     assert_eq!(one, apart);

@@ -203,3 +203,56 @@ async fn a_stream_that_already_sent_text_is_never_retried() {
     assert_eq!(status, 200);
     assert_eq!(upstream.calls().len(), 3);
 }
+
+/// The text of a request's stored output deltas, joined in order.
+fn stored_text(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|event| event["data"]["event"]["phase"] == "agent.output.delta")
+        .filter_map(|event| event["data"]["event"]["text"].as_str())
+        .collect()
+}
+
+/// One `data:` line of a chat-completion chunk with this text.
+fn text_chunk(text: &str) -> String {
+    let body = json!({
+        "id": "chatcmpl-cut", "object": "chat.completion.chunk", "created": 1, "model": "main-upstream",
+        "choices": [{ "index": 0, "delta": { "content": text }, "finish_reason": null }],
+    });
+    format!("data: {body}\n\n")
+}
+
+#[tokio::test]
+async fn an_answer_rendered_whole_keeps_every_word_it_read_in_its_events() {
+    let upstream = MockUpstream::start().await;
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+
+    // Read after read, shown to nobody live: its text may be gathered into fewer deltas, and
+    // every word is stored, in order.
+    let text = "one two three four five six seven eight nine ten ";
+    upstream.push([Reply::Slow {
+        text: text.into(),
+        pause: Duration::from_millis(2),
+    }]);
+    let (response, request_id) = app.chat(&ask("assistant", false)).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], text);
+    assert_eq!(stored_text(&app.events(&request_id).await), text);
+
+    // A stream that ends without `[DONE]` right after its text fails the request (text was
+    // read, so it is not tried again), and the text it read is in the run's events all the
+    // same: none of it is still gathered when the run fails.
+    upstream.push([Reply::Raw(vec![
+        text_chunk("partial "),
+        text_chunk("answer "),
+    ])]);
+    let (response, request_id) = app.chat(&ask("assistant", false)).await;
+    assert_eq!(response.status(), 502);
+    let view = app.wait_until_done(&request_id).await;
+    assert_eq!(view["status"], "failed", "{view}");
+    assert_eq!(
+        stored_text(&app.events(&request_id).await),
+        "partial answer "
+    );
+}
