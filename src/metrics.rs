@@ -9,10 +9,14 @@
 //! Run durations are measured by the run itself; approvals pending are read from the store
 //! when scraped. Counters are this process's since it started.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::OnceLock;
+use std::thread::LocalKey;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::Value;
 
@@ -134,10 +138,81 @@ fn describe() {
     );
 }
 
+/// Handles a thread keeps, by the hash of their name and label values (see [`kept`]).
+type Kept<H> = RefCell<HashMap<u64, KeptHandle<H>, foldhash::fast::RandomState>>;
+
+/// A kept handle and what it was looked up by: a hash alone could name another's.
+struct KeptHandle<H> {
+    name: &'static str,
+    values: Box<[Box<str>]>,
+    handle: H,
+}
+
+thread_local! {
+    static COUNTERS: Kept<Counter> = RefCell::default();
+    static HISTOGRAMS: Kept<Histogram> = RefCell::default();
+    static GAUGES: Kept<Gauge> = RefCell::default();
+}
+
+/// Most handles of one kind kept by a thread. Label values come from the workspace (agents,
+/// models, keys, tools); past this many, handles are looked up each time, as without keeping.
+const KEPT_HANDLES: usize = 1024;
+
+/// The handle of the metric `name` with these label values. Looking one up in the registry
+/// allocates its labels, hashes them and takes a lock (~2,500 instructions, a few times per
+/// request: docs/profiling.md, the nineteenth pass), so each thread looks a handle up once
+/// and keeps it, found again without allocating. Kept only once the recorder is installed:
+/// before, the registry hands out handles that record nothing.
+fn kept<H: Clone>(
+    kind: &'static LocalKey<Kept<H>>,
+    name: &'static str,
+    values: &[&str],
+    register: impl FnOnce() -> H,
+) -> H {
+    if !matches!(HANDLE.get(), Some(Some(_))) {
+        return register();
+    }
+    kind.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        // `str`'s hash ends each value with a marker: no two lists of values hash as one
+        // list does by construction, and the comparison below settles a true collision.
+        let hash = kept.hasher().hash_one((name, values));
+        if let Some(found) = kept.get(&hash) {
+            if found.name == name
+                && found.values.len() == values.len()
+                && found
+                    .values
+                    .iter()
+                    .zip(values)
+                    .all(|(kept, value)| **kept == **value)
+            {
+                return found.handle.clone();
+            }
+            // Another metric's hash: looked up each time.
+            return register();
+        }
+        let handle = register();
+        if kept.len() < KEPT_HANDLES {
+            let values = values.iter().map(|value| Box::from(*value)).collect();
+            kept.insert(
+                hash,
+                KeptHandle {
+                    name,
+                    values,
+                    handle: handle.clone(),
+                },
+            );
+        }
+        handle
+    })
+}
+
 /// A journal transaction committed `ops` operations in `took`.
 pub fn journal_committed(ops: usize, took: Duration) {
-    histogram!("stable_harness_journal_batch_ops").record(ops as f64);
-    histogram!("stable_harness_journal_commit_duration_seconds").record(took.as_secs_f64());
+    const OPS: &str = "stable_harness_journal_batch_ops";
+    const TOOK: &str = "stable_harness_journal_commit_duration_seconds";
+    kept(&HISTOGRAMS, OPS, &[], || histogram!(OPS)).record(ops as f64);
+    kept(&HISTOGRAMS, TOOK, &[], || histogram!(TOOK)).record(took.as_secs_f64());
 }
 
 /// The store failed a write: `transient` ones are retried.
@@ -150,18 +225,19 @@ pub fn store_error(transient: bool) {
 pub fn event_committed(event: &EventRecord) {
     event_appended(&event.event_type);
     let data = &event.data;
-    let text = |key: &str| {
-        data.get(key)
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned()
-    };
+    let text = |key: &str| data.get(key).and_then(Value::as_str).unwrap_or("");
     match event.event_type.as_str() {
         events::MODEL_CALL_COMPLETED => {
             let model = text("model");
             if let Some(ms) = data.get("latencyMs").and_then(Value::as_f64) {
-                histogram!("stable_harness_model_call_duration_seconds", "model" => model.clone())
-                    .record(ms / 1000.0);
+                const NAME: &str = "stable_harness_model_call_duration_seconds";
+                kept(
+                    &HISTOGRAMS,
+                    NAME,
+                    &[model],
+                    || histogram!(NAME, "model" => model.to_owned()),
+                )
+                .record(ms / 1000.0);
             }
             for (field, kind) in [
                 ("prompt_tokens", "prompt"),
@@ -172,26 +248,37 @@ pub fn event_committed(event: &EventRecord) {
                     .and_then(|usage| usage.get(field))
                     .and_then(Value::as_u64)
                 {
-                    counter!("stable_harness_model_tokens_total", "model" => model.clone(), "kind" => kind)
-                        .increment(tokens);
+                    const NAME: &str = "stable_harness_model_tokens_total";
+                    kept(
+                        &COUNTERS,
+                        NAME,
+                        &[model, kind],
+                        || counter!(NAME, "model" => model.to_owned(), "kind" => kind),
+                    )
+                    .increment(tokens);
                 }
             }
         }
         events::USAGE_RECORDED => {
-            let (key, model) = (text("key"), text("model"));
-            let agent = event.agent_id.clone();
+            let (key, model, agent) = (text("key"), text("model"), event.agent_id.as_str());
             for (field, kind) in [
                 ("promptTokens", "prompt"),
                 ("completionTokens", "completion"),
             ] {
                 if let Some(tokens) = data.get(field).and_then(Value::as_u64) {
-                    counter!("stable_harness_usage_tokens_total", "key" => key.clone(), "agent" => agent.clone(), "model" => model.clone(), "kind" => kind)
-                        .increment(tokens);
+                    const NAME: &str = "stable_harness_usage_tokens_total";
+                    kept(&COUNTERS, NAME, &[key, agent, model, kind], || {
+                        counter!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned(), "kind" => kind)
+                    })
+                    .increment(tokens);
                 }
             }
             if let Some(cost) = data.get("cost").and_then(Value::as_f64) {
-                gauge!("stable_harness_usage_cost_total", "key" => key, "agent" => agent, "model" => model)
-                    .increment(cost);
+                const NAME: &str = "stable_harness_usage_cost_total";
+                kept(&GAUGES, NAME, &[key, agent, model], || {
+                    gauge!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned())
+                })
+                .increment(cost);
             }
         }
         events::TOOL_DIRECT_COMPLETED => tool_call(text("toolId"), "allow"),
@@ -199,64 +286,65 @@ pub fn event_committed(event: &EventRecord) {
         events::TOOL_DENIED
             if data.get("rule").and_then(Value::as_str) == Some("tool_not_allowed") =>
         {
-            tool_call("not_offered".to_owned(), "deny");
+            tool_call("not_offered", "deny");
         }
         events::TOOL_DENIED => tool_call(text("toolId"), "deny"),
         events::APPROVAL_REQUESTED => {
             let tool = data
                 .pointer("/approval/toolId")
                 .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned();
+                .unwrap_or("");
             tool_call(tool, "needs_approval");
         }
         events::REQUEST_COMPLETED | events::REQUEST_FAILED | events::REQUEST_CANCELLED => {
-            let status = event.event_type.rsplit('.').next().unwrap_or("").to_owned();
-            counter!("stable_harness_requests_total", "agent" => event.agent_id.clone(), "status" => status)
-                .increment(1);
+            const NAME: &str = "stable_harness_requests_total";
+            let status = event.event_type.rsplit('.').next().unwrap_or("");
+            let agent = event.agent_id.as_str();
+            kept(
+                &COUNTERS,
+                NAME,
+                &[agent, status],
+                || counter!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
+            )
+            .increment(1);
         }
         _ => {}
     }
 }
 
-/// Counts an appended event of type `kind`. Every event passes here, on the journal's
-/// thread: each type's counter is looked up in the registry once (which allocates its labels
-/// and takes a lock), then kept. Kept only once the recorder is installed (before, the
-/// registry hands out counters that record nothing), and for at most [`KEPT_TYPES`] types.
+/// Counts an appended event of type `kind` (every event passes here, on the journal's thread).
 fn event_appended(kind: &str) {
-    const KEPT_TYPES: usize = 256;
-    thread_local! {
-        static BY_TYPE: std::cell::RefCell<std::collections::HashMap<String, metrics::Counter>> =
-            std::cell::RefCell::default();
-    }
-    let lookup = || counter!("stable_harness_events_appended_total", "type" => kind.to_owned());
-    if !matches!(HANDLE.get(), Some(Some(_))) {
-        lookup().increment(1);
-        return;
-    }
-    BY_TYPE.with(|kept| {
-        let mut kept = kept.borrow_mut();
-        if let Some(counter) = kept.get(kind) {
-            counter.increment(1);
-            return;
-        }
-        let counter = lookup();
-        counter.increment(1);
-        if kept.len() < KEPT_TYPES {
-            kept.insert(kind.to_owned(), counter);
-        }
-    });
+    const NAME: &str = "stable_harness_events_appended_total";
+    kept(
+        &COUNTERS,
+        NAME,
+        &[kind],
+        || counter!(NAME, "type" => kind.to_owned()),
+    )
+    .increment(1);
 }
 
-fn tool_call(tool: String, decision: &'static str) {
-    counter!("stable_harness_tool_calls_total", "tool" => tool, "decision" => decision)
-        .increment(1);
+fn tool_call(tool: &str, decision: &'static str) {
+    const NAME: &str = "stable_harness_tool_calls_total";
+    kept(
+        &COUNTERS,
+        NAME,
+        &[tool, decision],
+        || counter!(NAME, "tool" => tool.to_owned(), "decision" => decision),
+    )
+    .increment(1);
 }
 
 /// A run ended with `status` after `took`.
 pub fn run_ended(agent: &str, status: &str, took: Duration) {
-    histogram!("stable_harness_run_duration_seconds", "agent" => agent.to_owned(), "status" => status.to_owned())
-        .record(took.as_secs_f64());
+    const NAME: &str = "stable_harness_run_duration_seconds";
+    kept(
+        &HISTOGRAMS,
+        NAME,
+        &[agent, status],
+        || histogram!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
+    )
+    .record(took.as_secs_f64());
 }
 
 /// The approvals pending, as the store counts them now.
@@ -279,4 +367,33 @@ pub fn budget_refused(budget: &str, at: &'static str) {
 /// A rate limit refused a request.
 pub fn rate_limited(limit: &str) {
     counter!("stable_harness_rate_limited_total", "limit" => limit.to_owned()).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn kept_handles_count_under_their_own_labels() {
+        super::install();
+        let runs = [
+            ("kept_a", "completed", 3),
+            ("kept_a", "failed", 1),
+            ("kept_b", "completed", 2),
+            // The same characters, split another way.
+            ("kept_", "acompleted", 4),
+        ];
+        for (agent, status, times) in runs {
+            for _ in 0..times {
+                super::run_ended(agent, status, Duration::from_millis(5));
+            }
+        }
+        let text = super::render();
+        for (agent, status, times) in runs {
+            let line = format!(
+                "stable_harness_run_duration_seconds_count{{agent=\"{agent}\",status=\"{status}\"}} {times}"
+            );
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
 }
