@@ -19,4 +19,5 @@ pub mod spend;
 pub mod store;
 pub mod text;
 pub mod threads;
+pub mod time;
 pub mod workspace;

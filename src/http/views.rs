@@ -22,8 +22,11 @@ pub struct RunView {
     pub status: RunStatus,
     #[schema(value_type = Option<Object>)]
     pub error: Option<Value>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize_optional")]
     pub started_at: Option<DateTime<Utc>>,
+    #[serde(serialize_with = "crate::time::serialize_optional")]
     pub ended_at: Option<DateTime<Utc>>,
 }
 
@@ -62,7 +65,9 @@ pub struct RequestView {
     pub cost_usd: Option<f64>,
     #[schema(value_type = Object)]
     pub metadata: Value,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub updated_at: DateTime<Utc>,
     pub runs: Vec<RunView>,
     /// The request's approvals, oldest first (in a request's own view; lists leave it out).
@@ -234,6 +239,7 @@ pub struct MessageView {
     /// The message as OpenAI-style JSON (`{"role", "content", ...}`).
     #[schema(value_type = Object)]
     pub content: Value,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub created_at: DateTime<Utc>,
 }
 
@@ -260,7 +266,9 @@ pub struct SessionSummary {
     /// The client key identity that owns it.
     pub owner: String,
     pub forked_from: Option<ForkOrigin>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub updated_at: DateTime<Utc>,
 }
 
@@ -291,7 +299,9 @@ pub struct SessionView {
     pub agent_id: String,
     pub owner: String,
     pub forked_from: Option<ForkOrigin>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
     pub updated_at: DateTime<Utc>,
     /// The newest leaf: the message the session's next request continues from.
     pub head_message_id: Option<String>,

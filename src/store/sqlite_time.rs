@@ -3,12 +3,12 @@
 //! stored times is their order in time (listings, cursors and the prune compare them in SQL).
 //!
 //! A chat request writes about twenty times and a view reads a few: chrono's general
-//! formatter and parser took ~15,000 instructions of a request (~2%). Times in the usual
-//! range go through the fixed layout here; anything else (a year outside 0-9999, a leap
-//! second, text another writer left with an offset or fewer digits) through chrono, which
-//! gives the same text and reads every RFC 3339 form.
+//! formatter and parser took ~15,000 instructions of a request (~2%). Times are written by
+//! [`crate::time`]; those in the fixed layout are read here directly, anything else (a year
+//! outside 0-9999, a leap second, text another writer left with an offset or fewer digits)
+//! through chrono, which reads every RFC 3339 form.
 
-use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
+use chrono::{DateTime, NaiveDate, SecondsFormat, Utc};
 
 use super::StoreError;
 
@@ -33,33 +33,7 @@ pub(super) fn now() -> String {
 
 /// `value` as the store writes it.
 pub(super) fn text(value: &DateTime<Utc>) -> String {
-    let (date, time) = (value.date_naive(), value.time());
-    let year = date.year();
-    // chrono represents a leap second as a nanosecond count past one second.
-    if !(0..=9999).contains(&year) || time.nanosecond() >= 1_000_000_000 {
-        return value.to_rfc3339_opts(SecondsFormat::Micros, true);
-    }
-    let mut text = [0u8; WIDTH];
-    let mut put = |at: usize, digits: usize, mut number: u32| {
-        for slot in text[at..at + digits].iter_mut().rev() {
-            *slot = b'0' + (number % 10) as u8;
-            number /= 10;
-        }
-    };
-    // `year` is within 0..=9999, checked above.
-    put(0, 4, year.unsigned_abs());
-    put(5, 2, date.month());
-    put(8, 2, date.day());
-    put(11, 2, time.hour());
-    put(14, 2, time.minute());
-    put(17, 2, time.second());
-    put(20, 6, time.nanosecond() / 1_000);
-    for (at, separator) in SEPARATORS {
-        text[at] = separator;
-    }
-    // Every byte written is ASCII, so the check passes (and is a few instructions).
-    String::from_utf8(text.to_vec())
-        .unwrap_or_else(|_| value.to_rfc3339_opts(SecondsFormat::Micros, true))
+    crate::time::rfc3339(value, SecondsFormat::Micros)
 }
 
 /// A stored time: the fixed layout read directly, any other RFC 3339 text through chrono.
