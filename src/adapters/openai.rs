@@ -302,21 +302,29 @@ impl OpenAiAdapter {
         tokio::pin!(cancelled);
         let idle = tokio::time::sleep(model.timeout);
         tokio::pin!(idle);
-        // The text of the deltas read and not yet emitted, and since when it waits. It is
-        // emitted as one event when a read is handled (or before anything else happens): a
-        // fast upstream's burst of chunks costs one event, not one each. While nobody is
-        // shown the run live (an answer rendered whole), it is gathered over reads, for at
-        // most `GATHERED_FOR` or `GATHERED_BYTES`: its events commit with the run's next
-        // write anyway. The text and its order are the same either way.
+        // The text of the deltas read and not yet emitted. It is emitted as one event when a
+        // read is handled (or before anything else happens): a fast upstream's burst of
+        // chunks costs one event, not one each. While nobody is shown the run live (an answer
+        // rendered whole), it is gathered over reads until `gathered` goes off,
+        // `GATHERED_FOR` after its first word, or it holds `GATHERED_BYTES`: its events
+        // commit with the run's next write anyway. The text and its order are the same
+        // either way.
         let mut pending = String::new();
-        let mut pending_since = None;
+        let gathered = tokio::time::sleep(GATHERED_FOR);
+        tokio::pin!(gathered);
         loop {
-            // Biased: a cancellation wins, and a read that is ready wins over the timer, as
+            // Biased: a cancellation wins, and a read that is ready wins over the timers, as
             // `timeout` around the read did.
             let next = tokio::select! {
                 biased;
                 () = &mut cancelled => Err(AdapterError::new(FailureKind::Cancelled, "the run was cancelled")),
                 next = body.next() => Ok(next),
+                // The upstream pauses with text gathered: it is emitted now, not at the next
+                // read, however long the pause.
+                () = &mut gathered, if !pending.is_empty() => {
+                    emit_pending(context, &mut pending).await;
+                    continue;
+                }
                 () = &mut idle => Err(timeout_error(model)),
             };
             idle.as_mut()
@@ -342,6 +350,7 @@ impl OpenAiAdapter {
             // Events completed before a decoding error still count: one may be `[DONE]`.
             events.clear();
             let decoded = decoder.feed(&chunk, &mut events);
+            let gathering = !pending.is_empty();
             for data in &events {
                 if data.trim() == "[DONE]" {
                     emit_pending(context, &mut pending).await;
@@ -416,13 +425,15 @@ impl OpenAiAdapter {
                 }
             }
             if !pending.is_empty() {
-                let since = *pending_since.get_or_insert_with(Instant::now);
+                let now = tokio::time::Instant::now();
+                if !gathering {
+                    gathered.as_mut().reset(now + GATHERED_FOR);
+                }
                 if pending.len() >= GATHERED_BYTES
-                    || since.elapsed() >= GATHERED_FOR
+                    || now >= gathered.deadline()
                     || context.events.shown_live()
                 {
                     emit_pending(context, &mut pending).await;
-                    pending_since = None;
                 }
             }
             if let Err(error) = decoded {

@@ -256,3 +256,40 @@ async fn an_answer_rendered_whole_keeps_every_word_it_read_in_its_events() {
         "partial answer "
     );
 }
+
+#[tokio::test]
+async fn text_gathered_before_an_upstream_pause_is_stored_during_the_pause() {
+    let upstream = MockUpstream::start().await;
+    let app = TestApp::spawn(api_workspace(&upstream, "")).await;
+    // A pause before each part of the stream: the role, "partial ", "answer ", the end.
+    let pause = Duration::from_millis(300);
+    upstream.push([Reply::Slow {
+        text: "partial answer ".into(),
+        pause,
+    }]);
+    // Submitted without waiting, and followed by nobody: its text is gathered.
+    let (status, accepted) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "agentId": "assistant", "input": { "text": "x" } }),
+        )
+        .await;
+    assert_eq!(status, 202, "{accepted}");
+    let request_id = accepted["requestId"].as_str().unwrap();
+    // The first word is stored while the upstream pauses before the second, not with it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let first = loop {
+        let text = stored_text(&app.events(request_id).await);
+        if !text.is_empty() || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(first, "partial ");
+    assert_eq!(app.wait_until_done(request_id).await["status"], "completed");
+    assert_eq!(
+        stored_text(&app.events(request_id).await),
+        "partial answer "
+    );
+}
