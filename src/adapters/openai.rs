@@ -424,16 +424,18 @@ impl OpenAiAdapter {
                     output.finish_reason = reason.to_owned();
                 }
             }
+            // Shown live, the text goes out at once and the timer is never set.
             if !pending.is_empty() {
-                let now = tokio::time::Instant::now();
-                if !gathering {
-                    gathered.as_mut().reset(now + GATHERED_FOR);
-                }
-                if pending.len() >= GATHERED_BYTES
-                    || now >= gathered.deadline()
-                    || context.events.shown_live()
-                {
+                if context.events.shown_live() {
                     emit_pending(context, &mut pending).await;
+                } else {
+                    let now = tokio::time::Instant::now();
+                    if !gathering {
+                        gathered.as_mut().reset(now + GATHERED_FOR);
+                    }
+                    if pending.len() >= GATHERED_BYTES || now >= gathered.deadline() {
+                        emit_pending(context, &mut pending).await;
+                    }
                 }
             }
             if let Err(error) = decoded {

@@ -6,16 +6,12 @@
 
 use serde_json::{Value, json};
 
-use crate::api::upstream::{MockUpstream, Reply};
+use crate::api::upstream::{self, MockUpstream, Reply};
 use crate::api::{CLIENT_KEY, TestApp, api_workspace};
 
 /// One `data:` line of a chat-completion chunk with this delta.
 fn chunk(delta: Value) -> String {
-    let body = json!({
-        "id": "chatcmpl-hostile", "object": "chat.completion.chunk", "created": 1, "model": "main-upstream",
-        "choices": [{ "index": 0, "delta": delta, "finish_reason": null }],
-    });
-    format!("data: {body}\n\n")
+    upstream::chunk("main-upstream", delta, None)
 }
 
 fn ask(stream: bool) -> Value {

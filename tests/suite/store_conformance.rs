@@ -1729,21 +1729,9 @@ fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> V
     let session = format!("ses_{name}");
     let request_id = format!("req_{name}");
     let run_id = format!("run_{name}");
-    let mut inserted_request = request(
-        &request_id,
-        &session,
-        "alice",
-        RunStatus::Queued,
-        Age::zero(),
-    );
-    if let WriteOp::InsertRequest(record) = &mut inserted_request {
-        record.created_at = at;
-        record.updated_at = at;
-    }
-    let mut inserted_run = run(&run_id, &request_id, RunStatus::Queued);
+    let inserted_request = request_at(&request_id, &session, at);
+    let mut inserted_run = run_at(&run_id, &request_id, at);
     if let WriteOp::InsertRun(record) = &mut inserted_run {
-        record.created_at = at;
-        record.updated_at = at;
         record.error = Some(json!({ "first": true }));
     }
     let later = at + Age::milliseconds(5);
@@ -1790,6 +1778,26 @@ fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> V
         ]);
     }
     ops
+}
+
+/// A queued request of alice's, inserted at `at`.
+fn request_at(id: &str, session: &str, at: chrono::DateTime<Utc>) -> WriteOp {
+    let mut op = request(id, session, "alice", RunStatus::Queued, Age::zero());
+    if let WriteOp::InsertRequest(record) = &mut op {
+        record.created_at = at;
+        record.updated_at = at;
+    }
+    op
+}
+
+/// A queued run, inserted at `at`.
+fn run_at(id: &str, request: &str, at: chrono::DateTime<Utc>) -> WriteOp {
+    let mut op = run(id, request, RunStatus::Queued);
+    if let WriteOp::InsertRun(record) = &mut op {
+        record.created_at = at;
+        record.updated_at = at;
+    }
+    op
 }
 
 fn session_at(id: &str, at: chrono::DateTime<Utc>) -> WriteOp {
@@ -1891,17 +1899,7 @@ fn submits(prefix: &str, at: chrono::DateTime<Utc>) -> Vec<WriteOp> {
             record.agent_id = format!("agent_{n}");
             record.metadata = json!({ "touch": n });
         }
-        let mut inserted = request(
-            &request_id,
-            &session,
-            "alice",
-            RunStatus::Queued,
-            Age::zero(),
-        );
-        if let WriteOp::InsertRequest(record) = &mut inserted {
-            record.created_at = step;
-            record.updated_at = step;
-        }
+        let inserted = request_at(&request_id, &session, step);
         let message_id = format!("msg_{prefix}_{n}");
         let message = WriteOp::InsertMessage(MessageRecord {
             id: message_id.clone(),
@@ -1912,11 +1910,7 @@ fn submits(prefix: &str, at: chrono::DateTime<Utc>) -> Vec<WriteOp> {
             content: json!({ "role": "user", "content": format!("turn {n}") }),
             created_at: step,
         });
-        let mut inserted_run = run(&run_id, &request_id, RunStatus::Queued);
-        if let WriteOp::InsertRun(record) = &mut inserted_run {
-            record.created_at = step;
-            record.updated_at = step;
-        }
+        let inserted_run = run_at(&run_id, &request_id, step);
         ops.extend([
             touch,
             inserted,

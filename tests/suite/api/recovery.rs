@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::upstream::{MockUpstream, Reply};
+use super::upstream::{MockUpstream, Reply, chunk};
 use super::{CLIENT_KEY, TestApp, api_workspace, types};
 
 fn ask(model: &str, stream: bool) -> Value {
@@ -213,15 +213,6 @@ fn stored_text(events: &[Value]) -> String {
         .collect()
 }
 
-/// One `data:` line of a chat-completion chunk with this text.
-fn text_chunk(text: &str) -> String {
-    let body = json!({
-        "id": "chatcmpl-cut", "object": "chat.completion.chunk", "created": 1, "model": "main-upstream",
-        "choices": [{ "index": 0, "delta": { "content": text }, "finish_reason": null }],
-    });
-    format!("data: {body}\n\n")
-}
-
 #[tokio::test]
 async fn an_answer_rendered_whole_keeps_every_word_it_read_in_its_events() {
     let upstream = MockUpstream::start().await;
@@ -244,8 +235,8 @@ async fn an_answer_rendered_whole_keeps_every_word_it_read_in_its_events() {
     // read, so it is not tried again), and the text it read is in the run's events all the
     // same: none of it is still gathered when the run fails.
     upstream.push([Reply::Raw(vec![
-        text_chunk("partial "),
-        text_chunk("answer "),
+        chunk("main-upstream", json!({ "content": "partial " }), None),
+        chunk("main-upstream", json!({ "content": "answer " }), None),
     ])]);
     let (response, request_id) = app.chat(&ask("assistant", false)).await;
     assert_eq!(response.status(), 502);

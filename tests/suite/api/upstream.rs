@@ -251,7 +251,8 @@ fn usage(text: &str) -> Value {
     json!({ "prompt_tokens": 11, "completion_tokens": completion, "total_tokens": 11 + completion })
 }
 
-fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> String {
+/// One `data:` line of a chat-completion chunk with this delta (a stream's part).
+pub fn chunk(model: &str, delta: Value, finish_reason: Option<&str>) -> String {
     let body = json!({
         "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model,
         "choices": [{ "index": 0, "delta": delta, "finish_reason": finish_reason }],
