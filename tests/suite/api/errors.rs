@@ -622,14 +622,7 @@ async fn a_run_parked_on_an_approval_does_not_hold_up_shutdown() {
         r#"{"amount":7}"#,
     )]);
     let app = TestApp::spawn(tools_workspace(&upstream, &tools, "")).await;
-    let (status, accepted) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "clerk", "input": { "text": "refund" } }),
-        )
-        .await;
-    assert_eq!(status, 202, "{accepted}");
+    let accepted = app.submit("clerk", "refund").await;
     app.pending_approval().await;
     let (_, view) = app
         .get(

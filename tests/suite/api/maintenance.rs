@@ -82,14 +82,7 @@ async fn retention_prunes_what_passed_its_window_whole_and_keeps_pending_and_liv
         Reply::call("payments_refund", r#"{"amount":12.5}"#),
         Reply::Text("Refunded".into()),
     ]);
-    let (status, pending) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "clerk", "input": { "text": "refund" } }),
-        )
-        .await;
-    assert_eq!(status, 202, "{pending}");
+    let pending = app.submit("clerk", "refund").await;
     app.pending_approval().await;
     tokio::time::sleep(Duration::from_millis(2_500)).await;
 

@@ -44,7 +44,7 @@ mod workflows;
 
 use std::sync::Arc;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use stable_harness::app::{Application, ServerConfig};
 use tokio::sync::oneshot;
 
@@ -216,6 +216,20 @@ impl TestApp {
             .unwrap();
         let status = response.status().as_u16();
         (status, response.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `POST /runtime/requests` of `text` to `agent` with the client key, accepted (202):
+    /// the answer (`requestId`, `runId`, `sessionId`).
+    pub async fn submit(&self, agent: &str, text: &str) -> Value {
+        let (status, accepted) = self
+            .post(
+                "/runtime/requests",
+                CLIENT_KEY,
+                &json!({ "agentId": agent, "input": { "text": text } }),
+            )
+            .await;
+        assert_eq!(status, 202, "{accepted}");
+        accepted
     }
 
     /// `POST /v1/chat/completions` with the client key: the response and its request id.

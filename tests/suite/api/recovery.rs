@@ -259,14 +259,7 @@ async fn text_gathered_before_an_upstream_pause_is_stored_during_the_pause() {
         pause,
     }]);
     // Submitted without waiting, and followed by nobody: its text is gathered.
-    let (status, accepted) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "assistant", "input": { "text": "x" } }),
-        )
-        .await;
-    assert_eq!(status, 202, "{accepted}");
+    let accepted = app.submit("assistant", "x").await;
     let request_id = accepted["requestId"].as_str().unwrap();
     // The first word is stored while the upstream pauses before the second, not with it.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

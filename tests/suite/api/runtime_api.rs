@@ -10,14 +10,7 @@ use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, assert_gapless};
 async fn submit_then_read_the_request_and_its_events() {
     let upstream = MockUpstream::start().await;
     let app = TestApp::spawn(api_workspace(&upstream, "")).await;
-    let (status, accepted) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "greeter", "input": { "text": "Ada" } }),
-        )
-        .await;
-    assert_eq!(status, 202, "{accepted}");
+    let accepted = app.submit("greeter", "Ada").await;
     let request_id = accepted["requestId"].as_str().unwrap();
     assert!(accepted["runId"].is_string() && accepted["sessionId"].is_string());
     let view = app.wait_until_done(request_id).await;
