@@ -1,11 +1,11 @@
 //! The operator CLI (`stable-harness approvals ...`, `stable-harness requests ...`) against a
 //! real server over HTTP: tables, `--json`, a live follow of events, and its exit codes.
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::trust::teller_workspace;
 use super::upstream::{MockUpstream, Reply};
-use super::{ADMIN_KEY, CLIENT_KEY, RecordingTools, TestApp};
+use super::{ADMIN_KEY, RecordingTools, TestApp};
 use crate::helpers::{stable_harness, stderr, stdout};
 
 /// Runs the binary off the async threads (the server under test runs on them).
@@ -39,14 +39,7 @@ async fn operators_list_decide_follow_and_steer_from_the_command_line() {
     ]);
     let workspace = teller_workspace(&upstream, &tools, "UNSET_KEY_A", "UNSET_KEY_B", "");
     let app = TestApp::spawn(workspace).await;
-    let (status, accepted) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "teller", "input": { "text": "refund" } }),
-        )
-        .await;
-    assert_eq!(status, 202);
+    let accepted = app.submit("teller", "refund").await;
     let request = accepted["requestId"].as_str().unwrap().to_owned();
     let approval = app.pending_approval().await["id"]
         .as_str()

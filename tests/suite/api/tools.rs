@@ -358,14 +358,7 @@ async fn a_denied_approval_gives_the_model_the_reason_and_the_tool_never_runs() 
         Reply::Text("The refund was refused".into()),
     ]);
     let app = TestApp::spawn(tools_workspace(&upstream, &tools, "")).await;
-    let (status, accepted) = app
-        .post(
-            "/runtime/requests",
-            CLIENT_KEY,
-            &json!({ "agentId": "clerk", "input": { "text": "refund" } }),
-        )
-        .await;
-    assert_eq!(status, 202);
+    let accepted = app.submit("clerk", "refund").await;
     let approval = app.pending_approval().await;
     let id = approval["id"].as_str().unwrap();
     let (status, _) = app
