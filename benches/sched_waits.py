@@ -66,9 +66,9 @@ def main() -> None:
         first = stamp if first is None else first
         last = stamp
         fields = dict(FIELD.findall(rest))
+        running[cpu] = tid  # whoever an event is recorded by runs there, the idle task too
         if tid != 0:
             name_of.setdefault(tid, comm)
-            running[cpu] = tid
             ran_now(tid, stamp, switched_in=False)
         if event == "sched:sched_switch":
             next_tid = int(fields["next_pid"])
@@ -78,7 +78,7 @@ def main() -> None:
                 ran_now(next_tid, stamp, switched_in=True)
         elif event == "sched:sched_waking":
             wakee, target = int(fields["pid"]), f"{int(fields['target_cpu']):03d}"
-            idle = running.get(target) == 0 or (target == cpu and tid == 0)
+            idle = running.get(target) == 0
             name_of.setdefault(wakee, fields["comm"])
             woken[wakee] = (stamp, idle)
             counts[wakee]["woken"] += 1
