@@ -1211,7 +1211,7 @@ impl Store for SqliteStore {
         let limit = i64::try_from(sessions.len()).unwrap_or(i64::MAX);
         self.writer
             .maintain(move |connection| {
-                let tx = connection.transaction()?;
+                let tx = connection.unchecked_transaction()?;
                 // Judged again inside the writer's transaction: a session continued since it
                 // was listed is live again and stays.
                 let still: Vec<String> = tx

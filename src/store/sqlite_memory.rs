@@ -133,7 +133,7 @@ impl MemoryStore for SqliteStore {
         let records = records.to_vec();
         self.writer
             .maintain(move |connection| {
-                let transaction = connection.transaction()?;
+                let transaction = connection.unchecked_transaction()?;
                 let mut merged = 0;
                 for record in &records {
                     if put(&transaction, record)? != record.id {
@@ -292,7 +292,7 @@ impl MemoryStore for SqliteStore {
         let namespace = namespace.map(str::to_owned);
         self.writer
             .maintain(move |connection| {
-                let transaction = connection.transaction()?;
+                let transaction = connection.unchecked_transaction()?;
                 // The newest of a group of near-duplicates never has a newer one: it stays,
                 // whatever order the rows are visited in.
                 let merged = transaction.execute(

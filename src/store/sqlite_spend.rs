@@ -13,6 +13,7 @@ use super::spend::{
 };
 use super::sqlite::SqliteStore;
 use super::sqlite_time;
+use super::sqlite_writer::Prepared;
 
 const INSERT_USAGE: &str = "INSERT OR IGNORE INTO usage_records (id, at, request_id, run_id, owner,
      agent_id, session_id, model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
@@ -26,11 +27,11 @@ const ADD_TO_COUNTER: &str =
 /// Writes one charge: the ledger record (once: a record written already is left as it is) and
 /// its counters' increments.
 pub(super) fn insert_charge(
-    tx: &rusqlite::Transaction<'_>,
+    prepared: &mut Prepared<'_>,
     record: &UsageRecord,
     deltas: &[CounterDelta],
 ) -> rusqlite::Result<()> {
-    let inserted = tx.prepare_cached(INSERT_USAGE)?.execute(rusqlite::params![
+    let inserted = prepared.get(INSERT_USAGE)?.execute(rusqlite::params![
         record.id,
         sqlite_time::text(&record.at),
         record.request_id,
@@ -48,9 +49,8 @@ pub(super) fn insert_charge(
     if inserted == 0 {
         return Ok(());
     }
-    let mut add = tx.prepare_cached(ADD_TO_COUNTER)?;
     for delta in deltas {
-        add.execute(rusqlite::params![
+        prepared.get(ADD_TO_COUNTER)?.execute(rusqlite::params![
             delta.key.budget,
             delta.key.subject,
             delta.bucket,

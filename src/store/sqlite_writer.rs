@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, PrepFlags, Statement, params};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
@@ -63,7 +63,7 @@ enum Job {
     /// Copy the WAL's last frames so that the next write restarts it.
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
-    Maintain(Box<dyn FnOnce(&mut Connection) + Send>),
+    Maintain(Box<dyn FnOnce(&Connection) + Send>),
     /// A read on the writer's connection, between writes, after the pending charges of the
     /// request it reads (see [`SqliteWriter::read`]).
     Read(String, Box<dyn FnOnce(&Connection) + Send>),
@@ -118,23 +118,20 @@ impl PendingCharges {
             .any(|(record, _)| record.request_id == request_id)
     }
 
-    /// Writes every pending charge inside `tx` (cleared only once `tx` commits).
-    fn write(&self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    /// Writes every pending charge inside the open transaction (cleared only once it commits).
+    fn write(&self, prepared: &mut Prepared<'_>) -> rusqlite::Result<()> {
         for (record, deltas) in &self.charges {
-            super::sqlite_spend::insert_charge(tx, record, deltas)?;
+            super::sqlite_spend::insert_charge(prepared, record, deltas)?;
         }
         Ok(())
     }
 
     /// Commits the pending charges in a transaction of their own.
-    fn flush(&mut self, connection: &mut Connection) {
+    fn flush(&mut self, prepared: &mut Prepared<'_>) {
         if self.charges.is_empty() {
             return;
         }
-        let result = connection.transaction().and_then(|tx| {
-            self.write(&tx)?;
-            tx.commit()
-        });
+        let result = prepared.transaction(|prepared| self.write(prepared));
         match result {
             Ok(()) => self.committed(),
             // Kept for the next transaction: a full or busy disk passes. Tried alone again
@@ -252,9 +249,12 @@ impl SqliteWriter {
     }
 
     /// Runs `work` on the writer's connection between two transactions and returns its result.
+    /// The connection is shared with the writer's kept statements, so `work` opens its
+    /// transactions with `unchecked_transaction`: the writer runs one job at a time, and every
+    /// job ends its transactions, so none is open when `work` begins.
     pub async fn maintain<T: Send + 'static>(
         &self,
-        work: impl FnOnce(&mut Connection) -> Result<T, rusqlite::Error> + Send + 'static,
+        work: impl FnOnce(&Connection) -> Result<T, rusqlite::Error> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (done, result) = oneshot::channel();
         self.send(Job::Maintain(Box::new(move |connection| {
@@ -323,6 +323,102 @@ pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
     }
 }
 
+/// The statements the writer runs, each prepared on its first use and kept for the
+/// connection's life, found again by the address of its text: a `&'static str`, so the same
+/// call site always passes the same text.
+///
+/// Why not rusqlite's `prepare_cached`: its cache hashes a statement's whole text to find it,
+/// and again to put it back, and clears the statement's bindings each time; and
+/// `Connection::transaction` prepares and finalizes `BEGIN` and `COMMIT` anew for every
+/// transaction (docs/profiling.md, the twenty-third pass).
+pub(super) struct Prepared<'c> {
+    connection: &'c Connection,
+    statements: Vec<(&'static str, Statement<'c>)>,
+    /// The statements used since their bindings were last cleared, one bit each.
+    bound: u32,
+}
+
+/// Most statements kept at once: more than the writer has, so that none is ever prepared
+/// twice; it bounds the list (and its scan) should that ever change. One bit each in
+/// [`Prepared::bound`].
+const MAX_PREPARED: usize = 32;
+const _: () = assert!(MAX_PREPARED <= u32::BITS as usize);
+
+impl<'c> Prepared<'c> {
+    fn new(connection: &'c Connection) -> Self {
+        Self {
+            connection,
+            statements: Vec::with_capacity(MAX_PREPARED),
+            bound: 0,
+        }
+    }
+
+    /// The statement of `sql`, prepared on first use. Its parameters are bound anew by each
+    /// use; rusqlite resets it after each execution or query.
+    pub(super) fn get(&mut self, sql: &'static str) -> rusqlite::Result<&mut Statement<'c>> {
+        let kept = self
+            .statements
+            .iter()
+            .position(|(text, _)| std::ptr::eq(*text, sql));
+        let index = match kept {
+            Some(index) => index,
+            None => {
+                // Kept: prepared outside the connection's small-allocation pool, which the
+                // statements' executions need (SQLite's hint for a statement used many times).
+                let statement = self
+                    .connection
+                    .prepare_with_flags(sql, PrepFlags::SQLITE_PREPARE_PERSISTENT)?;
+                if self.statements.len() >= MAX_PREPARED {
+                    self.statements.pop();
+                }
+                self.statements.push((sql, statement));
+                self.statements.len() - 1
+            }
+        };
+        self.bound |= 1 << index;
+        Ok(&mut self.statements[index].1)
+    }
+
+    /// Lets go of the values the statements used since the last call were bound to. SQLite
+    /// copies each bound text into the statement, from the connection's small-allocation
+    /// pool while it has room; values kept bound between transactions filled that pool, and
+    /// every allocation after went to `malloc` (docs/profiling.md, the twenty-third pass).
+    fn release_bindings(&mut self) {
+        for (index, (_, statement)) in self.statements.iter_mut().enumerate() {
+            if self.bound & (1 << index) != 0 {
+                statement.clear_bindings();
+            }
+        }
+        self.bound = 0;
+    }
+
+    fn execute(&mut self, sql: &'static str) -> rusqlite::Result<()> {
+        self.get(sql)?.execute([]).map(drop)
+    }
+
+    /// Runs `body` in a transaction: committed when it returns `Ok`, rolled back when it or
+    /// the commit fails.
+    fn transaction<T, E: From<rusqlite::Error>>(
+        &mut self,
+        body: impl FnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.execute("BEGIN")?;
+        let result = body(self).and_then(|value| {
+            self.execute("COMMIT")?;
+            Ok(value)
+        });
+        // Some failures end the transaction by themselves (a full disk, an I/O error).
+        if result.is_err()
+            && !self.connection.is_autocommit()
+            && let Err(error) = self.execute("ROLLBACK")
+        {
+            tracing::error!(%error, "a failed transaction could not be rolled back");
+        }
+        self.release_bindings();
+        result
+    }
+}
+
 /// The lease identity the writer writes as: new runs are leased to `holder` for `duration`,
 /// and only runs it holds may change.
 #[derive(Debug, Clone)]
@@ -356,9 +452,9 @@ fn lease_lost(run_id: &str) -> Abandon {
 }
 
 /// Refuses a write of `run_id` unless this writer's holder holds the run's lease.
-fn fence(tx: &rusqlite::Transaction<'_>, run_id: &str, leases: &Leases) -> Result<(), Abandon> {
-    let held = tx
-        .prepare_cached("SELECT 1 FROM runs WHERE id = ?1 AND lease_holder = ?2")?
+fn fence(prepared: &mut Prepared<'_>, run_id: &str, leases: &Leases) -> Result<(), Abandon> {
+    let held = prepared
+        .get("SELECT 1 FROM runs WHERE id = ?1 AND lease_holder = ?2")?
         .exists(params![run_id, leases.holder])?;
     if held {
         Ok(())
@@ -374,7 +470,7 @@ impl From<rusqlite::Error> for Abandon {
 }
 
 async fn write_loop(
-    mut connection: Connection,
+    connection: Connection,
     mut queue: mpsc::UnboundedReceiver<Job>,
     catch_up_queued: &AtomicBool,
     leases: &Leases,
@@ -383,13 +479,14 @@ async fn write_loop(
     let mut last_wait: Option<Instant> = None;
     let mut charges = PendingCharges::default();
     let mut last_seqs = LastSeqs::default();
+    let mut prepared = Prepared::new(&connection);
     loop {
         let job = match charges.deadline() {
             None => queue.recv().await,
             Some(deadline) => match tokio::time::timeout_at(deadline, queue.recv()).await {
                 Ok(job) => job,
                 Err(_) => {
-                    charges.flush(&mut connection);
+                    charges.flush(&mut prepared);
                     continue;
                 }
             },
@@ -399,17 +496,18 @@ async fn write_loop(
         };
         match job {
             Job::Apply(ops, done) => {
-                let result = apply(&mut connection, &ops, leases, &charges, &mut last_seqs)
-                    .map_err(|abandon| match abandon {
+                let result = apply(&mut prepared, &ops, leases, &charges, &mut last_seqs).map_err(
+                    |abandon| match abandon {
                         Abandon::Sqlite(error) => writer_error(error),
                         Abandon::Conflict(message) => StoreError::Conflict(message),
                         Abandon::LeaseLost(message) => StoreError::LeaseLost(message),
-                    });
+                    },
+                );
                 if result.is_ok() {
                     charges.committed();
                 } else {
                     // A refused batch never holds back the charges that rode along with it.
-                    charges.flush(&mut connection);
+                    charges.flush(&mut prepared);
                 }
                 let _ = done.send((ops, result));
             }
@@ -422,25 +520,25 @@ async fn write_loop(
                 }
                 charges.push(*charge);
                 if charges.len() % MAX_PENDING_CHARGES == 0 {
-                    charges.flush(&mut connection);
+                    charges.flush(&mut prepared);
                 }
             }
             Job::Maintain(work) => {
-                charges.flush(&mut connection);
+                charges.flush(&mut prepared);
                 last_seqs.forget();
-                work(&mut connection);
+                work(&connection);
             }
             Job::Read(request_id, work) => {
                 // A read sees every charge of its request accepted before it. Other
                 // requests' charges go on waiting for a transaction to ride along with: at
                 // concurrency, flushing them for every `wait` cost a commit per request.
                 if charges.of_request(&request_id) {
-                    charges.flush(&mut connection);
+                    charges.flush(&mut prepared);
                 }
                 work(&connection);
             }
             Job::CatchUp => {
-                charges.flush(&mut connection);
+                charges.flush(&mut prepared);
                 catch_up_queued.store(false, Ordering::Release);
                 match checkpoint(&connection, "PASSIVE") {
                     Ok((_, frames, _)) if frames.saturating_mul(page_size) >= STARVED_BYTES => {
@@ -452,7 +550,7 @@ async fn write_loop(
             }
         }
     }
-    charges.flush(&mut connection);
+    charges.flush(&mut prepared);
 }
 
 /// A checkpoint in `mode`: (busy, frames in the WAL, frames copied).
@@ -491,9 +589,9 @@ fn wait_for_readers(connection: &Connection, last_wait: &mut Option<Instant>, fr
 }
 
 /// Moves a pending approval to its decision; a conflict when it is not pending.
-fn decide(tx: &rusqlite::Transaction<'_>, decision: &ApprovalDecision) -> Result<(), Abandon> {
-    let changed = tx
-        .prepare_cached(
+fn decide(prepared: &mut Prepared<'_>, decision: &ApprovalDecision) -> Result<(), Abandon> {
+    let changed = prepared
+        .get(
             "UPDATE approvals SET status = ?1, reason = ?2, decided_by = ?3, decided_at = ?4
              WHERE id = ?5 AND status = 'pending'",
         )?
@@ -525,14 +623,28 @@ fn json_opt(value: &Option<Value>) -> Option<String> {
 }
 
 fn apply(
-    connection: &mut Connection,
+    prepared: &mut Prepared<'_>,
     ops: &[WriteOp],
     leases: &Leases,
     charges: &PendingCharges,
     last_seqs: &mut LastSeqs,
 ) -> Result<Vec<i64>, Abandon> {
-    let tx = connection.transaction()?;
-    charges.write(&tx)?;
+    let (numbers, next_seq) =
+        prepared.transaction(|prepared| write_ops(prepared, ops, leases, charges, last_seqs))?;
+    last_seqs.committed(next_seq);
+    Ok(numbers)
+}
+
+/// Writes `ops` (and the pending charges) inside the open transaction; returns the events'
+/// numbers and each request's next number after them.
+fn write_ops<'o>(
+    prepared: &mut Prepared<'_>,
+    ops: &'o [WriteOp],
+    leases: &Leases,
+    charges: &PendingCharges,
+    last_seqs: &LastSeqs,
+) -> Result<(Vec<i64>, IdMap<&'o str, i64>), Abandon> {
+    charges.write(prepared)?;
     let mut numbers = Vec::new();
     // The next number of each request the batch appends to (this writer is the store's only
     // one, so the stored last number plus what the batch appended is exact).
@@ -545,17 +657,17 @@ fn apply(
             continue;
         }
         if !matches!(op, WriteOp::AppendEvent(_)) {
-            row.write(&tx)?;
+            row.write(prepared)?;
         }
         if let WriteOp::InsertRequest(request) = op {
             next_seq.insert(&request.id, 1);
         }
         match op {
             WriteOp::TouchSession(session) => {
-                tx.prepare_cached(
-                    "INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                prepared.get(
+"INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                      ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
-                )?
+)?
                 .execute(params![
                     session.id,
                     session.agent_id,
@@ -566,10 +678,10 @@ fn apply(
                 ])?;
             }
             WriteOp::InsertMessage(message) => {
-                tx.prepare_cached(
-                    "INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
+                prepared.get(
+"INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-                )?
+)?
                 .execute(params![
                     message.id,
                     message.session_id,
@@ -584,10 +696,10 @@ fn apply(
                 let row = folds
                     .take_request(index)
                     .unwrap_or_else(|| RequestRow::inserted(request));
-                tx.prepare_cached(
-                    "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
+                prepared.get(
+"INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
                      metadata, created_at, updated_at, owner) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-                )?
+)?
                 .execute(params![
                     request.id,
                     request.session_id,
@@ -612,10 +724,10 @@ fn apply(
                 usage,
                 at,
             } => {
-                tx.prepare_cached(
-                    "UPDATE requests SET status = ?1, output = COALESCE(?2, output), error = ?3,
+                prepared.get(
+"UPDATE requests SET status = ?1, output = COALESCE(?2, output), error = ?3,
                      usage = COALESCE(?4, usage), updated_at = ?5 WHERE id = ?6",
-                )?
+)?
                 .execute(params![
                     status.as_str(),
                     output,
@@ -629,11 +741,11 @@ fn apply(
                 let row = folds
                     .take_run(index)
                     .unwrap_or_else(|| RunRow::inserted(run));
-                tx.prepare_cached(
-                    "INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
+                prepared.get(
+"INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
                      started_at, ended_at, lease_holder, lease_expires_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
-                )?
+)?
                 .execute(params![
                     run.id,
                     run.request_id,
@@ -662,11 +774,11 @@ fn apply(
                 // took ~150 µs per update against ~12 µs (measured), and every run ends with
                 // this update.
                 let changed = if status.is_terminal() {
-                    tx.prepare_cached(
-                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = NULL,
+                    prepared.get(
+"UPDATE runs SET status = ?1, error = COALESCE(?2, error), state = NULL,
                          updated_at = ?3, ended_at = ?3, lease_holder = NULL, lease_expires_at = NULL
                          WHERE id = ?4 AND lease_holder = ?5",
-                    )?
+)?
                     .execute(params![
                         status.as_str(),
                         json_opt(error),
@@ -675,12 +787,12 @@ fn apply(
                         leases.holder
                     ])?
                 } else {
-                    tx.prepare_cached(
-                        "UPDATE runs SET status = ?1, error = COALESCE(?2, error),
+                    prepared.get(
+"UPDATE runs SET status = ?1, error = COALESCE(?2, error),
                          state = COALESCE(?3, state), updated_at = ?4,
                          started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END
                          WHERE id = ?5 AND lease_holder = ?6",
-                    )?
+)?
                     .execute(params![
                         status.as_str(),
                         json_opt(error),
@@ -695,12 +807,12 @@ fn apply(
                 }
             }
             WriteOp::InsertApproval(approval) => {
-                fence(&tx, &approval.run_id, leases)?;
-                tx.prepare_cached(
-                    "INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
+                fence(prepared, &approval.run_id, leases)?;
+                prepared.get(
+"INSERT INTO approvals (id, request_id, run_id, session_id, agent_id, tool_call_id, tool_id,
                      arguments, rule, status, reason, decided_by, created_at, expires_at, decided_at, call_key, kind, execution)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
-                )?
+)?
                 .execute(params![
                     approval.id,
                     approval.request_id,
@@ -722,15 +834,15 @@ fn apply(
                     approval.execution
                 ])?;
             }
-            WriteOp::DecideApproval(decision) => decide(&tx, decision)?,
+            WriteOp::DecideApproval(decision) => decide(prepared, decision)?,
             WriteOp::StartToolCall(call) => {
-                fence(&tx, &call.run_id, leases)?;
-                tx.prepare_cached(
-                    "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                fence(prepared, &call.run_id, leases)?;
+                prepared.get(
+"INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                      idempotency_key, outcome, result, duration_ms, recorded_at, executions)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'started', 'null', 0, ?8, 1)
                      ON CONFLICT(run_id, call_key) DO UPDATE SET executions = executions + 1",
-                )?
+)?
                 .execute(params![
                     call.run_id,
                     call.call_key,
@@ -743,9 +855,9 @@ fn apply(
                 ])?;
             }
             WriteOp::RecordToolCall(call) => {
-                fence(&tx, &call.run_id, leases)?;
-                tx.prepare_cached(
-                    "INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
+                fence(prepared, &call.run_id, leases)?;
+                prepared.get(
+"INSERT INTO tool_calls (run_id, call_key, model_call_id, request_id, tool_id, arguments,
                      idempotency_key, outcome, result, duration_ms, recorded_at)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
                      ON CONFLICT(run_id, call_key) DO UPDATE SET tool_id = excluded.tool_id,
@@ -753,7 +865,7 @@ fn apply(
                      idempotency_key = excluded.idempotency_key, outcome = excluded.outcome,
                      result = excluded.result, duration_ms = excluded.duration_ms,
                      recorded_at = excluded.recorded_at",
-                )?
+)?
                 .execute(params![
                     call.run_id,
                     call.call_key,
@@ -774,8 +886,8 @@ fn apply(
                     None => {
                         let last: i64 = match last_seqs.get(&event.request_id) {
                             Some(last) => last,
-                            None => tx
-                                .prepare_cached(LAST_SEQ)?
+                            None => prepared
+                                .get(LAST_SEQ)?
                                 .query_row(params![event.request_id], |row| row.get(0))?,
                         };
                         next_seq.entry(&event.request_id).or_insert(last + 1)
@@ -784,14 +896,12 @@ fn apply(
                 let number = *seq;
                 *seq += 1;
                 numbers.push(number);
-                row.add(&tx, event, number)?;
+                row.add(prepared, event, number)?;
             }
         }
     }
-    row.write(&tx)?;
-    tx.commit()?;
-    last_seqs.committed(next_seq);
-    Ok(numbers)
+    row.write(prepared)?;
+    Ok((numbers, next_seq))
 }
 
 /// Consecutive events of one run being gathered into one row of `events` (migration 0012):
@@ -815,7 +925,7 @@ impl<'a> EventRow<'a> {
     /// with it.
     fn add(
         &mut self,
-        tx: &rusqlite::Transaction<'_>,
+        prepared: &mut Prepared<'_>,
         event: &'a super::EventRecord,
         number: i64,
     ) -> rusqlite::Result<()> {
@@ -843,7 +953,7 @@ impl<'a> EventRow<'a> {
                 }
                 self.more.truncate(mark);
             }
-            self.write(tx)?;
+            self.write(prepared)?;
         }
         self.first = Some((event, number, json(&event.data)));
         self.count = 1;
@@ -851,7 +961,7 @@ impl<'a> EventRow<'a> {
     }
 
     /// Writes the row gathered so far, if any, and empties it.
-    fn write(&mut self, tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    fn write(&mut self, prepared: &mut Prepared<'_>) -> rusqlite::Result<()> {
         let Some((first, number, data)) = self.first.take() else {
             return Ok(());
         };
@@ -866,20 +976,21 @@ impl<'a> EventRow<'a> {
             )
         };
         self.count = 0;
-        tx.prepare_cached(
-            "INSERT INTO events (id, request_id, run_id, seq, type, at, data, more)
+        prepared
+            .get(
+                "INSERT INTO events (id, request_id, run_id, seq, type, at, data, more)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        )?
-        .execute(params![
-            first.id,
-            first.request_id,
-            first.run_id,
-            number,
-            first.event_type,
-            sqlite_time::text(&first.at),
-            data,
-            more
-        ])?;
+            )?
+            .execute(params![
+                first.id,
+                first.request_id,
+                first.run_id,
+                number,
+                first.event_type,
+                sqlite_time::text(&first.at),
+                data,
+                more
+            ])?;
         Ok(())
     }
 }
@@ -915,5 +1026,74 @@ impl LastSeqs {
 
     fn forget(&mut self) {
         self.0.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> Connection {
+        let connection = Connection::open_in_memory().expect("an in-memory database");
+        connection
+            .execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT NOT NULL)")
+            .expect("a table");
+        connection
+    }
+
+    fn count(connection: &Connection) -> i64 {
+        connection
+            .query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))
+            .expect("a count")
+    }
+
+    const INSERT: &str = "INSERT INTO t (v) VALUES (?1)";
+
+    #[test]
+    fn a_statement_is_prepared_once_and_used_again() {
+        let connection = table();
+        let mut prepared = Prepared::new(&connection);
+        for value in ["a", "b", "c"] {
+            prepared
+                .transaction(|prepared| prepared.get(INSERT)?.execute(params![value]))
+                .expect("an insert");
+        }
+        assert_eq!(count(&connection), 3);
+        // `INSERT`, `BEGIN` and `COMMIT`, each kept once.
+        assert_eq!(prepared.statements.len(), 3);
+    }
+
+    #[test]
+    fn a_failed_transaction_is_rolled_back_and_the_next_one_commits() {
+        let connection = table();
+        let mut prepared = Prepared::new(&connection);
+        let failed: Result<(), rusqlite::Error> = prepared.transaction(|prepared| {
+            prepared
+                .get(INSERT)?
+                .execute(params!["kept only if committed"])?;
+            // NOT NULL refuses the second row: the whole transaction goes.
+            prepared.get(INSERT)?.execute(params![None::<String>])?;
+            Ok(())
+        });
+        assert!(failed.is_err());
+        assert!(connection.is_autocommit(), "no transaction left open");
+        assert_eq!(count(&connection), 0);
+
+        prepared
+            .transaction(|prepared| prepared.get(INSERT)?.execute(params!["after"]))
+            .expect("the next transaction");
+        assert_eq!(count(&connection), 1);
+    }
+
+    #[test]
+    fn the_kept_statements_are_bounded() {
+        let connection = table();
+        let mut prepared = Prepared::new(&connection);
+        // Distinct texts (leaked: `get` takes what lives as long as the program).
+        for n in 0..MAX_PREPARED + 5 {
+            let sql: &'static str = Box::leak(format!("SELECT {n}").into_boxed_str());
+            prepared.get(sql).expect("a select");
+        }
+        assert_eq!(prepared.statements.len(), MAX_PREPARED);
     }
 }
