@@ -380,9 +380,10 @@ impl<'c> Prepared<'c> {
     }
 
     /// Lets go of the values the statements used since the last call were bound to. SQLite
-    /// copies each bound text into the statement, from the connection's small-allocation
-    /// pool while it has room; values kept bound between transactions filled that pool, and
-    /// every allocation after went to `malloc` (docs/profiling.md, the twenty-third pass).
+    /// copies each bound text into its statement, from the connection's small-allocation
+    /// pool while it has room, and keeps it until the statement is bound again: let go here,
+    /// as rusqlite's cache did when it took a statement back, the pool is there for the next
+    /// transaction's cursors and values.
     fn release_bindings(&mut self) {
         for (index, (_, statement)) in self.statements.iter_mut().enumerate() {
             if self.bound & (1 << index) != 0 {
