@@ -29,7 +29,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::spend::UsageTotals;
 use super::sqlite_time;
-use super::sqlite_writer::{Leases, SqliteWriter};
+use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
@@ -413,16 +413,20 @@ const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
 
-/// The rows `sql` selects for `key` on the writer's connection, each mapped by `map`.
+/// The rows `sql` selects for `key` on the writer's connection, with its kept statement, each
+/// mapped by `map`.
 fn writer_rows<T>(
-    connection: &rusqlite::Connection,
-    sql: &str,
+    prepared: &mut Prepared<'_>,
+    sql: &'static str,
     key: &str,
     map: impl Fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
 ) -> Result<Vec<T>, StoreError> {
     let sqlite = super::sqlite_writer::writer_error;
-    let mut statement = connection.prepare_cached(sql).map_err(sqlite)?;
-    let mut rows = statement.query([key]).map_err(sqlite)?;
+    let mut rows = prepared
+        .get(sql)
+        .map_err(sqlite)?
+        .query([key])
+        .map_err(sqlite)?;
     let mut mapped = Vec::new();
     while let Some(row) = rows.next().map_err(sqlite)? {
         mapped.push(map(row)?);
@@ -708,26 +712,26 @@ impl Store for SqliteStore {
     async fn request_in_full(&self, request_id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = request_id.to_owned();
         self.writer
-            .read(request_id, move |connection| {
+            .read(request_id, move |prepared| {
                 let Some(request) =
-                    writer_rows(connection, REQUEST_BY_ID, &id, |row| request_from_row(row))?.pop()
+                    writer_rows(prepared, REQUEST_BY_ID, &id, |row| request_from_row(row))?.pop()
                 else {
                     return Ok(None);
                 };
-                let runs = writer_rows(connection, RUNS_OF_REQUEST, &id, |row| run_from_row(row))?;
+                let runs = writer_rows(prepared, RUNS_OF_REQUEST, &id, |row| run_from_row(row))?;
                 let mut approvals = Vec::new();
                 for run in &runs {
-                    approvals.extend(writer_rows(connection, APPROVALS_OF_RUN, &run.id, |row| {
+                    approvals.extend(writer_rows(prepared, APPROVALS_OF_RUN, &run.id, |row| {
                         approval_from_row(row)
                     })?);
                 }
-                let charged = connection
-                    .prepare_cached(
+                let charged = prepared
+                    .get(
                         "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),
                            SUM(cost_nanos), SUM(estimated)
                          FROM usage_records WHERE request_id = ?1",
                     )
-                    .and_then(|mut statement| {
+                    .and_then(|statement| {
                         statement.query_row([&id], |row| {
                             Ok(UsageTotals::from_sums(
                                 String::new(),

@@ -65,8 +65,8 @@ enum Job {
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&Connection) + Send>),
     /// A read on the writer's connection, between writes, after the pending charges of the
-    /// request it reads (see [`SqliteWriter::read`]).
-    Read(String, Box<dyn FnOnce(&Connection) + Send>),
+    /// request it reads (see [`SqliteWriter::read`]), with the writer's kept statements.
+    Read(String, Box<dyn FnOnce(&mut Prepared<'_>) + Send>),
 }
 
 /// A settled call: its ledger record and its budget counters' increments.
@@ -272,13 +272,13 @@ impl SqliteWriter {
     pub async fn read<T: Send + 'static>(
         &self,
         request_id: &str,
-        work: impl FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+        work: impl FnOnce(&mut Prepared<'_>) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (done, result) = oneshot::channel();
         self.send(Job::Read(
             request_id.to_owned(),
-            Box::new(move |connection| {
-                let _ = done.send(work(connection));
+            Box::new(move |prepared| {
+                let _ = done.send(work(prepared));
             }),
         ))?;
         result.await.map_err(|_| stopped())?
@@ -323,7 +323,8 @@ pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
     }
 }
 
-/// The statements the writer runs, each prepared on its first use and kept for the
+/// The statements the writer runs (its writes, and the reads of [`SqliteWriter::read`]),
+/// each prepared on its first use and kept for the
 /// connection's life, found again by the address of its text: a `&'static str`, so the same
 /// call site always passes the same text.
 ///
@@ -536,7 +537,8 @@ async fn write_loop(
                 if charges.of_request(&request_id) {
                     charges.flush(&mut prepared);
                 }
-                work(&connection);
+                work(&mut prepared);
+                prepared.release_bindings();
             }
             Job::CatchUp => {
                 charges.flush(&mut prepared);
