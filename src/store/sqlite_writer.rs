@@ -325,7 +325,9 @@ pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
 
 /// The statements the writer runs (its writes, and the reads of [`SqliteWriter::read`]),
 /// each prepared on its first use and kept for the connection's life, found again by the
-/// address of its text: a `&'static str`, so the same call site always passes the same text.
+/// address and length of its text (`ptr::eq` on a `&'static str`): the same call site always
+/// passes the same text. Two texts never match unless they are the same bytes; one text at
+/// two addresses would only take two slots.
 ///
 /// Why not rusqlite's `prepare_cached`: its cache hashes a statement's whole text to find it,
 /// and again to put it back, and clears the statement's bindings each time; and
