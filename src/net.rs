@@ -1,5 +1,6 @@
 //! Outbound HTTP: a response body read within a bound, for the services the runtime calls
-//! (tools, memory providers), so no answer can grow without limit in memory.
+//! (tools, memory providers), so no answer can grow without limit in memory; each HTTP
+//! shard's own client; and a failed connection told in words safe to show.
 
 use futures::StreamExt;
 
@@ -24,6 +25,38 @@ pub async fn read_capped(response: reqwest::Response, max: u64) -> Result<Vec<u8
         }
     }
     Ok(body)
+}
+
+/// A connection that failed, in words safe to show a client (no URL, no address): whether the
+/// peer's TLS certificate was refused (not signed by a trusted root, expired, for another
+/// name), which no retry mends, or the connection failed otherwise.
+pub fn connect_failure(error: &reqwest::Error) -> &'static str {
+    if certificate_refused(error) {
+        "could not connect: its TLS certificate was refused"
+    } else {
+        "could not connect"
+    }
+}
+
+/// Whether rustls refused a certificate anywhere in `error`'s chain. An `io::Error` does not
+/// name the error it wraps among its sources, so that one is looked into too.
+fn certificate_refused(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(current) = next {
+        if let Some(rustls::Error::InvalidCertificate(_)) = current.downcast_ref::<rustls::Error>()
+        {
+            return true;
+        }
+        if let Some(inner) = current
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+            && certificate_refused(inner)
+        {
+            return true;
+        }
+        next = current.source();
+    }
+    false
 }
 
 thread_local! {

@@ -1086,7 +1086,7 @@ fn transport_error(model: &ModelConfig, error: &reqwest::Error) -> AdapterError 
     };
     // reqwest errors carry the URL; keep only the kind of failure to avoid leaking query secrets.
     let what = if error.is_connect() {
-        "could not connect"
+        crate::net::connect_failure(error)
     } else if error.is_timeout() {
         "timed out"
     } else {

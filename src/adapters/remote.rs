@@ -485,7 +485,7 @@ fn transport(context: &AdapterContext<'_>, error: &reqwest::Error) -> AdapterErr
     };
     // The URL stays out of the message (it may carry credentials in a query).
     let what = if error.is_connect() {
-        "could not connect"
+        crate::net::connect_failure(error)
     } else {
         "the connection failed"
     };

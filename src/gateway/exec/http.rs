@@ -62,7 +62,7 @@ pub(super) async fn run(
     }
     let response = request.send().await.map_err(|error| {
         let what = if error.is_connect() {
-            "could not connect"
+            crate::net::connect_failure(&error)
         } else {
             "the request failed"
         };

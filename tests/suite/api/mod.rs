@@ -37,6 +37,7 @@ mod remote;
 mod responses;
 mod runtime_api;
 mod spend;
+mod tls_upstream;
 pub mod tools;
 mod trust;
 mod v1;

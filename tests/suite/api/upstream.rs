@@ -2,7 +2,9 @@
 //! Completions (JSON and SSE), plays scripted replies in order (or lets a [`Responder`] pick
 //! each reply from the call's transcript), can be told to fail, stall, cut a stream or send
 //! garbage (raw SSE of a test's choosing, an event that never ends), and records every call
-//! it received.
+//! it received (with the HTTP version it came over) and every connection it accepted. It serves
+//! plain HTTP/1.1 ([`MockUpstream::start`]) or TLS with the protocols a test offers by ALPN
+//! ([`MockUpstream::start_tls`]), as real providers serve.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, Version};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
@@ -69,6 +71,17 @@ impl Reply {
 pub struct Call {
     pub body: Value,
     pub at: Instant,
+    /// The HTTP version the call came over.
+    pub version: Version,
+}
+
+/// The protocols a TLS upstream offers by ALPN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    /// `h2` and `http/1.1`, as most providers: the client picks.
+    Http2AndHttp1,
+    /// `http/1.1` alone: an upstream that does not speak HTTP/2.
+    Http1Only,
 }
 
 #[derive(Debug)]
@@ -80,6 +93,8 @@ struct MockState {
     recording: std::sync::atomic::AtomicBool,
     endless_sent: Arc<AtomicUsize>,
     responder: Mutex<Option<Responder>>,
+    /// TCP connections accepted so far.
+    connections: AtomicUsize,
 }
 
 /// Decides the reply from the call's body (its transcript): for upstreams shared by many
@@ -109,27 +124,45 @@ pub struct MockUpstream {
 impl MockUpstream {
     /// Starts on a random loopback port; answers `Text("Hello from upstream")` unless told otherwise.
     pub async fn start() -> Self {
-        let state = Arc::new(MockState {
-            script: Mutex::new(VecDeque::new()),
-            fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
-            calls: Mutex::new(Vec::new()),
-            recording: std::sync::atomic::AtomicBool::new(true),
-            endless_sent: Arc::new(AtomicUsize::new(0)),
-            responder: Mutex::new(None),
-        });
-        let app = axum::Router::new()
-            .route("/v1/chat/completions", post(chat_completions))
-            .with_state(Arc::clone(&state));
+        let state = MockState::new();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let counted = Arc::clone(&state);
         // As providers do: a stream's chunks go out as written, not held back by Nagle.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let listener = axum::serve::ListenerExt::tap_io(listener, move |tcp| {
+            counted.connections.fetch_add(1, Ordering::SeqCst);
             let _ = tcp.set_nodelay(true);
         });
+        let app = router(Arc::clone(&state));
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Self { url, state }
+    }
+
+    /// Starts over TLS (`https://localhost:PORT/v1`) offering `alpn`, with a certificate for
+    /// `localhost` signed by a CA made for it. Returns the CA's certificate (PEM): a client
+    /// trusts the upstream only when told to trust it (`SSL_CERT_FILE` for the binary).
+    pub async fn start_tls(alpn: Alpn) -> (Self, String) {
+        let (server_config, ca_pem) = tls_config(alpn);
+        let state = MockState::new();
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://localhost:{}/v1", tcp.local_addr().unwrap().port());
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(server_config)),
+            state: Arc::clone(&state),
+        };
+        let app = router(Arc::clone(&state));
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        (Self { url, state }, ca_pem)
+    }
+
+    /// TCP connections accepted so far (a client that keeps its connections opens few).
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::SeqCst)
     }
 
     /// Queues replies, played one per call in order; then the default reply.
@@ -162,12 +195,103 @@ impl MockUpstream {
     }
 }
 
-async fn chat_completions(State(state): State<Arc<MockState>>, body: Bytes) -> Response {
+impl MockState {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            script: Mutex::new(VecDeque::new()),
+            fallback: Mutex::new(Reply::Text("Hello from the upstream model".into())),
+            calls: Mutex::new(Vec::new()),
+            recording: std::sync::atomic::AtomicBool::new(true),
+            endless_sent: Arc::new(AtomicUsize::new(0)),
+            responder: Mutex::new(None),
+            connections: AtomicUsize::new(0),
+        })
+    }
+}
+
+fn router(state: Arc<MockState>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .with_state(state)
+}
+
+/// A server certificate for `localhost` and `127.0.0.1`, signed by a CA made for it, offering
+/// `alpn`; and the CA's certificate (PEM).
+fn tls_config(alpn: Alpn) -> (rustls::ServerConfig, String) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "stable-harness test CA");
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params =
+        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap();
+    config.alpn_protocols = match alpn {
+        Alpn::Http2AndHttp1 => vec![b"h2".to_vec(), b"http/1.1".to_vec()],
+        Alpn::Http1Only => vec![b"http/1.1".to_vec()],
+    };
+    (config, ca_pem)
+}
+
+/// Accepts TCP connections and completes their TLS handshake; a handshake that fails (a client
+/// that does not trust the certificate) drops that connection and the next is awaited.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    state: Arc<MockState>,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, address)) = self.tcp.accept().await else {
+                continue;
+            };
+            self.state.connections.fetch_add(1, Ordering::SeqCst);
+            let _ = tcp.set_nodelay(true);
+            if let Ok(tls) = self.acceptor.accept(tcp).await {
+                return (tls, address);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Arc<MockState>>,
+    version: Version,
+    body: Bytes,
+) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if state.recording.load(Ordering::Relaxed) {
         state.calls.lock().unwrap().push(Call {
             body: body.clone(),
             at: Instant::now(),
+            version,
         });
     }
     let responder = state.responder.lock().unwrap().clone();

@@ -1,0 +1,172 @@
+//! Upstreams over HTTPS, as every hosted provider is: the binary verifies the upstream's
+//! certificate against the roots it trusts (the system's, or `SSL_CERT_FILE`), speaks HTTP/2
+//! where the upstream offers it by ALPN and HTTP/1.1 where it does not, and keeps its
+//! connections: calls in sequence reuse one, and concurrent calls share one over HTTP/2.
+
+use axum::http::Version;
+use serde_json::{Value, json};
+
+use super::upstream::{Alpn, MockUpstream};
+use super::{CLIENT_KEY, ServerProcess, api_workspace, streamed_content};
+
+/// The binary on a workspace whose models call `upstream`, trusting only the CA in `ca_pem`
+/// when given (the system's roots otherwise). One HTTP shard, so that one connection pool makes every call (each shard keeps
+/// its own).
+fn start_trusting(upstream: &MockUpstream, ca_pem: Option<&str>) -> Served {
+    let workspace = api_workspace(upstream, "");
+    let ca_file = tempfile::NamedTempFile::new().unwrap();
+    let mut env = vec![("TOKIO_WORKER_THREADS", "1".to_owned())];
+    if let Some(pem) = ca_pem {
+        std::fs::write(ca_file.path(), pem).unwrap();
+        env.push(("SSL_CERT_FILE", ca_file.path().to_str().unwrap().to_owned()));
+    }
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Served {
+        server: ServerProcess::start(workspace.path(), &env),
+        _workspace: workspace,
+        _ca_file: ca_file,
+    }
+}
+
+/// The server, with what must outlive it: its workspace and the CA file it was told to trust.
+struct Served {
+    server: ServerProcess,
+    _workspace: crate::helpers::TestWorkspace,
+    _ca_file: tempfile::NamedTempFile,
+}
+
+/// A client of the binary (plain HTTP; reqwest still wants the process's TLS provider).
+fn client() -> reqwest::Client {
+    stable_harness::app::install_crypto_provider();
+    reqwest::Client::new()
+}
+
+async fn chat(http: &reqwest::Client, server: &ServerProcess, body: Value) -> (u16, String) {
+    let response = http
+        .post(server.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+fn ask(text: &str) -> Value {
+    json!({ "model": "assistant", "messages": [{ "role": "user", "content": text }] })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_connection() {
+    let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
+    let served = start_trusting(&upstream, Some(&ca_pem));
+    let server = &served.server;
+    let http = client();
+
+    // In sequence: answered whole, then streamed.
+    for n in 0..3 {
+        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
+        assert_eq!(status, 200, "{body}; server: {}", server.stderr());
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            "Hello from the upstream model"
+        );
+    }
+    let mut streamed = ask("stream it");
+    streamed["stream"] = json!(true);
+    let (status, body) = chat(&http, server, streamed).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(streamed_content(&body), "Hello from the upstream model");
+
+    // Then eight at once: HTTP/2 carries them on the same connection.
+    let concurrent = (0..8).map(|n| {
+        let http = &http;
+        async move { chat(http, server, ask(&format!("together {n}"))).await }
+    });
+    for (status, body) in futures::future::join_all(concurrent).await {
+        assert_eq!(status, 200, "{body}");
+    }
+
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 12, "one upstream call per request");
+    assert!(
+        calls.iter().all(|call| call.version == Version::HTTP_2),
+        "every call over HTTP/2: {:?}",
+        calls.iter().map(|call| call.version).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "twelve calls, four of them after the others and eight at once, on one connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_without_http2_is_called_over_http1_on_a_kept_connection() {
+    let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http1Only).await;
+    let served = start_trusting(&upstream, Some(&ca_pem));
+    let server = &served.server;
+    let http = client();
+    for n in 0..4 {
+        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
+        assert_eq!(status, 200, "{body}; server: {}", server.stderr());
+    }
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 4);
+    assert!(
+        calls.iter().all(|call| call.version == Version::HTTP_11),
+        "{:?}",
+        calls.iter().map(|call| call.version).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "calls in sequence reuse the kept connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_http_upstream_is_called_on_a_kept_connection() {
+    let upstream = MockUpstream::start().await;
+    let served = start_trusting(&upstream, None);
+    let server = &served.server;
+    let http = client();
+    for n in 0..4 {
+        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(
+        upstream
+            .calls()
+            .iter()
+            .all(|call| call.version == Version::HTTP_11)
+    );
+    assert_eq!(upstream.connections(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_certificate_the_binary_does_not_trust_is_refused() {
+    // The binary trusts a CA, but not the one that signed this upstream's certificate (a CA
+    // of its own rather than the system's roots, so that the test does not depend on what the
+    // machine trusts): the handshake fails, no call reaches the upstream, and the client is
+    // told why in the error envelope (502).
+    let (upstream, _its_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
+    let (_other, other_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
+    let served = start_trusting(&upstream, Some(&other_ca));
+    let server = &served.server;
+    let http = client();
+    let (status, body) = chat(&http, server, ask("hello")).await;
+    assert_eq!(status, 502, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "upstream_error", "{error}");
+    // Why, without the upstream's address: the certificate, not the network.
+    assert_eq!(
+        error["error"]["message"],
+        "upstream model `main`: could not connect: its TLS certificate was refused",
+        "{error}"
+    );
+    assert!(upstream.calls().is_empty(), "no call got through");
+    assert!(upstream.connections() >= 1, "the binary did connect");
+}
