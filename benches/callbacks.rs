@@ -112,6 +112,7 @@ fn main() {
         let (server, base) = server::start(
             std::path::Path::new(env!("CARGO_BIN_EXE_stable-harness")),
             dir.path(),
+            &[],
         );
         let view: Value = reqwest::Client::new()
             .post(format!("{base}/runtime/requests"))

@@ -26,6 +26,10 @@
 //! database and requests go to them in turn, as behind a load balancer. With
 //! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
+//! `STABLE_HARNESS_BENCH_UPSTREAM=https-h2` (or `https-h1`) serves the upstream over TLS, as
+//! hosted providers are, offering HTTP/2 and HTTP/1.1 (or HTTP/1.1 alone) by ALPN; the binary
+//! and the direct client both trust its CA and agree the protocol in the handshake. The
+//! recorded "before" column is then left out (it was measured over plain HTTP).
 //! `STABLE_HARNESS_BENCH_ONLY=chat:32` (or `chat@200`, at a fixed 200 requests a second)
 //! runs one phase alone (after the warm-up, printing the server's pid first), for a profiler to attach to, or to compare two builds on it in
 //! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`. Such a
@@ -74,8 +78,39 @@ fn phase_length() -> Duration {
     Duration::from_secs_f64(seconds)
 }
 
+/// The upstream as `STABLE_HARNESS_BENCH_UPSTREAM` asks: over plain HTTP (the default), or
+/// over TLS offering `h2` and `http/1.1` (`https-h2`) or `http/1.1` alone (`https-h1`).
+fn upstream_tls() -> Option<upstream::Alpn> {
+    match std::env::var("STABLE_HARNESS_BENCH_UPSTREAM").as_deref() {
+        Err(_) | Ok("http") => None,
+        Ok("https-h2") => Some(upstream::Alpn::Http2AndHttp1),
+        Ok("https-h1") => Some(upstream::Alpn::Http1Only),
+        Ok(other) => {
+            panic!("STABLE_HARNESS_BENCH_UPSTREAM: `{other}` is not http, https-h2 or https-h1")
+        }
+    }
+}
+
+/// The PEM file of the TLS upstream's CA, which the servers are told to trust
+/// (`SSL_CERT_FILE`); unset over plain HTTP.
+static UPSTREAM_CA: std::sync::OnceLock<tempfile::NamedTempFile> = std::sync::OnceLock::new();
+
 async fn run() {
-    let upstream = upstream::MockUpstream::start().await;
+    let tls = upstream_tls();
+    let mut client = reqwest::Client::builder().pool_max_idle_per_host(64);
+    let upstream = match tls {
+        None => upstream::MockUpstream::start().await,
+        Some(alpn) => {
+            let (upstream, ca_pem) = upstream::MockUpstream::start_tls(alpn).await;
+            let ca_file = tempfile::NamedTempFile::new().unwrap();
+            std::fs::write(ca_file.path(), &ca_pem).unwrap();
+            let _ = UPSTREAM_CA.set(ca_file);
+            client = client
+                .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap());
+            upstream
+        }
+    };
+    let client = client.build().unwrap();
     upstream.stop_recording();
     // The length of the answer is asked for in the user's message: "chunks N".
     upstream.set_responder(upstream::Responder::new(|body: &Value| {
@@ -88,14 +123,15 @@ async fn run() {
             .unwrap_or(7);
         upstream::Reply::Text(answer_of(asked))
     }));
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(64)
-        .build()
-        .unwrap();
     let store = if std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL").is_ok() {
         "PostgreSQL"
     } else {
         "SQLite, WAL"
+    };
+    let store = match tls {
+        None => store.to_owned(),
+        Some(upstream::Alpn::Http2AndHttp1) => format!("{store}; upstream over HTTPS, h2 offered"),
+        Some(upstream::Alpn::Http1Only) => format!("{store}; upstream over HTTPS, http/1.1 only"),
     };
     let before = std::env::var("STABLE_HARNESS_BENCH_BEFORE")
         .ok()
@@ -113,7 +149,7 @@ async fn run() {
     if let Some(binary) = &before {
         println!("== before: {}", binary.display());
         columns.push(("before".into(), measure(binary, &upstream, &client).await));
-    } else if let Some(recorded) = recorded_before() {
+    } else if let Some(recorded) = recorded_before().filter(|_| tls.is_none()) {
         columns.push(("before (recorded)".into(), recorded));
     }
     println!("== after: this build");
@@ -124,7 +160,7 @@ async fn run() {
         }
     }
     columns.push(("after".into(), after));
-    print_aims(store, &columns);
+    print_aims(&store, &columns);
 }
 
 /// The median round trip of two threads waking each other in turn, each blocked (parked) in
@@ -711,7 +747,12 @@ impl Servers {
         let mut children = Vec::new();
         let mut bases = Vec::new();
         for _ in 0..instances {
-            let (child, base) = server::start(binary, workspace);
+            let trust: Vec<(&str, &str)> = UPSTREAM_CA
+                .get()
+                .and_then(|ca| ca.path().to_str())
+                .map(|path| vec![("SSL_CERT_FILE", path)])
+                .unwrap_or_default();
+            let (child, base) = server::start(binary, workspace, &trust);
             children.push(child);
             bases.push(base);
         }

@@ -12,12 +12,14 @@ pub fn store_args() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Starts `binary` on `workspace` on a free port and returns it with its base URL.
-pub fn start(binary: &Path, workspace: &Path) -> (Child, String) {
+/// Starts `binary` on `workspace` on a free port, with `env` added to its environment, and
+/// returns it with its base URL.
+pub fn start(binary: &Path, workspace: &Path, env: &[(&str, &str)]) -> (Child, String) {
     let mut server = Command::new(binary)
         .args(["start", "-w", workspace.to_str().unwrap(), "--port", "0"])
         .args(store_args())
         .env("STABLE_HARNESS_LOG", "error")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
