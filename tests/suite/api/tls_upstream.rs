@@ -57,6 +57,31 @@ fn ask(text: &str) -> Value {
     json!({ "model": "assistant", "messages": [{ "role": "user", "content": text }] })
 }
 
+/// Asks `count` questions one after another, each answered whole with the upstream's text.
+async fn ask_in_sequence(http: &reqwest::Client, server: &ServerProcess, count: usize) {
+    for n in 0..count {
+        let (status, body) = chat(http, server, ask(&format!("hello {n}"))).await;
+        assert_eq!(status, 200, "{body}; server: {}", server.stderr());
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            "Hello from the upstream model"
+        );
+    }
+}
+
+/// The upstream received `count` calls, every one over `version`, all on one connection.
+fn assert_calls_on_one_connection(upstream: &MockUpstream, count: usize, version: Version) {
+    let versions: Vec<Version> = upstream.calls().iter().map(|call| call.version).collect();
+    assert_eq!(versions.len(), count, "one upstream call per request");
+    assert!(versions.iter().all(|v| *v == version), "{versions:?}");
+    assert_eq!(
+        upstream.connections(),
+        1,
+        "every call on the kept connection"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_connection() {
     let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
@@ -65,15 +90,7 @@ async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_conne
     let http = client();
 
     // In sequence: answered whole, then streamed.
-    for n in 0..3 {
-        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
-        assert_eq!(status, 200, "{body}; server: {}", server.stderr());
-        let answer: Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(
-            answer["choices"][0]["message"]["content"],
-            "Hello from the upstream model"
-        );
-    }
+    ask_in_sequence(&http, server, 3).await;
     let mut streamed = ask("stream it");
     streamed["stream"] = json!(true);
     let (status, body) = chat(&http, server, streamed).await;
@@ -88,62 +105,23 @@ async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_conne
     for (status, body) in futures::future::join_all(concurrent).await {
         assert_eq!(status, 200, "{body}");
     }
-
-    let calls = upstream.calls();
-    assert_eq!(calls.len(), 12, "one upstream call per request");
-    assert!(
-        calls.iter().all(|call| call.version == Version::HTTP_2),
-        "every call over HTTP/2: {:?}",
-        calls.iter().map(|call| call.version).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        upstream.connections(),
-        1,
-        "twelve calls, four of them after the others and eight at once, on one connection"
-    );
+    assert_calls_on_one_connection(&upstream, 12, Version::HTTP_2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_without_http2_is_called_over_http1_on_a_kept_connection() {
     let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http1Only).await;
     let served = start_trusting(&upstream, Some(&ca_pem));
-    let server = &served.server;
-    let http = client();
-    for n in 0..4 {
-        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
-        assert_eq!(status, 200, "{body}; server: {}", server.stderr());
-    }
-    let calls = upstream.calls();
-    assert_eq!(calls.len(), 4);
-    assert!(
-        calls.iter().all(|call| call.version == Version::HTTP_11),
-        "{:?}",
-        calls.iter().map(|call| call.version).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        upstream.connections(),
-        1,
-        "calls in sequence reuse the kept connection"
-    );
+    ask_in_sequence(&client(), &served.server, 4).await;
+    assert_calls_on_one_connection(&upstream, 4, Version::HTTP_11);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_http_upstream_is_called_on_a_kept_connection() {
     let upstream = MockUpstream::start().await;
     let served = start_trusting(&upstream, None);
-    let server = &served.server;
-    let http = client();
-    for n in 0..4 {
-        let (status, body) = chat(&http, server, ask(&format!("hello {n}"))).await;
-        assert_eq!(status, 200, "{body}");
-    }
-    assert!(
-        upstream
-            .calls()
-            .iter()
-            .all(|call| call.version == Version::HTTP_11)
-    );
-    assert_eq!(upstream.connections(), 1);
+    ask_in_sequence(&client(), &served.server, 4).await;
+    assert_calls_on_one_connection(&upstream, 4, Version::HTTP_11);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
