@@ -7,7 +7,7 @@ use axum::http::Version;
 use serde_json::{Value, json};
 
 use super::upstream::{Alpn, MockUpstream};
-use super::{CLIENT_KEY, ServerProcess, api_workspace, streamed_content};
+use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, api_workspace, get_json, streamed_content};
 
 /// The binary on a workspace whose models call `upstream`, trusting only the CA in `ca_pem`
 /// when given (the system's roots otherwise). One HTTP shard, so that one connection pool makes every call (each shard keeps
@@ -129,7 +129,7 @@ async fn an_upstream_certificate_the_binary_does_not_trust_is_refused() {
     // The binary trusts a CA, but not the one that signed this upstream's certificate (a CA
     // of its own rather than the system's roots, so that the test does not depend on what the
     // machine trusts): the handshake fails, no call reaches the upstream, and the client is
-    // told why in the error envelope (502).
+    // told why in the error envelope (502), as the operator is by `/admin/health`.
     let (upstream, _its_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
     let (_other, other_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
     let served = start_trusting(&upstream, Some(&other_ca));
@@ -147,4 +147,22 @@ async fn an_upstream_certificate_the_binary_does_not_trust_is_refused() {
     );
     assert!(upstream.calls().is_empty(), "no call got through");
     assert!(upstream.connections() >= 1, "the binary did connect");
+
+    // An operator's health check says the same of each model on that upstream.
+    let (status, health) = get_json(&http, &server.url("/admin/health"), ADMIN_KEY).await;
+    assert_eq!(status, 200, "{health}");
+    assert_eq!(health["status"], "degraded", "{health}");
+    let models = health["models"].as_array().unwrap();
+    assert_eq!(models.len(), 3, "{health}");
+    for probe in models {
+        assert_eq!(probe["reachable"], false, "{probe}");
+        assert_eq!(
+            probe["error"],
+            format!(
+                "upstream model `{}`: could not connect: its TLS certificate was refused",
+                probe["model"].as_str().unwrap()
+            ),
+            "{probe}"
+        );
+    }
 }
