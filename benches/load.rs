@@ -91,20 +91,23 @@ fn upstream_tls() -> Option<upstream::Alpn> {
     }
 }
 
-/// The PEM file of the TLS upstream's CA, which the servers are told to trust
+/// The path of the TLS upstream's CA (PEM), which the servers are told to trust
 /// (`SSL_CERT_FILE`); unset over plain HTTP.
-static UPSTREAM_CA: std::sync::OnceLock<tempfile::NamedTempFile> = std::sync::OnceLock::new();
+static UPSTREAM_CA: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
 async fn run() {
     let tls = upstream_tls();
     let mut client = reqwest::Client::builder().pool_max_idle_per_host(64);
+    // The CA's file lives as long as the run, and is removed after it.
+    let mut _ca_file = None;
     let upstream = match tls {
         None => upstream::MockUpstream::start().await,
         Some(alpn) => {
             let (upstream, ca_pem) = upstream::MockUpstream::start_tls(alpn).await;
             let ca_file = tempfile::NamedTempFile::new().unwrap();
             std::fs::write(ca_file.path(), &ca_pem).unwrap();
-            let _ = UPSTREAM_CA.set(ca_file);
+            let _ = UPSTREAM_CA.set(ca_file.path().to_owned());
+            _ca_file = Some(ca_file);
             client = client
                 .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap());
             upstream
@@ -749,7 +752,7 @@ impl Servers {
         for _ in 0..instances {
             let trust: Vec<(&str, &str)> = UPSTREAM_CA
                 .get()
-                .and_then(|ca| ca.path().to_str())
+                .and_then(|ca| ca.to_str())
                 .map(|path| vec![("SSL_CERT_FILE", path)])
                 .unwrap_or_default();
             let (child, base) = server::start(binary, workspace, &trust);

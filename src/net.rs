@@ -29,7 +29,7 @@ pub async fn read_capped(response: reqwest::Response, max: u64) -> Result<Vec<u8
 
 /// A connection that failed, in words safe to show a client (no URL, no address): whether the
 /// peer's TLS certificate was refused (not signed by a trusted root, expired, for another
-/// name), which no retry mends, or the connection failed otherwise.
+/// name), which the operator must mend, or the connection failed otherwise.
 pub fn connect_failure(error: &reqwest::Error) -> &'static str {
     if certificate_refused(error) {
         "could not connect: its TLS certificate was refused"
