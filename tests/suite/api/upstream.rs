@@ -251,8 +251,9 @@ fn tls_config(alpn: Alpn) -> (rustls::ServerConfig, String) {
     (config, ca_pem)
 }
 
-/// Accepts TCP connections and completes their TLS handshake; a handshake that fails (a client
-/// that does not trust the certificate) drops that connection and the next is awaited.
+/// Accepts TCP connections and completes their TLS handshakes, one at a time (a test opens
+/// few, and keeps them). A handshake that fails (a client that does not trust the
+/// certificate) drops that connection, and the next is awaited.
 struct TlsListener {
     tcp: tokio::net::TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
