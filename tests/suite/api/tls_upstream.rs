@@ -1,12 +1,13 @@
 //! Upstreams over HTTPS, as every hosted provider is: the binary verifies the upstream's
 //! certificate against the roots it trusts (the system's, or `SSL_CERT_FILE`), speaks HTTP/2
 //! where the upstream offers it by ALPN and HTTP/1.1 where it does not, and keeps its
-//! connections: calls in sequence reuse one, and concurrent calls share one over HTTP/2.
+//! connections: calls in sequence reuse one, and concurrent calls share one over HTTP/2, where
+//! a call cut mid-answer fails alone.
 
 use axum::http::Version;
 use serde_json::{Value, json};
 
-use super::upstream::{Alpn, MockUpstream};
+use super::upstream::{Alpn, MockUpstream, Reply, Responder};
 use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, api_workspace, get_json, streamed_content};
 
 /// The binary on a workspace whose models call `upstream`, trusting only the CA in `ca_pem`
@@ -165,4 +166,47 @@ async fn an_upstream_certificate_the_binary_does_not_trust_is_refused() {
             "{probe}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_over_http2_fails_alone_and_its_connection_carries_the_others() {
+    // One call's stream is cut mid-answer while four others share its HTTP/2 connection: the
+    // cut one fails as over HTTP/1.1 (its text kept, not retried), the others are answered,
+    // and the connection (one stream reset, not closed) carries the calls after it.
+    let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
+    upstream.set_responder(Responder::new(|body: &Value| {
+        let asked = body["messages"]
+            .as_array()
+            .and_then(|messages| messages.last())
+            .and_then(|message| message["content"].as_str())
+            .unwrap_or_default();
+        if asked == "cut" {
+            Reply::CutAfter("partial answer ".into())
+        } else {
+            Reply::Text("Hello from the upstream model".into())
+        }
+    }));
+    let served = start_trusting(&upstream, Some(&ca_pem));
+    let server = &served.server;
+    let http = client();
+    ask_in_sequence(&http, server, 1).await;
+
+    let mut cut = ask("cut");
+    cut["stream"] = json!(true);
+    let others = (0..4).map(|n| {
+        let http = &http;
+        async move { chat(http, server, ask(&format!("beside {n}"))).await }
+    });
+    let ((cut_status, cut_body), others) =
+        tokio::join!(chat(&http, server, cut), futures::future::join_all(others));
+    assert_eq!(cut_status, 200, "the stream had started: {cut_body}");
+    assert_eq!(streamed_content(&cut_body), "partial answer ", "{cut_body}");
+    assert!(!cut_body.contains("[DONE]"), "{cut_body}");
+    assert!(cut_body.contains("upstream_error"), "{cut_body}");
+    for (status, body) in others {
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("Hello from the upstream model"), "{body}");
+    }
+    ask_in_sequence(&http, server, 2).await;
+    assert_calls_on_one_connection(&upstream, 1 + 1 + 4 + 2, Version::HTTP_2);
 }
