@@ -58,6 +58,22 @@ fn ask(text: &str) -> Value {
     json!({ "model": "assistant", "messages": [{ "role": "user", "content": text }] })
 }
 
+fn ask_streamed(text: &str) -> Value {
+    let mut body = ask(text);
+    body["stream"] = json!(true);
+    body
+}
+
+/// Asks `count` questions at once: the answers' statuses and bodies.
+async fn ask_at_once(
+    http: &reqwest::Client,
+    server: &ServerProcess,
+    count: usize,
+) -> Vec<(u16, String)> {
+    let asked = (0..count).map(|n| chat(http, server, ask(&format!("together {n}"))));
+    futures::future::join_all(asked).await
+}
+
 /// Asks `count` questions one after another, each answered whole with the upstream's text.
 async fn ask_in_sequence(http: &reqwest::Client, server: &ServerProcess, count: usize) {
     for n in 0..count {
@@ -92,18 +108,12 @@ async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_conne
 
     // In sequence: answered whole, then streamed.
     ask_in_sequence(&http, server, 3).await;
-    let mut streamed = ask("stream it");
-    streamed["stream"] = json!(true);
-    let (status, body) = chat(&http, server, streamed).await;
+    let (status, body) = chat(&http, server, ask_streamed("stream it")).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(streamed_content(&body), "Hello from the upstream model");
 
     // Then eight at once: HTTP/2 carries them on the same connection.
-    let concurrent = (0..8).map(|n| {
-        let http = &http;
-        async move { chat(http, server, ask(&format!("together {n}"))).await }
-    });
-    for (status, body) in futures::future::join_all(concurrent).await {
+    for (status, body) in ask_at_once(&http, server, 8).await {
         assert_eq!(status, 200, "{body}");
     }
     assert_calls_on_one_connection(&upstream, 12, Version::HTTP_2);
@@ -191,14 +201,10 @@ async fn a_call_cut_over_http2_fails_alone_and_its_connection_carries_the_others
     let http = client();
     ask_in_sequence(&http, server, 1).await;
 
-    let mut cut = ask("cut");
-    cut["stream"] = json!(true);
-    let others = (0..4).map(|n| {
-        let http = &http;
-        async move { chat(http, server, ask(&format!("beside {n}"))).await }
-    });
-    let ((cut_status, cut_body), others) =
-        tokio::join!(chat(&http, server, cut), futures::future::join_all(others));
+    let ((cut_status, cut_body), others) = tokio::join!(
+        chat(&http, server, ask_streamed("cut")),
+        ask_at_once(&http, server, 4)
+    );
     assert_eq!(cut_status, 200, "the stream had started: {cut_body}");
     assert_eq!(streamed_content(&cut_body), "partial answer ", "{cut_body}");
     assert!(!cut_body.contains("[DONE]"), "{cut_body}");
