@@ -2,7 +2,9 @@
 //! certificate against the roots it trusts (the system's, or `SSL_CERT_FILE`), speaks HTTP/2
 //! where the upstream offers it by ALPN and HTTP/1.1 where it does not, and keeps its
 //! connections: calls in sequence reuse one, and concurrent calls share one over HTTP/2, where
-//! a call cut mid-answer fails alone.
+//! a call cut mid-answer fails alone. Where `HTTPS_PROXY` names a proxy, it tunnels through it.
+
+use std::sync::{Arc, Mutex};
 
 use axum::http::Version;
 use serde_json::{Value, json};
@@ -11,19 +13,24 @@ use super::upstream::{Alpn, MockUpstream, Reply, Responder};
 use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, api_workspace, get_json, streamed_content};
 
 /// The binary on a workspace whose models call `upstream`, trusting only the CA in `ca_pem`
-/// when given (the system's roots otherwise). One HTTP shard, so that one connection pool makes every call (each shard keeps
-/// its own).
-fn start_trusting(upstream: &MockUpstream, ca_pem: Option<&str>) -> Served {
+/// when given (the system's roots otherwise), with `env` added. One HTTP shard, so that one
+/// connection pool makes every call (each shard keeps its own). Calls to loopback go direct
+/// even where the machine's environment names a proxy, unless `env` says otherwise.
+fn start_trusting(upstream: &MockUpstream, ca_pem: Option<&str>, env: &[(&str, &str)]) -> Served {
     let workspace = api_workspace(upstream, "");
     let ca_file = tempfile::NamedTempFile::new().unwrap();
-    let mut env = vec![("TOKIO_WORKER_THREADS", "1".to_owned())];
+    let mut all = vec![
+        ("TOKIO_WORKER_THREADS", "1".to_owned()),
+        ("NO_PROXY", "localhost,127.0.0.1".to_owned()),
+    ];
     if let Some(pem) = ca_pem {
         std::fs::write(ca_file.path(), pem).unwrap();
-        env.push(("SSL_CERT_FILE", ca_file.path().to_str().unwrap().to_owned()));
+        all.push(("SSL_CERT_FILE", ca_file.path().to_str().unwrap().to_owned()));
     }
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    all.extend(env.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    let all: Vec<(&str, &str)> = all.iter().map(|(k, v)| (*k, v.as_str())).collect();
     Served {
-        server: ServerProcess::start(workspace.path(), &env),
+        server: ServerProcess::start(workspace.path(), &all),
         _workspace: workspace,
         _ca_file: ca_file,
     }
@@ -102,7 +109,7 @@ fn assert_calls_on_one_connection(upstream: &MockUpstream, count: usize, version
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_connection() {
     let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
-    let served = start_trusting(&upstream, Some(&ca_pem));
+    let served = start_trusting(&upstream, Some(&ca_pem), &[]);
     let server = &served.server;
     let http = client();
 
@@ -122,7 +129,7 @@ async fn an_https_upstream_offering_http2_is_called_over_http2_on_one_kept_conne
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_without_http2_is_called_over_http1_on_a_kept_connection() {
     let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http1Only).await;
-    let served = start_trusting(&upstream, Some(&ca_pem));
+    let served = start_trusting(&upstream, Some(&ca_pem), &[]);
     ask_in_sequence(&client(), &served.server, 4).await;
     assert_calls_on_one_connection(&upstream, 4, Version::HTTP_11);
 }
@@ -130,7 +137,7 @@ async fn an_https_upstream_without_http2_is_called_over_http1_on_a_kept_connecti
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_http_upstream_is_called_on_a_kept_connection() {
     let upstream = MockUpstream::start().await;
-    let served = start_trusting(&upstream, None);
+    let served = start_trusting(&upstream, None, &[]);
     ask_in_sequence(&client(), &served.server, 4).await;
     assert_calls_on_one_connection(&upstream, 4, Version::HTTP_11);
 }
@@ -143,7 +150,7 @@ async fn an_upstream_certificate_the_binary_does_not_trust_is_refused() {
     // told why in the error envelope (502), as the operator is by `/admin/health`.
     let (upstream, _its_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
     let (_other, other_ca) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
-    let served = start_trusting(&upstream, Some(&other_ca));
+    let served = start_trusting(&upstream, Some(&other_ca), &[]);
     let server = &served.server;
     let http = client();
     let (status, body) = chat(&http, server, ask("hello")).await;
@@ -196,7 +203,7 @@ async fn a_call_cut_over_http2_fails_alone_and_its_connection_carries_the_others
             Reply::Text("Hello from the upstream model".into())
         }
     }));
-    let served = start_trusting(&upstream, Some(&ca_pem));
+    let served = start_trusting(&upstream, Some(&ca_pem), &[]);
     let server = &served.server;
     let http = client();
     ask_in_sequence(&http, server, 1).await;
@@ -215,4 +222,140 @@ async fn a_call_cut_over_http2_fails_alone_and_its_connection_carries_the_others
     }
     ask_in_sequence(&http, server, 2).await;
     assert_calls_on_one_connection(&upstream, 1 + 1 + 4 + 2, Version::HTTP_2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_is_reached_through_the_proxy_https_proxy_names() {
+    // As behind a company's egress proxy: the binary asks the proxy for a tunnel (`CONNECT`)
+    // and speaks TLS to the upstream through it, so the proxy never sees the key or the
+    // prompt, and the upstream's certificate is still checked.
+    let (upstream, ca_pem) = MockUpstream::start_tls(Alpn::Http2AndHttp1).await;
+    let proxy = TunnelProxy::start().await;
+    let key = "upstream-key-seen-only-by-the-upstream";
+    let served = start_trusting(
+        &upstream,
+        Some(&ca_pem),
+        &[
+            ("HTTPS_PROXY", proxy.url.as_str()),
+            ("NO_PROXY", ""),
+            ("STABLE_HARNESS_TEST_UPSTREAM_KEY", key),
+        ],
+    );
+    ask_in_sequence(&client(), &served.server, 2).await;
+
+    let port = upstream
+        .url
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .trim_end_matches("/v1");
+    let heads = proxy.heads();
+    assert_eq!(heads.len(), 1, "one tunnel, kept: {heads:?}");
+    assert!(
+        heads[0].starts_with(&format!("CONNECT localhost:{port} HTTP/1.1\r\n")),
+        "{heads:?}"
+    );
+    assert_calls_on_one_connection(&upstream, 2, Version::HTTP_2);
+    let bearer = format!("Bearer {key}");
+    for call in upstream.calls() {
+        assert_eq!(call.authorization.as_deref(), Some(bearer.as_str()));
+    }
+    let through = proxy.tunnelled();
+    assert!(through.len() > 1_000, "the calls went through the tunnel");
+    for plain in [key.as_bytes(), b"main-upstream", b"hello 1"] {
+        assert!(
+            !through.windows(plain.len()).any(|window| window == plain),
+            "the proxy saw {:?} in clear",
+            String::from_utf8_lossy(plain)
+        );
+    }
+}
+
+/// A forward proxy on loopback that only tunnels (`CONNECT host:port`, as HTTPS clients use
+/// a proxy), recording each request head and every byte the client sent through a tunnel.
+struct TunnelProxy {
+    url: String,
+    heads: Arc<Mutex<Vec<String>>>,
+    tunnelled: Arc<Mutex<Vec<u8>>>,
+}
+
+impl TunnelProxy {
+    async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = Self {
+            url: format!("http://{}", listener.local_addr().unwrap()),
+            heads: Arc::default(),
+            tunnelled: Arc::default(),
+        };
+        let (heads, tunnelled) = (Arc::clone(&proxy.heads), Arc::clone(&proxy.tunnelled));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(tunnel(client, Arc::clone(&heads), Arc::clone(&tunnelled)));
+            }
+        });
+        proxy
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
+
+    fn tunnelled(&self) -> Vec<u8> {
+        self.tunnelled.lock().unwrap().clone()
+    }
+}
+
+/// Reads one request head; a `CONNECT` is answered 200 and its bytes are relayed both ways.
+async fn tunnel(
+    mut client: tokio::net::TcpStream,
+    heads: Arc<Mutex<Vec<String>>>,
+    tunnelled: Arc<Mutex<Vec<u8>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let Ok(byte) = client.read_u8().await else {
+            return;
+        };
+        head.push(byte);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    heads.lock().unwrap().push(head.clone());
+    let target = head
+        .strip_prefix("CONNECT ")
+        .and_then(|rest| rest.split_whitespace().next());
+    let upstream = match target {
+        Some(target) => tokio::net::TcpStream::connect(target).await.ok(),
+        None => None,
+    };
+    let Some(upstream) = upstream else {
+        let _ = client
+            .write_all(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
+            .await;
+        return;
+    };
+    if client
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_upstream, mut to_upstream) = upstream.into_split();
+    let outbound = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        while let Ok(read) = from_client.read(&mut buffer).await {
+            if read == 0 {
+                break;
+            }
+            tunnelled.lock().unwrap().extend_from_slice(&buffer[..read]);
+            if to_upstream.write_all(&buffer[..read]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to_upstream.shutdown().await;
+    };
+    let inbound = tokio::io::copy(&mut from_upstream, &mut to_client);
+    let _ = tokio::join!(outbound, inbound);
 }

@@ -73,6 +73,8 @@ pub struct Call {
     pub at: Instant,
     /// The HTTP version the call came over.
     pub version: Version,
+    /// Its `authorization` header, as it arrived.
+    pub authorization: Option<String>,
 }
 
 /// The protocols a TLS upstream offers by ALPN.
@@ -285,6 +287,7 @@ impl axum::serve::Listener for TlsListener {
 async fn chat_completions(
     State(state): State<Arc<MockState>>,
     version: Version,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -293,6 +296,10 @@ async fn chat_completions(
             body: body.clone(),
             at: Instant::now(),
             version,
+            authorization: headers
+                .get(axum::http::header::AUTHORIZATION)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned),
         });
     }
     let responder = state.responder.lock().unwrap().clone();
