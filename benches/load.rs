@@ -91,28 +91,23 @@ fn upstream_tls() -> Option<upstream::Alpn> {
     }
 }
 
-/// The path of the TLS upstream's CA (PEM), which the servers are told to trust
-/// (`SSL_CERT_FILE`); unset over plain HTTP.
-static UPSTREAM_CA: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-
 async fn run() {
     let tls = upstream_tls();
     let mut client = reqwest::Client::builder().pool_max_idle_per_host(64);
-    // The CA's file lives as long as the run, and is removed after it.
-    let mut _ca_file = None;
-    let upstream = match tls {
-        None => upstream::MockUpstream::start().await,
+    // Over TLS, the servers trust the upstream's CA through this file (`SSL_CERT_FILE`),
+    // removed when the run ends.
+    let (upstream, ca_file) = match tls {
+        None => (upstream::MockUpstream::start().await, None),
         Some(alpn) => {
             let (upstream, ca_pem) = upstream::MockUpstream::start_tls(alpn).await;
             let ca_file = tempfile::NamedTempFile::new().unwrap();
             std::fs::write(ca_file.path(), &ca_pem).unwrap();
-            let _ = UPSTREAM_CA.set(ca_file.path().to_owned());
-            _ca_file = Some(ca_file);
             client = client
                 .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap());
-            upstream
+            (upstream, Some(ca_file))
         }
     };
+    let trust = ca_file.as_ref().map(tempfile::NamedTempFile::path);
     let client = client.build().unwrap();
     upstream.stop_recording();
     // The length of the answer is asked for in the user's message: "chunks N".
@@ -141,7 +136,7 @@ async fn run() {
         .map(PathBuf::from);
     let this_build = Path::new(env!("CARGO_BIN_EXE_stable-harness"));
     if only_phase().is_some() {
-        compare_one_phase(before.as_deref(), this_build, &upstream, &client).await;
+        compare_one_phase(before.as_deref(), this_build, &upstream, trust, &client).await;
         return;
     }
     println!(
@@ -151,12 +146,15 @@ async fn run() {
     let mut columns: Vec<(String, Figures)> = Vec::new();
     if let Some(binary) = &before {
         println!("== before: {}", binary.display());
-        columns.push(("before".into(), measure(binary, &upstream, &client).await));
+        columns.push((
+            "before".into(),
+            measure(binary, &upstream, trust, &client).await,
+        ));
     } else if let Some(recorded) = recorded_before().filter(|_| tls.is_none()) {
         columns.push(("before (recorded)".into(), recorded));
     }
     println!("== after: this build");
-    let after = measure(this_build, &upstream, &client).await;
+    let after = measure(this_build, &upstream, trust, &client).await;
     if std::env::var("STABLE_HARNESS_BENCH_PRINT_TSV").is_ok_and(|v| v == "1") {
         for (key, (value, ratio)) in &after {
             println!("tsv\t{key}\t{value}\t{ratio}");
@@ -212,16 +210,18 @@ fn answer_of(chunks: usize) -> String {
 /// The figures of one build: key -> (figure, ratio to direct; NaN when there is none).
 type Figures = BTreeMap<String, (f64, f64)>;
 
-/// Runs every phase against `binary` (and the upstream directly, next to it in time).
+/// Runs every phase against `binary` (and the upstream directly, next to it in time); the
+/// servers trust the CA file `trust` names, when the upstream serves TLS.
 async fn measure(
     binary: &Path,
     upstream: &upstream::MockUpstream,
+    trust: Option<&Path>,
     client: &reqwest::Client,
 ) -> Figures {
     let phase = phase_length();
     let dir = tempfile::tempdir().unwrap();
     write_workspace(dir.path(), &upstream.url);
-    let servers = Servers::start(binary, dir.path());
+    let servers = Servers::start(binary, dir.path(), trust);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle_rss = rss_kib(servers.pid());
 
@@ -452,6 +452,7 @@ async fn compare_one_phase(
     before: Option<&Path>,
     this_build: &Path,
     upstream: &upstream::MockUpstream,
+    trust: Option<&Path>,
     client: &reqwest::Client,
 ) {
     let rounds: usize = std::env::var("STABLE_HARNESS_BENCH_ROUNDS")
@@ -466,7 +467,7 @@ async fn compare_one_phase(
     let mut runs: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     for round in 1..=rounds {
         for &(name, binary) in &builds {
-            let figures = measure(binary, upstream, client).await;
+            let figures = measure(binary, upstream, trust, client).await;
             let cells: Vec<String> = figures
                 .iter()
                 .map(|(key, (value, _))| format!("{key} {value:.3}"))
@@ -742,20 +743,19 @@ struct Servers {
 }
 
 impl Servers {
-    fn start(binary: &Path, workspace: &Path) -> Self {
+    fn start(binary: &Path, workspace: &Path, trust: Option<&Path>) -> Self {
         let instances: usize = std::env::var("STABLE_HARNESS_BENCH_INSTANCES")
             .ok()
             .and_then(|n| n.parse().ok())
             .unwrap_or(1);
+        let env: Vec<(&str, &str)> = trust
+            .and_then(Path::to_str)
+            .map(|path| vec![("SSL_CERT_FILE", path)])
+            .unwrap_or_default();
         let mut children = Vec::new();
         let mut bases = Vec::new();
         for _ in 0..instances {
-            let trust: Vec<(&str, &str)> = UPSTREAM_CA
-                .get()
-                .and_then(|ca| ca.to_str())
-                .map(|path| vec![("SSL_CERT_FILE", path)])
-                .unwrap_or_default();
-            let (child, base) = server::start(binary, workspace, &trust);
+            let (child, base) = server::start(binary, workspace, &env);
             children.push(child);
             bases.push(base);
         }

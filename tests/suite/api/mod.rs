@@ -207,16 +207,7 @@ impl TestApp {
     }
 
     pub async fn post(&self, path: &str, key: &str, body: &Value) -> (u16, Value) {
-        let response = self
-            .http
-            .post(self.url(path))
-            .bearer_auth(key)
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(Value::Null))
+        post_json(&self.http, &self.url(path), key, body).await
     }
 
     /// `POST /runtime/requests` of `text` to `agent` with the client key, accepted (202):
@@ -321,6 +312,31 @@ pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Val
     let response = http.get(url).bearer_auth(key).send().await.unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// `POST url` of `body` as JSON with a bearer key: the status and the body as text (an SSE
+/// stream's too).
+pub async fn post_text(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> (u16, String) {
+    let response = http
+        .post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap_or_default())
+}
+
+/// [`post_text`], its body read as JSON (`null` if it is not).
+pub async fn post_json(http: &reqwest::Client, url: &str, key: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = post_text(http, url, key, body).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
 }
 
 /// Polls `GET {base}/runtime/requests/{id}` until the request ended (bounded); its view.

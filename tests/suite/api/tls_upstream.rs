@@ -10,7 +10,9 @@ use axum::http::Version;
 use serde_json::{Value, json};
 
 use super::upstream::{Alpn, MockUpstream, Reply, Responder};
-use super::{ADMIN_KEY, CLIENT_KEY, ServerProcess, api_workspace, get_json, streamed_content};
+use super::{
+    ADMIN_KEY, CLIENT_KEY, ServerProcess, api_workspace, get_json, post_text, streamed_content,
+};
 
 /// The binary on a workspace whose models call `upstream`, trusting only the CA in `ca_pem`
 /// when given (the system's roots otherwise), with `env` added. One HTTP shard, so that one
@@ -50,15 +52,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn chat(http: &reqwest::Client, server: &ServerProcess, body: Value) -> (u16, String) {
-    let response = http
-        .post(server.url("/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.text().await.unwrap())
+    post_text(http, &server.url("/v1/chat/completions"), CLIENT_KEY, &body).await
 }
 
 fn ask(text: &str) -> Value {

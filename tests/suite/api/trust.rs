@@ -121,15 +121,7 @@ pub(super) fn data_of(events: &[Value], kind: &str) -> Vec<Value> {
 
 /// `POST /runtime/requests` on a spawned server with the client key: status and body.
 pub(super) async fn submit(http: &reqwest::Client, base: &str, body: &Value) -> (u16, Value) {
-    let response = http
-        .post(format!("{base}/runtime/requests"))
-        .bearer_auth(CLIENT_KEY)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    super::post_json(http, &format!("{base}/runtime/requests"), CLIENT_KEY, body).await
 }
 
 /// Polls until `count` approvals are pending at `base`; returns them.
