@@ -730,11 +730,12 @@ impl Spend {
         if let Some(local) = &self.local {
             self.load(local, &matched).await?;
         }
-        // The store first (on the embedded store: handed to its writer, which commits it with
-        // its next transaction), with the reservation still held: no moment shows the call
-        // neither reserved nor used.
+        // The store first (handed to its writer, which commits it with its next transaction),
+        // with the reservation still held: no moment shows the call neither reserved nor
+        // used.
         let written = self
-            .record_with_retries(record, &deltas, hold_id.as_deref())
+            .store
+            .record_usage(record, &deltas, hold_id.as_deref())
             .await;
         if let Some(local) = &self.local {
             let mut counters = local.counters();
@@ -766,28 +767,6 @@ impl Spend {
             }
         }
         Ok(())
-    }
-
-    /// Writes a charge, trying again while the store says it may pass (a busy or full disk,
-    /// a database failing over) for up to about five seconds.
-    async fn record_with_retries(
-        &self,
-        record: &UsageRecord,
-        deltas: &[CounterDelta],
-        hold: Option<&str>,
-    ) -> Result<(), StoreError> {
-        let mut delay = Duration::from_millis(20);
-        for _ in 0..8 {
-            match self.store.record_usage(record, deltas, hold).await {
-                Err(error) if error.is_transient() => {
-                    tracing::warn!(%error, "a charge could not be written yet; trying again");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(1));
-                }
-                result => return result,
-            }
-        }
-        self.store.record_usage(record, deltas, hold).await
     }
 
     /// Gives a reservation back uncharged (the call was never sent).

@@ -36,7 +36,9 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::conditions::{self, Conditions, Dialect};
 use super::folds::{Folds, RequestRow, RunRow};
-use super::postgres_spend::{usage_sums, usage_totals_from_row};
+use super::postgres_spend::{
+    PendingCharges, flush_idle_charges, usage_sums, usage_totals_from_row,
+};
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -58,7 +60,10 @@ pub struct PostgresStore {
     holder: String,
     pub(super) lease_ms: i64,
     changes: broadcast::Sender<StoreChange>,
-    /// Stops the listener when the last handle of the store is dropped.
+    /// Settled calls' charges waiting for this instance's next batch.
+    pub(super) charges: Arc<PendingCharges>,
+    /// Stops the listener and the lone writer of idle charges when the last handle of the
+    /// store is dropped.
     _listening: Arc<DropGuard>,
 }
 
@@ -85,12 +90,19 @@ impl PostgresStore {
             changes.clone(),
             stop.clone(),
         ));
+        let charges = Arc::new(PendingCharges::default());
+        tokio::spawn(flush_idle_charges(
+            pool.clone(),
+            charges.clone(),
+            stop.clone(),
+        ));
         Ok(Self {
             url: redact_url(url),
             pool,
             holder,
             lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
             changes,
+            charges,
             _listening: Arc::new(stop.drop_guard()),
         })
     }
@@ -529,16 +541,27 @@ impl Store for PostgresStore {
                 events,
             });
         }
-        let applied =
-            sqlx::query_scalar::<_, Vec<i64>>("SELECT stable_harness_apply($1, $2, $3, $4)")
-                .bind(sqlx::types::Json(&batch))
-                .bind(&self.holder)
-                .bind(self.lease_ms)
-                .bind(batch_id)
-                .fetch_one(&self.pool)
-                .await;
-        match applied {
-            Ok(numbers) => Ok(numbers),
+        // The charges settled since the last batch commit with this one (see
+        // `postgres_spend::PendingCharges`): same transaction, same round trip.
+        let _writing = self.charges.writing.lock().await;
+        let charges = self.charges.take();
+        let query = if charges.is_empty() {
+            "SELECT stable_harness_apply($1, $2, $3, $4)"
+        } else {
+            "SELECT stable_harness_apply($1, $2, $3, $4), stable_harness_record_usage($5)"
+        };
+        let applied = sqlx::query(query)
+            .bind(sqlx::types::Json(&batch))
+            .bind(&self.holder)
+            .bind(self.lease_ms)
+            .bind(batch_id);
+        let applied = if charges.is_empty() {
+            applied
+        } else {
+            applied.bind(sqlx::types::Json(&charges))
+        };
+        let applied = match applied.fetch_one(&self.pool).await {
+            Ok(row) => row.try_get::<Vec<i64>, _>(0).map_err(StoreError::from),
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH409") => {
                 Err(StoreError::Conflict(error.message().to_owned()))
             }
@@ -546,7 +569,13 @@ impl Store for PostgresStore {
                 Err(StoreError::LeaseLost(error.message().to_owned()))
             }
             Err(error) => Err(error.into()),
+        };
+        if let Err(error) = &applied {
+            self.charges
+                .after_failed_batch(&self.pool, charges, error)
+                .await;
         }
+        applied
     }
 
     /// Two round trips instead of four, one after the other: the request with what it was

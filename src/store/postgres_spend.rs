@@ -1,10 +1,23 @@
-//! Spend on PostgreSQL, shared by every instance, each operation one statement (one round
-//! trip, one transaction): a reservation (`stable_harness_reserve`) checks and takes room
-//! under a transaction-scoped advisory lock per counter (taken in a fixed order, so two
-//! reservations never deadlock); settling releases it and adds the usage; a rate bucket
-//! refills and is taken from in one upsert on the database's clock.
+//! Spend on PostgreSQL, shared by every instance. A reservation (`stable_harness_reserve`)
+//! checks and takes room in one statement, under a transaction-scoped advisory lock per
+//! counter (taken in a fixed order, so two reservations never deadlock); a rate bucket refills
+//! and is taken from in one upsert on the database's clock.
+//!
+//! Settling a call (its reservation released, its ledger record and its counters) rides along
+//! with this instance's next batch (`stable_harness_record_usage`, in the statement that
+//! applies the batch): the common request commits once before its answer, not twice, and a
+//! charge costs no round trip of its own. The run's next write is that batch at the latest,
+//! so an answer is never acknowledged before its charges are stored; until they commit, the
+//! reservation still counts, so other instances never see a call neither reserved nor used.
+//! See [`PendingCharges`].
 
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use sqlx::PgPool;
 use sqlx::Row;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::StoreError;
 use super::conditions::{self, Dialect};
@@ -13,6 +26,186 @@ use super::spend::{
     Amount, Claim, ClaimRefused, CounterDelta, CounterKey, RateBucket, RateTake, SpendStore,
     UsageFilter, UsageGroupBy, UsageRecord, UsageTotals,
 };
+
+/// How long a charge waits for a batch to ride along with before it is written alone.
+const CHARGE_IDLE: Duration = Duration::from_millis(20);
+
+/// Charges settled on this instance and not yet written: each rides along with the next batch
+/// this instance applies ([`PendingCharges::take`] in `apply_batch`, under [`Self::writing`]).
+/// The journal's writer is FIFO and a run's next write (its end at the latest) is a batch
+/// queued after its charge, so that batch, or one before it, commits the charge. A charge that
+/// waits [`CHARGE_IDLE`] with no batch to ride along with is written alone
+/// ([`flush_idle_charges`]).
+#[derive(Debug, Default)]
+pub(super) struct PendingCharges {
+    queue: Mutex<Queue>,
+    /// Wakes [`flush_idle_charges`] when a charge is queued while none waited.
+    queued: tokio::sync::Notify,
+    /// Held by whoever writes charges (a batch, a lone write), from taking them to knowing
+    /// their outcome: a batch applied after a lone write began commits after that write did,
+    /// so no answer goes out before the charges queued ahead of it are stored.
+    pub(super) writing: tokio::sync::Mutex<()>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    charges: Vec<serde_json::Value>,
+    /// When the oldest queued charge was queued (or last failed to be written alone).
+    since: Option<Instant>,
+}
+
+impl PendingCharges {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn push(&self, charge: serde_json::Value) {
+        let mut queue = self.queue();
+        queue.charges.push(charge);
+        if queue.since.is_none() {
+            queue.since = Some(Instant::now());
+            self.queued.notify_one();
+        }
+    }
+
+    /// Every queued charge, for the batch or lone write about to be applied.
+    pub(super) fn take(&self) -> Vec<serde_json::Value> {
+        let mut queue = self.queue();
+        queue.since = None;
+        std::mem::take(&mut queue.charges)
+    }
+
+    /// Queues again charges whose write failed, ahead of any queued since, to be tried with
+    /// the next batch or alone after another [`CHARGE_IDLE`].
+    fn put_back(&self, mut charges: Vec<serde_json::Value>) {
+        if charges.is_empty() {
+            return;
+        }
+        let mut queue = self.queue();
+        charges.append(&mut queue.charges);
+        queue.charges = charges;
+        queue.since = Some(Instant::now());
+        self.queued.notify_one();
+    }
+
+    /// When the queued charges are written alone, if no batch takes them first.
+    fn deadline(&self) -> Option<Instant> {
+        self.queue().since.map(|since| since + CHARGE_IDLE)
+    }
+
+    /// After the batch that carried `charges` failed with `error`: a transient failure keeps
+    /// them for the batch's next try; any other refusal is the batch's own (a conflict, a lost
+    /// lease), so they are written alone at once rather than held hostage by it. The caller
+    /// holds [`Self::writing`].
+    pub(super) async fn after_failed_batch(
+        &self,
+        pool: &PgPool,
+        charges: Vec<serde_json::Value>,
+        error: &StoreError,
+    ) {
+        if error.is_transient() {
+            self.put_back(charges);
+        } else {
+            self.write_alone(pool, charges).await;
+        }
+    }
+
+    /// Writes `charges` in a transaction of their own. The caller holds [`Self::writing`].
+    async fn write_alone(&self, pool: &PgPool, charges: Vec<serde_json::Value>) {
+        if charges.is_empty() {
+            return;
+        }
+        let written = sqlx::query("SELECT stable_harness_record_usage($1)")
+            .bind(sqlx::types::Json(&charges))
+            .execute(pool)
+            .await
+            .map_err(StoreError::from);
+        match written {
+            Ok(_) => {}
+            Err(error) if error.is_transient() => {
+                // The journal reports the store unavailable meanwhile; tried every
+                // `CHARGE_IDLE`, so not worth a warning each time.
+                tracing::debug!(%error, "charges could not be written yet; trying again");
+                self.put_back(charges);
+            }
+            Err(error) => tracing::error!(
+                %error,
+                charges = charges.len(),
+                "calls' usage could not be recorded in the ledger"
+            ),
+        }
+    }
+}
+
+/// Writes charges that waited [`CHARGE_IDLE`] for a batch alone, until `stop`; then writes
+/// what is left.
+pub(super) async fn flush_idle_charges(
+    pool: PgPool,
+    charges: std::sync::Arc<PendingCharges>,
+    stop: CancellationToken,
+) {
+    loop {
+        match charges.deadline() {
+            None => tokio::select! {
+                () = stop.cancelled() => break,
+                () = charges.queued.notified() => {}
+            },
+            Some(deadline) => tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep_until(deadline) => {
+                    let _writing = charges.writing.lock().await;
+                    // A batch may have taken them meanwhile, or newer ones may wait.
+                    if charges.deadline().is_some_and(|due| due <= Instant::now()) {
+                        charges.write_alone(&pool, charges.take()).await;
+                    }
+                }
+            },
+        }
+    }
+    let _writing = charges.writing.lock().await;
+    charges.write_alone(&pool, charges.take()).await;
+}
+
+/// A charge as `stable_harness_record_usage` reads it.
+fn charge_json(
+    record: &UsageRecord,
+    deltas: &[CounterDelta],
+    hold: Option<&str>,
+) -> serde_json::Value {
+    let deltas: Vec<serde_json::Value> = deltas
+        .iter()
+        .map(|delta| {
+            serde_json::json!({
+                "budget": text(&delta.key.budget),
+                "subject": text(&delta.key.subject),
+                "bucket": delta.bucket,
+                "tokens": int(delta.amount.tokens),
+                "cost_nanos": delta.amount.cost_nanos,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "record": {
+            "id": text(&record.id),
+            "at": record.at,
+            "request_id": text(&record.request_id),
+            "run_id": text(&record.run_id),
+            "owner": text(&record.owner),
+            "agent_id": text(&record.agent_id),
+            "session_id": text(&record.session_id),
+            "model": text(&record.model),
+            "source": text(&record.source),
+            "prompt_tokens": int(record.prompt_tokens),
+            "completion_tokens": int(record.completion_tokens),
+            "cost_nanos": record.cost_nanos,
+            "estimated": record.estimated,
+        },
+        "hold": hold.map(text),
+        "deltas": deltas,
+    })
+}
 
 fn int(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -65,62 +258,14 @@ fn live_reserved() -> String {
 
 #[async_trait::async_trait]
 impl SpendStore for PostgresStore {
+    /// Queued for this instance's next batch (see [`PendingCharges`]).
     async fn record_usage(
         &self,
         record: &UsageRecord,
         deltas: &[CounterDelta],
         hold: Option<&str>,
     ) -> Result<(), StoreError> {
-        let deltas: Vec<serde_json::Value> = deltas
-            .iter()
-            .map(|delta| {
-                serde_json::json!({
-                    "budget": text(&delta.key.budget),
-                    "subject": text(&delta.key.subject),
-                    "bucket": delta.bucket,
-                    "tokens": int(delta.amount.tokens),
-                    "cost_nanos": delta.amount.cost_nanos,
-                })
-            })
-            .collect();
-        // One statement: the reservation released, the ledger record and the counters, in
-        // one transaction and one round trip. A record written already is left as it is.
-        sqlx::query(
-            "WITH released AS (
-               DELETE FROM budget_reservations WHERE hold_id = $14
-             ), recorded AS (
-               INSERT INTO usage_records (id, at, request_id, run_id, owner, agent_id, session_id,
-                 model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
-               ON CONFLICT (id) DO NOTHING
-               RETURNING id
-             )
-             INSERT INTO budget_usage (budget, subject, bucket, tokens, cost_nanos)
-             SELECT d.budget, d.subject, d.bucket, d.tokens, d.cost_nanos
-               FROM jsonb_to_recordset($15::jsonb)
-                    AS d(budget text, subject text, bucket bigint, tokens bigint, cost_nanos bigint)
-              WHERE EXISTS (SELECT 1 FROM recorded)
-             ON CONFLICT (budget, subject, bucket) DO UPDATE
-               SET tokens = budget_usage.tokens + excluded.tokens,
-                   cost_nanos = budget_usage.cost_nanos + excluded.cost_nanos",
-        )
-        .bind(text(&record.id))
-        .bind(record.at)
-        .bind(text(&record.request_id))
-        .bind(text(&record.run_id))
-        .bind(text(&record.owner))
-        .bind(text(&record.agent_id))
-        .bind(text(&record.session_id))
-        .bind(text(&record.model))
-        .bind(text(&record.source))
-        .bind(int(record.prompt_tokens))
-        .bind(int(record.completion_tokens))
-        .bind(record.cost_nanos)
-        .bind(record.estimated)
-        .bind(hold.map(text))
-        .bind(serde_json::Value::Array(deltas))
-        .execute(&self.pool)
-        .await?;
+        self.charges.push(charge_json(record, deltas, hold));
         Ok(())
     }
 

@@ -247,7 +247,9 @@ pub fn from_nanos(nanos: i64) -> f64 {
 #[async_trait::async_trait]
 pub trait SpendStore: Send + Sync {
     /// Stores a settled call and adds it to its counters, in one transaction; on a shared
-    /// store the reservation `hold` (if any) is released in the same transaction.
+    /// store the reservation `hold` (if any) is released in the same transaction. Both stores
+    /// queue it for their next write (it commits with the next batch applied, at the latest
+    /// the one holding its run's next step or end), so it returns before it is stored.
     async fn record_usage(
         &self,
         record: &UsageRecord,

@@ -78,6 +78,7 @@ conformance!(
     memory_merges_duplicates_and_recalls_by_relevance_within_scope,
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
+    a_charge_commits_with_the_next_batch_or_alone,
     a_request_is_read_in_full_with_runs_approvals_and_charges,
     a_view_never_shows_an_ended_request_with_a_live_run,
     updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
@@ -1721,6 +1722,104 @@ async fn a_charge_counts_once_and_the_ledger_adds_up_by_group(store: Arc<dyn Sto
         .await
         .unwrap();
     assert!(none.is_empty());
+}
+
+/// A settled call's charge is queued, not written in a transaction of its own: the next batch
+/// the store applies commits it (what lets a run's end carry its charges, so a request's
+/// answer never goes out before they are stored); a batch refused for a reason of its own
+/// does not take it down; with no batch to ride along with, it is written alone.
+async fn a_charge_commits_with_the_next_batch_or_alone(store: Arc<dyn Store>) {
+    use stable_harness::store::spend::{Amount, Claim, CounterDelta, CounterKey, UsageRecord};
+    let key = CounterKey {
+        budget: "pool".into(),
+        subject: "*".into(),
+    };
+    let charge = |id: &str, tokens: u64| {
+        let record = UsageRecord {
+            id: id.into(),
+            at: Utc::now(),
+            request_id: "req_paid".into(),
+            run_id: "run_paid".into(),
+            owner: "key-a".into(),
+            agent_id: "assistant".into(),
+            session_id: "ses_paid".into(),
+            model: "main".into(),
+            source: "model".into(),
+            prompt_tokens: tokens,
+            completion_tokens: 0,
+            cost_nanos: None,
+            estimated: false,
+        };
+        let delta = CounterDelta {
+            key: key.clone(),
+            bucket: 7,
+            amount: Amount {
+                tokens,
+                cost_nanos: 0,
+            },
+        };
+        (record, vec![delta])
+    };
+    let used = async || store.counter_buckets(&key, 0).await.unwrap();
+    let tokens = |buckets: Vec<(i64, Amount)>| buckets.first().map_or(0, |(_, a)| a.tokens);
+
+    // On a shared store the call was reserved first; settling releases that reservation in
+    // the charge's transaction.
+    if store.is_shared() {
+        let claim = Claim {
+            key: key.clone(),
+            from_bucket: 0,
+            amount: Amount {
+                tokens: 500,
+                cost_nanos: 0,
+            },
+            max_tokens: None,
+            max_cost_nanos: None,
+        };
+        let refused = store
+            .reserve_shared("hold_paid", "run_paid", &[claim])
+            .await
+            .unwrap();
+        assert!(refused.is_none());
+        assert_eq!(store.reserved_shared(&key).await.unwrap().tokens, 500);
+    }
+    let (record, deltas) = charge("use_first", 100);
+    store
+        .record_usage(&record, &deltas, Some("hold_paid"))
+        .await
+        .unwrap();
+    // The batch's commit carried it: stored as soon as the batch is, reservation released.
+    seed(&store, "paid", RunStatus::Running).await;
+    assert_eq!(tokens(used().await), 100);
+    assert_eq!(store.reserved_shared(&key).await.unwrap().tokens, 0);
+
+    // A batch refused for a reason of its own (its run names a request that does not exist):
+    // the batch leaves nothing, and the charge it carried is stored all the same.
+    let (record, deltas) = charge("use_second", 20);
+    store.record_usage(&record, &deltas, None).await.unwrap();
+    let refused = store
+        .apply(&[run("run_orphan", "req_missing", RunStatus::Running)])
+        .await;
+    assert!(refused.is_err());
+    assert!(store.run("run_orphan").await.unwrap().is_none());
+    until(async || (tokens(used().await) == 120).then_some(())).await;
+
+    // No batch follows: written alone.
+    let (record, deltas) = charge("use_third", 3);
+    store.record_usage(&record, &deltas, None).await.unwrap();
+    until(async || (tokens(used().await) == 123).then_some(())).await;
+    let totals = store
+        .usage_totals(
+            &stable_harness::store::spend::UsageFilter {
+                request_id: Some("req_paid".into()),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(totals[0].calls, 3);
+    assert_eq!(totals[0].prompt_tokens, 123);
 }
 
 /// A request and its run inserted, started, and ended: the ops the common request commits
