@@ -29,6 +29,10 @@ use super::spend::{
 
 /// How long a charge waits for a batch to ride along with before it is written alone.
 const CHARGE_IDLE: Duration = Duration::from_millis(20);
+/// Most charges queued at once. Past it (the database refused every write for a long while)
+/// a charge is dropped with an error, as on the embedded store, rather than memory growing
+/// without end; the runs making calls meanwhile wait at their next commit anyway.
+const MAX_QUEUED_CHARGES: usize = 8_192;
 
 /// Charges settled on this instance and not yet written: each rides along with the next batch
 /// this instance applies ([`PendingCharges::take`] in `apply_batch`, under [`Self::writing`]).
@@ -63,6 +67,10 @@ impl PendingCharges {
 
     fn push(&self, charge: serde_json::Value) {
         let mut queue = self.queue();
+        if queue.charges.len() >= MAX_QUEUED_CHARGES {
+            tracing::error!("the store keeps refusing charges; one was dropped");
+            return;
+        }
         queue.charges.push(charge);
         if queue.since.is_none() {
             queue.since = Some(Instant::now());
