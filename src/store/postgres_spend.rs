@@ -176,6 +176,16 @@ pub(super) async fn flush_idle_charges(
     charges.write_alone(&pool, charges.take()).await;
 }
 
+/// A counter and an amount as the spend functions read them (a claim, a charge's delta).
+fn counter_json(key: &CounterKey, amount: Amount) -> serde_json::Map<String, serde_json::Value> {
+    let mut fields = serde_json::Map::new();
+    fields.insert("budget".into(), text(&key.budget).into());
+    fields.insert("subject".into(), text(&key.subject).into());
+    fields.insert("tokens".into(), int(amount.tokens).into());
+    fields.insert("cost_nanos".into(), amount.cost_nanos.into());
+    fields
+}
+
 /// A charge as `stable_harness_record_usage` reads it.
 fn charge_json(
     record: &UsageRecord,
@@ -185,13 +195,9 @@ fn charge_json(
     let deltas: Vec<serde_json::Value> = deltas
         .iter()
         .map(|delta| {
-            serde_json::json!({
-                "budget": text(&delta.key.budget),
-                "subject": text(&delta.key.subject),
-                "bucket": delta.bucket,
-                "tokens": int(delta.amount.tokens),
-                "cost_nanos": delta.amount.cost_nanos,
-            })
+            let mut fields = counter_json(&delta.key, delta.amount);
+            fields.insert("bucket".into(), delta.bucket.into());
+            serde_json::Value::Object(fields)
         })
         .collect();
     serde_json::json!({
@@ -376,15 +382,11 @@ impl SpendStore for PostgresStore {
             .iter()
             .map(|index| {
                 let claim = &claims[*index];
-                serde_json::json!({
-                    "budget": text(&claim.key.budget),
-                    "subject": text(&claim.key.subject),
-                    "from_bucket": claim.from_bucket,
-                    "tokens": int(claim.amount.tokens),
-                    "cost_nanos": claim.amount.cost_nanos,
-                    "max_tokens": claim.max_tokens.map(int),
-                    "max_cost_nanos": claim.max_cost_nanos,
-                })
+                let mut fields = counter_json(&claim.key, claim.amount);
+                fields.insert("from_bucket".into(), claim.from_bucket.into());
+                fields.insert("max_tokens".into(), claim.max_tokens.map(int).into());
+                fields.insert("max_cost_nanos".into(), claim.max_cost_nanos.into());
+                serde_json::Value::Object(fields)
             })
             .collect();
         let refused: Option<serde_json::Value> =
