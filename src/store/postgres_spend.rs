@@ -27,8 +27,12 @@ use super::spend::{
     UsageFilter, UsageGroupBy, UsageRecord, UsageTotals,
 };
 
-/// How long a charge waits for a batch to ride along with before it is written alone.
-const CHARGE_IDLE: Duration = Duration::from_millis(20);
+/// How long a charge waits for a batch to ride along with before it is written alone. Only
+/// a safety net: every charge is followed by its run's `runtime.usage.recorded` event, which
+/// the journal commits within its hold (5 ms), and the answer waits for the run's end, which
+/// comes after the charge whatever this is. Longer than the embedded store's 20 ms, since a
+/// lone write here costs a round trip and a flush of its own.
+const CHARGE_IDLE: Duration = Duration::from_millis(250);
 /// Most charges queued at once. Past it (the database refused every write for a long while)
 /// a charge is dropped with an error, as on the embedded store, rather than memory growing
 /// without end; the runs making calls meanwhile wait at their next commit anyway.

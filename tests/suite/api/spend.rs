@@ -389,6 +389,45 @@ async fn a_waited_answer_is_the_view_as_stored(database: Option<String>) {
 
 on_both_stores!(a_waited_answer_is_the_view_as_stored);
 
+/// On PostgreSQL a call's charge rides along with a batch of its run's writes, as on the
+/// embedded store, instead of a transaction of its own before the run's end: the common
+/// request commits once before its answer. The charge's ledger row was inserted by the same
+/// transaction (`xmin`) as some of the request's events.
+#[tokio::test]
+async fn on_postgres_a_charge_commits_with_its_runs_writes() {
+    let database = crate::pg::fresh_database();
+    let upstream = MockUpstream::start().await;
+    upstream.push([metered(0)]);
+    let workspace = spend_workspace(&upstream, "", "");
+    let app = TestApp::spawn_on(
+        workspace,
+        Some(database.clone()),
+        &[CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    let (response, request_id) = app
+        .chat(&json!({ "model": "assistant", "messages": [{ "role": "user", "content": "hi" }] }))
+        .await;
+    assert_eq!(response.status(), 200);
+    let count = |sql: String| crate::pg::psql(&database, &sql).trim().to_owned();
+    assert_eq!(
+        count(format!(
+            "SELECT count(*) FROM usage_records WHERE request_id = '{request_id}'"
+        )),
+        "1",
+        "the answer came after its charge was stored"
+    );
+    assert_eq!(
+        count(format!(
+            "SELECT count(*) FROM usage_records u WHERE u.request_id = '{request_id}' \
+             AND EXISTS (SELECT 1 FROM events e WHERE e.request_id = u.request_id AND e.xmin = u.xmin)"
+        )),
+        "1",
+        "the charge committed in a transaction of its own"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_is_charged_from_its_final_usage_chunk_and_silence_is_estimated() {
     let upstream = MockUpstream::start().await;
