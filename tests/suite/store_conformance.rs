@@ -1822,6 +1822,55 @@ async fn a_charge_commits_with_the_next_batch_or_alone(store: Arc<dyn Store>) {
     assert_eq!(totals[0].prompt_tokens, 123);
 }
 
+/// On PostgreSQL a charge still queued when the store closes (no batch came for it) is
+/// written as it closes, not lost with the process's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_writes_the_charges_still_queued_when_the_store_closes() {
+    use stable_harness::store::spend::{Amount, CounterDelta, CounterKey, UsageRecord};
+    let url = crate::pg::fresh_database();
+    let open = async || {
+        stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
+            .await
+            .unwrap()
+    };
+    let key = CounterKey {
+        budget: "pool".into(),
+        subject: "*".into(),
+    };
+    let record = UsageRecord {
+        id: "use_last".into(),
+        at: Utc::now(),
+        request_id: "req_last".into(),
+        run_id: "run_last".into(),
+        owner: "key-a".into(),
+        agent_id: "assistant".into(),
+        session_id: "ses_last".into(),
+        model: "main".into(),
+        source: "model".into(),
+        prompt_tokens: 5,
+        completion_tokens: 0,
+        cost_nanos: None,
+        estimated: false,
+    };
+    let delta = CounterDelta {
+        key: key.clone(),
+        bucket: 1,
+        amount: Amount {
+            tokens: 5,
+            cost_nanos: 0,
+        },
+    };
+    let store = open().await;
+    store.record_usage(&record, &[delta], None).await.unwrap();
+    drop(store);
+    let store = open().await;
+    until(async || {
+        let buckets = store.counter_buckets(&key, 0).await.unwrap();
+        (buckets.first().is_some_and(|(_, a)| a.tokens == 5)).then_some(())
+    })
+    .await;
+}
+
 /// A request and its run inserted, started, and ended: the ops the common request commits
 /// in one transaction. `at` is fixed, so two copies store the same times.
 fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> Vec<WriteOp> {
