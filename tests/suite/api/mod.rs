@@ -314,21 +314,29 @@ pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Val
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
-/// `POST url` of `body` as JSON with a bearer key: the status and the body as text (an SSE
-/// stream's too).
+/// `POST url` of `body` as JSON with a bearer key: the response, its body unread.
+pub async fn send_post(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> reqwest::Response {
+    http.post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// [`send_post`]: the status and the body as text (an SSE stream's too).
 pub async fn post_text(
     http: &reqwest::Client,
     url: &str,
     key: &str,
     body: &Value,
 ) -> (u16, String) {
-    let response = http
-        .post(url)
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    let response = send_post(http, url, key, body).await;
     let status = response.status().as_u16();
     (status, response.text().await.unwrap_or_default())
 }

@@ -53,14 +53,7 @@ fn client_tools() -> Value {
 }
 
 async fn post_as(app: &TestApp, key: &str, path: &str, body: &Value) -> (u16, Value, String) {
-    let response = app
-        .http
-        .post(app.url(path))
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    let response = super::send_post(&app.http, &app.url(path), key, body).await;
     let status = response.status().as_u16();
     let request_id = response
         .headers()
