@@ -8,6 +8,7 @@
 //! `migrations/<database>/` and run when a store is opened.
 
 mod conditions;
+mod event_rows;
 mod folds;
 mod model;
 mod postgres;

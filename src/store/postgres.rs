@@ -4,7 +4,8 @@
 //! A batch is one transaction and one round trip: the ops go as one JSON array to the
 //! `stable_harness_apply` function (`migrations/postgres`), which applies them in order as
 //! this instance, numbers the events after their request's last ones and announces them with
-//! `NOTIFY`. Each batch is recorded under the id its writer gives all its tries, for a
+//! `NOTIFY`. A run's consecutive events in a batch go as one row of `events` (`event_rows`).
+//! Each batch is recorded under the id its writer gives all its tries, for a
 //! minute: a try after a connection died with the commit's reply gets the numbers back
 //! instead of applying the batch a second time (which would refuse it as a duplicate, or
 //! report its own decision as a conflict). Migrations run at
@@ -28,6 +29,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, SubsecRound, Utc};
 use serde_json::{Value, json};
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
@@ -35,6 +37,9 @@ use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::conditions::{self, Conditions, Dialect};
+use super::event_rows::{
+    EVENTS_PER_ROW, EventRows, LaterEvent, StoredLaterEvent, count_owned_sql, unpack,
+};
 use super::folds::{Folds, RequestRow, RunRow};
 use super::postgres_spend::{
     PendingCharges, flush_idle_charges, usage_sums, usage_totals_from_row,
@@ -266,8 +271,10 @@ fn message_from_row(row: &PgRow) -> Result<MessageRecord, StoreError> {
     })
 }
 
-fn event_from_row(row: &PgRow) -> Result<EventRecord, StoreError> {
-    Ok(EventRecord {
+/// The events one row of `events` holds: its first, then those in `more`, numbered on
+/// (migration 0010; see `event_rows`).
+fn events_from_row(row: &PgRow) -> Result<Vec<EventRecord>, StoreError> {
+    let first = EventRecord {
         id: row.try_get("id")?,
         request_id: row.try_get("request_id")?,
         run_id: row.try_get("run_id")?,
@@ -277,6 +284,16 @@ fn event_from_row(row: &PgRow) -> Result<EventRecord, StoreError> {
         event_type: row.try_get("type")?,
         at: row.try_get("at")?,
         data: row.try_get("data")?,
+    };
+    let Some(sqlx::types::Json(later)) =
+        row.try_get::<Option<sqlx::types::Json<Vec<StoredLaterEvent>>>, _>("more")?
+    else {
+        return Ok(vec![first]);
+    };
+    unpack(first, later, |at| {
+        DateTime::parse_from_rfc3339(at)
+            .map(|at| at.with_timezone(&Utc))
+            .map_err(|e| StoreError::Corrupt(format!("a time in events.more: {e}")))
     })
 }
 
@@ -307,9 +324,12 @@ fn approval_from_row(row: &PgRow) -> Result<ApprovalRecord, StoreError> {
     })
 }
 
-/// An event row with the session and agent of its request (events do not repeat them).
+/// Rows of events with the session and agent of their request (events do not repeat them),
+/// from the row that may hold the event after the cursor: the caller binds `$2` and `$3`
+/// through [`EventRows`].
 const EVENT_SELECT: &str =
-    "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data
+    "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type,
+            e.at, e.data, e.more
      FROM events e JOIN requests r ON r.id = e.request_id";
 
 /// The sessions a prune may remove; the same conditions as the embedded store's
@@ -418,7 +438,7 @@ fn op_json(op: &WriteOp, index: usize, folds: &mut Folds<'_>) -> Value {
             "result": call.result, "duration_ms": call.duration_ms,
             "recorded_at": call.recorded_at }),
         WriteOp::AppendEvent(event) => {
-            json!({ "op": "append_events", "events": [EventJson::of(event)] })
+            json!({ "op": "append_events", "events": [EventJson::of(event, 0)] })
         }
     }
 }
@@ -444,10 +464,11 @@ fn run_json(run: &RunRecord, row: &RunRow<'_>) -> Value {
         "leased": row.leased })
 }
 
-/// An event as `append_events` reads it (the function numbers it), serialized from the
-/// record itself: a batch's events are most of its JSON, and building them as `Value`s
-/// copied every event's data (108,000 of a chat request's 784,000 instructions here; see
-/// docs/profiling.md, the fourteenth pass).
+/// A row of events as `append_events` reads it (the function numbers it): its first event,
+/// and in `more` the same run's events after it (migration 0010; see `event_rows`).
+/// Serialized from the records themselves: a batch's events are most of its JSON, and
+/// building them as `Value`s copied every event's data (108,000 of a chat request's 784,000
+/// instructions here; see docs/profiling.md, the fourteenth pass).
 #[derive(serde::Serialize)]
 struct EventJson<'a> {
     id: Storable<'a, str>,
@@ -455,12 +476,21 @@ struct EventJson<'a> {
     run_id: Storable<'a, str>,
     #[serde(rename = "type")]
     event_type: Storable<'a, str>,
-    at: &'a chrono::DateTime<chrono::Utc>,
+    at: &'a DateTime<Utc>,
     data: Storable<'a, Value>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    more: Vec<LaterEvent<Storable<'a, str>, String, Storable<'a, Value>>>,
+    /// About how many bytes of data the row holds (not sent).
+    #[serde(skip)]
+    bytes: usize,
 }
 
+/// About how many bytes of data a row of events may hold: PostgreSQL compresses a row past
+/// ~2 KB and moves it out of line, which costs more than the rows saved.
+const ROW_BYTES: usize = 1_536;
+
 impl<'a> EventJson<'a> {
-    fn of(event: &'a EventRecord) -> Self {
+    fn of(event: &'a EventRecord, bytes: usize) -> Self {
         Self {
             id: Storable(&event.id),
             request_id: Storable(&event.request_id),
@@ -468,8 +498,63 @@ impl<'a> EventJson<'a> {
             event_type: Storable(&event.event_type),
             at: &event.at,
             data: Storable(&event.data),
+            more: Vec::new(),
+            bytes,
         }
     }
+}
+
+/// Adds `event` to a batch's rows of events: to the last row when that is of the same run
+/// and has room, else as a new row.
+fn add_event<'a>(rows: &mut Vec<EventJson<'a>>, event: &'a EventRecord) {
+    let bytes = json_bytes_within(&event.data, ROW_BYTES);
+    if let Some(row) = rows.last_mut()
+        && row.request_id.0 == event.request_id
+        && row.run_id.0 == event.run_id
+        && row.more.len() + 1 < EVENTS_PER_ROW
+        && let Some(bytes) = bytes.filter(|b| row.bytes.saturating_add(*b) <= ROW_BYTES)
+    {
+        row.more.push(LaterEvent {
+            id: Storable(&event.id),
+            event_type: Storable(&event.event_type),
+            // To the microsecond, as the `at` column keeps the row's first event's time.
+            at: crate::time::rfc3339(&event.at.round_subsecs(6), chrono::SecondsFormat::Micros),
+            data: Storable(&event.data),
+        });
+        row.bytes += bytes;
+        return;
+    }
+    rows.push(EventJson::of(event, bytes.unwrap_or(ROW_BYTES)));
+}
+
+/// About how many bytes `value` takes as JSON, if no more than `budget`: the walk stops
+/// once past it, so an event's large data costs no more than a small one's.
+fn json_bytes_within(value: &Value, budget: usize) -> Option<usize> {
+    fn walk(value: &Value, left: &mut usize) -> bool {
+        let own = match value {
+            Value::String(text) => text.len() + 2,
+            Value::Array(items) => items.len() + 2,
+            Value::Object(map) => map.len() * 2 + 2,
+            // Numbers, booleans and null: a few bytes each.
+            _ => 8,
+        };
+        let Some(rest) = left.checked_sub(own) else {
+            return false;
+        };
+        *left = rest;
+        match value {
+            Value::Array(items) => items.iter().all(|item| walk(item, left)),
+            Value::Object(map) => map.iter().all(|(key, item)| {
+                left.checked_sub(key.len() + 2)
+                    .map(|rest| *left = rest)
+                    .is_some()
+                    && walk(item, left)
+            }),
+            _ => true,
+        }
+    }
+    let mut left = budget;
+    walk(value, &mut left).then(|| budget - left)
 }
 
 /// A batch as `stable_harness_apply` reads it: the ops in order, then the batch's events.
@@ -531,7 +616,7 @@ impl Store for PostgresStore {
                 continue;
             }
             match op {
-                WriteOp::AppendEvent(event) => events.push(EventJson::of(event)),
+                WriteOp::AppendEvent(event) => add_event(&mut events, event),
                 op => batch.push(BatchItem::Op(op_json(op, index, &mut folds))),
             }
         }
@@ -820,13 +905,14 @@ impl Store for PostgresStore {
         let sql = format!(
             "{EVENT_SELECT} WHERE e.request_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
+        let read = EventRows { after, limit };
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(text(request_id))
-            .bind(after)
-            .bind(limit)
+            .bind(read.lowest_first_seq())
+            .bind(read.rows())
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(event_from_row).collect()
+        read.keep(&rows, events_from_row)
     }
 
     async fn run_events(
@@ -839,18 +925,22 @@ impl Store for PostgresStore {
             "{EVENT_SELECT} WHERE e.request_id = (SELECT request_id FROM runs WHERE id = $1)
              AND e.run_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
+        // A row holds one run's events, so the run is a condition on rows.
+        let read = EventRows { after, limit };
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(text(run_id))
-            .bind(after)
-            .bind(limit)
+            .bind(read.lowest_first_seq())
+            .bind(read.rows())
             .fetch_all(&self.pool)
             .await?;
-        rows.iter().map(event_from_row).collect()
+        read.keep(&rows, events_from_row)
     }
 
     async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
         let seq: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(MAX(seq), 0)::bigint FROM events WHERE request_id = $1",
+            // The last row's first number and those after it.
+            "SELECT COALESCE((SELECT seq + COALESCE(jsonb_array_length(more), 0) FROM events
+                              WHERE request_id = $1 ORDER BY seq DESC LIMIT 1), 0)::bigint",
         )
         .bind(text(request_id))
         .fetch_one(&self.pool)
@@ -1058,8 +1148,11 @@ impl Store for PostgresStore {
 
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
         let mut counts = [0; 8];
-        for (count, (_, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = format!("SELECT COUNT(*) FROM {rows}");
+        for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+            let sql = format!(
+                "SELECT ({})::bigint",
+                count_owned_sql(table, &rows, "jsonb_array_length")
+            );
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(sessions)
                 .fetch_one(&self.pool)
@@ -1092,12 +1185,25 @@ impl Store for PostgresStore {
                 .fetch_all(&mut *tx)
                 .await?;
         let mut counts = [0; 8];
-        for (count, (_, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            *count = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
+        for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
+            *count = if table == "events" {
+                // A row of events may hold several: the deleted rows' events are counted.
+                let events: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "WITH deleted AS (DELETE FROM {rows} RETURNING more)
+                     SELECT COALESCE(SUM(1 + COALESCE(jsonb_array_length(more), 0)), 0)::bigint
+                     FROM deleted"
+                )))
                 .bind(&still)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+                .fetch_one(&mut *tx)
+                .await?;
+                events.max(0) as u64
+            } else {
+                sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
+                    .bind(&still)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+            };
         }
         tx.commit().await?;
         Ok(PruneCounts::from_owned(counts))
@@ -1196,4 +1302,69 @@ fn tool_call_from_row(row: &sqlx::postgres::PgRow) -> Result<ToolCallRecord, Sto
         duration_ms: row.try_get("duration_ms")?,
         recorded_at: row.try_get("recorded_at")?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(run: &str, data: Value) -> EventRecord {
+        EventRecord {
+            id: format!("evt_{run}"),
+            request_id: "req_a".into(),
+            run_id: run.into(),
+            session_id: "ses_a".into(),
+            agent_id: "assistant".into(),
+            seq: 0,
+            event_type: "runtime.adapter.event".into(),
+            at: Utc::now(),
+            data,
+        }
+    }
+
+    #[test]
+    fn a_values_size_is_estimated_until_past_the_budget() {
+        let small = json!({ "text": "hello", "n": [1, true, null] });
+        let exact = serde_json::to_string(&small).unwrap().len();
+        let estimate = json_bytes_within(&small, ROW_BYTES).unwrap();
+        assert!(
+            (exact..=exact * 2).contains(&estimate),
+            "{estimate} for {exact}"
+        );
+        assert_eq!(json_bytes_within(&small, estimate), Some(estimate));
+        assert_eq!(json_bytes_within(&small, estimate - 1), None);
+        let big = json!({ "text": "x".repeat(ROW_BYTES) });
+        assert_eq!(json_bytes_within(&big, ROW_BYTES), None);
+    }
+
+    #[test]
+    fn a_runs_consecutive_events_share_rows_up_to_a_rows_bounds() {
+        let small = |run| event(run, json!({ "delta": "a few words" }));
+        // Twenty of one run: a full row, then the rest.
+        let events: Vec<EventRecord> = (0..20).map(|_| small("run_a")).collect();
+        let mut rows = Vec::new();
+        events.iter().for_each(|e| add_event(&mut rows, e));
+        let counts: Vec<usize> = rows.iter().map(|row| 1 + row.more.len()).collect();
+        assert_eq!(counts, [EVENTS_PER_ROW, 20 - EVENTS_PER_ROW]);
+
+        // Another run's event starts a row; a large event has one of its own.
+        let events = [
+            small("run_a"),
+            small("run_b"),
+            small("run_b"),
+            event("run_b", json!({ "delta": "x".repeat(ROW_BYTES) })),
+            small("run_b"),
+            small("run_b"),
+        ];
+        let mut rows = Vec::new();
+        events.iter().for_each(|e| add_event(&mut rows, e));
+        let shape: Vec<(&str, usize)> = rows
+            .iter()
+            .map(|row| (row.run_id.0, 1 + row.more.len()))
+            .collect();
+        assert_eq!(
+            shape,
+            [("run_a", 1), ("run_b", 2), ("run_b", 1), ("run_b", 2)]
+        );
+    }
 }

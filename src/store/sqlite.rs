@@ -27,6 +27,7 @@ use sqlx::sqlite::{
 use sqlx::{Row, SqlitePool};
 
 use super::conditions::{self, Conditions, Dialect};
+use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
 use super::sqlite_time;
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
@@ -516,24 +517,9 @@ fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
     let Some(more) = row.try_get::<Option<String>, _>("more")? else {
         return Ok(vec![first]);
     };
-    let later: Vec<LaterEvent<String, Value>> = serde_json::from_str(&more)
+    let later: Vec<StoredLaterEvent> = serde_json::from_str(&more)
         .map_err(|e| StoreError::Corrupt(format!("events.more of `{}`: {e}", first.id)))?;
-    let mut events = Vec::with_capacity(later.len().saturating_add(1));
-    for (offset, event) in (1_i64..).zip(later) {
-        events.push(EventRecord {
-            id: event.id,
-            request_id: first.request_id.clone(),
-            run_id: first.run_id.clone(),
-            session_id: first.session_id.clone(),
-            agent_id: first.agent_id.clone(),
-            seq: first.seq.saturating_add(offset),
-            event_type: event.event_type,
-            at: sqlite_time::parse(&event.at)?,
-            data: event.data,
-        });
-    }
-    events.insert(0, first);
-    Ok(events)
+    unpack(first, later, sqlite_time::parse)
 }
 
 fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> {
@@ -593,25 +579,9 @@ const RELEASE_LEASES: &str = concat!(
     live_run!()
 );
 
-/// Most events one row of `events` holds (migration 0012): the writer stores a batch's
-/// consecutive events of one run as one row, which costs one table and one index entry
-/// instead of one each per event.
-pub(super) const EVENTS_PER_ROW: usize = 16;
-
-/// An event after the first of its row, as `events.more` holds it (migration 0012).
-#[derive(serde::Serialize, serde::Deserialize)]
-pub(super) struct LaterEvent<S, V> {
-    pub id: S,
-    #[serde(rename = "type")]
-    pub event_type: S,
-    pub at: S,
-    pub data: V,
-}
-
 /// Rows of events with the session and agent of their request (events do not repeat them),
-/// from the row that may hold the event after `?2` (a row starts at most
-/// [`EVENTS_PER_ROW`] - 1 events before it): the caller binds `?2` and `?3` through
-/// [`EventRows`].
+/// from the row that may hold the event after the cursor: the caller binds `?2` and `?3`
+/// through [`EventRows`].
 macro_rules! event_select {
     ($condition:literal) => {
         concat!(
@@ -634,58 +604,6 @@ const EVENTS_OF_RUN: &str =
 pub(super) const LAST_SEQ: &str =
     "SELECT COALESCE((SELECT seq + COALESCE(json_array_length(more), 0)
                           FROM events WHERE request_id = ?1 ORDER BY seq DESC LIMIT 1), 0)";
-
-/// How many of what a prune takes from `table` there are (`rows`, a `FROM`-clause of
-/// `owned_by_sessions`): rows, or for `events`, whose rows hold several events each, the
-/// events.
-fn count_owned_sql(table: &str, rows: &str) -> String {
-    if table == "events" {
-        format!("SELECT COALESCE(SUM(1 + COALESCE(json_array_length(more), 0)), 0) FROM {rows}")
-    } else {
-        format!("SELECT COUNT(*) FROM {rows}")
-    }
-}
-
-/// What a read of events after a cursor asks of the rows, and how it keeps the events.
-struct EventRows {
-    after: i64,
-    limit: i64,
-}
-
-impl EventRows {
-    /// The lowest first number a row holding an event after the cursor can have (`?2`).
-    fn lowest_first_seq(&self) -> i64 {
-        self.after.saturating_sub(EVENTS_PER_ROW as i64 - 1)
-    }
-
-    /// Rows enough for `limit` events after the cursor (`?3`): up to
-    /// [`EVENTS_PER_ROW`] - 1 rows read may hold only events at or before it. A negative
-    /// limit is no limit, as SQLite reads one.
-    fn rows(&self) -> i64 {
-        if self.limit < 0 {
-            self.limit
-        } else {
-            self.limit.saturating_add(EVENTS_PER_ROW as i64 - 1)
-        }
-    }
-
-    /// The events of `rows` after the cursor, at most `limit`.
-    fn keep(&self, rows: &[SqliteRow]) -> Result<Vec<EventRecord>, StoreError> {
-        let most = usize::try_from(self.limit).unwrap_or(usize::MAX);
-        let mut events = Vec::new();
-        for row in rows {
-            for event in events_from_row(row)? {
-                if events.len() == most {
-                    return Ok(events);
-                }
-                if event.seq > self.after {
-                    events.push(event);
-                }
-            }
-        }
-        Ok(events)
-    }
-}
 
 #[async_trait::async_trait]
 impl Store for SqliteStore {
@@ -954,7 +872,7 @@ impl Store for SqliteStore {
             .bind(read.rows())
             .fetch_all(&self.reader)
             .await?;
-        read.keep(&rows)
+        read.keep(&rows, events_from_row)
     }
 
     async fn run_events(
@@ -970,7 +888,7 @@ impl Store for SqliteStore {
             .bind(read.rows())
             .fetch_all(&self.reader)
             .await?;
-        read.keep(&rows)
+        read.keep(&rows, events_from_row)
     }
 
     async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
@@ -1191,7 +1109,7 @@ impl Store for SqliteStore {
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut counts = [0; 8];
         for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = count_owned_sql(table, &rows);
+            let sql = count_owned_sql(table, &rows, "json_array_length");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_one(&self.reader)
@@ -1240,8 +1158,11 @@ impl Store for SqliteStore {
                     let delete = format!("DELETE FROM {rows}");
                     *count = if table == "events" {
                         // A row of events may hold several: they are counted, then deleted.
-                        let events: i64 =
-                            tx.query_row(&count_owned_sql(table, &rows), [&ids], |row| row.get(0))?;
+                        let events: i64 = tx.query_row(
+                            &count_owned_sql(table, &rows, "json_array_length"),
+                            [&ids],
+                            |row| row.get(0),
+                        )?;
                         tx.execute(&delete, [&ids])?;
                         events.max(0) as u64
                     } else {

@@ -28,9 +28,10 @@ use rusqlite::{Connection, PrepFlags, Statement, params};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
+use super::event_rows::{EVENTS_PER_ROW, LaterEvent};
 use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
-use super::sqlite::{EVENTS_PER_ROW, LAST_SEQ, LaterEvent};
+use super::sqlite::LAST_SEQ;
 use super::sqlite_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;

@@ -928,7 +928,7 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
                     &format!("req_{name}"),
                     RunStatus::Completed,
                 ),
-                // Three events of one run in one batch (on SQLite, one row of them): each
+                // Three events of one run in one batch (one row of them): each
                 // counts.
                 event(&format!("req_{name}"), &format!("run_{name}"), 1),
                 event(&format!("req_{name}"), &format!("run_{name}"), 2),

@@ -1,7 +1,7 @@
 //! The operator API: a separate key scope, request lists with filters and cursors, runs and
 //! their events.
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::upstream::{MockUpstream, Reply};
 use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, assert_gapless};
@@ -116,6 +116,67 @@ async fn requests_filter_and_paginate_with_cursors() {
     );
     let (status, _) = app.get("/admin/requests?limit=0", ADMIN_KEY).await;
     assert_eq!(status, 422);
+}
+
+/// On PostgreSQL a request's events are stored a run's stretch to a row (migration 0010),
+/// and read back one by one, whole, from every cursor: by request and by run.
+#[tokio::test]
+async fn on_postgres_events_are_stored_in_rows_and_read_back_one_by_one() {
+    let database = crate::pg::fresh_database();
+    let upstream = MockUpstream::start().await;
+    let app = TestApp::spawn_on(
+        api_workspace(&upstream, ""),
+        Some(database.clone()),
+        &[CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    let (status, view) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "input": { "text": "x" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{view}");
+    let request_id = view["requestId"].as_str().unwrap();
+    let run_id = view["runs"][0]["runId"].as_str().unwrap();
+    let events_path = format!("/runtime/requests/{request_id}/events");
+    let (_, page) = app.get(&events_path, CLIENT_KEY).await;
+    let events = page["data"].as_array().unwrap().clone();
+    assert_gapless(&events);
+    assert_eq!(events.last().unwrap()["type"], "runtime.request.completed");
+    let stored = crate::pg::psql(
+        &database,
+        &format!(
+            "SELECT count(*) || ' ' || sum(1 + coalesce(jsonb_array_length(more), 0)) \
+             FROM events WHERE request_id = '{request_id}'"
+        ),
+    );
+    let (rows, in_rows) = stored.trim().split_once(' ').unwrap();
+    let (rows, in_rows): (usize, usize) = (rows.parse().unwrap(), in_rows.parse().unwrap());
+    assert_eq!(in_rows, events.len(), "the rows hold every event once");
+    assert!(
+        rows < events.len(),
+        "{} events in {rows} rows: one row each",
+        events.len()
+    );
+    for after in 0..events.len() as i64 {
+        for (path, key, of_run) in [
+            (events_path.clone(), CLIENT_KEY, false),
+            (format!("/admin/runs/{run_id}/events"), ADMIN_KEY, true),
+        ] {
+            let (status, page) = app.get(&format!("{path}?after={after}&limit=2"), key).await;
+            assert_eq!(status, 200, "{page}");
+            let found: Vec<&Value> = page["data"].as_array().unwrap().iter().collect();
+            let wanted: Vec<&Value> = events
+                .iter()
+                .filter(|e| e["seq"].as_i64().unwrap() > after && (!of_run || e["runId"] == run_id))
+                .take(2)
+                .collect();
+            assert_eq!(found, wanted, "{path} after {after}");
+        }
+    }
 }
 
 #[tokio::test]
