@@ -3,9 +3,9 @@
 -- row's columns are its first event (`seq`, `id`, `type`, `at`, `data`); `more` holds the
 -- ones after it, numbered `seq + 1` onwards, as a JSON array of {"id", "type", "at",
 -- "data"} (`at` in RFC 3339, to the microsecond, as the column keeps it), or is NULL when
--- the row holds one event (as every row written before this migration does). A request
--- answered whole wrote eight rows, eight index entries and eight foreign-key checks; it now
--- writes two of each. Readers unpack rows into events.
+-- the row holds one event (as every row written before this migration does). A chat
+-- request answered whole wrote seven rows of events, seven index entries and seven
+-- foreign-key checks for them; it now writes one of each. Readers unpack rows into events.
 --
 -- `stable_harness_apply` reads a batch's `append_events` as such rows, and announces each
 -- request's new numbers in the same statement as their insert. Everything else is 0008's
