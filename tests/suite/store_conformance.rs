@@ -355,7 +355,8 @@ async fn every_cursor_and_limit_reads_the_events_after_it(store: Arc<dyn Store>)
 
 /// An event whose data holds U+0000 in strings and keys, at any depth, is stored and read
 /// back whole: as sent (SQLite), or with U+FFFD in its place and nothing else changed
-/// (PostgreSQL, whose text cannot hold it). The batch never fails for it.
+/// (PostgreSQL, whose text cannot hold it), whether it is its row's first or in its `more`.
+/// The batch never fails for it.
 async fn an_event_holding_u0000_is_stored_whole(store: Arc<dyn Store>) {
     seed(&store, "a", RunStatus::Running).await;
     let with = |nul: &str| {
@@ -363,16 +364,24 @@ async fn an_event_holding_u0000_is_stored_whole(store: Arc<dyn Store>) {
         inner.insert(format!("k{nul}"), json!(format!("v{nul}")));
         json!({ "text": format!("a{nul}b"), "list": [nul, 1, null, 2.5, true, inner], "n": 1 })
     };
-    let mut op = event("req_a", "run_a", 1);
-    if let WriteOp::AppendEvent(record) = &mut op {
-        record.data = with("\u{0}");
-    }
-    assert_eq!(store.apply(&[op]).await.unwrap(), vec![1]);
+    // Two of one run in one batch: the second is stored in its row's `more`.
+    let ops: Vec<WriteOp> = (1..=2)
+        .map(|n| {
+            let mut op = event("req_a", "run_a", n);
+            if let WriteOp::AppendEvent(record) = &mut op {
+                record.data = with("\u{0}");
+            }
+            op
+        })
+        .collect();
+    assert_eq!(store.apply(&ops).await.unwrap(), vec![1, 2]);
     let stored = store.events("req_a", 0, 10).await.unwrap();
-    assert_eq!(stored.len(), 1);
-    let data = &stored[0].data;
-    let kept = data["text"].as_str().is_some_and(|t| t.contains('\0'));
-    assert_eq!(data, &with(if kept { "\u{0}" } else { "\u{FFFD}" }));
+    assert_eq!(stored.len(), 2);
+    for event in &stored {
+        let data = &event.data;
+        let kept = data["text"].as_str().is_some_and(|t| t.contains('\0'));
+        assert_eq!(data, &with(if kept { "\u{0}" } else { "\u{FFFD}" }));
+    }
 }
 
 fn update_run(id: &str, status: RunStatus) -> WriteOp {
