@@ -101,9 +101,10 @@ impl EventRows {
     }
 }
 
-/// How many of what a prune takes from `table` there are (`rows`, a `FROM`-clause of
-/// `owned_by_sessions`): rows, or for `events`, whose rows hold several events each, the
-/// events. `array_length` is the store's function for a JSON array's length.
+/// How many of what a prune takes from `table` there are (`rows`: a `FROM`-clause of
+/// `owned_by_sessions`, or the rows a delete of them returned): rows, or for `events`, whose
+/// rows hold several events each, the events. `array_length` is the store's function for a
+/// JSON array's length.
 pub(super) fn count_owned_sql(table: &str, rows: &str, array_length: &str) -> String {
     if table == "events" {
         format!("SELECT COALESCE(SUM(1 + COALESCE({array_length}(more), 0)), 0) FROM {rows}")

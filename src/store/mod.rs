@@ -19,9 +19,9 @@ pub mod spend;
 mod sqlite;
 mod sqlite_memory;
 mod sqlite_spend;
-mod sqlite_time;
 mod sqlite_wal_vfs;
 mod sqlite_writer;
+mod stored_time;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

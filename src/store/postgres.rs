@@ -44,6 +44,7 @@ use super::folds::{Folds, RequestRow, RunRow};
 use super::postgres_spend::{
     PendingCharges, flush_idle_charges, usage_sums, usage_totals_from_row,
 };
+use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
@@ -290,11 +291,7 @@ fn events_from_row(row: &PgRow) -> Result<Vec<EventRecord>, StoreError> {
     else {
         return Ok(vec![first]);
     };
-    unpack(first, later, |at| {
-        DateTime::parse_from_rfc3339(at)
-            .map(|at| at.with_timezone(&Utc))
-            .map_err(|e| StoreError::Corrupt(format!("a time in events.more: {e}")))
-    })
+    unpack(first, later, stored_time::parse)
 }
 
 fn approval_from_row(row: &PgRow) -> Result<ApprovalRecord, StoreError> {
@@ -517,8 +514,8 @@ fn add_event<'a>(rows: &mut Vec<EventJson<'a>>, event: &'a EventRecord) {
         row.more.push(LaterEvent {
             id: Storable(&event.id),
             event_type: Storable(&event.event_type),
-            // To the microsecond, as the `at` column keeps the row's first event's time.
-            at: crate::time::rfc3339(&event.at.round_subsecs(6), chrono::SecondsFormat::Micros),
+            // Rounded to the microsecond, as the `at` column rounds the row's first event's.
+            at: stored_time::text(&event.at.round_subsecs(6)),
             data: Storable(&event.data),
         });
         row.bytes += bytes;
@@ -538,20 +535,18 @@ fn json_bytes_within(value: &Value, budget: usize) -> Option<usize> {
             // Numbers, booleans and null: a few bytes each.
             _ => 8,
         };
-        let Some(rest) = left.checked_sub(own) else {
-            return false;
-        };
-        *left = rest;
-        match value {
-            Value::Array(items) => items.iter().all(|item| walk(item, left)),
-            Value::Object(map) => map.iter().all(|(key, item)| {
-                left.checked_sub(key.len() + 2)
-                    .map(|rest| *left = rest)
-                    .is_some()
-                    && walk(item, left)
-            }),
-            _ => true,
-        }
+        spend(left, own)
+            && match value {
+                Value::Array(items) => items.iter().all(|item| walk(item, left)),
+                Value::Object(map) => map
+                    .iter()
+                    .all(|(key, item)| spend(left, key.len() + 2) && walk(item, left)),
+                _ => true,
+            }
+    }
+    /// Takes `bytes` from what is `left`, if there are that many.
+    fn spend(left: &mut usize, bytes: usize) -> bool {
+        left.checked_sub(bytes).map(|rest| *left = rest).is_some()
     }
     let mut left = budget;
     walk(value, &mut left).then(|| budget - left)
@@ -1149,10 +1144,7 @@ impl Store for PostgresStore {
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
         let mut counts = [0; 8];
         for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = format!(
-                "SELECT ({})::bigint",
-                count_owned_sql(table, &rows, "jsonb_array_length")
-            );
+            let sql = count_owned_sql(table, &rows, "jsonb_array_length");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(sessions)
                 .fetch_one(&self.pool)
@@ -1186,24 +1178,16 @@ impl Store for PostgresStore {
                 .await?;
         let mut counts = [0; 8];
         for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            *count = if table == "events" {
-                // A row of events may hold several: the deleted rows' events are counted.
-                let events: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "WITH deleted AS (DELETE FROM {rows} RETURNING more)
-                     SELECT COALESCE(SUM(1 + COALESCE(jsonb_array_length(more), 0)), 0)::bigint
-                     FROM deleted"
-                )))
+            // Counted as they are deleted (a row of events may hold several).
+            let sql = format!(
+                "WITH deleted AS (DELETE FROM {rows} RETURNING *) {}",
+                count_owned_sql(table, "deleted", "jsonb_array_length")
+            );
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&still)
                 .fetch_one(&mut *tx)
                 .await?;
-                events.max(0) as u64
-            } else {
-                sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {rows}")))
-                    .bind(&still)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected()
-            };
+            *count = n.max(0) as u64;
         }
         tx.commit().await?;
         Ok(PruneCounts::from_owned(counts))

@@ -29,8 +29,8 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_time;
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
+use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
@@ -372,11 +372,11 @@ trait Columns {
     }
 
     fn time(&self, name: &str) -> Result<DateTime<Utc>, StoreError> {
-        sqlite_time::parse(&self.text(name)?)
+        stored_time::parse(&self.text(name)?)
     }
 
     fn opt_time(&self, name: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
-        sqlite_time::parse_opt(self.opt_text(name)?)
+        stored_time::parse_opt(self.opt_text(name)?)
     }
 }
 
@@ -479,8 +479,8 @@ fn session_from_row(row: &SqliteRow) -> Result<SessionRecord, StoreError> {
         agent_id: row.try_get("agent_id")?,
         owner: row.try_get("owner")?,
         metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
-        created_at: sqlite_time::parse(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: sqlite_time::parse(&row.try_get::<String, _>("updated_at")?)?,
+        created_at: stored_time::parse(&row.try_get::<String, _>("created_at")?)?,
+        updated_at: stored_time::parse(&row.try_get::<String, _>("updated_at")?)?,
     })
 }
 
@@ -492,13 +492,13 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
         request_id: row.try_get("request_id")?,
         role: row.try_get("role")?,
         content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
-        created_at: sqlite_time::parse(&row.try_get::<String, _>("created_at")?)?,
+        created_at: stored_time::parse(&row.try_get::<String, _>("created_at")?)?,
     })
 }
 
 /// A time as this store writes it, for comparisons in SQL.
 fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
-    value.map(sqlite_time::text)
+    value.map(stored_time::text)
 }
 
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.
@@ -511,7 +511,7 @@ fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
         agent_id: row.try_get("agent_id")?,
         seq: row.try_get("seq")?,
         event_type: row.try_get("type")?,
-        at: sqlite_time::parse(&row.try_get::<String, _>("at")?)?,
+        at: stored_time::parse(&row.try_get::<String, _>("at")?)?,
         data: parse_json(row.try_get("data")?)?.unwrap_or(Value::Null),
     };
     let Some(more) = row.try_get::<Option<String>, _>("more")? else {
@@ -519,7 +519,7 @@ fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
     };
     let later: Vec<StoredLaterEvent> = serde_json::from_str(&more)
         .map_err(|e| StoreError::Corrupt(format!("events.more of `{}`: {e}", first.id)))?;
-    unpack(first, later, sqlite_time::parse)
+    unpack(first, later, stored_time::parse)
 }
 
 fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> {
@@ -751,7 +751,7 @@ impl Store for SqliteStore {
         let claimed: Vec<String> = self
             .writer
             .maintain(move |connection| {
-                let now = sqlite_time::now();
+                let now = stored_time::now();
                 let mut claim = connection.prepare_cached(CLAIM_RUNS)?;
                 let ids = claim
                     .query_map(
@@ -804,7 +804,7 @@ impl Store for SqliteStore {
         let claimed: Option<String> = self
             .writer
             .maintain(move |connection| {
-                let now = sqlite_time::now();
+                let now = stored_time::now();
                 connection
                     .prepare_cached(
                         concat!(
@@ -1071,7 +1071,7 @@ impl Store for SqliteStore {
                         run_id,
                         call_key,
                         result,
-                        sqlite_time::text(&at)
+                        stored_time::text(&at)
                     ])?;
                 Ok(changed == 1)
             })
@@ -1239,8 +1239,8 @@ impl Store for SqliteStore {
                         record.id,
                         record.operation,
                         record.status,
-                        sqlite_time::text(&record.started_at),
-                        sqlite_time::text(&record.ended_at),
+                        stored_time::text(&record.started_at),
+                        stored_time::text(&record.ended_at),
                         record.report.to_string()
                     ],
                 )?;
@@ -1266,8 +1266,8 @@ impl Store for SqliteStore {
                     id: row.try_get("id")?,
                     operation: row.try_get("operation")?,
                     status: row.try_get("status")?,
-                    started_at: sqlite_time::parse(&row.try_get::<String, _>("started_at")?)?,
-                    ended_at: sqlite_time::parse(&row.try_get::<String, _>("ended_at")?)?,
+                    started_at: stored_time::parse(&row.try_get::<String, _>("started_at")?)?,
+                    ended_at: stored_time::parse(&row.try_get::<String, _>("ended_at")?)?,
                     report: parse_json(row.try_get("report")?)?.unwrap_or(Value::Null),
                 })
             })
@@ -1292,7 +1292,7 @@ fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, S
         outcome: row.try_get("outcome")?,
         result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
         duration_ms: row.try_get("duration_ms")?,
-        recorded_at: sqlite_time::parse(&row.try_get::<String, _>("recorded_at")?)?,
+        recorded_at: stored_time::parse(&row.try_get::<String, _>("recorded_at")?)?,
     })
 }
 

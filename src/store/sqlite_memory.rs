@@ -8,7 +8,7 @@ use sqlx::sqlite::SqliteRow;
 
 use super::conditions::{self, Dialect};
 use super::sqlite::{SqliteStore, parse_json};
-use super::sqlite_time;
+use super::stored_time;
 use super::{
     CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, MemoryStore, MemoryTransition, Page,
     PageRequest, StoreError,
@@ -37,8 +37,8 @@ fn put(connection: &rusqlite::Connection, record: &MemoryRecord) -> rusqlite::Re
             record.source_request_id,
             record.source_run_id,
             record.decided_by,
-            sqlite_time::text(&record.created_at),
-            sqlite_time::text(&record.updated_at),
+            stored_time::text(&record.created_at),
+            stored_time::text(&record.updated_at),
         ],
         |row| row.get(0),
     )
@@ -60,8 +60,8 @@ fn memory_from_row(row: &SqliteRow) -> Result<MemoryRecord, StoreError> {
         source_request_id: row.try_get("source_request_id")?,
         source_run_id: row.try_get("source_run_id")?,
         decided_by: row.try_get("decided_by")?,
-        created_at: sqlite_time::parse(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: sqlite_time::parse(&row.try_get::<String, _>("updated_at")?)?,
+        created_at: stored_time::parse(&row.try_get::<String, _>("created_at")?)?,
+        updated_at: stored_time::parse(&row.try_get::<String, _>("updated_at")?)?,
     })
 }
 
@@ -245,7 +245,7 @@ impl MemoryStore for SqliteStore {
                         id_owned,
                         to.as_str(),
                         by,
-                        sqlite_time::text(&at),
+                        stored_time::text(&at),
                         from
                     ])?;
                 if changed == 1 {
@@ -304,7 +304,7 @@ impl MemoryStore for SqliteStore {
                               AND n.near_hash = memories.near_hash AND n.status = 'active'
                               AND (n.updated_at > memories.updated_at
                                    OR (n.updated_at = memories.updated_at AND n.id > memories.id)))",
-                    rusqlite::params![namespace, sqlite_time::text(&at)],
+                    rusqlite::params![namespace, stored_time::text(&at)],
                 )?;
                 let expired = match expire_before {
                     Some(cutoff) => transaction.execute(
@@ -312,7 +312,7 @@ impl MemoryStore for SqliteStore {
                                 updated_at = ?2
                          WHERE status = 'active' AND (?1 IS NULL OR namespace = ?1)
                            AND updated_at < ?3",
-                        rusqlite::params![namespace, sqlite_time::text(&at), sqlite_time::text(&cutoff)],
+                        rusqlite::params![namespace, stored_time::text(&at), stored_time::text(&cutoff)],
                     )?,
                     None => 0,
                 };

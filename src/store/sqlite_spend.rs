@@ -12,8 +12,8 @@ use super::spend::{
     UsageTotals,
 };
 use super::sqlite::SqliteStore;
-use super::sqlite_time;
 use super::sqlite_writer::Prepared;
+use super::stored_time;
 
 const INSERT_USAGE: &str = "INSERT OR IGNORE INTO usage_records (id, at, request_id, run_id, owner,
      agent_id, session_id, model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
@@ -33,7 +33,7 @@ pub(super) fn insert_charge(
 ) -> rusqlite::Result<()> {
     let inserted = prepared.get(INSERT_USAGE)?.execute(rusqlite::params![
         record.id,
-        sqlite_time::text(&record.at),
+        stored_time::text(&record.at),
         record.request_id,
         record.run_id,
         record.owner,
@@ -130,8 +130,8 @@ impl SpendStore for SqliteStore {
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
             .bind(&filter.model)
-            .bind(filter.from.as_ref().map(sqlite_time::text))
-            .bind(filter.to.as_ref().map(sqlite_time::text))
+            .bind(filter.from.as_ref().map(stored_time::text))
+            .bind(filter.to.as_ref().map(stored_time::text))
             .bind(&filter.request_id)
             .fetch_all(&self.reader)
             .await?;

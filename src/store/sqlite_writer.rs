@@ -32,7 +32,7 @@ use super::event_rows::{EVENTS_PER_ROW, LaterEvent};
 use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
 use super::sqlite::LAST_SEQ;
-use super::sqlite_time;
+use super::stored_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
 
@@ -435,7 +435,7 @@ impl Leases {
     /// When a lease taken or renewed now expires.
     pub fn expiry(&self) -> String {
         let duration = chrono::Duration::from_std(self.duration).unwrap_or(chrono::Duration::MAX);
-        sqlite_time::text(
+        stored_time::text(
             &Utc::now()
                 .checked_add_signed(duration)
                 .unwrap_or(DateTime::<Utc>::MAX_UTC),
@@ -604,7 +604,7 @@ fn decide(prepared: &mut Prepared<'_>, decision: &ApprovalDecision) -> Result<()
             decision.status.as_str(),
             decision.reason,
             decision.decided_by,
-            sqlite_time::text(&decision.at),
+            stored_time::text(&decision.at),
             decision.id
         ])?;
     if changed == 1 {
@@ -678,8 +678,8 @@ fn write_ops<'o>(
                     session.agent_id,
                     session.owner,
                     json(&session.metadata),
-                    sqlite_time::text(&session.created_at),
-                    sqlite_time::text(&session.updated_at)
+                    stored_time::text(&session.created_at),
+                    stored_time::text(&session.updated_at)
                 ])?;
             }
             WriteOp::InsertMessage(message) => {
@@ -694,7 +694,7 @@ fn write_ops<'o>(
                     message.request_id,
                     message.role,
                     json(&message.content),
-                    sqlite_time::text(&message.created_at)
+                    stored_time::text(&message.created_at)
                 ])?;
             }
             WriteOp::InsertRequest(request) => {
@@ -716,8 +716,8 @@ fn write_ops<'o>(
                     row.error.map(json),
                     row.usage.map(json),
                     json(&request.metadata),
-                    sqlite_time::text(&request.created_at),
-                    sqlite_time::text(&row.updated_at),
+                    stored_time::text(&request.created_at),
+                    stored_time::text(&row.updated_at),
                     request.owner
                 ])?;
             }
@@ -738,7 +738,7 @@ fn write_ops<'o>(
                     output,
                     json_opt(error),
                     json_opt(usage),
-                    sqlite_time::text(at),
+                    stored_time::text(at),
                     id
                 ])?;
             }
@@ -758,10 +758,10 @@ fn write_ops<'o>(
                     row.status.as_str(),
                     row.state.map(json),
                     row.error.map(json),
-                    sqlite_time::text(&run.created_at),
-                    sqlite_time::text(&row.updated_at),
-                    row.started_at.as_ref().map(sqlite_time::text),
-                    row.ended_at.as_ref().map(sqlite_time::text),
+                    stored_time::text(&run.created_at),
+                    stored_time::text(&row.updated_at),
+                    row.started_at.as_ref().map(stored_time::text),
+                    row.ended_at.as_ref().map(stored_time::text),
                     row.leased.then_some(&leases.holder),
                     row.leased.then(|| leases.expiry())
                 ])?;
@@ -787,7 +787,7 @@ fn write_ops<'o>(
                     .execute(params![
                         status.as_str(),
                         json_opt(error),
-                        sqlite_time::text(at),
+                        stored_time::text(at),
                         id,
                         leases.holder
                     ])?
@@ -802,7 +802,7 @@ fn write_ops<'o>(
                         status.as_str(),
                         json_opt(error),
                         json_opt(state),
-                        sqlite_time::text(at),
+                        stored_time::text(at),
                         id,
                         leases.holder
                     ])?
@@ -831,9 +831,9 @@ fn write_ops<'o>(
                     approval.status.as_str(),
                     approval.reason,
                     approval.decided_by,
-                    sqlite_time::text(&approval.created_at),
-                    approval.expires_at.as_ref().map(sqlite_time::text),
-                    approval.decided_at.as_ref().map(sqlite_time::text),
+                    stored_time::text(&approval.created_at),
+                    approval.expires_at.as_ref().map(stored_time::text),
+                    approval.decided_at.as_ref().map(stored_time::text),
                     approval.call_key,
                     approval.kind.as_str(),
                     approval.execution
@@ -856,7 +856,7 @@ fn write_ops<'o>(
                     call.tool_id,
                     json(&call.arguments),
                     call.idempotency_key,
-                    sqlite_time::text(&call.recorded_at)
+                    stored_time::text(&call.recorded_at)
                 ])?;
             }
             WriteOp::RecordToolCall(call) => {
@@ -882,7 +882,7 @@ fn write_ops<'o>(
                     call.outcome,
                     json(&call.result),
                     call.duration_ms,
-                    sqlite_time::text(&call.recorded_at)
+                    stored_time::text(&call.recorded_at)
                 ])?;
             }
             WriteOp::AppendEvent(event) => {
@@ -937,7 +937,7 @@ impl<'a> EventRow<'a> {
         if let Some((first, _, data)) = &self.first {
             let same_run = event.request_id == first.request_id && event.run_id == first.run_id;
             if same_run && self.count < EVENTS_PER_ROW {
-                let at = sqlite_time::text(&event.at);
+                let at = stored_time::text(&event.at);
                 let later = LaterEvent {
                     id: event.id.as_str(),
                     event_type: event.event_type.as_str(),
@@ -992,7 +992,7 @@ impl<'a> EventRow<'a> {
                 first.run_id,
                 number,
                 first.event_type,
-                sqlite_time::text(&first.at),
+                stored_time::text(&first.at),
                 data,
                 more
             ])?;

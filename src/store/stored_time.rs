@@ -1,6 +1,8 @@
-//! How the SQLite store writes and reads a time: RFC 3339 in UTC with microseconds
+//! How a store writes and reads a time as text: RFC 3339 in UTC with microseconds
 //! (`2026-11-27T16:04:41.123456Z`), always the same width, so that the text order of two
 //! stored times is their order in time (listings, cursors and the prune compare them in SQL).
+//! Every time the SQLite store keeps is such text; PostgreSQL keeps its times as
+//! `timestamptz`, but the times inside a row of events' `more` (JSON) as this text too.
 //!
 //! A chat request writes about twenty times and a view reads a few: chrono's general
 //! formatter and parser took ~15,000 instructions of a request (~2%). Times are written by
