@@ -595,6 +595,12 @@ macro_rules! event_select {
 }
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
+/// A session's newest message with no children (its children are found through
+/// `messages_by_parent`, which leaves out messages with no parent: migration 0013).
+const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
+       AND NOT EXISTS (SELECT 1 FROM messages c
+                        WHERE c.parent_id = m.id AND c.session_id = m.session_id)
+     ORDER BY created_at DESC, id DESC LIMIT 1";
 /// A run's events after `?2`, within its request's key range: events have no index by run.
 /// A row holds one run's events, so the run is a condition on rows.
 const EVENTS_OF_RUN: &str =
@@ -924,15 +930,10 @@ impl Store for SqliteStore {
     }
 
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar(
-            "SELECT id FROM messages m WHERE session_id = ?
-               AND NOT EXISTS (SELECT 1 FROM messages c
-                                WHERE c.parent_id = m.id AND c.session_id = m.session_id)
-             ORDER BY created_at DESC, id DESC LIMIT 1",
-        )
-        .bind(session_id)
-        .fetch_optional(&self.reader)
-        .await?)
+        Ok(sqlx::query_scalar(SESSION_HEAD)
+            .bind(session_id)
+            .fetch_optional(&self.reader)
+            .await?)
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
@@ -1311,6 +1312,7 @@ impl SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     /// The bundled SQLite is built as `.cargo/config.toml` asks: without the shared page
     /// cache group whose global mutex every page fetch took.
@@ -1519,6 +1521,7 @@ mod tests {
                 "SEARCH s USING INDEX sqlite_autoindex_sessions_1 (id=?)",
             ),
             (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
+            (SESSION_HEAD.to_owned(), "messages_by_parent"),
             (CLAIM_RUNS.to_owned(), "runs_live"),
             (RELEASE_LEASES.to_owned(), "runs_live"),
         ];
@@ -1641,5 +1644,120 @@ mod tests {
         .await
         .expect_err("a number taken twice");
         assert!(taken.to_string().contains("UNIQUE"), "{taken}");
+    }
+
+    /// A store from before migration 0013 keeps its charges and its sessions' heads: the
+    /// ledger rebuilt without an index of its own key still writes a charge once, and the
+    /// index of parents without parentless messages still finds a session's head.
+    #[tokio::test]
+    async fn charges_and_heads_stored_before_their_indexes_changed_survive_it() {
+        use super::super::spend::{SpendStore, UsageRecord};
+        let dir = tempfile::tempdir().expect("a folder");
+        let path = dir.path().join("state.db");
+        let options = SqliteConnectOptions::from_str("sqlite://")
+            .expect("options")
+            .filename(&path)
+            .create_if_missing(true)
+            .foreign_keys(true);
+        let old = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("a database");
+        MIGRATOR.run_to(12, &old).await.expect("the schema of 0012");
+        sqlx::raw_sql(
+            "INSERT INTO sessions (id, agent_id, created_at, updated_at)
+                 VALUES ('ses_1', 'support', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
+             INSERT INTO messages (id, session_id, parent_id, role, content, created_at) VALUES
+                 ('msg_1', 'ses_1', NULL, 'user', '\"hi\"', '2026-01-01T00:00:01Z'),
+                 ('msg_2', 'ses_1', 'msg_1', 'assistant', '\"hello\"', '2026-01-01T00:00:02Z'),
+                 ('msg_3', 'ses_1', 'msg_1', 'assistant', '\"a branch\"', '2026-01-01T00:00:01Z');
+             INSERT INTO usage_records (id, at, request_id, run_id, owner, agent_id, session_id,
+                                        model, source, prompt_tokens, completion_tokens,
+                                        cost_nanos, estimated) VALUES
+                 ('use_1', '2026-01-01T00:00:02Z', 'req_1', 'run_1', 'key', 'support', 'ses_1',
+                  'main', 'model', 3, 4, 70, 0),
+                 ('use_2', '2026-01-01T00:00:03Z', 'req_1', 'run_1', 'key', 'support', 'ses_1',
+                  'main', 'model', 5, 6, NULL, 1);",
+        )
+        .execute(&old)
+        .await
+        .expect("rows of the old schema");
+        old.close().await;
+
+        let store = SqliteStore::open_file(&path)
+            .await
+            .expect("the store, migrated");
+        // msg_2 and msg_3 have no children; msg_2 is the newer.
+        assert_eq!(
+            store
+                .session_head("ses_1")
+                .await
+                .expect("a head")
+                .as_deref(),
+            Some("msg_2")
+        );
+        assert_eq!(usage_rows(&store, "req_1").await, 2);
+        let again = UsageRecord {
+            id: "use_1".to_owned(),
+            at: Utc::now(),
+            request_id: "req_1".to_owned(),
+            run_id: "run_1".to_owned(),
+            owner: "key".to_owned(),
+            agent_id: "support".to_owned(),
+            session_id: "ses_1".to_owned(),
+            model: "main".to_owned(),
+            source: "model".to_owned(),
+            prompt_tokens: 100,
+            completion_tokens: 100,
+            cost_nanos: None,
+            estimated: false,
+        };
+        let fresh = UsageRecord {
+            id: "use_3".to_owned(),
+            ..again.clone()
+        };
+        for record in [&again, &fresh, &fresh] {
+            store.record_usage(record, &[], None).await.expect("queued");
+        }
+        // Read after its own pending charges are stored (see the test above).
+        store.request_in_full("req_1").await.expect("a read");
+        assert_eq!(usage_rows(&store, "req_1").await, 3, "each charge once");
+        let kept: i64 =
+            sqlx::query_scalar("SELECT prompt_tokens FROM usage_records WHERE id = 'use_1'")
+                .fetch_one(&store.reader)
+                .await
+                .expect("the first charge");
+        assert_eq!(kept, 3, "a charge written already is left as it is");
+
+        // What the migration is for: two b-trees fewer in a chat request's commit.
+        let indexes = |table: &'static str| {
+            let reader = &store.reader;
+            async move {
+                sqlx::query(sqlx::AssertSqlSafe(format!("PRAGMA index_list({table})")))
+                    .fetch_all(reader)
+                    .await
+                    .expect("indexes")
+                    .iter()
+                    .map(|row| {
+                        let name: String = row.try_get("name").unwrap_or_default();
+                        let partial: i64 = row.try_get("partial").unwrap_or_default();
+                        (name, partial == 1)
+                    })
+                    .collect::<BTreeSet<_>>()
+            }
+        };
+        assert_eq!(
+            indexes("usage_records").await,
+            BTreeSet::from([
+                ("usage_records_at".to_owned(), false),
+                ("usage_records_request".to_owned(), false),
+            ])
+        );
+        assert!(
+            indexes("messages")
+                .await
+                .contains(&("messages_by_parent".to_owned(), true))
+        );
     }
 }
