@@ -1381,6 +1381,25 @@ mod tests {
         }
     }
 
+    /// A charge of 3 + 4 tokens to `request_id`, in session `ses_1`.
+    fn charge(id: &str, request_id: &str) -> super::super::spend::UsageRecord {
+        super::super::spend::UsageRecord {
+            id: id.to_owned(),
+            at: Utc::now(),
+            request_id: request_id.to_owned(),
+            run_id: format!("run_{request_id}"),
+            owner: "key".to_owned(),
+            agent_id: "assistant".to_owned(),
+            session_id: "ses_1".to_owned(),
+            model: "main".to_owned(),
+            source: "model".to_owned(),
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            cost_nanos: None,
+            estimated: false,
+        }
+    }
+
     /// Usage records of `request_id` the reader pool sees.
     async fn usage_rows(store: &SqliteStore, request_id: &str) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM usage_records WHERE request_id = ?1")
@@ -1397,21 +1416,6 @@ mod tests {
     async fn reading_a_request_stores_its_own_pending_charges_only() {
         use super::super::spend::{SpendStore, UsageRecord};
         let (_dir, store) = SqliteStore::in_temporary_folder().await;
-        let charge = |id: &str, request_id: &str| UsageRecord {
-            id: id.to_owned(),
-            at: Utc::now(),
-            request_id: request_id.to_owned(),
-            run_id: format!("run_{request_id}"),
-            owner: "key".to_owned(),
-            agent_id: "assistant".to_owned(),
-            session_id: "ses_1".to_owned(),
-            model: "main".to_owned(),
-            source: "model".to_owned(),
-            prompt_tokens: 3,
-            completion_tokens: 4,
-            cost_nanos: None,
-            estimated: false,
-        };
         // Queues `record`, then reads request `req_a` (which does not exist: the read still
         // runs, after its charges).
         let charge_then_read_a = |record: UsageRecord| {
@@ -1651,7 +1655,7 @@ mod tests {
     /// index of parents without parentless messages still finds a session's head.
     #[tokio::test]
     async fn charges_and_heads_stored_before_their_indexes_changed_survive_it() {
-        use super::super::spend::{SpendStore, UsageRecord};
+        use super::super::spend::SpendStore;
         let dir = tempfile::tempdir().expect("a folder");
         let path = dir.path().join("state.db");
         let options = SqliteConnectOptions::from_str("sqlite://")
@@ -1676,7 +1680,7 @@ mod tests {
                                         model, source, prompt_tokens, completion_tokens,
                                         cost_nanos, estimated) VALUES
                  ('use_1', '2026-01-01T00:00:02Z', 'req_1', 'run_1', 'key', 'support', 'ses_1',
-                  'main', 'model', 3, 4, 70, 0),
+                  'main', 'model', 30, 40, 70, 0),
                  ('use_2', '2026-01-01T00:00:03Z', 'req_1', 'run_1', 'key', 'support', 'ses_1',
                   'main', 'model', 5, 6, NULL, 1);",
         )
@@ -1698,25 +1702,8 @@ mod tests {
             Some("msg_2")
         );
         assert_eq!(usage_rows(&store, "req_1").await, 2);
-        let again = UsageRecord {
-            id: "use_1".to_owned(),
-            at: Utc::now(),
-            request_id: "req_1".to_owned(),
-            run_id: "run_1".to_owned(),
-            owner: "key".to_owned(),
-            agent_id: "support".to_owned(),
-            session_id: "ses_1".to_owned(),
-            model: "main".to_owned(),
-            source: "model".to_owned(),
-            prompt_tokens: 100,
-            completion_tokens: 100,
-            cost_nanos: None,
-            estimated: false,
-        };
-        let fresh = UsageRecord {
-            id: "use_3".to_owned(),
-            ..again.clone()
-        };
+        let again = charge("use_1", "req_1");
+        let fresh = charge("use_3", "req_1");
         for record in [&again, &fresh, &fresh] {
             store.record_usage(record, &[], None).await.expect("queued");
         }
@@ -1728,7 +1715,7 @@ mod tests {
                 .fetch_one(&store.reader)
                 .await
                 .expect("the first charge");
-        assert_eq!(kept, 3, "a charge written already is left as it is");
+        assert_eq!(kept, 30, "a charge written already is left as it is");
 
         // What the migration is for: two b-trees fewer in a chat request's commit.
         let indexes = |table: &'static str| {
