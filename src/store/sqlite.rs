@@ -1572,23 +1572,35 @@ mod tests {
         }
     }
 
+    /// A one-connection pool on the database at `path` (made if missing), migrated up to
+    /// `version` when one is given: a store as an older release left it.
+    async fn database_at(path: &Path, version: Option<i64>) -> SqlitePool {
+        let options = SqliteConnectOptions::from_str("sqlite://")
+            .expect("options")
+            .filename(path)
+            .create_if_missing(true)
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("a database");
+        if let Some(version) = version {
+            MIGRATOR
+                .run_to(version, &pool)
+                .await
+                .expect("an older schema");
+        }
+        pool
+    }
+
     /// A store from before migration 0010 (events in a `WITHOUT ROWID` table) opens with its
     /// events intact and in order, and its rebuilt table still refuses a number taken twice.
     #[tokio::test]
     async fn events_stored_before_their_table_was_rebuilt_survive_it() {
         let dir = tempfile::tempdir().expect("a folder");
         let path = dir.path().join("state.db");
-        let options = SqliteConnectOptions::from_str("sqlite://")
-            .expect("options")
-            .filename(&path)
-            .create_if_missing(true)
-            .foreign_keys(true);
-        let old = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await
-            .expect("a database");
-        MIGRATOR.run_to(9, &old).await.expect("the schema of 0009");
+        let old = database_at(&path, Some(9)).await;
         // Inserted out of order: the rebuild must keep them by number, not by arrival.
         sqlx::raw_sql(
             "INSERT INTO sessions (id, agent_id, created_at, updated_at)
@@ -1635,11 +1647,7 @@ mod tests {
         );
         drop(store);
 
-        let raw = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options)
-            .await
-            .expect("the database");
+        let raw = database_at(&path, None).await;
         let taken = sqlx::query(
             "INSERT INTO events (request_id, seq, id, run_id, type, at, data)
              VALUES ('req_1', 2, 'evt_x', 'run_1', 'runtime.progress.narration', '2026-01-01T00:00:04Z', '{}')",
@@ -1658,17 +1666,7 @@ mod tests {
         use super::super::spend::SpendStore;
         let dir = tempfile::tempdir().expect("a folder");
         let path = dir.path().join("state.db");
-        let options = SqliteConnectOptions::from_str("sqlite://")
-            .expect("options")
-            .filename(&path)
-            .create_if_missing(true)
-            .foreign_keys(true);
-        let old = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options)
-            .await
-            .expect("a database");
-        MIGRATOR.run_to(12, &old).await.expect("the schema of 0012");
+        let old = database_at(&path, Some(12)).await;
         sqlx::raw_sql(
             "INSERT INTO sessions (id, agent_id, created_at, updated_at)
                  VALUES ('ses_1', 'support', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
