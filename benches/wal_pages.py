@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Which b-trees each of the last commits in a SQLite WAL wrote, page by page.
 
-Usage: wal_pages.py STATE_DB [COMMITS]
+Usage: wal_pages.py STATE_DB [COMMITS] [--mean]
+
+With `--mean`, prints instead the mean over those commits: pages per commit, and each
+b-tree's pages per commit (pages `dbstat` does not list, counted together as `?`).
 
 Reads STATE_DB's `-wal` file frame by frame (a frame's header names its page; a commit's
 last frame carries the database size), and names each page's b-tree from the `dbstat`
@@ -32,8 +35,10 @@ def commits(wal):
 
 
 def main():
-    db = sys.argv[1]
-    last = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    args = [a for a in sys.argv[1:] if a != "--mean"]
+    mean = "--mean" in sys.argv[1:]
+    db = args[0]
+    last = int(args[1]) if len(args) > 1 else 5
     try:
         with open(db + "-wal", "rb") as f:
             page_size, found = commits(f.read())
@@ -45,7 +50,20 @@ def main():
     ).stdout
     names = {int(p): n for p, n in (line.split("|", 1) for line in listing.splitlines())}
     print(f"page size {page_size}, {len(found)} commits in the WAL")
-    for pages in found[-last:]:
+    chosen = found[-last:]
+    if mean:
+        if not chosen:
+            sys.exit("no commit in the WAL yet")
+        per_tree = collections.Counter()
+        for pages in chosen:
+            per_tree.update(names.get(p, "?") for p in pages)
+        total = sum(len(pages) for pages in chosen)
+        print(f"mean over {len(chosen)} commits: {total / len(chosen):.2f} pages, "
+              f"{len(per_tree)} b-trees in all")
+        for tree, count in sorted(per_tree.items()):
+            print(f"  {tree}: {count / len(chosen):.2f}")
+        return
+    for pages in chosen:
         trees = collections.Counter(names.get(p, f"?{p}") for p in pages)
         print(f"{len(pages)} pages, {len(trees)} b-trees: {dict(sorted(trees.items()))}")
 
