@@ -15,6 +15,14 @@ use super::{EventRecord, StoreError};
 /// Most events one row holds.
 pub(super) const EVENTS_PER_ROW: usize = 16;
 
+/// Whether `event` may join a row that holds `held` events and starts with an event of
+/// `request` and `run`: only one run's consecutive events share a row, at most
+/// [`EVENTS_PER_ROW`] of them, which is what the readers ([`EventRows`]) rely on. Each
+/// store's writer adds its own bound on the row's bytes.
+pub(super) fn may_join(request: &str, run: &str, held: usize, event: &EventRecord) -> bool {
+    event.request_id == request && event.run_id == run && held < EVENTS_PER_ROW
+}
+
 /// An event after the first of its row, as `events.more` holds it: `S` is its id's and
 /// type's text, `T` its time's (as the store writes times), `V` its data.
 #[derive(serde::Serialize, serde::Deserialize)]

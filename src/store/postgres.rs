@@ -38,7 +38,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{
-    EVENTS_PER_ROW, EventRows, LaterEvent, StoredLaterEvent, count_owned_sql, unpack,
+    EventRows, LaterEvent, StoredLaterEvent, count_owned_sql, may_join, unpack,
 };
 use super::folds::{Folds, RequestRow, RunRow};
 use super::postgres_spend::{
@@ -506,9 +506,7 @@ impl<'a> EventJson<'a> {
 fn add_event<'a>(rows: &mut Vec<EventJson<'a>>, event: &'a EventRecord) {
     let bytes = json_bytes_within(&event.data, ROW_BYTES);
     if let Some(row) = rows.last_mut()
-        && row.request_id.0 == event.request_id
-        && row.run_id.0 == event.run_id
-        && row.more.len() + 1 < EVENTS_PER_ROW
+        && may_join(row.request_id.0, row.run_id.0, 1 + row.more.len(), event)
         && let Some(bytes) = bytes.filter(|b| row.bytes.saturating_add(*b) <= ROW_BYTES)
     {
         row.more.push(LaterEvent {
@@ -1290,6 +1288,7 @@ fn tool_call_from_row(row: &sqlx::postgres::PgRow) -> Result<ToolCallRecord, Sto
 
 #[cfg(test)]
 mod tests {
+    use super::super::event_rows::EVENTS_PER_ROW;
     use super::*;
 
     fn event(run: &str, data: Value) -> EventRecord {

@@ -28,7 +28,7 @@ use rusqlite::{Connection, PrepFlags, Statement, params};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use super::event_rows::{EVENTS_PER_ROW, LaterEvent};
+use super::event_rows::{LaterEvent, may_join};
 use super::folds::{Folds, RequestRow, RunRow};
 use super::spend::{CounterDelta, UsageRecord};
 use super::sqlite::LAST_SEQ;
@@ -910,9 +910,9 @@ fn write_ops<'o>(
 }
 
 /// Consecutive events of one run being gathered into one row of `events` (migration 0012):
-/// the first in the row's columns, the others in `more`. A row takes at most
-/// [`EVENTS_PER_ROW`] events and about [`ROW_BYTES`] bytes: a row past a page's room spills
-/// into overflow pages and packs its pages worse than single events did.
+/// the first in the row's columns, the others in `more`. A row takes the events
+/// `event_rows::may_join` allows, and about [`ROW_BYTES`] bytes: a row past a page's room
+/// spills into overflow pages and packs its pages worse than single events did.
 #[derive(Default)]
 struct EventRow<'a> {
     /// The first event, its number, and its data as stored.
@@ -935,8 +935,7 @@ impl<'a> EventRow<'a> {
         number: i64,
     ) -> rusqlite::Result<()> {
         if let Some((first, _, data)) = &self.first {
-            let same_run = event.request_id == first.request_id && event.run_id == first.run_id;
-            if same_run && self.count < EVENTS_PER_ROW {
+            if may_join(&first.request_id, &first.run_id, self.count, event) {
                 let at = stored_time::text(&event.at);
                 let later = LaterEvent {
                     id: event.id.as_str(),
