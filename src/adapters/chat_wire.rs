@@ -366,7 +366,7 @@ impl<'a> Scan<'a> {
         self.peek().is_none().then_some(view)
     }
 
-    /// `choices`: the first when it is a non-empty array, the others checked as it is.
+    /// `choices`: the first when it is a non-empty array, the others read like it and dropped.
     fn first_choice(&mut self, depth: u32) -> Option<First<Object<ChoiceView<'a>>>> {
         if self.peek()? != b'[' {
             return self.skip(depth).map(|()| First(None));
