@@ -20,7 +20,7 @@ use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 pub use crate::gateway::{Outcome, ToolCall, ToolResult, ToolSpec};
-use crate::runtime::events::{ADAPTER_EVENT, PHASE_TOOL_RESULT, PHASE_TOOL_START};
+use crate::runtime::events::{ADAPTER_EVENT, PHASE_TOOL_RESULT, PHASE_TOOL_START, output_delta};
 use crate::workspace::{AgentConfig, Backend, CompiledWorkspace};
 
 pub use openai::{ModelProbe, OpenAiAdapter, probe};
@@ -33,6 +33,12 @@ pub use scripted::ScriptedAdapter;
 pub trait EventSink: Send + Sync {
     /// Records an event of `event_type` with `data` (SPEC section 7).
     async fn emit(&self, event_type: &str, data: Value);
+    /// Records an output delta of `text` (an [`ADAPTER_EVENT`] with [`output_delta`]'s data).
+    /// A sink may append it to the run's previous delta instead, while that is not stored
+    /// yet: the same text, in the same order, in fewer events.
+    async fn emit_delta(&self, text: &str) {
+        self.emit(ADAPTER_EVENT, output_delta(text)).await;
+    }
     /// Persists the conversation after a step (a model turn, tool results) and waits for the
     /// commit: a run resumed after a crash starts from the last checkpoint, and a model turn's
     /// tools never run before the turn is stored. `Err`: the run cannot go on.

@@ -29,7 +29,7 @@ use super::{
     ToolCall, ToolSpec, Usage, call_tools,
 };
 use crate::json;
-use crate::runtime::events::{ADAPTER_EVENT, MODEL_CALL_COMPLETED, output_delta};
+use crate::runtime::events::MODEL_CALL_COMPLETED;
 use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
 
@@ -245,7 +245,7 @@ impl OpenAiAdapter {
                 )));
             }
             if !turn.output.text.is_empty() {
-                emit_delta(context, &turn.output.text).await;
+                context.events.emit_delta(&turn.output.text).await;
             }
             turn
         };
@@ -1021,14 +1021,10 @@ fn prefix_within(text: &str, limit: usize) -> &str {
     &text[..end]
 }
 
-async fn emit_delta(context: &AdapterContext<'_>, text: &str) {
-    context.events.emit(ADAPTER_EVENT, output_delta(text)).await;
-}
-
 /// Emits the text gathered from one read of a stream, if any, as one delta.
 async fn emit_pending(context: &AdapterContext<'_>, pending: &mut String) {
     if !pending.is_empty() {
-        emit_delta(context, pending).await;
+        context.events.emit_delta(pending).await;
         pending.clear();
     }
 }

@@ -26,7 +26,7 @@ use super::{
     call_tools,
 };
 use crate::gateway::callbacks::{CallbackCall, CallbackGrant};
-use crate::runtime::events::{ADAPTER_EVENT, output_delta};
+use crate::runtime::events::ADAPTER_EVENT;
 use crate::text::excerpt;
 use crate::workspace::EndpointConfig;
 
@@ -180,10 +180,7 @@ impl RemoteAdapter {
             })?;
             let mut output = final_output(context, &answer)?;
             if !output.text.is_empty() {
-                context
-                    .events
-                    .emit(ADAPTER_EVENT, output_delta(&output.text))
-                    .await;
+                context.events.emit_delta(&output.text).await;
                 state.delivered = true;
             }
             output.finish_reason = "stop".to_owned();
@@ -260,10 +257,7 @@ impl RemoteAdapter {
                         }
                         text.push_str(delta);
                         state.delivered = true;
-                        context
-                            .events
-                            .emit(ADAPTER_EVENT, output_delta(delta))
-                            .await;
+                        context.events.emit_delta(delta).await;
                     }
                     Some("progress") => {
                         let message = event
@@ -282,10 +276,7 @@ impl RemoteAdapter {
                         if output.text.is_empty() {
                             output.text = text;
                         } else if text.is_empty() {
-                            context
-                                .events
-                                .emit(ADAPTER_EVENT, output_delta(&output.text))
-                                .await;
+                            context.events.emit_delta(&output.text).await;
                         }
                         output.finish_reason = "stop".to_owned();
                         return Ok(output);

@@ -7,7 +7,6 @@ use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, call_tools,
     last_user_text,
 };
-use crate::runtime::events::{ADAPTER_EVENT, output_delta};
 use crate::workspace::ScriptStep;
 
 #[derive(Debug, Clone, Copy)]
@@ -28,10 +27,7 @@ impl RuntimeAdapter for ScriptedAdapter {
             match step {
                 ScriptStep::Reply(template) => {
                     let reply = template.replace("{{input}}", &input);
-                    context
-                        .events
-                        .emit(ADAPTER_EVENT, output_delta(&reply))
-                        .await;
+                    context.events.emit_delta(&reply).await;
                     text.push_str(&reply);
                 }
                 ScriptStep::ToolCall { tool, arguments } => {

@@ -37,7 +37,8 @@
 //!   `agent.output.delta` events queued while the previous commit was in flight become one
 //!   event with their texts joined (up to [`MAX_MERGED_DELTA`] bytes): the same text, in
 //!   the same order, for live subscribers and replay alike, in a row per commit instead of a
-//!   row per token.
+//!   row per token. A delta whose run's previous delta still waits in the queue joins it
+//!   there ([`Journal::extend_queued_delta`]): no event is built only to be merged.
 //! - **Nothing secret is stored.** Every write is redacted ([`crate::redact`]) before it is
 //!   applied, whoever produced it: the one choke point for everything persisted.
 
@@ -187,6 +188,12 @@ struct Queue {
 #[derive(Default)]
 struct QueueState {
     items: VecDeque<(Item, Urgency)>,
+    /// Items ever queued: the next one's number. The first in `items` is number `pushed -
+    /// items.len()` (the writer takes items from the front only).
+    pushed: u64,
+    /// Per request, the number of its last item queued when that is a lone output delta
+    /// (see [`Journal::extend_queued_delta`]); an entry is stale once the writer took it.
+    last_delta: IdMap<String, u64>,
     /// The writer holds writes with a deadline set: it drains the queue by then, so a
     /// write that is not urgent needs no wake-up.
     timed: bool,
@@ -196,6 +203,53 @@ struct QueueState {
     closed: bool,
     /// The writer is gone: nothing queued will be applied.
     finished: bool,
+}
+
+impl QueueState {
+    /// Queues `item` behind every earlier one.
+    fn queue(&mut self, item: Item, urgency: Urgency) {
+        self.note_deltas(&item);
+        self.items.push_back((item, urgency));
+        self.pushed += 1;
+    }
+
+    /// Keeps [`QueueState::last_delta`] as `item` is queued: it ends the stretch of deltas of
+    /// every request it writes for (as [`Held::push`] does), and starts one when it is a lone
+    /// delta. An item that is not a group (a flush, a forgiven request) ends them all.
+    fn note_deltas(&mut self, item: &Item) {
+        if self.items.is_empty() {
+            // Every entry is stale: the writer took everything.
+            self.last_delta.clear();
+        }
+        let Item::Group(group) = item else {
+            self.last_delta.clear();
+            return;
+        };
+        if let (Some(request), Some(_)) = (&group.request, lone_delta(group)) {
+            self.last_delta.insert(request.clone(), self.pushed);
+            return;
+        }
+        if let Some(request) = &group.request {
+            self.last_delta.remove(request);
+        }
+        for op in &group.ops {
+            if let WriteOp::AppendEvent(event) = op {
+                self.last_delta.remove(&event.request_id);
+            }
+        }
+    }
+
+    /// The queued lone delta of `request`, when its last item queued is one the writer has
+    /// not taken yet, with its urgency.
+    fn queued_delta(&mut self, request: &str) -> Option<(&mut Group, &mut Urgency)> {
+        let number = *self.last_delta.get(request)?;
+        let first = self.pushed - self.items.len() as u64;
+        let index = usize::try_from(number.checked_sub(first)?).ok()?;
+        match self.items.get_mut(index)? {
+            (Item::Group(group), urgency) => Some((group, urgency)),
+            _ => None,
+        }
+    }
 }
 
 impl Queue {
@@ -433,13 +487,51 @@ impl Journal {
                 return Err(JournalError::Closed);
             }
             state.since.get_or_insert_with(tokio::time::Instant::now);
-            state.items.push_back((item, urgency));
+            state.queue(item, urgency);
             urgency > Urgency::Held || !state.timed
         };
         if wake {
             self.queue.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// Appends `text` to `run`'s output delta when that is the last write of `request` queued
+    /// and the writer has not taken it yet: the event the writer would merge a delta written
+    /// now into ([`Held::push`]), without a delta being built and queued only to be merged.
+    /// False otherwise; the caller then writes the delta as usual.
+    /// Most of a fast stream's deltas arrive while the previous commit is in flight, and each
+    /// cost ~3,000 instructions to build and queue (docs/profiling.md, the thirtieth pass).
+    pub fn extend_queued_delta(&self, request: &str, run: &str, text: &str) -> bool {
+        // As a delta written by `write` would be queued (see `Item::urgency`).
+        let urgency = if self.hub.is_streamed(request) {
+            Urgency::Now
+        } else {
+            Urgency::Held
+        };
+        let wake = {
+            let mut state = self.queue.state();
+            let timed = state.timed;
+            if state.finished {
+                return false;
+            }
+            let Some((last, queued)) = state.queued_delta(request) else {
+                return false;
+            };
+            if lone_delta(last).is_none_or(|(of, _)| of != run) {
+                return false;
+            }
+            let Some(joined) = delta_to_extend(last, run, text.len()) else {
+                return false;
+            };
+            joined.push_str(text);
+            *queued = (*queued).max(urgency);
+            urgency > Urgency::Held || !timed
+        };
+        if wake {
+            self.queue.wake.notify_one();
+        }
+        true
     }
 
     /// Clears the lost-write state of `request`, behind everything queued so far: a run this
@@ -801,15 +893,11 @@ impl Held {
             self.groups.push(group);
             return;
         };
-        if let Some(previous) = self
+        if let Some(joined) = self
             .last_delta
             .get(request)
             .and_then(|&i| self.groups.get_mut(i))
-            && let Some(WriteOp::AppendEvent(event)) = previous.ops.first_mut()
-            && event.run_id == run
-            && let Some(Value::String(joined)) =
-                crate::json::at_mut(&mut event.data, &["event", "text"])
-            && joined.len().saturating_add(text.len()) <= MAX_MERGED_DELTA
+            .and_then(|previous| delta_to_extend(previous, run, text.len()))
         {
             joined.push_str(text);
             return;
@@ -836,6 +924,23 @@ impl Held {
     fn take(&mut self) -> Vec<Group> {
         self.last_delta.clear();
         std::mem::take(&mut self.groups)
+    }
+}
+
+/// The text of `group`'s output delta, when `group` is one of `run` with room left for `more`
+/// bytes: what a later delta of the run is appended to.
+fn delta_to_extend<'g>(group: &'g mut Group, run: &str, more: usize) -> Option<&'g mut String> {
+    let Some(WriteOp::AppendEvent(event)) = group.ops.first_mut() else {
+        return None;
+    };
+    if event.run_id != run {
+        return None;
+    }
+    match crate::json::at_mut(&mut event.data, &["event", "text"]) {
+        Some(Value::String(joined)) if joined.len().saturating_add(more) <= MAX_MERGED_DELTA => {
+            Some(joined)
+        }
+        _ => None,
     }
 }
 
@@ -1263,6 +1368,109 @@ mod tests {
                 delta(4, " again"),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_delta_joins_its_runs_delta_while_that_waits_in_the_queue() {
+        // A hold far longer than the test: held writes wait in the queue until the flush.
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        for request in ["req_a", "req_b"] {
+            journal
+                .commit(Some(request), request_ops(request))
+                .await
+                .unwrap();
+        }
+        // Nothing queued: nothing to join.
+        assert!(!journal.extend_queued_delta("req_a", "run", "lost"));
+        journal
+            .write(Some("req_a"), delta("req_a", "run", "The "))
+            .await
+            .unwrap();
+        // Another request's writes queued behind it do not end its stretch.
+        journal
+            .write(Some("req_b"), delta("req_b", "run", "Other "))
+            .await
+            .unwrap();
+        journal
+            .write(Some("req_b"), event("req_b", "between"))
+            .await
+            .unwrap();
+        // Another run's text, or another request's, is not joined to it.
+        assert!(!journal.extend_queued_delta("req_a", "run_2", "x"));
+        assert!(!journal.extend_queued_delta("req_b", "run", "x"));
+        assert!(!journal.extend_queued_delta("req_c", "run", "x"));
+        assert!(journal.extend_queued_delta("req_a", "run", "quick "));
+        assert!(journal.extend_queued_delta("req_a", "run", "fox"));
+        // Nor past the bound of a merged delta.
+        assert!(!journal.extend_queued_delta("req_a", "run", &"x".repeat(MAX_MERGED_DELTA)));
+        journal
+            .write(Some("req_a"), event("req_a", "between"))
+            .await
+            .unwrap();
+        // Behind another write of the request, a delta is no longer the last queued.
+        assert!(!journal.extend_queued_delta("req_a", "run", " jumps"));
+        journal.flush().await.unwrap();
+        assert_eq!(stored_deltas(&store, "req_a").await, ["The quick fox"]);
+        assert_eq!(
+            stored_types(&store, "req_a").await,
+            [ADAPTER_EVENT, "between"]
+        );
+        assert_eq!(stored_deltas(&store, "req_b").await, ["Other "]);
+        // Once the writer took a delta, nothing is joined to it.
+        journal
+            .write(Some("req_b"), delta("req_b", "run", "last"))
+            .await
+            .unwrap();
+        journal.flush().await.unwrap();
+        assert!(!journal.extend_queued_delta("req_b", "run", " late"));
+        assert_eq!(stored_deltas(&store, "req_b").await, ["Other ", "last"]);
+    }
+
+    #[test]
+    fn a_delta_the_writer_took_is_not_found_in_the_queue() {
+        let mut state = QueueState::default();
+        for request in ["req_a", "req_b"] {
+            let group = Group {
+                request: Some(request.into()),
+                ops: vec![delta(request, "run", "text")],
+                settles: false,
+                asked: Asked::Held,
+                ack: None,
+            };
+            state.queue(Item::Group(group), Urgency::Held);
+        }
+        assert!(state.queued_delta("req_a").is_some());
+        // The writer takes the first item, and only it.
+        state.items.pop_front();
+        assert!(state.queued_delta("req_a").is_none());
+        let (group, _) = state
+            .queued_delta("req_b")
+            .expect("req_b's delta is queued");
+        assert_eq!(group.request.as_deref(), Some("req_b"));
+    }
+
+    #[tokio::test]
+    async fn text_joined_to_a_held_delta_of_a_request_streamed_since_commits_at_once() {
+        let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        journal
+            .write(Some("req_a"), delta("req_a", "run", "held "))
+            .await
+            .unwrap();
+        // A follower arrives: the request's writes commit at once from now on, the delta
+        // they join among them.
+        let _streamed = hub.stream("req_a");
+        let mut live = hub.subscribe("req_a");
+        assert!(journal.extend_queued_delta("req_a", "run", "now"));
+        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+            .await
+            .expect("the joined delta waited for the hold")
+            .unwrap();
+        assert_eq!(output_delta_text(&event.data), Some("held now"));
+        assert_eq!(stored_deltas(&store, "req_a").await, ["held now"]);
     }
 
     /// A run of a request that does not exist: the store refuses it (foreign key), always.

@@ -21,7 +21,7 @@ use super::events::{
     ADAPTER_EVENT, BUDGET_EXCEEDED, MEMORY_APPROVAL_REQUESTED, MEMORY_CANDIDATE_SUBMITTED,
     MEMORY_LIFECYCLE, MEMORY_PLUGIN_FAILED, MEMORY_RECALL_COMPLETED, PHASE_HANDOFF,
     PROGRESS_NARRATION, REQUEST_CANCELLED, REQUEST_COMPLETED, REQUEST_FAILED, REQUEST_STARTED,
-    TOOL_CLIENT_COMPLETED, USAGE_RECORDED,
+    TOOL_CLIENT_COMPLETED, USAGE_RECORDED, output_delta,
 };
 use super::{
     Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
@@ -338,6 +338,23 @@ impl RunEvents {
 impl EventSink for RunEvents {
     async fn emit(&self, event_type: &str, data: Value) {
         self.record(event_type, data).await;
+    }
+
+    async fn emit_delta(&self, text: &str) {
+        // While the run's previous delta waits in the journal's queue, the text joins it
+        // there: the writer would have merged the two events, and none is built. (No delta
+        // is narrated, so nothing else `record` does is skipped.)
+        let (request, run) = (&self.submitted.request_id, &self.submitted.run_id);
+        if !self.is_handed_over()
+            && self
+                .runtime
+                .inner
+                .journal
+                .extend_queued_delta(request, run, text)
+        {
+            return;
+        }
+        self.record(ADAPTER_EVENT, output_delta(text)).await;
     }
 
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError> {
