@@ -501,7 +501,7 @@ impl Journal {
     /// now into ([`Held::push`]), without a delta being built and queued only to be merged.
     /// False otherwise; the caller then writes the delta as usual.
     /// Most of a fast stream's deltas arrive while the previous commit is in flight, and each
-    /// cost ~3,000 instructions to build and queue (docs/profiling.md, the thirtieth pass).
+    /// cost ~3,000 instructions to build and queue (docs/profiling.md, the thirty-first pass).
     pub fn extend_queued_delta(&self, request: &str, run: &str, text: &str) -> bool {
         // As a delta written by `write` would be queued (see `Item::urgency`).
         let urgency = if self.hub.is_streamed(request) {
