@@ -295,9 +295,14 @@ impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
 
 /// A completion or chunk's body: `Ok(None)` when it is JSON but not an object.
 pub(super) fn parse(body: &str) -> Result<Option<ChunkView<'_>>, serde_json::Error> {
-    if let Some(view) = Scan::new(body).chunk() {
-        return Ok(Some(view));
+    match Scan::new(body).chunk() {
+        Some(view) => Ok(Some(view)),
+        None => by_serde_json(body),
     }
+}
+
+/// The reading of reference: `serde_json`'s visitors, for what [`Scan`] gives up on.
+fn by_serde_json(body: &str) -> Result<Option<ChunkView<'_>>, serde_json::Error> {
     serde_json::from_str::<Object<ChunkView<'_>>>(body).map(|view| view.0)
 }
 
@@ -792,11 +797,6 @@ mod tests {
         let calls = delta.tool_calls.0.as_ref().unwrap();
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[1], Value::String("x".into()));
-    }
-
-    /// The view as `serde_json` alone reads it.
-    fn by_serde_json(body: &str) -> Result<Option<ChunkView<'_>>, serde_json::Error> {
-        serde_json::from_str::<Object<ChunkView<'_>>>(body).map(|view| view.0)
     }
 
     /// Everything a view holds, with which of its strings are borrowed from the body.

@@ -112,6 +112,18 @@ struct Group {
     ack: Option<oneshot::Sender<Result<(), JournalError>>>,
 }
 
+impl Group {
+    /// The requests the group writes for: its own, and every request it has an event of,
+    /// whoever queued it (an approval decision carries its request's event).
+    fn requests(&self) -> impl Iterator<Item = &str> {
+        let events = self.ops.iter().filter_map(|op| match op {
+            WriteOp::AppendEvent(event) => Some(event.request_id.as_str()),
+            _ => None,
+        });
+        self.request.as_deref().into_iter().chain(events)
+    }
+}
+
 enum Item {
     Group(Group),
     /// Resolved once everything queued before it is committed (or refused).
@@ -229,13 +241,8 @@ impl QueueState {
             self.last_delta.insert(request.clone(), self.pushed);
             return;
         }
-        if let Some(request) = &group.request {
+        for request in group.requests() {
             self.last_delta.remove(request);
-        }
-        for op in &group.ops {
-            if let WriteOp::AppendEvent(event) = op {
-                self.last_delta.remove(&event.request_id);
-            }
         }
     }
 
@@ -515,12 +522,11 @@ impl Journal {
             if state.finished {
                 return false;
             }
+            // The queue notes only lone deltas, and a join keeps one lone: the run and the
+            // room left are all there is to check.
             let Some((last, queued)) = state.queued_delta(request) else {
                 return false;
             };
-            if lone_delta(last).is_none_or(|(of, _)| of != run) {
-                return false;
-            }
             let Some(joined) = delta_to_extend(last, run, text.len()) else {
                 return false;
             };
@@ -907,16 +913,10 @@ impl Held {
         self.groups.push(group);
     }
 
-    /// Any other group ends the stretch of deltas of its request and of every request it
-    /// has an event of, whoever queued it (an approval decision carries its request's event).
+    /// Any other group ends the stretch of deltas of every request it writes for.
     fn end_delta_stretches(&mut self, group: &Group) {
-        if let Some(request) = &group.request {
+        for request in group.requests() {
             self.last_delta.remove(request);
-        }
-        for op in &group.ops {
-            if let WriteOp::AppendEvent(event) = op {
-                self.last_delta.remove(&event.request_id);
-            }
         }
     }
 
