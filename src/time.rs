@@ -4,17 +4,32 @@
 //! nineteenth pass). Times in the usual range (years 0 to 9999, no leap second) go through a
 //! fixed layout here; any other through chrono, which gives the same text.
 
-use chrono::{DateTime, Datelike, SecondsFormat, Timelike, Utc};
+use std::cell::RefCell;
+
+use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 use serde::Serializer;
 
 /// The longest text of the fixed layout: `2026-11-27T16:04:41.123456789Z`.
 const LONGEST: usize = "2026-11-27T16:04:41.123456789Z".len();
 
+/// The layout up to its seconds: `2026-11-27T16:04:41`.
+const TO_SECONDS: usize = "2026-11-27T16:04:41".len();
+
+thread_local! {
+    /// The second this thread wrote last, as its date and its second of the day, and its text
+    /// up to the seconds. A request's times fall in a few seconds, so most times written
+    /// only add their fraction to a text already made (docs/profiling.md, the thirty-second
+    /// pass).
+    static LAST_SECOND: RefCell<(NaiveDate, u32, String)> =
+        const { RefCell::new((NaiveDate::MIN, u32::MAX, String::new())) };
+}
+
 /// `value` as `value.to_rfc3339_opts(seconds, true)` writes it.
 pub fn rfc3339(value: &DateTime<Utc>, seconds: SecondsFormat) -> String {
-    let (date, time) = (value.date_naive(), value.time());
+    let naive = value.naive_utc();
+    let (date, time) = (naive.date(), naive.time());
     let (year, nanos) = (date.year(), time.nanosecond());
-    let fraction_digits = match seconds {
+    let fraction_digits: usize = match seconds {
         SecondsFormat::Secs => 0,
         SecondsFormat::Millis => 3,
         SecondsFormat::Micros => 6,
@@ -30,38 +45,49 @@ pub fn rfc3339(value: &DateTime<Utc>, seconds: SecondsFormat) -> String {
     if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
         return value.to_rfc3339_opts(seconds, true);
     }
-    let mut text = [0u8; LONGEST];
-    let mut put = |at: usize, digits: usize, mut number: u32| {
-        for slot in text[at..at + digits].iter_mut().rev() {
-            *slot = b'0' + (number % 10) as u8;
-            number /= 10;
+    let mut text = String::with_capacity(LONGEST);
+    let second = time.num_seconds_from_midnight();
+    LAST_SECOND.with_borrow_mut(|(last_date, last_second, prefix)| {
+        if (*last_date, *last_second) != (date, second) {
+            let mut digits = [0u8; TO_SECONDS];
+            // `year` is within 0..=9999, checked above.
+            put_digits(&mut digits[0..4], year.unsigned_abs());
+            put_digits(&mut digits[5..7], date.month());
+            put_digits(&mut digits[8..10], date.day());
+            put_digits(&mut digits[11..13], time.hour());
+            put_digits(&mut digits[14..16], time.minute());
+            put_digits(&mut digits[17..19], time.second());
+            for (at, separator) in [(4, b'-'), (7, b'-'), (10, b'T'), (13, b':'), (16, b':')] {
+                digits[at] = separator;
+            }
+            prefix.clear();
+            // Every byte written is ASCII, so the check passes.
+            prefix.push_str(std::str::from_utf8(&digits).unwrap_or_default());
+            (*last_date, *last_second) = (date, second);
         }
-    };
-    // `year` is within 0..=9999, checked above.
-    put(0, 4, year.unsigned_abs());
-    put(5, 2, date.month());
-    put(8, 2, date.day());
-    put(11, 2, time.hour());
-    put(14, 2, time.minute());
-    put(17, 2, time.second());
-    let mut end = 19;
+        text.push_str(prefix);
+    });
+    if text.len() != TO_SECONDS {
+        return value.to_rfc3339_opts(seconds, true);
+    }
     if fraction_digits > 0 {
+        let mut digits = [0u8; 9];
+        let digits = &mut digits[..fraction_digits];
         // `fraction_digits` is 3, 6 or 9: the exponent is 6, 3 or 0.
-        put(
-            20,
-            fraction_digits,
-            nanos / 10u32.pow(9 - fraction_digits as u32),
-        );
-        end = 20 + fraction_digits;
+        put_digits(digits, nanos / 10u32.pow(9 - fraction_digits as u32));
+        text.push('.');
+        text.extend(digits.iter().map(|&digit| char::from(digit)));
     }
-    for (at, separator) in [(4, b'-'), (7, b'-'), (10, b'T'), (13, b':'), (16, b':')] {
-        text[at] = separator;
+    text.push('Z');
+    text
+}
+
+/// Writes `number`'s last `slots.len()` decimal digits into `slots`, as ASCII.
+fn put_digits(slots: &mut [u8], mut number: u32) {
+    for slot in slots.iter_mut().rev() {
+        *slot = b'0' + (number % 10) as u8;
+        number /= 10;
     }
-    text[19] = b'.';
-    text[end] = b'Z';
-    // Every byte written is ASCII, so the check passes (and is a few instructions).
-    String::from_utf8(text[..=end].to_vec())
-        .unwrap_or_else(|_| value.to_rfc3339_opts(seconds, true))
 }
 
 /// Serializes a time as chrono's `Serialize` does (RFC 3339, sub-seconds as needed, `Z`), for
@@ -138,6 +164,48 @@ mod tests {
             }
         }
         assert!(checked > 1_000, "{checked}");
+    }
+
+    #[test]
+    fn a_second_written_before_is_not_taken_for_another() {
+        // The same second of the day on two dates, the next second, and back: each time
+        // written after another's must be its own.
+        let at = |year, day, second, nanos| {
+            NaiveDate::from_ymd_opt(year, 1, day)
+                .and_then(|date| date.and_hms_nano_opt(12, 0, second, nanos))
+                .expect("a valid time")
+                .and_utc()
+        };
+        let times = [
+            at(2026, 1, 5, 1_000),
+            at(2026, 2, 5, 1_000),
+            at(2026, 2, 6, 999_999_999),
+            at(2026, 2, 6, 0),
+            at(2025, 2, 6, 5),
+            at(2026, 1, 5, 123_456_789),
+        ];
+        for _ in 0..2 {
+            for value in times {
+                for format in [
+                    SecondsFormat::Micros,
+                    SecondsFormat::AutoSi,
+                    SecondsFormat::Secs,
+                ] {
+                    assert_eq!(rfc3339(&value, format), value.to_rfc3339_opts(format, true));
+                }
+            }
+        }
+        // Another thread keeps its own.
+        std::thread::spawn(move || {
+            for value in times.iter().rev() {
+                assert_eq!(
+                    rfc3339(value, SecondsFormat::Micros),
+                    value.to_rfc3339_opts(SecondsFormat::Micros, true)
+                );
+            }
+        })
+        .join()
+        .expect("the thread's times match");
     }
 
     #[test]
