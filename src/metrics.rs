@@ -158,27 +158,33 @@ thread_local! {
 /// models, keys, tools); past this many, handles are looked up each time, as without keeping.
 const KEPT_HANDLES: usize = 1024;
 
-/// The handle of the metric `name` with these label values. Looking one up in the registry
-/// allocates its labels, hashes them and takes a lock (~2,500 instructions, a few times per
-/// request: docs/profiling.md, the nineteenth pass), so each thread looks a handle up once
-/// and keeps it, found again without allocating. Kept only once the recorder is installed:
-/// before, the registry hands out handles that record nothing.
-fn kept<H: Clone>(
+/// Updates the handle of the metric `name` with these label values. Looking one up in the
+/// registry allocates its labels, hashes them and takes a lock (~2,500 instructions, a few
+/// times per request: docs/profiling.md, the nineteenth pass), so each thread looks a handle
+/// up once and keeps it, found again without allocating. Kept only once the recorder is
+/// installed: before, the registry hands out handles that record nothing.
+fn kept<H>(
     kind: &'static LocalKey<Kept<H>>,
     name: &'static str,
     values: &[&str],
     register: impl FnOnce() -> H,
-) -> H {
+    update: impl FnOnce(&H),
+) {
     if !matches!(HANDLE.get(), Some(Some(_))) {
-        return register();
+        return update(&register());
     }
     kind.with(|kept| {
         let mut kept = kept.borrow_mut();
-        // `str`'s hash ends each value with a marker: no two lists of values hash as one
-        // list does by construction, and the comparison below settles a true collision.
-        let hash = kept.hasher().hash_one((name, values));
+        // The name is hashed by where it is: every name is a constant, so its address is
+        // all but always one (and were it two, the handle would be kept twice). Its text
+        // is compared below. `str`'s hash ends each value with a marker: no two lists of
+        // values hash as one list does by construction, and the comparison below settles
+        // a true collision.
+        let hash = kept
+            .hasher()
+            .hash_one((name.as_ptr() as usize, name.len(), values));
         if let Some(found) = kept.get(&hash) {
-            if found.name == name
+            if (std::ptr::eq(found.name, name) || found.name == name)
                 && found.values.len() == values.len()
                 && found
                     .values
@@ -186,12 +192,15 @@ fn kept<H: Clone>(
                     .zip(values)
                     .all(|(kept, value)| **kept == **value)
             {
-                return found.handle.clone();
+                // Used where it is kept: cloning a handle and dropping it are two atomic
+                // operations more per use.
+                return update(&found.handle);
             }
             // Another metric's hash: looked up each time.
-            return register();
+            return update(&register());
         }
         let handle = register();
+        update(&handle);
         if kept.len() < KEPT_HANDLES {
             let values = values.iter().map(|value| Box::from(*value)).collect();
             kept.insert(
@@ -199,11 +208,10 @@ fn kept<H: Clone>(
                 KeptHandle {
                     name,
                     values,
-                    handle: handle.clone(),
+                    handle,
                 },
             );
         }
-        handle
     })
 }
 
@@ -211,8 +219,20 @@ fn kept<H: Clone>(
 pub fn journal_committed(ops: usize, took: Duration) {
     const OPS: &str = "stable_harness_journal_batch_ops";
     const TOOK: &str = "stable_harness_journal_commit_duration_seconds";
-    kept(&HISTOGRAMS, OPS, &[], || histogram!(OPS)).record(ops as f64);
-    kept(&HISTOGRAMS, TOOK, &[], || histogram!(TOOK)).record(took.as_secs_f64());
+    kept(
+        &HISTOGRAMS,
+        OPS,
+        &[],
+        || histogram!(OPS),
+        |handle| handle.record(ops as f64),
+    );
+    kept(
+        &HISTOGRAMS,
+        TOOK,
+        &[],
+        || histogram!(TOOK),
+        |handle| handle.record(took.as_secs_f64()),
+    );
 }
 
 /// The store failed a write: `transient` ones are retried.
@@ -236,8 +256,8 @@ pub fn event_committed(event: &EventRecord) {
                     NAME,
                     &[model],
                     || histogram!(NAME, "model" => model.to_owned()),
-                )
-                .record(ms / 1000.0);
+                    |handle| handle.record(ms / 1000.0),
+                );
             }
             for (field, kind) in [
                 ("prompt_tokens", "prompt"),
@@ -254,8 +274,8 @@ pub fn event_committed(event: &EventRecord) {
                         NAME,
                         &[model, kind],
                         || counter!(NAME, "model" => model.to_owned(), "kind" => kind),
-                    )
-                    .increment(tokens);
+                        |handle| handle.increment(tokens),
+                    );
                 }
             }
         }
@@ -267,18 +287,24 @@ pub fn event_committed(event: &EventRecord) {
             ] {
                 if let Some(tokens) = data.get(field).and_then(Value::as_u64) {
                     const NAME: &str = "stable_harness_usage_tokens_total";
-                    kept(&COUNTERS, NAME, &[key, agent, model, kind], || {
-                        counter!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned(), "kind" => kind)
-                    })
-                    .increment(tokens);
+                    kept(
+                        &COUNTERS,
+                        NAME,
+                        &[key, agent, model, kind],
+                        || counter!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned(), "kind" => kind),
+                        |handle| handle.increment(tokens),
+                    );
                 }
             }
             if let Some(cost) = data.get("cost").and_then(Value::as_f64) {
                 const NAME: &str = "stable_harness_usage_cost_total";
-                kept(&GAUGES, NAME, &[key, agent, model], || {
-                    gauge!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned())
-                })
-                .increment(cost);
+                kept(
+                    &GAUGES,
+                    NAME,
+                    &[key, agent, model],
+                    || gauge!(NAME, "key" => key.to_owned(), "agent" => agent.to_owned(), "model" => model.to_owned()),
+                    |handle| handle.increment(cost),
+                );
             }
         }
         events::TOOL_DIRECT_COMPLETED => tool_call(text("toolId"), "allow"),
@@ -305,8 +331,8 @@ pub fn event_committed(event: &EventRecord) {
                 NAME,
                 &[agent, status],
                 || counter!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
-            )
-            .increment(1);
+                |handle| handle.increment(1),
+            );
         }
         _ => {}
     }
@@ -320,8 +346,8 @@ fn event_appended(kind: &str) {
         NAME,
         &[kind],
         || counter!(NAME, "type" => kind.to_owned()),
-    )
-    .increment(1);
+        |handle| handle.increment(1),
+    );
 }
 
 fn tool_call(tool: &str, decision: &'static str) {
@@ -331,8 +357,8 @@ fn tool_call(tool: &str, decision: &'static str) {
         NAME,
         &[tool, decision],
         || counter!(NAME, "tool" => tool.to_owned(), "decision" => decision),
-    )
-    .increment(1);
+        |handle| handle.increment(1),
+    );
 }
 
 /// A run ended with `status` after `took`.
@@ -343,8 +369,8 @@ pub fn run_ended(agent: &str, status: &str, took: Duration) {
         NAME,
         &[agent, status],
         || histogram!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
-    )
-    .record(took.as_secs_f64());
+        |handle| handle.record(took.as_secs_f64()),
+    );
 }
 
 /// The approvals pending, as the store counts them now.
@@ -393,6 +419,34 @@ mod tests {
             let line = format!(
                 "stable_harness_run_duration_seconds_count{{agent=\"{agent}\",status=\"{status}\"}} {times}"
             );
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_name_at_another_address_counts_under_its_text() {
+        super::install();
+        // Kept handles are found by the name's address first: the same text elsewhere must
+        // still count into the same metric, and a name that only shares a prefix must not.
+        const NAME: &str = "stable_harness_kept_elsewhere_total";
+        let elsewhere: &'static str = Box::leak(NAME.to_owned().into_boxed_str());
+        let prefix: &'static str = &NAME[..NAME.len() - "_total".len()];
+        for (name, times) in [(NAME, 2), (elsewhere, 3), (NAME, 1), (prefix, 4)] {
+            for _ in 0..times {
+                super::kept(
+                    &super::COUNTERS,
+                    name,
+                    &["x"],
+                    || metrics::counter!(name, "value" => "x"),
+                    |counter| counter.increment(1),
+                );
+            }
+        }
+        let text = super::render();
+        for line in [
+            "stable_harness_kept_elsewhere_total{value=\"x\"} 6",
+            "stable_harness_kept_elsewhere{value=\"x\"} 4",
+        ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
     }
