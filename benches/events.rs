@@ -56,10 +56,10 @@ async fn run() {
             for index in 0..EVENTS_PER_WRITER {
                 let op = WriteOp::AppendEvent(EventRecord {
                     id: stable_harness::runtime::new_id("evt"),
-                    request_id: request.clone(),
-                    run_id: format!("{request}_run"),
-                    session_id: String::new(),
-                    agent_id: String::new(),
+                    request_id: request.as_str().into(),
+                    run_id: format!("{request}_run").into(),
+                    session_id: "".into(),
+                    agent_id: "".into(),
                     seq: 0,
                     event_type: "runtime.model.call.completed".into(),
                     at: Utc::now(),

@@ -280,7 +280,7 @@ pub fn event_committed(event: &EventRecord) {
             }
         }
         events::USAGE_RECORDED => {
-            let (key, model, agent) = (text("key"), text("model"), event.agent_id.as_str());
+            let (key, model, agent) = (text("key"), text("model"), &*event.agent_id);
             for (field, kind) in [
                 ("promptTokens", "prompt"),
                 ("completionTokens", "completion"),
@@ -325,7 +325,7 @@ pub fn event_committed(event: &EventRecord) {
         events::REQUEST_COMPLETED | events::REQUEST_FAILED | events::REQUEST_CANCELLED => {
             const NAME: &str = "stable_harness_requests_total";
             let status = event.event_type.rsplit('.').next().unwrap_or("");
-            let agent = event.agent_id.as_str();
+            let agent = &*event.agent_id;
             kept(
                 &COUNTERS,
                 NAME,

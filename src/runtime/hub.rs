@@ -126,8 +126,8 @@ impl EventHub {
             .iter()
             .filter(|event| super::events::is_terminal(&event.event_type))
             .filter_map(|event| {
-                let sender = views.remove(&event.request_id)?;
-                Some((event.request_id.clone(), sender))
+                let sender = views.remove(&*event.request_id)?;
+                Some((event.request_id.to_string(), sender))
             })
             .collect()
     }
@@ -151,14 +151,14 @@ impl EventHub {
         {
             let mut channels = locked(&self.channels);
             for event in events {
-                let sender = match channels.get(&event.request_id) {
+                let sender = match channels.get(&*event.request_id) {
                     None => continue,
                     // Nothing more comes, or nobody listens any more: the channel goes.
                     Some(sender)
                         if super::events::is_terminal(&event.event_type)
                             || sender.receiver_count() == 0 =>
                     {
-                        channels.remove(&event.request_id)
+                        channels.remove(&*event.request_id)
                     }
                     Some(sender) => Some(sender.clone()),
                 };
@@ -220,10 +220,10 @@ mod tests {
     fn event(request_id: &str, seq: i64, event_type: &str) -> Arc<EventRecord> {
         Arc::new(EventRecord {
             id: format!("evt_{request_id}_{seq}"),
-            request_id: request_id.to_owned(),
-            run_id: "run".to_owned(),
-            session_id: "ses".to_owned(),
-            agent_id: "agent".to_owned(),
+            request_id: request_id.into(),
+            run_id: "run".into(),
+            session_id: "ses".into(),
+            agent_id: "agent".into(),
             seq,
             event_type: event_type.to_owned(),
             at: chrono::Utc::now(),

@@ -117,7 +117,7 @@ impl Group {
     /// whoever queued it (an approval decision carries its request's event).
     fn requests(&self) -> impl Iterator<Item = &str> {
         let events = self.ops.iter().filter_map(|op| match op {
-            WriteOp::AppendEvent(event) => Some(event.request_id.as_str()),
+            WriteOp::AppendEvent(event) => Some(&*event.request_id),
             _ => None,
         });
         self.request.as_deref().into_iter().chain(events)
@@ -827,7 +827,7 @@ impl Writer {
             .collect();
         let mut now = Vec::with_capacity(published.len());
         for event in published {
-            match held.get_mut(&event.request_id) {
+            match held.get_mut(&*event.request_id) {
                 Some(events) => events.push(Arc::clone(event)),
                 None => now.push(Arc::clone(event)),
             }
@@ -933,7 +933,7 @@ fn delta_to_extend<'g>(group: &'g mut Group, run: &str, more: usize) -> Option<&
     let Some(WriteOp::AppendEvent(event)) = group.ops.first_mut() else {
         return None;
     };
-    if event.run_id != run {
+    if *event.run_id != *run {
         return None;
     }
     match crate::json::at_mut(&mut event.data, &["event", "text"]) {
@@ -952,7 +952,7 @@ fn lone_delta(group: &Group) -> Option<(&str, &str)> {
     if group.ack.is_some() || group.settles || event.event_type != ADAPTER_EVENT {
         return None;
     }
-    Some((event.run_id.as_str(), output_delta_text(&event.data)?))
+    Some((&*event.run_id, output_delta_text(&event.data)?))
 }
 
 /// Removes secrets from every value a write stores.
@@ -1306,7 +1306,7 @@ mod tests {
             id: crate::runtime::new_id("evt"),
             request_id: request.into(),
             run_id: "run".into(),
-            session_id: format!("ses_{request}"),
+            session_id: format!("ses_{request}").into(),
             agent_id: "a".into(),
             seq: 0,
             event_type: event_type.into(),

@@ -641,10 +641,10 @@ impl Runtime {
             let event = |event_type: &str, data: Value| {
                 WriteOp::AppendEvent(EventRecord {
                     id: new_id("evt"),
-                    request_id: request_id.clone(),
-                    run_id: run_id.clone(),
-                    session_id: session_id.clone(),
-                    agent_id: agent_id.clone(),
+                    request_id: request_id.as_str().into(),
+                    run_id: run_id.as_str().into(),
+                    session_id: session_id.as_str().into(),
+                    agent_id: agent_id.as_str().into(),
                     seq: 0,
                     event_type: event_type.to_owned(),
                     at: now,
@@ -1013,10 +1013,10 @@ impl Runtime {
     ) -> Result<ApprovalRecord, RuntimeError> {
         let event = EventRecord {
             id: new_id("evt"),
-            request_id: approval.request_id.clone(),
-            run_id: approval.run_id.clone(),
-            session_id: approval.session_id.clone(),
-            agent_id: approval.agent_id.clone(),
+            request_id: approval.request_id.as_str().into(),
+            run_id: approval.run_id.as_str().into(),
+            session_id: approval.session_id.as_str().into(),
+            agent_id: approval.agent_id.as_str().into(),
             seq: 0,
             event_type: events::APPROVAL_RESOLVED.to_owned(),
             at: decision.at,

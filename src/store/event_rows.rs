@@ -20,7 +20,7 @@ pub(super) const EVENTS_PER_ROW: usize = 16;
 /// [`EVENTS_PER_ROW`] of them, which is what the readers ([`EventRows`]) rely on. Each
 /// store's writer adds its own bound on the row's bytes.
 pub(super) fn may_join(request: &str, run: &str, held: usize, event: &EventRecord) -> bool {
-    event.request_id == request && event.run_id == run && held < EVENTS_PER_ROW
+    *event.request_id == *request && *event.run_id == *run && held < EVENTS_PER_ROW
 }
 
 /// An event after the first of its row, as `events.more` holds it: `S` is its id's and

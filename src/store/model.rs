@@ -1,5 +1,7 @@
 //! What the store keeps: records and the status vocabulary of SPEC section 4.
 
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -154,10 +156,16 @@ pub enum StoreChange {
 #[serde(rename_all = "camelCase")]
 pub struct EventRecord {
     pub id: String,
-    pub request_id: String,
-    pub run_id: String,
-    pub session_id: String,
-    pub agent_id: String,
+    // The ids an event shares with its request's other events: shared, not copied per
+    // event (docs/profiling.md, the thirty-second pass).
+    #[schema(value_type = String)]
+    pub request_id: Arc<str>,
+    #[schema(value_type = String)]
+    pub run_id: Arc<str>,
+    #[schema(value_type = String)]
+    pub session_id: Arc<str>,
+    #[schema(value_type = String)]
+    pub agent_id: Arc<str>,
     pub seq: i64,
     #[serde(rename = "type")]
     pub event_type: String,

@@ -1624,14 +1624,7 @@ mod tests {
         let events = store.events("req_1", 0, 10).await.expect("its events");
         let found: Vec<(i64, &str, &str, Value)> = events
             .iter()
-            .map(|e| {
-                (
-                    e.seq,
-                    e.id.as_str(),
-                    e.session_id.as_str(),
-                    e.data["n"].clone(),
-                )
-            })
+            .map(|e| (e.seq, e.id.as_str(), &*e.session_id, e.data["n"].clone()))
             .collect();
         assert_eq!(
             found,

@@ -886,7 +886,7 @@ fn write_ops<'o>(
                 ])?;
             }
             WriteOp::AppendEvent(event) => {
-                let seq = match next_seq.get_mut(event.request_id.as_str()) {
+                let seq = match next_seq.get_mut(&*event.request_id) {
                     Some(seq) => seq,
                     None => {
                         let last: i64 = match last_seqs.get(&event.request_id) {

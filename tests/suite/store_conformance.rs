@@ -144,8 +144,8 @@ fn event(request: &str, run: &str, seq: i64) -> WriteOp {
         id: stable_harness::runtime::new_id("evt"),
         request_id: request.into(),
         run_id: run.into(),
-        session_id: String::new(),
-        agent_id: String::new(),
+        session_id: "".into(),
+        agent_id: "".into(),
         seq,
         event_type: "runtime.adapter.event".into(),
         at: Utc::now(),
@@ -201,8 +201,8 @@ async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
     assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
     assert_eq!(store.last_seq("req_a").await.unwrap(), 200);
     // Events carry their request's session and agent, and are read by run too.
-    assert_eq!(events[0].session_id, "ses_a");
-    assert_eq!(events[0].agent_id, "assistant");
+    assert_eq!(&*events[0].session_id, "ses_a");
+    assert_eq!(&*events[0].agent_id, "assistant");
     assert_eq!(store.run_events("run_a", 190, 100).await.unwrap().len(), 10);
 
     // Writers with no journal in common (two instances: a run's holder and an operator's
@@ -281,9 +281,10 @@ async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dy
         assert_eq!(found, wanted, "request {request}");
         let seqs: Vec<i64> = stored.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, (1..=wanted.len() as i64).collect::<Vec<_>>());
-        assert!(stored.iter().all(
-            |e| e.run_id == format!("run_{request}") && e.event_type == "runtime.adapter.event"
-        ));
+        assert!(
+            stored.iter().all(|e| *e.run_id == format!("run_{request}")
+                && e.event_type == "runtime.adapter.event")
+        );
     }
 }
 
@@ -321,7 +322,13 @@ async fn every_cursor_and_limit_reads_the_events_after_it(store: Arc<dyn Store>)
     let read = |events: Vec<EventRecord>| -> Vec<(i64, String, i64)> {
         events
             .into_iter()
-            .map(|e| (e.seq, e.run_id, e.data["n"].as_i64().unwrap_or(-1)))
+            .map(|e| {
+                (
+                    e.seq,
+                    e.run_id.to_string(),
+                    e.data["n"].as_i64().unwrap_or(-1),
+                )
+            })
             .collect()
     };
     // The n-th appended event is number n.
