@@ -61,15 +61,11 @@ pub fn rfc3339(value: &DateTime<Utc>, seconds: SecondsFormat) -> String {
                 digits[at] = separator;
             }
             prefix.clear();
-            // Every byte written is ASCII, so the check passes.
-            prefix.push_str(std::str::from_utf8(&digits).unwrap_or_default());
+            prefix.extend(digits.iter().map(|&digit| char::from(digit)));
             (*last_date, *last_second) = (date, second);
         }
         text.push_str(prefix);
     });
-    if text.len() != TO_SECONDS {
-        return value.to_rfc3339_opts(seconds, true);
-    }
     if fraction_digits > 0 {
         let mut digits = [0u8; 9];
         let digits = &mut digits[..fraction_digits];

@@ -116,7 +116,7 @@ impl EventHub {
     pub fn views_awaited(
         &self,
         events: &[Arc<EventRecord>],
-    ) -> Vec<(String, oneshot::Sender<RequestInFull>)> {
+    ) -> Vec<(Arc<str>, oneshot::Sender<RequestInFull>)> {
         let mut views = locked(&self.views);
         if views.is_empty() {
             return Vec::new();
@@ -127,7 +127,7 @@ impl EventHub {
             .filter(|event| super::events::is_terminal(&event.event_type))
             .filter_map(|event| {
                 let sender = views.remove(&*event.request_id)?;
-                Some((event.request_id.to_string(), sender))
+                Some((Arc::clone(&event.request_id), sender))
             })
             .collect()
     }
@@ -275,7 +275,7 @@ mod tests {
         let awaited: Vec<String> = hub
             .views_awaited(&ended)
             .into_iter()
-            .map(|(request, _)| request)
+            .map(|(request, _)| request.to_string())
             .collect();
         // b's waiter was gone before its end: forgotten, not read; c has not ended.
         assert_eq!(awaited, ["req_a"]);

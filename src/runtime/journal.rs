@@ -821,9 +821,9 @@ impl Writer {
             self.hub.publish(published);
             return;
         }
-        let mut held: IdMap<String, Vec<Arc<EventRecord>>> = awaited
+        let mut held: IdMap<Arc<str>, Vec<Arc<EventRecord>>> = awaited
             .iter()
-            .map(|(request, _)| (request.clone(), Vec::new()))
+            .map(|(request, _)| (Arc::clone(request), Vec::new()))
             .collect();
         let mut now = Vec::with_capacity(published.len());
         for event in published {
@@ -837,7 +837,7 @@ impl Writer {
             if let Ok(Some(view)) = self.store.request_in_full(&request).await {
                 let _ = sender.send(view);
             }
-            if let Some(events) = held.remove(&request) {
+            if let Some(events) = held.remove(&*request) {
                 self.hub.publish(&events);
             }
         }
