@@ -4,7 +4,9 @@
 //! nineteenth pass). Times in the usual range (years 0 to 9999, no leap second) go through a
 //! fixed layout here; any other through chrono, which gives the same text.
 
-use std::cell::RefCell;
+use std::cell::Cell;
+use std::fmt;
+use std::ops::Deref;
 
 use chrono::{DateTime, Datelike, NaiveDate, SecondsFormat, Timelike, Utc};
 use serde::Serializer;
@@ -20,15 +22,112 @@ thread_local! {
     /// up to the seconds. A request's times fall in a few seconds, so most times written
     /// only add their fraction to a text already made (docs/profiling.md, the thirty-second
     /// pass).
-    static LAST_SECOND: RefCell<(NaiveDate, u32, String)> =
-        const { RefCell::new((NaiveDate::MIN, u32::MAX, String::new())) };
+    static LAST_SECOND: Cell<(NaiveDate, u32, [u8; TO_SECONDS])> =
+        const { Cell::new((NaiveDate::MIN, u32::MAX, [0; TO_SECONDS])) };
+}
+
+/// A time's RFC 3339 text, held in place: making one allocates nothing, and a store binds it
+/// or a serializer writes it as it is (docs/profiling.md, the thirty-third pass). A time
+/// outside the fixed layout (a year outside 0-9999, a leap second) holds chrono's text.
+#[derive(Clone)]
+pub struct TimeText(Text);
+
+#[derive(Clone)]
+enum Text {
+    /// ASCII digits and separators, `len` of them.
+    Fixed {
+        bytes: [u8; LONGEST],
+        len: u8,
+    },
+    Chrono(String),
+}
+
+impl TimeText {
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            // Only ASCII digits and separators are ever written into `bytes`, so this never
+            // falls back to the empty text.
+            Text::Fixed { bytes, len } => {
+                std::str::from_utf8(bytes.get(..usize::from(*len)).unwrap_or_default())
+                    .unwrap_or_default()
+            }
+            Text::Chrono(text) => text,
+        }
+    }
+
+    /// The text's bytes, without looking at them again (a store binds them as text).
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Text::Fixed { bytes, len } => bytes.get(..usize::from(*len)).unwrap_or_default(),
+            Text::Chrono(text) => text.as_bytes(),
+        }
+    }
+}
+
+impl Deref for TimeText {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl fmt::Display for TimeText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for TimeText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl serde::Serialize for TimeText {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl From<TimeText> for String {
+    fn from(text: TimeText) -> String {
+        match text.0 {
+            Text::Chrono(text) => text,
+            Text::Fixed { .. } => text.as_str().to_owned(),
+        }
+    }
+}
+
+impl PartialEq<str> for TimeText {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for TimeText {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl PartialEq<String> for TimeText {
+    fn eq(&self, other: &String) -> bool {
+        self.as_str() == other
+    }
 }
 
 /// `value` as `value.to_rfc3339_opts(seconds, true)` writes it.
 pub fn rfc3339(value: &DateTime<Utc>, seconds: SecondsFormat) -> String {
+    text(value, seconds).into()
+}
+
+/// [`rfc3339`] held in place ([`TimeText`]).
+pub fn text(value: &DateTime<Utc>, seconds: SecondsFormat) -> TimeText {
     let naive = value.naive_utc();
     let (date, time) = (naive.date(), naive.time());
     let (year, nanos) = (date.year(), time.nanosecond());
+    let chrono = || TimeText(Text::Chrono(value.to_rfc3339_opts(seconds, true)));
     let fraction_digits: usize = match seconds {
         SecondsFormat::Secs => 0,
         SecondsFormat::Millis => 3,
@@ -39,43 +138,46 @@ pub fn rfc3339(value: &DateTime<Utc>, seconds: SecondsFormat) -> String {
         SecondsFormat::AutoSi if nanos % 1_000_000 == 0 => 3,
         SecondsFormat::AutoSi if nanos % 1_000 == 0 => 6,
         SecondsFormat::AutoSi => 9,
-        _ => return value.to_rfc3339_opts(seconds, true),
+        _ => return chrono(),
     };
     // chrono represents a leap second as a nanosecond count past one second.
     if !(0..=9999).contains(&year) || nanos >= 1_000_000_000 {
-        return value.to_rfc3339_opts(seconds, true);
+        return chrono();
     }
-    let mut text = String::with_capacity(LONGEST);
+    let mut bytes = [0u8; LONGEST];
     let second = time.num_seconds_from_midnight();
-    LAST_SECOND.with_borrow_mut(|(last_date, last_second, prefix)| {
-        if (*last_date, *last_second) != (date, second) {
-            let mut digits = [0u8; TO_SECONDS];
-            // `year` is within 0..=9999, checked above.
-            put_digits(&mut digits[0..4], year.unsigned_abs());
-            put_digits(&mut digits[5..7], date.month());
-            put_digits(&mut digits[8..10], date.day());
-            put_digits(&mut digits[11..13], time.hour());
-            put_digits(&mut digits[14..16], time.minute());
-            put_digits(&mut digits[17..19], time.second());
-            for (at, separator) in [(4, b'-'), (7, b'-'), (10, b'T'), (13, b':'), (16, b':')] {
-                digits[at] = separator;
-            }
-            prefix.clear();
-            prefix.extend(digits.iter().map(|&digit| char::from(digit)));
-            (*last_date, *last_second) = (date, second);
+    let (last_date, last_second, mut prefix) = LAST_SECOND.get();
+    if (last_date, last_second) != (date, second) {
+        // `year` is within 0..=9999, checked above.
+        put_digits(&mut prefix[0..4], year.unsigned_abs());
+        put_digits(&mut prefix[5..7], date.month());
+        put_digits(&mut prefix[8..10], date.day());
+        put_digits(&mut prefix[11..13], time.hour());
+        put_digits(&mut prefix[14..16], time.minute());
+        put_digits(&mut prefix[17..19], time.second());
+        for (at, separator) in [(4, b'-'), (7, b'-'), (10, b'T'), (13, b':'), (16, b':')] {
+            prefix[at] = separator;
         }
-        text.push_str(prefix);
-    });
-    if fraction_digits > 0 {
-        let mut digits = [0u8; 9];
-        let digits = &mut digits[..fraction_digits];
-        // `fraction_digits` is 3, 6 or 9: the exponent is 6, 3 or 0.
-        put_digits(digits, nanos / 10u32.pow(9 - fraction_digits as u32));
-        text.push('.');
-        text.extend(digits.iter().map(|&digit| char::from(digit)));
+        LAST_SECOND.set((date, second, prefix));
     }
-    text.push('Z');
-    text
+    bytes[..TO_SECONDS].copy_from_slice(&prefix);
+    let mut len = TO_SECONDS;
+    if fraction_digits > 0 {
+        bytes[len] = b'.';
+        // `fraction_digits` is 3, 6 or 9: the exponent is 6, 3 or 0.
+        put_digits(
+            &mut bytes[len + 1..len + 1 + fraction_digits],
+            nanos / 10u32.pow(9 - fraction_digits as u32),
+        );
+        len += 1 + fraction_digits;
+    }
+    bytes[len] = b'Z';
+    len += 1;
+    // At most `LONGEST` (30), so it fits in a `u8`.
+    TimeText(Text::Fixed {
+        bytes,
+        len: len as u8,
+    })
 }
 
 /// Writes `number`'s last `slots.len()` decimal digits into `slots`, as ASCII.
@@ -89,7 +191,7 @@ fn put_digits(slots: &mut [u8], mut number: u32) {
 /// Serializes a time as chrono's `Serialize` does (RFC 3339, sub-seconds as needed, `Z`), for
 /// `#[serde(serialize_with = "crate::time::serialize")]`.
 pub fn serialize<S: Serializer>(value: &DateTime<Utc>, serializer: S) -> Result<S::Ok, S::Error> {
-    serializer.serialize_str(&rfc3339(value, SecondsFormat::AutoSi))
+    serializer.serialize_str(text(value, SecondsFormat::AutoSi).as_str())
 }
 
 /// [`serialize`] for a time that may be absent (`null`).
@@ -141,9 +243,14 @@ mod tests {
                             .expect("a valid time")
                             .and_utc();
                         for format in formats {
+                            let chrono = value.to_rfc3339_opts(format, true);
+                            assert_eq!(rfc3339(&value, format), chrono);
+                            // Held in place, as a store binds it and a serializer writes it.
+                            let held = text(&value, format);
+                            assert_eq!(held.as_bytes(), chrono.as_bytes());
                             assert_eq!(
-                                rfc3339(&value, format),
-                                value.to_rfc3339_opts(format, true)
+                                serde_json::to_string(&held).expect("serialized"),
+                                serde_json::to_string(&chrono).expect("serialized")
                             );
                         }
                         // And as chrono's serde writes it.
@@ -214,7 +321,9 @@ mod tests {
         let before = Utc.with_ymd_and_hms(-1, 1, 1, 0, 0, 0).unwrap();
         for value in [leap, far, before] {
             for format in [SecondsFormat::AutoSi, SecondsFormat::Micros] {
-                assert_eq!(rfc3339(&value, format), value.to_rfc3339_opts(format, true));
+                let chrono = value.to_rfc3339_opts(format, true);
+                assert_eq!(rfc3339(&value, format), chrono);
+                assert_eq!(text(&value, format).as_bytes(), chrono.as_bytes());
             }
         }
     }

@@ -169,6 +169,8 @@ pub struct EventRecord {
     pub seq: i64,
     #[serde(rename = "type")]
     pub event_type: String,
+    // Written as chrono's serde writes it, without its general formatter (every event served).
+    #[serde(serialize_with = "crate::time::serialize")]
     pub at: DateTime<Utc>,
     #[schema(value_type = Object)]
     pub data: Value,

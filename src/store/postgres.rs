@@ -51,6 +51,7 @@ use super::{
     RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
     StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
 };
+use crate::time::TimeText;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
@@ -476,7 +477,7 @@ struct EventJson<'a> {
     at: &'a DateTime<Utc>,
     data: Storable<'a, Value>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    more: Vec<LaterEvent<Storable<'a, str>, String, Storable<'a, Value>>>,
+    more: Vec<LaterEvent<Storable<'a, str>, TimeText, Storable<'a, Value>>>,
     /// About how many bytes of data the row holds (not sent).
     #[serde(skip)]
     bytes: usize,

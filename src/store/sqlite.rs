@@ -498,7 +498,7 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
 
 /// A time as this store writes it, for comparisons in SQL.
 fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
-    value.map(stored_time::text)
+    value.map(|value| stored_time::text(value).into())
 }
 
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.

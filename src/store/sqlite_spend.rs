@@ -130,8 +130,18 @@ impl SpendStore for SqliteStore {
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
             .bind(&filter.model)
-            .bind(filter.from.as_ref().map(stored_time::text))
-            .bind(filter.to.as_ref().map(stored_time::text))
+            .bind(
+                filter
+                    .from
+                    .as_ref()
+                    .map(|at| String::from(stored_time::text(at))),
+            )
+            .bind(
+                filter
+                    .to
+                    .as_ref()
+                    .map(|at| String::from(stored_time::text(at))),
+            )
             .bind(&filter.request_id)
             .fetch_all(&self.reader)
             .await?;

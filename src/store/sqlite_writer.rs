@@ -35,6 +35,7 @@ use super::sqlite::LAST_SEQ;
 use super::stored_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
+use crate::time::TimeText;
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
 /// default auto-checkpoint size: 1,000 pages of 4 KiB).
@@ -433,7 +434,7 @@ pub struct Leases {
 
 impl Leases {
     /// When a lease taken or renewed now expires.
-    pub fn expiry(&self) -> String {
+    pub fn expiry(&self) -> TimeText {
         let duration = chrono::Duration::from_std(self.duration).unwrap_or(chrono::Duration::MAX);
         stored_time::text(
             &Utc::now()
@@ -936,11 +937,10 @@ impl<'a> EventRow<'a> {
     ) -> rusqlite::Result<()> {
         if let Some((first, _, data)) = &self.first {
             if may_join(&first.request_id, &first.run_id, self.count, event) {
-                let at = stored_time::text(&event.at);
                 let later = LaterEvent {
                     id: event.id.as_str(),
                     event_type: event.event_type.as_str(),
-                    at: at.as_str(),
+                    at: stored_time::text(&event.at),
                     data: &event.data,
                 };
                 // Written straight into `more`, and taken back out if the row would be too

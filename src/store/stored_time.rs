@@ -13,6 +13,7 @@
 use chrono::{DateTime, NaiveDate, SecondsFormat, Utc};
 
 use super::StoreError;
+use crate::time::TimeText;
 
 /// The stored text's length in the fixed layout.
 const WIDTH: usize = "2026-11-27T16:04:41.123456Z".len();
@@ -29,13 +30,22 @@ const SEPARATORS: [(usize, u8); 7] = [
 ];
 
 /// The current time as the store writes it.
-pub(super) fn now() -> String {
+pub(super) fn now() -> TimeText {
     text(&Utc::now())
 }
 
-/// `value` as the store writes it.
-pub(super) fn text(value: &DateTime<Utc>) -> String {
-    crate::time::rfc3339(value, SecondsFormat::Micros)
+/// `value` as the store writes it, held in place (bound as it is: no allocation).
+pub(super) fn text(value: &DateTime<Utc>) -> TimeText {
+    crate::time::text(value, SecondsFormat::Micros)
+}
+
+/// Binds a time's text to a statement of the embedded store's writer without copying it.
+impl rusqlite::ToSql for TimeText {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        Ok(rusqlite::types::ToSqlOutput::Borrowed(
+            rusqlite::types::ValueRef::Text(self.as_bytes()),
+        ))
+    }
 }
 
 /// A stored time: the fixed layout read directly, any other RFC 3339 text through chrono.
