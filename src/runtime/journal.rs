@@ -697,16 +697,18 @@ impl Writer {
         let (ops, applied) = self.apply_retrying(ops).await;
         match applied {
             Ok(numbers) => {
-                let published = self.committed(&numbers, ops).await;
+                let (published, spent) = self.committed(&numbers, ops).await;
                 for group in groups {
                     self.settled(&group, &Ok(()));
                     ack(group.ack, Ok(()));
                 }
-                // Counted once the waiters are on their way: a JSON answer waits on the
-                // publication, not on the metrics.
+                // Counted, and the batch's other writes freed, once the waiters are on their
+                // way: a JSON answer waits on the publication, not on the metrics or the
+                // allocator.
                 published
                     .iter()
                     .for_each(|e| crate::metrics::event_committed(e));
+                drop(spent);
             }
             Err(_) => {
                 // Give every group its ops back, in order, and try them one by one.
@@ -728,7 +730,7 @@ impl Writer {
             let (ops, applied) = self.apply_retrying(std::mem::take(&mut group.ops)).await;
             let result = match applied {
                 Ok(numbers) => {
-                    let published = self.committed(&numbers, ops).await;
+                    let (published, _spent) = self.committed(&numbers, ops).await;
                     published
                         .iter()
                         .for_each(|e| crate::metrics::event_committed(e));
@@ -782,8 +784,13 @@ impl Writer {
     }
 
     /// After a commit: give the events the numbers the store gave them, hand over the views
-    /// awaited at the requests' ends they hold, and publish them.
-    async fn committed(&mut self, numbers: &[i64], ops: Vec<WriteOp>) -> Vec<Arc<EventRecord>> {
+    /// awaited at the requests' ends they hold, and publish them. Returns them with the
+    /// batch's other writes, which the caller frees after it has woken their producers.
+    async fn committed(
+        &mut self,
+        numbers: &[i64],
+        ops: Vec<WriteOp>,
+    ) -> (Vec<Arc<EventRecord>>, Vec<WriteOp>) {
         let events = ops
             .iter()
             .filter(|op| matches!(op, WriteOp::AppendEvent(_)))
@@ -797,16 +804,20 @@ impl Writer {
         }
         let mut numbers = numbers.iter();
         let mut published = Vec::with_capacity(events);
+        let mut spent = Vec::with_capacity(ops.len().saturating_sub(events));
         for op in ops {
-            if let WriteOp::AppendEvent(mut event) = op {
-                if let Some(seq) = numbers.next() {
-                    event.seq = *seq;
+            match op {
+                WriteOp::AppendEvent(mut event) => {
+                    if let Some(seq) = numbers.next() {
+                        event.seq = *seq;
+                    }
+                    published.push(Arc::new(event));
                 }
-                published.push(Arc::new(event));
+                other => spent.push(other),
             }
         }
         self.publish_with_views(&published).await;
-        published
+        (published, spent)
     }
 
     /// Publishes a commit's events. A request whose view is awaited at its end has the view
