@@ -29,10 +29,8 @@ thread_local! {
 /// A time's RFC 3339 text, held in place: making one allocates nothing, and a store binds it
 /// or a serializer writes it as it is (docs/profiling.md, the thirty-third pass). A time
 /// outside the fixed layout (a year outside 0-9999, a leap second) holds chrono's text.
-#[derive(Clone)]
 pub struct TimeText(Text);
 
-#[derive(Clone)]
 enum Text {
     /// ASCII digits and separators, `len` of them.
     Fixed {
@@ -72,12 +70,6 @@ impl Deref for TimeText {
     }
 }
 
-impl fmt::Display for TimeText {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 impl fmt::Debug for TimeText {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self.as_str(), f)
@@ -96,18 +88,6 @@ impl From<TimeText> for String {
             Text::Chrono(text) => text,
             Text::Fixed { .. } => text.as_str().to_owned(),
         }
-    }
-}
-
-impl PartialEq<str> for TimeText {
-    fn eq(&self, other: &str) -> bool {
-        self.as_str() == other
-    }
-}
-
-impl PartialEq<&str> for TimeText {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
     }
 }
 

@@ -138,7 +138,7 @@ mod tests {
         // Nanoseconds are cut to microseconds, as chrono cuts them.
         let value = DateTime::from_timestamp(1_795_000_000, 123_456_789).expect("valid");
         assert_eq!(text(&value), chrono_text(&value));
-        assert!(text(&value).ends_with(":40.123456Z"), "{}", text(&value));
+        assert!(text(&value).ends_with(":40.123456Z"), "{:?}", text(&value));
         for value in [DateTime::<Utc>::MIN_UTC, DateTime::<Utc>::MAX_UTC] {
             assert_eq!(text(&value), chrono_text(&value));
         }
