@@ -496,11 +496,6 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
     })
 }
 
-/// A time as this store writes it, for comparisons in SQL.
-fn stored_time(value: Option<&DateTime<Utc>>) -> Option<String> {
-    value.map(|value| stored_time::text(value).into())
-}
-
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.
 fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
     let first = EventRecord {
@@ -698,8 +693,8 @@ impl Store for SqliteStore {
             .bind(&page.cursor)
             .bind(page.limit + 1)
             .bind(&filter.owner)
-            .bind(stored_time(filter.created_from.as_ref()))
-            .bind(stored_time(filter.created_before.as_ref()))
+            .bind(stored_time::owned(filter.created_from.as_ref()))
+            .bind(stored_time::owned(filter.created_before.as_ref()))
             .fetch_all(&self.reader)
             .await?;
         let items = rows

@@ -130,18 +130,8 @@ impl SpendStore for SqliteStore {
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
             .bind(&filter.model)
-            .bind(
-                filter
-                    .from
-                    .as_ref()
-                    .map(|at| String::from(stored_time::text(at))),
-            )
-            .bind(
-                filter
-                    .to
-                    .as_ref()
-                    .map(|at| String::from(stored_time::text(at))),
-            )
+            .bind(stored_time::owned(filter.from.as_ref()))
+            .bind(stored_time::owned(filter.to.as_ref()))
             .bind(&filter.request_id)
             .fetch_all(&self.reader)
             .await?;

@@ -39,6 +39,12 @@ pub(super) fn text(value: &DateTime<Utc>) -> TimeText {
     crate::time::text(value, SecondsFormat::Micros)
 }
 
+/// A time that may be absent as the store writes it, owned: for the reader pool's binds
+/// (sqlx), which take a `String`, in a listing's or a report's time filters.
+pub(super) fn owned(value: Option<&DateTime<Utc>>) -> Option<String> {
+    value.map(|value| text(value).into())
+}
+
 /// Binds a time's text to a statement of the embedded store's writer without copying it.
 impl rusqlite::ToSql for TimeText {
     fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
