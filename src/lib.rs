@@ -2,6 +2,7 @@
 //! durable, observable agent service. See ARCHITECTURE.md for the map of these modules.
 
 pub mod adapters;
+pub mod allocator;
 pub mod app;
 pub mod cli;
 pub mod error;
