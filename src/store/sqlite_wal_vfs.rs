@@ -22,7 +22,8 @@
 //!   system before COMMIT returns (it survives a crash of the process); on power loss the
 //!   last commits since a checkpoint may roll back, never corrupt.
 //!
-//! The only `unsafe` code of the crate: SQLite's VFS interface is C function pointers.
+//! `unsafe` code, as the crate allows only here and in `crate::allocator`: SQLite's VFS
+//! interface is C function pointers.
 
 #![allow(unsafe_code)]
 
