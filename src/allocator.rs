@@ -30,6 +30,27 @@ fn plain_block_suffices(align: usize, size: usize) -> bool {
     align <= PLAIN_ALIGN && align <= size
 }
 
+/// A new block for `layout`, from mimalloc's `plain` entry where a plain block suffices,
+/// else from its `aligned` one.
+#[inline(always)]
+unsafe fn new_block(
+    layout: Layout,
+    plain: unsafe extern "C" fn(usize) -> *mut c_void,
+    aligned: unsafe extern "C" fn(usize, usize) -> *mut c_void,
+) -> *mut u8 {
+    let (size, align) = (layout.size(), layout.align());
+    // SAFETY: the entries are mimalloc's allocating functions, plain where a plain block has
+    // the alignment (the module doc), aligned otherwise.
+    let block = unsafe {
+        if plain_block_suffices(align, size) {
+            plain(size)
+        } else {
+            aligned(size, align)
+        }
+    };
+    block.cast()
+}
+
 /// mimalloc as the global allocator (`#[global_allocator]` in `main.rs`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Allocator;
@@ -40,28 +61,14 @@ pub struct Allocator;
 unsafe impl GlobalAlloc for Allocator {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let (size, align) = (layout.size(), layout.align());
-        // SAFETY: plain calls where they suffice (module doc), aligned ones otherwise.
-        unsafe {
-            if plain_block_suffices(align, size) {
-                mi::mi_malloc(size).cast()
-            } else {
-                mi::mi_malloc_aligned(size, align).cast()
-            }
-        }
+        // SAFETY: a new block, as `GlobalAlloc::alloc` asks.
+        unsafe { new_block(layout, mi::mi_malloc, mi::mi_malloc_aligned) }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let (size, align) = (layout.size(), layout.align());
-        // SAFETY: as in `alloc`.
-        unsafe {
-            if plain_block_suffices(align, size) {
-                mi::mi_zalloc(size).cast()
-            } else {
-                mi::mi_zalloc_aligned(size, align).cast()
-            }
-        }
+        // SAFETY: a new zeroed block, as `GlobalAlloc::alloc_zeroed` asks.
+        unsafe { new_block(layout, mi::mi_zalloc, mi::mi_zalloc_aligned) }
     }
 
     #[inline]
