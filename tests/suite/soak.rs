@@ -2,7 +2,8 @@
 //! the loopback upstream for a while, and the store and the process must stay bounded: every
 //! request answered, the write-ahead log under 64 MiB at every sample, and the database grown
 //! by no more than the per-request footprint. It prints a table per window: requests, errors,
-//! p50/p99, RSS, WAL, `-shm` and database size; and the bytes stored per request.
+//! p50/p99, RSS and the process's own memory (`RssAnon`: RSS without the binary's mapped
+//! pages), WAL, `-shm` and database size; and the bytes stored per request.
 //!
 //! Sizes come from the environment: `STABLE_HARNESS_SOAK_SECONDS` (default 20),
 //! `STABLE_HARNESS_SOAK_RATE` (requests per second, default 100) and
@@ -68,6 +69,9 @@ struct Outcome {
 struct Sample {
     at: Duration,
     rss: u64,
+    /// The process's own memory (`RssAnon`): RSS without the binary's mapped pages, which
+    /// follow the page cache rather than what the server holds.
+    own: u64,
     wal: u64,
     shm: u64,
     db: u64,
@@ -203,25 +207,27 @@ const MIB: f64 = 1024.0 * 1024.0;
 fn print_table(sizes: &Sizes, outcomes: &[Outcome], samples: &[Sample], baseline: &Sample) {
     let window = Duration::from_secs(sizes.seconds).as_secs_f64() / sizes.windows as f64;
     println!(
-        "{:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}",
+        "{:>8} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}",
         "window",
         "requests",
         "errors",
         "p50 ms",
         "p99 ms",
         "RSS MiB",
+        "own MiB",
         "WAL MiB",
         "shm KiB",
         "db MiB"
     );
     println!(
-        "{:>8} {:>9} {:>7} {:>8} {:>8} {:>8.1} {:>9.1} {:>9.0} {:>8.1}",
+        "{:>8} {:>9} {:>7} {:>8} {:>8} {:>8.1} {:>8.1} {:>9.1} {:>9.0} {:>8.1}",
         "start",
         "",
         "",
         "",
         "",
         baseline.rss as f64 / MIB,
+        baseline.own as f64 / MIB,
         baseline.wal as f64 / MIB,
         baseline.shm as f64 / 1024.0,
         baseline.db as f64 / MIB
@@ -245,19 +251,22 @@ fn print_table(sizes: &Sizes, outcomes: &[Outcome], samples: &[Sample], baseline
         let peak = |pick: fn(&Sample) -> u64| in_window.iter().map(|s| pick(s)).max().unwrap_or(0);
         let last = in_window.last().copied().copied().unwrap_or_default();
         println!(
-            "{:>7.0}s {:>9} {:>7} {:>8.2} {:>8.2} {:>8.1} {:>9.1} {:>9.0} {:>8.1}",
+            "{:>7.0}s {:>9} {:>7} {:>8.2} {:>8.2} {:>8.1} {:>8.1} {:>9.1} {:>9.0} {:>8.1}",
             to,
             latencies.len(),
             errors,
             quantile(0.50),
             quantile(0.99),
             last.rss as f64 / MIB,
+            last.own as f64 / MIB,
             peak(|s| s.wal) as f64 / MIB,
             peak(|s| s.shm) as f64 / 1024.0,
             last.db as f64 / MIB
         );
     }
-    println!("(RSS and db: last sample of the window; WAL and shm: peak of the window)");
+    println!(
+        "(RSS, own and db: last sample of the window; WAL and shm: peak of the window; own: RssAnon)"
+    );
 }
 
 fn sample(server: &ServerProcess, db: &Path, at: Duration) -> Sample {
@@ -267,7 +276,8 @@ fn sample(server: &ServerProcess, db: &Path, at: Duration) -> Sample {
 fn sample_pid(pid: u32, db: &Path, at: Duration) -> Sample {
     Sample {
         at,
-        rss: rss_bytes(pid),
+        rss: status_kib(pid, "VmRSS:").saturating_mul(1024),
+        own: status_kib(pid, "RssAnon:").saturating_mul(1024),
         wal: file_size(&with_suffix(db, "-wal")),
         shm: file_size(&with_suffix(db, "-shm")),
         db: file_size(db),
@@ -284,16 +294,17 @@ fn file_size(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
-fn rss_bytes(pid: u32) -> u64 {
+/// A field of `/proc/PID/status` given in KiB (`VmRSS:`, `RssAnon:`), 0 when unreadable.
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|status| {
             status
                 .lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse().ok()))
         })
-        .map_or(0, |kib: u64| kib * 1024)
+        .unwrap_or(0)
 }
 
 fn count_requests(db: &Path) -> u64 {
