@@ -1376,6 +1376,111 @@ mod tests {
         }
     }
 
+    /// A run's events in one batch share a row of `events` though the batch's other ops come
+    /// between them, and are read back one by one, numbered in order, by request and by run.
+    #[tokio::test]
+    async fn a_runs_events_share_a_row_across_the_batchs_other_ops() {
+        use super::super::{EventRecord, MessageRecord, RequestRecord, RunRecord, SessionRecord};
+        use serde_json::json;
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        let now = Utc::now();
+        let session = || {
+            WriteOp::TouchSession(SessionRecord {
+                id: "ses_a".into(),
+                agent_id: "assistant".into(),
+                owner: "alice".into(),
+                metadata: json!({}),
+                created_at: now,
+                updated_at: now,
+            })
+        };
+        let event = |n: i64| {
+            WriteOp::AppendEvent(EventRecord {
+                id: format!("evt_{n}"),
+                request_id: "req_a".into(),
+                run_id: "run_a".into(),
+                session_id: "ses_a".into(),
+                agent_id: "assistant".into(),
+                seq: 0,
+                event_type: "runtime.adapter.event".into(),
+                at: now,
+                data: json!({ "n": n }),
+            })
+        };
+        let message = |n: i64| {
+            WriteOp::InsertMessage(MessageRecord {
+                id: format!("msg_{n}"),
+                session_id: "ses_a".into(),
+                parent_id: None,
+                request_id: Some("req_a".into()),
+                role: "assistant".into(),
+                content: json!({ "role": "assistant", "content": "hi" }),
+                created_at: now,
+            })
+        };
+        let request = WriteOp::InsertRequest(RequestRecord {
+            id: "req_a".into(),
+            session_id: "ses_a".into(),
+            agent_id: "assistant".into(),
+            protocol: "runtime".into(),
+            owner: "alice".into(),
+            status: RunStatus::Running,
+            input: json!({}),
+            output: None,
+            error: None,
+            usage: None,
+            metadata: json!({}),
+            created_at: now,
+            updated_at: now,
+        });
+        let run = WriteOp::InsertRun(RunRecord {
+            id: "run_a".into(),
+            request_id: "req_a".into(),
+            attempt: 1,
+            status: RunStatus::Running,
+            state: None,
+            error: None,
+            created_at: now,
+            updated_at: now,
+            started_at: None,
+            ended_at: None,
+            lease: None,
+            cancel_requested_by: None,
+        });
+        store
+            .apply(&[session(), request, event(1), run, message(1), event(2)])
+            .await
+            .expect("the first batch");
+        store
+            .apply(&[event(3), message(2), session(), event(4), message(3)])
+            .await
+            .expect("the second batch");
+        let rows: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE request_id = 'req_a'")
+                .fetch_one(&store.reader)
+                .await
+                .expect("a count");
+        assert_eq!(rows, 2, "one row per batch");
+        for events in [
+            store.events("req_a", 0, 10).await.expect("by request"),
+            store.run_events("run_a", 0, 10).await.expect("by run"),
+        ] {
+            let read: Vec<(i64, i64)> = events
+                .iter()
+                .map(|e| (e.seq, e.data["n"].as_i64().unwrap_or(-1)))
+                .collect();
+            assert_eq!(read, [(1, 1), (2, 2), (3, 3), (4, 4)]);
+        }
+        let after: Vec<i64> = store
+            .events("req_a", 2, 1)
+            .await
+            .expect("after a cursor")
+            .iter()
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(after, [3]);
+    }
+
     /// A charge of 3 + 4 tokens to `request_id`, in session `ses_1`.
     fn charge(id: &str, request_id: &str) -> super::super::spend::UsageRecord {
         super::super::spend::UsageRecord {

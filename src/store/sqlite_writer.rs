@@ -656,14 +656,14 @@ fn write_ops<'o>(
     // one, so the stored last number plus what the batch appended is exact).
     let mut next_seq: IdMap<&str, i64> = IdMap::default();
     let mut folds = Folds::plan(ops);
-    // Consecutive events of one run, numbered, being gathered into one row.
+    // Consecutive events of one run, numbered, being gathered into one row. The batch's other
+    // ops between them do not end it: none of them reads `events` (a request's numbers are
+    // counted here), so the row may be written after them, as PostgreSQL's batch writes its
+    // rows after its other ops (docs/profiling.md, the thirty-fifth pass).
     let mut row = EventRow::default();
     for (index, op) in ops.iter().enumerate() {
         if folds.is_folded(index) {
             continue;
-        }
-        if !matches!(op, WriteOp::AppendEvent(_)) {
-            row.write(prepared)?;
         }
         if let WriteOp::InsertRequest(request) = op {
             next_seq.insert(&request.id, 1);
@@ -910,8 +910,9 @@ fn write_ops<'o>(
     Ok((numbers, next_seq))
 }
 
-/// Consecutive events of one run being gathered into one row of `events` (migration 0012):
-/// the first in the row's columns, the others in `more`. A row takes the events
+/// Consecutive events of one run (the batch's other ops between them aside) being gathered
+/// into one row of `events` (migration 0012): the first in the row's columns, the others in
+/// `more`. A row takes the events
 /// `event_rows::may_join` allows, and about [`ROW_BYTES`] bytes: a row past a page's room
 /// spills into overflow pages and packs its pages worse than single events did.
 #[derive(Default)]
