@@ -1032,9 +1032,7 @@ mod tests {
 
     use super::*;
     use crate::runtime::events::REQUEST_COMPLETED;
-    use crate::store::{
-        EventRecord, RequestRecord, RunRecord, RunStatus, SessionRecord, SqliteStore,
-    };
+    use crate::store::{EventRecord, RunStatus, SqliteStore, test_records};
 
     async fn journal_on_a_fresh_store() -> (tempfile::TempDir, Arc<dyn Store>, Journal) {
         let (dir, store, journal, _) = journal_holding(HOLD).await;
@@ -1284,46 +1282,18 @@ mod tests {
     }
 
     fn request_ops(id: &str) -> Vec<WriteOp> {
-        let now = Utc::now();
+        let session = test_records::session(&format!("ses_{id}"));
+        let mut request = test_records::request(id, &session.id);
+        // A secret in the input: every write is redacted before it is stored.
+        request.input = json!({ "password": "hunter22" });
         vec![
-            WriteOp::TouchSession(SessionRecord {
-                id: format!("ses_{id}"),
-                agent_id: "a".into(),
-                owner: "o".into(),
-                metadata: json!({}),
-                created_at: now,
-                updated_at: now,
-            }),
-            WriteOp::InsertRequest(RequestRecord {
-                id: id.into(),
-                session_id: format!("ses_{id}"),
-                agent_id: "a".into(),
-                protocol: "test".into(),
-                owner: "o".into(),
-                status: RunStatus::Running,
-                input: json!({ "password": "hunter22" }),
-                output: None,
-                error: None,
-                usage: None,
-                metadata: json!({}),
-                created_at: now,
-                updated_at: now,
-            }),
+            WriteOp::TouchSession(session),
+            WriteOp::InsertRequest(request),
         ]
     }
 
     fn event(request: &str, event_type: &str) -> WriteOp {
-        WriteOp::AppendEvent(EventRecord {
-            id: crate::runtime::new_id("evt"),
-            request_id: request.into(),
-            run_id: "run".into(),
-            session_id: format!("ses_{request}").into(),
-            agent_id: "a".into(),
-            seq: 0,
-            event_type: event_type.into(),
-            at: Utc::now(),
-            data: json!({}),
-        })
+        test_records::event(request, "run", event_type, json!({}))
     }
 
     fn delta(request: &str, run: &str, text: &str) -> WriteOp {
@@ -1486,21 +1456,7 @@ mod tests {
 
     /// A run of a request that does not exist: the store refuses it (foreign key), always.
     fn orphan_run() -> WriteOp {
-        let now = Utc::now();
-        WriteOp::InsertRun(RunRecord {
-            id: "run_orphan".into(),
-            request_id: "req_missing".into(),
-            attempt: 1,
-            status: RunStatus::Running,
-            state: None,
-            error: None,
-            created_at: now,
-            updated_at: now,
-            started_at: None,
-            ended_at: None,
-            lease: None,
-            cancel_requested_by: None,
-        })
+        WriteOp::InsertRun(test_records::run("run_orphan", "req_missing"))
     }
 
     #[tokio::test]

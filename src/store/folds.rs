@@ -206,46 +206,17 @@ impl<'a> Folds<'a> {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
-    use crate::store::ApprovalDecision;
+    use crate::store::{ApprovalDecision, test_records};
 
     fn insert_run(id: &str) -> WriteOp {
-        let now = Utc::now();
-        WriteOp::InsertRun(RunRecord {
-            id: id.into(),
-            request_id: "req".into(),
-            attempt: 1,
-            status: RunStatus::Running,
-            state: None,
-            error: None,
-            created_at: now,
-            updated_at: now,
-            started_at: Some(now),
-            ended_at: None,
-            lease: None,
-            cancel_requested_by: None,
-        })
+        let mut run = test_records::run(id, "req");
+        run.started_at = Some(run.created_at);
+        WriteOp::InsertRun(run)
     }
 
     fn insert_request(id: &str) -> WriteOp {
-        let now = Utc::now();
-        WriteOp::InsertRequest(RequestRecord {
-            id: id.into(),
-            session_id: "ses".into(),
-            agent_id: "a".into(),
-            protocol: "v1".into(),
-            owner: "o".into(),
-            status: RunStatus::Running,
-            input: json!({}),
-            output: None,
-            error: None,
-            usage: None,
-            metadata: json!({}),
-            created_at: now,
-            updated_at: now,
-        })
+        WriteOp::InsertRequest(test_records::request(id, "ses"))
     }
 
     fn end_run(id: &str) -> WriteOp {

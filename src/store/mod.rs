@@ -22,6 +22,8 @@ mod sqlite_spend;
 mod sqlite_wal_vfs;
 mod sqlite_writer;
 mod stored_time;
+#[cfg(test)]
+pub(crate) mod test_records;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

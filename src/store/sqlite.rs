@@ -1380,32 +1380,12 @@ mod tests {
     /// between them, and are read back one by one, numbered in order, by request and by run.
     #[tokio::test]
     async fn a_runs_events_share_a_row_across_the_batchs_other_ops() {
-        use super::super::{EventRecord, MessageRecord, RequestRecord, RunRecord, SessionRecord};
+        use super::super::{MessageRecord, test_records};
         use serde_json::json;
         let (_dir, store) = SqliteStore::in_temporary_folder().await;
-        let now = Utc::now();
-        let session = || {
-            WriteOp::TouchSession(SessionRecord {
-                id: "ses_a".into(),
-                agent_id: "assistant".into(),
-                owner: "alice".into(),
-                metadata: json!({}),
-                created_at: now,
-                updated_at: now,
-            })
-        };
+        let session = || WriteOp::TouchSession(test_records::session("ses_a"));
         let event = |n: i64| {
-            WriteOp::AppendEvent(EventRecord {
-                id: format!("evt_{n}"),
-                request_id: "req_a".into(),
-                run_id: "run_a".into(),
-                session_id: "ses_a".into(),
-                agent_id: "assistant".into(),
-                seq: 0,
-                event_type: "runtime.adapter.event".into(),
-                at: now,
-                data: json!({ "n": n }),
-            })
+            test_records::event("req_a", "run_a", "runtime.adapter.event", json!({ "n": n }))
         };
         let message = |n: i64| {
             WriteOp::InsertMessage(MessageRecord {
@@ -1415,38 +1395,11 @@ mod tests {
                 request_id: Some("req_a".into()),
                 role: "assistant".into(),
                 content: json!({ "role": "assistant", "content": "hi" }),
-                created_at: now,
+                created_at: Utc::now(),
             })
         };
-        let request = WriteOp::InsertRequest(RequestRecord {
-            id: "req_a".into(),
-            session_id: "ses_a".into(),
-            agent_id: "assistant".into(),
-            protocol: "runtime".into(),
-            owner: "alice".into(),
-            status: RunStatus::Running,
-            input: json!({}),
-            output: None,
-            error: None,
-            usage: None,
-            metadata: json!({}),
-            created_at: now,
-            updated_at: now,
-        });
-        let run = WriteOp::InsertRun(RunRecord {
-            id: "run_a".into(),
-            request_id: "req_a".into(),
-            attempt: 1,
-            status: RunStatus::Running,
-            state: None,
-            error: None,
-            created_at: now,
-            updated_at: now,
-            started_at: None,
-            ended_at: None,
-            lease: None,
-            cancel_requested_by: None,
-        });
+        let request = WriteOp::InsertRequest(test_records::request("req_a", "ses_a"));
+        let run = WriteOp::InsertRun(test_records::run("run_a", "req_a"));
         store
             .apply(&[session(), request, event(1), run, message(1), event(2)])
             .await
