@@ -624,18 +624,9 @@ impl Runtime {
             None => agent_id.clone(),
         };
         ops.push(WriteOp::InsertRun(RunRecord {
-            id: run_id.clone(),
-            request_id: request_id.clone(),
-            attempt: 1,
-            status,
             state: node.as_ref().map(|job| job.state(&run_messages)),
-            error: None,
-            created_at: now,
-            updated_at: now,
             started_at: slot.is_some().then_some(now),
-            ended_at: None,
-            lease: None,
-            cancel_requested_by: None,
+            ..RunRecord::new(run_id.clone(), request_id.clone(), 1, status, now)
         }));
         if let Some(job) = &node {
             let event = |event_type: &str, data: Value| {

@@ -141,20 +141,13 @@ impl Runtime {
         let run_id = new_id("run");
         let attempt = previous.attempt.saturating_add(1);
         let ops = vec![
-            WriteOp::InsertRun(RunRecord {
-                id: run_id.clone(),
-                request_id: request.id.clone(),
+            WriteOp::InsertRun(RunRecord::new(
+                run_id.clone(),
+                request.id.clone(),
                 attempt,
-                status: RunStatus::Queued,
-                state: None,
-                error: None,
-                created_at: now,
-                updated_at: now,
-                started_at: None,
-                ended_at: None,
-                lease: None,
-                cancel_requested_by: None,
-            }),
+                RunStatus::Queued,
+                now,
+            )),
             WriteOp::UpdateRequest {
                 id: request.id.clone(),
                 status: RunStatus::Queued,

@@ -150,18 +150,14 @@ pub fn next_node<'w>(
 pub fn node_run(request_id: &str, job: &NodeJob, messages: &[Value]) -> (RunRecord, Value) {
     let now = Utc::now();
     let run = RunRecord {
-        id: super::new_id("run"),
-        request_id: request_id.to_owned(),
-        attempt: i64::from(job.step),
-        status: RunStatus::Queued,
         state: Some(job.state(messages)),
-        error: None,
-        created_at: now,
-        updated_at: now,
-        started_at: None,
-        ended_at: None,
-        lease: None,
-        cancel_requested_by: None,
+        ..RunRecord::new(
+            super::new_id("run"),
+            request_id.to_owned(),
+            i64::from(job.step),
+            RunStatus::Queued,
+            now,
+        )
     };
     let started =
         json!({ "workflowId": job.workflow, "node": job.node, "step": job.step, "runId": run.id });

@@ -117,6 +117,34 @@ pub struct RunRecord {
     pub cancel_requested_by: Option<String>,
 }
 
+impl RunRecord {
+    /// A new run as it is inserted, at `at`: no conversation state, error, start or end yet
+    /// (the store sets its lease and reads no cancellation on insert). Callers add what theirs
+    /// has (a workflow node's state, a start when it takes a slot at once).
+    pub fn new(
+        id: String,
+        request_id: String,
+        attempt: i64,
+        status: RunStatus,
+        at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            id,
+            request_id,
+            attempt,
+            status,
+            state: None,
+            error: None,
+            created_at: at,
+            updated_at: at,
+            started_at: None,
+            ended_at: None,
+            lease: None,
+            cancel_requested_by: None,
+        }
+    }
+}
+
 /// A live run's lease: the instance holding it and when it expires unless renewed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -42,21 +42,7 @@ pub fn request(id: &str, session: &str) -> RequestRecord {
 
 /// Run `id` of `request`, first attempt, running, not started or leased yet.
 pub fn run(id: &str, request: &str) -> RunRecord {
-    let now = Utc::now();
-    RunRecord {
-        id: id.into(),
-        request_id: request.into(),
-        attempt: 1,
-        status: RunStatus::Running,
-        state: None,
-        error: None,
-        created_at: now,
-        updated_at: now,
-        started_at: None,
-        ended_at: None,
-        lease: None,
-        cancel_requested_by: None,
-    }
+    RunRecord::new(id.into(), request.into(), 1, RunStatus::Running, Utc::now())
 }
 
 /// An event of `event_type` with `data`, of `request` and `run` (numbered by the store).
