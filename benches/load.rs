@@ -34,7 +34,9 @@
 //! runs one phase alone (after the warm-up, printing the server's pid first), for a profiler to attach to, or to compare two builds on it in
 //! alternating rounds (with `STABLE_HARNESS_BENCH_BEFORE`): see `docs/profiling.md`. Such a
 //! phase also reports the bytes the server wrote per request (mostly the store's WAL), a
-//! figure the machine's speed does not move.
+//! figure the machine's speed does not move, and how many times per request a thread of the
+//! server went to sleep until woken (`sleeps/request`: its hand-overs, which cost more than
+//! their instructions on a machine whose idle CPUs halt).
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -307,12 +309,14 @@ async fn measure(
         println!("server pid {}", servers.pid());
         let cpu_before = servers.cpu_seconds();
         let written_before = servers.written_bytes();
+        let sleeps_before = servers.sleeps();
         let stats = match load {
             Load::Concurrency(workers) => closed_loop(client, &target, workers, phase).await,
             Load::Rate(rate) => open_loop(client, &target, rate, phase).await,
         };
         let cpu = servers.cpu_seconds() - cpu_before;
         let written = servers.written_bytes() - written_before;
+        let sleeps = servers.sleeps() - sleeps_before;
         servers.stop();
         let mut figures = Figures::new();
         for (name, value) in [
@@ -322,6 +326,7 @@ async fn measure(
             ("first ms", stats.first_p50),
             ("CPU ms/request", cpu * 1000.0 / stats.count as f64),
             ("KiB written/request", written / 1024.0 / stats.count as f64),
+            ("sleeps/request", sleeps / stats.count as f64),
         ] {
             figures.insert(name.to_owned(), (value, f64::NAN));
         }
@@ -771,6 +776,13 @@ impl Servers {
         self.children.iter().map(|c| cpu_seconds(c.id())).sum()
     }
 
+    /// Times a thread of the servers went to sleep until woken (voluntary context switches,
+    /// every thread): each is a hand-over, which on a machine whose idle CPUs halt costs tens
+    /// of µs of CPU beyond its instructions (docs/profiling.md, the thirty-sixth pass).
+    fn sleeps(&self) -> f64 {
+        self.children.iter().map(|c| sleeps(c.id())).sum()
+    }
+
     /// Bytes the servers passed to `write` and its kin (the store's WAL and checkpoints, and
     /// the sockets, whose share is the same from build to build).
     fn written_bytes(&self) -> f64 {
@@ -929,6 +941,23 @@ fn cpu_seconds(pid: u32) -> f64 {
     };
     // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
     (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+/// The voluntary context switches of every thread of a process so far.
+fn sleeps(pid: u32) -> f64 {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0.0;
+    };
+    threads
+        .flatten()
+        .filter_map(|thread| std::fs::read_to_string(thread.path().join("status")).ok())
+        .filter_map(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|n| n.trim().parse::<f64>().ok())
+        })
+        .sum()
 }
 
 fn written_bytes(pid: u32) -> f64 {
