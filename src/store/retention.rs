@@ -314,7 +314,7 @@ mod tests {
     use chrono::{Duration as Age, Utc};
 
     use super::*;
-    use crate::store::{RequestRecord, RunStatus, SessionRecord, SqliteStore, WriteOp};
+    use crate::store::{RunStatus, SqliteStore, WriteOp, test_records};
 
     fn session_and_request(
         session: &str,
@@ -323,30 +323,13 @@ mod tests {
         age: Age,
     ) -> Vec<WriteOp> {
         let at = Utc::now() - age;
+        let mut session = test_records::session(session);
+        (session.created_at, session.updated_at) = (at, at);
+        let mut request = test_records::request(request, &session.id);
+        (request.status, request.created_at, request.updated_at) = (status, at, at);
         vec![
-            WriteOp::TouchSession(SessionRecord {
-                id: session.into(),
-                agent_id: "a".into(),
-                owner: "o".into(),
-                metadata: json!({}),
-                created_at: at,
-                updated_at: at,
-            }),
-            WriteOp::InsertRequest(RequestRecord {
-                id: request.into(),
-                session_id: session.into(),
-                agent_id: "a".into(),
-                protocol: "test".into(),
-                owner: "o".into(),
-                status,
-                input: json!({}),
-                output: None,
-                error: None,
-                usage: None,
-                metadata: json!({}),
-                created_at: at,
-                updated_at: at,
-            }),
+            WriteOp::TouchSession(session),
+            WriteOp::InsertRequest(request),
         ]
     }
 

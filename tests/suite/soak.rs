@@ -274,10 +274,12 @@ fn sample(server: &ServerProcess, db: &Path, at: Duration) -> Sample {
 }
 
 fn sample_pid(pid: u32, db: &Path, at: Duration) -> Sample {
+    // Read once for both fields: one sample, one view of the process.
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     Sample {
         at,
-        rss: status_kib(pid, "VmRSS:").saturating_mul(1024),
-        own: status_kib(pid, "RssAnon:").saturating_mul(1024),
+        rss: status_kib(&status, "VmRSS:").saturating_mul(1024),
+        own: status_kib(&status, "RssAnon:").saturating_mul(1024),
         wal: file_size(&with_suffix(db, "-wal")),
         shm: file_size(&with_suffix(db, "-shm")),
         db: file_size(db),
@@ -294,16 +296,12 @@ fn file_size(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.len())
 }
 
-/// A field of `/proc/PID/status` given in KiB (`VmRSS:`, `RssAnon:`), 0 when unreadable.
-fn status_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(field))
-                .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse().ok()))
-        })
+/// A field of a `/proc/PID/status` text given in KiB (`VmRSS:`, `RssAnon:`), 0 when absent.
+fn status_kib(status: &str, field: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse().ok()))
         .unwrap_or(0)
 }
 
