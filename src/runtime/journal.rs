@@ -7,6 +7,11 @@
 //! writes are cheapest to hand over ([`Store::writer_runtime`]): on the embedded store, the
 //! writer thread itself, so a commit wakes one thread (its producer's), not three.
 //!
+//! A store that can apply several batches at once ([`Store::writer_lanes`]: PostgreSQL) gets
+//! one queue and writer task per *lane*, each holding a share of the requests
+//! ([`crate::store::lane_of`]): a request's writes stay in one lane, in order, and batches of
+//! different lanes overlap. The embedded store has one lane.
+//!
 //! What the journal promises:
 //! - **An acknowledged write has committed.** [`Journal::commit`] resolves only after the
 //!   group's transaction committed, and reports a failure to its producer. Fire-and-forget
@@ -22,7 +27,9 @@
 //!   only the failing group is refused. A transient failure (busy, I/O, full disk) is retried,
 //!   with the store marked unavailable meanwhile: producers wait (the queue is bounded), new
 //!   submits are refused with 503, `/readyz` is red, and service resumes by itself once a
-//!   write succeeds again.
+//!   write succeeds again. A batch that lost a race with another transaction (a deadlock
+//!   between two lanes' or two instances' batches) is tried again at once, the store
+//!   reported fine.
 //! - Events reach live subscribers only after their commit.
 //! - **A request answered whole commits once.** A write nobody waits on ([`Journal::write`])
 //!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
@@ -54,7 +61,7 @@ use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
 use crate::ids::IdMap;
 use crate::redact::{Redactor, Secrets};
-use crate::store::{EventRecord, Store, StoreError, WriteOp};
+use crate::store::{EventRecord, Store, StoreError, WriteOp, lane_of};
 
 /// Most groups applied in one transaction.
 const MAX_BATCH: usize = 512;
@@ -66,6 +73,8 @@ const MAX_MERGED_DELTA: usize = 64 * 1024;
 const HOLD: Duration = Duration::from_millis(5);
 /// Longest a prompt write waits for another run's commit (see [`Urgency::Prompt`]).
 const PROMPT_HOLD: Duration = Duration::from_millis(1);
+/// Pause before a batch that lost a race with another transaction (a deadlock) is tried again.
+const CONTENTION_RETRY_DELAY: Duration = Duration::from_millis(1);
 /// Longest pause between two tries of a write the store refused for a transient reason.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -295,22 +304,34 @@ impl Drop for Finished {
     }
 }
 
-/// Handle to the writer task; cheap to clone.
+/// One writer lane: its queue and whether its writer can write.
+struct Lane {
+    queue: Arc<Queue>,
+    available: Arc<AtomicBool>,
+}
+
+/// Handle to the writer tasks; cheap to clone.
 #[derive(Clone)]
 pub struct Journal {
-    queue: Arc<Queue>,
-    /// Only dropped: the last clone's drop ends the writer.
-    _producers: Arc<Producers>,
+    /// At least one.
+    lanes: Arc<[Lane]>,
+    /// Only dropped: the last clone's drop ends the writers.
+    _producers: Arc<[Producers]>,
     hub: Arc<EventHub>,
-    available: Arc<AtomicBool>,
-    /// Shared with the writer: a reload adds the new workspace's secrets.
+    /// Shared with the writers: a reload adds the new workspace's secrets.
     redactor: Arc<std::sync::RwLock<Redactor>>,
 }
 
 impl std::fmt::Debug for Journal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let queued: usize = self
+            .lanes
+            .iter()
+            .map(|lane| lane.queue.state().items.len())
+            .sum();
         f.debug_struct("Journal")
-            .field("queued", &self.queue.state().items.len())
+            .field("lanes", &self.lanes.len())
+            .field("queued", &queued)
             .field("available", &self.is_available())
             .finish_non_exhaustive()
     }
@@ -334,7 +355,8 @@ impl Journal {
         redactor: Redactor,
         tracker: &tokio_util::task::TaskTracker,
     ) -> Self {
-        Self::start_holding(store, hub, redactor, tracker, HOLD, None)
+        let lanes = store.writer_lanes();
+        Self::start_holding(store, hub, redactor, tracker, HOLD, None, lanes)
     }
 
     /// [`Journal::start`] for a runtime whose executing runs are counted by `executing`:
@@ -346,10 +368,12 @@ impl Journal {
         tracker: &tokio_util::task::TaskTracker,
         executing: Executing,
     ) -> Self {
-        Self::start_holding(store, hub, redactor, tracker, HOLD, Some(executing))
+        let lanes = store.writer_lanes();
+        Self::start_holding(store, hub, redactor, tracker, HOLD, Some(executing), lanes)
     }
 
-    /// [`Journal::start`] holding writes nobody waits on for at most `hold`.
+    /// [`Journal::start`] holding writes nobody waits on for at most `hold`, with `lanes`
+    /// writer lanes (at least one; the store's [`Store::writer_lanes`] outside tests).
     fn start_holding(
         store: Arc<dyn Store>,
         hub: Arc<EventHub>,
@@ -357,35 +381,66 @@ impl Journal {
         tracker: &tokio_util::task::TaskTracker,
         hold: Duration,
         executing: Option<Executing>,
+        lanes: usize,
     ) -> Self {
-        let queue = Arc::new(Queue {
-            state: std::sync::Mutex::default(),
-            wake: Notify::new(),
-            room: Semaphore::new(QUEUE),
-        });
-        let available = Arc::new(AtomicBool::new(true));
         let redactor = Arc::new(std::sync::RwLock::new(redactor));
         let runtime = store.writer_runtime();
-        let writer = Writer {
-            store,
-            hub: Arc::clone(&hub),
-            redactor: Arc::clone(&redactor),
-            available: Arc::clone(&available),
-            poisoned: HashSet::new(),
-            hold,
-            executing,
-        };
-        match runtime {
-            Some(runtime) => tracker.spawn_on(writer.run(Arc::clone(&queue)), &runtime),
-            None => tracker.spawn(writer.run(Arc::clone(&queue))),
-        };
+        let lanes: Arc<[Lane]> = (0..lanes.max(1))
+            .map(|lane| {
+                let queue = Arc::new(Queue {
+                    state: std::sync::Mutex::default(),
+                    wake: Notify::new(),
+                    room: Semaphore::new(QUEUE),
+                });
+                let available = Arc::new(AtomicBool::new(true));
+                let writer = Writer {
+                    store: Arc::clone(&store),
+                    lane,
+                    hub: Arc::clone(&hub),
+                    redactor: Arc::clone(&redactor),
+                    available: Arc::clone(&available),
+                    poisoned: HashSet::new(),
+                    hold,
+                    executing: executing.clone(),
+                };
+                let run = writer.run(Arc::clone(&queue));
+                match &runtime {
+                    Some(runtime) => tracker.spawn_on(run, runtime),
+                    None => tracker.spawn(run),
+                };
+                Lane { queue, available }
+            })
+            .collect();
         Self {
-            _producers: Arc::new(Producers(Arc::clone(&queue))),
-            queue,
+            _producers: lanes
+                .iter()
+                .map(|lane| Producers(Arc::clone(&lane.queue)))
+                .collect(),
+            lanes,
             hub,
-            available,
             redactor,
         }
+    }
+
+    /// The lane of a group of `request` (or, for a group of none, of the request its first
+    /// event is of, as [`Group::requests`] names them): where the rest of that request's
+    /// writes go, so that they stay in order.
+    fn lane(&self, request: Option<&str>, ops: &[WriteOp]) -> &Lane {
+        let count = self.lanes.len();
+        let index = if count == 1 {
+            0
+        } else {
+            request
+                .or_else(|| {
+                    ops.iter().find_map(|op| match op {
+                        WriteOp::AppendEvent(event) => Some(&*event.request_id),
+                        _ => None,
+                    })
+                })
+                .map_or(0, |request| lane_of(request, count))
+        };
+        // Below `count`, which is at least one (`start_holding`).
+        &self.lanes[index]
     }
 
     /// Redacts what `also` redacts too, from the next batch on (a reload's secrets, while
@@ -398,9 +453,12 @@ impl Journal {
         *held = held.merged(also);
     }
 
-    /// Whether the store accepts writes (false while a transient failure is being retried).
+    /// Whether the store accepts writes (false while a transient failure is being retried
+    /// in any lane).
     pub fn is_available(&self) -> bool {
-        self.available.load(Ordering::Relaxed)
+        self.lanes
+            .iter()
+            .all(|lane| lane.available.load(Ordering::Relaxed))
     }
 
     /// Queues one write of `request` behind every earlier one, without waiting for it to
@@ -467,6 +525,7 @@ impl Journal {
         asked: Asked,
         ack: Option<oneshot::Sender<Result<(), JournalError>>>,
     ) -> Result<(), JournalError> {
+        let lane = self.lane(request, &ops);
         let group = Group {
             request: request.map(str::to_owned),
             ops,
@@ -474,13 +533,13 @@ impl Journal {
             asked,
             ack,
         };
-        self.push(Item::Group(group)).await
+        self.push(lane, Item::Group(group)).await
     }
 
-    /// Queues `item` behind every earlier one, waiting while the queue is full.
-    async fn push(&self, item: Item) -> Result<(), JournalError> {
-        let permit = self
-            .queue
+    /// Queues `item` behind every earlier one of `lane`, waiting while its queue is full.
+    async fn push(&self, lane: &Lane, item: Item) -> Result<(), JournalError> {
+        let queue = &lane.queue;
+        let permit = queue
             .room
             .acquire()
             .await
@@ -489,7 +548,7 @@ impl Journal {
         permit.forget();
         let urgency = item.urgency(&self.hub);
         let wake = {
-            let mut state = self.queue.state();
+            let mut state = queue.state();
             if state.finished {
                 return Err(JournalError::Closed);
             }
@@ -498,7 +557,7 @@ impl Journal {
             urgency > Urgency::Held || !state.timed
         };
         if wake {
-            self.queue.wake.notify_one();
+            queue.wake.notify_one();
         }
         Ok(())
     }
@@ -516,8 +575,9 @@ impl Journal {
         } else {
             Urgency::Held
         };
+        let queue = &self.lane(Some(request), &[]).queue;
         let wake = {
-            let mut state = self.queue.state();
+            let mut state = queue.state();
             let timed = state.timed;
             if state.finished {
                 return false;
@@ -535,7 +595,7 @@ impl Journal {
             urgency > Urgency::Held || !timed
         };
         if wake {
-            self.queue.wake.notify_one();
+            queue.wake.notify_one();
         }
         true
     }
@@ -543,20 +603,30 @@ impl Journal {
     /// Clears the lost-write state of `request`, behind everything queued so far: a run this
     /// instance lost and then claimed again starts over from the store.
     pub async fn forgive(&self, request: &str) -> Result<(), JournalError> {
-        self.push(Item::Forgive(request.to_owned())).await
+        let lane = self.lane(Some(request), &[]);
+        self.push(lane, Item::Forgive(request.to_owned())).await
     }
 
-    /// Waits until everything queued so far has been committed or refused.
+    /// Waits until everything queued so far, in every lane, has been committed or refused.
     pub async fn flush(&self) -> Result<(), JournalError> {
-        let (done, wait) = oneshot::channel();
-        self.push(Item::Flush(done)).await?;
-        wait.await.map_err(|_| JournalError::Closed)
+        let mut waits = Vec::with_capacity(self.lanes.len());
+        for lane in self.lanes.iter() {
+            let (done, wait) = oneshot::channel();
+            self.push(lane, Item::Flush(done)).await?;
+            waits.push(wait);
+        }
+        for wait in waits {
+            wait.await.map_err(|_| JournalError::Closed)?;
+        }
+        Ok(())
     }
 }
 
-/// The writer task's state: it alone applies writes.
+/// A writer task's state: it alone applies its lane's writes.
 struct Writer {
     store: Arc<dyn Store>,
+    /// Its lane, as the store is told with each batch.
+    lane: usize,
     hub: Arc<EventHub>,
     redactor: Arc<std::sync::RwLock<Redactor>>,
     available: Arc<AtomicBool>,
@@ -866,7 +936,7 @@ impl Writer {
         loop {
             let started = std::time::Instant::now();
             let applied;
-            (ops, applied) = self.store.apply_owned(&batch_id, ops).await;
+            (ops, applied) = self.store.apply_owned(self.lane, &batch_id, ops).await;
             if let Err(error) = &applied {
                 crate::metrics::store_error(error.is_transient());
             }
@@ -877,6 +947,13 @@ impl Writer {
                         tracing::info!("the store accepts writes again");
                     }
                     return (ops, Ok(numbers));
+                }
+                Err(error) if error.is_contention() => {
+                    // A race lost to another transaction (another lane's batch, another
+                    // instance's): the database refused one of the two, and the other went
+                    // on. Nothing is wrong with the store: tried again almost at once.
+                    tracing::debug!(%error, "a batch lost a race with another transaction; trying it again");
+                    tokio::time::sleep(CONTENTION_RETRY_DELAY).await;
                 }
                 Err(error) if error.is_transient() => {
                     if self.available.swap(false, Ordering::Relaxed) {
@@ -1047,6 +1124,13 @@ mod tests {
     async fn journal_holding(
         hold: Duration,
     ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
+        journal_in_lanes(hold, 1).await
+    }
+
+    async fn journal_in_lanes(
+        hold: Duration,
+        lanes: usize,
+    ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
         let (dir, store) = fresh_store().await;
         let tracker = tokio_util::task::TaskTracker::new();
         let hub = Arc::new(EventHub::default());
@@ -1057,6 +1141,7 @@ mod tests {
             &tracker,
             hold,
             None,
+            lanes,
         );
         (dir, store, journal, hub)
     }
@@ -1303,6 +1388,66 @@ mod tests {
             event.data = crate::runtime::events::output_delta(text);
         }
         op
+    }
+
+    /// Requests spread over two lanes: each lane keeps its requests' writes in order, an
+    /// approval-like group of no request follows its event's request, and a flush waits for
+    /// what every lane holds.
+    #[tokio::test]
+    async fn in_two_lanes_each_request_keeps_its_order_and_a_flush_waits_for_both() {
+        // A hold far longer than the test: only a commit or a flush stores a held write.
+        let (_dir, store, journal, _hub) = journal_in_lanes(Duration::from_secs(600), 2).await;
+        let requests: Vec<String> = (0..16).map(|i| format!("req_{i:02}")).collect();
+        let lanes: HashSet<usize> = requests.iter().map(|r| lane_of(r, 2)).collect();
+        assert_eq!(lanes.len(), 2, "the requests fall in both lanes");
+        for request in &requests {
+            journal
+                .commit(Some(request), request_ops(request))
+                .await
+                .unwrap();
+        }
+        // Interleaved across requests (and so across lanes), held: nobody waits on them.
+        for step in 0..3 {
+            for request in &requests {
+                let op = event(request, &format!("step {step}"));
+                journal.write(Some(request), op).await.unwrap();
+            }
+        }
+        for request in &requests {
+            assert!(stored_types(&store, request).await.is_empty(), "held");
+        }
+        journal.flush().await.unwrap();
+        let steps = |count: usize| -> Vec<(i64, String)> {
+            (0..count)
+                .map(|step| (step as i64 + 1, format!("step {step}")))
+                .collect()
+        };
+        let stored = |request: String| {
+            let store = Arc::clone(&store);
+            async move {
+                let events = store.events(&request, 0, 100).await.unwrap();
+                events
+                    .into_iter()
+                    .map(|e| (e.seq, e.event_type))
+                    .collect::<Vec<_>>()
+            }
+        };
+        for request in &requests {
+            assert_eq!(stored(request.clone()).await, steps(3), "{request}");
+        }
+        // One more held step each, then a group of no request carrying the request's event
+        // (as an approval's decision does), waited on: it commits in the request's lane, so
+        // the held step commits before it.
+        for request in &requests {
+            let op = event(request, "step 3");
+            journal.write(Some(request), op).await.unwrap();
+        }
+        for request in &requests {
+            let op = event(request, "step 4");
+            journal.commit(None, vec![op]).await.unwrap();
+            assert_eq!(stored(request.clone()).await, steps(5), "{request}");
+        }
+        assert!(journal.is_available());
     }
 
     #[tokio::test]

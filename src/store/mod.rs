@@ -108,6 +108,35 @@ impl StoreError {
             _ => false,
         }
     }
+
+    /// Whether the write lost a race with another transaction (a deadlock, a serialization
+    /// failure): the database is fine, so trying again at once is right, with nobody told
+    /// that writes fail.
+    pub fn is_contention(&self) -> bool {
+        match self {
+            Self::Database(sqlx::Error::Database(error)) => error
+                .code()
+                .is_some_and(|code| matches!(&*code, "40001" | "40P01")),
+            _ => false,
+        }
+    }
+}
+
+/// The writer lane of `request` among `lanes` (see [`Store::writer_lanes`]): the journal
+/// queues a request's writes there, and a store that keeps per-lane state (PostgreSQL's
+/// pending charges) files the request's under the same lane. FNV-1a over the id's bytes:
+/// the same on every call and every instance, and spread over the ids' random part.
+pub fn lane_of(request: &str, lanes: usize) -> usize {
+    if lanes <= 1 {
+        return 0;
+    }
+    let hash = request
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    // `lanes` fits in u64 and the remainder is below it: both conversions are exact.
+    (hash % lanes as u64) as usize
 }
 
 /// PostgreSQL conditions that pass by themselves: connection trouble (but not a protocol
@@ -186,14 +215,23 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// writes, giving each batch one id for all its tries.
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError>;
     /// [`Store::apply_batch`] taking the batch and handing it back with the outcome: a
-    /// store that writes on another thread takes it there without copying it.
+    /// store that writes on another thread takes it there without copying it. `lane` is the
+    /// journal's writer lane the batch comes from (below [`Store::writer_lanes`]): every
+    /// request the batch writes for is [`lane_of`] it.
     async fn apply_owned(
         &self,
+        _lane: usize,
         batch_id: &str,
         ops: Vec<WriteOp>,
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         let applied = self.apply_batch(batch_id, &ops).await;
         (ops, applied)
+    }
+    /// How many batches the journal may apply at once, each from a lane of its own that
+    /// holds a share of the requests ([`lane_of`]): a request's writes stay in order, and
+    /// batches of different requests overlap. One on a store with one writer.
+    fn writer_lanes(&self) -> usize {
+        1
     }
     /// Where the journal should run: a store that writes on a thread of its own with a runtime
     /// there (the embedded store's writer thread) saves each batch two thread wake-ups.
@@ -529,7 +567,7 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{lane_of, redact_url};
 
     #[test]
     fn a_url_loses_its_password_wherever_it_is() {
@@ -542,5 +580,26 @@ mod tests {
             "postgres://app@db/harness?sslmode=require&password=***"
         );
         assert_eq!(redact_url("sqlite://state.db"), "sqlite://state.db");
+    }
+
+    #[test]
+    fn a_request_keeps_its_lane_and_requests_spread_over_the_lanes() {
+        for lanes in [0, 1] {
+            assert_eq!(lane_of("req_anything", lanes), 0);
+        }
+        let ids: Vec<String> = (0..400).map(|_| crate::runtime::new_id("req")).collect();
+        for lanes in [2, 3] {
+            let mut counts = vec![0; lanes];
+            for id in &ids {
+                let lane = lane_of(id, lanes);
+                assert_eq!(lane, lane_of(&id.clone(), lanes), "the same on every call");
+                counts[lane] += 1;
+            }
+            // 400 random ids: each lane gets far more than a few.
+            assert!(
+                counts.iter().all(|count| *count > 400 / lanes / 2),
+                "{counts:?}"
+            );
+        }
     }
 }

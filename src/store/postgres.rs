@@ -59,6 +59,10 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 const EVENTS_CHANNEL: &str = "stable_harness_events";
 /// Changes buffered for the runtime; one that falls behind is told to read the store again.
 const CHANGES_CAPACITY: usize = 4_096;
+/// Batches the journal applies at once ([`Store::writer_lanes`]), each in a backend of its
+/// own: one batch at a time left PostgreSQL one CPU's worth of work at most (a third of
+/// this 2-core machine idle at 32 clients; docs/profiling.md, the thirty-seventh pass).
+const WRITER_LANES: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
@@ -67,8 +71,9 @@ pub struct PostgresStore {
     holder: String,
     pub(super) lease_ms: i64,
     changes: broadcast::Sender<StoreChange>,
-    /// Settled calls' charges waiting for this instance's next batch.
-    pub(super) charges: Arc<PendingCharges>,
+    /// Settled calls' charges waiting for this instance's next batch, per writer lane (a
+    /// charge waits in its request's lane, for a batch of that lane).
+    pub(super) charges: Arc<[Arc<PendingCharges>]>,
     /// Stops the listener and the lone writer of idle charges when the last handle of the
     /// store is dropped.
     _listening: Arc<DropGuard>,
@@ -97,12 +102,16 @@ impl PostgresStore {
             changes.clone(),
             stop.clone(),
         ));
-        let charges = Arc::new(PendingCharges::default());
-        tokio::spawn(flush_idle_charges(
-            pool.clone(),
-            charges.clone(),
-            stop.clone(),
-        ));
+        let charges: Arc<[Arc<PendingCharges>]> = (0..WRITER_LANES)
+            .map(|_| Arc::new(PendingCharges::default()))
+            .collect();
+        for lane in charges.iter() {
+            tokio::spawn(flush_idle_charges(
+                pool.clone(),
+                Arc::clone(lane),
+                stop.clone(),
+            ));
+        }
         Ok(Self {
             url: redact_url(url),
             pool,
@@ -596,9 +605,15 @@ impl serde::Serialize for Storable<'_, Value> {
     }
 }
 
-#[async_trait::async_trait]
-impl Store for PostgresStore {
-    async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+impl PostgresStore {
+    /// [`Store::apply_batch`] for a batch of the journal's writer lane `lane`, with the
+    /// charges waiting in that lane.
+    async fn apply_in_lane(
+        &self,
+        lane: usize,
+        batch_id: &str,
+        ops: &[WriteOp],
+    ) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides). Updates of a run
         // or request the batch inserts are folded into the insert, as on SQLite (`folds`).
@@ -622,8 +637,11 @@ impl Store for PostgresStore {
         }
         // The charges settled since the last batch commit with this one (see
         // `postgres_spend::PendingCharges`): same transaction, same round trip.
-        let _writing = self.charges.writing.lock().await;
-        let charges = self.charges.take();
+        // A lane's own charges only (its requests'): batches of two lanes overlap, and a
+        // request's end must not commit before its charge, which only its lane carries.
+        let pending = &self.charges[lane.min(WRITER_LANES - 1)];
+        let _writing = pending.writing.lock().await;
+        let charges = pending.take();
         let query = if charges.is_empty() {
             "SELECT stable_harness_apply($1, $2, $3, $4)"
         } else {
@@ -650,11 +668,30 @@ impl Store for PostgresStore {
             Err(error) => Err(error.into()),
         };
         if let Err(error) = &applied {
-            self.charges
-                .after_failed_batch(&self.pool, charges, error)
-                .await;
+            pending.after_failed_batch(&self.pool, charges, error).await;
         }
         applied
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for PostgresStore {
+    async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
+        self.apply_in_lane(0, batch_id, ops).await
+    }
+
+    async fn apply_owned(
+        &self,
+        lane: usize,
+        batch_id: &str,
+        ops: Vec<WriteOp>,
+    ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
+        let applied = self.apply_in_lane(lane, batch_id, &ops).await;
+        (ops, applied)
+    }
+
+    fn writer_lanes(&self) -> usize {
+        WRITER_LANES
     }
 
     /// Two round trips instead of four, one after the other: the request with what it was

@@ -38,10 +38,12 @@ const CHARGE_IDLE: Duration = Duration::from_millis(250);
 /// without end; the runs making calls meanwhile wait at their next commit anyway.
 const MAX_QUEUED_CHARGES: usize = 8_192;
 
-/// Charges settled on this instance and not yet written: each rides along with the next batch
-/// this instance applies ([`PendingCharges::take`] in `apply_batch`, under [`Self::writing`]).
-/// The journal's writer is FIFO and a run's next write (its end at the latest) is a batch
-/// queued after its charge, so that batch, or one before it, commits the charge. A charge that
+/// Charges settled on this instance and not yet written, in one writer lane (the store keeps
+/// one of these per lane, and a charge waits in its request's): each rides along with the
+/// next batch this instance applies in that lane ([`PendingCharges::take`] in
+/// `apply_in_lane`, under [`Self::writing`]). A lane of the journal is FIFO and a run's next
+/// write (its end at the latest) is a batch of its request's lane queued after its charge,
+/// so that batch, or one before it, commits the charge. A charge that
 /// waits [`CHARGE_IDLE`] with no batch to ride along with is written alone
 /// ([`flush_idle_charges`]).
 #[derive(Debug, Default)]
@@ -276,14 +278,17 @@ fn live_reserved() -> String {
 
 #[async_trait::async_trait]
 impl SpendStore for PostgresStore {
-    /// Queued for this instance's next batch (see [`PendingCharges`]).
+    /// Queued for this instance's next batch of the request's writer lane (see
+    /// [`PendingCharges`]).
     async fn record_usage(
         &self,
         record: &UsageRecord,
         deltas: &[CounterDelta],
         hold: Option<&str>,
     ) -> Result<(), StoreError> {
-        self.charges.push(charge_json(record, deltas, hold));
+        let lane = crate::store::lane_of(&record.request_id, self.charges.len());
+        let pending = self.charges.get(lane).unwrap_or(&self.charges[0]);
+        pending.push(charge_json(record, deltas, hold));
         Ok(())
     }
 

@@ -609,7 +609,7 @@ pub(super) const LAST_SEQ: &str =
 #[async_trait::async_trait]
 impl Store for SqliteStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
-        self.apply_owned(batch_id, ops.to_vec()).await.1
+        self.apply_owned(0, batch_id, ops.to_vec()).await.1
     }
 
     fn writer_runtime(&self) -> Option<tokio::runtime::Handle> {
@@ -618,6 +618,7 @@ impl Store for SqliteStore {
 
     async fn apply_owned(
         &self,
+        _lane: usize,
         _batch_id: &str,
         ops: Vec<WriteOp>,
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {

@@ -428,6 +428,52 @@ async fn on_postgres_a_charge_commits_with_its_runs_writes() {
     );
 }
 
+/// On PostgreSQL the journal applies a batch per writer lane at once, each lane holding a
+/// share of the requests, and a call's charge waits in its request's lane for a batch of
+/// that lane. One request at a time, a charge in the wrong lane would wait for a lone write
+/// (a quarter of a second) while its answer went out; many at once, the lanes' batches
+/// overlap. Either way every waited answer holds its run's charge, in both lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_every_answer_holds_its_charge_whichever_lane_its_request_is_in() {
+    const LANES: usize = 2;
+    let database = crate::pg::fresh_database();
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(metered(0));
+    let workspace = spend_workspace(&upstream, "", "");
+    let app = TestApp::spawn_on(workspace, Some(database), &[CLIENT_KEY], &[ADMIN_KEY]).await;
+    let waited = |http: reqwest::Client, base: String, i: usize| async move {
+        let answer = http
+            .post(format!("{base}/runtime/requests"))
+            .bearer_auth(CLIENT_KEY)
+            .json(&json!({ "agentId": "assistant", "input": { "text": format!("meter {i}") }, "wait": true }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        answer.json::<Value>().await.unwrap()
+    };
+    let mut lanes = std::collections::HashSet::new();
+    let mut check = |view: &Value| {
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(
+            view["charged"]["calls"], 1,
+            "the answer held its charge: {view}"
+        );
+        let request_id = view["requestId"].as_str().unwrap();
+        lanes.insert(stable_harness::store::lane_of(request_id, LANES));
+    };
+    for i in 0..12 {
+        check(&waited(app.http.clone(), app.base.clone(), i).await);
+    }
+    let together = (12..36).map(|i| tokio::spawn(waited(app.http.clone(), app.base.clone(), i)));
+    for view in futures::future::join_all(together).await {
+        check(&view.unwrap());
+    }
+    assert_eq!(lanes.len(), LANES, "the requests fell in every lane");
+    let total = usage_total(&app).await;
+    assert_eq!(total["calls"], 36, "{total}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_is_charged_from_its_final_usage_chunk_and_silence_is_estimated() {
     let upstream = MockUpstream::start().await;
