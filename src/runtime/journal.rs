@@ -28,8 +28,8 @@
 //!   with the store marked unavailable meanwhile: producers wait (the queue is bounded), new
 //!   submits are refused with 503, `/readyz` is red, and service resumes by itself once a
 //!   write succeeds again. A batch that lost a race with another transaction (a deadlock
-//!   between two lanes' or two instances' batches) is tried again at once, the store
-//!   reported fine.
+//!   between two lanes' or two instances' batches) is tried again within a millisecond or
+//!   so, the store reported fine (up to [`MAX_CONTENTION_RETRIES`] races lost in a row).
 //! - Events reach live subscribers only after their commit.
 //! - **A request answered whole commits once.** A write nobody waits on ([`Journal::write`])
 //!   of a request nobody streams live ([`super::Following`]) is held, at most [`HOLD`], and
@@ -73,8 +73,13 @@ const MAX_MERGED_DELTA: usize = 64 * 1024;
 const HOLD: Duration = Duration::from_millis(5);
 /// Longest a prompt write waits for another run's commit (see [`Urgency::Prompt`]).
 const PROMPT_HOLD: Duration = Duration::from_millis(1);
-/// Pause before a batch that lost a race with another transaction (a deadlock) is tried again.
+/// First pause before a batch that lost a race with another transaction (a deadlock) is tried
+/// again; it doubles with each race lost in a row, up to [`MAX_CONTENTION_DELAY`].
 const CONTENTION_RETRY_DELAY: Duration = Duration::from_millis(1);
+const MAX_CONTENTION_DELAY: Duration = Duration::from_millis(100);
+/// Races a batch may lose in a row before it is retried as a store that cannot write (the
+/// store then reported unavailable): a batch that never gets through is not a race.
+const MAX_CONTENTION_RETRIES: u32 = 50;
 /// Longest pause between two tries of a write the store refused for a transient reason.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 
@@ -396,6 +401,7 @@ impl Journal {
                 let writer = Writer {
                     store: Arc::clone(&store),
                     lane,
+                    lanes: lanes.max(1),
                     hub: Arc::clone(&hub),
                     redactor: Arc::clone(&redactor),
                     available: Arc::clone(&available),
@@ -439,6 +445,15 @@ impl Journal {
                 })
                 .map_or(0, |request| lane_of(request, count))
         };
+        // A group writes for one request (an approval's decision for its event's): were its
+        // events of another lane's request, they could commit out of that request's order.
+        debug_assert!(
+            ops.iter().all(|op| match op {
+                WriteOp::AppendEvent(event) => lane_of(&event.request_id, count) == index,
+                _ => true,
+            }),
+            "a group's events are of its lane's requests"
+        );
         // Below `count`, which is at least one (`start_holding`).
         &self.lanes[index]
     }
@@ -625,8 +640,9 @@ impl Journal {
 /// A writer task's state: it alone applies its lane's writes.
 struct Writer {
     store: Arc<dyn Store>,
-    /// Its lane, as the store is told with each batch.
+    /// Its lane, as the store is told with each batch, and how many there are.
     lane: usize,
+    lanes: usize,
     hub: Arc<EventHub>,
     redactor: Arc<std::sync::RwLock<Redactor>>,
     available: Arc<AtomicBool>,
@@ -686,9 +702,14 @@ impl Writer {
                     urgency = Urgency::Now;
                 }
                 let groups = held.groups.len().saturating_add(items.len());
-                // Prompt writes wait for another run's commit only while others execute.
+                // Prompt writes wait for another run's commit only while others execute: more
+                // than one a lane (the runs executing are counted over every lane, and only
+                // this lane's commits carry the write).
                 let lingers = urgency == Urgency::Prompt
-                    && self.executing.as_ref().is_some_and(|e| e.count() > 1);
+                    && self
+                        .executing
+                        .as_ref()
+                        .is_some_and(|e| e.count() > self.lanes);
                 let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
                 let watching = watch_until.is_some_and(|until| until > now);
                 // Decided with the queue locked, so that no producer skips a wake-up the
@@ -931,6 +952,8 @@ impl Writer {
         mut ops: Vec<WriteOp>,
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
         let mut delay = Duration::from_millis(20);
+        let mut races_lost = 0_u32;
+        let mut contention_delay = CONTENTION_RETRY_DELAY;
         // One id for every try: a try after a commit whose reply was lost is not applied again.
         let batch_id = crate::store::new_batch_id();
         loop {
@@ -948,12 +971,18 @@ impl Writer {
                     }
                     return (ops, Ok(numbers));
                 }
-                Err(error) if error.is_contention() => {
+                Err(error) if error.is_contention() && races_lost < MAX_CONTENTION_RETRIES => {
                     // A race lost to another transaction (another lane's batch, another
                     // instance's): the database refused one of the two, and the other went
                     // on. Nothing is wrong with the store: tried again almost at once.
-                    tracing::debug!(%error, "a batch lost a race with another transaction; trying it again");
-                    tokio::time::sleep(CONTENTION_RETRY_DELAY).await;
+                    races_lost += 1;
+                    if races_lost == 5 {
+                        tracing::warn!(%error, "a batch lost five races with other transactions in a row; still trying");
+                    } else {
+                        tracing::debug!(%error, "a batch lost a race with another transaction; trying it again");
+                    }
+                    tokio::time::sleep(contention_delay).await;
+                    contention_delay = (contention_delay * 2).min(MAX_CONTENTION_DELAY);
                 }
                 Err(error) if error.is_transient() => {
                     if self.available.swap(false, Ordering::Relaxed) {

@@ -74,8 +74,8 @@ pub struct PostgresStore {
     /// Settled calls' charges waiting for this instance's next batch, per writer lane (a
     /// charge waits in its request's lane, for a batch of that lane).
     pub(super) charges: Arc<[Arc<PendingCharges>]>,
-    /// Stops the listener and the lone writer of idle charges when the last handle of the
-    /// store is dropped.
+    /// Stops the listener and each lane's lone writer of idle charges when the last handle
+    /// of the store is dropped.
     _listening: Arc<DropGuard>,
 }
 
@@ -639,6 +639,7 @@ impl PostgresStore {
         // `postgres_spend::PendingCharges`): same transaction, same round trip.
         // A lane's own charges only (its requests'): batches of two lanes overlap, and a
         // request's end must not commit before its charge, which only its lane carries.
+        debug_assert!(lane < WRITER_LANES, "lane {lane} of {WRITER_LANES}");
         let pending = &self.charges[lane.min(WRITER_LANES - 1)];
         let _writing = pending.writing.lock().await;
         let charges = pending.take();

@@ -4,9 +4,10 @@
 //! and is taken from in one upsert on the database's clock.
 //!
 //! Settling a call (its reservation released, its ledger record and its counters) rides along
-//! with this instance's next batch (`stable_harness_record_usage`, in the statement that
-//! applies the batch): the common request commits once before its answer, not twice, and a
-//! charge costs no round trip of its own. The run's next write is that batch at the latest,
+//! with this instance's next batch of the call's request's writer lane
+//! (`stable_harness_record_usage`, in the statement that applies the batch): the common
+//! request commits once before its answer, not twice, and a charge costs no round trip of its
+//! own. The run's next write is that lane's batch at the latest,
 //! so an answer is never acknowledged before its charges are stored; until they commit, the
 //! reservation still counts, so other instances never see a call neither reserved nor used.
 //! See [`PendingCharges`].

@@ -1887,6 +1887,124 @@ async fn postgres_writes_the_charges_still_queued_when_the_store_closes() {
     .await;
 }
 
+/// On PostgreSQL a journal batch that loses a deadlock (SQLSTATE 40P01) to another
+/// transaction is applied again once that one is through, and the store is never reported
+/// unavailable meanwhile: a race lost is not a store that cannot write. The other side holds
+/// the session the batch touches and then asks for the request the batch locked first; its
+/// `deadlock_timeout` is far longer, so the batch's backend finds the deadlock and is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_still_available() {
+    use sqlx::Connection;
+    let url = crate::pg::fresh_database();
+    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
+        .await
+        .unwrap();
+    seed(&store, "d", RunStatus::Running).await;
+    let tracker = tokio_util::task::TaskTracker::new();
+    let journal = stable_harness::runtime::Journal::start(
+        Arc::clone(&store),
+        Arc::new(stable_harness::runtime::EventHub::default()),
+        stable_harness::redact::Redactor::default(),
+        &tracker,
+    );
+    let mut other = sqlx::PgConnection::connect(&url).await.unwrap();
+    let mut other = other.begin().await.unwrap();
+    for sql in [
+        "SET LOCAL deadlock_timeout = '60s'",
+        "SELECT 1 FROM sessions WHERE id = 'ses_d' FOR UPDATE",
+    ] {
+        sqlx::query(sql).execute(&mut *other).await.unwrap();
+    }
+    // Watches the journal's availability for the whole test.
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (journal, watching) = (journal.clone(), Arc::clone(&watching));
+        tokio::spawn(async move {
+            let mut unavailable = 0;
+            while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                if !journal.is_available() {
+                    unavailable += 1;
+                }
+                tokio::time::sleep(std::time::Duration::from_micros(200)).await;
+            }
+            unavailable
+        })
+    };
+    // The batch locks its request, then waits for the session.
+    let batch = {
+        let journal = journal.clone();
+        tokio::spawn(async move {
+            journal
+                .commit(
+                    Some("req_d"),
+                    vec![
+                        session("ses_d", "alice", Age::zero()),
+                        event("req_d", "run_d", 0),
+                    ],
+                )
+                .await
+        })
+    };
+    let deadlocks = || async {
+        let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
+        let count: i64 = sqlx::query_scalar(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(&mut probe)
+        .await
+        .unwrap();
+        count
+    };
+    let before = deadlocks().await;
+    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
+    let mut waiting = 0_i64;
+    for _ in 0..1_000 {
+        waiting = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&mut probe)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(waiting, 1, "the batch waits for the session");
+    // Closes the cycle: waits for the request's lock until the batch's backend is refused.
+    sqlx::query("SELECT 1 FROM requests WHERE id = 'req_d' FOR UPDATE")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    other.commit().await.unwrap();
+    let applied = tokio::time::timeout(std::time::Duration::from_secs(30), batch)
+        .await
+        .expect("the batch was applied again")
+        .unwrap();
+    assert!(applied.is_ok(), "{applied:?}");
+    watching.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        watcher.await.unwrap(),
+        0,
+        "the store was reported unavailable"
+    );
+    // The count is published by the refused backend a moment after its transaction (within
+    // a second of going idle).
+    let mut counted = false;
+    for _ in 0..100 {
+        counted = deadlocks().await > before;
+        if counted {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(counted, "the batch lost a deadlock");
+    let events = store.events("req_d", 0, 10).await.unwrap();
+    assert_eq!(events.len(), 1, "applied once");
+    assert_eq!(events[0].seq, 1);
+}
+
 /// A request and its run inserted, started, and ended: the ops the common request commits
 /// in one transaction. `at` is fixed, so two copies store the same times.
 fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> Vec<WriteOp> {
