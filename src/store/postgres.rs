@@ -643,10 +643,33 @@ impl PostgresStore {
         let pending = &self.charges[lane.min(WRITER_LANES - 1)];
         let _writing = pending.writing.lock().await;
         let charges = pending.take();
-        let query = if charges.is_empty() {
-            "SELECT stable_harness_apply($1, $2, $3, $4)"
-        } else {
-            "SELECT stable_harness_apply($1, $2, $3, $4), stable_harness_record_usage($5)"
+        // The sessions the batch touches, locked first and in id order (as a prune locks
+        // them): the batch function touches them in the ops' order, so two batches (two
+        // lanes', two instances') touching the same two sessions would otherwise deadlock.
+        let mut sessions: Vec<&str> = ops
+            .iter()
+            .filter_map(|op| match op {
+                WriteOp::TouchSession(session) => Some(session.id.as_str()),
+                _ => None,
+            })
+            .collect();
+        sessions.sort_unstable();
+        sessions.dedup();
+        let query = match (charges.is_empty(), sessions.is_empty()) {
+            (true, true) => "SELECT stable_harness_apply($1, $2, $3, $4)",
+            (false, true) => {
+                "SELECT stable_harness_apply($1, $2, $3, $4), stable_harness_record_usage($5)"
+            }
+            (true, false) => concat!(
+                "WITH locked AS (SELECT 1 FROM sessions WHERE id = ANY($5) ORDER BY id ",
+                "FOR NO KEY UPDATE) SELECT stable_harness_apply($1, $2, $3, $4) ",
+                "FROM (SELECT count(*) FROM locked) sessions_locked"
+            ),
+            (false, false) => concat!(
+                "WITH locked AS (SELECT 1 FROM sessions WHERE id = ANY($6) ORDER BY id ",
+                "FOR NO KEY UPDATE) SELECT stable_harness_apply($1, $2, $3, $4), ",
+                "stable_harness_record_usage($5) FROM (SELECT count(*) FROM locked) sessions_locked"
+            ),
         };
         let applied = sqlx::query(query)
             .bind(sqlx::types::Json(&batch))
@@ -657,6 +680,11 @@ impl PostgresStore {
             applied
         } else {
             applied.bind(sqlx::types::Json(&charges))
+        };
+        let applied = if sessions.is_empty() {
+            applied
+        } else {
+            applied.bind(sessions)
         };
         let applied = match applied.fetch_one(&self.pool).await {
             Ok(row) => row.try_get::<Vec<i64>, _>(0).map_err(StoreError::from),

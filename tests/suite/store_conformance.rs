@@ -1887,19 +1887,23 @@ async fn postgres_writes_the_charges_still_queued_when_the_store_closes() {
     .await;
 }
 
-/// On PostgreSQL a journal batch that loses a deadlock (SQLSTATE 40P01) to another
-/// transaction is applied again once that one is through, and the store is never reported
+/// On PostgreSQL a batch locks the sessions it touches before anything else, in id order
+/// (whatever the order of its ops), so two batches touching the same sessions never deadlock
+/// on them. And a journal batch that does lose a deadlock (SQLSTATE 40P01) to another
+/// transaction is applied again once that one is through, the store never reported
 /// unavailable meanwhile: a race lost is not a store that cannot write. The other side holds
-/// the session the batch touches and then asks for the request the batch locked first; its
-/// `deadlock_timeout` is far longer, so the batch's backend finds the deadlock and is refused.
+/// the batch's request and then asks for a session the batch locked; its `deadlock_timeout`
+/// is far longer, so the batch's backend finds the deadlock and is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_still_available() {
+async fn on_postgres_a_batch_locks_its_sessions_first_and_one_refused_by_a_deadlock_is_applied_again()
+ {
     use sqlx::Connection;
     let url = crate::pg::fresh_database();
     let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
         .await
         .unwrap();
     seed(&store, "d", RunStatus::Running).await;
+    seed(&store, "e", RunStatus::Running).await;
     let tracker = tokio_util::task::TaskTracker::new();
     let journal = stable_harness::runtime::Journal::start(
         Arc::clone(&store),
@@ -1911,7 +1915,7 @@ async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_st
     let mut other = other.begin().await.unwrap();
     for sql in [
         "SET LOCAL deadlock_timeout = '60s'",
-        "SELECT 1 FROM sessions WHERE id = 'ses_d' FOR UPDATE",
+        "SELECT 1 FROM requests WHERE id = 'req_d' FOR UPDATE",
     ] {
         sqlx::query(sql).execute(&mut *other).await.unwrap();
     }
@@ -1930,7 +1934,7 @@ async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_st
             unavailable
         })
     };
-    // The batch locks its request, then waits for the session.
+    // The batch locks its sessions, then waits for its request.
     let batch = {
         let journal = journal.clone();
         tokio::spawn(async move {
@@ -1938,6 +1942,7 @@ async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_st
                 .commit(
                     Some("req_d"),
                     vec![
+                        session("ses_e", "alice", Age::zero()),
                         session("ses_d", "alice", Age::zero()),
                         event("req_d", "run_d", 0),
                     ],
@@ -1971,9 +1976,24 @@ async fn on_postgres_a_batch_refused_by_a_deadlock_is_applied_again_the_store_st
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    assert_eq!(waiting, 1, "the batch waits for the session");
-    // Closes the cycle: waits for the request's lock until the batch's backend is refused.
-    sqlx::query("SELECT 1 FROM requests WHERE id = 'req_d' FOR UPDATE")
+    assert_eq!(waiting, 1, "the batch waits for its request");
+    for id in ["ses_d", "ses_e"] {
+        let taken = sqlx::query("SELECT 1 FROM sessions WHERE id = $1 FOR UPDATE NOWAIT")
+            .bind(id)
+            .execute(&mut probe)
+            .await;
+        let code = match &taken {
+            Err(sqlx::Error::Database(error)) => error.code().map(|code| code.into_owned()),
+            _ => None,
+        };
+        assert_eq!(
+            code.as_deref(),
+            Some("55P03"),
+            "{id} was locked by the batch before its request: {taken:?}"
+        );
+    }
+    // Closes the cycle: waits for a session's lock until the batch's backend is refused.
+    sqlx::query("SELECT 1 FROM sessions WHERE id = 'ses_e' FOR UPDATE")
         .execute(&mut *other)
         .await
         .unwrap();
