@@ -643,9 +643,11 @@ impl PostgresStore {
         let pending = &self.charges[lane.min(WRITER_LANES - 1)];
         let _writing = pending.writing.lock().await;
         let charges = pending.take();
-        // The sessions the batch touches, locked first and in id order (as a prune locks
-        // them): the batch function touches them in the ops' order, so two batches (two
-        // lanes', two instances') touching the same two sessions would otherwise deadlock.
+        // The sessions the batch touches, when it touches two or more, locked first and in
+        // id order (as a prune locks them): the batch function touches them in the ops'
+        // order, so two batches (two lanes', two instances') touching the same two sessions
+        // would otherwise deadlock. A batch touching one holds no other session while it
+        // waits for that one: the common request's batch (at concurrency 1) is left as it was.
         let mut sessions: Vec<&str> = ops
             .iter()
             .filter_map(|op| match op {
@@ -655,6 +657,9 @@ impl PostgresStore {
             .collect();
         sessions.sort_unstable();
         sessions.dedup();
+        if sessions.len() < 2 {
+            sessions.clear();
+        }
         let query = match (charges.is_empty(), sessions.is_empty()) {
             (true, true) => "SELECT stable_harness_apply($1, $2, $3, $4)",
             (false, true) => {
