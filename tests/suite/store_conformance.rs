@@ -171,15 +171,19 @@ async fn seed(store: &Arc<dyn Store>, name: &str, status: RunStatus) {
         .unwrap();
 }
 
-async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
-    seed(&store, "a", RunStatus::Running).await;
-    let tracker = tokio_util::task::TaskTracker::new();
-    let journal = stable_harness::runtime::Journal::start(
-        Arc::clone(&store),
+/// The runtime's journal writing to `store`, as a server's would.
+fn journal_on(store: &Arc<dyn Store>) -> stable_harness::runtime::Journal {
+    stable_harness::runtime::Journal::start(
+        Arc::clone(store),
         Arc::new(stable_harness::runtime::EventHub::default()),
         stable_harness::redact::Redactor::default(),
-        &tracker,
-    );
+        &tokio_util::task::TaskTracker::new(),
+    )
+}
+
+async fn seq_stays_gapless_under_concurrent_appends(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Running).await;
+    let journal = journal_on(&store);
     let mut writers = Vec::new();
     for _ in 0..8 {
         let journal = journal.clone();
@@ -1904,13 +1908,7 @@ async fn on_postgres_a_batch_locks_its_sessions_first_and_one_refused_by_a_deadl
         .unwrap();
     seed(&store, "d", RunStatus::Running).await;
     seed(&store, "e", RunStatus::Running).await;
-    let tracker = tokio_util::task::TaskTracker::new();
-    let journal = stable_harness::runtime::Journal::start(
-        Arc::clone(&store),
-        Arc::new(stable_harness::runtime::EventHub::default()),
-        stable_harness::redact::Redactor::default(),
-        &tracker,
-    );
+    let journal = journal_on(&store);
     let mut other = sqlx::PgConnection::connect(&url).await.unwrap();
     let mut other = other.begin().await.unwrap();
     for sql in [
