@@ -107,8 +107,8 @@ pub enum JournalError {
 enum Asked {
     /// Held, unless its request is streamed live ([`Journal::write`]).
     Held,
-    /// Held even when its request is streamed live: a request's submit, which commits with
-    /// the run's first event ([`Journal::write_submit`]).
+    /// Held even when its request is streamed live: a request's submit, and its run's start,
+    /// which commit with the run's first write that commits ([`Journal::write_submit`]).
     Submit,
     /// Committed at once ([`Journal::write_group_now`]).
     Now,
@@ -483,10 +483,10 @@ impl Journal {
             .await
     }
 
-    /// Queues a request's submit as one group without waiting for it, held like
-    /// [`Journal::write`] even when the request is streamed live: it commits with the run's
-    /// first write that commits (its end when the model answers at once, its first event
-    /// when streamed), or after the hold.
+    /// Queues a request's submit (or its run's start event) as one group without waiting for
+    /// it, held like [`Journal::write`] even when the request is streamed live: it commits
+    /// with the run's first write that commits (its end when the model answers at once, its
+    /// first output delta when streamed), or after the hold.
     pub async fn write_submit(
         &self,
         request: Option<&str>,
@@ -1286,7 +1286,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_streamed_requests_writes_commit_at_once_its_submit_with_the_first() {
+    async fn a_streamed_requests_writes_commit_at_once_its_submit_and_start_with_the_first() {
         let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
         let _streamed = hub.stream("req_a");
         let mut live = hub.subscribe("req_a");
@@ -1294,20 +1294,38 @@ mod tests {
             .write_submit(Some("req_a"), request_ops("req_a"))
             .await
             .unwrap();
-        // The submit waits for the run's first event, though the request is streamed.
+        // The run's start is held the same way (`RunEvents::record_as`).
+        journal
+            .write_submit(Some("req_a"), vec![event("req_a", "started")])
+            .await
+            .unwrap();
+        // The submit and the start wait for the run's first output, though the request is
+        // streamed.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(store.request("req_a").await.unwrap().is_none());
+        assert!(stored_types(&store, "req_a").await.is_empty());
         journal
             .write(Some("req_a"), delta("req_a", "run", "now "))
             .await
             .unwrap();
         // No commit follows: the delta reaches the follower (and the store) by itself, and
-        // the submit with it.
-        let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
-            .await
-            .expect("a streamed request's write was held")
-            .unwrap();
-        assert_eq!(output_delta_text(&event.data), Some("now "));
-        assert_eq!(stored_deltas(&store, "req_a").await, ["now "]);
+        // the submit and the start with it, before it.
+        let mut shown = Vec::new();
+        for _ in 0..2 {
+            let event = tokio::time::timeout(Duration::from_secs(30), live.recv())
+                .await
+                .expect("a streamed request's write was held")
+                .unwrap();
+            shown.push(event.event_type.clone());
+            if event.event_type == ADAPTER_EVENT {
+                assert_eq!(output_delta_text(&event.data), Some("now "));
+            }
+        }
+        assert_eq!(shown, ["started", ADAPTER_EVENT]);
+        assert_eq!(
+            stored_types(&store, "req_a").await,
+            ["started", ADAPTER_EVENT]
+        );
         assert!(store.request("req_a").await.unwrap().is_some());
     }
 
