@@ -428,34 +428,31 @@ impl Journal {
         }
     }
 
-    /// The lane of a group of `request` (or, for a group of none, of the request its first
-    /// event is of, as [`Group::requests`] names them): where the rest of that request's
-    /// writes go, so that they stay in order.
-    fn lane(&self, request: Option<&str>, ops: &[WriteOp]) -> &Lane {
+    /// The lane of `request`'s writes (lane 0 for writes of no request): where all of them
+    /// go, so that they stay in order.
+    fn lane(&self, request: Option<&str>) -> &Lane {
         let count = self.lanes.len();
-        let index = if count == 1 {
-            0
-        } else {
-            request
-                .or_else(|| {
-                    ops.iter().find_map(|op| match op {
-                        WriteOp::AppendEvent(event) => Some(&*event.request_id),
-                        _ => None,
-                    })
-                })
-                .map_or(0, |request| lane_of(request, count))
+        let index = match request {
+            Some(request) if count > 1 => lane_of(request, count),
+            _ => 0,
         };
-        // A group writes for one request (an approval's decision for its event's): were its
-        // events of another lane's request, they could commit out of that request's order.
-        debug_assert!(
-            ops.iter().all(|op| match op {
-                WriteOp::AppendEvent(event) => lane_of(&event.request_id, count) == index,
-                _ => true,
-            }),
-            "a group's events are of its lane's requests"
-        );
         // Below `count`, which is at least one (`start_holding`).
         &self.lanes[index]
+    }
+
+    /// The lane of `group`: its request's, or, for a group of none, that of the request its
+    /// first event is of (an approval's decision), as [`Group::requests`] names them.
+    fn lane_of_group(&self, group: &Group) -> &Lane {
+        let lane = self.lane(group.requests().next());
+        // A group writes for one request: were its events of another lane's request, they
+        // could commit out of that request's order.
+        debug_assert!(
+            group
+                .requests()
+                .all(|request| std::ptr::eq(self.lane(Some(request)), lane)),
+            "a group's events are of its lane's requests"
+        );
+        lane
     }
 
     /// Redacts what `also` redacts too, from the next batch on (a reload's secrets, while
@@ -540,7 +537,6 @@ impl Journal {
         asked: Asked,
         ack: Option<oneshot::Sender<Result<(), JournalError>>>,
     ) -> Result<(), JournalError> {
-        let lane = self.lane(request, &ops);
         let group = Group {
             request: request.map(str::to_owned),
             ops,
@@ -548,7 +544,8 @@ impl Journal {
             asked,
             ack,
         };
-        self.push(lane, Item::Group(group)).await
+        self.push(self.lane_of_group(&group), Item::Group(group))
+            .await
     }
 
     /// Queues `item` behind every earlier one of `lane`, waiting while its queue is full.
@@ -590,7 +587,7 @@ impl Journal {
         } else {
             Urgency::Held
         };
-        let queue = &self.lane(Some(request), &[]).queue;
+        let queue = &self.lane(Some(request)).queue;
         let wake = {
             let mut state = queue.state();
             let timed = state.timed;
@@ -618,7 +615,7 @@ impl Journal {
     /// Clears the lost-write state of `request`, behind everything queued so far: a run this
     /// instance lost and then claimed again starts over from the store.
     pub async fn forgive(&self, request: &str) -> Result<(), JournalError> {
-        let lane = self.lane(Some(request), &[]);
+        let lane = self.lane(Some(request));
         self.push(lane, Item::Forgive(request.to_owned())).await
     }
 

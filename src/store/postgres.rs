@@ -606,6 +606,17 @@ impl serde::Serialize for Storable<'_, Value> {
 }
 
 impl PostgresStore {
+    /// The charges waiting in writer lane `lane` (see [`Store::writer_lanes`]).
+    pub(super) fn pending_charges(&self, lane: usize) -> &PendingCharges {
+        debug_assert!(
+            lane < self.charges.len(),
+            "lane {lane} of {}",
+            self.charges.len()
+        );
+        // At least one lane (`WRITER_LANES`); a lane past them is the last one's.
+        &self.charges[lane.min(self.charges.len() - 1)]
+    }
+
     /// [`Store::apply_batch`] for a batch of the journal's writer lane `lane`, with the
     /// charges waiting in that lane.
     async fn apply_in_lane(
@@ -639,8 +650,7 @@ impl PostgresStore {
         // `postgres_spend::PendingCharges`): same transaction, same round trip.
         // A lane's own charges only (its requests'): batches of two lanes overlap, and a
         // request's end must not commit before its charge, which only its lane carries.
-        debug_assert!(lane < WRITER_LANES, "lane {lane} of {WRITER_LANES}");
-        let pending = &self.charges[lane.min(WRITER_LANES - 1)];
+        let pending = self.pending_charges(lane);
         let _writing = pending.writing.lock().await;
         let charges = pending.take();
         // The sessions the batch touches, when it touches two or more, locked first and in

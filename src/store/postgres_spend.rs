@@ -288,8 +288,8 @@ impl SpendStore for PostgresStore {
         hold: Option<&str>,
     ) -> Result<(), StoreError> {
         let lane = crate::store::lane_of(&record.request_id, self.charges.len());
-        let pending = self.charges.get(lane).unwrap_or(&self.charges[0]);
-        pending.push(charge_json(record, deltas, hold));
+        self.pending_charges(lane)
+            .push(charge_json(record, deltas, hold));
         Ok(())
     }
 
