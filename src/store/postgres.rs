@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, SubsecRound, Utc};
-use serde_json::{Value, json};
+use serde_json::Value;
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use tokio::sync::broadcast;
@@ -383,23 +383,50 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 /// The op at `index` of a batch as `stable_harness_apply` reads it (see
 /// `migrations/postgres`): a `None` field is a JSON null, which the function reads as SQL
 /// NULL; an insert the batch's updates fold into is written as they leave its row
-/// (`folds`). Its strings are made storable as it is sent ([`Storable`]). A batch's events
-/// go in one `append_events` op ([`EventJson`]).
-fn op_json(op: &WriteOp, index: usize, folds: &mut Folds<'_>) -> Value {
+/// (`folds`). A batch's events go in one `append_events` op ([`EventJson`]), not here.
+/// Serialized from the records themselves, as the events are: building each op as a
+/// `Value` copied its input, content and metadata, and wrote its times through chrono's
+/// formatter (~14% of the server's instructions for a chat request on this store; see
+/// docs/profiling.md, the thirty-eighth pass).
+fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'a> {
     match op {
-        WriteOp::TouchSession(session) => json!({ "op": "touch_session", "id": session.id,
-            "agent_id": session.agent_id, "owner": session.owner, "metadata": session.metadata,
-            "created_at": session.created_at, "updated_at": session.updated_at }),
-        WriteOp::InsertMessage(message) => json!({ "op": "insert_message", "id": message.id,
-            "session_id": message.session_id, "parent_id": message.parent_id,
-            "request_id": message.request_id, "role": message.role, "content": message.content,
-            "created_at": message.created_at }),
-        WriteOp::InsertRequest(request) => request_json(
-            request,
-            &folds
+        WriteOp::TouchSession(session) => OpJson::TouchSession {
+            id: Storable(&session.id),
+            agent_id: Storable(&session.agent_id),
+            owner: Storable(&session.owner),
+            metadata: Storable(&session.metadata),
+            created_at: session.created_at,
+            updated_at: session.updated_at,
+        },
+        WriteOp::InsertMessage(message) => OpJson::InsertMessage {
+            id: Storable(&message.id),
+            session_id: Storable(&message.session_id),
+            parent_id: message.parent_id.as_deref().map(Storable),
+            request_id: message.request_id.as_deref().map(Storable),
+            role: Storable(&message.role),
+            content: Storable(&message.content),
+            created_at: message.created_at,
+        },
+        WriteOp::InsertRequest(request) => {
+            let row = folds
                 .take_request(index)
-                .unwrap_or_else(|| RequestRow::inserted(request)),
-        ),
+                .unwrap_or_else(|| RequestRow::inserted(request));
+            OpJson::InsertRequest {
+                id: Storable(&request.id),
+                session_id: Storable(&request.session_id),
+                agent_id: Storable(&request.agent_id),
+                protocol: Storable(&request.protocol),
+                status: row.status.as_str(),
+                input: Storable(&request.input),
+                output: row.output.map(Storable),
+                error: row.error.map(Storable),
+                usage: row.usage.map(Storable),
+                metadata: Storable(&request.metadata),
+                created_at: request.created_at,
+                updated_at: row.updated_at,
+                owner: Storable(&request.owner),
+            }
+        }
         WriteOp::UpdateRequest {
             id,
             status,
@@ -407,68 +434,230 @@ fn op_json(op: &WriteOp, index: usize, folds: &mut Folds<'_>) -> Value {
             error,
             usage,
             at,
-        } => json!({
-            "op": "update_request", "id": id, "status": status.as_str(), "output": output,
-            "error": error, "usage": usage, "at": at }),
-        WriteOp::InsertRun(run) => run_json(
-            run,
-            &folds
+        } => OpJson::UpdateRequest {
+            id: Storable(id),
+            status: status.as_str(),
+            output: output.as_deref().map(Storable),
+            error: error.as_ref().map(Storable),
+            usage: usage.as_ref().map(Storable),
+            at: *at,
+        },
+        WriteOp::InsertRun(run) => {
+            let row = folds
                 .take_run(index)
-                .unwrap_or_else(|| RunRow::inserted(run)),
-        ),
+                .unwrap_or_else(|| RunRow::inserted(run));
+            OpJson::InsertRun {
+                id: Storable(&run.id),
+                request_id: Storable(&run.request_id),
+                attempt: run.attempt,
+                status: row.status.as_str(),
+                state: row.state.map(Storable),
+                error: row.error.map(Storable),
+                created_at: run.created_at,
+                updated_at: row.updated_at,
+                started_at: row.started_at,
+                ended_at: row.ended_at,
+                leased: row.leased,
+            }
+        }
         WriteOp::UpdateRun {
             id,
             status,
             error,
             state,
             at,
-        } => json!({ "op": "update_run",
-            "id": id, "status": status.as_str(), "error": error, "state": state, "at": at }),
-        WriteOp::InsertApproval(approval) => json!({ "op": "insert_approval", "id": approval.id,
-            "request_id": approval.request_id, "run_id": approval.run_id,
-            "session_id": approval.session_id, "agent_id": approval.agent_id,
-            "tool_call_id": approval.tool_call_id, "tool_id": approval.tool_id,
-            "arguments": approval.arguments, "rule": approval.rule,
-            "status": approval.status.as_str(), "reason": approval.reason,
-            "decided_by": approval.decided_by, "created_at": approval.created_at,
-            "expires_at": approval.expires_at, "decided_at": approval.decided_at,
-            "call_key": approval.call_key, "kind": approval.kind.as_str(),
-            "execution": approval.execution }),
-        WriteOp::DecideApproval(decision) => json!({ "op": "decide_approval", "id": decision.id,
-            "status": decision.status.as_str(), "reason": decision.reason,
-            "decided_by": decision.decided_by, "at": decision.at }),
-        WriteOp::StartToolCall(call) | WriteOp::RecordToolCall(call) => json!({
-            "op": if matches!(op, WriteOp::StartToolCall(_)) { "start_tool_call" } else { "record_tool_call" },
-            "run_id": call.run_id, "call_key": call.call_key, "model_call_id": call.model_call_id,
-            "request_id": call.request_id, "tool_id": call.tool_id, "arguments": call.arguments,
-            "idempotency_key": call.idempotency_key, "outcome": call.outcome,
-            "result": call.result, "duration_ms": call.duration_ms,
-            "recorded_at": call.recorded_at }),
-        WriteOp::AppendEvent(event) => {
-            json!({ "op": "append_events", "events": [EventJson::of(event, 0)] })
-        }
+        } => OpJson::UpdateRun {
+            id: Storable(id),
+            status: status.as_str(),
+            error: error.as_ref().map(Storable),
+            state: state.as_ref().map(Storable),
+            at: *at,
+        },
+        WriteOp::InsertApproval(approval) => OpJson::InsertApproval {
+            id: Storable(&approval.id),
+            request_id: Storable(&approval.request_id),
+            run_id: Storable(&approval.run_id),
+            session_id: Storable(&approval.session_id),
+            agent_id: Storable(&approval.agent_id),
+            tool_call_id: Storable(&approval.tool_call_id),
+            tool_id: Storable(&approval.tool_id),
+            arguments: Storable(&approval.arguments),
+            rule: approval.rule.as_deref().map(Storable),
+            status: approval.status.as_str(),
+            reason: approval.reason.as_deref().map(Storable),
+            decided_by: approval.decided_by.as_deref().map(Storable),
+            created_at: approval.created_at,
+            expires_at: approval.expires_at,
+            decided_at: approval.decided_at,
+            call_key: Storable(&approval.call_key),
+            kind: approval.kind.as_str(),
+            execution: approval.execution,
+        },
+        WriteOp::DecideApproval(decision) => OpJson::DecideApproval {
+            id: Storable(&decision.id),
+            status: decision.status.as_str(),
+            reason: decision.reason.as_deref().map(Storable),
+            decided_by: Storable(&decision.decided_by),
+            at: decision.at,
+        },
+        WriteOp::StartToolCall(call) => OpJson::StartToolCall(ToolCallJson::of(call)),
+        WriteOp::RecordToolCall(call) => OpJson::RecordToolCall(ToolCallJson::of(call)),
+        WriteOp::AppendEvent(event) => OpJson::AppendEvents {
+            events: [EventJson::of(event, 0)],
+        },
     }
 }
 
-/// A request's insert, its row as inserted or as the batch's updates of it left it (see
-/// `folds`).
-fn request_json(request: &RequestRecord, row: &RequestRow<'_>) -> Value {
-    json!({ "op": "insert_request", "id": request.id,
-        "session_id": request.session_id, "agent_id": request.agent_id,
-        "protocol": request.protocol, "status": row.status.as_str(), "input": request.input,
-        "output": row.output, "error": row.error, "usage": row.usage,
-        "metadata": request.metadata, "created_at": request.created_at,
-        "updated_at": row.updated_at, "owner": request.owner })
+/// An op of a batch as `stable_harness_apply` reads it: its kind in `op`, its fields by
+/// name (see [`op_json`]). Times are written as chrono writes them (RFC 3339, `Z`), which
+/// PostgreSQL reads into `timestamptz`.
+#[derive(serde::Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+enum OpJson<'a> {
+    TouchSession {
+        id: Storable<'a, str>,
+        agent_id: Storable<'a, str>,
+        owner: Storable<'a, str>,
+        metadata: Storable<'a, Value>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        created_at: DateTime<Utc>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        updated_at: DateTime<Utc>,
+    },
+    InsertMessage {
+        id: Storable<'a, str>,
+        session_id: Storable<'a, str>,
+        parent_id: Option<Storable<'a, str>>,
+        request_id: Option<Storable<'a, str>>,
+        role: Storable<'a, str>,
+        content: Storable<'a, Value>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        created_at: DateTime<Utc>,
+    },
+    InsertRequest {
+        id: Storable<'a, str>,
+        session_id: Storable<'a, str>,
+        agent_id: Storable<'a, str>,
+        protocol: Storable<'a, str>,
+        status: &'static str,
+        input: Storable<'a, Value>,
+        output: Option<Storable<'a, str>>,
+        error: Option<Storable<'a, Value>>,
+        usage: Option<Storable<'a, Value>>,
+        metadata: Storable<'a, Value>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        created_at: DateTime<Utc>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        updated_at: DateTime<Utc>,
+        owner: Storable<'a, str>,
+    },
+    UpdateRequest {
+        id: Storable<'a, str>,
+        status: &'static str,
+        output: Option<Storable<'a, str>>,
+        error: Option<Storable<'a, Value>>,
+        usage: Option<Storable<'a, Value>>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        at: DateTime<Utc>,
+    },
+    /// A run's insert; a run the batch ended is inserted without a lease (`leased`).
+    InsertRun {
+        id: Storable<'a, str>,
+        request_id: Storable<'a, str>,
+        attempt: i64,
+        status: &'static str,
+        state: Option<Storable<'a, Value>>,
+        error: Option<Storable<'a, Value>>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        created_at: DateTime<Utc>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        updated_at: DateTime<Utc>,
+        #[serde(serialize_with = "crate::time::serialize_optional")]
+        started_at: Option<DateTime<Utc>>,
+        #[serde(serialize_with = "crate::time::serialize_optional")]
+        ended_at: Option<DateTime<Utc>>,
+        leased: bool,
+    },
+    UpdateRun {
+        id: Storable<'a, str>,
+        status: &'static str,
+        error: Option<Storable<'a, Value>>,
+        state: Option<Storable<'a, Value>>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        at: DateTime<Utc>,
+    },
+    InsertApproval {
+        id: Storable<'a, str>,
+        request_id: Storable<'a, str>,
+        run_id: Storable<'a, str>,
+        session_id: Storable<'a, str>,
+        agent_id: Storable<'a, str>,
+        tool_call_id: Storable<'a, str>,
+        tool_id: Storable<'a, str>,
+        arguments: Storable<'a, Value>,
+        rule: Option<Storable<'a, str>>,
+        status: &'static str,
+        reason: Option<Storable<'a, str>>,
+        decided_by: Option<Storable<'a, str>>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        created_at: DateTime<Utc>,
+        #[serde(serialize_with = "crate::time::serialize_optional")]
+        expires_at: Option<DateTime<Utc>>,
+        #[serde(serialize_with = "crate::time::serialize_optional")]
+        decided_at: Option<DateTime<Utc>>,
+        call_key: Storable<'a, str>,
+        kind: &'static str,
+        execution: i64,
+    },
+    DecideApproval {
+        id: Storable<'a, str>,
+        status: &'static str,
+        reason: Option<Storable<'a, str>>,
+        decided_by: Storable<'a, str>,
+        #[serde(serialize_with = "crate::time::serialize")]
+        at: DateTime<Utc>,
+    },
+    StartToolCall(ToolCallJson<'a>),
+    RecordToolCall(ToolCallJson<'a>),
+    /// One event alone (a batch's events otherwise go in [`BatchItem::Events`]).
+    AppendEvents {
+        events: [EventJson<'a>; 1],
+    },
 }
 
-/// A run's insert, its row as inserted or as the batch's updates of it left it; a run they
-/// ended is inserted without a lease.
-fn run_json(run: &RunRecord, row: &RunRow<'_>) -> Value {
-    json!({ "op": "insert_run", "id": run.id,
-        "request_id": run.request_id, "attempt": run.attempt, "status": row.status.as_str(),
-        "state": row.state, "error": row.error, "created_at": run.created_at,
-        "updated_at": row.updated_at, "started_at": row.started_at, "ended_at": row.ended_at,
-        "leased": row.leased })
+/// A tool call's start or record, as `stable_harness_apply` reads either.
+#[derive(serde::Serialize)]
+struct ToolCallJson<'a> {
+    run_id: Storable<'a, str>,
+    call_key: Storable<'a, str>,
+    model_call_id: Storable<'a, str>,
+    request_id: Storable<'a, str>,
+    tool_id: Storable<'a, str>,
+    arguments: Storable<'a, Value>,
+    idempotency_key: Storable<'a, str>,
+    outcome: Storable<'a, str>,
+    result: Storable<'a, Value>,
+    duration_ms: i64,
+    #[serde(serialize_with = "crate::time::serialize")]
+    recorded_at: DateTime<Utc>,
+}
+
+impl<'a> ToolCallJson<'a> {
+    fn of(call: &'a ToolCallRecord) -> Self {
+        Self {
+            run_id: Storable(&call.run_id),
+            call_key: Storable(&call.call_key),
+            model_call_id: Storable(&call.model_call_id),
+            request_id: Storable(&call.request_id),
+            tool_id: Storable(&call.tool_id),
+            arguments: Storable(&call.arguments),
+            idempotency_key: Storable(&call.idempotency_key),
+            outcome: Storable(&call.outcome),
+            result: Storable(&call.result),
+            duration_ms: call.duration_ms,
+            recorded_at: call.recorded_at,
+        }
+    }
 }
 
 /// A row of events as `append_events` reads it (the function numbers it): its first event,
@@ -483,7 +672,8 @@ struct EventJson<'a> {
     run_id: Storable<'a, str>,
     #[serde(rename = "type")]
     event_type: Storable<'a, str>,
-    at: &'a DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    at: DateTime<Utc>,
     data: Storable<'a, Value>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     more: Vec<LaterEvent<Storable<'a, str>, TimeText, Storable<'a, Value>>>,
@@ -503,7 +693,7 @@ impl<'a> EventJson<'a> {
             request_id: Storable(&event.request_id),
             run_id: Storable(&event.run_id),
             event_type: Storable(&event.event_type),
-            at: &event.at,
+            at: event.at,
             data: Storable(&event.data),
             more: Vec::new(),
             bytes,
@@ -565,7 +755,7 @@ fn json_bytes_within(value: &Value, budget: usize) -> Option<usize> {
 #[derive(serde::Serialize)]
 #[serde(untagged)]
 enum BatchItem<'a> {
-    Op(#[serde(serialize_with = "storable_value")] Value),
+    Op(OpJson<'a>),
     Events {
         op: &'static str,
         events: Vec<EventJson<'a>>,
@@ -574,7 +764,7 @@ enum BatchItem<'a> {
 
 /// A string or JSON value serialized as PostgreSQL can store it, as [`scrub`] leaves it
 /// (U+0000 in a string or key becomes U+FFFD), without copying what needs no change.
-struct Storable<'a, T: ?Sized>(&'a T);
+pub(super) struct Storable<'a, T: ?Sized>(pub(super) &'a T);
 
 impl serde::Serialize for Storable<'_, str> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
@@ -584,11 +774,6 @@ impl serde::Serialize for Storable<'_, str> {
             serializer.serialize_str(self.0)
         }
     }
-}
-
-/// Serializes an op's `Value` as [`Storable`] writes it.
-fn storable_value<S: serde::Serializer>(value: &Value, serializer: S) -> Result<S::Ok, S::Error> {
-    serde::Serialize::serialize(&Storable(value), serializer)
 }
 
 impl serde::Serialize for Storable<'_, Value> {
@@ -1370,8 +1555,166 @@ fn tool_call_from_row(row: &sqlx::postgres::PgRow) -> Result<ToolCallRecord, Sto
 
 #[cfg(test)]
 mod tests {
+    use super::super::ApprovalDecision;
     use super::super::event_rows::EVENTS_PER_ROW;
     use super::*;
+    use chrono::TimeZone;
+    use serde_json::json;
+
+    /// Every op kind, with U+0000 in its strings, keys and values, absent and present
+    /// options, and times of each sub-second precision, is sent as the batch function has
+    /// always read it: the JSON it was built as field by field (`json!`, chrono's time text),
+    /// made storable. Fails when a field is renamed, dropped, written as another type, or
+    /// left unscrubbed.
+    #[test]
+    fn every_op_is_sent_as_the_batch_function_reads_it() {
+        let at = |nanos: u32| Utc.timestamp_opt(1_764_470_000, nanos).unwrap();
+        let (whole, millis, micros, nanos) =
+            (at(0), at(123_000_000), at(123_456_000), at(123_456_789));
+        let odd = "a\0b";
+        let data = json!({ "k\0": ["v\0", 1, null, true, { "deep": "x\0" }] });
+        let mut session = super::super::test_records::session(odd);
+        (session.metadata, session.created_at, session.updated_at) = (data.clone(), whole, nanos);
+        let message = MessageRecord {
+            id: "msg\0".into(),
+            session_id: odd.into(),
+            parent_id: None,
+            request_id: Some(odd.into()),
+            role: "user".into(),
+            content: data.clone(),
+            created_at: millis,
+        };
+        let mut request = super::super::test_records::request(odd, odd);
+        (request.input, request.output, request.usage) = (
+            data.clone(),
+            Some("out\0".into()),
+            Some(json!({ "tokens": 3 })),
+        );
+        (request.created_at, request.updated_at) = (micros, nanos);
+        let mut run = super::super::test_records::run(odd, odd);
+        (run.state, run.started_at, run.updated_at) = (Some(data.clone()), Some(millis), micros);
+        let approval = ApprovalRecord {
+            id: "apr".into(),
+            request_id: odd.into(),
+            run_id: odd.into(),
+            session_id: odd.into(),
+            agent_id: "a".into(),
+            call_key: "key\0".into(),
+            kind: ApprovalKind::Interrupted,
+            execution: 2,
+            tool_call_id: "call".into(),
+            tool_id: "t".into(),
+            arguments: data.clone(),
+            rule: Some("rule\0".into()),
+            status: ApprovalStatus::Pending,
+            reason: None,
+            decided_by: None,
+            created_at: whole,
+            expires_at: Some(nanos),
+            decided_at: None,
+        };
+        let decision = ApprovalDecision {
+            id: "apr".into(),
+            status: ApprovalStatus::Denied,
+            reason: Some("no\0".into()),
+            decided_by: "op".into(),
+            at: micros,
+        };
+        let call = ToolCallRecord {
+            run_id: odd.into(),
+            call_key: "key".into(),
+            model_call_id: "m".into(),
+            request_id: odd.into(),
+            tool_id: "t".into(),
+            arguments: data.clone(),
+            idempotency_key: "idem\0".into(),
+            executions: 1,
+            outcome: "ok".into(),
+            result: data.clone(),
+            duration_ms: 7,
+            recorded_at: millis,
+        };
+        let ops = vec![
+            WriteOp::TouchSession(session.clone()),
+            WriteOp::InsertMessage(message.clone()),
+            WriteOp::InsertRequest(request.clone()),
+            WriteOp::InsertRun(run.clone()),
+            WriteOp::UpdateRequest {
+                id: odd.into(),
+                status: RunStatus::Failed,
+                output: None,
+                error: Some(data.clone()),
+                usage: None,
+                at: whole,
+            },
+            WriteOp::UpdateRun {
+                id: odd.into(),
+                status: RunStatus::Running,
+                error: None,
+                state: Some(data.clone()),
+                at: nanos,
+            },
+            WriteOp::InsertApproval(approval.clone()),
+            WriteOp::DecideApproval(decision.clone()),
+            WriteOp::StartToolCall(call.clone()),
+            WriteOp::RecordToolCall(call.clone()),
+        ];
+        let tool_call = |op: &str| {
+            json!({ "op": op, "run_id": call.run_id, "call_key": call.call_key,
+                "model_call_id": call.model_call_id, "request_id": call.request_id,
+                "tool_id": call.tool_id, "arguments": call.arguments,
+                "idempotency_key": call.idempotency_key, "outcome": call.outcome,
+                "result": call.result, "duration_ms": call.duration_ms,
+                "recorded_at": call.recorded_at })
+        };
+        // As each op was built before it was serialized from its record.
+        let expected = [
+            json!({ "op": "touch_session", "id": session.id, "agent_id": session.agent_id,
+                "owner": session.owner, "metadata": session.metadata,
+                "created_at": session.created_at, "updated_at": session.updated_at }),
+            json!({ "op": "insert_message", "id": message.id, "session_id": message.session_id,
+                "parent_id": message.parent_id, "request_id": message.request_id,
+                "role": message.role, "content": message.content,
+                "created_at": message.created_at }),
+            json!({ "op": "insert_request", "id": request.id, "session_id": request.session_id,
+                "agent_id": request.agent_id, "protocol": request.protocol,
+                "status": request.status.as_str(), "input": request.input,
+                "output": request.output, "error": request.error, "usage": request.usage,
+                "metadata": request.metadata, "created_at": request.created_at,
+                "updated_at": request.updated_at, "owner": request.owner }),
+            json!({ "op": "insert_run", "id": run.id, "request_id": run.request_id,
+                "attempt": run.attempt, "status": run.status.as_str(), "state": run.state,
+                "error": run.error, "created_at": run.created_at,
+                "updated_at": run.updated_at, "started_at": run.started_at,
+                "ended_at": run.ended_at, "leased": true }),
+            json!({ "op": "update_request", "id": odd, "status": "failed", "output": null,
+                "error": data, "usage": null, "at": whole }),
+            json!({ "op": "update_run", "id": odd, "status": "running", "error": null,
+                "state": data, "at": nanos }),
+            json!({ "op": "insert_approval", "id": approval.id,
+                "request_id": approval.request_id, "run_id": approval.run_id,
+                "session_id": approval.session_id, "agent_id": approval.agent_id,
+                "tool_call_id": approval.tool_call_id, "tool_id": approval.tool_id,
+                "arguments": approval.arguments, "rule": approval.rule,
+                "status": approval.status.as_str(), "reason": approval.reason,
+                "decided_by": approval.decided_by, "created_at": approval.created_at,
+                "expires_at": approval.expires_at, "decided_at": approval.decided_at,
+                "call_key": approval.call_key, "kind": approval.kind.as_str(),
+                "execution": approval.execution }),
+            json!({ "op": "decide_approval", "id": decision.id,
+                "status": decision.status.as_str(), "reason": decision.reason,
+                "decided_by": decision.decided_by, "at": decision.at }),
+            tool_call("start_tool_call"),
+            tool_call("record_tool_call"),
+        ];
+        // Each op alone: no later update folds into an insert.
+        for (op, expected) in ops.iter().zip(expected) {
+            let mut folds = Folds::plan(std::slice::from_ref(op));
+            let sent = serde_json::to_value(op_json(op, 0, &mut folds)).unwrap();
+            assert_eq!(sent, json(&expected), "{op:?}");
+            assert!(!sent.to_string().contains("\\u0000"), "{sent}");
+        }
+    }
 
     fn event(run: &str, data: Value) -> EventRecord {
         EventRecord {

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::StoreError;
 use super::conditions::{self, Dialect};
-use super::postgres::{PostgresStore, text};
+use super::postgres::{PostgresStore, Storable, text};
 use super::spend::{
     Amount, Claim, ClaimRefused, CounterDelta, CounterKey, RateBucket, RateTake, SpendStore,
     UsageFilter, UsageGroupBy, UsageRecord, UsageTotals,
@@ -38,6 +38,9 @@ const CHARGE_IDLE: Duration = Duration::from_millis(250);
 /// a charge is dropped with an error, as on the embedded store, rather than memory growing
 /// without end; the runs making calls meanwhile wait at their next commit anyway.
 const MAX_QUEUED_CHARGES: usize = 8_192;
+
+/// A queued charge: its JSON as `stable_harness_record_usage` reads it ([`charge_json`]).
+type Charge = Box<serde_json::value::RawValue>;
 
 /// Charges settled on this instance and not yet written, in one writer lane (the store keeps
 /// one of these per lane, and a charge waits in its request's): each rides along with the
@@ -60,7 +63,7 @@ pub(super) struct PendingCharges {
 
 #[derive(Debug, Default)]
 struct Queue {
-    charges: Vec<serde_json::Value>,
+    charges: Vec<Charge>,
     /// When the oldest queued charge was queued (or last failed to be written alone).
     since: Option<Instant>,
 }
@@ -72,7 +75,7 @@ impl PendingCharges {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn push(&self, charge: serde_json::Value) {
+    fn push(&self, charge: Charge) {
         let mut queue = self.queue();
         if queue.charges.len() >= MAX_QUEUED_CHARGES {
             tracing::error!("the store keeps refusing charges; one was dropped");
@@ -86,7 +89,7 @@ impl PendingCharges {
     }
 
     /// Every queued charge, for the batch or lone write about to be applied.
-    pub(super) fn take(&self) -> Vec<serde_json::Value> {
+    pub(super) fn take(&self) -> Vec<Charge> {
         let mut queue = self.queue();
         queue.since = None;
         std::mem::take(&mut queue.charges)
@@ -94,7 +97,7 @@ impl PendingCharges {
 
     /// Queues again charges whose write failed, ahead of any queued since, to be tried with
     /// the next batch or alone after another [`CHARGE_IDLE`].
-    fn put_back(&self, mut charges: Vec<serde_json::Value>) {
+    fn put_back(&self, mut charges: Vec<Charge>) {
         if charges.is_empty() {
             return;
         }
@@ -117,7 +120,7 @@ impl PendingCharges {
     pub(super) async fn after_failed_batch(
         &self,
         pool: &PgPool,
-        charges: Vec<serde_json::Value>,
+        charges: Vec<Charge>,
         error: &StoreError,
     ) {
         if error.is_transient() {
@@ -128,7 +131,7 @@ impl PendingCharges {
     }
 
     /// Writes `charges` in a transaction of their own. The caller holds [`Self::writing`].
-    async fn write_alone(&self, pool: &PgPool, charges: Vec<serde_json::Value>) {
+    async fn write_alone(&self, pool: &PgPool, charges: Vec<Charge>) {
         if charges.is_empty() {
             return;
         }
@@ -184,48 +187,103 @@ pub(super) async fn flush_idle_charges(
 }
 
 /// A counter and an amount as the spend functions read them (a claim, a charge's delta).
-fn counter_json(key: &CounterKey, amount: Amount) -> serde_json::Map<String, serde_json::Value> {
-    let mut fields = serde_json::Map::new();
-    fields.insert("budget".into(), text(&key.budget).into());
-    fields.insert("subject".into(), text(&key.subject).into());
-    fields.insert("tokens".into(), int(amount.tokens).into());
-    fields.insert("cost_nanos".into(), amount.cost_nanos.into());
-    fields
+#[derive(serde::Serialize)]
+struct CounterJson<'a> {
+    budget: Storable<'a, str>,
+    subject: Storable<'a, str>,
+    tokens: i64,
+    cost_nanos: i64,
 }
 
-/// A charge as `stable_harness_record_usage` reads it.
+impl<'a> CounterJson<'a> {
+    fn of(key: &'a CounterKey, amount: Amount) -> Self {
+        Self {
+            budget: Storable(&key.budget),
+            subject: Storable(&key.subject),
+            tokens: int(amount.tokens),
+            cost_nanos: amount.cost_nanos,
+        }
+    }
+}
+
+/// A charge's delta of one counter's bucket.
+#[derive(serde::Serialize)]
+struct DeltaJson<'a> {
+    #[serde(flatten)]
+    counter: CounterJson<'a>,
+    bucket: i64,
+}
+
+/// A claim of a reservation, as `stable_harness_reserve` reads it.
+#[derive(serde::Serialize)]
+struct ClaimJson<'a> {
+    #[serde(flatten)]
+    counter: CounterJson<'a>,
+    from_bucket: i64,
+    max_tokens: Option<i64>,
+    max_cost_nanos: Option<i64>,
+}
+
+/// A charge as `stable_harness_record_usage` reads it, serialized once from its record
+/// when it is queued (it waits as that text for the batch that carries it).
+#[derive(serde::Serialize)]
+struct ChargeJson<'a> {
+    record: UsageJson<'a>,
+    hold: Option<Storable<'a, str>>,
+    deltas: Vec<DeltaJson<'a>>,
+}
+
+#[derive(serde::Serialize)]
+struct UsageJson<'a> {
+    id: Storable<'a, str>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    at: chrono::DateTime<chrono::Utc>,
+    request_id: Storable<'a, str>,
+    run_id: Storable<'a, str>,
+    owner: Storable<'a, str>,
+    agent_id: Storable<'a, str>,
+    session_id: Storable<'a, str>,
+    model: Storable<'a, str>,
+    source: Storable<'a, str>,
+    prompt_tokens: i64,
+    completion_tokens: i64,
+    cost_nanos: Option<i64>,
+    estimated: bool,
+}
+
+/// A charge as `stable_harness_record_usage` reads it ([`ChargeJson`]).
 fn charge_json(
     record: &UsageRecord,
     deltas: &[CounterDelta],
     hold: Option<&str>,
-) -> serde_json::Value {
-    let deltas: Vec<serde_json::Value> = deltas
-        .iter()
-        .map(|delta| {
-            let mut fields = counter_json(&delta.key, delta.amount);
-            fields.insert("bucket".into(), delta.bucket.into());
-            serde_json::Value::Object(fields)
-        })
-        .collect();
-    serde_json::json!({
-        "record": {
-            "id": text(&record.id),
-            "at": record.at,
-            "request_id": text(&record.request_id),
-            "run_id": text(&record.run_id),
-            "owner": text(&record.owner),
-            "agent_id": text(&record.agent_id),
-            "session_id": text(&record.session_id),
-            "model": text(&record.model),
-            "source": text(&record.source),
-            "prompt_tokens": int(record.prompt_tokens),
-            "completion_tokens": int(record.completion_tokens),
-            "cost_nanos": record.cost_nanos,
-            "estimated": record.estimated,
+) -> Result<Charge, StoreError> {
+    let charge = ChargeJson {
+        record: UsageJson {
+            id: Storable(&record.id),
+            at: record.at,
+            request_id: Storable(&record.request_id),
+            run_id: Storable(&record.run_id),
+            owner: Storable(&record.owner),
+            agent_id: Storable(&record.agent_id),
+            session_id: Storable(&record.session_id),
+            model: Storable(&record.model),
+            source: Storable(&record.source),
+            prompt_tokens: int(record.prompt_tokens),
+            completion_tokens: int(record.completion_tokens),
+            cost_nanos: record.cost_nanos,
+            estimated: record.estimated,
         },
-        "hold": hold.map(text),
-        "deltas": deltas,
-    })
+        hold: hold.map(Storable),
+        deltas: deltas
+            .iter()
+            .map(|delta| DeltaJson {
+                counter: CounterJson::of(&delta.key, delta.amount),
+                bucket: delta.bucket,
+            })
+            .collect(),
+    };
+    // Strings, numbers and booleans only: serializing it does not fail.
+    serde_json::value::to_raw_value(&charge).map_err(|error| StoreError::Writer(error.to_string()))
 }
 
 fn int(value: u64) -> i64 {
@@ -289,7 +347,7 @@ impl SpendStore for PostgresStore {
     ) -> Result<(), StoreError> {
         let lane = crate::store::lane_of(&record.request_id, self.charges.len());
         self.pending_charges(lane)
-            .push(charge_json(record, deltas, hold));
+            .push(charge_json(record, deltas, hold)?);
         Ok(())
     }
 
@@ -388,15 +446,16 @@ impl SpendStore for PostgresStore {
         // Sorted, so that concurrent reservations lock counters in one order.
         let mut order: Vec<usize> = (0..claims.len()).collect();
         order.sort_by(|a, b| claims[*a].key.cmp(&claims[*b].key));
-        let sorted: Vec<serde_json::Value> = order
+        let sorted: Vec<ClaimJson<'_>> = order
             .iter()
             .map(|index| {
                 let claim = &claims[*index];
-                let mut fields = counter_json(&claim.key, claim.amount);
-                fields.insert("from_bucket".into(), claim.from_bucket.into());
-                fields.insert("max_tokens".into(), claim.max_tokens.map(int).into());
-                fields.insert("max_cost_nanos".into(), claim.max_cost_nanos.into());
-                serde_json::Value::Object(fields)
+                ClaimJson {
+                    counter: CounterJson::of(&claim.key, claim.amount),
+                    from_bucket: claim.from_bucket,
+                    max_tokens: claim.max_tokens.map(int),
+                    max_cost_nanos: claim.max_cost_nanos,
+                }
             })
             .collect();
         let refused: Option<serde_json::Value> =
@@ -404,7 +463,7 @@ impl SpendStore for PostgresStore {
                 .bind(text(hold))
                 .bind(text(run_id))
                 .bind(self.lease_ms)
-                .bind(serde_json::Value::Array(sorted))
+                .bind(sqlx::types::Json(sorted))
                 .fetch_one(&self.pool)
                 .await?;
         let Some(refused) = refused else {
@@ -511,5 +570,63 @@ impl SpendStore for PostgresStore {
                 row.try_get("reserved_cost")?,
             ),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{TimeZone, Utc};
+    use serde_json::json;
+
+    use super::*;
+
+    /// A charge is queued as the ledger's function has always read it: the JSON it was
+    /// built as field by field (`json!`, chrono's time text), U+0000 made storable. Fails
+    /// when a field is renamed, dropped or written as another type.
+    #[test]
+    fn a_charge_is_queued_as_the_ledger_function_reads_it() {
+        let record = UsageRecord {
+            id: "use\0".into(),
+            at: Utc.timestamp_opt(1_764_470_000, 123_456_789).unwrap(),
+            request_id: "req".into(),
+            run_id: "run".into(),
+            owner: "o".into(),
+            agent_id: "a".into(),
+            session_id: "ses".into(),
+            model: "m\0".into(),
+            source: "upstream".into(),
+            prompt_tokens: u64::MAX,
+            completion_tokens: 5,
+            cost_nanos: None,
+            estimated: true,
+        };
+        let deltas = [CounterDelta {
+            key: CounterKey {
+                budget: "b\0".into(),
+                subject: "s".into(),
+            },
+            bucket: 42,
+            amount: Amount {
+                tokens: 9,
+                cost_nanos: -1,
+            },
+        }];
+        for hold in [None, Some("hold\0")] {
+            let charge: serde_json::Value =
+                serde_json::from_str(charge_json(&record, &deltas, hold).unwrap().get()).unwrap();
+            let expected = json!({
+                "record": {
+                    "id": text(&record.id), "at": record.at, "request_id": record.request_id,
+                    "run_id": record.run_id, "owner": record.owner, "agent_id": record.agent_id,
+                    "session_id": record.session_id, "model": text(&record.model),
+                    "source": record.source, "prompt_tokens": i64::MAX, "completion_tokens": 5,
+                    "cost_nanos": null, "estimated": true,
+                },
+                "hold": hold.map(text),
+                "deltas": [{ "budget": text("b\0"), "subject": "s", "tokens": 9,
+                    "cost_nanos": -1, "bucket": 42 }],
+            });
+            assert_eq!(charge, expected);
+        }
     }
 }
