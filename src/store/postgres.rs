@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use serde_json::Value;
-use sqlx::Row;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
 use tokio::sync::broadcast;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -63,6 +63,8 @@ const CHANGES_CAPACITY: usize = 4_096;
 /// own: one batch at a time left PostgreSQL one CPU's worth of work at most (a third of
 /// this 2-core machine idle at 32 clients; docs/profiling.md, the thirty-seventh pass).
 const WRITER_LANES: usize = 2;
+/// How long a read waits for a pooled connection, or a writer lane for its backend to open.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
@@ -74,6 +76,12 @@ pub struct PostgresStore {
     /// Settled calls' charges waiting for this instance's next batch, per writer lane (a
     /// charge waits in its request's lane, for a batch of that lane).
     pub(super) charges: Arc<[Arc<PendingCharges>]>,
+    /// How to open a backend of the store's database: each writer lane's own.
+    options: PgConnectOptions,
+    /// Each writer lane's backend, opened at its first batch and kept while it works. A pooled
+    /// connection costs two more round trips per batch: sqlx pings it when it is acquired and
+    /// again when it is returned (docs/profiling.md, the thirty-eighth pass).
+    lane_backends: Arc<[tokio::sync::Mutex<Option<PgConnection>>]>,
     /// Stops the listener and each lane's lone writer of idle charges when the last handle
     /// of the store is dropped.
     _listening: Arc<DropGuard>,
@@ -87,8 +95,8 @@ impl PostgresStore {
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .min_connections(1)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options.clone())
             .await?;
         MIGRATOR.run(&pool).await?;
         let holder = super::new_holder();
@@ -119,6 +127,10 @@ impl PostgresStore {
             lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
             changes,
             charges,
+            options,
+            lane_backends: (0..WRITER_LANES)
+                .map(|_| tokio::sync::Mutex::default())
+                .collect(),
             _listening: Arc::new(stop.drop_guard()),
         })
     }
@@ -802,13 +814,51 @@ impl PostgresStore {
         &self.charges[lane.min(self.charges.len() - 1)]
     }
 
+    /// Runs `query` on writer lane `lane`'s backend, opened first if the lane has none. The
+    /// backend is taken from its slot while the query runs and put back only after an answer
+    /// from the database (its refusal included): one the query's future was dropped on, or
+    /// whose connection failed, is closed, and the lane's next batch opens another.
+    async fn on_lane_backend(
+        &self,
+        lane: usize,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<PgRow, sqlx::Error> {
+        // At least one lane (`WRITER_LANES`); a lane past them is the last one's.
+        let slot = &self.lane_backends[lane.min(self.lane_backends.len() - 1)];
+        let mut slot = slot.lock().await;
+        let mut backend = match slot.take() {
+            Some(backend) => backend,
+            None => {
+                tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&self.options))
+                    .await
+                    .map_err(|_| sqlx::Error::PoolTimedOut)??
+            }
+        };
+        let answered = query.fetch_one(&mut backend).await;
+        let usable = match &answered {
+            Ok(_) => true,
+            // A statement refused; not the connection lost or the backend told to end.
+            Err(sqlx::Error::Database(error)) => error
+                .code()
+                .is_none_or(|code| !(code.starts_with("08") || code.starts_with("57P"))),
+            Err(_) => false,
+        };
+        if usable {
+            *slot = Some(backend);
+        }
+        answered
+    }
+
     /// [`Store::apply_batch`] for a batch of the journal's writer lane `lane`, with the
-    /// charges waiting in that lane.
+    /// charges waiting in that lane; on the lane's own backend when `on_lane_backend` (the
+    /// journal's batches), else on one of the pool's (a writer outside the journal, which
+    /// may apply several batches at once).
     async fn apply_in_lane(
         &self,
         lane: usize,
         batch_id: &str,
         ops: &[WriteOp],
+        on_lane_backend: bool,
     ) -> Result<Vec<i64>, StoreError> {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides). Updates of a run
@@ -886,7 +936,12 @@ impl PostgresStore {
         } else {
             applied.bind(sessions)
         };
-        let applied = match applied.fetch_one(&self.pool).await {
+        let applied = if on_lane_backend {
+            self.on_lane_backend(lane, applied).await
+        } else {
+            applied.fetch_one(&self.pool).await
+        };
+        let applied = match applied {
             Ok(row) => row.try_get::<Vec<i64>, _>(0).map_err(StoreError::from),
             Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("SH409") => {
                 Err(StoreError::Conflict(error.message().to_owned()))
@@ -906,7 +961,7 @@ impl PostgresStore {
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
-        self.apply_in_lane(0, batch_id, ops).await
+        self.apply_in_lane(0, batch_id, ops, false).await
     }
 
     async fn apply_owned(
@@ -915,7 +970,7 @@ impl Store for PostgresStore {
         batch_id: &str,
         ops: Vec<WriteOp>,
     ) -> (Vec<WriteOp>, Result<Vec<i64>, StoreError>) {
-        let applied = self.apply_in_lane(lane, batch_id, &ops).await;
+        let applied = self.apply_in_lane(lane, batch_id, &ops, true).await;
         (ops, applied)
     }
 

@@ -2023,6 +2023,75 @@ async fn on_postgres_a_batch_locks_its_sessions_first_and_one_refused_by_a_deadl
     assert_eq!(events[0].seq, 1);
 }
 
+/// A writer lane keeps its own backend from batch to batch (a pooled connection would cost
+/// two more round trips each), and opens another when the database ends it: the next batch
+/// is applied once, nothing lost. Fails when a lane keeps a dead backend or a batch is
+/// dropped with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_is_ended() {
+    use sqlx::Connection;
+    let url = crate::pg::fresh_database();
+    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
+        .await
+        .unwrap();
+    seed(&store, "f", RunStatus::Running).await;
+    let journal = journal_on(&store);
+    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
+    // The backends whose last statement applied a batch, but those named in `but`.
+    let appliers = async |probe: &mut sqlx::PgConnection, but: &[i32]| -> Vec<i32> {
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+             AND pid <> pg_backend_pid() AND query LIKE '%stable_harness_apply(%' ORDER BY pid",
+        )
+        .fetch_all(probe)
+        .await
+        .unwrap();
+        pids.into_iter().filter(|pid| !but.contains(pid)).collect()
+    };
+    // The pool's backend that seeded.
+    let seeded = appliers(&mut probe, &[]).await;
+    let commit = async |journal: &stable_harness::runtime::Journal| {
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            journal.commit(Some("req_f"), vec![event("req_f", "run_f", 0)]),
+        )
+        .await
+        .expect("the batch was applied")
+        .unwrap()
+    };
+    commit(&journal).await;
+    let first = appliers(&mut probe, &seeded).await;
+    assert_eq!(first.len(), 1, "one lane applied the request's batch");
+    commit(&journal).await;
+    assert_eq!(
+        appliers(&mut probe, &seeded).await,
+        first,
+        "the lane kept its backend"
+    );
+
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut probe)
+    .await
+    .unwrap();
+    assert!(!ended.is_empty() && ended.iter().all(|ended| *ended));
+    commit(&journal).await;
+    let after = appliers(&mut probe, &seeded).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_ne!(after, first, "the lane opened another backend");
+    assert!(journal.is_available());
+    let numbers: Vec<i64> = store
+        .events("req_f", 0, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.seq)
+        .collect();
+    assert_eq!(numbers, vec![1, 2, 3], "each batch applied once");
+}
+
 /// A request and its run inserted, started, and ended: the ops the common request commits
 /// in one transaction. `at` is fixed, so two copies store the same times.
 fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> Vec<WriteOp> {
