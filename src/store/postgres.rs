@@ -515,7 +515,7 @@ fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'
         WriteOp::StartToolCall(call) => OpJson::StartToolCall(ToolCallJson::of(call)),
         WriteOp::RecordToolCall(call) => OpJson::RecordToolCall(ToolCallJson::of(call)),
         WriteOp::AppendEvent(event) => OpJson::AppendEvents {
-            events: [EventJson::of(event, 0)],
+            events: vec![EventJson::of(event, 0)],
         },
     }
 }
@@ -631,9 +631,9 @@ enum OpJson<'a> {
     },
     StartToolCall(ToolCallJson<'a>),
     RecordToolCall(ToolCallJson<'a>),
-    /// One event alone (a batch's events otherwise go in [`BatchItem::Events`]).
+    /// Rows of events: a batch's events, after its other ops ([`add_event`]).
     AppendEvents {
-        events: [EventJson<'a>; 1],
+        events: Vec<EventJson<'a>>,
     },
 }
 
@@ -762,18 +762,6 @@ fn json_bytes_within(value: &Value, budget: usize) -> Option<usize> {
     walk(value, &mut left).then(|| budget - left)
 }
 
-/// A batch as `stable_harness_apply` reads it: the ops in order, then the batch's events.
-/// Both are made storable as they are serialized, without a walk of their own.
-#[derive(serde::Serialize)]
-#[serde(untagged)]
-enum BatchItem<'a> {
-    Op(OpJson<'a>),
-    Events {
-        op: &'static str,
-        events: Vec<EventJson<'a>>,
-    },
-}
-
 /// A string or JSON value serialized as PostgreSQL can store it, as [`scrub`] leaves it
 /// (U+0000 in a string or key becomes U+FFFD), without copying what needs no change.
 pub(super) struct Storable<'a, T: ?Sized>(pub(super) &'a T);
@@ -863,6 +851,7 @@ impl PostgresStore {
         // One round trip: the ops in order, then the batch's events in one insert (they only
         // need their request, which an earlier op or the store provides). Updates of a run
         // or request the batch inserts are folded into the insert, as on SQLite (`folds`).
+        // Each is made storable as it is serialized, without a walk of its own.
         let mut batch = Vec::with_capacity(ops.len().saturating_add(1));
         let mut events = Vec::new();
         let mut folds = Folds::plan(ops);
@@ -872,14 +861,11 @@ impl PostgresStore {
             }
             match op {
                 WriteOp::AppendEvent(event) => add_event(&mut events, event),
-                op => batch.push(BatchItem::Op(op_json(op, index, &mut folds))),
+                op => batch.push(op_json(op, index, &mut folds)),
             }
         }
         if !events.is_empty() {
-            batch.push(BatchItem::Events {
-                op: "append_events",
-                events,
-            });
+            batch.push(OpJson::AppendEvents { events });
         }
         // The charges settled since the last batch commit with this one (see
         // `postgres_spend::PendingCharges`): same transaction, same round trip.
