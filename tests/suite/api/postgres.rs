@@ -468,10 +468,43 @@ async fn while_the_database_is_unreachable_readyz_is_red_and_writes_get_503_unti
         server.stderr()
     );
     // A submit in flight when the database went away waits for it; later ones are shed.
+    // The journal's failed writes, counted: the first after this submit is its own (nothing
+    // else writes meanwhile), retried until the database is back. Only then do the later
+    // submits begin: a write that fails at once (a writer lane's backend cut) would
+    // otherwise shed this submit if one of them came first.
+    let store_errors = async || -> u64 {
+        let metrics = http
+            .get(server.url("/metrics"))
+            .bearer_auth(ADMIN_KEY)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metrics
+            .lines()
+            .filter(|line| line.starts_with("stable_harness_store_errors_total"))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let failed_before = store_errors().await;
     let waiting = tokio::spawn({
         let (http, base, body) = (http.clone(), server.base.clone(), body.clone());
         async move { submit(&http, &base, &body).await }
     });
+    let mut failed = failed_before;
+    for _ in 0..600 {
+        failed = store_errors().await;
+        if failed > failed_before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        failed > failed_before,
+        "the waiting submit's write was tried"
+    );
     // Until its write has failed once, a submit may still join the wait (the client gives
     // up on those after a second; they are accepted once the database is back).
     let mut shed = Value::Null;
