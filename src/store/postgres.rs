@@ -964,36 +964,41 @@ impl Store for PostgresStore {
         WRITER_LANES
     }
 
-    /// Two round trips instead of four, one after the other: the request with what it was
-    /// charged, then its runs and their approvals at once, on two of the pool's connections.
-    /// The request comes first: whatever its row says has ended, the later reads see ended
-    /// too (a view never shows a completed request with a run still queued).
+    /// Three statements on one of the pool's connections, one after the other: the request
+    /// with what it was charged, then its runs, then their approvals. The request comes
+    /// first: whatever its row says has ended, the later reads see ended too (a view never
+    /// shows a completed request with a run still queued).
     // The charges are found by `$1`, not by `r.id`: `requests.id` is `COLLATE "C"`, and a
     // comparison in that collation cannot use `usage_records`' index (a scan of every charge).
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = text(id);
+        // One connection: the pool pings a connection when it is taken and again when it is
+        // returned, so the parts read at once on two more connections cost four round trips
+        // more than they saved (docs/profiling.md, the thirty-eighth pass).
+        let mut connection = self.pool.acquire().await?;
         let request = sqlx::query(concat!(
             "SELECT r.*, u.* FROM requests r, LATERAL (SELECT ",
             usage_sums!(),
             " FROM usage_records WHERE request_id = $1) u WHERE r.id = $1"
         ))
         .bind(&id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *connection)
         .await?;
         let Some(request) = request else {
             return Ok(None);
         };
         let runs = sqlx::query("SELECT * FROM runs WHERE request_id = $1 ORDER BY attempt")
             .bind(&id)
-            .fetch_all(&self.pool);
+            .fetch_all(&mut *connection)
+            .await?;
         // Run by run (in the runs' order), then by id: as `approvals_of_run` for each run.
         let approvals = sqlx::query(
             "SELECT a.* FROM approvals a JOIN runs r ON r.id = a.run_id
              WHERE a.request_id = $1 ORDER BY r.attempt, a.id",
         )
         .bind(&id)
-        .fetch_all(&self.pool);
-        let (runs, approvals) = tokio::try_join!(runs, approvals)?;
+        .fetch_all(&mut *connection)
+        .await?;
         // The sums' columns are named as `usage_totals` names them; none is a request's.
         let charged = usage_totals_from_row(&request, String::new())?;
         Ok(Some(RequestInFull {
