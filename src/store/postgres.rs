@@ -76,8 +76,6 @@ pub struct PostgresStore {
     /// Settled calls' charges waiting for this instance's next batch, per writer lane (a
     /// charge waits in its request's lane, for a batch of that lane).
     pub(super) charges: Arc<[Arc<PendingCharges>]>,
-    /// How to open a backend of the store's database: each writer lane's own.
-    options: PgConnectOptions,
     /// Each writer lane's backend, opened at its first batch and kept while it works. A pooled
     /// connection costs two more round trips per batch: sqlx pings it when it is acquired and
     /// again when it is returned (docs/profiling.md, the thirty-eighth pass).
@@ -96,7 +94,7 @@ impl PostgresStore {
             .max_connections(16)
             .min_connections(1)
             .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options.clone())
+            .connect_with(options)
             .await?;
         MIGRATOR.run(&pool).await?;
         let holder = super::new_holder();
@@ -127,7 +125,6 @@ impl PostgresStore {
             lease_ms: i64::try_from(lease.as_millis()).unwrap_or(i64::MAX),
             changes,
             charges,
-            options,
             lane_backends: (0..WRITER_LANES)
                 .map(|_| tokio::sync::Mutex::default())
                 .collect(),
@@ -817,7 +814,9 @@ impl PostgresStore {
         let mut backend = match slot.take() {
             Some(backend) => backend,
             None => {
-                tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&self.options))
+                // The pool's options, not a copy kept here: their `Debug` shows the password.
+                let options = self.pool.connect_options();
+                tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&options))
                     .await
                     .map_err(|_| sqlx::Error::PoolTimedOut)??
             }
