@@ -1196,6 +1196,21 @@ mod tests {
     }
 
     /// The texts of a request's stored output deltas, one per stored event.
+    /// Waits until the writer of `request`'s lane watches its queue with a deadline, as it
+    /// does after a commit. It acknowledges the commit first: a held write queued before it
+    /// watches wakes it, and it takes that write out of the queue, where a test expects to
+    /// find it.
+    async fn until_the_writer_watches(journal: &Journal, request: &str) {
+        let queue = &journal.lane(Some(request)).queue;
+        for _ in 0..10_000 {
+            if queue.state().timed {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("the writer never watched its queue");
+    }
+
     async fn stored_deltas(store: &Arc<dyn Store>, request: &str) -> Vec<String> {
         store
             .events(request, 0, 100)
@@ -1550,6 +1565,7 @@ mod tests {
                 .await
                 .unwrap();
         }
+        until_the_writer_watches(&journal, "req_a").await;
         // Nothing queued: nothing to join.
         assert!(!journal.extend_queued_delta("req_a", "run", "lost"));
         journal
@@ -1626,6 +1642,7 @@ mod tests {
             .commit(Some("req_a"), request_ops("req_a"))
             .await
             .unwrap();
+        until_the_writer_watches(&journal, "req_a").await;
         journal
             .write(Some("req_a"), delta("req_a", "run", "held "))
             .await
