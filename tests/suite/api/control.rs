@@ -888,17 +888,7 @@ async fn metrics_move_as_requests_run() {
         "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: metered }\nspec:\n  backend: openai\n  model: main\n  tools: [weather.lookup]\n",
     );
     let app = spawn(workspace, None).await;
-    let scrape = async || -> String {
-        let response = app
-            .http
-            .get(app.url("/metrics"))
-            .bearer_auth(ADMIN_KEY)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        response.text().await.unwrap()
-    };
+    let scrape = async || super::metrics_text(&app.http, &app.url("/metrics")).await;
     let unauthorized = app.http.get(app.url("/metrics")).send().await.unwrap();
     assert_eq!(unauthorized.status(), 401);
     let before = scrape().await;

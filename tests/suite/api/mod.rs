@@ -314,6 +314,13 @@ pub async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> (u16, Val
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
+/// The server's metrics at `url` (its `/metrics`), read with the admin key.
+pub async fn metrics_text(http: &reqwest::Client, url: &str) -> String {
+    let response = http.get(url).bearer_auth(ADMIN_KEY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap()
+}
+
 /// `POST url` of `body` as JSON with a bearer key: the response, its body unread.
 pub async fn send_post(
     http: &reqwest::Client,

@@ -473,16 +473,8 @@ async fn while_the_database_is_unreachable_readyz_is_red_and_writes_get_503_unti
     // submits begin: a write that fails at once (a writer lane's backend cut) would
     // otherwise shed this submit if one of them came first.
     let store_errors = async || -> u64 {
-        let metrics = http
-            .get(server.url("/metrics"))
-            .bearer_auth(ADMIN_KEY)
-            .send()
+        super::metrics_text(&http, &server.url("/metrics"))
             .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        metrics
             .lines()
             .filter(|line| line.starts_with("stable_harness_store_errors_total"))
             .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())

@@ -189,16 +189,7 @@ async fn concurrent_requests_never_overshoot(database: Option<String>) {
     assert_eq!(state["limit"]["tokens"], FIVE_CALLS, "{list}");
     assert!(state["resetsAt"].is_string(), "{list}");
     // A refusal while running is announced, and counted in the metrics.
-    let metrics = app
-        .http
-        .get(app.url("/metrics"))
-        .bearer_auth(ADMIN_KEY)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = super::metrics_text(&app.http, &app.url("/metrics")).await;
     assert!(
         metrics.contains("stable_harness_budget_refusals_total{budget=\"shared-pool\""),
         "{metrics}"
