@@ -1195,7 +1195,6 @@ mod tests {
             .collect()
     }
 
-    /// The texts of a request's stored output deltas, one per stored event.
     /// Waits until the writer of `request`'s lane watches its queue with a deadline, as it
     /// does after a commit. It acknowledges the commit first: a held write queued before it
     /// watches wakes it, and it takes that write out of the queue, where a test expects to
@@ -1211,6 +1210,7 @@ mod tests {
         panic!("the writer never watched its queue");
     }
 
+    /// The texts of a request's stored output deltas, one per stored event.
     async fn stored_deltas(store: &Arc<dyn Store>, request: &str) -> Vec<String> {
         store
             .events(request, 0, 100)
