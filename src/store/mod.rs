@@ -246,8 +246,8 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
     /// A request with its runs, their approvals and what its calls were charged: what a
     /// request's view shows. Read in one hop where the store can: the embedded store on its
-    /// writer's connection; PostgreSQL on one pooled connection, the request first, then
-    /// its parts.
+    /// writer's connection; PostgreSQL in one statement (one snapshot) on a backend it keeps
+    /// for such reads.
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the

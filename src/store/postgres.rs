@@ -63,6 +63,11 @@ const CHANGES_CAPACITY: usize = 4_096;
 /// own: one batch at a time left PostgreSQL one CPU's worth of work at most (a third of
 /// this 2-core machine idle at 32 clients; docs/profiling.md, the thirty-seventh pass).
 const WRITER_LANES: usize = 2;
+/// Backends kept for the reads on a request's answer path (its view, after `wait`), outside
+/// the pool: the pool pings a connection when it is taken and again when it is returned, two
+/// round trips more than the read's one (docs/profiling.md, the thirty-ninth pass). A read
+/// finding them all busy takes a pooled connection.
+const READER_BACKENDS: usize = 2;
 /// How long a read waits for a pooled connection, or a writer lane for its backend to open.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -80,6 +85,9 @@ pub struct PostgresStore {
     /// connection costs two more round trips per batch: sqlx pings it when it is acquired and
     /// again when it is returned (docs/profiling.md, the thirty-eighth pass).
     lane_backends: Arc<[tokio::sync::Mutex<Option<PgConnection>>]>,
+    /// Backends kept for reads on a request's answer path ([`READER_BACKENDS`]), each opened
+    /// at its first read and kept as a lane's is.
+    reader_backends: Arc<[tokio::sync::Mutex<Option<PgConnection>>]>,
     /// Stops the listener and each lane's lone writer of idle charges when the last handle
     /// of the store is dropped.
     _listening: Arc<DropGuard>,
@@ -126,6 +134,9 @@ impl PostgresStore {
             changes,
             charges,
             lane_backends: (0..WRITER_LANES)
+                .map(|_| tokio::sync::Mutex::default())
+                .collect(),
+            reader_backends: (0..READER_BACKENDS)
                 .map(|_| tokio::sync::Mutex::default())
                 .collect(),
             _listening: Arc::new(stop.drop_guard()),
@@ -248,23 +259,58 @@ fn request_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
     })
 }
 
-fn run_from_row(row: &PgRow) -> Result<RunRecord, StoreError> {
+/// A stored record's columns by name: a row as the driver returns it, or the same row as
+/// PostgreSQL's `to_jsonb` writes it (a request's view reads its runs and approvals that way,
+/// in the statement that reads the request: one snapshot, one round trip). Both map to a
+/// record through one function.
+trait Fields {
+    fn field<T>(&self, name: &str) -> Result<T, StoreError>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres>
+            + sqlx::Type<sqlx::Postgres>
+            + serde::de::DeserializeOwned;
+}
+
+impl Fields for PgRow {
+    fn field<T>(&self, name: &str) -> Result<T, StoreError>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres>
+            + sqlx::Type<sqlx::Postgres>
+            + serde::de::DeserializeOwned,
+    {
+        Ok(self.try_get(name)?)
+    }
+}
+
+/// A row as `to_jsonb` writes it: SQL `NULL` is JSON `null` (a stored JSON column never holds
+/// `null` itself: the batch function stores it as SQL `NULL`), a time is RFC 3339 text in the
+/// session's time zone, read back as the same instant.
+impl Fields for serde_json::Map<String, Value> {
+    fn field<T>(&self, name: &str) -> Result<T, StoreError>
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Postgres>
+            + sqlx::Type<sqlx::Postgres>
+            + serde::de::DeserializeOwned,
+    {
+        T::deserialize(self.get(name).unwrap_or(&Value::Null))
+            .map_err(|error| StoreError::Corrupt(format!("column `{name}`: {error}")))
+    }
+}
+
+fn run_from_row(row: &impl Fields) -> Result<RunRecord, StoreError> {
     Ok(RunRecord {
-        id: row.try_get("id")?,
-        request_id: row.try_get("request_id")?,
-        attempt: row.try_get("attempt")?,
-        status: parse_status(&row.try_get::<String, _>("status")?)?,
-        state: row.try_get("state")?,
-        error: row.try_get("error")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-        started_at: row.try_get("started_at")?,
-        ended_at: row.try_get("ended_at")?,
-        lease: Lease::from_columns(
-            row.try_get("lease_holder")?,
-            row.try_get("lease_expires_at")?,
-        ),
-        cancel_requested_by: row.try_get("cancel_requested_by")?,
+        id: row.field("id")?,
+        request_id: row.field("request_id")?,
+        attempt: row.field("attempt")?,
+        status: parse_status(&row.field::<String>("status")?)?,
+        state: row.field("state")?,
+        error: row.field("error")?,
+        created_at: row.field("created_at")?,
+        updated_at: row.field("updated_at")?,
+        started_at: row.field("started_at")?,
+        ended_at: row.field("ended_at")?,
+        lease: Lease::from_columns(row.field("lease_holder")?, row.field("lease_expires_at")?),
+        cancel_requested_by: row.field("cancel_requested_by")?,
     })
 }
 
@@ -313,30 +359,30 @@ fn events_from_row(row: &PgRow) -> Result<Vec<EventRecord>, StoreError> {
     unpack(first, later, stored_time::parse)
 }
 
-fn approval_from_row(row: &PgRow) -> Result<ApprovalRecord, StoreError> {
-    let status: String = row.try_get("status")?;
-    let kind: String = row.try_get("kind")?;
+fn approval_from_row(row: &impl Fields) -> Result<ApprovalRecord, StoreError> {
+    let status: String = row.field("status")?;
+    let kind: String = row.field("kind")?;
     Ok(ApprovalRecord {
-        id: row.try_get("id")?,
-        request_id: row.try_get("request_id")?,
-        run_id: row.try_get("run_id")?,
-        session_id: row.try_get("session_id")?,
-        agent_id: row.try_get("agent_id")?,
-        call_key: row.try_get("call_key")?,
-        execution: row.try_get("execution")?,
+        id: row.field("id")?,
+        request_id: row.field("request_id")?,
+        run_id: row.field("run_id")?,
+        session_id: row.field("session_id")?,
+        agent_id: row.field("agent_id")?,
+        call_key: row.field("call_key")?,
+        execution: row.field("execution")?,
         kind: ApprovalKind::parse(&kind)
             .ok_or_else(|| StoreError::Corrupt(format!("unknown approval kind `{kind}`")))?,
-        tool_call_id: row.try_get("tool_call_id")?,
-        tool_id: row.try_get("tool_id")?,
-        arguments: row.try_get("arguments")?,
-        rule: row.try_get("rule")?,
+        tool_call_id: row.field("tool_call_id")?,
+        tool_id: row.field("tool_id")?,
+        arguments: row.field("arguments")?,
+        rule: row.field("rule")?,
         status: ApprovalStatus::parse(&status)
             .ok_or_else(|| StoreError::Corrupt(format!("unknown approval status `{status}`")))?,
-        reason: row.try_get("reason")?,
-        decided_by: row.try_get("decided_by")?,
-        created_at: row.try_get("created_at")?,
-        expires_at: row.try_get("expires_at")?,
-        decided_at: row.try_get("decided_at")?,
+        reason: row.field("reason")?,
+        decided_by: row.field("decided_by")?,
+        created_at: row.field("created_at")?,
+        expires_at: row.field("expires_at")?,
+        decided_at: row.field("decided_at")?,
     })
 }
 
@@ -813,27 +859,50 @@ impl PostgresStore {
         let mut slot = slot.lock().await;
         let mut backend = match slot.take() {
             Some(backend) => backend,
-            None => {
-                // The pool's options, not a copy kept here: their `Debug` shows the password.
-                let options = self.pool.connect_options();
-                tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&options))
-                    .await
-                    .map_err(|_| sqlx::Error::PoolTimedOut)??
-            }
+            None => self.open_backend().await?,
         };
         let answered = query.fetch_one(&mut backend).await;
-        let usable = match &answered {
-            Ok(_) => true,
-            // A statement refused; not the connection lost or the backend told to end.
-            Err(sqlx::Error::Database(error)) => error
-                .code()
-                .is_none_or(|code| !(code.starts_with("08") || code.starts_with("57P"))),
-            Err(_) => false,
-        };
-        if usable {
-            *slot = Some(backend);
-        }
+        keep_if_usable(&mut slot, backend, &answered);
         answered
+    }
+
+    /// Runs the read `query` makes on a kept reader backend, or on one of the pool's when
+    /// every reader backend is busy. A kept backend the database ended since its last read
+    /// is closed and the read made once more on a new one: the pool's ping when a connection
+    /// is taken would have found it ended first (a read is safe to make twice).
+    async fn on_reader_backend<'q>(
+        &self,
+        query: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        let Some(mut slot) = self
+            .reader_backends
+            .iter()
+            .find_map(|slot| slot.try_lock().ok())
+        else {
+            return query().fetch_optional(&self.pool).await;
+        };
+        let (mut backend, kept) = match slot.take() {
+            Some(backend) => (backend, true),
+            None => (self.open_backend().await?, false),
+        };
+        let mut answered = query().fetch_optional(&mut backend).await;
+        if kept && !backend_usable(&answered) {
+            drop(backend);
+            backend = self.open_backend().await?;
+            answered = query().fetch_optional(&mut backend).await;
+        }
+        keep_if_usable(&mut slot, backend, &answered);
+        answered
+    }
+
+    /// A backend of the store's own, outside the pool, opened within [`ACQUIRE_TIMEOUT`] (as
+    /// long as a read waits for a pooled connection).
+    async fn open_backend(&self) -> Result<PgConnection, sqlx::Error> {
+        // The pool's options, not a copy kept here: their `Debug` shows the password.
+        let options = self.pool.connect_options();
+        tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&options))
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?
     }
 
     /// [`Store::apply_batch`] for a batch of the journal's writer lane `lane`, with the
@@ -943,6 +1012,31 @@ impl PostgresStore {
     }
 }
 
+/// Whether a kept backend may serve again after `answered`: after an answer, or a statement
+/// refused; not after the connection was lost or the backend told to end (SQLSTATE classes
+/// `08` and `57P`).
+fn backend_usable<T>(answered: &Result<T, sqlx::Error>) -> bool {
+    match answered {
+        Ok(_) => true,
+        Err(sqlx::Error::Database(error)) => error
+            .code()
+            .is_none_or(|code| !(code.starts_with("08") || code.starts_with("57P"))),
+        Err(_) => false,
+    }
+}
+
+/// Puts `backend` back in its slot if it may serve again after `answered`; else it is closed
+/// as it drops, and the slot's next user opens another.
+fn keep_if_usable<T>(
+    slot: &mut Option<PgConnection>,
+    backend: PgConnection,
+    answered: &Result<T, sqlx::Error>,
+) {
+    if backend_usable(answered) {
+        *slot = Some(backend);
+    }
+}
+
 #[async_trait::async_trait]
 impl Store for PostgresStore {
     async fn apply_batch(&self, batch_id: &str, ops: &[WriteOp]) -> Result<Vec<i64>, StoreError> {
@@ -963,47 +1057,51 @@ impl Store for PostgresStore {
         WRITER_LANES
     }
 
-    /// Three statements on one of the pool's connections, one after the other: the request
-    /// with what it was charged, then its runs, then their approvals. The request comes
-    /// first: whatever its row says has ended, the later reads see ended too (a view never
-    /// shows a completed request with a run still queued).
+    /// One statement, on a kept reader backend: the request with what it was charged, its
+    /// runs and their approvals, all from the one snapshot the statement reads (a view never
+    /// shows an ended request with a run still live), the runs and approvals as `to_jsonb`
+    /// writes their rows.
     // The charges are found by `$1`, not by `r.id`: `requests.id` is `COLLATE "C"`, and a
     // comparison in that collation cannot use `usage_records`' index (a scan of every charge).
+    // The approvals run by run (in the runs' order), then by id: as `approvals_of_run` for
+    // each run.
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = text(id);
-        // One connection: the pool pings a connection when it is taken and again when it is
-        // returned, so the parts read at once on two more connections cost four round trips
-        // more than they saved (docs/profiling.md, the thirty-eighth pass).
-        let mut connection = self.pool.acquire().await?;
-        let request = sqlx::query(concat!(
-            "SELECT r.*, u.* FROM requests r, LATERAL (SELECT ",
-            usage_sums!(),
-            " FROM usage_records WHERE request_id = $1) u WHERE r.id = $1"
-        ))
-        .bind(&id)
-        .fetch_optional(&mut *connection)
-        .await?;
-        let Some(request) = request else {
+        let Some(request) = self
+            .on_reader_backend(|| {
+                sqlx::query(concat!(
+                    "SELECT r.*, u.*, ",
+                    "(SELECT jsonb_agg(to_jsonb(x) ORDER BY x.attempt) FROM runs x ",
+                    "WHERE x.request_id = $1) AS view_runs, ",
+                    "(SELECT jsonb_agg(to_jsonb(a) ORDER BY x.attempt, a.id) ",
+                    "FROM approvals a JOIN runs x ON x.id = a.run_id ",
+                    "WHERE a.request_id = $1) AS view_approvals ",
+                    "FROM requests r, LATERAL (SELECT ",
+                    usage_sums!(),
+                    " FROM usage_records WHERE request_id = $1) u WHERE r.id = $1"
+                ))
+                .bind(&id)
+            })
+            .await?
+        else {
             return Ok(None);
         };
-        let runs = sqlx::query("SELECT * FROM runs WHERE request_id = $1 ORDER BY attempt")
-            .bind(&id)
-            .fetch_all(&mut *connection)
-            .await?;
-        // Run by run (in the runs' order), then by id: as `approvals_of_run` for each run.
-        let approvals = sqlx::query(
-            "SELECT a.* FROM approvals a JOIN runs r ON r.id = a.run_id
-             WHERE a.request_id = $1 ORDER BY r.attempt, a.id",
-        )
-        .bind(&id)
-        .fetch_all(&mut *connection)
-        .await?;
+        type Rows = Option<sqlx::types::Json<Vec<serde_json::Map<String, Value>>>>;
+        let runs: Rows = request.try_get("view_runs")?;
+        let approvals: Rows = request.try_get("view_approvals")?;
         // The sums' columns are named as `usage_totals` names them; none is a request's.
         let charged = usage_totals_from_row(&request, String::new())?;
         Ok(Some(RequestInFull {
             request: request_from_row(&request)?,
-            runs: runs.iter().map(run_from_row).collect::<Result<_, _>>()?,
+            runs: runs
+                .as_ref()
+                .map_or(&[][..], |runs| &runs.0[..])
+                .iter()
+                .map(run_from_row)
+                .collect::<Result<_, _>>()?,
             approvals: approvals
+                .as_ref()
+                .map_or(&[][..], |approvals| &approvals.0[..])
                 .iter()
                 .map(approval_from_row)
                 .collect::<Result<_, _>>()?,

@@ -1472,9 +1472,19 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
         unreachable!("approval() inserts an approval")
     };
     on_retry.run_id = "run_0a".into();
+    // A decided approval, every field of it set.
+    let WriteOp::InsertApproval(mut decided) = approval("apr_2", ApprovalStatus::Approved) else {
+        unreachable!("approval() inserts an approval")
+    };
+    decided.arguments = json!({ "amount": 12.5, "note": "ü" });
+    decided.rule = Some("refunds".into());
+    decided.reason = Some("checked".into());
+    decided.decided_by = Some("operator".into());
+    decided.expires_at = Some(Utc::now() + Age::minutes(5));
+    decided.decided_at = Some(Utc::now());
     store
         .apply(&[
-            approval("apr_2", ApprovalStatus::Approved),
+            WriteOp::InsertApproval(decided),
             approval("apr_1", ApprovalStatus::Pending),
             WriteOp::InsertRun(retry),
             WriteOp::InsertApproval(on_retry),
@@ -1535,6 +1545,33 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
             .cost
             .is_some_and(|cost| (cost - 2e-6).abs() < 1e-12)
     );
+    // Each part of the view is the record as read on its own, to the microsecond: a run with
+    // a conversation, an error, a lease and a cancel asked for, a run with none of them, and
+    // approvals pending and decided (PostgreSQL reads the view's runs and approvals as JSON).
+    store
+        .apply(&[WriteOp::UpdateRun {
+            id: "run_a".into(),
+            status: RunStatus::WaitingApproval,
+            error: Some(json!({ "code": "tool_failed", "message": "ü \"quoted\"\n" })),
+            state: Some(json!({ "messages": [{ "role": "user", "content": "ü" }], "n": 1.5 })),
+            at: Utc::now(),
+        }])
+        .await
+        .unwrap();
+    assert!(store.request_cancel("run_a", "operator").await.unwrap());
+    let full = store.request_in_full("req_a").await.unwrap().unwrap();
+    assert_eq!(full.runs.len(), 2);
+    for run in &full.runs {
+        assert_eq!(Some(run), store.run(&run.id).await.unwrap().as_ref());
+    }
+    assert!(full.runs[0].lease.is_some() && full.runs[0].cancel_requested_by.is_some());
+    assert_eq!(full.approvals.len(), 3);
+    for approval in &full.approvals {
+        assert_eq!(
+            Some(approval),
+            store.approval(&approval.id).await.unwrap().as_ref()
+        );
+    }
     let other = store.request_in_full("req_b").await.unwrap().unwrap();
     assert!(other.approvals.is_empty());
     assert_eq!(other.charged.calls, 1);
@@ -2090,6 +2127,61 @@ async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_i
         .map(|event| event.seq)
         .collect();
     assert_eq!(numbers, vec![1, 2, 3], "each batch applied once");
+}
+
+/// A request's view is read on a backend the store keeps (a pooled connection is pinged when
+/// taken and again when returned, its last statement then the ping), and a kept backend the
+/// database ended is replaced within the read: the read still answers. Fails when the view
+/// goes through the pool, or when a read on an ended backend is not made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_view_is_read_on_a_kept_backend_and_read_again_when_it_is_ended() {
+    use sqlx::Connection;
+    let url = crate::pg::fresh_database();
+    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
+        .await
+        .unwrap();
+    seed(&store, "k", RunStatus::Completed).await;
+    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
+    // The backends whose last statement read a view.
+    let readers = async |probe: &mut sqlx::PgConnection| -> Vec<i32> {
+        sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+             AND pid <> pg_backend_pid() AND query LIKE '%view_runs%' ORDER BY pid",
+        )
+        .fetch_all(probe)
+        .await
+        .unwrap()
+    };
+    let read = async || {
+        let full = store.request_in_full("req_k").await.unwrap().unwrap();
+        assert_eq!(full.runs.len(), 1);
+        assert_eq!(full.runs[0].status, RunStatus::Completed);
+    };
+    read().await;
+    let first = readers(&mut probe).await;
+    assert_eq!(first.len(), 1, "a kept backend read the view: {first:?}");
+    read().await;
+    assert_eq!(readers(&mut probe).await, first, "the backend was kept");
+
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut probe)
+    .await
+    .unwrap();
+    assert!(!ended.is_empty() && ended.iter().all(|ended| *ended));
+    // Terminated backends leave `pg_stat_activity` once they have exited.
+    for _ in 0..100 {
+        if readers(&mut probe).await.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    read().await;
+    let after = readers(&mut probe).await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_ne!(after, first, "another backend read the view");
 }
 
 /// A request and its run inserted, started, and ended: the ops the common request commits
