@@ -260,7 +260,7 @@ fn request_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
 }
 
 /// A stored record's columns by name: a row as the driver returns it, or the same row as
-/// PostgreSQL's `to_jsonb` writes it (a request's view reads its runs and approvals that way,
+/// PostgreSQL's `json_agg` writes it (a request's view reads its runs and approvals that way,
 /// in the statement that reads the request: one snapshot, one round trip). Both map to a
 /// record through one function.
 trait Fields {
@@ -282,7 +282,7 @@ impl Fields for PgRow {
     }
 }
 
-/// A row as `to_jsonb` writes it: SQL `NULL` is JSON `null` (a stored JSON column never holds
+/// A row as `json_agg` writes it: SQL `NULL` is JSON `null` (a stored JSON column never holds
 /// `null` itself: the batch function stores it as SQL `NULL`), a time is RFC 3339 text in the
 /// session's time zone, read back as the same instant.
 impl Fields for serde_json::Map<String, Value> {
@@ -1059,21 +1059,22 @@ impl Store for PostgresStore {
 
     /// One statement, on a kept reader backend: the request with what it was charged, its
     /// runs and their approvals, all from the one snapshot the statement reads (a view never
-    /// shows an ended request with a run still live), the runs and approvals as `to_jsonb`
+    /// shows an ended request with a run still live), the runs and approvals as `json_agg`
     /// writes their rows.
     // The charges are found by `$1`, not by `r.id`: `requests.id` is `COLLATE "C"`, and a
     // comparison in that collation cannot use `usage_records`' index (a scan of every charge).
     // The approvals run by run (in the runs' order), then by id: as `approvals_of_run` for
-    // each run.
+    // each run. `json`, not `jsonb`: the rows are written out as text at once, where
+    // `jsonb_agg(to_jsonb(..))` built a binary value first (a read 0.28 -> 0.23 ms, pgbench).
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = text(id);
         let Some(request) = self
             .on_reader_backend(|| {
                 sqlx::query(concat!(
                     "SELECT r.*, u.*, ",
-                    "(SELECT jsonb_agg(to_jsonb(x) ORDER BY x.attempt) FROM runs x ",
+                    "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
                     "WHERE x.request_id = $1) AS view_runs, ",
-                    "(SELECT jsonb_agg(to_jsonb(a) ORDER BY x.attempt, a.id) ",
+                    "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
                     "FROM approvals a JOIN runs x ON x.id = a.run_id ",
                     "WHERE a.request_id = $1) AS view_approvals ",
                     "FROM requests r, LATERAL (SELECT ",
