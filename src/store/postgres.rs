@@ -68,6 +68,9 @@ const WRITER_LANES: usize = 2;
 /// round trips more than the read's one (docs/profiling.md, the thirty-ninth pass). A read
 /// finding them all busy takes a pooled connection.
 const READER_BACKENDS: usize = 2;
+/// How a writer lane's backend and a reader backend show in `pg_stat_activity`.
+const LANE_BACKEND_NAME: &str = "stable-harness writer lane";
+const READER_BACKEND_NAME: &str = "stable-harness view reader";
 /// How long a read waits for a pooled connection, or a writer lane for its backend to open.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -859,7 +862,7 @@ impl PostgresStore {
         let mut slot = slot.lock().await;
         let mut backend = match slot.take() {
             Some(backend) => backend,
-            None => self.open_backend().await?,
+            None => self.open_backend(LANE_BACKEND_NAME).await?,
         };
         let answered = query.fetch_one(&mut backend).await;
         keep_if_usable(&mut slot, backend, &answered);
@@ -883,12 +886,12 @@ impl PostgresStore {
         };
         let (mut backend, kept) = match slot.take() {
             Some(backend) => (backend, true),
-            None => (self.open_backend().await?, false),
+            None => (self.open_backend(READER_BACKEND_NAME).await?, false),
         };
         let mut answered = query().fetch_optional(&mut backend).await;
         if kept && !backend_usable(&answered) {
             drop(backend);
-            backend = self.open_backend().await?;
+            backend = self.open_backend(READER_BACKEND_NAME).await?;
             answered = query().fetch_optional(&mut backend).await;
         }
         keep_if_usable(&mut slot, backend, &answered);
@@ -896,11 +899,20 @@ impl PostgresStore {
     }
 
     /// A backend of the store's own, outside the pool, opened within [`ACQUIRE_TIMEOUT`] (as
-    /// long as a read waits for a pooled connection).
-    async fn open_backend(&self) -> Result<PgConnection, sqlx::Error> {
+    /// long as a read waits for a pooled connection). It shows in `pg_stat_activity` as
+    /// `application_name`, unless the URL names the instance's connections itself.
+    async fn open_backend(&self, application_name: &str) -> Result<PgConnection, sqlx::Error> {
         // The pool's options, not a copy kept here: their `Debug` shows the password.
         let options = self.pool.connect_options();
-        tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&options))
+        let named;
+        let options = match options.get_application_name() {
+            Some(_) => &*options,
+            None => {
+                named = (*options).clone().application_name(application_name);
+                &named
+            }
+        };
+        tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(options))
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
     }
