@@ -300,6 +300,18 @@ impl Fields for serde_json::Map<String, Value> {
     }
 }
 
+/// The records in `column`, a `json_agg` of rows (`NULL` when it aggregated none), each
+/// mapped by `map`.
+fn aggregated<T>(
+    row: &PgRow,
+    column: &str,
+    map: impl Fn(&serde_json::Map<String, Value>) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let rows: Option<sqlx::types::Json<Vec<serde_json::Map<String, Value>>>> =
+        row.try_get(column)?;
+    rows.map_or(Ok(Vec::new()), |rows| rows.0.iter().map(map).collect())
+}
+
 fn run_from_row(row: &impl Fields) -> Result<RunRecord, StoreError> {
     Ok(RunRecord {
         id: row.field("id")?,
@@ -1099,25 +1111,12 @@ impl Store for PostgresStore {
         else {
             return Ok(None);
         };
-        type Rows = Option<sqlx::types::Json<Vec<serde_json::Map<String, Value>>>>;
-        let runs: Rows = request.try_get("view_runs")?;
-        let approvals: Rows = request.try_get("view_approvals")?;
         // The sums' columns are named as `usage_totals` names them; none is a request's.
         let charged = usage_totals_from_row(&request, String::new())?;
         Ok(Some(RequestInFull {
             request: request_from_row(&request)?,
-            runs: runs
-                .as_ref()
-                .map_or(&[][..], |runs| &runs.0[..])
-                .iter()
-                .map(run_from_row)
-                .collect::<Result<_, _>>()?,
-            approvals: approvals
-                .as_ref()
-                .map_or(&[][..], |approvals| &approvals.0[..])
-                .iter()
-                .map(approval_from_row)
-                .collect::<Result<_, _>>()?,
+            runs: aggregated(&request, "view_runs", run_from_row)?,
+            approvals: aggregated(&request, "view_approvals", approval_from_row)?,
             charged,
         }))
     }

@@ -40,6 +40,30 @@ async fn postgres_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
     (store, None)
 }
 
+/// A store on a fresh PostgreSQL database, and a connection of the test's own to it.
+async fn postgres_store_and_probe() -> (Arc<dyn Store>, sqlx::PgConnection) {
+    use sqlx::Connection;
+    let url = crate::pg::fresh_database();
+    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
+        .await
+        .unwrap();
+    let probe = sqlx::PgConnection::connect(&url).await.unwrap();
+    (store, probe)
+}
+
+/// Ends every backend of the probe's database but the probe's own, as a database restart
+/// would.
+async fn end_every_other_backend(probe: &mut sqlx::PgConnection) {
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(probe)
+    .await
+    .unwrap();
+    assert!(!ended.is_empty() && ended.iter().all(|ended| *ended));
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
@@ -2066,14 +2090,9 @@ async fn on_postgres_a_batch_locks_its_sessions_first_and_one_refused_by_a_deadl
 /// dropped with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_is_ended() {
-    use sqlx::Connection;
-    let url = crate::pg::fresh_database();
-    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
-        .await
-        .unwrap();
+    let (store, mut probe) = postgres_store_and_probe().await;
     seed(&store, "f", RunStatus::Running).await;
     let journal = journal_on(&store);
-    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
     // The backends whose last statement applied a batch, but those named in `but`.
     let appliers = async |probe: &mut sqlx::PgConnection, but: &[i32]| -> Vec<i32> {
         let pids: Vec<i32> = sqlx::query_scalar(
@@ -2106,14 +2125,7 @@ async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_i
         "the lane kept its backend"
     );
 
-    let ended: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .fetch_all(&mut probe)
-    .await
-    .unwrap();
-    assert!(!ended.is_empty() && ended.iter().all(|ended| *ended));
+    end_every_other_backend(&mut probe).await;
     commit(&journal).await;
     let after = appliers(&mut probe, &seeded).await;
     assert_eq!(after.len(), 1, "{after:?}");
@@ -2135,13 +2147,8 @@ async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_i
 /// view goes through the pool, or when a read on an ended backend is not made again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_view_is_read_on_a_kept_backend_and_read_again_when_it_is_ended() {
-    use sqlx::Connection;
-    let url = crate::pg::fresh_database();
-    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
-        .await
-        .unwrap();
+    let (store, mut probe) = postgres_store_and_probe().await;
     seed(&store, "k", RunStatus::Completed).await;
-    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
     // The store's reader backends, each having read a view last.
     let readers = async |probe: &mut sqlx::PgConnection| -> Vec<i32> {
         sqlx::query_scalar(
@@ -2164,14 +2171,7 @@ async fn on_postgres_a_view_is_read_on_a_kept_backend_and_read_again_when_it_is_
     read().await;
     assert_eq!(readers(&mut probe).await, first, "the backend was kept");
 
-    let ended: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .fetch_all(&mut probe)
-    .await
-    .unwrap();
-    assert!(!ended.is_empty() && ended.iter().all(|ended| *ended));
+    end_every_other_backend(&mut probe).await;
     // Terminated backends leave `pg_stat_activity` once they have exited.
     for _ in 0..100 {
         if readers(&mut probe).await.is_empty() {
