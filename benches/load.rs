@@ -300,6 +300,24 @@ async fn measure(
         let target = match key.as_str() {
             "chat" => chat.clone(),
             "responses" => responses.clone(),
+            "responses-next" => {
+                // A conversation continued: every request follows the same stored response,
+                // so the server reads it, its last event and its session before it submits.
+                let stored: Value = client
+                    .post(&responses.urls[0])
+                    .json(&responses.body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                harness(
+                    "responses JSON, continued",
+                    "/v1/responses",
+                    json!({ "model": "assistant", "input": "And then?", "previous_response_id": stored["id"] }),
+                )
+            }
             "wait" => wait.clone(),
             "chat-sse" => chat_stream(SHORT_STREAM),
             "responses-sse" => responses_stream.clone(),
@@ -505,8 +523,9 @@ enum Load {
 }
 
 /// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
-/// responses, wait, chat-sse, responses-sse, direct): run that phase alone against this
-/// build, for a profiler or to compare two builds.
+/// responses, responses-next (each request continuing one stored response), wait, chat-sse,
+/// responses-sse, direct): run that phase alone against this build, for a profiler or to
+/// compare two builds.
 fn only_phase() -> Option<(String, Load)> {
     let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
     if let Some((key, rate)) = value.split_once('@') {

@@ -63,14 +63,16 @@ const CHANGES_CAPACITY: usize = 4_096;
 /// own: one batch at a time left PostgreSQL one CPU's worth of work at most (a third of
 /// this 2-core machine idle at 32 clients; docs/profiling.md, the thirty-seventh pass).
 const WRITER_LANES: usize = 2;
-/// Backends kept for the reads on a request's answer path (its view, after `wait`), outside
-/// the pool: the pool pings a connection when it is taken and again when it is returned, two
-/// round trips more than the read's one (docs/profiling.md, the thirty-ninth pass). A read
-/// finding them all busy takes a pooled connection.
+/// Backends kept for the reads on a request's answer path, outside the pool: a request's view
+/// (after `wait`), and what a continued conversation reads before it is submitted (the
+/// previous response, the session, its newest message and the path to it). The pool pings a
+/// connection when it is taken and again when it is returned, two round trips more than the
+/// read's one (docs/profiling.md, the thirty-ninth pass). A read finding them all busy takes
+/// a pooled connection.
 const READER_BACKENDS: usize = 2;
 /// How a writer lane's backend and a reader backend show in `pg_stat_activity`.
 const LANE_BACKEND_NAME: &str = "stable-harness writer lane";
-const READER_BACKEND_NAME: &str = "stable-harness view reader";
+const READER_BACKEND_NAME: &str = "stable-harness reader";
 /// How long a read waits for a pooled connection, or a writer lane for its backend to open.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -881,30 +883,30 @@ impl PostgresStore {
         answered
     }
 
-    /// Runs the read `query` makes on a kept reader backend, or on one of the pool's when
-    /// every reader backend is busy. A kept backend the database ended since its last read
-    /// is closed and the read made once more on a new one: the pool's ping when a connection
-    /// is taken would have found it ended first (a read is safe to make twice).
+    /// The rows of the read `query` makes, on a kept reader backend, or on one of the pool's
+    /// when every reader backend is busy. A kept backend the database ended since its last
+    /// read is closed and the read made once more on a new one: the pool's ping when a
+    /// connection is taken would have found it ended first (a read is safe to make twice).
     async fn on_reader_backend<'q>(
         &self,
         query: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<Option<PgRow>, sqlx::Error> {
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
         let Some(mut slot) = self
             .reader_backends
             .iter()
             .find_map(|slot| slot.try_lock().ok())
         else {
-            return query().fetch_optional(&self.pool).await;
+            return query().fetch_all(&self.pool).await;
         };
         let (mut backend, kept) = match slot.take() {
             Some(backend) => (backend, true),
             None => (self.open_backend(READER_BACKEND_NAME).await?, false),
         };
-        let mut answered = query().fetch_optional(&mut backend).await;
+        let mut answered = query().fetch_all(&mut backend).await;
         if kept && !backend_usable(&answered) {
             drop(backend);
             backend = self.open_backend(READER_BACKEND_NAME).await?;
-            answered = query().fetch_optional(&mut backend).await;
+            answered = query().fetch_all(&mut backend).await;
         }
         keep_if_usable(&mut slot, backend, &answered);
         answered
@@ -1108,6 +1110,7 @@ impl Store for PostgresStore {
                 .bind(&id)
             })
             .await?
+            .pop()
         else {
             return Ok(None);
         };
@@ -1122,10 +1125,11 @@ impl Store for PostgresStore {
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM requests WHERE id = $1")
-            .bind(text(id))
-            .fetch_optional(&self.pool)
-            .await?;
+        let id = text(id);
+        let row = self
+            .on_reader_backend(|| sqlx::query("SELECT * FROM requests WHERE id = $1").bind(&id))
+            .await?
+            .pop();
         row.as_ref().map(request_from_row).transpose()
     }
 
@@ -1321,11 +1325,14 @@ impl Store for PostgresStore {
             "{EVENT_SELECT} WHERE e.request_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3"
         );
         let read = EventRows { after, limit };
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(text(request_id))
-            .bind(read.lowest_first_seq())
-            .bind(read.rows())
-            .fetch_all(&self.pool)
+        let request_id = text(request_id);
+        let rows = self
+            .on_reader_backend(|| {
+                sqlx::query(sqlx::AssertSqlSafe(sql.as_str()))
+                    .bind(&request_id)
+                    .bind(read.lowest_first_seq())
+                    .bind(read.rows())
+            })
             .await?;
         read.keep(&rows, events_from_row)
     }
@@ -1352,22 +1359,30 @@ impl Store for PostgresStore {
     }
 
     async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
-        let seq: i64 = sqlx::query_scalar(
-            // The last row's first number and those after it.
-            "SELECT COALESCE((SELECT seq + COALESCE(jsonb_array_length(more), 0) FROM events
-                              WHERE request_id = $1 ORDER BY seq DESC LIMIT 1), 0)::bigint",
-        )
-        .bind(text(request_id))
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(seq)
+        let request_id = text(request_id);
+        let rows = self
+            .on_reader_backend(|| {
+                sqlx::query(
+                    // The last row's first number and those after it.
+                    "SELECT seq + COALESCE(jsonb_array_length(more), 0) AS last FROM events
+                      WHERE request_id = $1 ORDER BY seq DESC LIMIT 1",
+                )
+                .bind(&request_id)
+            })
+            .await?;
+        Ok(rows
+            .first()
+            .map(|row| row.try_get("last"))
+            .transpose()?
+            .unwrap_or(0))
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM sessions WHERE id = $1")
-            .bind(text(id))
-            .fetch_optional(&self.pool)
-            .await?;
+        let id = text(id);
+        let row = self
+            .on_reader_backend(|| sqlx::query("SELECT * FROM sessions WHERE id = $1").bind(&id))
+            .await?
+            .pop();
         row.as_ref().map(session_from_row).transpose()
     }
 
@@ -1389,29 +1404,37 @@ impl Store for PostgresStore {
     }
 
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar(
-            "SELECT id FROM messages m WHERE session_id = $1
-               AND NOT EXISTS (SELECT 1 FROM messages c
-                                WHERE c.parent_id = m.id AND c.session_id = m.session_id)
-             ORDER BY created_at DESC, id DESC LIMIT 1",
-        )
-        .bind(text(session_id))
-        .fetch_optional(&self.pool)
-        .await?)
+        let session_id = text(session_id);
+        let row = self
+            .on_reader_backend(|| {
+                sqlx::query(
+                    "SELECT id FROM messages m WHERE session_id = $1
+                       AND NOT EXISTS (SELECT 1 FROM messages c
+                                        WHERE c.parent_id = m.id AND c.session_id = m.session_id)
+                     ORDER BY created_at DESC, id DESC LIMIT 1",
+                )
+                .bind(&session_id)
+            })
+            .await?
+            .pop();
+        Ok(row.map(|row| row.try_get("id")).transpose()?)
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let rows = sqlx::query(
-            "WITH RECURSIVE path(id, depth) AS (
-                 SELECT $1::text COLLATE \"C\", 0
-                 UNION ALL
-                 SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
-                  WHERE m.parent_id IS NOT NULL)
-             SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
-        )
-        .bind(text(leaf))
-        .fetch_all(&self.pool)
-        .await?;
+        let leaf = text(leaf);
+        let rows = self
+            .on_reader_backend(|| {
+                sqlx::query(
+                    "WITH RECURSIVE path(id, depth) AS (
+                         SELECT $1::text COLLATE \"C\", 0
+                         UNION ALL
+                         SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
+                          WHERE m.parent_id IS NOT NULL)
+                     SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
+                )
+                .bind(&leaf)
+            })
+            .await?;
         rows.iter().map(message_from_row).collect()
     }
 

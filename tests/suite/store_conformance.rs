@@ -2141,21 +2141,34 @@ async fn on_postgres_a_writer_lane_keeps_its_backend_and_opens_another_when_it_i
     assert_eq!(numbers, vec![1, 2, 3], "each batch applied once");
 }
 
-/// A request's view is read on a backend the store keeps (a pooled connection is pinged when
-/// taken and again when returned), named as such in `pg_stat_activity`, and a kept backend
-/// the database ended is replaced within the read: the read still answers. Fails when the
-/// view goes through the pool, or when a read on an ended backend is not made again.
+/// The reads on a request's answer path (its view, and what a continued conversation reads)
+/// are made on a backend the store keeps (a pooled connection is pinged when taken and again
+/// when returned), named as such in `pg_stat_activity`, and a kept backend the database ended
+/// is replaced within the read: the read still answers. Fails when a read goes through the
+/// pool, or when a read on an ended backend is not made again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_postgres_a_view_is_read_on_a_kept_backend_and_read_again_when_it_is_ended() {
+async fn on_postgres_answer_path_reads_use_a_kept_backend_and_are_made_again_when_it_is_ended() {
     let (store, mut probe) = postgres_store_and_probe().await;
     seed(&store, "k", RunStatus::Completed).await;
-    // The store's reader backends, each having read a view last.
-    let readers = async |probe: &mut sqlx::PgConnection| -> Vec<i32> {
+    store
+        .apply(&[WriteOp::InsertMessage(MessageRecord {
+            id: "msg_k".into(),
+            session_id: "ses_k".into(),
+            parent_id: None,
+            request_id: Some("req_k".into()),
+            role: "user".into(),
+            content: json!({ "role": "user", "content": "Hello" }),
+            created_at: Utc::now(),
+        })])
+        .await
+        .unwrap();
+    // The store's reader backends whose last statement is like `statement`.
+    let readers = async |probe: &mut sqlx::PgConnection, statement: &str| -> Vec<i32> {
         sqlx::query_scalar(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
-             AND application_name = 'stable-harness view reader' \
-             AND query LIKE '%view_runs%' ORDER BY pid",
+             AND application_name = 'stable-harness reader' AND query LIKE $1 ORDER BY pid",
         )
+        .bind(format!("%{statement}%"))
         .fetch_all(probe)
         .await
         .unwrap()
@@ -2166,21 +2179,35 @@ async fn on_postgres_a_view_is_read_on_a_kept_backend_and_read_again_when_it_is_
         assert_eq!(full.runs[0].status, RunStatus::Completed);
     };
     read().await;
-    let first = readers(&mut probe).await;
+    let first = readers(&mut probe, "view_runs").await;
     assert_eq!(first.len(), 1, "a kept backend read the view: {first:?}");
     read().await;
-    assert_eq!(readers(&mut probe).await, first, "the backend was kept");
+    assert_eq!(readers(&mut probe, "view_runs").await, first, "kept");
+    // A continued conversation's reads, one after the other, on the same backend.
+    assert!(store.request("req_k").await.unwrap().is_some());
+    assert_eq!(readers(&mut probe, "FROM requests WHERE").await, first);
+    assert_eq!(store.last_seq("req_k").await.unwrap(), 0);
+    assert_eq!(readers(&mut probe, "ORDER BY seq DESC").await, first);
+    assert!(store.events("req_k", 0, 1).await.unwrap().is_empty());
+    assert_eq!(readers(&mut probe, "e.seq > $2").await, first);
+    assert!(store.session("ses_k").await.unwrap().is_some());
+    assert_eq!(readers(&mut probe, "FROM sessions WHERE").await, first);
+    let head = store.session_head("ses_k").await.unwrap();
+    assert_eq!(head.as_deref(), Some("msg_k"));
+    assert_eq!(readers(&mut probe, "NOT EXISTS").await, first);
+    assert_eq!(store.message_path("msg_k").await.unwrap().len(), 1);
+    assert_eq!(readers(&mut probe, "RECURSIVE").await, first);
 
     end_every_other_backend(&mut probe).await;
     // Terminated backends leave `pg_stat_activity` once they have exited.
     for _ in 0..100 {
-        if readers(&mut probe).await.is_empty() {
+        if readers(&mut probe, "").await.is_empty() {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     read().await;
-    let after = readers(&mut probe).await;
+    let after = readers(&mut probe, "view_runs").await;
     assert_eq!(after.len(), 1, "{after:?}");
     assert_ne!(after, first, "another backend read the view");
 }
