@@ -874,10 +874,7 @@ impl PostgresStore {
         // At least one lane (`WRITER_LANES`); a lane past them is the last one's.
         let slot = &self.lane_backends[lane.min(self.lane_backends.len() - 1)];
         let mut slot = slot.lock().await;
-        let mut backend = match slot.take() {
-            Some(backend) => backend,
-            None => self.open_backend(LANE_BACKEND_NAME).await?,
-        };
+        let (mut backend, _) = self.kept_or_opened(&mut slot, LANE_BACKEND_NAME).await?;
         let answered = query.fetch_one(&mut backend).await;
         keep_if_usable(&mut slot, backend, &answered);
         answered
@@ -898,10 +895,7 @@ impl PostgresStore {
         else {
             return query().fetch_all(&self.pool).await;
         };
-        let (mut backend, kept) = match slot.take() {
-            Some(backend) => (backend, true),
-            None => (self.open_backend(READER_BACKEND_NAME).await?, false),
-        };
+        let (mut backend, kept) = self.kept_or_opened(&mut slot, READER_BACKEND_NAME).await?;
         let mut answered = query().fetch_all(&mut backend).await;
         if kept && !backend_usable(&answered) {
             drop(backend);
@@ -910,6 +904,19 @@ impl PostgresStore {
         }
         keep_if_usable(&mut slot, backend, &answered);
         answered
+    }
+
+    /// The backend kept in `slot`, taken out of it while it serves (and whether it was kept),
+    /// or a new one named `application_name` if the slot holds none.
+    async fn kept_or_opened(
+        &self,
+        slot: &mut Option<PgConnection>,
+        application_name: &str,
+    ) -> Result<(PgConnection, bool), sqlx::Error> {
+        match slot.take() {
+            Some(backend) => Ok((backend, true)),
+            None => Ok((self.open_backend(application_name).await?, false)),
+        }
     }
 
     /// A backend of the store's own, outside the pool, opened within [`ACQUIRE_TIMEOUT`] (as

@@ -31,22 +31,22 @@ async fn sqlite_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
     (store, Some(dir))
 }
 
-async fn postgres_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
-    let url = crate::pg::fresh_database();
-    let dir = std::path::Path::new(".");
-    let store = stable_harness::store::open(Some(&url), dir, &options())
+/// A store on the PostgreSQL database at `url`.
+async fn postgres_store_at(url: &str) -> Arc<dyn Store> {
+    stable_harness::store::open(Some(url), std::path::Path::new("."), &options())
         .await
-        .unwrap();
-    (store, None)
+        .unwrap()
+}
+
+async fn postgres_store() -> (Arc<dyn Store>, Option<tempfile::TempDir>) {
+    (postgres_store_at(&crate::pg::fresh_database()).await, None)
 }
 
 /// A store on a fresh PostgreSQL database, and a connection of the test's own to it.
 async fn postgres_store_and_probe() -> (Arc<dyn Store>, sqlx::PgConnection) {
     use sqlx::Connection;
     let url = crate::pg::fresh_database();
-    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
-        .await
-        .unwrap();
+    let store = postgres_store_at(&url).await;
     let probe = sqlx::PgConnection::connect(&url).await.unwrap();
     (store, probe)
 }
@@ -1909,11 +1909,7 @@ async fn a_charge_commits_with_the_next_batch_or_alone(store: Arc<dyn Store>) {
 async fn postgres_writes_the_charges_still_queued_when_the_store_closes() {
     use stable_harness::store::spend::{Amount, CounterDelta, CounterKey, UsageRecord};
     let url = crate::pg::fresh_database();
-    let open = async || {
-        stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
-            .await
-            .unwrap()
-    };
+    let open = async || postgres_store_at(&url).await;
     let key = CounterKey {
         budget: "pool".into(),
         subject: "*".into(),
@@ -1964,9 +1960,7 @@ async fn on_postgres_a_batch_locks_its_sessions_first_and_one_refused_by_a_deadl
  {
     use sqlx::Connection;
     let url = crate::pg::fresh_database();
-    let store = stable_harness::store::open(Some(&url), std::path::Path::new("."), &options())
-        .await
-        .unwrap();
+    let store = postgres_store_at(&url).await;
     seed(&store, "d", RunStatus::Running).await;
     seed(&store, "e", RunStatus::Running).await;
     let journal = journal_on(&store);
