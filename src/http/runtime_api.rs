@@ -141,7 +141,8 @@ pub async fn create_request(
             .await?;
         let view = match awaited.as_mut().and_then(AwaitedView::take) {
             Some(full) => RequestView::in_full(full),
-            // Stopped short of the end (an approval, the limit), or a shared store.
+            // Stopped short of the end (an approval, the limit), ended by another
+            // instance, or the journal's read failed.
             None => request_view(&state.runtime, &submitted.request_id, None).await?,
         };
         let status = if view.status.is_terminal() {

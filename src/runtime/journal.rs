@@ -61,7 +61,7 @@ use super::events::{ADAPTER_EVENT, output_delta_text};
 use super::hub::EventHub;
 use crate::ids::IdMap;
 use crate::redact::{Redactor, Secrets};
-use crate::store::{EventRecord, Store, StoreError, WriteOp, lane_of};
+use crate::store::{EventRecord, RequestInFull, Store, StoreError, WriteOp, lane_of};
 
 /// Most groups applied in one transaction.
 const MAX_BATCH: usize = 512;
@@ -912,8 +912,9 @@ impl Writer {
     /// read here, next to the commit, and sent before its events are published: its waiter
     /// wakes once, with the view, instead of waking at the end and asking the writer's
     /// thread for it (a round trip to a thread that had just gone idle: docs/profiling.md,
-    /// the seventeenth pass). The others' events go first, and each awaited request's as
-    /// soon as its view is read. A failed read sends nothing; the waiter reads it then.
+    /// the seventeenth pass). The others' events go first; the awaited views are read
+    /// together (one statement on PostgreSQL: the fortieth pass), then each is sent before
+    /// its request's events. A failed read sends none; the waiters read them then.
     async fn publish_with_views(&self, published: &[Arc<EventRecord>]) {
         let awaited = self.hub.views_awaited(published);
         if awaited.is_empty() {
@@ -932,8 +933,17 @@ impl Writer {
             }
         }
         self.hub.publish(&now);
+        let ids: Vec<&str> = awaited.iter().map(|(request, _)| &**request).collect();
+        let mut views: IdMap<String, RequestInFull> = self
+            .store
+            .requests_in_full(&ids)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|view| (view.request.id.clone(), view))
+            .collect();
         for (request, sender) in awaited {
-            if let Ok(Some(view)) = self.store.request_in_full(&request).await {
+            if let Some(view) = views.remove(&*request) {
                 let _ = sender.send(view);
             }
             if let Some(events) = held.remove(&*request) {

@@ -657,11 +657,10 @@ impl Runtime {
         // Subscribed before the first write, too: if the store refuses a submit nobody waits
         // on, the journal closes the request's channel, and the follower must hold it by then.
         let live = follow.map(|_| inner.hub.subscribe(&request_id));
-        // The view at the end is read next to its commit only on a store this process alone
-        // writes (on the writer's own connection); on a shared store that read is a round
-        // trip the journal would wait on before its next commit.
-        let view =
-            (await_view && !inner.store.is_shared()).then(|| inner.hub.await_view(&request_id));
+        // The view at the end is read next to its commit, with every other view awaited at
+        // the ends that commit with it: in one hop to the embedded store's writer, in one
+        // statement on PostgreSQL, where each waiter read its own (the fortieth pass).
+        let view = await_view.then(|| inner.hub.await_view(&request_id));
         // Session, request, messages and run commit in one transaction. Surfaces that answer
         // before the run ends (202) wait for that commit: accepted means durable. The others
         // hold it for the run's first write that commits: a request whose model answers at
@@ -775,9 +774,9 @@ impl Runtime {
     }
 
     /// [`Runtime::submit_and_follow`] to the end, with the request's view as it stands right
-    /// after the commit of its end, read by the journal beside that commit (`None` on a
-    /// shared store). Take it once the events ended: the view is delivered before the
-    /// terminal event is published.
+    /// after the commit of its end, read by the journal beside that commit (`None` when
+    /// another instance committed the end, or the read failed). Take it once the events
+    /// ended: the view is delivered before the terminal event is published.
     pub async fn submit_and_await_view(
         &self,
         request: NewRequest,

@@ -302,6 +302,41 @@ impl Fields for serde_json::Map<String, Value> {
     }
 }
 
+/// The statement of the views of the requests whose id is `$matching` (`= $1`, `= ANY($1)`):
+/// each request with its charges' sums and, as `json_agg` writes their rows, its runs and
+/// their approvals, in one statement and so from one snapshot. The runs, approvals and
+/// charges are matched to `r.id` in the default collation: ids are `"C"` in `requests` and
+/// default in the columns that reference them, whose indexes serve only the default (in
+/// `"C"`, every subquery was a sequential scan).
+macro_rules! views_of_requests {
+    ($matching:literal) => {
+        concat!(
+            "SELECT r.*, u.*, ",
+            "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
+            "WHERE x.request_id = r.id COLLATE \"default\") AS view_runs, ",
+            "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
+            "FROM approvals a JOIN runs x ON x.id = a.run_id ",
+            "WHERE a.request_id = r.id COLLATE \"default\") AS view_approvals ",
+            "FROM requests r, LATERAL (SELECT ",
+            usage_sums!(),
+            " FROM usage_records WHERE request_id = r.id COLLATE \"default\") u ",
+            "WHERE r.id ",
+            $matching
+        )
+    };
+}
+
+/// A request's view from a row of `views_of_requests!`.
+fn view_from_row(row: &PgRow) -> Result<RequestInFull, StoreError> {
+    Ok(RequestInFull {
+        request: request_from_row(row)?,
+        runs: aggregated(row, "view_runs", run_from_row)?,
+        approvals: aggregated(row, "view_approvals", approval_from_row)?,
+        // The sums' columns are named as `usage_totals` names them; none is a request's.
+        charged: usage_totals_from_row(row, String::new())?,
+    })
+}
+
 /// The records in `column`, a `json_agg` of rows (`NULL` when it aggregated none), each
 /// mapped by `map`.
 fn aggregated<T>(
@@ -1101,34 +1136,25 @@ impl Store for PostgresStore {
     // `jsonb_agg(to_jsonb(..))` built a binary value first (a read 0.28 -> 0.23 ms, pgbench).
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = text(id);
-        let Some(request) = self
-            .on_reader_backend(|| {
-                sqlx::query(concat!(
-                    "SELECT r.*, u.*, ",
-                    "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
-                    "WHERE x.request_id = $1) AS view_runs, ",
-                    "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
-                    "FROM approvals a JOIN runs x ON x.id = a.run_id ",
-                    "WHERE a.request_id = $1) AS view_approvals ",
-                    "FROM requests r, LATERAL (SELECT ",
-                    usage_sums!(),
-                    " FROM usage_records WHERE request_id = $1) u WHERE r.id = $1"
-                ))
-                .bind(&id)
-            })
-            .await?
-            .pop()
-        else {
-            return Ok(None);
-        };
-        // The sums' columns are named as `usage_totals` names them; none is a request's.
-        let charged = usage_totals_from_row(&request, String::new())?;
-        Ok(Some(RequestInFull {
-            request: request_from_row(&request)?,
-            runs: aggregated(&request, "view_runs", run_from_row)?,
-            approvals: aggregated(&request, "view_approvals", approval_from_row)?,
-            charged,
-        }))
+        let rows = self
+            .on_reader_backend(|| sqlx::query(views_of_requests!("= $1")).bind(&id))
+            .await?;
+        rows.first().map(view_from_row).transpose()
+    }
+
+    /// One statement, one snapshot, however many requests: a commit that ends several
+    /// awaited requests reads their views in one round trip, not one each. A lone id keeps
+    /// the statement of one (as a prepared statement, `= ANY($1)` with one element measured
+    /// 0.43-0.49 ms a read against 0.24-0.27 ms: the fortieth pass).
+    async fn requests_in_full(&self, ids: &[&str]) -> Result<Vec<RequestInFull>, StoreError> {
+        if let [id] = ids {
+            return Ok(self.request_in_full(id).await?.into_iter().collect());
+        }
+        let ids: Vec<String> = ids.iter().map(|id| text(id)).collect();
+        let rows = self
+            .on_reader_backend(|| sqlx::query(views_of_requests!("= ANY($1)")).bind(&ids))
+            .await?;
+        rows.iter().map(view_from_row).collect()
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {

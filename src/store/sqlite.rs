@@ -435,6 +435,47 @@ fn writer_rows<T>(
     Ok(mapped)
 }
 
+/// A request's view, read on the writer's connection with its kept statements.
+fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestInFull>, StoreError> {
+    let Some(request) =
+        writer_rows(prepared, REQUEST_BY_ID, id, |row| request_from_row(row))?.pop()
+    else {
+        return Ok(None);
+    };
+    let runs = writer_rows(prepared, RUNS_OF_REQUEST, id, |row| run_from_row(row))?;
+    let mut approvals = Vec::new();
+    for run in &runs {
+        approvals.extend(writer_rows(prepared, APPROVALS_OF_RUN, &run.id, |row| {
+            approval_from_row(row)
+        })?);
+    }
+    let charged = prepared
+        .get(
+            "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),
+               SUM(cost_nanos), SUM(estimated)
+             FROM usage_records WHERE request_id = ?1",
+        )
+        .and_then(|statement| {
+            statement.query_row([id], |row| {
+                Ok(UsageTotals::from_sums(
+                    String::new(),
+                    row.get(0)?,
+                    row.get(1)?,
+                    row.get(2)?,
+                    row.get(3)?,
+                    row.get(4)?,
+                ))
+            })
+        })
+        .map_err(super::sqlite_writer::writer_error)?;
+    Ok(Some(RequestInFull {
+        request,
+        runs,
+        approvals,
+        charged,
+    }))
+}
+
 fn request_from_row<R: Columns>(row: &R) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
         id: row.text("id")?,
@@ -632,44 +673,22 @@ impl Store for SqliteStore {
     async fn request_in_full(&self, request_id: &str) -> Result<Option<RequestInFull>, StoreError> {
         let id = request_id.to_owned();
         self.writer
-            .read(request_id, move |prepared| {
-                let Some(request) =
-                    writer_rows(prepared, REQUEST_BY_ID, &id, |row| request_from_row(row))?.pop()
-                else {
-                    return Ok(None);
-                };
-                let runs = writer_rows(prepared, RUNS_OF_REQUEST, &id, |row| run_from_row(row))?;
-                let mut approvals = Vec::new();
-                for run in &runs {
-                    approvals.extend(writer_rows(prepared, APPROVALS_OF_RUN, &run.id, |row| {
-                        approval_from_row(row)
-                    })?);
+            .read(&[request_id], move |prepared| writer_view(prepared, &id))
+            .await
+    }
+
+    /// Every view in one hop to the writer's thread: a commit that ends several awaited
+    /// requests reads them between two transactions, not with a round trip each (the
+    /// journal's next commit waits on them: the fortieth pass).
+    async fn requests_in_full(&self, ids: &[&str]) -> Result<Vec<RequestInFull>, StoreError> {
+        let owned: Vec<String> = ids.iter().map(|id| (*id).to_owned()).collect();
+        self.writer
+            .read(ids, move |prepared| {
+                let mut views = Vec::with_capacity(owned.len());
+                for id in &owned {
+                    views.extend(writer_view(prepared, id)?);
                 }
-                let charged = prepared
-                    .get(
-                        "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),
-                           SUM(cost_nanos), SUM(estimated)
-                         FROM usage_records WHERE request_id = ?1",
-                    )
-                    .and_then(|statement| {
-                        statement.query_row([&id], |row| {
-                            Ok(UsageTotals::from_sums(
-                                String::new(),
-                                row.get(0)?,
-                                row.get(1)?,
-                                row.get(2)?,
-                                row.get(3)?,
-                                row.get(4)?,
-                            ))
-                        })
-                    })
-                    .map_err(super::sqlite_writer::writer_error)?;
-                Ok(Some(RequestInFull {
-                    request,
-                    runs,
-                    approvals,
-                    charged,
-                }))
+                Ok(views)
             })
             .await
     }

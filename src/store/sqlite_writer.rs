@@ -67,8 +67,8 @@ enum Job {
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
     Maintain(Box<dyn FnOnce(&Connection) + Send>),
     /// A read on the writer's connection, between writes, after the pending charges of the
-    /// request it reads (see [`SqliteWriter::read`]), with the writer's kept statements.
-    Read(String, Box<dyn FnOnce(&mut Prepared<'_>) + Send>),
+    /// requests it reads (see [`SqliteWriter::read`]), with the writer's kept statements.
+    Read(Vec<String>, Box<dyn FnOnce(&mut Prepared<'_>) + Send>),
 }
 
 /// A settled call: its ledger record and its budget counters' increments.
@@ -265,20 +265,20 @@ impl SqliteWriter {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Runs the read `work` of request `request_id` on the writer's connection, between two
-    /// transactions, once that request's pending charges are stored. For a read of a few
+    /// Runs the read `work` of requests `request_ids` on the writer's connection, between two
+    /// transactions, once those requests' pending charges are stored. For a read of a few
     /// rows that follows a write (a request's view once it ended): this connection's cache
     /// holds the pages it just wrote, and the read costs one hop to this thread, where every
     /// statement through sqlx's driver costs two. It holds up writes while it runs: lists
     /// and scans stay on the reader pool.
     pub async fn read<T: Send + 'static>(
         &self,
-        request_id: &str,
+        request_ids: &[&str],
         work: impl FnOnce(&mut Prepared<'_>) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (done, result) = oneshot::channel();
         self.send(Job::Read(
-            request_id.to_owned(),
+            request_ids.iter().map(|id| (*id).to_owned()).collect(),
             Box::new(move |prepared| {
                 let _ = done.send(work(prepared));
             }),
@@ -533,11 +533,11 @@ async fn write_loop(
                 last_seqs.forget();
                 work(&connection);
             }
-            Job::Read(request_id, work) => {
-                // A read sees every charge of its request accepted before it. Other
+            Job::Read(request_ids, work) => {
+                // A read sees every charge of its requests accepted before it. Other
                 // requests' charges go on waiting for a transaction to ride along with: at
                 // concurrency, flushing them for every `wait` cost a commit per request.
-                if charges.of_request(&request_id) {
+                if request_ids.iter().any(|id| charges.of_request(id)) {
                     charges.flush(&mut prepared);
                 }
                 work(&mut prepared);

@@ -1612,6 +1612,20 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
             .unwrap()
             .is_none()
     );
+    // Views read together are each the view read alone; an id not stored has none.
+    let mut alone = Vec::new();
+    for id in ["req_a", "req_b", "req_c"] {
+        alone.push(store.request_in_full(id).await.unwrap().unwrap());
+    }
+    let mut together = store
+        .requests_in_full(&["req_c", "req_missing", "req_a", "req_b"])
+        .await
+        .unwrap();
+    together.sort_by(|x, y| x.request.id.cmp(&y.request.id));
+    assert_eq!(together, alone);
+    assert!(store.requests_in_full(&[]).await.unwrap().is_empty());
+    let lone = store.requests_in_full(&["req_b"]).await.unwrap();
+    assert_eq!(lone, alone[1..2]);
 }
 
 /// A view is never older in its parts than in its request: read again and again while the

@@ -344,9 +344,9 @@ async fn retries_and_tool_turns_are_all_charged(database: Option<String>) {
 }
 on_both_stores!(retries_and_tool_turns_are_all_charged);
 
-/// A waiting submit answers with the view the store keeps: on the embedded store the journal
-/// reads it beside the end's commit, on PostgreSQL the waiter reads it after the end. Either
-/// way it holds the end and the run's charge, and equals what a read afterwards returns.
+/// A waiting submit answers with the view the store keeps, read by the journal beside the
+/// end's commit: it holds the end and the run's charge (on PostgreSQL committed with the end,
+/// on the embedded store written before the read), and equals what a read afterwards returns.
 async fn a_waited_answer_is_the_view_as_stored(database: Option<String>) {
     let upstream = MockUpstream::start().await;
     upstream.push([Reply::Metered {
@@ -379,6 +379,57 @@ async fn a_waited_answer_is_the_view_as_stored(database: Option<String>) {
 }
 
 on_both_stores!(a_waited_answer_is_the_view_as_stored);
+
+/// Requests ending in one commit have their views read together (on PostgreSQL in one
+/// statement): each waiter is answered with its own request's view, as a read afterwards
+/// returns it. The upstream holds every answer for the same time, so that the ends arrive
+/// together.
+async fn waits_ending_together_are_each_answered_with_their_own_view(database: Option<String>) {
+    const WAITERS: usize = 12;
+    let upstream = MockUpstream::start().await;
+    upstream.push((0..WAITERS).map(|_| Reply::Metered {
+        text: "answered together".into(),
+        usage: Some((10, 20)),
+        pause: Duration::from_millis(200),
+    }));
+    let workspace = spend_workspace(&upstream, "", "");
+    let app = TestApp::spawn_on(workspace, database, &[CLIENT_KEY], &[ADMIN_KEY]).await;
+    let waits = (0..WAITERS).map(|n| {
+        let app = &app;
+        async move {
+            let waiter = format!("waiter {n}");
+            let (status, waited) = app
+                .post(
+                    "/runtime/requests",
+                    CLIENT_KEY,
+                    &json!({
+                        "agentId": "assistant",
+                        "input": { "text": "answer with the others" },
+                        "metadata": { "waiter": waiter },
+                        "wait": true,
+                    }),
+                )
+                .await;
+            (waiter, status, waited)
+        }
+    });
+    for (waiter, status, waited) in futures::future::join_all(waits).await {
+        assert_eq!(status, 200, "{waited}");
+        assert_eq!(waited["status"], "completed", "{waited}");
+        assert_eq!(waited["metadata"]["waiter"], waiter.as_str(), "{waited}");
+        assert_eq!(waited["runs"][0]["status"], "completed", "{waited}");
+        assert_eq!(waited["charged"]["calls"], 1, "{waited}");
+        let request_id = waited["requestId"].as_str().unwrap();
+        let (status, read) = app
+            .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
+            .await;
+        assert_eq!(status, 200, "{read}");
+        assert_eq!(waited, read);
+    }
+    assert_eq!(upstream.calls().len(), WAITERS);
+}
+
+on_both_stores!(waits_ending_together_are_each_answered_with_their_own_view);
 
 /// On PostgreSQL a call's charge rides along with a batch of its run's writes, as on the
 /// embedded store, instead of a transaction of its own before the run's end: the common
