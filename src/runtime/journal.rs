@@ -934,11 +934,14 @@ impl Writer {
         }
         self.hub.publish(&now);
         let ids: Vec<&str> = awaited.iter().map(|(request, _)| &**request).collect();
-        let mut views: IdMap<String, RequestInFull> = self
-            .store
-            .requests_in_full(&ids)
-            .await
-            .unwrap_or_default()
+        let views = match self.store.requests_in_full(self.lane, &ids).await {
+            Ok(views) => views,
+            Err(error) => {
+                tracing::warn!(%error, views = ids.len(), "the views awaited at a commit could not be read; their waiters read them");
+                Vec::new()
+            }
+        };
+        let mut views: IdMap<String, RequestInFull> = views
             .into_iter()
             .map(|view| (view.request.id.clone(), view))
             .collect();
@@ -1289,6 +1292,48 @@ mod tests {
         assert_eq!(view.request.output.as_deref(), Some("done"));
         // Taken out of the hub once delivered.
         assert!(hub.views_awaited(&[end]).is_empty());
+    }
+
+    /// Two requests ending in one commit: their views are read together, and each is handed
+    /// to its own waiter before its end is published.
+    #[tokio::test]
+    async fn views_awaited_at_ends_in_one_commit_are_each_handed_to_their_own_waiter() {
+        let (_dir, _store, journal, hub) = request_a_held_for(HOLD).await;
+        journal
+            .commit(Some("req_b"), request_ops("req_b"))
+            .await
+            .unwrap();
+        let mut awaited_a = hub.await_view("req_a");
+        let mut awaited_b = hub.await_view("req_b");
+        let mut live_b = hub.subscribe("req_b");
+        let ended = |id: &str| WriteOp::UpdateRequest {
+            id: id.into(),
+            status: RunStatus::Completed,
+            output: Some(format!("{id} done")),
+            error: None,
+            usage: None,
+            at: Utc::now(),
+        };
+        journal
+            .commit(
+                None,
+                vec![
+                    ended("req_a"),
+                    event("req_a", REQUEST_COMPLETED),
+                    ended("req_b"),
+                    event("req_b", REQUEST_COMPLETED),
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(live_b.recv().await.unwrap().event_type, REQUEST_COMPLETED);
+        for (awaited, id) in [(&mut awaited_a, "req_a"), (&mut awaited_b, "req_b")] {
+            let view = awaited
+                .take()
+                .expect("each view before its end was published");
+            assert_eq!(view.request.id, id);
+            assert_eq!(view.request.output, Some(format!("{id} done")));
+        }
     }
 
     #[tokio::test]

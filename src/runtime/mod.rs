@@ -785,7 +785,7 @@ impl Runtime {
     }
 
     /// Submits and follows the request from its first event, with its view awaited at the
-    /// end when `await_view` (and the store allows it).
+    /// end when `await_view`.
     async fn submit_following(
         &self,
         request: NewRequest,

@@ -249,11 +249,17 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// writer's connection; PostgreSQL in one statement (one snapshot) on a backend it keeps
     /// for such reads.
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError>;
-    /// The views of the stored requests among `ids`, in no given order, each as
-    /// [`Store::request_in_full`] reads it: for a commit that ends several requests whose
-    /// views are awaited. The embedded store reads them in one hop to its writer's
-    /// connection, PostgreSQL in one statement.
-    async fn requests_in_full(&self, ids: &[&str]) -> Result<Vec<RequestInFull>, StoreError>;
+    /// The views of the stored requests among `ids` (distinct), in no given order, each as
+    /// [`Store::request_in_full`] reads it: for a commit of the journal's writer lane `lane`
+    /// that ended requests whose views are awaited. The embedded store reads them in one hop
+    /// to its writer's connection; PostgreSQL in one statement on the lane's own backend,
+    /// free between the lane's batches (the lane's next commit waits on this read: never on
+    /// a reader backend or a pooled connection that other reads hold).
+    async fn requests_in_full(
+        &self,
+        lane: usize,
+        ids: &[&str],
+    ) -> Result<Vec<RequestInFull>, StoreError>;
     /// Newest first; `page.cursor` is the id of the last request of the previous page.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
     // index seek straight to a deep page (`'~'` sorts after every character of the ids we

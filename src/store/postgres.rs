@@ -897,20 +897,20 @@ impl PostgresStore {
         &self.charges[lane.min(self.charges.len() - 1)]
     }
 
-    /// Runs `query` on writer lane `lane`'s backend, opened first if the lane has none. The
-    /// backend is taken from its slot while the query runs and put back only after an answer
-    /// from the database (its refusal included): one the query's future was dropped on, or
-    /// whose connection failed, is closed, and the lane's next batch opens another.
+    /// The rows of `query`, run on writer lane `lane`'s backend, opened first if the lane has
+    /// none. The backend is taken from its slot while the query runs and put back only after
+    /// an answer from the database (its refusal included): one the query's future was dropped
+    /// on, or whose connection failed, is closed, and the lane's next use opens another.
     async fn on_lane_backend(
         &self,
         lane: usize,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<PgRow, sqlx::Error> {
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
         // At least one lane (`WRITER_LANES`); a lane past them is the last one's.
         let slot = &self.lane_backends[lane.min(self.lane_backends.len() - 1)];
         let mut slot = slot.lock().await;
         let (mut backend, _) = self.kept_or_opened(&mut slot, LANE_BACKEND_NAME).await?;
-        let answered = query.fetch_one(&mut backend).await;
+        let answered = query.fetch_all(&mut backend).await;
         keep_if_usable(&mut slot, backend, &answered);
         answered
     }
@@ -1059,7 +1059,9 @@ impl PostgresStore {
             applied.bind(sessions)
         };
         let applied = if on_lane_backend {
-            self.on_lane_backend(lane, applied).await
+            self.on_lane_backend(lane, applied)
+                .await
+                .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
         } else {
             applied.fetch_one(&self.pool).await
         };
@@ -1129,8 +1131,6 @@ impl Store for PostgresStore {
     /// runs and their approvals, all from the one snapshot the statement reads (a view never
     /// shows an ended request with a run still live), the runs and approvals as `json_agg`
     /// writes their rows.
-    // The charges are found by `$1`, not by `r.id`: `requests.id` is `COLLATE "C"`, and a
-    // comparison in that collation cannot use `usage_records`' index (a scan of every charge).
     // The approvals run by run (in the runs' order), then by id: as `approvals_of_run` for
     // each run. `json`, not `jsonb`: the rows are written out as text at once, where
     // `jsonb_agg(to_jsonb(..))` built a binary value first (a read 0.28 -> 0.23 ms, pgbench).
@@ -1142,18 +1142,24 @@ impl Store for PostgresStore {
         rows.first().map(view_from_row).transpose()
     }
 
-    /// One statement, one snapshot, however many requests: a commit that ends several
-    /// awaited requests reads their views in one round trip, not one each. A lone id keeps
-    /// the statement of one (as a prepared statement, `= ANY($1)` with one element measured
-    /// 0.43-0.49 ms a read against 0.24-0.27 ms: the fortieth pass).
-    async fn requests_in_full(&self, ids: &[&str]) -> Result<Vec<RequestInFull>, StoreError> {
-        if let [id] = ids {
-            return Ok(self.request_in_full(id).await?.into_iter().collect());
-        }
-        let ids: Vec<String> = ids.iter().map(|id| text(id)).collect();
-        let rows = self
-            .on_reader_backend(|| sqlx::query(views_of_requests!("= ANY($1)")).bind(&ids))
-            .await?;
+    /// One statement, one snapshot, however many requests, on the lane's own backend: a
+    /// commit that ends several awaited requests reads their views in one round trip, not one
+    /// each. A lone id keeps the statement of one (as a prepared statement, `= ANY($1)` with
+    /// one element measured 0.43-0.49 ms a read against 0.24-0.27 ms: the fortieth pass).
+    async fn requests_in_full(
+        &self,
+        lane: usize,
+        ids: &[&str],
+    ) -> Result<Vec<RequestInFull>, StoreError> {
+        let rows = if let [id] = ids {
+            let id = text(id);
+            let query = sqlx::query(views_of_requests!("= $1")).bind(id);
+            self.on_lane_backend(lane, query).await?
+        } else {
+            let ids: Vec<String> = ids.iter().map(|id| text(id)).collect();
+            let query = sqlx::query(views_of_requests!("= ANY($1)")).bind(ids);
+            self.on_lane_backend(lane, query).await?
+        };
         rows.iter().map(view_from_row).collect()
     }
 

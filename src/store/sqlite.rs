@@ -680,7 +680,11 @@ impl Store for SqliteStore {
     /// Every view in one hop to the writer's thread: a commit that ends several awaited
     /// requests reads them between two transactions, not with a round trip each (the
     /// journal's next commit waits on them: the fortieth pass).
-    async fn requests_in_full(&self, ids: &[&str]) -> Result<Vec<RequestInFull>, StoreError> {
+    async fn requests_in_full(
+        &self,
+        _lane: usize,
+        ids: &[&str],
+    ) -> Result<Vec<RequestInFull>, StoreError> {
         let owned: Vec<String> = ids.iter().map(|id| (*id).to_owned()).collect();
         self.writer
             .read(ids, move |prepared| {

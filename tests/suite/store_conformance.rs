@@ -1618,13 +1618,13 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
         alone.push(store.request_in_full(id).await.unwrap().unwrap());
     }
     let mut together = store
-        .requests_in_full(&["req_c", "req_missing", "req_a", "req_b"])
+        .requests_in_full(0, &["req_c", "req_missing", "req_a", "req_b"])
         .await
         .unwrap();
     together.sort_by(|x, y| x.request.id.cmp(&y.request.id));
     assert_eq!(together, alone);
-    assert!(store.requests_in_full(&[]).await.unwrap().is_empty());
-    let lone = store.requests_in_full(&["req_b"]).await.unwrap();
+    assert!(store.requests_in_full(0, &[]).await.unwrap().is_empty());
+    let lone = store.requests_in_full(0, &["req_b"]).await.unwrap();
     assert_eq!(lone, alone[1..2]);
 }
 
