@@ -364,18 +364,24 @@ async fn a_waited_answer_is_the_view_as_stored(database: Option<String>) {
         )
         .await;
     assert_eq!(status, 200, "{waited}");
-    assert_eq!(waited["status"], "completed", "{waited}");
     assert_eq!(waited["output"], "a metered answer", "{waited}");
-    assert_eq!(waited["runs"][0]["status"], "completed", "{waited}");
-    assert_eq!(waited["charged"]["calls"], 1, "{waited}");
     assert_eq!(waited["charged"]["promptTokens"], 123, "{waited}");
     assert_eq!(waited["charged"]["completionTokens"], 456, "{waited}");
+    assert_completed_and_as_stored(&app, &waited).await;
+}
+
+/// A waited answer shows its request completed, its run too and its one call charged, and
+/// equals what a read of the request afterwards returns.
+async fn assert_completed_and_as_stored(app: &TestApp, waited: &Value) {
+    assert_eq!(waited["status"], "completed", "{waited}");
+    assert_eq!(waited["runs"][0]["status"], "completed", "{waited}");
+    assert_eq!(waited["charged"]["calls"], 1, "{waited}");
     let request_id = waited["requestId"].as_str().unwrap();
     let (status, read) = app
         .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
         .await;
     assert_eq!(status, 200, "{read}");
-    assert_eq!(waited, read);
+    assert_eq!(*waited, read);
 }
 
 on_both_stores!(a_waited_answer_is_the_view_as_stored);
@@ -415,16 +421,8 @@ async fn waits_ending_together_are_each_answered_with_their_own_view(database: O
     });
     for (waiter, status, waited) in futures::future::join_all(waits).await {
         assert_eq!(status, 200, "{waited}");
-        assert_eq!(waited["status"], "completed", "{waited}");
         assert_eq!(waited["metadata"]["waiter"], waiter.as_str(), "{waited}");
-        assert_eq!(waited["runs"][0]["status"], "completed", "{waited}");
-        assert_eq!(waited["charged"]["calls"], 1, "{waited}");
-        let request_id = waited["requestId"].as_str().unwrap();
-        let (status, read) = app
-            .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
-            .await;
-        assert_eq!(status, 200, "{read}");
-        assert_eq!(waited, read);
+        assert_completed_and_as_stored(&app, &waited).await;
     }
     assert_eq!(upstream.calls().len(), WAITERS);
 }
