@@ -112,12 +112,12 @@ impl Runtime {
         &self,
         request_id: &str,
     ) -> Result<Option<crate::store::EventRecord>, RuntimeError> {
-        let store = &self.inner.store;
-        let last = store.last_seq(request_id).await?;
-        let events = store.events(request_id, last.saturating_sub(1), 1).await?;
-        Ok(events
-            .into_iter()
-            .find(|event| super::events::is_terminal(&event.event_type)))
+        Ok(self
+            .inner
+            .store
+            .last_event(request_id)
+            .await?
+            .filter(|event| super::events::is_terminal(&event.event_type)))
     }
 
     /// Completes `messages` (Chat Completions shape) with what the store holds of the client

@@ -1416,6 +1416,19 @@ impl Store for PostgresStore {
             .unwrap_or(0))
     }
 
+    async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
+        let sql = format!("{EVENT_SELECT} WHERE e.request_id = $1 ORDER BY e.seq DESC LIMIT 1");
+        let request_id = text(request_id);
+        let rows = self
+            .on_reader_backend(|| sqlx::query(sqlx::AssertSqlSafe(sql.as_str())).bind(&request_id))
+            .await?;
+        Ok(rows
+            .first()
+            .map(events_from_row)
+            .transpose()?
+            .and_then(|mut events| events.pop()))
+    }
+
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let id = text(id);
         let row = self

@@ -620,15 +620,26 @@ const RELEASE_LEASES: &str = concat!(
 /// through [`EventRows`].
 macro_rules! event_select {
     ($condition:literal) => {
-        concat!(
-            "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data,
-                    e.more
-             FROM events e JOIN requests r ON r.id = e.request_id WHERE ",
+        event_rows!(
             $condition,
             " AND e.seq > ?2 ORDER BY e.seq LIMIT CAST(?3 AS INTEGER)"
         )
     };
 }
+/// Rows of events where `$condition`, then `$order` (an order and a limit).
+macro_rules! event_rows {
+    ($condition:literal, $order:literal) => {
+        concat!(
+            "SELECT e.id, e.request_id, e.run_id, r.session_id, r.agent_id, e.seq, e.type, e.at, e.data,
+                    e.more
+             FROM events e JOIN requests r ON r.id = e.request_id WHERE ",
+            $condition,
+            $order
+        )
+    };
+}
+/// A request's last row of events (`events_by_request`, read backwards).
+const LAST_EVENT_ROW: &str = event_rows!("e.request_id = ?1", " ORDER BY e.seq DESC LIMIT 1");
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
 /// A session's newest message with no children (its children are found through
@@ -921,6 +932,18 @@ impl Store for SqliteStore {
             .bind(request_id)
             .fetch_one(&self.reader)
             .await?)
+    }
+
+    async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
+        let row = sqlx::query(LAST_EVENT_ROW)
+            .bind(request_id)
+            .fetch_optional(&self.reader)
+            .await?;
+        Ok(row
+            .as_ref()
+            .map(events_from_row)
+            .transpose()?
+            .and_then(|mut events| events.pop()))
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {

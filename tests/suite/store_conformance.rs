@@ -313,7 +313,11 @@ async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dy
             stored.iter().all(|e| *e.run_id == format!("run_{request}")
                 && e.event_type == "runtime.adapter.event")
         );
+        // The last event is the last of its row, read alone.
+        let last = store.last_event(&format!("req_{request}")).await.unwrap();
+        assert_eq!(last.as_ref(), stored.last());
     }
+    assert_eq!(store.last_event("req_missing").await.unwrap(), None);
 }
 
 /// A request's events, written by two runs in batches of several (split by other ops and by
