@@ -326,10 +326,8 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError>;
-    /// The highest `seq` of a request (0 when it has none).
-    async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError>;
     /// The event of a request with the highest `seq`, if it has any: its last row of events
-    /// read once, where [`Store::last_seq`] and then [`Store::events`] took two reads.
+    /// read once (its `seq` is the request's highest).
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError>;
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError>;
     /// The messages of a session, oldest first.

@@ -1397,25 +1397,6 @@ impl Store for PostgresStore {
         read.keep(&rows, events_from_row)
     }
 
-    async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
-        let request_id = text(request_id);
-        let rows = self
-            .on_reader_backend(|| {
-                sqlx::query(
-                    // The last row's first number and those after it.
-                    "SELECT seq + COALESCE(jsonb_array_length(more), 0) AS last FROM events
-                      WHERE request_id = $1 ORDER BY seq DESC LIMIT 1",
-                )
-                .bind(&request_id)
-            })
-            .await?;
-        Ok(rows
-            .first()
-            .map(|row| row.try_get("last"))
-            .transpose()?
-            .unwrap_or(0))
-    }
-
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
         let sql = format!("{EVENT_SELECT} WHERE e.request_id = $1 ORDER BY e.seq DESC LIMIT 1");
         let request_id = text(request_id);

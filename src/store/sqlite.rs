@@ -927,13 +927,6 @@ impl Store for SqliteStore {
         read.keep(&rows, events_from_row)
     }
 
-    async fn last_seq(&self, request_id: &str) -> Result<i64, StoreError> {
-        Ok(sqlx::query_scalar(LAST_SEQ)
-            .bind(request_id)
-            .fetch_one(&self.reader)
-            .await?)
-    }
-
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
         let row = sqlx::query(LAST_EVENT_ROW)
             .bind(request_id)
