@@ -177,7 +177,6 @@ fn event(request: &str, run: &str, seq: i64) -> WriteOp {
     })
 }
 
-/// A session with one request and its run.
 /// The highest `seq` of a request (0 when it has none), from its last event.
 async fn last_seq(store: &Arc<dyn Store>, request_id: &str) -> i64 {
     store
@@ -187,6 +186,7 @@ async fn last_seq(store: &Arc<dyn Store>, request_id: &str) -> i64 {
         .map_or(0, |event| event.seq)
 }
 
+/// A session with one request and its run.
 async fn seed(store: &Arc<dyn Store>, name: &str, status: RunStatus) {
     store
         .apply(&[
