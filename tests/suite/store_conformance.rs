@@ -2233,6 +2233,39 @@ async fn on_postgres_answer_path_reads_use_a_kept_backend_and_are_made_again_whe
     assert_ne!(after, first, "another backend read the view");
 }
 
+/// A row of events larger than the ~2 KB at which PostgreSQL compresses a row's values is
+/// stored as written (migration `0013`): a row packing a run's events took 2.2-2.6 KB with
+/// their ids, types and times, and was compressed as it was written and decompressed at
+/// each read. Fails without the migration (the row is compressed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_row_of_events_past_2_kb_is_stored_as_written() {
+    let (store, mut probe) = postgres_store_and_probe().await;
+    seed(&store, "w", RunStatus::Running).await;
+    let events: Vec<WriteOp> = (1..=16).map(|seq| event("req_w", "run_w", seq)).collect();
+    store.apply(&events).await.unwrap();
+    let (rows, compressed, largest): (i64, i64, Option<i32>) = sqlx::query_as(
+        "SELECT count(*), count(pg_column_compression(more)), max(pg_column_size(e.*)) \
+         FROM events e WHERE request_id = 'req_w'",
+    )
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1, "one run's sixteen events share a row");
+    assert!(
+        largest.is_some_and(|bytes| bytes > 2_032),
+        "the row is past the threshold: {largest:?}"
+    );
+    assert_eq!(compressed, 0, "the row is stored as written");
+    let read: Vec<i64> = store
+        .events("req_w", 0, 100)
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.seq)
+        .collect();
+    assert_eq!(read, (1..=16).collect::<Vec<_>>(), "and read back whole");
+}
+
 /// A request and its run inserted, started, and ended: the ops the common request commits
 /// in one transaction. `at` is fixed, so two copies store the same times.
 fn lifecycle(name: &str, at: chrono::DateTime<Utc>, end: Option<RunStatus>) -> Vec<WriteOp> {
