@@ -796,9 +796,9 @@ struct EventJson<'a> {
 }
 
 /// About how many bytes of data a row of events may hold. With the later events' ids, types
-/// and times, a row of six or seven events is 2.2-2.6 KB, which the table keeps as written
-/// up to a page (migration `0013`); past that PostgreSQL compresses a row and moves it out
-/// of line, which costs more than the rows saved.
+/// and times, a row of six or seven events is 2.2-2.6 KB, past the ~2 KB at which
+/// PostgreSQL compresses a row's values (with LZ4 where it can, migration `0013`); a row
+/// much larger would be moved out of line, which costs more than the rows saved.
 const ROW_BYTES: usize = 1_536;
 
 impl<'a> EventJson<'a> {
