@@ -2263,6 +2263,28 @@ async fn on_postgres_a_row_of_events_past_2_kb_is_compressed_with_lz4_where_the_
         Some(expected),
         "the row is past the threshold"
     );
+    // Each long value a request writes is set to LZ4 (`l`), whatever the server's default.
+    let set: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname || '.' || a.attname FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid \
+         WHERE c.relname IN ('events', 'messages', 'requests') AND a.attcompression = 'l' \
+         ORDER BY 1",
+    )
+    .fetch_all(&mut probe)
+    .await
+    .unwrap();
+    let expected: Vec<&str> = if has_lz4 {
+        vec![
+            "events.data",
+            "events.more",
+            "messages.content",
+            "requests.input",
+            "requests.output",
+        ]
+    } else {
+        Vec::new()
+    };
+    assert_eq!(set, expected);
     let read: Vec<i64> = store
         .events("req_w", 0, 100)
         .await
