@@ -1165,15 +1165,13 @@ impl Store for PostgresStore {
         lane: usize,
         ids: &[&str],
     ) -> Result<Vec<RequestInFull>, StoreError> {
-        let rows = if let [id] = ids {
-            let id = text(id);
-            let query = sqlx::query(views_of_requests!("= $1")).bind(id);
-            self.on_lane_backend(lane, query).await?
+        let query = if let [id] = ids {
+            sqlx::query(views_of_requests!("= $1")).bind(text(id))
         } else {
             let ids: Vec<String> = ids.iter().map(|id| text(id)).collect();
-            let query = sqlx::query(views_of_requests!("= ANY($1)")).bind(ids);
-            self.on_lane_backend(lane, query).await?
+            sqlx::query(views_of_requests!("= ANY($1)")).bind(ids)
         };
+        let rows = self.on_lane_backend(lane, query).await?;
         rows.iter().map(view_from_row).collect()
     }
 
