@@ -493,53 +493,80 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
     )
 }
 
-/// The op at `index` of a batch as `stable_harness_apply` reads it (see
-/// `migrations/postgres`): a `None` field is a JSON null, which the function reads as SQL
-/// NULL; an insert the batch's updates fold into is written as they leave its row
-/// (`folds`). A batch's events go in one `append_events` op ([`EventJson`]), not here.
+/// A batch's ops as `stable_harness_apply` reads them (see `migrations/postgres`): first the
+/// inserts of its sessions, requests, runs and messages, each kind in one op of rows that the
+/// function writes in one statement (migration 0014), then its other ops in order, then its
+/// events in one `append_events` op ([`EventJson`]). An insert needs only the rows it names
+/// (its session, its request), which come before it, and no other op removes a row or needs
+/// one of these to be missing, so the batch leaves the rows its ops in order would. An
+/// insert the batch's updates fold into is written as they leave its row (`folds`); a session
+/// touched twice is sent once, as the two touches leave it.
+///
 /// Serialized from the records themselves, as the events are: building each op as a
 /// `Value` copied its input, content and metadata, and wrote its times through chrono's
 /// formatter (~14% of the server's instructions for a chat request on this store; see
 /// docs/profiling.md, the thirty-eighth pass).
-fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'a> {
-    match op {
-        WriteOp::TouchSession(session) => OpJson::TouchSession {
-            id: Storable(&session.id),
-            agent_id: Storable(&session.agent_id),
-            owner: Storable(&session.owner),
-            metadata: Storable(&session.metadata),
-            created_at: session.created_at,
-            updated_at: session.updated_at,
-        },
-        WriteOp::InsertMessage(message) => OpJson::InsertMessage {
-            id: Storable(&message.id),
-            session_id: Storable(&message.session_id),
-            parent_id: message.parent_id.as_deref().map(Storable),
-            request_id: message.request_id.as_deref().map(Storable),
-            role: Storable(&message.role),
-            content: Storable(&message.content),
-            created_at: message.created_at,
-        },
-        WriteOp::InsertRequest(request) => {
-            let row = folds
-                .take_request(index)
-                .unwrap_or_else(|| RequestRow::inserted(request));
-            OpJson::InsertRequest {
-                id: Storable(&request.id),
-                session_id: Storable(&request.session_id),
-                agent_id: Storable(&request.agent_id),
-                protocol: Storable(&request.protocol),
-                status: row.status.as_str(),
-                input: Storable(&request.input),
-                output: row.output.map(Storable),
-                error: row.error.map(Storable),
-                usage: row.usage.map(Storable),
-                metadata: Storable(&request.metadata),
-                created_at: request.created_at,
-                updated_at: row.updated_at,
-                owner: Storable(&request.owner),
-            }
+fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
+    let mut folds = Folds::plan(ops);
+    let mut sessions: Vec<SessionJson<'_>> = Vec::new();
+    let mut requests = Vec::new();
+    let mut runs = Vec::new();
+    let mut messages = Vec::new();
+    let mut others = Vec::new();
+    let mut events = Vec::new();
+    for (index, op) in ops.iter().enumerate() {
+        if folds.is_folded(index) {
+            continue;
         }
+        match op {
+            WriteOp::TouchSession(session) => {
+                // Its first touch inserts it, each later one sets `updated_at`.
+                match sessions.iter_mut().find(|row| row.id.0 == session.id) {
+                    Some(row) => row.updated_at = session.updated_at,
+                    None => sessions.push(SessionJson::of(session)),
+                }
+            }
+            WriteOp::InsertRequest(request) => {
+                let row = folds
+                    .take_request(index)
+                    .unwrap_or_else(|| RequestRow::inserted(request));
+                requests.push(RequestJson::of(request, row));
+            }
+            WriteOp::InsertRun(run) => {
+                let row = folds
+                    .take_run(index)
+                    .unwrap_or_else(|| RunRow::inserted(run));
+                runs.push(RunJson::of(run, row));
+            }
+            WriteOp::InsertMessage(message) => messages.push(MessageJson::of(message)),
+            WriteOp::AppendEvent(event) => add_event(&mut events, event),
+            op => others.push(op_json(op)),
+        }
+    }
+    let mut batch = Vec::with_capacity(others.len().saturating_add(5));
+    if !sessions.is_empty() {
+        batch.push(OpJson::TouchSessions { rows: sessions });
+    }
+    if !requests.is_empty() {
+        batch.push(OpJson::InsertRequests { rows: requests });
+    }
+    if !runs.is_empty() {
+        batch.push(OpJson::InsertRuns { rows: runs });
+    }
+    if !messages.is_empty() {
+        batch.push(OpJson::InsertMessages { rows: messages });
+    }
+    batch.append(&mut others);
+    if !events.is_empty() {
+        batch.push(OpJson::AppendEvents { events });
+    }
+    batch
+}
+
+/// One of a batch's ops other than the inserts [`batch_json`] sends as rows, and its events:
+/// a `None` field is a JSON null, which the function reads as SQL NULL.
+fn op_json(op: &WriteOp) -> OpJson<'_> {
+    match op {
         WriteOp::UpdateRequest {
             id,
             status,
@@ -555,24 +582,6 @@ fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'
             usage: usage.as_ref().map(Storable),
             at: *at,
         },
-        WriteOp::InsertRun(run) => {
-            let row = folds
-                .take_run(index)
-                .unwrap_or_else(|| RunRow::inserted(run));
-            OpJson::InsertRun {
-                id: Storable(&run.id),
-                request_id: Storable(&run.request_id),
-                attempt: run.attempt,
-                status: row.status.as_str(),
-                state: row.state.map(Storable),
-                error: row.error.map(Storable),
-                created_at: run.created_at,
-                updated_at: row.updated_at,
-                started_at: row.started_at,
-                ended_at: row.ended_at,
-                leased: row.leased,
-            }
-        }
         WriteOp::UpdateRun {
             id,
             status,
@@ -615,6 +624,18 @@ fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'
         },
         WriteOp::StartToolCall(call) => OpJson::StartToolCall(ToolCallJson::of(call)),
         WriteOp::RecordToolCall(call) => OpJson::RecordToolCall(ToolCallJson::of(call)),
+        WriteOp::TouchSession(session) => OpJson::TouchSessions {
+            rows: vec![SessionJson::of(session)],
+        },
+        WriteOp::InsertRequest(request) => OpJson::InsertRequests {
+            rows: vec![RequestJson::of(request, RequestRow::inserted(request))],
+        },
+        WriteOp::InsertRun(run) => OpJson::InsertRuns {
+            rows: vec![RunJson::of(run, RunRow::inserted(run))],
+        },
+        WriteOp::InsertMessage(message) => OpJson::InsertMessages {
+            rows: vec![MessageJson::of(message)],
+        },
         WriteOp::AppendEvent(event) => OpJson::AppendEvents {
             events: vec![EventJson::of(event, 0)],
         },
@@ -627,42 +648,17 @@ fn op_json<'a>(op: &'a WriteOp, index: usize, folds: &mut Folds<'a>) -> OpJson<'
 #[derive(serde::Serialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum OpJson<'a> {
-    TouchSession {
-        id: Storable<'a, str>,
-        agent_id: Storable<'a, str>,
-        owner: Storable<'a, str>,
-        metadata: Storable<'a, Value>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        created_at: DateTime<Utc>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        updated_at: DateTime<Utc>,
+    TouchSessions {
+        rows: Vec<SessionJson<'a>>,
     },
-    InsertMessage {
-        id: Storable<'a, str>,
-        session_id: Storable<'a, str>,
-        parent_id: Option<Storable<'a, str>>,
-        request_id: Option<Storable<'a, str>>,
-        role: Storable<'a, str>,
-        content: Storable<'a, Value>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        created_at: DateTime<Utc>,
+    InsertRequests {
+        rows: Vec<RequestJson<'a>>,
     },
-    InsertRequest {
-        id: Storable<'a, str>,
-        session_id: Storable<'a, str>,
-        agent_id: Storable<'a, str>,
-        protocol: Storable<'a, str>,
-        status: &'static str,
-        input: Storable<'a, Value>,
-        output: Option<Storable<'a, str>>,
-        error: Option<Storable<'a, Value>>,
-        usage: Option<Storable<'a, Value>>,
-        metadata: Storable<'a, Value>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        created_at: DateTime<Utc>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        updated_at: DateTime<Utc>,
-        owner: Storable<'a, str>,
+    InsertRuns {
+        rows: Vec<RunJson<'a>>,
+    },
+    InsertMessages {
+        rows: Vec<MessageJson<'a>>,
     },
     UpdateRequest {
         id: Storable<'a, str>,
@@ -672,24 +668,6 @@ enum OpJson<'a> {
         usage: Option<Storable<'a, Value>>,
         #[serde(serialize_with = "crate::time::serialize")]
         at: DateTime<Utc>,
-    },
-    /// A run's insert; a run the batch ended is inserted without a lease (`leased`).
-    InsertRun {
-        id: Storable<'a, str>,
-        request_id: Storable<'a, str>,
-        attempt: i64,
-        status: &'static str,
-        state: Option<Storable<'a, Value>>,
-        error: Option<Storable<'a, Value>>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        created_at: DateTime<Utc>,
-        #[serde(serialize_with = "crate::time::serialize")]
-        updated_at: DateTime<Utc>,
-        #[serde(serialize_with = "crate::time::serialize_optional")]
-        started_at: Option<DateTime<Utc>>,
-        #[serde(serialize_with = "crate::time::serialize_optional")]
-        ended_at: Option<DateTime<Utc>>,
-        leased: bool,
     },
     UpdateRun {
         id: Storable<'a, str>,
@@ -736,6 +714,138 @@ enum OpJson<'a> {
     AppendEvents {
         events: Vec<EventJson<'a>>,
     },
+}
+
+/// A session as `touch_sessions` reads it: inserted, or its `updated_at` set if it exists.
+#[derive(serde::Serialize)]
+struct SessionJson<'a> {
+    id: Storable<'a, str>,
+    agent_id: Storable<'a, str>,
+    owner: Storable<'a, str>,
+    metadata: Storable<'a, Value>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    updated_at: DateTime<Utc>,
+}
+
+impl<'a> SessionJson<'a> {
+    fn of(session: &'a SessionRecord) -> Self {
+        Self {
+            id: Storable(&session.id),
+            agent_id: Storable(&session.agent_id),
+            owner: Storable(&session.owner),
+            metadata: Storable(&session.metadata),
+            created_at: session.created_at,
+            updated_at: session.updated_at,
+        }
+    }
+}
+
+/// A message as `insert_messages` reads it.
+#[derive(serde::Serialize)]
+struct MessageJson<'a> {
+    id: Storable<'a, str>,
+    session_id: Storable<'a, str>,
+    parent_id: Option<Storable<'a, str>>,
+    request_id: Option<Storable<'a, str>>,
+    role: Storable<'a, str>,
+    content: Storable<'a, Value>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    created_at: DateTime<Utc>,
+}
+
+impl<'a> MessageJson<'a> {
+    fn of(message: &'a MessageRecord) -> Self {
+        Self {
+            id: Storable(&message.id),
+            session_id: Storable(&message.session_id),
+            parent_id: message.parent_id.as_deref().map(Storable),
+            request_id: message.request_id.as_deref().map(Storable),
+            role: Storable(&message.role),
+            content: Storable(&message.content),
+            created_at: message.created_at,
+        }
+    }
+}
+
+/// A request as `insert_requests` reads it, as the batch's updates of it leave its `row`.
+#[derive(serde::Serialize)]
+struct RequestJson<'a> {
+    id: Storable<'a, str>,
+    session_id: Storable<'a, str>,
+    agent_id: Storable<'a, str>,
+    protocol: Storable<'a, str>,
+    status: &'static str,
+    input: Storable<'a, Value>,
+    output: Option<Storable<'a, str>>,
+    error: Option<Storable<'a, Value>>,
+    usage: Option<Storable<'a, Value>>,
+    metadata: Storable<'a, Value>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    updated_at: DateTime<Utc>,
+    owner: Storable<'a, str>,
+}
+
+impl<'a> RequestJson<'a> {
+    fn of(request: &'a RequestRecord, row: RequestRow<'a>) -> Self {
+        Self {
+            id: Storable(&request.id),
+            session_id: Storable(&request.session_id),
+            agent_id: Storable(&request.agent_id),
+            protocol: Storable(&request.protocol),
+            status: row.status.as_str(),
+            input: Storable(&request.input),
+            output: row.output.map(Storable),
+            error: row.error.map(Storable),
+            usage: row.usage.map(Storable),
+            metadata: Storable(&request.metadata),
+            created_at: request.created_at,
+            updated_at: row.updated_at,
+            owner: Storable(&request.owner),
+        }
+    }
+}
+
+/// A run as `insert_runs` reads it, as the batch's updates of it leave its `row`; a run the
+/// batch ended is inserted without a lease (`leased`).
+#[derive(serde::Serialize)]
+struct RunJson<'a> {
+    id: Storable<'a, str>,
+    request_id: Storable<'a, str>,
+    attempt: i64,
+    status: &'static str,
+    state: Option<Storable<'a, Value>>,
+    error: Option<Storable<'a, Value>>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    created_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize")]
+    updated_at: DateTime<Utc>,
+    #[serde(serialize_with = "crate::time::serialize_optional")]
+    started_at: Option<DateTime<Utc>>,
+    #[serde(serialize_with = "crate::time::serialize_optional")]
+    ended_at: Option<DateTime<Utc>>,
+    leased: bool,
+}
+
+impl<'a> RunJson<'a> {
+    fn of(run: &'a RunRecord, row: RunRow<'a>) -> Self {
+        Self {
+            id: Storable(&run.id),
+            request_id: Storable(&run.request_id),
+            attempt: run.attempt,
+            status: row.status.as_str(),
+            state: row.state.map(Storable),
+            error: row.error.map(Storable),
+            created_at: run.created_at,
+            updated_at: row.updated_at,
+            started_at: row.started_at,
+            ended_at: row.ended_at,
+            leased: row.leased,
+        }
+    }
 }
 
 /// A tool call's start or record, as `stable_harness_apply` reads either.
@@ -998,25 +1108,10 @@ impl PostgresStore {
         ops: &[WriteOp],
         on_lane_backend: bool,
     ) -> Result<Vec<i64>, StoreError> {
-        // One round trip: the ops in order, then the batch's events in one insert (they only
-        // need their request, which an earlier op or the store provides). Updates of a run
-        // or request the batch inserts are folded into the insert, as on SQLite (`folds`).
-        // Each is made storable as it is serialized, without a walk of its own.
-        let mut batch = Vec::with_capacity(ops.len().saturating_add(1));
-        let mut events = Vec::new();
-        let mut folds = Folds::plan(ops);
-        for (index, op) in ops.iter().enumerate() {
-            if folds.is_folded(index) {
-                continue;
-            }
-            match op {
-                WriteOp::AppendEvent(event) => add_event(&mut events, event),
-                op => batch.push(op_json(op, index, &mut folds)),
-            }
-        }
-        if !events.is_empty() {
-            batch.push(OpJson::AppendEvents { events });
-        }
+        // One round trip: the batch's inserts by kind, its other ops in order, then its events
+        // in one insert (see `batch_json`). Each value is made storable as it is serialized,
+        // without a walk of its own.
+        let batch = batch_json(ops);
         // The charges settled since the last batch commit with this one (see
         // `postgres_spend::PendingCharges`): same transaction, same round trip.
         // A lane's own charges only (its requests'): batches of two lanes overlap, and a
@@ -1930,13 +2025,105 @@ mod tests {
             tool_call("start_tool_call"),
             tool_call("record_tool_call"),
         ];
+        // The inserts go as ops of rows (`batch_json`): alone, an op of one row.
+        let as_rows = |mut row: Value| match row["op"].as_str() {
+            Some(kind @ ("touch_session" | "insert_message" | "insert_request" | "insert_run")) => {
+                let kind = format!("{kind}s");
+                row.as_object_mut().map(|fields| fields.remove("op"));
+                json!({ "op": kind, "rows": [row] })
+            }
+            _ => row,
+        };
         // Each op alone: no later update folds into an insert.
         for (op, expected) in ops.iter().zip(expected) {
-            let mut folds = Folds::plan(std::slice::from_ref(op));
-            let sent = serde_json::to_value(op_json(op, 0, &mut folds)).unwrap();
-            assert_eq!(sent, json(&expected), "{op:?}");
+            let sent = serde_json::to_value(op_json(op)).unwrap();
+            assert_eq!(sent, json(&as_rows(expected)), "{op:?}");
             assert!(!sent.to_string().contains("\\u0000"), "{sent}");
         }
+    }
+
+    /// A batch of two requests' writes goes as the function's ops of rows, one per kind and
+    /// in the order their rows need (sessions, requests, runs, messages), then the other ops
+    /// in their order, then the events; a session touched twice once, with its first touch's
+    /// fields and its last touch's time. Fails when a kind is sent row by row, the kinds
+    /// come in another order, or a touch is lost or sent twice.
+    #[test]
+    fn a_batch_sends_its_inserts_by_kind_before_its_other_ops() {
+        use super::super::test_records;
+        let at = |second: i64| Utc.timestamp_opt(1_764_470_000 + second, 0).unwrap();
+        let touch = |id: &str, agent: &str, second: i64| {
+            let mut session = test_records::session(id);
+            (session.agent_id, session.created_at, session.updated_at) =
+                (agent.into(), at(second), at(second));
+            WriteOp::TouchSession(session)
+        };
+        let message = |id: &str, session: &str, parent: Option<&str>| {
+            WriteOp::InsertMessage(MessageRecord {
+                id: id.into(),
+                session_id: session.into(),
+                parent_id: parent.map(str::to_owned),
+                request_id: None,
+                role: "user".into(),
+                content: json!("hi"),
+                created_at: at(0),
+            })
+        };
+        let ops = [
+            touch("ses_a", "first", 1),
+            message("msg_a", "ses_a", None),
+            WriteOp::InsertRequest(test_records::request("req_a", "ses_a")),
+            WriteOp::InsertRun(test_records::run("run_a", "req_a")),
+            test_records::event("req_a", "run_a", "t", json!({})),
+            WriteOp::UpdateRequest {
+                id: "req_old".into(),
+                status: RunStatus::Failed,
+                output: None,
+                error: None,
+                usage: None,
+                at: at(2),
+            },
+            touch("ses_b", "b", 3),
+            touch("ses_a", "second", 4),
+            message("msg_b", "ses_a", Some("msg_a")),
+            WriteOp::InsertRequest(test_records::request("req_b", "ses_a")),
+            WriteOp::InsertRun(test_records::run("run_b", "req_b")),
+            test_records::event("req_b", "run_b", "t", json!({})),
+        ];
+        let sent = serde_json::to_value(batch_json(&ops)).unwrap();
+        let kinds: Vec<&str> = sent
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|op| op["op"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "touch_sessions",
+                "insert_requests",
+                "insert_runs",
+                "insert_messages",
+                "update_request",
+                "append_events"
+            ]
+        );
+        let ids = |op: usize| -> Vec<&str> {
+            sent[op]["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|row| row["id"].as_str().unwrap())
+                .collect()
+        };
+        assert_eq!(ids(0), ["ses_a", "ses_b"]);
+        assert_eq!(ids(1), ["req_a", "req_b"]);
+        assert_eq!(ids(2), ["run_a", "run_b"]);
+        assert_eq!(ids(3), ["msg_a", "msg_b"]);
+        let ses_a = &sent[0]["rows"][0];
+        assert_eq!(ses_a["agent_id"], "first");
+        assert_eq!(ses_a["created_at"], json!(at(1)));
+        assert_eq!(ses_a["updated_at"], json!(at(4)));
+        assert_eq!(sent[5]["events"].as_array().unwrap().len(), 2);
     }
 
     fn event(run: &str, data: Value) -> EventRecord {
