@@ -17,12 +17,10 @@
 -- - The requests a batch touches are gathered and locked in one statement instead of two,
 --   still found by key (`= ANY`, see 0008), now also through the rows of `insert_runs` and
 --   `insert_messages`.
--- - The charges' function writes a batch's charges in one statement (their reservations
---   let go, their ledger records, their counters), where it ran two statements a charge and
---   one for the counters.
+-- - The charges' function skips the counters' statement when no charge counts against a
+--   budget.
 --
--- Everything else is 0010's batch function as it was; the charges' function does what
--- 0012's did.
+-- Everything else is 0010's batch function and 0012's charges' function as they were.
 
 CREATE OR REPLACE FUNCTION stable_harness_apply(batch jsonb, holder text, lease_ms bigint, batch_id text)
 RETURNS bigint[]
@@ -211,50 +209,41 @@ BEGIN
     RETURN assigned;
 END $$;
 
--- 0012's charges' function in one statement instead of two a charge and one for the
--- counters: every charge's reservation let go; its ledger record inserted unless it is
--- there (a batch retried after its reply was lost) or an earlier charge of the same call
--- wrote it, as one charge at a time would; and the deltas of the records that are new added
--- to the counters, summed per counter and in key order, so two batches updating the same
--- counters lock them in one order and never deadlock. Returns how many charges were new.
+-- 0012's charges' function, without the counters' statement when nothing counts.
 CREATE OR REPLACE FUNCTION stable_harness_record_usage(charges jsonb) RETURNS integer
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
-    recorded integer;
+    charge jsonb;
+    counted jsonb := '[]'::jsonb;
+    recorded integer := 0;
 BEGIN
-    WITH released AS (
-        DELETE FROM budget_reservations
-         WHERE hold_id = ANY(ARRAY(SELECT c->>'hold' FROM jsonb_array_elements(charges) c))
-    ), given AS (
-        SELECT DISTINCT ON (r.request_id, r.id) c.charge, r.*
-          FROM jsonb_array_elements(charges) WITH ORDINALITY AS c(charge, ord),
-               jsonb_to_record(c.charge->'record') AS r(id text, at timestamptz,
-                   request_id text, run_id text, owner text, agent_id text, session_id text,
-                   model text, source text, prompt_tokens bigint, completion_tokens bigint,
-                   cost_nanos bigint, estimated boolean)
-         ORDER BY r.request_id, r.id, c.ord
-    ), inserted AS (
+    FOR charge IN SELECT value FROM jsonb_array_elements(charges) LOOP
+        DELETE FROM budget_reservations WHERE hold_id = charge->>'hold';
         INSERT INTO usage_records (id, at, request_id, run_id, owner, agent_id, session_id,
             model, source, prompt_tokens, completion_tokens, cost_nanos, estimated)
-        SELECT g.id, g.at, g.request_id, g.run_id, g.owner, g.agent_id, g.session_id,
-            g.model, g.source, g.prompt_tokens, g.completion_tokens, g.cost_nanos, g.estimated
-          FROM given g
-        ON CONFLICT (request_id, id) DO NOTHING
-        RETURNING request_id, id
-    ), counted AS (
-        INSERT INTO budget_usage (budget, subject, bucket, tokens, cost_nanos)
-        SELECT d.budget, d.subject, d.bucket, SUM(d.tokens), SUM(d.cost_nanos)
-          FROM inserted i
-          JOIN given g ON g.request_id = i.request_id AND g.id = i.id,
-               jsonb_to_recordset(COALESCE(g.charge->'deltas', '[]'::jsonb))
-               AS d(budget text, subject text, bucket bigint, tokens bigint, cost_nanos bigint)
-         GROUP BY d.budget, d.subject, d.bucket
-         ORDER BY d.budget, d.subject, d.bucket
-        ON CONFLICT (budget, subject, bucket) DO UPDATE
-           SET tokens = budget_usage.tokens + excluded.tokens,
-               cost_nanos = budget_usage.cost_nanos + excluded.cost_nanos
-    )
-    SELECT count(*) INTO recorded FROM inserted;
+        SELECT r.id, r.at, r.request_id, r.run_id, r.owner, r.agent_id, r.session_id,
+            r.model, r.source, r.prompt_tokens, r.completion_tokens, r.cost_nanos, r.estimated
+          FROM jsonb_to_record(charge->'record') AS r(id text, at timestamptz, request_id text,
+            run_id text, owner text, agent_id text, session_id text, model text, source text,
+            prompt_tokens bigint, completion_tokens bigint, cost_nanos bigint, estimated boolean)
+        ON CONFLICT (request_id, id) DO NOTHING;
+        IF FOUND THEN
+            recorded := recorded + 1;
+            counted := counted || COALESCE(charge->'deltas', '[]'::jsonb);
+        END IF;
+    END LOOP;
+    IF counted = '[]'::jsonb THEN
+        RETURN recorded;
+    END IF;
+    INSERT INTO budget_usage (budget, subject, bucket, tokens, cost_nanos)
+    SELECT d.budget, d.subject, d.bucket, SUM(d.tokens), SUM(d.cost_nanos)
+      FROM jsonb_to_recordset(counted)
+           AS d(budget text, subject text, bucket bigint, tokens bigint, cost_nanos bigint)
+     GROUP BY d.budget, d.subject, d.bucket
+     ORDER BY d.budget, d.subject, d.bucket
+    ON CONFLICT (budget, subject, bucket) DO UPDATE
+       SET tokens = budget_usage.tokens + excluded.tokens,
+           cost_nanos = budget_usage.cost_nanos + excluded.cost_nanos;
     RETURN recorded;
 END;
 $$;
