@@ -24,6 +24,7 @@
 //! PostgreSQL text cannot hold U+0000, which clients may send; it is stored as U+FFFD.
 
 use std::collections::BTreeMap;
+use std::collections::hash_map::Entry;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -51,6 +52,7 @@ use super::{
     RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
     StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
 };
+use crate::ids::IdMap;
 use crate::time::TimeText;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
@@ -509,6 +511,7 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
     let mut folds = Folds::plan(ops);
     let mut sessions: Vec<SessionJson<'_>> = Vec::new();
+    let mut session_rows: IdMap<&str, usize> = IdMap::default();
     let mut requests = Vec::new();
     let mut runs = Vec::new();
     let mut messages = Vec::new();
@@ -521,9 +524,12 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
         match op {
             WriteOp::TouchSession(session) => {
                 // Its first touch inserts it, each later one sets `updated_at`.
-                match sessions.iter_mut().find(|row| row.id.0 == session.id) {
-                    Some(row) => row.updated_at = session.updated_at,
-                    None => sessions.push(SessionJson::of(session)),
+                match session_rows.entry(session.id.as_str()) {
+                    Entry::Occupied(row) => sessions[*row.get()].updated_at = session.updated_at,
+                    Entry::Vacant(row) => {
+                        row.insert(sessions.len());
+                        sessions.push(SessionJson::of(session));
+                    }
                 }
             }
             WriteOp::InsertRequest(request) => {
@@ -563,8 +569,9 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
     batch
 }
 
-/// One of a batch's ops other than the inserts [`batch_json`] sends as rows, and its events:
-/// a `None` field is a JSON null, which the function reads as SQL NULL.
+/// One op alone as `stable_harness_apply` reads it (an insert as an op of one row, an event
+/// as a row of events; [`batch_json`] gathers a batch's): a `None` field is a JSON null,
+/// which the function reads as SQL NULL.
 fn op_json(op: &WriteOp) -> OpJson<'_> {
     match op {
         WriteOp::UpdateRequest {
