@@ -9,11 +9,14 @@
 --   common request's two messages in one, and a batch of several requests (at concurrency)
 --   their sessions, requests, runs and messages in four. The writer sends them in that order,
 --   ahead of the batch's other ops: an insert only needs the rows it names (its session, its
---   request), which come before it, and no other op removes a row or needs one of these
---   rows to be missing, so the batch leaves the same rows. A session touched twice in a
---   batch is sent once, with its first touch's fields and its last touch's `updated_at`, as
---   the two upserts would have left it. The singular ops stay, for an instance not yet
---   upgraded.
+--   request), which come before it, and no op removes a row, so a batch that commits leaves
+--   the same rows. A run's insert can meet another instance's run of the same attempt (one
+--   that took the run over when this instance lost its lease), so the writer leaves a run
+--   inserted after an op that may be refused (fenced to a lease, or a decision) in its
+--   place, and the batch is refused for the lost lease, as in order. A session touched
+--   twice in a batch is sent once, with its first touch's fields and its last touch's
+--   `updated_at`, as the two upserts would have left it. The singular ops stay, for an
+--   instance not yet upgraded.
 -- - The requests a batch touches are gathered and locked in one statement instead of two,
 --   still found by key (`= ANY`, see 0008), now also through the rows of `insert_runs` and
 --   `insert_messages`.

@@ -2,9 +2,9 @@
 //! database (`postgres://` URLs) that several instances share.
 //!
 //! A batch is one transaction and one round trip: the ops go as one JSON array to the
-//! `stable_harness_apply` function (`migrations/postgres`), which applies them in order as
-//! this instance, numbers the events after their request's last ones and announces them with
-//! `NOTIFY`. A run's consecutive events in a batch go as one row of `events` (`event_rows`).
+//! `stable_harness_apply` function (`migrations/postgres`), its inserts gathered by kind
+//! ahead of its other ops (`batch_json`), which it applies as this instance, numbering the
+//! events after their request's last ones and announcing them with `NOTIFY`. A run's consecutive events in a batch go as one row of `events` (`event_rows`).
 //! Each batch is recorded under the id its writer gives all its tries, for a
 //! minute: a try after a connection died with the commit's reply gets the numbers back
 //! instead of applying the batch a second time (which would refuse it as a duplicate, or
@@ -499,10 +499,16 @@ fn agent_cutoffs(cutoffs: &BTreeMap<String, String>) -> Value {
 /// inserts of its sessions, requests, runs and messages, each kind in one op of rows that the
 /// function writes in one statement (migration 0014), then its other ops in order, then its
 /// events in one `append_events` op ([`EventJson`]). An insert needs only the rows it names
-/// (its session, its request), which come before it, and no other op removes a row or needs
-/// one of these to be missing, so the batch leaves the rows its ops in order would. An
-/// insert the batch's updates fold into is written as they leave its row (`folds`); a session
-/// touched twice is sent once, as the two touches leave it.
+/// (its session, its request), which come before it, and no op removes a row, so a batch
+/// that commits leaves the rows its ops in order would. A batch refused is refused for the
+/// same reason: the ids of sessions, requests and messages are this instance's own, so their
+/// inserts fail only when something else fails too; a run's insert can meet another
+/// instance's run of the same attempt (one that took the run over when this instance lost
+/// its lease), so a run inserted after one of the batch's conditional ops (a run's update
+/// or an approval or tool call, fenced to the lease; a decision) stays there, and the
+/// batch is refused for the lost lease, as in order. An insert the batch's updates fold
+/// into is written as they leave its row (`folds`); a session touched twice is sent once,
+/// as the two touches leave it.
 ///
 /// Serialized from the records themselves, as the events are: building each op as a
 /// `Value` copied its input, content and metadata, and wrote its times through chrono's
@@ -517,6 +523,8 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
     let mut messages = Vec::new();
     let mut others = Vec::new();
     let mut events = Vec::new();
+    // Whether an op that may be refused (fenced to a run's lease, or a decision) came yet.
+    let mut conditional_before = false;
     for (index, op) in ops.iter().enumerate() {
         if folds.is_folded(index) {
             continue;
@@ -542,11 +550,19 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
                 let row = folds
                     .take_run(index)
                     .unwrap_or_else(|| RunRow::inserted(run));
-                runs.push(RunJson::of(run, row));
+                let row = RunJson::of(run, row);
+                if conditional_before {
+                    others.push(OpJson::InsertRuns { rows: vec![row] });
+                } else {
+                    runs.push(row);
+                }
             }
             WriteOp::InsertMessage(message) => messages.push(MessageJson::of(message)),
             WriteOp::AppendEvent(event) => add_event(&mut events, event),
-            op => others.push(op_json(op)),
+            op => {
+                conditional_before |= !matches!(op, WriteOp::UpdateRequest { .. });
+                others.push(op_json(op));
+            }
         }
     }
     let mut batch = Vec::with_capacity(others.len().saturating_add(5));
@@ -1127,9 +1143,9 @@ impl PostgresStore {
         let _writing = pending.writing.lock().await;
         let charges = pending.take();
         // The sessions the batch touches, when it touches two or more, locked first and in
-        // id order (as a prune locks them): the batch function touches them in the ops'
-        // order, so two batches (two lanes', two instances') touching the same two sessions
-        // would otherwise deadlock. A batch touching one holds no other session while it
+        // id order (as a prune locks them): the batch function touches them in the order of
+        // their first touch in the batch, so two batches (two lanes', two instances') touching
+        // the same two sessions would otherwise deadlock. A batch touching one holds no other session while it
         // waits for that one: the common request's batch (at concurrency 1) is left as it was.
         let mut sessions: Vec<&str> = ops
             .iter()
@@ -2052,8 +2068,9 @@ mod tests {
     /// A batch of two requests' writes goes as the function's ops of rows, one per kind and
     /// in the order their rows need (sessions, requests, runs, messages), then the other ops
     /// in their order, then the events; a session touched twice once, with its first touch's
-    /// fields and its last touch's time. Fails when a kind is sent row by row, the kinds
-    /// come in another order, or a touch is lost or sent twice.
+    /// fields and its last touch's time; a run inserted after an op that may be refused
+    /// stays after it. Fails when a kind is sent row by row, the kinds come in another
+    /// order, a touch is lost or sent twice, or such a run is moved ahead.
     #[test]
     fn a_batch_sends_its_inserts_by_kind_before_its_other_ops() {
         use super::super::test_records;
@@ -2095,6 +2112,17 @@ mod tests {
             WriteOp::InsertRequest(test_records::request("req_b", "ses_a")),
             WriteOp::InsertRun(test_records::run("run_b", "req_b")),
             test_records::event("req_b", "run_b", "t", json!({})),
+            // After an op that may be refused, a run stays in its place (another instance
+            // may hold its attempt); a message, whose id is this instance's own, does not.
+            WriteOp::UpdateRun {
+                id: "run_old".into(),
+                status: RunStatus::Completed,
+                error: None,
+                state: None,
+                at: at(5),
+            },
+            WriteOp::InsertRun(test_records::run("run_c", "req_b")),
+            message("msg_c", "ses_a", Some("msg_b")),
         ];
         let sent = serde_json::to_value(batch_json(&ops)).unwrap();
         let kinds: Vec<&str> = sent
@@ -2111,6 +2139,8 @@ mod tests {
                 "insert_runs",
                 "insert_messages",
                 "update_request",
+                "update_run",
+                "insert_runs",
                 "append_events"
             ]
         );
@@ -2125,12 +2155,13 @@ mod tests {
         assert_eq!(ids(0), ["ses_a", "ses_b"]);
         assert_eq!(ids(1), ["req_a", "req_b"]);
         assert_eq!(ids(2), ["run_a", "run_b"]);
-        assert_eq!(ids(3), ["msg_a", "msg_b"]);
+        assert_eq!(ids(3), ["msg_a", "msg_b", "msg_c"]);
+        assert_eq!(ids(6), ["run_c"]);
         let ses_a = &sent[0]["rows"][0];
         assert_eq!(ses_a["agent_id"], "first");
         assert_eq!(ses_a["created_at"], json!(at(1)));
         assert_eq!(ses_a["updated_at"], json!(at(4)));
-        assert_eq!(sent[5]["events"].as_array().unwrap().len(), 2);
+        assert_eq!(sent[7]["events"].as_array().unwrap().len(), 2);
     }
 
     fn event(run: &str, data: Value) -> EventRecord {
