@@ -4,7 +4,8 @@
 //! A batch is one transaction and one round trip: the ops go as one JSON array to the
 //! `stable_harness_apply` function (`migrations/postgres`), its inserts gathered by kind
 //! ahead of its other ops (`batch_json`), which it applies as this instance, numbering the
-//! events after their request's last ones and announcing them with `NOTIFY`. A run's consecutive events in a batch go as one row of `events` (`event_rows`).
+//! events after their request's last ones and announcing them with `NOTIFY`. A run's
+//! consecutive events in a batch go as one row of `events` (`event_rows`).
 //! Each batch is recorded under the id its writer gives all its tries, for a
 //! minute: a try after a connection died with the commit's reply gets the numbers back
 //! instead of applying the batch a second time (which would refuse it as a duplicate, or
