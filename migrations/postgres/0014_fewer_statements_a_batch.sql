@@ -15,8 +15,8 @@
 --   inserted after an op that may be refused (fenced to a lease, or a decision) in its
 --   place, and the batch is refused for the lost lease, as in order. A session touched
 --   twice in a batch is sent once, with its first touch's fields and its last touch's
---   `updated_at`, as the two upserts would have left it. The singular ops stay, for an
---   instance not yet upgraded.
+--   `updated_at`, as the two upserts would have left it. An instance not yet upgraded
+--   sends its inserts one op each: each is read as an op of one row.
 -- - The requests a batch touches are gathered and locked in one statement instead of two,
 --   still found by key (`= ANY`, see 0008), now also through the rows of `insert_runs` and
 --   `insert_messages`.
@@ -58,6 +58,10 @@ BEGIN
                           WHERE o->>'op' = 'append_events'))
      ORDER BY id FOR NO KEY UPDATE;
     FOR op IN SELECT value FROM jsonb_array_elements(batch) LOOP
+        -- An insert sent alone (by an instance not yet upgraded) is an op of one row.
+        IF op->>'op' IN ('touch_session', 'insert_request', 'insert_run', 'insert_message') THEN
+            op := jsonb_build_object('op', (op->>'op') || 's', 'rows', jsonb_build_array(op));
+        END IF;
         CASE op->>'op'
         WHEN 'touch_sessions' THEN
             INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at)
@@ -88,36 +92,11 @@ BEGIN
             SELECT r->>'id', r->>'session_id', r->>'parent_id', r->>'request_id', r->>'role',
                    r->'content', (r->>'created_at')::timestamptz
               FROM jsonb_array_elements(op->'rows') r;
-        WHEN 'touch_session' THEN
-            INSERT INTO sessions (id, agent_id, owner, metadata, created_at, updated_at)
-            VALUES (op->>'id', op->>'agent_id', op->>'owner', op->'metadata',
-                    (op->>'created_at')::timestamptz, (op->>'updated_at')::timestamptz)
-            ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at;
-        WHEN 'insert_message' THEN
-            INSERT INTO messages (id, session_id, parent_id, request_id, role, content, created_at)
-            VALUES (op->>'id', op->>'session_id', op->>'parent_id', op->>'request_id', op->>'role',
-                    op->'content', (op->>'created_at')::timestamptz);
-        WHEN 'insert_request' THEN
-            INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error,
-                                  usage, metadata, created_at, updated_at, owner)
-            VALUES (op->>'id', op->>'session_id', op->>'agent_id', op->>'protocol', op->>'status',
-                    op->'input', op->>'output', NULLIF(op->'error', 'null'), NULLIF(op->'usage', 'null'), op->'metadata',
-                    (op->>'created_at')::timestamptz, (op->>'updated_at')::timestamptz, op->>'owner');
         WHEN 'update_request' THEN
             UPDATE requests SET status = op->>'status', output = COALESCE(op->>'output', output),
                    error = NULLIF(op->'error', 'null'), usage = COALESCE(NULLIF(op->'usage', 'null'), usage),
                    updated_at = (op->>'at')::timestamptz
              WHERE id = op->>'id';
-        WHEN 'insert_run' THEN
-            INSERT INTO runs (id, request_id, attempt, status, state, error, created_at, updated_at,
-                              started_at, ended_at, lease_holder, lease_expires_at)
-            VALUES (op->>'id', op->>'request_id', (op->>'attempt')::bigint, op->>'status',
-                    NULLIF(op->'state', 'null'), NULLIF(op->'error', 'null'), (op->>'created_at')::timestamptz,
-                    (op->>'updated_at')::timestamptz, (op->>'started_at')::timestamptz,
-                    (op->>'ended_at')::timestamptz,
-                    CASE WHEN op->'leased' = 'false' THEN NULL ELSE holder END,
-                    CASE WHEN op->'leased' = 'false' THEN NULL
-                         ELSE now() + lease_ms * interval '1 millisecond' END);
         WHEN 'update_run' THEN
             -- Only the holder changes a run; an ended run keeps no checkpoint and no lease.
             UPDATE runs SET status = op->>'status', error = COALESCE(NULLIF(op->'error', 'null'), error),

@@ -562,7 +562,7 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
             WriteOp::AppendEvent(event) => add_event(&mut events, event),
             op => {
                 conditional_before |= !matches!(op, WriteOp::UpdateRequest { .. });
-                others.push(op_json(op));
+                others.extend(op_json(op));
             }
         }
     }
@@ -586,11 +586,11 @@ fn batch_json(ops: &[WriteOp]) -> Vec<OpJson<'_>> {
     batch
 }
 
-/// One op alone as `stable_harness_apply` reads it (an insert as an op of one row, an event
-/// as a row of events; [`batch_json`] gathers a batch's): a `None` field is a JSON null,
+/// One of a batch's ops other than the inserts and events [`batch_json`] gathers into rows
+/// (`None` for those), as `stable_harness_apply` reads it: a `None` field is a JSON null,
 /// which the function reads as SQL NULL.
-fn op_json(op: &WriteOp) -> OpJson<'_> {
-    match op {
+fn op_json(op: &WriteOp) -> Option<OpJson<'_>> {
+    Some(match op {
         WriteOp::UpdateRequest {
             id,
             status,
@@ -648,22 +648,13 @@ fn op_json(op: &WriteOp) -> OpJson<'_> {
         },
         WriteOp::StartToolCall(call) => OpJson::StartToolCall(ToolCallJson::of(call)),
         WriteOp::RecordToolCall(call) => OpJson::RecordToolCall(ToolCallJson::of(call)),
-        WriteOp::TouchSession(session) => OpJson::TouchSessions {
-            rows: vec![SessionJson::of(session)],
-        },
-        WriteOp::InsertRequest(request) => OpJson::InsertRequests {
-            rows: vec![RequestJson::of(request, RequestRow::inserted(request))],
-        },
-        WriteOp::InsertRun(run) => OpJson::InsertRuns {
-            rows: vec![RunJson::of(run, RunRow::inserted(run))],
-        },
-        WriteOp::InsertMessage(message) => OpJson::InsertMessages {
-            rows: vec![MessageJson::of(message)],
-        },
-        WriteOp::AppendEvent(event) => OpJson::AppendEvents {
-            events: vec![EventJson::of(event, 0)],
-        },
-    }
+        // Gathered into rows by `batch_json`.
+        WriteOp::TouchSession(_)
+        | WriteOp::InsertRequest(_)
+        | WriteOp::InsertRun(_)
+        | WriteOp::InsertMessage(_)
+        | WriteOp::AppendEvent(_) => return None,
+    })
 }
 
 /// An op of a batch as `stable_harness_apply` reads it: its kind in `op`, its fields by
@@ -1146,8 +1137,9 @@ impl PostgresStore {
         // The sessions the batch touches, when it touches two or more, locked first and in
         // id order (as a prune locks them): the batch function touches them in the order of
         // their first touch in the batch, so two batches (two lanes', two instances') touching
-        // the same two sessions would otherwise deadlock. A batch touching one holds no other session while it
-        // waits for that one: the common request's batch (at concurrency 1) is left as it was.
+        // the same two sessions would otherwise deadlock. A batch touching one holds no other
+        // session while it waits for that one: the common request's batch (at concurrency 1)
+        // is left as it was.
         let mut sessions: Vec<&str> = ops
             .iter()
             .filter_map(|op| match op {
@@ -2049,7 +2041,7 @@ mod tests {
             tool_call("start_tool_call"),
             tool_call("record_tool_call"),
         ];
-        // The inserts go as ops of rows (`batch_json`): alone, an op of one row.
+        // The inserts go as ops of rows: alone, an op of one row.
         let as_rows = |mut row: Value| match row["op"].as_str() {
             Some(kind @ ("touch_session" | "insert_message" | "insert_request" | "insert_run")) => {
                 let kind = format!("{kind}s");
@@ -2060,7 +2052,8 @@ mod tests {
         };
         // Each op alone: no later update folds into an insert.
         for (op, expected) in ops.iter().zip(expected) {
-            let sent = serde_json::to_value(op_json(op)).unwrap();
+            let sent = serde_json::to_value(batch_json(std::slice::from_ref(op))).unwrap();
+            let [sent] = <[Value; 1]>::try_from(sent.as_array().unwrap().clone()).unwrap();
             assert_eq!(sent, json(&as_rows(expected)), "{op:?}");
             assert!(!sent.to_string().contains("\\u0000"), "{sent}");
         }
