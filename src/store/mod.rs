@@ -35,6 +35,9 @@ pub use model::*;
 /// A request as its view shows it (see [`Store::request_in_full`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestInFull {
+    /// The request without its input: `input` is `Null`, not read. No view shows it, and it
+    /// is the request's largest column (the whole transcript), which every `wait` and every
+    /// view would otherwise read and parse only to drop.
     pub request: RequestRecord,
     /// Oldest first.
     pub runs: Vec<RunRecord>,
@@ -244,10 +247,10 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         self.apply_batch(&new_batch_id(), ops).await
     }
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError>;
-    /// A request with its runs, their approvals and what its calls were charged: what a
-    /// request's view shows. Read in one hop where the store can: the embedded store on its
-    /// writer's connection; PostgreSQL in one statement (one snapshot) on a backend it keeps
-    /// for such reads.
+    /// A request (without its input: see [`RequestInFull`]) with its runs, their approvals
+    /// and what its calls were charged: what a request's view shows. Read in one hop where
+    /// the store can: the embedded store on its writer's connection; PostgreSQL in one
+    /// statement (one snapshot) on a backend it keeps for such reads.
     async fn request_in_full(&self, id: &str) -> Result<Option<RequestInFull>, StoreError>;
     /// The views of the stored requests among `ids` (distinct), in no given order, each as
     /// [`Store::request_in_full`] reads it: for a commit of the journal's writer lane `lane`

@@ -257,13 +257,21 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
 
 fn request_from_row(row: &PgRow) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
+        input: row.try_get("input")?,
+        ..request_without_input(row)?
+    })
+}
+
+/// A request's record from a row without its `input` (left `Null`): as a view reads it.
+fn request_without_input(row: &PgRow) -> Result<RequestRecord, StoreError> {
+    Ok(RequestRecord {
         id: row.try_get("id")?,
         session_id: row.try_get("session_id")?,
         agent_id: row.try_get("agent_id")?,
         protocol: row.try_get("protocol")?,
         owner: row.try_get("owner")?,
         status: parse_status(&row.try_get::<String, _>("status")?)?,
-        input: row.try_get("input")?,
+        input: Value::Null,
         output: row.try_get("output")?,
         error: row.try_get("error")?,
         usage: row.try_get("usage")?,
@@ -320,7 +328,10 @@ impl Fields for serde_json::Map<String, Value> {
 macro_rules! views_of_requests {
     ($matching:literal) => {
         concat!(
-            "SELECT r.*, u.*, ",
+            // Every column of the request but `input`, which no view shows
+            // ([`RequestInFull`]).
+            "SELECT r.id, r.session_id, r.agent_id, r.protocol, r.owner, r.status, r.output, ",
+            "r.error, r.usage, r.metadata, r.created_at, r.updated_at, u.*, ",
             "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
             "WHERE x.request_id = r.id COLLATE \"default\") AS view_runs, ",
             "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
@@ -338,7 +349,7 @@ macro_rules! views_of_requests {
 /// A request's view from a row of `views_of_requests!`.
 fn view_from_row(row: &PgRow) -> Result<RequestInFull, StoreError> {
     Ok(RequestInFull {
-        request: request_from_row(row)?,
+        request: request_without_input(row)?,
         runs: aggregated(row, "view_runs", run_from_row)?,
         approvals: aggregated(row, "view_approvals", approval_from_row)?,
         // The sums' columns are named as `usage_totals` names them; none is a request's.

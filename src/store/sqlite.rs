@@ -394,23 +394,47 @@ impl Columns for SqliteRow {
     }
 }
 
-impl Columns for rusqlite::Row<'_> {
+/// A row of one of the writer's kept statements, its columns found by position among the
+/// names the statement kept ([`super::sqlite_writer::Prepared::query`]).
+struct WriterRow<'r, 's> {
+    row: &'r rusqlite::Row<'s>,
+    columns: &'r [Box<str>],
+}
+
+impl WriterRow<'_, '_> {
+    fn get<T: rusqlite::types::FromSql>(&self, name: &str) -> Result<T, StoreError> {
+        let index = self
+            .columns
+            .iter()
+            .position(|column| **column == *name)
+            .ok_or_else(|| rusqlite::Error::InvalidColumnName(name.to_owned()));
+        index
+            .and_then(|index| self.row.get(index))
+            .map_err(super::sqlite_writer::writer_error)
+    }
+}
+
+impl Columns for WriterRow<'_, '_> {
     fn text(&self, name: &str) -> Result<String, StoreError> {
-        self.get(name).map_err(super::sqlite_writer::writer_error)
+        self.get(name)
     }
 
     fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
-        self.get(name).map_err(super::sqlite_writer::writer_error)
+        self.get(name)
     }
 
     fn int(&self, name: &str) -> Result<i64, StoreError> {
-        self.get(name).map_err(super::sqlite_writer::writer_error)
+        self.get(name)
     }
 }
 
 /// The statements a request's view reads, shared by the reader pool's methods and the
 /// writer-connection read of [`Store::request_in_full`].
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
+/// A request as its view shows it: every column but `input`, which can be large (the whole
+/// transcript) and which no view shows ([`RequestInFull`]).
+const REQUEST_VIEW_BY_ID: &str = "SELECT id, session_id, agent_id, protocol, owner, status, output,
+    error, usage, metadata, created_at, updated_at FROM requests WHERE id = ?1";
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
 
@@ -420,17 +444,14 @@ fn writer_rows<T>(
     prepared: &mut Prepared<'_>,
     sql: &'static str,
     key: &str,
-    map: impl Fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+    map: impl Fn(&WriterRow<'_, '_>) -> Result<T, StoreError>,
 ) -> Result<Vec<T>, StoreError> {
     let sqlite = super::sqlite_writer::writer_error;
-    let mut rows = prepared
-        .get(sql)
-        .map_err(sqlite)?
-        .query([key])
-        .map_err(sqlite)?;
+    let (statement, columns) = prepared.query(sql).map_err(sqlite)?;
+    let mut rows = statement.query([key]).map_err(sqlite)?;
     let mut mapped = Vec::new();
     while let Some(row) = rows.next().map_err(sqlite)? {
-        mapped.push(map(row)?);
+        mapped.push(map(&WriterRow { row, columns })?);
     }
     Ok(mapped)
 }
@@ -438,7 +459,10 @@ fn writer_rows<T>(
 /// A request's view, read on the writer's connection with its kept statements.
 fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestInFull>, StoreError> {
     let Some(request) =
-        writer_rows(prepared, REQUEST_BY_ID, id, |row| request_from_row(row))?.pop()
+        writer_rows(prepared, REQUEST_VIEW_BY_ID, id, |row| {
+            request_without_input(row)
+        })?
+        .pop()
     else {
         return Ok(None);
     };
@@ -478,13 +502,21 @@ fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestIn
 
 fn request_from_row<R: Columns>(row: &R) -> Result<RequestRecord, StoreError> {
     Ok(RequestRecord {
+        input: row.json("input")?.unwrap_or(Value::Null),
+        ..request_without_input(row)?
+    })
+}
+
+/// A request's record from a row without its `input` (left `Null`): as a view reads it.
+fn request_without_input<R: Columns>(row: &R) -> Result<RequestRecord, StoreError> {
+    Ok(RequestRecord {
         id: row.text("id")?,
         session_id: row.text("session_id")?,
         agent_id: row.text("agent_id")?,
         protocol: row.text("protocol")?,
         owner: row.text("owner")?,
         status: parse_status(&row.text("status")?)?,
-        input: row.json("input")?.unwrap_or(Value::Null),
+        input: Value::Null,
         output: row.opt_text("output")?,
         error: row.json("error")?,
         usage: row.json("usage")?,

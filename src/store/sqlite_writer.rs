@@ -337,9 +337,18 @@ pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
 /// transaction (docs/profiling.md, the twenty-third pass).
 pub(super) struct Prepared<'c> {
     connection: &'c Connection,
-    statements: Vec<(&'static str, Statement<'c>)>,
+    statements: Vec<Kept<'c>>,
     /// The statements used since their bindings were last cleared, one bit each.
     bound: u32,
+}
+
+/// A kept statement: its text (the key it is found by), and the names of its result's
+/// columns, read once at preparation, so that a row's column is found by comparing names
+/// (rusqlite's lookup by name asks SQLite for every column's name at each access).
+struct Kept<'c> {
+    sql: &'static str,
+    statement: Statement<'c>,
+    columns: Box<[Box<str>]>,
 }
 
 /// Most statements kept at once: more than the writer has, so that none is ever prepared
@@ -360,10 +369,26 @@ impl<'c> Prepared<'c> {
     /// The statement of `sql`, prepared on first use. Its parameters are bound anew by each
     /// use; rusqlite resets it after each execution or query.
     pub(super) fn get(&mut self, sql: &'static str) -> rusqlite::Result<&mut Statement<'c>> {
+        let index = self.kept(sql)?;
+        Ok(&mut self.statements[index].statement)
+    }
+
+    /// The statement of `sql`, as [`Prepared::get`], with the names of the columns it returns.
+    pub(super) fn query(
+        &mut self,
+        sql: &'static str,
+    ) -> rusqlite::Result<(&mut Statement<'c>, &[Box<str>])> {
+        let index = self.kept(sql)?;
+        let kept = &mut self.statements[index];
+        Ok((&mut kept.statement, &kept.columns))
+    }
+
+    /// The index of `sql`'s kept statement, prepared and kept on first use.
+    fn kept(&mut self, sql: &'static str) -> rusqlite::Result<usize> {
         let kept = self
             .statements
             .iter()
-            .position(|(text, _)| std::ptr::eq(*text, sql));
+            .position(|kept| std::ptr::eq(kept.sql, sql));
         let index = match kept {
             Some(index) => index,
             None => {
@@ -372,15 +397,24 @@ impl<'c> Prepared<'c> {
                 let statement = self
                     .connection
                     .prepare_with_flags(sql, PrepFlags::SQLITE_PREPARE_PERSISTENT)?;
+                let columns = statement
+                    .column_names()
+                    .into_iter()
+                    .map(Box::from)
+                    .collect();
                 if self.statements.len() >= MAX_PREPARED {
                     self.statements.pop();
                 }
-                self.statements.push((sql, statement));
+                self.statements.push(Kept {
+                    sql,
+                    statement,
+                    columns,
+                });
                 self.statements.len() - 1
             }
         };
         self.bound |= 1 << index;
-        Ok(&mut self.statements[index].1)
+        Ok(index)
     }
 
     /// Lets go of the values the statements used since the last call were bound to. SQLite
@@ -389,9 +423,9 @@ impl<'c> Prepared<'c> {
     /// as rusqlite's cache did when it took a statement back, the pool is there for the next
     /// transaction's cursors and values.
     fn release_bindings(&mut self) {
-        for (index, (_, statement)) in self.statements.iter_mut().enumerate() {
+        for (index, kept) in self.statements.iter_mut().enumerate() {
             if self.bound & (1 << index) != 0 {
-                statement.clear_bindings();
+                kept.statement.clear_bindings();
             }
         }
         self.bound = 0;

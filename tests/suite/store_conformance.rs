@@ -1609,6 +1609,17 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
             store.approval(&approval.id).await.unwrap().as_ref()
         );
     }
+    // The view's request is the request as read on its own but for its input, which no view
+    // shows and a view does not read (the whole transcript: every `wait` would parse it).
+    let alone = store.request("req_a").await.unwrap().unwrap();
+    assert_ne!(alone.input, serde_json::Value::Null);
+    assert_eq!(
+        full.request,
+        RequestRecord {
+            input: serde_json::Value::Null,
+            ..alone
+        }
+    );
     let other = store.request_in_full("req_b").await.unwrap().unwrap();
     assert!(other.approvals.is_empty());
     assert_eq!(other.charged.calls, 1);
