@@ -1,8 +1,14 @@
-//! Reading nested JSON fields on the request path.
+//! JSON on the request path: nested fields read by key, and values written as text.
 //!
-//! `serde_json::Value::pointer` parses its path and allocates a `String` per segment on every
-//! call: per streamed chunk and per event, that showed in profiles (2% of the workers' CPU).
-//! These walk a fixed path of object keys instead.
+//! Reading: `serde_json::Value::pointer` parses its path and allocates a `String` per segment
+//! on every call: per streamed chunk and per event, that showed in profiles (2% of the
+//! workers' CPU). [`at`] and its siblings walk a fixed path of object keys instead.
+//!
+//! Writing: `serde_json` looks up every byte of a string in its table of escapes, and a
+//! request's text is written several times over (its input and its transcript's messages
+//! stored, its call to the upstream): with a long conversation that was a fifth of the
+//! server's instructions (docs/profiling.md, the forty-third pass). [`to_text`] writes the
+//! same bytes as `serde_json::to_string`, finding the next byte to escape eight at a time.
 
 use serde_json::Value;
 
@@ -21,11 +27,187 @@ pub fn at_mut<'a>(value: &'a mut Value, path: &[&str]) -> Option<&'a mut Value> 
     path.iter().try_fold(value, |value, key| value.get_mut(key))
 }
 
+/// `value` as JSON text: byte for byte what `serde_json::to_string` writes (compact, keys in
+/// the map's order, the same escapes), faster on long strings.
+pub fn to_text(value: &Value) -> String {
+    let mut out = Vec::new();
+    write(&mut out, value);
+    // Only whole UTF-8 sequences of the value's own strings and ASCII were written.
+    String::from_utf8(out)
+        .unwrap_or_else(|invalid| String::from_utf8_lossy(invalid.as_bytes()).into_owned())
+}
+
+/// [`to_text`], as bytes (a request's body).
+pub fn to_bytes(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    write(&mut out, value);
+    out
+}
+
+/// Appends `value` as JSON text to `out`.
+pub fn write(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        // Written by serde_json itself: its digits, not a second opinion of them. Writing into
+        // a `Vec` cannot fail, and a `Number` always serializes.
+        Value::Number(number) => {
+            let _ = serde_json::to_writer(&mut *out, number);
+        }
+        Value::String(text) => write_str(out, text),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write(out, item);
+            }
+            out.push(b']');
+        }
+        Value::Object(entries) => {
+            out.push(b'{');
+            for (index, (key, item)) in entries.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_str(out, key);
+                out.push(b':');
+                write(out, item);
+            }
+            out.push(b'}');
+        }
+    }
+}
+
+/// `text` as a JSON string, escaped as serde_json escapes: a quote, a backslash and the
+/// control characters, nothing else. The runs between escapes are copied whole.
+fn write_str(out: &mut Vec<u8>, text: &str) {
+    let bytes = text.as_bytes();
+    out.reserve(bytes.len().saturating_add(2));
+    out.push(b'"');
+    let mut start = 0;
+    while let Some(at) = next_to_escape(bytes, start) {
+        out.extend_from_slice(&bytes[start..at]);
+        escape(out, bytes[at]);
+        start = at + 1;
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
+}
+
+/// Where the next byte to escape is at or after `from`: eight bytes at a time while eight
+/// remain, then a byte at a time.
+#[inline]
+fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
+    let mut at = from;
+    while let Some(eight) = bytes.get(at..at.saturating_add(8)) {
+        let Ok(word) = <[u8; 8]>::try_from(eight) else {
+            break;
+        };
+        let found = ends_a_run(u64::from_le_bytes(word));
+        if found != 0 {
+            // The lowest flag is exact (see `ends_a_run`).
+            return Some(at + (found.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    let rest = bytes.get(at..)?;
+    rest.iter()
+        .position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\')
+        .map(|offset| at + offset)
+}
+
+/// The escape of `byte` (one [`next_to_escape`] found), as serde_json writes it.
+fn escape(out: &mut Vec<u8>, byte: u8) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let short: &[u8] = match byte {
+        b'"' => b"\\\"",
+        b'\\' => b"\\\\",
+        0x08 => b"\\b",
+        0x0C => b"\\f",
+        b'\n' => b"\\n",
+        b'\r' => b"\\r",
+        b'\t' => b"\\t",
+        _ => {
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[usize::from(byte >> 4)]);
+            out.push(HEX[usize::from(byte & 0x0F)]);
+            return;
+        }
+    };
+    out.extend_from_slice(short);
+}
+
+/// The high bit of each byte of `word` (read little-endian) that ends a run of plain
+/// characters in a JSON string: a quote, a backslash, or a control character (which JSON
+/// escapes there). A byte after a flagged one may be flagged wrongly (a borrow carries into
+/// it), never one before it, so the lowest flag is exact.
+#[inline]
+pub(crate) fn ends_a_run(word: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    // A byte below `n` (at most 0x80) sets its high bit in `x - n` while its own is clear.
+    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
+    below(word, 0x20) | below(word ^ (ONES * 0x22), 1) | below(word ^ (ONES * 0x5C), 1)
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
     use serde_json::json;
 
     use super::*;
+
+    /// Text drawn from every kind of character, escaped or not.
+    fn any_text() -> impl Strategy<Value = String> {
+        proptest::string::string_regex("[\\x00-\\x1f\"\\\\/a-z\\x7fé€😀 ]{0,40}")
+            .expect("a valid pattern")
+    }
+
+    /// Any JSON value.
+    fn any_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            any_text().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                proptest::collection::btree_map(any_text(), inner, 0..8)
+                    .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn writes_what_serde_json_writes(value in any_value()) {
+            let expected = serde_json::to_string(&value).expect("serializes");
+            prop_assert_eq!(to_text(&value), expected.clone());
+            prop_assert_eq!(to_bytes(&value), expected.into_bytes());
+        }
+    }
+
+    #[test]
+    fn escapes_at_every_offset_of_a_word() {
+        // A byte to escape at each position of the eight-byte words and of the tail.
+        for escaped in ["\"", "\\", "\n", "\u{1}", "\u{1f}"] {
+            for at in 0..20 {
+                let text = format!("{}{escaped}{}", "a".repeat(at), "é".repeat(at % 3));
+                let value = Value::String(text);
+                assert_eq!(
+                    to_text(&value),
+                    serde_json::to_string(&value).expect("serializes")
+                );
+            }
+        }
+    }
 
     #[test]
     fn walks_object_keys_and_misses_anything_else() {

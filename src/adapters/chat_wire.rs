@@ -662,9 +662,9 @@ impl<'a> Scan<'a> {
         let bytes = self.text.as_bytes();
         let mut at = from;
         while let Some(eight) = bytes.get(at..at.saturating_add(8)) {
-            let found = ends_a_run(u64::from_le_bytes(eight.try_into().ok()?));
+            let found = crate::json::ends_a_run(u64::from_le_bytes(eight.try_into().ok()?));
             if found != 0 {
-                // The lowest flag is exact (see `ends_a_run`): bytes are in order from it.
+                // The lowest flag is exact (see `crate::json::ends_a_run`): bytes are in order from it.
                 at += (found.trailing_zeros() / 8) as usize;
                 return matches!(bytes[at], b'"' | b'\\').then_some(at);
             }
@@ -676,19 +676,6 @@ impl<'a> Scan<'a> {
             .position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\')?;
         matches!(rest[length], b'"' | b'\\').then_some(at + length)
     }
-}
-
-/// The high bit of each byte of `word` (read little-endian) that ends a run of plain
-/// characters in a JSON string: a quote, a backslash, or a control character (which JSON
-/// refuses there). A byte after a flagged one may be flagged wrongly (a borrow carries into
-/// it), never one before it, so the lowest flag is exact.
-#[inline]
-fn ends_a_run(word: u64) -> u64 {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGHS: u64 = 0x8080_8080_8080_8080;
-    // A byte below `n` (at most 0x80) sets its high bit in `x - n` while its own is clear.
-    let below = |x: u64, n: u64| x.wrapping_sub(ONES * n) & !x & HIGHS;
-    below(word, 0x20) | below(word ^ (ONES * 0x22), 1) | below(word ^ (ONES * 0x5C), 1)
 }
 
 /// The character of the escape `rest` starts with (after its backslash), and the escape's

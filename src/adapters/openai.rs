@@ -110,13 +110,7 @@ impl OpenAiAdapter {
         attempt: u32,
     ) -> Result<Turn, AttemptError> {
         let streaming = model.capabilities.streaming;
-        let body = request_body(context, request, model, streaming);
-        let body = serde_json::to_vec(&body).map_err(|error| {
-            AdapterError::new(
-                FailureKind::Malformed,
-                format!("cannot encode the request: {error}"),
-            )
-        })?;
+        let body = crate::json::to_bytes(&request_body(context, request, model, streaming));
         let prompt_tokens = crate::spend::estimate_tokens(body.len());
         let output_cap = output_cap(context, model, prompt_tokens);
         let worst_cost = model

@@ -458,12 +458,10 @@ fn writer_rows<T>(
 
 /// A request's view, read on the writer's connection with its kept statements.
 fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestInFull>, StoreError> {
-    let Some(request) =
-        writer_rows(prepared, REQUEST_VIEW_BY_ID, id, |row| {
-            request_without_input(row)
-        })?
-        .pop()
-    else {
+    let Some(request) = writer_rows(prepared, REQUEST_VIEW_BY_ID, id, |row| {
+        request_without_input(row)
+    })?
+    .pop() else {
         return Ok(None);
     };
     let runs = writer_rows(prepared, RUNS_OF_REQUEST, id, |row| run_from_row(row))?;

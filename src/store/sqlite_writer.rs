@@ -655,7 +655,7 @@ fn decide(prepared: &mut Prepared<'_>, decision: &ApprovalDecision) -> Result<()
 /// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
 /// formatter, a call per token (a `Value` always serializes).
 fn json(value: &Value) -> String {
-    serde_json::to_string(value).unwrap_or_default()
+    crate::json::to_text(value)
 }
 
 fn json_opt(value: &Option<Value>) -> Option<String> {
