@@ -10,6 +10,8 @@
 //! server's instructions (docs/profiling.md, the forty-third pass). [`to_text`] writes the
 //! same bytes as `serde_json::to_string`, finding the next byte to escape eight at a time.
 
+use std::fmt::Write as _;
+
 use serde_json::Value;
 
 /// The value under `value` at `path`, a list of object keys.
@@ -30,71 +32,67 @@ pub fn at_mut<'a>(value: &'a mut Value, path: &[&str]) -> Option<&'a mut Value> 
 /// `value` as JSON text: byte for byte what `serde_json::to_string` writes (compact, keys in
 /// the map's order, the same escapes), faster on long strings.
 pub fn to_text(value: &Value) -> String {
-    let mut out = Vec::new();
-    write(&mut out, value);
-    // Only whole UTF-8 sequences of the value's own strings and ASCII were written.
-    String::from_utf8(out)
-        .unwrap_or_else(|invalid| String::from_utf8_lossy(invalid.as_bytes()).into_owned())
-}
-
-/// [`to_text`], as bytes (a request's body).
-pub fn to_bytes(value: &Value) -> Vec<u8> {
-    let mut out = Vec::new();
+    // As serde_json starts: most values written on the request path are short.
+    let mut out = String::with_capacity(128);
     write(&mut out, value);
     out
 }
 
+/// [`to_text`], as bytes (a request's body).
+pub fn to_bytes(value: &Value) -> Vec<u8> {
+    to_text(value).into_bytes()
+}
+
 /// Appends `value` as JSON text to `out`.
-pub fn write(out: &mut Vec<u8>, value: &Value) {
+pub fn write(out: &mut String, value: &Value) {
     match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        // Written by serde_json itself: its digits, not a second opinion of them. Writing into
-        // a `Vec` cannot fail, and a `Number` always serializes.
+        Value::Null => out.push_str("null"),
+        Value::Bool(true) => out.push_str("true"),
+        Value::Bool(false) => out.push_str("false"),
+        // A `Number` displays as serde_json writes it (the same integer and shortest float
+        // digits); writing into a `String` cannot fail.
         Value::Number(number) => {
-            let _ = serde_json::to_writer(&mut *out, number);
+            let _ = write!(out, "{number}");
         }
         Value::String(text) => write_str(out, text),
         Value::Array(items) => {
-            out.push(b'[');
+            out.push('[');
             for (index, item) in items.iter().enumerate() {
                 if index > 0 {
-                    out.push(b',');
+                    out.push(',');
                 }
                 write(out, item);
             }
-            out.push(b']');
+            out.push(']');
         }
         Value::Object(entries) => {
-            out.push(b'{');
+            out.push('{');
             for (index, (key, item)) in entries.iter().enumerate() {
                 if index > 0 {
-                    out.push(b',');
+                    out.push(',');
                 }
                 write_str(out, key);
-                out.push(b':');
+                out.push(':');
                 write(out, item);
             }
-            out.push(b'}');
+            out.push('}');
         }
     }
 }
 
 /// `text` as a JSON string, escaped as serde_json escapes: a quote, a backslash and the
 /// control characters, nothing else. The runs between escapes are copied whole.
-fn write_str(out: &mut Vec<u8>, text: &str) {
-    let bytes = text.as_bytes();
-    out.reserve(bytes.len().saturating_add(2));
-    out.push(b'"');
+fn write_str(out: &mut String, text: &str) {
+    out.push('"');
     let mut start = 0;
-    while let Some(at) = next_to_escape(bytes, start) {
-        out.extend_from_slice(&bytes[start..at]);
-        escape(out, bytes[at]);
+    while let Some(at) = next_to_escape(text.as_bytes(), start) {
+        // A byte to escape is ASCII, never inside a character: both ends are boundaries.
+        out.push_str(&text[start..at]);
+        escape(out, text.as_bytes()[at]);
         start = at + 1;
     }
-    out.extend_from_slice(&bytes[start..]);
-    out.push(b'"');
+    out.push_str(&text[start..]);
+    out.push('"');
 }
 
 /// Where the next byte to escape is at or after `from`: eight bytes at a time while eight
@@ -120,24 +118,24 @@ fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
 }
 
 /// The escape of `byte` (one [`next_to_escape`] found), as serde_json writes it.
-fn escape(out: &mut Vec<u8>, byte: u8) {
+fn escape(out: &mut String, byte: u8) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let short: &[u8] = match byte {
-        b'"' => b"\\\"",
-        b'\\' => b"\\\\",
-        0x08 => b"\\b",
-        0x0C => b"\\f",
-        b'\n' => b"\\n",
-        b'\r' => b"\\r",
-        b'\t' => b"\\t",
+    let short = match byte {
+        b'"' => "\\\"",
+        b'\\' => "\\\\",
+        0x08 => "\\b",
+        0x0C => "\\f",
+        b'\n' => "\\n",
+        b'\r' => "\\r",
+        b'\t' => "\\t",
         _ => {
-            out.extend_from_slice(b"\\u00");
-            out.push(HEX[usize::from(byte >> 4)]);
-            out.push(HEX[usize::from(byte & 0x0F)]);
+            out.push_str("\\u00");
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0x0F)]));
             return;
         }
     };
-    out.extend_from_slice(short);
+    out.push_str(short);
 }
 
 /// The high bit of each byte of `word` (read little-endian) that ends a run of plain
