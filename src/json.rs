@@ -95,8 +95,8 @@ fn write_str(out: &mut String, text: &str) {
     out.push('"');
 }
 
-/// Where the next byte to escape is at or after `from`: eight bytes at a time while eight
-/// remain, then a byte at a time.
+/// Where the next byte to escape is at or after `from`: eight bytes at a time, the last
+/// fewer than eight read as one word padded with plain bytes (most keys are that short).
 #[inline]
 fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
     let mut at = from;
@@ -111,10 +111,12 @@ fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
         }
         at += 8;
     }
-    let rest = bytes.get(at..)?;
-    rest.iter()
-        .position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\')
-        .map(|offset| at + offset)
+    let rest = bytes.get(at..).filter(|rest| !rest.is_empty())?;
+    // A space is plain: the padding never flags, and the lowest flag is still exact.
+    let mut last = [b' '; 8];
+    last.get_mut(..rest.len())?.copy_from_slice(rest);
+    let found = ends_a_run(u64::from_le_bytes(last));
+    (found != 0).then(|| at + (found.trailing_zeros() / 8) as usize)
 }
 
 /// The escape of `byte` (one [`next_to_escape`] found), as serde_json writes it.
