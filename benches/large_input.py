@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Requests that carry a long conversation, against two or more server builds in turn.
+
+Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4] [--surface wait|chat]
+                      BINARY [BINARY...]
+
+The load benchmark's requests carry one short message; an agent's requests often carry a
+long transcript, and what the server does per byte of it (parse, store, send upstream) only
+shows there. Each round starts each build in turn on a fresh embedded store, with a
+loopback upstream (this script, speaking Chat Completions: a 7-chunk streamed answer), sends
+20 requests to warm it, then `--requests` more one at a time, each with a conversation of
+`--bytes` bytes in 1,000-byte turns, to `/runtime/requests` with `wait` or to
+`/v1/chat/completions`; it prints the server's CPU (user and system, from `/proc`) per request
+and the median latency, then the medians over the rounds. A build may be a wrapper script
+(the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third pass.
+"""
+
+import argparse
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import socketserver
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+
+class Upstream(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        chunks += [{"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} for i in range(7)]
+        chunks += [
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}},
+        ]
+        body = b"".join(
+            b"data: "
+            + json.dumps(dict(chunk, id="c1", object="chat.completion.chunk", created=1, model="m")).encode()
+            + b"\n\n"
+            for chunk in chunks
+        ) + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
+def workspace(upstream_url):
+    root = tempfile.mkdtemp()
+    files = {
+        "config/runtime/workspace.yaml": "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: bench }\nspec:\n  defaultAgent: assistant\n",
+        "config/agents/assistant.yaml": "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: assistant }\nspec:\n  backend: openai\n  model: fast\n  instructions: Be brief.\n",
+        "config/catalogs/models.yaml": "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: { name: models }\nspec:\n  models:\n"
+        f"    - {{ id: fast, provider: openai-compatible, baseUrl: \"{upstream_url}\", upstreamModel: bench-upstream, maxOutputTokens: 1000 }}\n",
+    }
+    for path, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
+        with open(os.path.join(root, path), "w") as file:
+            file.write(text)
+    return root
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_build(binary, root, path, body, requests):
+    shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
+    server = subprocess.Popen(
+        [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ, STABLE_HARNESS_LOG="error"),
+    )
+    try:
+        line = server.stdout.readline().decode()
+        base = next(word for word in line.split() if word.startswith("http://"))
+        host, port = base[len("http://"):].rstrip("/").split(":")
+        connection = http.client.HTTPConnection(host, int(port))
+        connection.connect()
+        connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def one():
+            started = time.perf_counter()
+            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+            if response.status != 200:
+                raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
+            return time.perf_counter() - started
+
+        for _ in range(20):
+            one()
+        before = cpu_seconds(server.pid)
+        latencies = [one() for _ in range(requests)]
+        cpu = (cpu_seconds(server.pid) - before) / requests * 1000
+        return cpu, statistics.median(latencies) * 1000
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bytes", type=int, default=64000)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--surface", choices=["wait", "chat"], default="wait")
+    parser.add_argument("binaries", nargs="+")
+    args = parser.parse_args()
+
+    upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1")
+    turn = "x" * 990
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:>9} {turn}"}
+        for i in range(args.bytes // 1000)
+    ]
+    messages.append({"role": "user", "content": "Hello"})
+    if args.surface == "wait":
+        path, body = "/runtime/requests", {"input": {"messages": messages}, "wait": True}
+    else:
+        path, body = "/v1/chat/completions", {"model": "assistant", "messages": messages}
+    body = json.dumps(body).encode()
+    print(f"{args.surface}: a body of {len(body)} bytes, {len(messages)} messages", flush=True)
+    figures = {binary: [] for binary in args.binaries}
+    try:
+        for number in range(1, args.rounds + 1):
+            for binary in args.binaries:
+                cpu, p50 = one_build(binary, root, path, body, args.requests)
+                figures[binary].append((cpu, p50))
+                print(f"round {number} {binary}: CPU {cpu:.3f} ms/request, p50 {p50:.3f} ms", flush=True)
+        for binary, rows in figures.items():
+            print(f"median {binary}: CPU {statistics.median(r[0] for r in rows):.3f} ms/request, "
+                  f"p50 {statistics.median(r[1] for r in rows):.3f} ms")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
