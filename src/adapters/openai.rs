@@ -1183,34 +1183,18 @@ mod tests {
         config
     }
 
-    /// Any JSON value, nested a few levels, with the numbers an upstream could send.
+    /// Any JSON value, nested a few levels, with the numbers an upstream could send and the
+    /// keys of a tool call's fragment among others.
     fn junk() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
-            any::<f64>().prop_map(Value::from),
-            ".{0,40}".prop_map(Value::String),
+        let keys = prop_oneof![
+            Just("index".to_owned()),
+            Just("id".to_owned()),
+            Just("function".to_owned()),
+            Just("name".to_owned()),
+            Just("arguments".to_owned()),
+            "[a-z]{1,8}",
         ];
-        leaf.prop_recursive(4, 32, 6, |inner| {
-            prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-                proptest::collection::btree_map(
-                    prop_oneof![
-                        Just("index".to_owned()),
-                        Just("id".to_owned()),
-                        Just("function".to_owned()),
-                        Just("name".to_owned()),
-                        Just("arguments".to_owned()),
-                        "[a-z]{1,8}",
-                    ],
-                    inner,
-                    0..6,
-                )
-                .prop_map(|map| Value::Object(map.into_iter().collect())),
-            ]
-        })
+        crate::json::any_json(".{0,40}".boxed(), keys.boxed())
     }
 
     /// A fragment shaped like a real one, with hostile values in any field.
