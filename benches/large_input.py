@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Requests that carry a long conversation, against two or more server builds in turn.
 
-Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4] [--surface wait|chat]
-                      BINARY [BINARY...]
+Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
+                      [--surface wait|chat|list] [--stored 100] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
@@ -11,8 +11,11 @@ loopback upstream (this script, speaking Chat Completions: a 7-chunk streamed an
 20 requests to warm it, then `--requests` more one at a time, each with a conversation of
 `--bytes` bytes in 1,000-byte turns, to `/runtime/requests` with `wait` or to
 `/v1/chat/completions`; it prints the server's CPU (user and system, from `/proc`) per request
-and the median latency, then the medians over the rounds. A build may be a wrapper script
-(the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third pass.
+and the median latency, then the medians over the rounds. With `--surface list` it first
+stores `--stored` such requests (with `wait`, not measured), then times `--requests` reads of
+the admin listing's first page (`GET /admin/requests?limit=50`). A build may be a wrapper
+script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
+forty-fourth passes.
 """
 
 import argparse
@@ -82,11 +85,18 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_build(binary, root, path, body, requests):
+ADMIN_KEY = "bench-admin-key"
+
+
+def one_build(binary, root, requests, timed, stored=()):
+    """Starts `binary` on a fresh store, sends each of `stored` (a path and a body) once,
+    then the `timed` request (a method, a path and a body) 20 times to warm and `requests`
+    times measured."""
     shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
     server = subprocess.Popen(
         [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ, STABLE_HARNESS_LOG="error"),
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, STABLE_HARNESS_LOG="error", STABLE_HARNESS_ADMIN_KEY=ADMIN_KEY),
     )
     try:
         line = server.stdout.readline().decode()
@@ -96,19 +106,23 @@ def one_build(binary, root, path, body, requests):
         connection.connect()
         connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def one():
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
+
+        def one(method, path, body):
             started = time.perf_counter()
-            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            connection.request(method, path, body, headers)
             response = connection.getresponse()
             answer = response.read()
             if response.status != 200:
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
             return time.perf_counter() - started
 
+        for path, body in stored:
+            one("POST", path, body)
         for _ in range(20):
-            one()
+            one(*timed)
         before = cpu_seconds(server.pid)
-        latencies = [one() for _ in range(requests)]
+        latencies = [one(*timed) for _ in range(requests)]
         cpu = (cpu_seconds(server.pid) - before) / requests * 1000
         return cpu, statistics.median(latencies) * 1000
     finally:
@@ -121,7 +135,8 @@ def main():
     parser.add_argument("--bytes", type=int, default=64000)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--surface", choices=["wait", "chat"], default="wait")
+    parser.add_argument("--surface", choices=["wait", "chat", "list"], default="wait")
+    parser.add_argument("--stored", type=int, default=100)
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
@@ -134,17 +149,21 @@ def main():
         for i in range(args.bytes // 1000)
     ]
     messages.append({"role": "user", "content": "Hello"})
+    waited = ("/runtime/requests", json.dumps({"input": {"messages": messages}, "wait": True}).encode())
+    stored = ()
     if args.surface == "wait":
-        path, body = "/runtime/requests", {"input": {"messages": messages}, "wait": True}
+        timed = ("POST", *waited)
+    elif args.surface == "chat":
+        timed = ("POST", "/v1/chat/completions",
+                 json.dumps({"model": "assistant", "messages": messages}).encode())
     else:
-        path, body = "/v1/chat/completions", {"model": "assistant", "messages": messages}
-    body = json.dumps(body).encode()
-    print(f"{args.surface}: a body of {len(body)} bytes, {len(messages)} messages", flush=True)
+        timed, stored = ("GET", "/admin/requests?limit=50", None), [waited] * args.stored
+    print(f"{args.surface}: a conversation of {len(waited[1])} bytes, {len(messages)} messages", flush=True)
     figures = {binary: [] for binary in args.binaries}
     try:
         for number in range(1, args.rounds + 1):
             for binary in args.binaries:
-                cpu, p50 = one_build(binary, root, path, body, args.requests)
+                cpu, p50 = one_build(binary, root, args.requests, timed, stored)
                 figures[binary].append((cpu, p50))
                 print(f"round {number} {binary}: CPU {cpu:.3f} ms/request, p50 {p50:.3f} ms", flush=True)
         for binary, rows in figures.items():

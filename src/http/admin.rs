@@ -20,8 +20,8 @@ use crate::error::{ApiError, ErrorCode};
 use crate::gateway::Explanation;
 use crate::store::retention::{BackupReport, PruneReport};
 use crate::store::{
-    ApprovalRecord, ApprovalStatus, MaintenanceRecord, PageRequest, RequestFilter, RunStatus,
-    SessionFilter, StoreError, StoreStats,
+    ApprovalRecord, ApprovalStatus, MaintenanceRecord, PageRequest, RequestFilter, RequestInput,
+    RunStatus, SessionFilter, StoreError, StoreStats,
 };
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -83,7 +83,12 @@ pub async fn list_requests(
         limit: page_limit(query.limit)?,
         cursor: cursor(query.cursor, "req")?,
     };
-    let page = state.runtime.store().requests(&filter, &page).await?;
+    // Views never show a request's input (its whole transcript): not read.
+    let page = state
+        .runtime
+        .store()
+        .requests(&filter, &page, RequestInput::Skipped)
+        .await?;
     Ok(Json(RequestList {
         data: request_views(&state.runtime, page.items).await?,
         next_cursor: page.next_cursor,

@@ -7,6 +7,40 @@
 //! the runtime's journal groups a streaming run's events into few commits. Migrations live in
 //! `migrations/<database>/` and run when a store is opened.
 
+/// Every column of `requests` but `input` (see [`RequestInput`]), each after `$table`
+/// (`""`, or a table's alias and a dot), in either store's SQL. Defined before the stores'
+/// modules, which use it.
+macro_rules! request_columns_but_input {
+    ($table:literal) => {
+        concat!(
+            $table,
+            "id, ",
+            $table,
+            "session_id, ",
+            $table,
+            "agent_id, ",
+            $table,
+            "protocol, ",
+            $table,
+            "owner, ",
+            $table,
+            "status, ",
+            $table,
+            "output, ",
+            $table,
+            "error, ",
+            $table,
+            "usage, ",
+            $table,
+            "metadata, ",
+            $table,
+            "created_at, ",
+            $table,
+            "updated_at"
+        )
+    };
+}
+
 mod conditions;
 mod event_rows;
 mod folds;
@@ -31,6 +65,16 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 pub use model::*;
+
+/// Whether a read of requests reads each one's `input`: the whole transcript it brought,
+/// its largest column by far once a conversation grows. An export needs it; no view shows
+/// it, so a listing that serves views leaves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestInput {
+    Read,
+    /// Left `Null`, not read.
+    Skipped,
+}
 
 /// A request as its view shows it (see [`Store::request_in_full`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -263,7 +307,8 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         lane: usize,
         ids: &[&str],
     ) -> Result<Vec<RequestInFull>, StoreError>;
-    /// Newest first; `page.cursor` is the id of the last request of the previous page.
+    /// Newest first; `page.cursor` is the id of the last request of the previous page. Each
+    /// request's `input` is read or left `Null` as `input` says.
     // Lists page newest first with `id < COALESCE(cursor, '~')`: a constant bound lets the
     // index seek straight to a deep page (`'~'` sorts after every character of the ids we
     // make). Sessions, whose ids clients may choose, use `cursor IS NULL OR id < cursor`.
@@ -271,6 +316,7 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         &self,
         filter: &RequestFilter,
         page: &PageRequest,
+        input: RequestInput,
     ) -> Result<Page<RequestRecord>, StoreError>;
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError>;
     /// The runs of a request, oldest first.

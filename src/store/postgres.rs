@@ -50,8 +50,8 @@ use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
-    RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
-    StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
+    RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord,
+    Store, StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
 };
 use crate::ids::IdMap;
 use crate::time::TimeText;
@@ -330,8 +330,9 @@ macro_rules! views_of_requests {
         concat!(
             // Every column of the request but `input`, which no view shows
             // ([`RequestInFull`]).
-            "SELECT r.id, r.session_id, r.agent_id, r.protocol, r.owner, r.status, r.output, ",
-            "r.error, r.usage, r.metadata, r.created_at, r.updated_at, u.*, ",
+            "SELECT ",
+            request_columns_but_input!("r."),
+            ", u.*, ",
             "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
             "WHERE x.request_id = r.id COLLATE \"default\") AS view_runs, ",
             "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
@@ -1310,9 +1311,15 @@ impl Store for PostgresStore {
         &self,
         filter: &RequestFilter,
         page: &PageRequest,
+        input: RequestInput,
     ) -> Result<Page<RequestRecord>, StoreError> {
         let conditions = conditions::of_requests(filter, Dialect::Postgres);
-        let sql = format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");
+        let (columns, from_row): (_, fn(&PgRow) -> _) = match input {
+            RequestInput::Read => ("*", request_from_row),
+            RequestInput::Skipped => (request_columns_but_input!(""), request_without_input),
+        };
+        let sql =
+            format!("SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(filter.status.map(RunStatus::as_str))
             .bind(filter.agent_id.as_deref().map(text))
@@ -1324,10 +1331,7 @@ impl Store for PostgresStore {
             .bind(filter.created_before)
             .fetch_all(&self.pool)
             .await?;
-        let items = rows
-            .iter()
-            .map(request_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
+        let items = rows.iter().map(from_row).collect::<Result<Vec<_>, _>>()?;
         Ok(Page::from_overfetch(items, page.limit, |r| r.id.clone()))
     }
 

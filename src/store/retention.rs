@@ -18,7 +18,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{
-    MaintenanceRecord, PageRequest, PruneCounts, PruneFilter, RequestFilter, Store, StoreError,
+    MaintenanceRecord, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestInput, Store,
+    StoreError,
 };
 
 /// Sessions removed per transaction.
@@ -220,7 +221,7 @@ async fn archived_session(store: &dyn Store, id: &str) -> Result<Value, StoreErr
         cursor: None,
     };
     loop {
-        let found = store.requests(&filter, &page).await?;
+        let found = store.requests(&filter, &page, RequestInput::Read).await?;
         for request in found.items {
             let runs = store.runs_of(&request.id).await?;
             let mut tool_calls = Vec::new();

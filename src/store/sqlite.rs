@@ -34,7 +34,7 @@ use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
     MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
-    RequestFilter, RequestInFull, RequestRecord, RunRecord, RunStatus, SessionFilter,
+    RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter,
     SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
@@ -433,8 +433,11 @@ impl Columns for WriterRow<'_, '_> {
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
 /// A request as its view shows it: every column but `input`, which can be large (the whole
 /// transcript) and which no view shows ([`RequestInFull`]).
-const REQUEST_VIEW_BY_ID: &str = "SELECT id, session_id, agent_id, protocol, owner, status, output,
-    error, usage, metadata, created_at, updated_at FROM requests WHERE id = ?1";
+const REQUEST_VIEW_BY_ID: &str = concat!(
+    "SELECT ",
+    request_columns_but_input!(""),
+    " FROM requests WHERE id = ?1"
+);
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
 
@@ -618,9 +621,15 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
 /// A page of requests, newest first, with only the filters given spelled as tests (see
 /// [`Conditions`]): one session's requests read `requests_by_session` (every archived
 /// session's are read), one owner's `requests_by_owner`.
-fn requests_page(filter: &RequestFilter) -> String {
+fn requests_page(filter: &RequestFilter, input: RequestInput) -> String {
     let conditions = conditions::of_requests(filter, Dialect::Sqlite);
-    format!("SELECT * FROM requests WHERE {conditions} ORDER BY id DESC LIMIT CAST(?5 AS INTEGER)")
+    let columns = match input {
+        RequestInput::Read => "*",
+        RequestInput::Skipped => request_columns_but_input!(""),
+    };
+    format!(
+        "SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT CAST(?5 AS INTEGER)"
+    )
 }
 
 /// A page of approvals, newest first; one status's read `approvals_by_status`.
@@ -750,8 +759,9 @@ impl Store for SqliteStore {
         &self,
         filter: &RequestFilter,
         page: &PageRequest,
+        input: RequestInput,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(requests_page(filter)))
+        let rows = sqlx::query(sqlx::AssertSqlSafe(requests_page(filter, input)))
             .bind(filter.status.map(RunStatus::as_str))
             .bind(&filter.agent_id)
             .bind(&filter.session_id)
@@ -762,10 +772,11 @@ impl Store for SqliteStore {
             .bind(stored_time::owned(filter.created_before.as_ref()))
             .fetch_all(&self.reader)
             .await?;
-        let items = rows
-            .iter()
-            .map(request_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
+        let from_row = match input {
+            RequestInput::Read => request_from_row,
+            RequestInput::Skipped => request_without_input,
+        };
+        let items = rows.iter().map(from_row).collect::<Result<Vec<_>, _>>()?;
         Ok(Page::from_overfetch(items, page.limit, |r| r.id.clone()))
     }
 

@@ -9,7 +9,8 @@ use serde_json::json;
 use stable_harness::store::{
     ApprovalDecision, ApprovalKind, ApprovalRecord, ApprovalStatus, EventRecord, MemoryFilter,
     MemoryRecord, MemoryStatus, MemoryTransition, MessageRecord, PageRequest, RequestFilter,
-    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, ToolCallRecord, WriteOp,
+    RequestInput, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError,
+    ToolCallRecord, WriteOp,
 };
 
 /// Runs are leased for 5s in this suite, so expiry is seen within the tests (with a second of
@@ -605,7 +606,7 @@ async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
     let mut seen = Vec::new();
     loop {
         let found = store
-            .requests(&RequestFilter::default(), &page)
+            .requests(&RequestFilter::default(), &page, RequestInput::Read)
             .await
             .unwrap();
         seen.extend(found.items.iter().map(|r| r.id.clone()));
@@ -625,7 +626,11 @@ async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
         ..RequestFilter::default()
     };
     assert_eq!(
-        ids(store.requests(&alice, &all).await.unwrap().items),
+        ids(store
+            .requests(&alice, &all, RequestInput::Skipped)
+            .await
+            .unwrap()
+            .items),
         ["req_4b", "req_3", "req_1"]
     );
     let completed_alice = RequestFilter {
@@ -634,7 +639,11 @@ async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
         ..RequestFilter::default()
     };
     assert_eq!(
-        ids(store.requests(&completed_alice, &all).await.unwrap().items),
+        ids(store
+            .requests(&completed_alice, &all, RequestInput::Skipped)
+            .await
+            .unwrap()
+            .items),
         ["req_3", "req_1"]
     );
     let billing = RequestFilter {
@@ -642,7 +651,11 @@ async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
         ..RequestFilter::default()
     };
     assert_eq!(
-        ids(store.requests(&billing, &all).await.unwrap().items),
+        ids(store
+            .requests(&billing, &all, RequestInput::Skipped)
+            .await
+            .unwrap()
+            .items),
         ["req_4b", "req_2b"]
     );
     let one_session = RequestFilter {
@@ -650,9 +663,39 @@ async fn pages_and_filters_list_requests_newest_first(store: Arc<dyn Store>) {
         ..RequestFilter::default()
     };
     assert_eq!(
-        ids(store.requests(&one_session, &all).await.unwrap().items),
+        ids(store
+            .requests(&one_session, &all, RequestInput::Skipped)
+            .await
+            .unwrap()
+            .items),
         ["req_3"]
     );
+    // A listing that skips the input reads each request as a full one does but for its
+    // input, left `Null`; a full listing reads the input as the request alone does.
+    let full = store
+        .requests(&RequestFilter::default(), &all, RequestInput::Read)
+        .await
+        .unwrap()
+        .items;
+    let skipped = store
+        .requests(&RequestFilter::default(), &all, RequestInput::Skipped)
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(full.len(), 5);
+    assert_eq!(full.len(), skipped.len());
+    for (full, skipped) in full.iter().zip(&skipped) {
+        assert_eq!(full, &store.request(&full.id).await.unwrap().unwrap());
+        assert!(!full.input.is_null(), "{}: the input was read", full.id);
+        assert_eq!(skipped.input, serde_json::Value::Null);
+        assert_eq!(
+            skipped,
+            &RequestRecord {
+                input: serde_json::Value::Null,
+                ..full.clone()
+            }
+        );
+    }
     // Ownership is kept as given, and text a client sent survives the store.
     let stored = store.request("req_1").await.unwrap().unwrap();
     assert_eq!(stored.owner, "alice");

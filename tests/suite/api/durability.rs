@@ -183,6 +183,7 @@ async fn shutdown_lets_in_flight_responses_finish() {
                 limit: 10,
                 cursor: None,
             },
+            stable_harness::store::RequestInput::Read,
         )
         .await
         .unwrap();
