@@ -1602,18 +1602,24 @@ mod tests {
         let given = || Some("x".to_owned());
         let reads = [
             (
-                requests_page(&RequestFilter {
-                    session_id: given(),
-                    ..RequestFilter::default()
-                }),
+                requests_page(
+                    &RequestFilter {
+                        session_id: given(),
+                        ..RequestFilter::default()
+                    },
+                    RequestInput::Read,
+                ),
                 "requests_by_session",
             ),
             (
-                requests_page(&RequestFilter {
-                    owner: given(),
-                    status: Some(RunStatus::Completed),
-                    ..RequestFilter::default()
-                }),
+                requests_page(
+                    &RequestFilter {
+                        owner: given(),
+                        status: Some(RunStatus::Completed),
+                        ..RequestFilter::default()
+                    },
+                    RequestInput::Skipped,
+                ),
                 "requests_by_owner",
             ),
             (
@@ -1668,7 +1674,8 @@ mod tests {
             assert!(found.contains(index), "{index} unread by {sql}: {found}");
         }
         for sql in [
-            requests_page(&RequestFilter::default()),
+            requests_page(&RequestFilter::default(), RequestInput::Read),
+            requests_page(&RequestFilter::default(), RequestInput::Skipped),
             approvals_page(None),
             super::super::sqlite_memory::memories_page(&MemoryFilter::default()),
         ] {
