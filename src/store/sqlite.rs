@@ -433,23 +433,13 @@ impl Columns for WriterRow<'_, '_> {
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
 /// A request as its view shows it: every column but `input`, which can be large (the whole
 /// transcript) and which no view shows ([`RequestInFull`]).
-/// With the sums of its charges, named as `UsageTotals::from_sums` takes them (none is a
-/// column of `requests`): one statement, where the charges took one of their own.
 const REQUEST_VIEW_BY_ID: &str = concat!(
     "SELECT ",
     request_columns_but_input!(""),
-    ", u.calls, u.prompt, u.completion, u.cost, u.estimated FROM requests,
-       (SELECT COUNT(*) AS calls, SUM(prompt_tokens) AS prompt,
-          SUM(completion_tokens) AS completion, SUM(cost_nanos) AS cost,
-          SUM(estimated) AS estimated
-        FROM usage_records WHERE request_id = ?1) u
-     WHERE id = ?1"
+    " FROM requests WHERE id = ?1"
 );
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
-/// The approvals of every run of a request, run by run (oldest first), then by id.
-const APPROVALS_OF_REQUEST: &str = "SELECT a.* FROM approvals a JOIN runs x ON x.id = a.run_id
-    WHERE x.request_id = ?1 ORDER BY x.attempt, a.id";
 
 /// The rows `sql` selects for `key` on the writer's connection, with its kept statement, each
 /// mapped by `map`.
@@ -469,31 +459,40 @@ fn writer_rows<T>(
     Ok(mapped)
 }
 
-/// A request's view, read on the writer's connection with its kept statements: three, the
-/// request with its charges, its runs, and their approvals, however many runs it has.
+/// A request's view, read on the writer's connection with its kept statements.
 fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestInFull>, StoreError> {
-    let Some((request, charged)) = writer_rows(prepared, REQUEST_VIEW_BY_ID, id, |row| {
-        let charged = UsageTotals::from_sums(
-            String::new(),
-            row.get("calls")?,
-            row.get("prompt")?,
-            row.get("completion")?,
-            row.get("cost")?,
-            row.get("estimated")?,
-        );
-        Ok((request_without_input(row)?, charged))
+    let Some(request) = writer_rows(prepared, REQUEST_VIEW_BY_ID, id, |row| {
+        request_without_input(row)
     })?
     .pop() else {
         return Ok(None);
     };
     let runs = writer_rows(prepared, RUNS_OF_REQUEST, id, |row| run_from_row(row))?;
-    let approvals = if runs.is_empty() {
-        Vec::new()
-    } else {
-        writer_rows(prepared, APPROVALS_OF_REQUEST, id, |row| {
+    let mut approvals = Vec::new();
+    for run in &runs {
+        approvals.extend(writer_rows(prepared, APPROVALS_OF_RUN, &run.id, |row| {
             approval_from_row(row)
-        })?
-    };
+        })?);
+    }
+    let charged = prepared
+        .get(
+            "SELECT COUNT(*), SUM(prompt_tokens), SUM(completion_tokens),
+               SUM(cost_nanos), SUM(estimated)
+             FROM usage_records WHERE request_id = ?1",
+        )
+        .and_then(|statement| {
+            statement.query_row([id], |row| {
+                Ok(UsageTotals::from_sums(
+                    String::new(),
+                    row.get(0)?,
+                    row.get(1)?,
+                    row.get(2)?,
+                    row.get(3)?,
+                    row.get(4)?,
+                ))
+            })
+        })
+        .map_err(super::sqlite_writer::writer_error)?;
     Ok(Some(RequestInFull {
         request,
         runs,
@@ -1666,8 +1665,6 @@ mod tests {
                 "SEARCH s USING INDEX sqlite_autoindex_sessions_1 (id=?)",
             ),
             (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
-            (REQUEST_VIEW_BY_ID.to_owned(), "usage_records_request"),
-            (APPROVALS_OF_REQUEST.to_owned(), "approvals_by_run"),
             (SESSION_HEAD.to_owned(), "messages_by_parent"),
             (CLAIM_RUNS.to_owned(), "runs_live"),
             (RELEASE_LEASES.to_owned(), "runs_live"),
