@@ -7,37 +7,12 @@
 //! the runtime's journal groups a streaming run's events into few commits. Migrations live in
 //! `migrations/<database>/` and run when a store is opened.
 
-/// Every column of `requests` but `input` (see [`RequestInput`]), each after `$table`
-/// (`""`, or a table's alias and a dot), in either store's SQL. Defined before the stores'
-/// modules, which use it.
+/// Every column of `requests` but `input` (see [`RequestInput`]), in either store's SQL.
+/// Defined before the stores' modules, which use it.
 macro_rules! request_columns_but_input {
-    ($table:literal) => {
-        concat!(
-            $table,
-            "id, ",
-            $table,
-            "session_id, ",
-            $table,
-            "agent_id, ",
-            $table,
-            "protocol, ",
-            $table,
-            "owner, ",
-            $table,
-            "status, ",
-            $table,
-            "output, ",
-            $table,
-            "error, ",
-            $table,
-            "usage, ",
-            $table,
-            "metadata, ",
-            $table,
-            "created_at, ",
-            $table,
-            "updated_at"
-        )
+    () => {
+        "id, session_id, agent_id, protocol, owner, status, output, error, usage, metadata, \
+         created_at, updated_at"
     };
 }
 

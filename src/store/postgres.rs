@@ -331,7 +331,7 @@ macro_rules! views_of_requests {
             // Every column of the request but `input`, which no view shows
             // ([`RequestInFull`]).
             "SELECT ",
-            request_columns_but_input!("r."),
+            request_columns_but_input!(),
             ", u.*, ",
             "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
             "WHERE x.request_id = r.id COLLATE \"default\") AS view_runs, ",
@@ -1316,7 +1316,7 @@ impl Store for PostgresStore {
         let conditions = conditions::of_requests(filter, Dialect::Postgres);
         let (columns, from_row): (_, fn(&PgRow) -> _) = match input {
             RequestInput::Read => ("*", request_from_row),
-            RequestInput::Skipped => (request_columns_but_input!(""), request_without_input),
+            RequestInput::Skipped => (request_columns_but_input!(), request_without_input),
         };
         let sql =
             format!("SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");

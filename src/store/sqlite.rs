@@ -435,7 +435,7 @@ const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
 /// transcript) and which no view shows ([`RequestInFull`]).
 const REQUEST_VIEW_BY_ID: &str = concat!(
     "SELECT ",
-    request_columns_but_input!(""),
+    request_columns_but_input!(),
     " FROM requests WHERE id = ?1"
 );
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
@@ -625,7 +625,7 @@ fn requests_page(filter: &RequestFilter, input: RequestInput) -> String {
     let conditions = conditions::of_requests(filter, Dialect::Sqlite);
     let columns = match input {
         RequestInput::Read => "*",
-        RequestInput::Skipped => request_columns_but_input!(""),
+        RequestInput::Skipped => request_columns_but_input!(),
     };
     format!(
         "SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT CAST(?5 AS INTEGER)"
