@@ -2,7 +2,8 @@
 """Requests that carry a long conversation, against two or more server builds in turn.
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
-                      [--surface wait|chat|list] [--stored 100] BINARY [BINARY...]
+                      [--surface wait|chat|list] [--stored 100]
+                      [--database-url postgres://...] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
@@ -16,6 +17,9 @@ stores `--stored` such requests (with `wait`, not measured), then times `--reque
 the admin listing's first page (`GET /admin/requests?limit=50`). A build may be a wrapper
 script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
 forty-fourth passes.
+
+With `--database-url` each build runs on PostgreSQL instead, in a database made for it and
+dropped after (the URL names a database the script may create others beside, with `psql`).
 """
 
 import argparse
@@ -88,13 +92,22 @@ def cpu_seconds(pid):
 ADMIN_KEY = "bench-admin-key"
 
 
-def one_build(binary, root, requests, timed, stored=()):
+def fresh_database(admin_url):
+    """A new, empty database beside the one `admin_url` names, and its URL."""
+    name = f"large_input_{os.getpid()}_{time.monotonic_ns()}"
+    subprocess.run(["psql", admin_url, "-qc", f"CREATE DATABASE {name}"], check=True)
+    return name, admin_url.rsplit("/", 1)[0] + "/" + name
+
+
+def one_build(binary, root, requests, timed, stored=(), database_url=None):
     """Starts `binary` on a fresh store, sends each of `stored` (a path and a body) once,
     then the `timed` request (a method, a path and a body) 20 times to warm and `requests`
     times measured."""
     shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
+    database = fresh_database(database_url) if database_url else None
+    store = ["--database-url", database[1]] if database else []
     server = subprocess.Popen(
-        [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces"],
+        [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces", *store],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         env=dict(os.environ, STABLE_HARNESS_LOG="error", STABLE_HARNESS_ADMIN_KEY=ADMIN_KEY),
     )
@@ -128,6 +141,8 @@ def one_build(binary, root, requests, timed, stored=()):
     finally:
         server.terminate()
         server.wait()
+        if database:
+            subprocess.run(["psql", database_url, "-qc", f"DROP DATABASE {database[0]}"], check=True)
 
 
 def main():
@@ -137,6 +152,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--surface", choices=["wait", "chat", "list"], default="wait")
     parser.add_argument("--stored", type=int, default=100)
+    parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
@@ -163,7 +179,7 @@ def main():
     try:
         for number in range(1, args.rounds + 1):
             for binary in args.binaries:
-                cpu, p50 = one_build(binary, root, args.requests, timed, stored)
+                cpu, p50 = one_build(binary, root, args.requests, timed, stored, args.database_url)
                 figures[binary].append((cpu, p50))
                 print(f"round {number} {binary}: CPU {cpu:.3f} ms/request, p50 {p50:.3f} ms", flush=True)
         for binary, rows in figures.items():
