@@ -16,6 +16,15 @@ macro_rules! request_columns_but_input {
     };
 }
 
+/// Every column of `runs` but `state` (the run's conversation after its last step: the whole
+/// transcript with its tools' results, which no view shows), in either store's SQL.
+macro_rules! run_columns_but_state {
+    () => {
+        "id, request_id, attempt, status, error, created_at, updated_at, started_at, ended_at, \
+         lease_holder, lease_expires_at, cancel_requested_by"
+    };
+}
+
 mod conditions;
 mod event_rows;
 mod folds;
@@ -58,7 +67,8 @@ pub struct RequestInFull {
     /// is the request's largest column (the whole transcript), which every `wait` and every
     /// view would otherwise read and parse only to drop.
     pub request: RequestRecord,
-    /// Oldest first.
+    /// Oldest first, each without its `state` (`None`, not read): no view shows it, and a run
+    /// that called tools holds its whole conversation there.
     pub runs: Vec<RunRecord>,
     /// Of every run, run by run, oldest first.
     pub approvals: Vec<ApprovalRecord>,
@@ -296,7 +306,8 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError>;
     /// The runs of a request, oldest first.
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError>;
-    /// The runs of several requests (a page of a list) in one read, by request then attempt.
+    /// The runs of several requests (a page of a list) in one read, by request then attempt,
+    /// as views show them: each without its `state` (`None`, not read).
     async fn runs_of_requests(&self, request_ids: &[String]) -> Result<Vec<RunRecord>, StoreError>;
     /// Runs in any of `statuses`, oldest first.
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError>;

@@ -333,8 +333,10 @@ macro_rules! views_of_requests {
             "SELECT ",
             request_columns_but_input!(),
             ", u.*, ",
-            "(SELECT json_agg(x ORDER BY x.attempt) FROM runs x ",
-            "WHERE x.request_id = r.id COLLATE \"default\") AS view_runs, ",
+            // Each run without its `state`, which no view shows.
+            "(SELECT json_agg(x ORDER BY x.attempt) FROM (SELECT ",
+            run_columns_but_state!(),
+            " FROM runs WHERE request_id = r.id COLLATE \"default\") x) AS view_runs, ",
             "(SELECT json_agg(a ORDER BY x.attempt, a.id) ",
             "FROM approvals a JOIN runs x ON x.id = a.run_id ",
             "WHERE a.request_id = r.id COLLATE \"default\") AS view_approvals ",
@@ -351,7 +353,7 @@ macro_rules! views_of_requests {
 fn view_from_row(row: &PgRow) -> Result<RequestInFull, StoreError> {
     Ok(RequestInFull {
         request: request_without_input(row)?,
-        runs: aggregated(row, "view_runs", run_from_row)?,
+        runs: aggregated(row, "view_runs", run_without_state)?,
         approvals: aggregated(row, "view_approvals", approval_from_row)?,
         // The sums' columns are named as `usage_totals` names them; none is a request's.
         charged: usage_totals_from_row(row, String::new())?,
@@ -372,11 +374,19 @@ fn aggregated<T>(
 
 fn run_from_row(row: &impl Fields) -> Result<RunRecord, StoreError> {
     Ok(RunRecord {
+        state: row.field("state")?,
+        ..run_without_state(row)?
+    })
+}
+
+/// A run's record from a row without its `state` (left `None`): as a view reads it.
+fn run_without_state(row: &impl Fields) -> Result<RunRecord, StoreError> {
+    Ok(RunRecord {
         id: row.field("id")?,
         request_id: row.field("request_id")?,
         attempt: row.field("attempt")?,
         status: parse_status(&row.field::<String>("status")?)?,
-        state: row.field("state")?,
+        state: None,
         error: row.field("error")?,
         created_at: row.field("created_at")?,
         updated_at: row.field("updated_at")?,
@@ -1356,13 +1366,15 @@ impl Store for PostgresStore {
             return Ok(Vec::new());
         }
         let ids: Vec<String> = request_ids.iter().map(|id| text(id)).collect();
-        let rows = sqlx::query(
-            "SELECT * FROM runs WHERE request_id = ANY($1) ORDER BY request_id, attempt",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            run_columns_but_state!(),
+            " FROM runs WHERE request_id = ANY($1) ORDER BY request_id, attempt"
+        ))
         .bind(ids)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(run_from_row).collect()
+        rows.iter().map(run_without_state).collect()
     }
 
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError> {

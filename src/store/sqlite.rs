@@ -428,9 +428,11 @@ impl Columns for WriterRow<'_, '_> {
     }
 }
 
-/// The statements a request's view reads, shared by the reader pool's methods and the
-/// writer-connection read of [`Store::request_in_full`].
+/// A request and its runs whole, as the reader pool's methods read them; then the
+/// statements of a request's view, read on the writer's connection
+/// ([`Store::request_in_full`]), the approvals' shared with the reader pool.
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
+const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 /// A request as its view shows it: every column but `input`, which can be large (the whole
 /// transcript) and which no view shows ([`RequestInFull`]).
 const REQUEST_VIEW_BY_ID: &str = concat!(
@@ -438,7 +440,12 @@ const REQUEST_VIEW_BY_ID: &str = concat!(
     request_columns_but_input!(),
     " FROM requests WHERE id = ?1"
 );
-const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
+/// A request's runs as its view shows them: without their `state` ([`RequestInFull`]).
+const RUN_VIEWS_OF_REQUEST: &str = concat!(
+    "SELECT ",
+    run_columns_but_state!(),
+    " FROM runs WHERE request_id = ?1 ORDER BY attempt"
+);
 const APPROVALS_OF_RUN: &str = "SELECT * FROM approvals WHERE run_id = ?1 ORDER BY id";
 
 /// The rows `sql` selects for `key` on the writer's connection, with its kept statement, each
@@ -467,7 +474,9 @@ fn writer_view(prepared: &mut Prepared<'_>, id: &str) -> Result<Option<RequestIn
     .pop() else {
         return Ok(None);
     };
-    let runs = writer_rows(prepared, RUNS_OF_REQUEST, id, |row| run_from_row(row))?;
+    let runs = writer_rows(prepared, RUN_VIEWS_OF_REQUEST, id, |row| {
+        run_without_state(row)
+    })?;
     let mut approvals = Vec::new();
     for run in &runs {
         approvals.extend(writer_rows(prepared, APPROVALS_OF_RUN, &run.id, |row| {
@@ -529,11 +538,19 @@ fn request_without_input<R: Columns>(row: &R) -> Result<RequestRecord, StoreErro
 
 fn run_from_row<R: Columns>(row: &R) -> Result<RunRecord, StoreError> {
     Ok(RunRecord {
+        state: row.json("state")?,
+        ..run_without_state(row)?
+    })
+}
+
+/// A run's record from a row without its `state` (left `None`): as a view reads it.
+fn run_without_state<R: Columns>(row: &R) -> Result<RunRecord, StoreError> {
+    Ok(RunRecord {
         id: row.text("id")?,
         request_id: row.text("request_id")?,
         attempt: row.int("attempt")?,
         status: parse_status(&row.text("status")?)?,
-        state: row.json("state")?,
+        state: None,
         error: row.json("error")?,
         created_at: row.time("created_at")?,
         updated_at: row.time("updated_at")?,
@@ -800,14 +817,16 @@ impl Store for SqliteStore {
         if request_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "SELECT * FROM runs WHERE request_id IN (SELECT value FROM json_each(?))
-             ORDER BY request_id, attempt",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            run_columns_but_state!(),
+            " FROM runs WHERE request_id IN (SELECT value FROM json_each(?))
+             ORDER BY request_id, attempt"
+        ))
         .bind(serde_json::to_string(request_ids).unwrap_or_default())
         .fetch_all(&self.reader)
         .await?;
-        rows.iter().map(run_from_row).collect()
+        rows.iter().map(run_without_state).collect()
     }
 
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError> {
