@@ -3,7 +3,7 @@
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
                       [--surface wait|chat|list] [--stored 100]
-                      [--database-url postgres://...] BINARY [BINARY...]
+                      [--database-url postgres://...] [--tools] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
@@ -17,6 +17,12 @@ stores `--stored` such requests (with `wait`, not measured), then times `--reque
 the admin listing's first page (`GET /admin/requests?limit=50`). A build may be a wrapper
 script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
 forty-fourth passes.
+
+With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
+per request before it answers: the run then stores its conversation, with the tool's result,
+as its state after that step (docs/profiling.md, the forty-fourth pass). With `--parked` as
+well, the tool needs an approval nobody gives, and the listing's requests are stored without
+`wait`: their runs stay live, waiting, each holding its conversation as its state.
 
 With `--database-url` each build runs on PostgreSQL instead, in a database made for it and
 dropped after (the URL names a database the script may create others beside, with `psql`).
@@ -45,11 +51,19 @@ class Upstream(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-        chunks += [{"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} for i in range(7)]
+        asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        tools = asked.get("tools") or []
+        if tools and asked["messages"][-1]["role"] != "tool":
+            # A tool the request offers, called before any answer.
+            call = {"index": 0, "id": "call_1", "type": "function",
+                    "function": {"name": tools[0]["function"]["name"], "arguments": "{}"}}
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+        else:
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+            chunks += [{"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} for i in range(7)]
+            chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         chunks += [
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
             {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}},
         ]
         body = b"".join(
@@ -69,7 +83,7 @@ class ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
 
 
-def workspace(upstream_url):
+def workspace(upstream_url, tools, parked):
     root = tempfile.mkdtemp()
     files = {
         "config/runtime/workspace.yaml": "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: bench }\nspec:\n  defaultAgent: assistant\n",
@@ -77,6 +91,15 @@ def workspace(upstream_url):
         "config/catalogs/models.yaml": "apiVersion: stable-harness/v1\nkind: ModelCatalog\nmetadata: { name: models }\nspec:\n  models:\n"
         f"    - {{ id: fast, provider: openai-compatible, baseUrl: \"{upstream_url}\", upstreamModel: bench-upstream, maxOutputTokens: 1000 }}\n",
     }
+    if parked:
+        files["config/runtime/workspace.yaml"] += "  governance: { default: needs_approval }\n"
+    if tools:
+        files["config/agents/assistant.yaml"] += "  tools: [clock.now]\n"
+        files["config/catalogs/tools.yaml"] = (
+            "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n"
+            "    - { id: clock.now, description: The time., risk: low, timeout: 1s, builtin: clock.now,\n"
+            "        inputSchema: { type: object, properties: {}, additionalProperties: false } }\n"
+        )
     for path, text in files.items():
         os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
         with open(os.path.join(root, path), "w") as file:
@@ -126,12 +149,14 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
             connection.request(method, path, body, headers)
             response = connection.getresponse()
             answer = response.read()
-            if response.status != 200:
+            if response.status not in (200, 202):
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
             return time.perf_counter() - started
 
         for path, body in stored:
             one("POST", path, body)
+        if stored:
+            time.sleep(1)  # runs stored without `wait` reach their approval meanwhile
         for _ in range(20):
             one(*timed)
         before = cpu_seconds(server.pid)
@@ -153,12 +178,14 @@ def main():
     parser.add_argument("--surface", choices=["wait", "chat", "list"], default="wait")
     parser.add_argument("--stored", type=int, default=100)
     parser.add_argument("--database-url")
+    parser.add_argument("--tools", action="store_true")
+    parser.add_argument("--parked", action="store_true")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1")
+    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", args.tools, args.parked)
     turn = "x" * 990
     messages = [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:>9} {turn}"}
@@ -167,13 +194,15 @@ def main():
     messages.append({"role": "user", "content": "Hello"})
     waited = ("/runtime/requests", json.dumps({"input": {"messages": messages}, "wait": True}).encode())
     stored = ()
+    kept = ("/runtime/requests", json.dumps({"input": {"messages": messages}}).encode())
     if args.surface == "wait":
         timed = ("POST", *waited)
     elif args.surface == "chat":
         timed = ("POST", "/v1/chat/completions",
                  json.dumps({"model": "assistant", "messages": messages}).encode())
     else:
-        timed, stored = ("GET", "/admin/requests?limit=50", None), [waited] * args.stored
+        timed = ("GET", "/admin/requests?limit=50", None)
+        stored = [kept if args.parked else waited] * args.stored
     print(f"{args.surface}: a conversation of {len(waited[1])} bytes, {len(messages)} messages", flush=True)
     figures = {binary: [] for binary in args.binaries}
     try:
