@@ -2,7 +2,7 @@
 """Requests that carry a long conversation, against two or more server builds in turn.
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
-                      [--surface wait|chat|list] [--stored 100]
+                      [--surface wait|chat|list|view] [--stored 100]
                       [--database-url postgres://...] [--tools] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
@@ -14,7 +14,8 @@ loopback upstream (this script, speaking Chat Completions: a 7-chunk streamed an
 `/v1/chat/completions`; it prints the server's CPU (user and system, from `/proc`) per request
 and the median latency, then the medians over the rounds. With `--surface list` it first
 stores `--stored` such requests (with `wait`, not measured), then times `--requests` reads of
-the admin listing's first page (`GET /admin/requests?limit=50`). A build may be a wrapper
+the admin listing's first page (`GET /admin/requests?limit=50`); with `--surface view`,
+reads of the last stored request's view (`GET /runtime/requests/{id}`). A build may be a wrapper
 script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
 forty-fourth passes.
 
@@ -151,16 +152,19 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
             answer = response.read()
             if response.status not in (200, 202):
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
-            return time.perf_counter() - started
+            return time.perf_counter() - started, answer
 
+        last = None
         for path, body in stored:
-            one("POST", path, body)
+            last = json.loads(one("POST", path, body)[1])["requestId"]
+        method, path, body = timed
+        timed = (method, path.replace("{id}", last or ""), body)
         if stored:
             time.sleep(1)  # runs stored without `wait` reach their approval meanwhile
         for _ in range(20):
             one(*timed)
         before = cpu_seconds(server.pid)
-        latencies = [one(*timed) for _ in range(requests)]
+        latencies = [one(*timed)[0] for _ in range(requests)]
         cpu = (cpu_seconds(server.pid) - before) / requests * 1000
         return cpu, statistics.median(latencies) * 1000
     finally:
@@ -175,7 +179,7 @@ def main():
     parser.add_argument("--bytes", type=int, default=64000)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--surface", choices=["wait", "chat", "list"], default="wait")
+    parser.add_argument("--surface", choices=["wait", "chat", "list", "view"], default="wait")
     parser.add_argument("--stored", type=int, default=100)
     parser.add_argument("--database-url")
     parser.add_argument("--tools", action="store_true")
@@ -201,8 +205,9 @@ def main():
         timed = ("POST", "/v1/chat/completions",
                  json.dumps({"model": "assistant", "messages": messages}).encode())
     else:
-        timed = ("GET", "/admin/requests?limit=50", None)
-        stored = [kept if args.parked else waited] * args.stored
+        listing = args.surface == "list"
+        timed = ("GET", "/admin/requests?limit=50" if listing else "/runtime/requests/{id}", None)
+        stored = [kept if args.parked else waited] * (args.stored if listing else 1)
     print(f"{args.surface}: a conversation of {len(waited[1])} bytes, {len(messages)} messages", flush=True)
     figures = {binary: [] for binary in args.binaries}
     try:
