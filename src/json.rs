@@ -95,10 +95,11 @@ fn write_str(out: &mut String, text: &str) {
     out.push('"');
 }
 
-/// Where the next byte to escape is at or after `from`: eight bytes at a time, the last
-/// fewer than eight read as one word padded with plain bytes (most keys are that short).
+/// Where the next byte to escape (a quote, a backslash, a control character) is at or after
+/// `from`: eight bytes at a time, the last fewer than eight read as one word padded with
+/// plain bytes (most keys are that short). Also how `chat_wire` finds a string's end.
 #[inline]
-fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
+pub(crate) fn next_to_escape(bytes: &[u8], from: usize) -> Option<usize> {
     let mut at = from;
     while let Some(eight) = bytes.get(at..at.saturating_add(8)) {
         let Ok(word) = <[u8; 8]>::try_from(eight) else {
@@ -145,7 +146,7 @@ fn escape(out: &mut String, byte: u8) {
 /// escapes there). A byte after a flagged one may be flagged wrongly (a borrow carries into
 /// it), never one before it, so the lowest flag is exact.
 #[inline]
-pub(crate) fn ends_a_run(word: u64) -> u64 {
+fn ends_a_run(word: u64) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGHS: u64 = 0x8080_8080_8080_8080;
     // A byte below `n` (at most 0x80) sets its high bit in `x - n` while its own is clear.

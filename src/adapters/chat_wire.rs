@@ -656,25 +656,11 @@ impl<'a> Scan<'a> {
 
     /// Where the run of plain characters from `from` ends: the next quote or backslash. A
     /// control character before it (which JSON refuses in a string) leaves it to `serde_json`.
-    /// Eight bytes at a time while eight remain, then a byte at a time.
+    /// Found as the JSON writer finds the next byte to escape, eight bytes at a time.
     #[inline]
     fn run_end(&self, from: usize) -> Option<usize> {
         let bytes = self.text.as_bytes();
-        let mut at = from;
-        while let Some(eight) = bytes.get(at..at.saturating_add(8)) {
-            let found = crate::json::ends_a_run(u64::from_le_bytes(eight.try_into().ok()?));
-            if found != 0 {
-                // The lowest flag is exact (see `crate::json::ends_a_run`): bytes are in order from it.
-                at += (found.trailing_zeros() / 8) as usize;
-                return matches!(bytes[at], b'"' | b'\\').then_some(at);
-            }
-            at += 8;
-        }
-        let rest = bytes.get(at..)?;
-        let length = rest
-            .iter()
-            .position(|&byte| byte < 0x20 || byte == b'"' || byte == b'\\')?;
-        matches!(rest[length], b'"' | b'\\').then_some(at + length)
+        crate::json::next_to_escape(bytes, from).filter(|&at| matches!(bytes[at], b'"' | b'\\'))
     }
 }
 

@@ -60,6 +60,16 @@ pub enum RequestInput {
     Skipped,
 }
 
+impl RequestInput {
+    /// The columns of `requests` a read selects, in either store's SQL.
+    fn columns(self) -> &'static str {
+        match self {
+            RequestInput::Read => "*",
+            RequestInput::Skipped => request_columns_but_input!(),
+        }
+    }
+}
+
 /// A request as its view shows it (see [`Store::request_in_full`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestInFull {

@@ -1324,10 +1324,11 @@ impl Store for PostgresStore {
         input: RequestInput,
     ) -> Result<Page<RequestRecord>, StoreError> {
         let conditions = conditions::of_requests(filter, Dialect::Postgres);
-        let (columns, from_row): (_, fn(&PgRow) -> _) = match input {
-            RequestInput::Read => ("*", request_from_row),
-            RequestInput::Skipped => (request_columns_but_input!(), request_without_input),
+        let from_row = match input {
+            RequestInput::Read => request_from_row,
+            RequestInput::Skipped => request_without_input,
         };
+        let columns = input.columns();
         let sql =
             format!("SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT $5");
         let rows = sqlx::query(sqlx::AssertSqlSafe(sql))

@@ -640,10 +640,7 @@ fn approval_from_row<R: Columns>(row: &R) -> Result<ApprovalRecord, StoreError> 
 /// session's are read), one owner's `requests_by_owner`.
 fn requests_page(filter: &RequestFilter, input: RequestInput) -> String {
     let conditions = conditions::of_requests(filter, Dialect::Sqlite);
-    let columns = match input {
-        RequestInput::Read => "*",
-        RequestInput::Skipped => request_columns_but_input!(),
-    };
+    let columns = input.columns();
     format!(
         "SELECT {columns} FROM requests WHERE {conditions} ORDER BY id DESC LIMIT CAST(?5 AS INTEGER)"
     )

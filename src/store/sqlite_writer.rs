@@ -35,6 +35,7 @@ use super::sqlite::LAST_SEQ;
 use super::stored_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
+use crate::json::to_text;
 use crate::time::TimeText;
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
@@ -652,14 +653,9 @@ fn decide(prepared: &mut Prepared<'_>, decision: &ApprovalDecision) -> Result<()
     }
 }
 
-/// A JSON column's text. Serialized into a byte buffer: `Value`'s `Display` goes through a
-/// formatter, a call per token (a `Value` always serializes).
-fn json(value: &Value) -> String {
-    crate::json::to_text(value)
-}
-
+/// An optional JSON column's text ([`to_text`]: serde_json's bytes).
 fn json_opt(value: &Option<Value>) -> Option<String> {
-    value.as_ref().map(json)
+    value.as_ref().map(to_text)
 }
 
 fn apply(
@@ -712,7 +708,7 @@ fn write_ops<'o>(
                     session.id,
                     session.agent_id,
                     session.owner,
-                    json(&session.metadata),
+                    to_text(&session.metadata),
                     stored_time::text(&session.created_at),
                     stored_time::text(&session.updated_at)
                 ])?;
@@ -728,7 +724,7 @@ fn write_ops<'o>(
                     message.parent_id,
                     message.request_id,
                     message.role,
-                    json(&message.content),
+                    to_text(&message.content),
                     stored_time::text(&message.created_at)
                 ])?;
             }
@@ -746,11 +742,11 @@ fn write_ops<'o>(
                     request.agent_id,
                     request.protocol,
                     row.status.as_str(),
-                    json(&request.input),
+                    to_text(&request.input),
                     row.output,
-                    row.error.map(json),
-                    row.usage.map(json),
-                    json(&request.metadata),
+                    row.error.map(to_text),
+                    row.usage.map(to_text),
+                    to_text(&request.metadata),
                     stored_time::text(&request.created_at),
                     stored_time::text(&row.updated_at),
                     request.owner
@@ -791,8 +787,8 @@ fn write_ops<'o>(
                     run.request_id,
                     run.attempt,
                     row.status.as_str(),
-                    row.state.map(json),
-                    row.error.map(json),
+                    row.state.map(to_text),
+                    row.error.map(to_text),
                     stored_time::text(&run.created_at),
                     stored_time::text(&row.updated_at),
                     row.started_at.as_ref().map(stored_time::text),
@@ -861,7 +857,7 @@ fn write_ops<'o>(
                     approval.agent_id,
                     approval.tool_call_id,
                     approval.tool_id,
-                    json(&approval.arguments),
+                    to_text(&approval.arguments),
                     approval.rule,
                     approval.status.as_str(),
                     approval.reason,
@@ -889,7 +885,7 @@ fn write_ops<'o>(
                     call.model_call_id,
                     call.request_id,
                     call.tool_id,
-                    json(&call.arguments),
+                    to_text(&call.arguments),
                     call.idempotency_key,
                     stored_time::text(&call.recorded_at)
                 ])?;
@@ -912,10 +908,10 @@ fn write_ops<'o>(
                     call.model_call_id,
                     call.request_id,
                     call.tool_id,
-                    json(&call.arguments),
+                    to_text(&call.arguments),
                     call.idempotency_key,
                     call.outcome,
-                    json(&call.result),
+                    to_text(&call.result),
                     call.duration_ms,
                     stored_time::text(&call.recorded_at)
                 ])?;
@@ -994,7 +990,7 @@ impl<'a> EventRow<'a> {
             }
             self.write(prepared)?;
         }
-        self.first = Some((event, number, json(&event.data)));
+        self.first = Some((event, number, to_text(&event.data)));
         self.count = 1;
         Ok(())
     }
