@@ -2,7 +2,7 @@
 """Requests that carry a long conversation, against two or more server builds in turn.
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
-                      [--surface wait|chat|list|view] [--stored 100]
+                      [--surface wait|chat|chat-sse|responses-sse|list|view] [--stored 100]
                       [--database-url postgres://...] [--tools] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
@@ -15,9 +15,12 @@ loopback upstream (this script, speaking Chat Completions: a 7-chunk streamed an
 and the median latency, then the medians over the rounds. With `--surface list` it first
 stores `--stored` such requests (with `wait`, not measured), then times `--requests` reads of
 the admin listing's first page (`GET /admin/requests?limit=50`); with `--surface view`,
-reads of the last stored request's view (`GET /runtime/requests/{id}`). A build may be a wrapper
+reads of the last stored request's view (`GET /runtime/requests/{id}`). With `--surface
+chat-sse` or `responses-sse` the requests stream (`/v1/chat/completions` or `/v1/responses`
+with `stream: true`), and the script also prints the median time to the first token (the
+first line that carries the upstream's first word). A build may be a wrapper
 script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
-forty-fourth passes.
+forty-fourth passes; the streamed surfaces, the forty-fifth.
 
 With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
 per request before it answers: the run then stores its conversation, with the tool's result,
@@ -114,6 +117,8 @@ def cpu_seconds(pid):
 
 
 ADMIN_KEY = "bench-admin-key"
+# The upstream's first word, as a streamed answer carries it.
+FIRST_TOKEN = b"tok0"
 
 
 def fresh_database(admin_url):
@@ -146,13 +151,23 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
 
         def one(method, path, body):
+            """The request's time, its answer, and the time to its first token (streamed)."""
             started = time.perf_counter()
             connection.request(method, path, body, headers)
             response = connection.getresponse()
-            answer = response.read()
+            first = None
+            if response.getheader("Content-Type", "").startswith("text/event-stream"):
+                lines = []
+                for line in response:
+                    if first is None and FIRST_TOKEN in line:
+                        first = time.perf_counter() - started
+                    lines.append(line)
+                answer = b"".join(lines)
+            else:
+                answer = response.read()
             if response.status not in (200, 202):
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
-            return time.perf_counter() - started, answer
+            return time.perf_counter() - started, answer, first
 
         last = None
         for path, body in stored:
@@ -164,9 +179,11 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
         for _ in range(20):
             one(*timed)
         before = cpu_seconds(server.pid)
-        latencies = [one(*timed)[0] for _ in range(requests)]
+        answers = [one(*timed) for _ in range(requests)]
         cpu = (cpu_seconds(server.pid) - before) / requests * 1000
-        return cpu, statistics.median(latencies) * 1000
+        firsts = [answer[2] for answer in answers if answer[2] is not None]
+        first = statistics.median(firsts) * 1000 if firsts else None
+        return cpu, statistics.median(answer[0] for answer in answers) * 1000, first
     finally:
         server.terminate()
         server.wait()
@@ -179,7 +196,8 @@ def main():
     parser.add_argument("--bytes", type=int, default=64000)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--surface", choices=["wait", "chat", "list", "view"], default="wait")
+    parser.add_argument("--surface", choices=["wait", "chat", "chat-sse", "responses-sse", "list", "view"],
+                        default="wait")
     parser.add_argument("--stored", type=int, default=100)
     parser.add_argument("--database-url")
     parser.add_argument("--tools", action="store_true")
@@ -201,9 +219,13 @@ def main():
     kept = ("/runtime/requests", json.dumps({"input": {"messages": messages}}).encode())
     if args.surface == "wait":
         timed = ("POST", *waited)
-    elif args.surface == "chat":
+    elif args.surface in ("chat", "chat-sse"):
         timed = ("POST", "/v1/chat/completions",
-                 json.dumps({"model": "assistant", "messages": messages}).encode())
+                 json.dumps({"model": "assistant", "messages": messages,
+                             "stream": args.surface == "chat-sse"}).encode())
+    elif args.surface == "responses-sse":
+        timed = ("POST", "/v1/responses",
+                 json.dumps({"model": "assistant", "input": messages, "stream": True}).encode())
     else:
         listing = args.surface == "list"
         timed = ("GET", "/admin/requests?limit=50" if listing else "/runtime/requests/{id}", None)
@@ -213,12 +235,15 @@ def main():
     try:
         for number in range(1, args.rounds + 1):
             for binary in args.binaries:
-                cpu, p50 = one_build(binary, root, args.requests, timed, stored, args.database_url)
-                figures[binary].append((cpu, p50))
-                print(f"round {number} {binary}: CPU {cpu:.3f} ms/request, p50 {p50:.3f} ms", flush=True)
+                cpu, p50, first = one_build(binary, root, args.requests, timed, stored, args.database_url)
+                figures[binary].append((cpu, p50, first))
+                print(f"round {number} {binary}: CPU {cpu:.3f} ms/request, p50 {p50:.3f} ms"
+                      + (f", first token {first:.3f} ms" if first is not None else ""), flush=True)
         for binary, rows in figures.items():
+            firsts = [r[2] for r in rows if r[2] is not None]
             print(f"median {binary}: CPU {statistics.median(r[0] for r in rows):.3f} ms/request, "
-                  f"p50 {statistics.median(r[1] for r in rows):.3f} ms")
+                  f"p50 {statistics.median(r[1] for r in rows):.3f} ms"
+                  + (f", first token {statistics.median(firsts):.3f} ms" if firsts else ""))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -130,11 +130,6 @@ impl Shape {
         })
     }
 
-    /// The response object, as a value (a stream's events carry it inside their own).
-    fn body(&self, outcome: &Outcome) -> Value {
-        serde_json::to_value(self.object(outcome)).unwrap_or_default()
-    }
-
     /// The response object, borrowed from the shape and the outcome: a JSON answer writes
     /// it out without building a `Value` tree first.
     fn object<'a>(&'a self, outcome: &'a Outcome) -> ResponseObject<'a> {
@@ -289,13 +284,8 @@ fn request_id_of(response_id: &str) -> Option<String> {
 }
 
 fn message_item(request_id: &str, text: &str, status: &str) -> Value {
-    json!({
-        "type": "message",
-        "id": message_item_id(request_id),
-        "role": "assistant",
-        "status": status,
-        "content": [output_text(text)],
-    })
+    let id = message_item_id(request_id);
+    serde_json::to_value(MessageItem::new(&id, status, &[OutputText::of(text)])).unwrap_or_default()
 }
 
 fn message_item_id(request_id: &str) -> String {
@@ -303,10 +293,6 @@ fn message_item_id(request_id: &str) -> String {
         "msg_{}",
         request_id.strip_prefix("req_").unwrap_or(request_id)
     )
-}
-
-fn output_text(text: &str) -> Value {
-    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
 }
 
 fn function_call_item(call: &ClientCall, arguments: &str, status: &str) -> Value {
@@ -768,41 +754,204 @@ impl Sequence {
         number
     }
 
-    fn event(&mut self, event_type: &str, mut data: Value) -> Result<Event, Infallible> {
-        data["type"] = Value::String(event_type.to_owned());
-        data["sequence_number"] = json!(self.next());
+    /// The event `event_type` with `fields`, numbered: written straight from the fields, with
+    /// no `Value` tree built for the event (docs/profiling.md, the forty-fifth pass).
+    fn event(
+        &mut self,
+        event_type: &'static str,
+        fields: impl Serialize,
+    ) -> Result<Event, Infallible> {
+        let data = Sequenced {
+            fields,
+            sequence_number: self.next(),
+            event_type,
+        };
         Ok(json_event(Event::default().event(event_type), &data))
     }
 
-    /// `response.output_text.delta`, the event a stream sends per delta: serialized from its
-    /// fields, no `Value` built.
+    /// `response.output_text.delta`, the event a stream sends per delta.
     fn text_delta(&mut self, item_id: &str, delta: &str) -> Result<Event, Infallible> {
-        const TYPE: &str = "response.output_text.delta";
-        let data = TextDeltaEvent {
-            content_index: 0,
-            delta,
-            item_id,
-            logprobs: [],
-            output_index: 0,
-            sequence_number: self.next(),
-            event_type: TYPE,
-        };
-        Ok(json_event(Event::default().event(TYPE), &data))
+        self.event(
+            "response.output_text.delta",
+            TextDelta {
+                content_index: 0,
+                delta,
+                item_id,
+                logprobs: [],
+                output_index: 0,
+            },
+        )
+    }
+
+    /// The two events that open a message's text: its item, then its text part, both empty.
+    fn message_opened(&mut self, item_id: &str) -> [Result<Event, Infallible>; 2] {
+        [
+            self.event(
+                "response.output_item.added",
+                OutputItem {
+                    item: MessageItem::new(item_id, "in_progress", &[]),
+                    output_index: 0,
+                },
+            ),
+            self.event("response.content_part.added", TextPart::of(item_id, "")),
+        ]
+    }
+
+    /// The three events that close a message's text, each carrying all of it.
+    fn message_done(&mut self, item_id: &str, text: &str) -> [Result<Event, Infallible>; 3] {
+        [
+            self.event(
+                "response.output_text.done",
+                TextDone {
+                    content_index: 0,
+                    item_id,
+                    logprobs: [],
+                    output_index: 0,
+                    text,
+                },
+            ),
+            self.event("response.content_part.done", TextPart::of(item_id, text)),
+            self.event(
+                "response.output_item.done",
+                OutputItem {
+                    item: MessageItem::new(item_id, "completed", &[OutputText::of(text)]),
+                    output_index: 0,
+                },
+            ),
+        ]
+    }
+
+    /// An event carrying the whole response as it stands (`response.created`,
+    /// `response.completed`, ...).
+    fn response(
+        &mut self,
+        event_type: &'static str,
+        shape: &Shape,
+        outcome: &Outcome,
+    ) -> Result<Event, Infallible> {
+        self.event(
+            event_type,
+            WholeResponse {
+                response: shape.object(outcome),
+            },
+        )
     }
 }
 
-/// The data of `response.output_text.delta`, its fields in the order a `Value`'s map prints
-/// them (as the other events are).
+/// A stream event as written: its own fields, then its number and type. Each event's fields
+/// are a struct borrowing what it shows (a few events with rare shapes pass a `Value`).
 #[derive(Serialize)]
-struct TextDeltaEvent<'a> {
+struct Sequenced<F> {
+    #[serde(flatten)]
+    fields: F,
+    sequence_number: u64,
+    #[serde(rename = "type")]
+    event_type: &'static str,
+}
+
+#[derive(Serialize)]
+struct WholeResponse<'a> {
+    response: ResponseObject<'a>,
+}
+
+#[derive(Serialize)]
+struct TextDelta<'a> {
     content_index: u32,
     delta: &'a str,
     item_id: &'a str,
     logprobs: [(); 0],
     output_index: u32,
-    sequence_number: u64,
+}
+
+#[derive(Serialize)]
+struct TextDone<'a> {
+    content_index: u32,
+    item_id: &'a str,
+    logprobs: [(); 0],
+    output_index: u32,
+    text: &'a str,
+}
+
+/// `response.content_part.added` / `.done`: the message's one text part.
+#[derive(Serialize)]
+struct TextPart<'a> {
+    content_index: u32,
+    item_id: &'a str,
+    output_index: u32,
+    part: Part<'a>,
+}
+
+impl<'a> TextPart<'a> {
+    fn of(item_id: &'a str, text: &'a str) -> Self {
+        Self {
+            content_index: 0,
+            item_id,
+            output_index: 0,
+            part: Part {
+                annotations: [],
+                text,
+                kind: "output_text",
+            },
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Part<'a> {
+    annotations: [(); 0],
+    text: &'a str,
     #[serde(rename = "type")]
-    event_type: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Serialize)]
+struct OutputItem<I> {
+    item: I,
+    output_index: usize,
+}
+
+/// The assistant's message, as an output item.
+#[derive(Serialize)]
+struct MessageItem<'a> {
+    content: &'a [OutputText<'a>],
+    id: &'a str,
+    role: &'static str,
+    status: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+impl<'a> MessageItem<'a> {
+    fn new(id: &'a str, status: &'a str, content: &'a [OutputText<'a>]) -> Self {
+        Self {
+            content,
+            id,
+            role: "assistant",
+            status,
+            kind: "message",
+        }
+    }
+}
+
+/// A message's text, as its content part.
+#[derive(Serialize)]
+struct OutputText<'a> {
+    annotations: [(); 0],
+    logprobs: [(); 0],
+    text: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+impl<'a> OutputText<'a> {
+    fn of(text: &'a str) -> Self {
+        Self {
+            annotations: [],
+            logprobs: [],
+            text,
+            kind: "output_text",
+        }
+    }
 }
 
 async fn stream_response(
@@ -817,8 +966,8 @@ async fn stream_response(
     let body = async_stream::stream! {
         let mut seq = Sequence(0);
         let started = Outcome::in_progress("in_progress");
-        yield seq.event("response.created", json!({ "response": shape.body(&started) }));
-        yield seq.event("response.in_progress", json!({ "response": shape.body(&started) }));
+        yield seq.response("response.created", &shape, &started);
+        yield seq.response("response.in_progress", &shape, &started);
         let item_id = message_item_id(&submitted.request_id);
         let mut text = String::new();
         let mut opened = false;
@@ -840,10 +989,9 @@ async fn stream_response(
             if let Some(delta) = delta_text(&event).filter(|_| !final_only) {
                 if !opened {
                     opened = true;
-                    yield seq.event("response.output_item.added", json!({ "output_index": 0,
-                        "item": { "type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [] } }));
-                    yield seq.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0,
-                        "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
+                    for event in seq.message_opened(&item_id) {
+                        yield event;
+                    }
                 }
                 text.push_str(delta);
                 yield seq.text_delta(&item_id, delta);
@@ -865,20 +1013,16 @@ async fn stream_response(
                 // Output that came without deltas: opened and filled at once.
                 opened = true;
                 text = final_text.to_owned();
-                yield seq.event("response.output_item.added", json!({ "output_index": 0,
-                    "item": { "type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": [] } }));
-                yield seq.event("response.content_part.added", json!({ "item_id": item_id, "output_index": 0,
-                    "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }));
+                for event in seq.message_opened(&item_id) {
+                    yield event;
+                }
                 yield seq.text_delta(&item_id, &text);
             }
             let mut output_index = 0;
             if opened {
-                yield seq.event("response.output_text.done", json!({ "item_id": item_id, "output_index": 0,
-                    "content_index": 0, "text": text, "logprobs": [] }));
-                yield seq.event("response.content_part.done", json!({ "item_id": item_id, "output_index": 0,
-                    "content_index": 0, "part": { "type": "output_text", "text": text, "annotations": [] } }));
-                yield seq.event("response.output_item.done", json!({ "output_index": 0,
-                    "item": message_item(&submitted.request_id, &text, "completed") }));
+                for event in seq.message_done(&item_id, &text) {
+                    yield event;
+                }
                 output_index = 1;
             }
             for call in client_calls(&event.data) {
@@ -894,7 +1038,7 @@ async fn stream_response(
                 output_index += 1;
             }
             let terminal = if outcome.status == "incomplete" { "response.incomplete" } else { "response.completed" };
-            yield seq.event(terminal, json!({ "response": shape.body(&outcome) }));
+            yield seq.response(terminal, &shape, &outcome);
             return;
         }
     };
@@ -911,10 +1055,7 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event,
             "error",
             json!({ "code": error.code.as_str(), "message": error.message, "param": error.param }),
         ),
-        seq.event(
-            "response.failed",
-            json!({ "response": shape.body(&outcome) }),
-        ),
+        seq.response("response.failed", shape, &outcome),
     ]
 }
 
@@ -922,24 +1063,99 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event,
 mod tests {
     use super::*;
 
-    /// The typed delta prints exactly what the `Value` it replaced printed.
-    #[test]
-    fn a_text_delta_prints_the_bytes_its_value_printed() {
-        let typed = TextDeltaEvent {
-            content_index: 0,
-            delta: "hé \"x\"\n",
-            item_id: "msg_1",
-            logprobs: [],
-            output_index: 0,
-            sequence_number: 7,
-            event_type: "response.output_text.delta",
+    /// The `data:` lines of a stream made of `events`, parsed.
+    async fn printed(events: Vec<Result<Event, Infallible>>) -> Vec<Value> {
+        let body = Sse::new(futures::stream::iter(events))
+            .into_response()
+            .into_body();
+        let bytes = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .expect("the stream's body is read");
+        String::from_utf8(bytes.to_vec())
+            .expect("the stream is text")
+            .lines()
+            .filter_map(|line| line.strip_prefix("data: "))
+            .map(|data| serde_json::from_str(data).expect("each event's data is JSON"))
+            .collect()
+    }
+
+    /// Each event written from its fields is the JSON the `Value` it replaced was (those
+    /// `Value`s are written out below as the stream built them before), numbered in turn.
+    #[tokio::test]
+    async fn each_event_is_the_json_its_value_was() {
+        let shape = Shape {
+            id: "resp_1".into(),
+            created_at: 1_764_547_200,
+            model: "coder".into(),
+            instructions: Some("Be brief.".into()),
+            metadata: json!({ "team": "a" }),
+            tools: json!([{ "type": "function", "name": "f" }]),
+            tool_choice: json!("auto"),
+            parallel_tool_calls: json!(true),
+            previous_response_id: Some("resp_0".into()),
+            store: true,
         };
-        let value = json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
-                            "delta": "hé \"x\"\n", "logprobs": [],
-                            "type": "response.output_text.delta", "sequence_number": 7 });
-        assert_eq!(
-            serde_json::to_string(&typed).expect("a delta serializes"),
-            value.to_string()
+        let started = Outcome::in_progress("in_progress");
+        let mut ended = Outcome::in_progress("completed");
+        let text = "hé \"x\"\n";
+        ended.output = vec![message_item("req_1", text, "completed")];
+        let mut seq = Sequence(0);
+        let mut events = vec![seq.response("response.created", &shape, &started)];
+        events.extend(seq.message_opened("msg_1"));
+        events.push(seq.text_delta("msg_1", text));
+        events.extend(seq.message_done("msg_1", text));
+        events.push(seq.event(
+            "response.function_call_arguments.delta",
+            json!({ "item_id": "fc_1", "output_index": 1, "delta": "{}" }),
+        ));
+        events.push(seq.response("response.completed", &shape, &ended));
+
+        let item = |status: &str, content: Value| {
+            json!({ "type": "message", "id": "msg_1", "role": "assistant", "status": status,
+                    "content": content })
+        };
+        let done_item = item(
+            "completed",
+            json!([{ "type": "output_text", "text": text, "annotations": [], "logprobs": [] }]),
         );
+        assert_eq!(ended.output[0], done_item);
+        let response = |outcome: &Outcome| serde_json::to_value(shape.object(outcome)).unwrap();
+        let expected = [
+            json!({ "response": response(&started) }),
+            json!({ "output_index": 0, "item": item("in_progress", json!([])) }),
+            json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                    "part": { "type": "output_text", "text": "", "annotations": [] } }),
+            json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                    "delta": text, "logprobs": [] }),
+            json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0, "text": text,
+                    "logprobs": [] }),
+            json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                    "part": { "type": "output_text", "text": text, "annotations": [] } }),
+            json!({ "output_index": 0, "item": done_item }),
+            json!({ "item_id": "fc_1", "output_index": 1, "delta": "{}" }),
+            json!({ "response": response(&ended) }),
+        ];
+        let types = [
+            "response.created",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.function_call_arguments.delta",
+            "response.completed",
+        ];
+        let expected: Vec<Value> = expected
+            .into_iter()
+            .zip(types)
+            .enumerate()
+            .map(|(number, (mut fields, kind))| {
+                fields["type"] = json!(kind);
+                fields["sequence_number"] = json!(number);
+                fields
+            })
+            .collect();
+        assert_eq!(printed(events).await, expected);
     }
 }
