@@ -2,7 +2,7 @@
 """Requests that carry a long conversation, against two or more server builds in turn.
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
-                      [--surface wait|chat|chat-sse|responses-sse|list|view] [--stored 100]
+                      [--surface wait|chat|chat-sse|responses|responses-sse|list|view] [--stored 100]
                       [--database-url postgres://...] [--tools] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
@@ -16,7 +16,7 @@ and the median latency, then the medians over the rounds. With `--surface list` 
 stores `--stored` such requests (with `wait`, not measured), then times `--requests` reads of
 the admin listing's first page (`GET /admin/requests?limit=50`); with `--surface view`,
 reads of the last stored request's view (`GET /runtime/requests/{id}`). With `--surface
-chat-sse` or `responses-sse` the requests stream (`/v1/chat/completions` or `/v1/responses`
+responses` they go to `/v1/responses`. With `chat-sse` or `responses-sse` they stream (`/v1/chat/completions` or `/v1/responses`
 with `stream: true`), and the script also prints the median time to the first token (the
 first line that carries the upstream's first word). A build may be a wrapper
 script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
@@ -196,7 +196,7 @@ def main():
     parser.add_argument("--bytes", type=int, default=64000)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--surface", choices=["wait", "chat", "chat-sse", "responses-sse", "list", "view"],
+    parser.add_argument("--surface", choices=["wait", "chat", "chat-sse", "responses", "responses-sse", "list", "view"],
                         default="wait")
     parser.add_argument("--stored", type=int, default=100)
     parser.add_argument("--database-url")
@@ -223,9 +223,10 @@ def main():
         timed = ("POST", "/v1/chat/completions",
                  json.dumps({"model": "assistant", "messages": messages,
                              "stream": args.surface == "chat-sse"}).encode())
-    elif args.surface == "responses-sse":
+    elif args.surface in ("responses", "responses-sse"):
         timed = ("POST", "/v1/responses",
-                 json.dumps({"model": "assistant", "input": messages, "stream": True}).encode())
+                 json.dumps({"model": "assistant", "input": messages,
+                             "stream": args.surface == "responses-sse"}).encode())
     else:
         listing = args.surface == "list"
         timed = ("GET", "/admin/requests?limit=50" if listing else "/runtime/requests/{id}", None)
