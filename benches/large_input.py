@@ -3,12 +3,14 @@
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
                       [--surface wait|chat|chat-sse|responses|responses-sse|list|view] [--stored 100]
-                      [--database-url postgres://...] [--tools] BINARY [BINARY...]
+                      [--database-url postgres://...] [--tools] [--parked] [--chunks 7]
+                      BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
 shows there. Each round starts each build in turn on a fresh embedded store, with a
-loopback upstream (this script, speaking Chat Completions: a 7-chunk streamed answer), sends
+loopback upstream (this script, speaking Chat Completions: a streamed answer of `--chunks`
+words, 7 by default, sent at once), sends
 20 requests to warm it, then `--requests` more one at a time, each with a conversation of
 `--bytes` bytes in 1,000-byte turns, to `/runtime/requests` with `wait` or to
 `/v1/chat/completions`; it prints the server's CPU (user and system, from `/proc`) per request
@@ -49,6 +51,8 @@ import time
 
 class Upstream(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Words in an answer (`--chunks`), each a chunk of the stream.
+    chunks = 7
     disable_nagle_algorithm = True
 
     def log_message(self, *args):
@@ -65,10 +69,11 @@ class Upstream(http.server.BaseHTTPRequestHandler):
                       {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
         else:
             chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-            chunks += [{"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} for i in range(7)]
+            chunks += [{"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} for i in range(self.chunks)]
             chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         chunks += [
-            {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}},
+            {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": self.chunks,
+                                         "total_tokens": 10 + self.chunks}},
         ]
         body = b"".join(
             b"data: "
@@ -202,9 +207,11 @@ def main():
     parser.add_argument("--database-url")
     parser.add_argument("--tools", action="store_true")
     parser.add_argument("--parked", action="store_true")
+    parser.add_argument("--chunks", type=int, default=7)
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
+    Upstream.chunks = args.chunks
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", args.tools, args.parked)

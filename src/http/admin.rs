@@ -3,8 +3,8 @@
 //! the policy to explain a decision; look after the store (sizes and maintenance passes,
 //! pruning, online backup). The workspace and health views are in `inspect`.
 
+use axum::Extension;
 use axum::extract::State;
-use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -13,7 +13,7 @@ use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::runtime_api::{cancelled, events_response, id_param};
 use super::views::{
-    EventPage, EventsQuery, RequestList, RequestView, RunView, SessionList, SessionSummary,
+    EventPage, EventsQuery, Json, RequestList, RequestView, RunView, SessionList, SessionSummary,
     SessionView, request_view, request_views, session_view, store_error,
 };
 use crate::error::{ApiError, ErrorCode};

@@ -4,7 +4,6 @@
 //! approval. Both are authorized by the run's callback token alone — not a client key: it opens
 //! these two routes for its own run and nothing else, and dies with the run.
 
-use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::AppState;
 use super::auth::bearer_token;
 use super::extract::{ApiJson, ApiPath};
-use super::views::store_error;
+use super::views::{Json, store_error};
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::callbacks::CallbackCall;
 use crate::gateway::{Outcome, ToolResult};

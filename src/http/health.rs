@@ -1,12 +1,12 @@
 //! `GET /healthz` (the process answers) and `GET /readyz` (the store answers and accepts
 //! writes: while it cannot write — a full disk, I/O errors — readiness is red).
 
-use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
 use super::AppState;
+use super::views::Json;
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "The process is alive")))]
 pub async fn healthz() -> Json<Value> {

@@ -6,7 +6,6 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use axum::Json;
 use axum::extract::State;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -14,6 +13,7 @@ use serde_json::Value;
 
 use super::AppState;
 use super::extract::ApiPath;
+use super::views::Json;
 use crate::adapters::{ModelProbe, probe};
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{TRACE_CATEGORIES, category};

@@ -2,17 +2,18 @@
 //! namespace, status and owner; read, approve, reject and delete one; and the maintenance
 //! passes `compact`, `export` (JSON Lines, streamed) and `import`.
 
+use axum::Extension;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 
 use super::AppState;
 use super::admin::{cursor, page_limit, status_filter};
 use super::auth::Operator;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
+use super::views::Json;
 use crate::error::{ApiError, ErrorCode};
 use crate::memory::{check_namespace, search_words, transfer};
 use crate::runtime::{ImportReport, MemoryAdminError};

@@ -1,9 +1,10 @@
 //! The OpenAPI document, generated from the handlers' annotations (`GET /openapi.json`,
 //! `stable-harness openapi`, committed as `openapi/openapi.json` and checked by a test).
 
-use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
+
+use super::views::Json;
 
 #[derive(Debug, OpenApi)]
 #[openapi(

@@ -13,11 +13,11 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
@@ -30,7 +30,7 @@ use super::v1::{
     hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
     terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
-use super::views::{json_event, run_failure, store_error};
+use super::views::{Json, json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};

@@ -7,11 +7,11 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -21,7 +21,7 @@ use super::auth::Caller;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::messages::validate_messages;
 use super::views::{
-    EventPage, EventsQuery, RequestView, SessionView, json_event, request_view, session_view,
+    EventPage, EventsQuery, Json, RequestView, SessionView, json_event, request_view, session_view,
     store_error,
 };
 use crate::error::{ApiError, ErrorCode};

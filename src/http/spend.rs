@@ -3,13 +3,13 @@
 //! limit, reset). Estimates are marked: `estimatedCalls` counts the calls whose upstream
 //! reported no usage.
 
-use axum::Json;
 use axum::extract::State;
 use serde::{Deserialize, Serialize};
 
 use super::AppState;
 use super::admin::instant;
 use super::extract::ApiQuery;
+use super::views::Json;
 use crate::error::{ApiError, ErrorCode};
 use crate::spend::BudgetState;
 use crate::store::spend::{UsageFilter, UsageGroupBy, UsageTotals};

@@ -5,11 +5,11 @@
 
 use std::convert::Infallible;
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
@@ -17,7 +17,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::views::{json_event, run_failure, store_error};
+use super::views::{Json, json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::client::{self, ClientFunction};
