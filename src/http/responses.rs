@@ -836,6 +836,33 @@ impl Sequence {
             },
         )
     }
+
+    /// `response.created` and `response.in_progress`, the events before any output: the
+    /// same response object (in progress, no output yet) in both, written once. They come
+    /// before the first token, and the object carries every tool the client declared.
+    fn started(&mut self, shape: &Shape) -> [Result<Event, Infallible>; 2] {
+        let started = Outcome::in_progress("in_progress");
+        match serde_json::value::to_raw_value(&shape.object(&started)) {
+            Ok(response) => [
+                self.event(
+                    "response.created",
+                    WholeResponse {
+                        response: &*response,
+                    },
+                ),
+                self.event(
+                    "response.in_progress",
+                    WholeResponse {
+                        response: &*response,
+                    },
+                ),
+            ],
+            Err(_) => [
+                self.response("response.created", shape, &started),
+                self.response("response.in_progress", shape, &started),
+            ],
+        }
+    }
 }
 
 /// A stream event as written: its own fields, then its number and type. Each event's fields
@@ -850,8 +877,8 @@ struct Sequenced<F> {
 }
 
 #[derive(Serialize)]
-struct WholeResponse<'a> {
-    response: ResponseObject<'a>,
+struct WholeResponse<R> {
+    response: R,
 }
 
 #[derive(Serialize)]
@@ -965,9 +992,9 @@ async fn stream_response(
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
         let mut seq = Sequence(0);
-        let started = Outcome::in_progress("in_progress");
-        yield seq.response("response.created", &shape, &started);
-        yield seq.response("response.in_progress", &shape, &started);
+        for event in seq.started(&shape) {
+            yield event;
+        }
         let item_id = message_item_id(&submitted.request_id);
         let mut text = String::new();
         let mut opened = false;
@@ -1100,7 +1127,7 @@ mod tests {
         let text = "hé \"x\"\n";
         ended.output = vec![message_item("req_1", text, "completed")];
         let mut seq = Sequence(0);
-        let mut events = vec![seq.response("response.created", &shape, &started)];
+        let mut events = Vec::from(seq.started(&shape));
         events.extend(seq.message_opened("msg_1"));
         events.push(seq.text_delta("msg_1", text));
         events.extend(seq.message_done("msg_1", text));
@@ -1122,6 +1149,7 @@ mod tests {
         let response = |outcome: &Outcome| serde_json::to_value(shape.object(outcome)).unwrap();
         let expected = [
             json!({ "response": response(&started) }),
+            json!({ "response": response(&started) }),
             json!({ "output_index": 0, "item": item("in_progress", json!([])) }),
             json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
                     "part": { "type": "output_text", "text": "", "annotations": [] } }),
@@ -1137,6 +1165,7 @@ mod tests {
         ];
         let types = [
             "response.created",
+            "response.in_progress",
             "response.output_item.added",
             "response.content_part.added",
             "response.output_text.delta",
