@@ -2,27 +2,27 @@
 """Requests that carry a long conversation, against two or more server builds in turn.
 
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
-                      [--surface wait|chat|chat-sse|responses|responses-sse|list|view] [--stored 100]
-                      [--database-url postgres://...] [--tools] [--parked] [--chunks 7]
-                      BINARY [BINARY...]
+                      [--surface wait|chat|chat-sse|responses|responses-sse|list|view]
+                      [--stored 100] [--database-url postgres://...] [--tools] [--parked]
+                      [--chunks 7] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
 shows there. Each round starts each build in turn on a fresh embedded store, with a
 loopback upstream (this script, speaking Chat Completions: a streamed answer of `--chunks`
-words, 7 by default, sent at once), sends
-20 requests to warm it, then `--requests` more one at a time, each with a conversation of
-`--bytes` bytes in 1,000-byte turns, to `/runtime/requests` with `wait` or to
-`/v1/chat/completions`; it prints the server's CPU (user and system, from `/proc`) per request
-and the median latency, then the medians over the rounds. With `--surface list` it first
-stores `--stored` such requests (with `wait`, not measured), then times `--requests` reads of
-the admin listing's first page (`GET /admin/requests?limit=50`); with `--surface view`,
-reads of the last stored request's view (`GET /runtime/requests/{id}`). With `--surface
-responses` they go to `/v1/responses`. With `chat-sse` or `responses-sse` they stream (`/v1/chat/completions` or `/v1/responses`
-with `stream: true`), and the script also prints the median time to the first token (the
-first line that carries the upstream's first word). A build may be a wrapper
-script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the forty-third and
-forty-fourth passes; the streamed surfaces, the forty-fifth.
+words, 7 by default, sent at once), sends 20 requests to warm it, then `--requests` more one
+at a time, each with a conversation of `--bytes` bytes in 1,000-byte turns, to
+`/runtime/requests` with `wait` or to `/v1/chat/completions`; it prints the server's CPU
+(user and system, from `/proc`) per request and the median latency, then the medians over
+the rounds. With `--surface list` it first stores `--stored` such requests (with `wait`, not
+measured), then times `--requests` reads of the admin listing's first page (`GET
+/admin/requests?limit=50`); with `--surface view`, reads of the last stored request's view
+(`GET /runtime/requests/{id}`). With `--surface responses` the requests go to
+`/v1/responses`; with `chat-sse` or `responses-sse` they stream (`/v1/chat/completions` or
+`/v1/responses` with `stream: true`), and the script also prints the median time to the
+first token (the first line that carries the upstream's first word). A build may be a
+wrapper script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the
+forty-third and forty-fourth passes; the other surfaces and `--chunks`, the forty-fifth.
 
 With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
 per request before it answers: the run then stores its conversation, with the tool's result,
