@@ -857,6 +857,7 @@ impl Sequence {
                     },
                 ),
             ],
+            // What does not serialize here fails in each event, which then says so.
             Err(_) => [
                 self.response("response.created", shape, &started),
                 self.response("response.in_progress", shape, &started),
