@@ -182,9 +182,9 @@ async fn prune_batches(
 /// Appends one JSON line per session (its messages and its requests, each with runs, events,
 /// tool calls and approvals), one session at a time, synced to disk before the sessions are
 /// deleted. At least once: a session continued between listing and deleting stays in the
-/// store and may be archived again by a later pass. The lines go through a buffer: written
-/// straight to the file, each piece serde_json writes was a system call of its own, ~1.4 ms
-/// of CPU a session (docs/profiling.md, the forty-fifth pass).
+/// store and may be archived again by a later pass. Each line is written whole, and through
+/// a buffer: written to the file as serde_json made it, each piece was a system call of its
+/// own, ~1.4 ms of CPU a session (docs/profiling.md, the forty-fifth pass).
 async fn write_archive(
     store: &dyn Store,
     sessions: &[String],
@@ -204,12 +204,12 @@ async fn write_archive(
             .open(file)
             .map_err(archive_error)?,
     );
+    let mut line = String::new();
     for id in sessions {
-        let line = archived_session(store, id).await?;
-        serde_json::to_writer(&mut out, &line)
-            .map_err(std::io::Error::from)
-            .and_then(|()| out.write_all(b"\n"))
-            .map_err(archive_error)?;
+        line.clear();
+        crate::json::write(&mut line, &archived_session(store, id).await?);
+        line.push('\n');
+        out.write_all(line.as_bytes()).map_err(archive_error)?;
     }
     let out = out
         .into_inner()
