@@ -171,8 +171,8 @@ struct ResponseObject<'a> {
     created_at: i64,
     status: &'static str,
     model: &'a str,
-    output: &'a [Value],
-    usage: &'a Value,
+    output: &'a [OutputEntry],
+    usage: &'a Option<ResponseUsage>,
     error: &'a Value,
     incomplete_details: &'a Value,
     instructions: Option<&'a str>,
@@ -202,13 +202,57 @@ struct TextFormat {
     kind: &'static str,
 }
 
-/// What a run made of a response.
+/// What a run made of a response, typed: a JSON answer and the stream's last event write it
+/// out with no `Value` tree built for its output (docs/profiling.md, the forty-sixth pass).
 struct Outcome {
     status: &'static str,
-    output: Vec<Value>,
-    usage: Value,
+    output: Vec<OutputEntry>,
+    /// `null` until the run ends.
+    usage: Option<ResponseUsage>,
     error: Value,
     incomplete: Value,
+}
+
+/// One item of a finished run's output.
+#[derive(Debug)]
+enum OutputEntry {
+    /// The assistant's text, as the message `id`.
+    Message { id: String, text: String },
+    /// A call of a function the client declared, handed to the client.
+    FunctionCall(ClientCall),
+}
+
+impl Serialize for OutputEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Message { id, text } => {
+                MessageItem::new(id, "completed", &[OutputText::of(text)]).serialize(serializer)
+            }
+            Self::FunctionCall(call) => {
+                FunctionCallItem::of(call, &call.arguments, "completed").serialize(serializer)
+            }
+        }
+    }
+}
+
+/// A response's `usage`: always all five fields.
+#[derive(Debug, Serialize)]
+struct ResponseUsage {
+    input_tokens: u64,
+    input_tokens_details: CachedTokens,
+    output_tokens: u64,
+    output_tokens_details: ReasoningTokens,
+    total_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct CachedTokens {
+    cached_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct ReasoningTokens {
+    reasoning_tokens: u64,
 }
 
 impl Outcome {
@@ -216,7 +260,7 @@ impl Outcome {
         Self {
             status,
             output: Vec::new(),
-            usage: Value::Null,
+            usage: None,
             error: Value::Null,
             incomplete: Value::Null,
         }
@@ -246,18 +290,21 @@ impl Outcome {
         let text = data.get("output").and_then(Value::as_str).unwrap_or("");
         let mut output = Vec::new();
         if !text.is_empty() {
-            output.push(message_item(request_id, text, "completed"));
+            output.push(OutputEntry::Message {
+                id: message_item_id(request_id),
+                text: text.to_owned(),
+            });
         }
         output.extend(
             client_calls(data)
-                .iter()
-                .map(|call| function_call_item(call, &call.arguments, "completed")),
+                .into_iter()
+                .map(OutputEntry::FunctionCall),
         );
         let truncated = finish_reason(data) == "length";
         Self {
             status: if truncated { "incomplete" } else { "completed" },
             output,
-            usage: usage(data.get("usage")),
+            usage: Some(usage(data.get("usage"))),
             error: Value::Null,
             incomplete: if truncated {
                 json!({ "reason": "max_output_tokens" })
@@ -283,11 +330,6 @@ fn request_id_of(response_id: &str) -> Option<String> {
         .map(|rest| format!("req_{rest}"))
 }
 
-fn message_item(request_id: &str, text: &str, status: &str) -> Value {
-    let id = message_item_id(request_id);
-    serde_json::to_value(MessageItem::new(&id, status, &[OutputText::of(text)])).unwrap_or_default()
-}
-
 fn message_item_id(request_id: &str) -> String {
     format!(
         "msg_{}",
@@ -295,19 +337,33 @@ fn message_item_id(request_id: &str) -> String {
     )
 }
 
-fn function_call_item(call: &ClientCall, arguments: &str, status: &str) -> Value {
-    json!({
-        "type": "function_call",
-        "id": format!("fc_{}", call.id.strip_prefix("call_").unwrap_or(&call.id)),
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": arguments,
-        "status": status,
-    })
+/// A client's function call, as an output item.
+#[derive(Serialize)]
+struct FunctionCallItem<'a> {
+    arguments: &'a str,
+    call_id: &'a str,
+    id: String,
+    name: &'a str,
+    status: &'static str,
+    #[serde(rename = "type")]
+    kind: &'static str,
 }
 
-/// The run's usage in the Responses shape: always all five fields.
-fn usage(usage: Option<&Value>) -> Value {
+impl<'a> FunctionCallItem<'a> {
+    fn of(call: &'a ClientCall, arguments: &'a str, status: &'static str) -> Self {
+        Self {
+            arguments,
+            call_id: &call.id,
+            id: format!("fc_{}", call.id.strip_prefix("call_").unwrap_or(&call.id)),
+            name: &call.name,
+            status,
+            kind: "function_call",
+        }
+    }
+}
+
+/// The run's usage (a Chat Completions `usage`) in the Responses shape.
+fn usage(usage: Option<&Value>) -> ResponseUsage {
     let count = |key: &str| {
         usage
             .and_then(|u| u.get(key))
@@ -315,13 +371,15 @@ fn usage(usage: Option<&Value>) -> Value {
             .unwrap_or(0)
     };
     let (input, output) = (count("prompt_tokens"), count("completion_tokens"));
-    json!({
-        "input_tokens": input,
-        "input_tokens_details": { "cached_tokens": 0 },
-        "output_tokens": output,
-        "output_tokens_details": { "reasoning_tokens": 0 },
-        "total_tokens": count("total_tokens").max(input.saturating_add(output)),
-    })
+    ResponseUsage {
+        input_tokens: input,
+        input_tokens_details: CachedTokens { cached_tokens: 0 },
+        output_tokens: output,
+        output_tokens_details: ReasoningTokens {
+            reasoning_tokens: 0,
+        },
+        total_tokens: count("total_tokens").max(input.saturating_add(output)),
+    }
 }
 
 /// The text of a content that is a string or a list of parts.
@@ -1054,15 +1112,15 @@ async fn stream_response(
                 output_index = 1;
             }
             for call in client_calls(&event.data) {
-                let added = function_call_item(&call, "", "in_progress");
-                let fc_id = added["id"].clone();
-                yield seq.event("response.output_item.added", json!({ "output_index": output_index, "item": added }));
+                let added = FunctionCallItem::of(&call, "", "in_progress");
+                let fc_id = added.id.clone();
+                yield seq.event("response.output_item.added", OutputItem { item: added, output_index });
                 yield seq.event("response.function_call_arguments.delta", json!({ "item_id": fc_id,
                     "output_index": output_index, "delta": call.arguments }));
                 yield seq.event("response.function_call_arguments.done", json!({ "item_id": fc_id,
                     "output_index": output_index, "name": call.name, "arguments": call.arguments }));
-                yield seq.event("response.output_item.done", json!({ "output_index": output_index,
-                    "item": function_call_item(&call, &call.arguments, "completed") }));
+                yield seq.event("response.output_item.done", OutputItem {
+                    item: FunctionCallItem::of(&call, &call.arguments, "completed"), output_index });
                 output_index += 1;
             }
             let terminal = if outcome.status == "incomplete" { "response.incomplete" } else { "response.completed" };
@@ -1126,7 +1184,10 @@ mod tests {
         let started = Outcome::in_progress("in_progress");
         let mut ended = Outcome::in_progress("completed");
         let text = "hé \"x\"\n";
-        ended.output = vec![message_item("req_1", text, "completed")];
+        ended.output = vec![OutputEntry::Message {
+            id: "msg_1".into(),
+            text: text.into(),
+        }];
         let mut seq = Sequence(0);
         let mut events = Vec::from(seq.started(&shape));
         events.extend(seq.message_opened("msg_1"));
@@ -1146,7 +1207,34 @@ mod tests {
             "completed",
             json!([{ "type": "output_text", "text": text, "annotations": [], "logprobs": [] }]),
         );
-        assert_eq!(ended.output[0], done_item);
+        assert_eq!(serde_json::to_value(&ended.output[0]).unwrap(), done_item);
+        // A client's call and the usage, as the `Value`s written before them.
+        let call = ClientCall {
+            id: "call_7".into(),
+            name: "lookup".into(),
+            arguments: "{\"q\":1}".into(),
+        };
+        let mut typed = Outcome::in_progress("completed");
+        typed.output = vec![OutputEntry::FunctionCall(call)];
+        typed.usage = Some(usage(Some(
+            &json!({ "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 4 }),
+        )));
+        let typed = serde_json::to_value(shape.object(&typed)).unwrap();
+        assert_eq!(
+            typed["output"],
+            json!([{ "type": "function_call", "id": "fc_7", "call_id": "call_7",
+                     "name": "lookup", "arguments": "{\"q\":1}", "status": "completed" }])
+        );
+        assert_eq!(
+            typed["usage"],
+            json!({ "input_tokens": 3, "input_tokens_details": { "cached_tokens": 0 },
+                    "output_tokens": 2, "output_tokens_details": { "reasoning_tokens": 0 },
+                    "total_tokens": 5 })
+        );
+        assert_eq!(
+            serde_json::to_value(shape.object(&started)).unwrap()["usage"],
+            Value::Null
+        );
         let response = |outcome: &Outcome| serde_json::to_value(shape.object(outcome)).unwrap();
         let expected = [
             json!({ "response": response(&started) }),
