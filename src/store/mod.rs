@@ -434,6 +434,12 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     ) -> Result<Vec<String>, StoreError>;
     /// What the sessions own, counted (a dry run's report).
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError>;
+    /// How many requests each of the sessions holds, in the order given (an archive reads
+    /// sessions in groups of a bounded number of requests).
+    async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError>;
+    /// Every row an archive keeps of the sessions (a prune's export), each table read in one
+    /// statement for all of them, from one snapshot.
+    async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError>;
     /// Deletes those of the sessions `filter` still lets go — judged again in the deleting
     /// transaction, so a session continued meanwhile stays — with every request, run, event,
     /// tool call, approval, artifact and message they own, in one transaction.
@@ -566,6 +572,46 @@ pub(crate) fn owned_by_sessions(in_sessions: &str) -> [(&'static str, String); 8
         ),
         ("sessions", format!("sessions WHERE id {in_sessions}")),
     ]
+}
+
+/// The statements that read an archive's rows ([`Store::archive_rows`]) but its events (read
+/// with their request's session and agent, as every read of events is): sessions, messages,
+/// requests, runs, tool calls and approvals, each every column of what [`owned_by_sessions`]
+/// names, in the order its archive line keeps.
+pub(crate) fn archive_selects(in_sessions: &str) -> [String; 6] {
+    let [
+        _,
+        tool_calls,
+        approvals,
+        _,
+        runs,
+        messages,
+        requests,
+        sessions,
+    ] = owned_by_sessions(in_sessions);
+    [
+        (sessions, "id"),
+        (messages, "created_at, id"),
+        (requests, "id DESC"),
+        (runs, "request_id, attempt"),
+        (tool_calls, "run_id, call_key"),
+        (approvals, "run_id, id"),
+    ]
+    .map(|((_, rows), order)| format!("SELECT * FROM {rows} ORDER BY {order}"))
+}
+
+/// The requests per session (`counted`: a session's id and its count, sessions without
+/// requests left out) in the order of `sessions`.
+pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) -> Vec<u64> {
+    let counted: std::collections::HashMap<String, i64> = counted.into_iter().collect();
+    sessions
+        .iter()
+        .map(|id| {
+            counted
+                .get(id)
+                .map_or(0, |&n| u64::try_from(n).unwrap_or(0))
+        })
+        .collect()
 }
 
 /// Readies the path of a new backup: an error when it exists (a backup never overwrites);

@@ -432,6 +432,25 @@ pub struct PruneFilter {
     pub min_keep: u64,
 }
 
+/// What a prune archives of a group of sessions, each table read once for the whole group
+/// (`Store::archive_rows`); the retention pass sorts the rows into one line per session.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ArchiveRows {
+    pub sessions: Vec<SessionRecord>,
+    /// In the order a session's messages are read (`created_at`, then id).
+    pub messages: Vec<MessageRecord>,
+    /// With their input; newest first (id descending), as the admin listing pages them.
+    pub requests: Vec<RequestRecord>,
+    /// With their state; by attempt.
+    pub runs: Vec<RunRecord>,
+    /// By number.
+    pub events: Vec<EventRecord>,
+    /// By call key (the turn and position of the call in its run).
+    pub tool_calls: Vec<ToolCallRecord>,
+    /// By id.
+    pub approvals: Vec<ApprovalRecord>,
+}
+
 /// Rows removed (or that a dry run would remove), by table.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

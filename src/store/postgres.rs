@@ -48,10 +48,10 @@ use super::postgres_spend::{
 };
 use super::stored_time;
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
-    MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter, RequestFilter,
-    RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord,
-    Store, StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
+    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter,
+    RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter,
+    SessionRecord, Store, StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
 };
 use crate::ids::IdMap;
 use crate::time::TimeText;
@@ -1779,6 +1779,83 @@ impl Store for PostgresStore {
             *count = n.max(0) as u64;
         }
         Ok(PruneCounts::from_owned(counts))
+    }
+
+    async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError> {
+        let counted: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT session_id, COUNT(*) FROM requests WHERE session_id = ANY($1)
+             GROUP BY session_id",
+        )
+        .bind(sessions)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(super::counts_in_order(sessions, counted))
+    }
+
+    async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError> {
+        let [
+            of_sessions,
+            of_messages,
+            of_requests,
+            of_runs,
+            of_tool_calls,
+            of_approvals,
+        ] = super::archive_selects(IN_SESSIONS);
+        let of_events =
+            format!("{EVENT_SELECT} WHERE r.session_id = ANY($1) ORDER BY e.request_id, e.seq");
+        // One snapshot for every table, as the embedded store's read transaction gives.
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let mut select = async |sql: &str| {
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .bind(sessions)
+                .fetch_all(&mut *tx)
+                .await
+        };
+        let rows = ArchiveRows {
+            sessions: select(&of_sessions)
+                .await?
+                .iter()
+                .map(session_from_row)
+                .collect::<Result<_, _>>()?,
+            messages: select(&of_messages)
+                .await?
+                .iter()
+                .map(message_from_row)
+                .collect::<Result<_, _>>()?,
+            requests: select(&of_requests)
+                .await?
+                .iter()
+                .map(request_from_row)
+                .collect::<Result<_, _>>()?,
+            runs: select(&of_runs)
+                .await?
+                .iter()
+                .map(run_from_row)
+                .collect::<Result<_, _>>()?,
+            events: select(&of_events)
+                .await?
+                .iter()
+                .map(events_from_row)
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .flatten()
+                .collect(),
+            tool_calls: select(&of_tool_calls)
+                .await?
+                .iter()
+                .map(tool_call_from_row)
+                .collect::<Result<_, _>>()?,
+            approvals: select(&of_approvals)
+                .await?
+                .iter()
+                .map(approval_from_row)
+                .collect::<Result<_, _>>()?,
+        };
+        tx.commit().await?;
+        Ok(rows)
     }
 
     async fn delete_sessions(

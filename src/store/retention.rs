@@ -8,7 +8,7 @@
 //! `minKeep` ended requests. Each batch is one short transaction on the writer, between the
 //! runtime's own writes, so the write path never stalls behind a pass.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -18,8 +18,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{
-    MaintenanceRecord, PageRequest, PruneCounts, PruneFilter, RequestFilter, RequestInput, Store,
-    StoreError,
+    ApprovalRecord, ArchiveRows, EventRecord, MaintenanceRecord, MessageRecord, PruneCounts,
+    PruneFilter, RequestRecord, RunRecord, SessionRecord, Store, StoreError, ToolCallRecord,
 };
 
 /// Sessions removed per transaction.
@@ -180,11 +180,12 @@ async fn prune_batches(
 }
 
 /// Appends one JSON line per session (its messages and its requests, each with runs, events,
-/// tool calls and approvals), one session at a time, synced to disk before the sessions are
-/// deleted. At least once: a session continued between listing and deleting stays in the
-/// store and may be archived again by a later pass. Each line is written whole, and through
-/// a buffer: written to the file as serde_json made it, each piece was a system call of its
-/// own, ~1.4 ms of CPU a session (docs/profiling.md, the forty-fifth pass).
+/// tool calls and approvals), synced to disk before the sessions are deleted. At least once:
+/// a session continued between listing and deleting stays in the store and may be archived
+/// again by a later pass. The sessions are read in groups of at most [`ARCHIVE_REQUESTS`]
+/// requests (a session with more alone, whole, as its line needs), each table in one
+/// statement for the group: a statement per table and request took ~0.36 ms a session
+/// (docs/profiling.md, the forty-sixth pass). Each line is written whole, through a buffer.
 async fn write_archive(
     store: &dyn Store,
     sessions: &[String],
@@ -204,12 +205,17 @@ async fn write_archive(
             .open(file)
             .map_err(archive_error)?,
     );
-    let mut line = String::new();
-    for id in sessions {
-        line.clear();
-        crate::json::write(&mut line, &archived_session(store, id).await?);
-        line.push('\n');
-        out.write_all(line.as_bytes()).map_err(archive_error)?;
+    let requests = store.requests_per_session(sessions).await?;
+    let mut line = Vec::new();
+    for group in groups(sessions, &requests, ARCHIVE_REQUESTS) {
+        let rows = store.archive_rows(group).await?;
+        for session in archived_sessions(group, &rows) {
+            line.clear();
+            serde_json::to_writer(&mut line, &session)
+                .map_err(|error| archive_error(error.into()))?;
+            line.push(b'\n');
+            out.write_all(&line).map_err(archive_error)?;
+        }
     }
     let out = out
         .into_inner()
@@ -217,39 +223,92 @@ async fn write_archive(
     out.sync_all().map_err(archive_error)
 }
 
-/// One session as an archive line.
-async fn archived_session(store: &dyn Store, id: &str) -> Result<Value, StoreError> {
-    let session = store.session(id).await?;
-    let messages = store.messages(id).await?;
-    let filter = RequestFilter {
-        session_id: Some(id.to_owned()),
-        ..RequestFilter::default()
-    };
-    let mut requests = Vec::new();
-    let mut page = PageRequest {
-        limit: 500,
-        cursor: None,
-    };
-    loop {
-        let found = store.requests(&filter, &page, RequestInput::Read).await?;
-        for request in found.items {
-            let runs = store.runs_of(&request.id).await?;
-            let mut tool_calls = Vec::new();
-            let mut approvals = Vec::new();
-            for run in &runs {
-                tool_calls.extend(store.tool_calls_of_run(&run.id).await?);
-                approvals.extend(store.approvals_of_run(&run.id).await?);
-            }
-            let events = store.events(&request.id, 0, i64::MAX).await?;
-            requests.push(json!({ "request": request, "runs": runs, "events": events,
-                "toolCalls": tool_calls, "approvals": approvals }));
+/// Requests an archive holds in memory at once, unless one session has more.
+const ARCHIVE_REQUESTS: u64 = 256;
+
+/// `sessions` cut, in order, into runs whose `requests` (per session) add up to at most
+/// `most`; a session with more than `most` is a group of its own.
+fn groups<'a>(sessions: &'a [String], requests: &[u64], most: u64) -> Vec<&'a [String]> {
+    let mut groups = Vec::new();
+    let (mut start, mut held) = (0, 0u64);
+    for (index, &count) in requests.iter().enumerate().take(sessions.len()) {
+        if index > start && held.saturating_add(count) > most {
+            groups.push(&sessions[start..index]);
+            (start, held) = (index, 0);
         }
-        match found.next_cursor {
-            Some(cursor) => page.cursor = Some(cursor),
-            None => break,
-        }
+        held = held.saturating_add(count);
     }
-    Ok(json!({ "session": session, "messages": messages, "requests": requests }))
+    if start < sessions.len() {
+        groups.push(&sessions[start..]);
+    }
+    groups
+}
+
+/// One session as its archive line: the session (`null` when it is gone), its messages and
+/// its requests, each with what it owns.
+#[derive(Serialize)]
+struct ArchivedSession<'a> {
+    messages: Vec<&'a MessageRecord>,
+    requests: Vec<ArchivedRequest<'a>>,
+    session: Option<&'a SessionRecord>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ArchivedRequest<'a> {
+    approvals: Vec<&'a ApprovalRecord>,
+    events: Vec<&'a EventRecord>,
+    request: &'a RequestRecord,
+    runs: Vec<&'a RunRecord>,
+    tool_calls: Vec<&'a ToolCallRecord>,
+}
+
+/// The rows of a group of sessions, sorted into a line per session in the order of
+/// `sessions`; each part keeps the order the store read it in.
+fn archived_sessions<'a>(sessions: &[String], rows: &'a ArchiveRows) -> Vec<ArchivedSession<'a>> {
+    fn by<T>(items: &[T], key: impl Fn(&T) -> &str) -> HashMap<&str, Vec<&T>> {
+        let mut grouped: HashMap<&str, Vec<&T>> = HashMap::new();
+        for item in items {
+            grouped.entry(key(item)).or_default().push(item);
+        }
+        grouped
+    }
+    /// What `owned` holds of each of `runs`, run by run.
+    fn of_runs<'a, T>(runs: &[&RunRecord], owned: &HashMap<&str, Vec<&'a T>>) -> Vec<&'a T> {
+        runs.iter()
+            .flat_map(|run| owned.get(run.id.as_str()).into_iter().flatten().copied())
+            .collect()
+    }
+    let session_of: HashMap<&str, &SessionRecord> =
+        rows.sessions.iter().map(|s| (s.id.as_str(), s)).collect();
+    let mut messages = by(&rows.messages, |m| &m.session_id);
+    let mut requests = by(&rows.requests, |r| &r.session_id);
+    let mut runs = by(&rows.runs, |r| &r.request_id);
+    let mut events = by(&rows.events, |e| &e.request_id);
+    let tool_calls = by(&rows.tool_calls, |c| &c.run_id);
+    let approvals = by(&rows.approvals, |a| &a.run_id);
+    sessions
+        .iter()
+        .map(|id| ArchivedSession {
+            messages: messages.remove(id.as_str()).unwrap_or_default(),
+            requests: requests
+                .remove(id.as_str())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|request| {
+                    let runs = runs.remove(request.id.as_str()).unwrap_or_default();
+                    ArchivedRequest {
+                        approvals: of_runs(&runs, &approvals),
+                        events: events.remove(request.id.as_str()).unwrap_or_default(),
+                        request,
+                        tool_calls: of_runs(&runs, &tool_calls),
+                        runs,
+                    }
+                })
+                .collect(),
+            session: session_of.get(id.as_str()).copied(),
+        })
+        .collect()
 }
 
 /// Copies a consistent snapshot of the store to the new file `file` while it serves.
@@ -342,6 +401,23 @@ mod tests {
             WriteOp::TouchSession(session),
             WriteOp::InsertRequest(request),
         ]
+    }
+
+    #[test]
+    fn archive_groups_hold_at_most_their_requests_and_a_larger_session_alone() {
+        let sessions: Vec<String> = (0..6).map(|n| format!("ses_{n}")).collect();
+        let cut = |requests: &[u64], most: u64| -> Vec<usize> {
+            groups(&sessions, requests, most)
+                .iter()
+                .map(|group| group.len())
+                .collect()
+        };
+        assert_eq!(cut(&[1, 1, 1, 1, 1, 1], 256), [6]);
+        assert_eq!(cut(&[2, 2, 2, 2, 2, 2], 4), [2, 2, 2]);
+        assert_eq!(cut(&[1, 9, 1, 1, 0, 5], 4), [1, 1, 3, 1]);
+        assert_eq!(cut(&[0, 0, 0, 0, 0, 0], 0), [6]);
+        assert_eq!(cut(&[u64::MAX, 1, u64::MAX, 0, 0, 1], 4), [1, 1, 1, 3]);
+        assert!(groups(&[], &[], 4).is_empty());
     }
 
     #[tokio::test]

@@ -32,10 +32,10 @@ use super::spend::UsageTotals;
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
-    ApprovalKind, ApprovalRecord, ApprovalStatus, ClientCallRecord, EventRecord, Lease,
-    MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts, PruneFilter,
-    RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter,
-    SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
+    ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
+    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts,
+    PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
+    SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -695,6 +695,11 @@ macro_rules! event_rows {
 const LAST_EVENT_ROW: &str = event_rows!("e.request_id = ?1", " ORDER BY e.seq DESC LIMIT 1");
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
+/// The events of the sessions `?1` names (a JSON array), for an archive.
+const ARCHIVED_EVENTS: &str = event_rows!(
+    "r.session_id IN (SELECT value FROM json_each(?1))",
+    " ORDER BY e.request_id, e.seq"
+);
 /// A session's newest message with no children (its children are found through
 /// `messages_by_parent`, which leaves out messages with no parent: migration 0013).
 const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
@@ -1210,6 +1215,82 @@ impl Store for SqliteStore {
             *count = n.max(0) as u64;
         }
         Ok(PruneCounts::from_owned(counts))
+    }
+
+    async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError> {
+        let ids =
+            serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let counted: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT session_id, COUNT(*) FROM requests
+             WHERE session_id IN (SELECT value FROM json_each(?1)) GROUP BY session_id",
+        )
+        .bind(&ids)
+        .fetch_all(&self.reader)
+        .await?;
+        Ok(super::counts_in_order(sessions, counted))
+    }
+
+    async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError> {
+        let ids =
+            serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let [
+            of_sessions,
+            of_messages,
+            of_requests,
+            of_runs,
+            of_tool_calls,
+            of_approvals,
+        ] = super::archive_selects(IN_SESSIONS);
+        // One read transaction: every table from the same snapshot.
+        let mut tx = self.reader.begin().await?;
+        let mut select = async |sql: &str| {
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .bind(&ids)
+                .fetch_all(&mut *tx)
+                .await
+        };
+        let rows = ArchiveRows {
+            sessions: select(&of_sessions)
+                .await?
+                .iter()
+                .map(session_from_row)
+                .collect::<Result<_, _>>()?,
+            messages: select(&of_messages)
+                .await?
+                .iter()
+                .map(message_from_row)
+                .collect::<Result<_, _>>()?,
+            requests: select(&of_requests)
+                .await?
+                .iter()
+                .map(request_from_row)
+                .collect::<Result<_, _>>()?,
+            runs: select(&of_runs)
+                .await?
+                .iter()
+                .map(run_from_row)
+                .collect::<Result<_, _>>()?,
+            events: select(ARCHIVED_EVENTS)
+                .await?
+                .iter()
+                .map(events_from_row)
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .flatten()
+                .collect(),
+            tool_calls: select(&of_tool_calls)
+                .await?
+                .iter()
+                .map(tool_call_from_row)
+                .collect::<Result<_, _>>()?,
+            approvals: select(&of_approvals)
+                .await?
+                .iter()
+                .map(approval_from_row)
+                .collect::<Result<_, _>>()?,
+        };
+        tx.commit().await?;
+        Ok(rows)
     }
 
     async fn delete_sessions(

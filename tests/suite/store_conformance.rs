@@ -108,6 +108,7 @@ conformance!(
     a_view_never_shows_an_ended_request_with_a_live_run,
     updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
     a_batch_of_many_submits_writes_what_one_op_at_a_time_writes,
+    an_archive_reads_each_table_once_for_many_sessions_and_finds_what_single_reads_find,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1538,6 +1539,163 @@ async fn memory_decisions_compaction_and_deletion(store: Arc<dyn Store>) {
 
 /// Waits for charges the embedded store's writer holds back (they ride along with its next
 /// transaction, or go alone after a short idle time): a read here may come first.
+/// A prune's archive reads every table once for a group of sessions; each record it finds
+/// is the one the reads of a single session, request or run find, in their order.
+async fn an_archive_reads_each_table_once_for_many_sessions_and_finds_what_single_reads_find(
+    store: Arc<dyn Store>,
+) {
+    seed(&store, "a", RunStatus::WaitingApproval).await;
+    seed(&store, "b", RunStatus::Completed).await;
+    seed(&store, "c", RunStatus::Completed).await;
+    let now = Utc::now();
+    let message = |id: &str, session: &str, offset: i64| {
+        WriteOp::InsertMessage(MessageRecord {
+            id: id.into(),
+            session_id: session.into(),
+            parent_id: None,
+            request_id: None,
+            role: "user".into(),
+            content: json!({ "role": "user", "content": id }),
+            created_at: now + Age::milliseconds(offset),
+        })
+    };
+    let WriteOp::InsertRun(mut retry) = run("run_a0", "req_a", RunStatus::Queued) else {
+        unreachable!("run() inserts a run")
+    };
+    retry.attempt = 2;
+    let WriteOp::InsertApproval(mut on_retry) = approval("apr_0", ApprovalStatus::Pending) else {
+        unreachable!("approval() inserts an approval")
+    };
+    on_retry.run_id = "run_a0".into();
+    store
+        .apply(&[
+            // A second request in session a, a retry of req_a, messages out of id order.
+            request(
+                "req_a2",
+                "ses_a",
+                "alice",
+                RunStatus::Completed,
+                Age::zero(),
+            ),
+            run("run_a2", "req_a2", RunStatus::Completed),
+            WriteOp::InsertRun(retry),
+            message("msg_2", "ses_a", 0),
+            message("msg_1", "ses_a", 5),
+            message("msg_3", "ses_b", 1),
+            start_call("run_a", "req_a", "t2.0"),
+            start_call("run_a", "req_a", "t1.0"),
+            start_call("run_a0", "req_a", "t1.0"),
+            start_call("run_b", "req_b", "t1.0"),
+            approval("apr_2", ApprovalStatus::Pending),
+            approval("apr_1", ApprovalStatus::Approved),
+            WriteOp::InsertApproval(on_retry),
+        ])
+        .await
+        .unwrap();
+    // Events in rows of several (one batch) and rows of one.
+    store
+        .apply(
+            &(1..=5)
+                .map(|seq| event("req_a", "run_a", seq))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    for seq in 1..=2 {
+        store.apply(&[event("req_b", "run_b", seq)]).await.unwrap();
+    }
+    store.apply(&[event("req_a2", "run_a2", 1)]).await.unwrap();
+
+    let sessions: Vec<String> = ["ses_b", "ses_gone", "ses_a"].map(String::from).into();
+    assert_eq!(
+        store.requests_per_session(&sessions).await.unwrap(),
+        [1, 0, 2]
+    );
+    let rows = store.archive_rows(&sessions).await.unwrap();
+    // Session c was not asked for: nothing of it is read.
+    assert!(rows.requests.iter().all(|r| r.session_id != "ses_c"));
+    assert!(rows.events.iter().all(|e| &*e.request_id != "req_c"));
+    let mut found_sessions = Vec::new();
+    for id in ["ses_a", "ses_b"] {
+        found_sessions.push(store.session(id).await.unwrap().unwrap());
+        let messages: Vec<&MessageRecord> = rows
+            .messages
+            .iter()
+            .filter(|m| m.session_id == id)
+            .collect();
+        let single = store.messages(id).await.unwrap();
+        assert_eq!(messages, single.iter().collect::<Vec<_>>(), "{id}");
+        let requests: Vec<&RequestRecord> = rows
+            .requests
+            .iter()
+            .filter(|r| r.session_id == id)
+            .collect();
+        let filter = RequestFilter {
+            session_id: Some(id.into()),
+            ..RequestFilter::default()
+        };
+        let page = PageRequest {
+            limit: 50,
+            cursor: None,
+        };
+        let single = store
+            .requests(&filter, &page, RequestInput::Read)
+            .await
+            .unwrap()
+            .items;
+        assert_eq!(requests, single.iter().collect::<Vec<_>>(), "{id}");
+        for request in single {
+            let events: Vec<&EventRecord> = rows
+                .events
+                .iter()
+                .filter(|e| *e.request_id == *request.id)
+                .collect();
+            let single = store.events(&request.id, 0, i64::MAX).await.unwrap();
+            assert!(!single.is_empty());
+            assert_eq!(events, single.iter().collect::<Vec<_>>(), "{}", request.id);
+            let runs: Vec<&RunRecord> = rows
+                .runs
+                .iter()
+                .filter(|r| r.request_id == request.id)
+                .collect();
+            let single = store.runs_of(&request.id).await.unwrap();
+            assert_eq!(runs, single.iter().collect::<Vec<_>>(), "{}", request.id);
+            for run in single {
+                let calls: Vec<&ToolCallRecord> = rows
+                    .tool_calls
+                    .iter()
+                    .filter(|c| c.run_id == run.id)
+                    .collect();
+                let mut single = store.tool_calls_of_run(&run.id).await.unwrap();
+                single.sort_by(|x, y| x.call_key.cmp(&y.call_key));
+                assert_eq!(calls, single.iter().collect::<Vec<_>>(), "{}", run.id);
+                let approvals: Vec<&ApprovalRecord> = rows
+                    .approvals
+                    .iter()
+                    .filter(|a| a.run_id == run.id)
+                    .collect();
+                let single = store.approvals_of_run(&run.id).await.unwrap();
+                assert_eq!(approvals, single.iter().collect::<Vec<_>>(), "{}", run.id);
+            }
+        }
+    }
+    found_sessions.sort_by(|x, y| x.id.cmp(&y.id));
+    assert_eq!(rows.sessions, found_sessions);
+    // Nothing more than those: 2 sessions, 3 messages, 3 requests, 4 runs, 8 events, 4 calls,
+    // 3 approvals.
+    let counts = [
+        rows.sessions.len(),
+        rows.messages.len(),
+        rows.requests.len(),
+        rows.runs.len(),
+        rows.events.len(),
+        rows.tool_calls.len(),
+        rows.approvals.len(),
+    ];
+    assert_eq!(counts, [2, 3, 3, 4, 8, 4, 3]);
+    assert_eq!(store.archive_rows(&[]).await.unwrap(), Default::default());
+}
+
 async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dyn Store>) {
     use stable_harness::store::spend::UsageRecord;
     seed(&store, "a", RunStatus::WaitingApproval).await;

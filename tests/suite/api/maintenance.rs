@@ -184,7 +184,14 @@ async fn retention_prunes_what_passed_its_window_whole_and_keeps_pending_and_liv
             .lines()
         {
             let session: Value = serde_json::from_str(line).unwrap();
+            // A chat turn's two messages, and its request with its run and events.
+            assert_eq!(session["messages"].as_array().unwrap().len(), 2, "{line}");
             for request in session["requests"].as_array().unwrap() {
+                assert_eq!(
+                    request["request"]["sessionId"], session["session"]["id"],
+                    "{line}"
+                );
+                assert_eq!(request["runs"].as_array().unwrap().len(), 1, "{line}");
                 assert!(!request["events"].as_array().unwrap().is_empty());
                 archived.insert(request["request"]["id"].as_str().unwrap().to_owned());
             }
