@@ -4,7 +4,7 @@
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
                       [--surface wait|chat|chat-sse|responses|responses-sse|list|view]
                       [--stored 100] [--database-url postgres://...] [--tools] [--parked]
-                      [--chunks 7] BINARY [BINARY...]
+                      [--chunks 7] [--gap-ms 0] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
@@ -20,9 +20,12 @@ measured), then times `--requests` reads of the admin listing's first page (`GET
 (`GET /runtime/requests/{id}`). With `--surface responses` the requests go to
 `/v1/responses`; with `chat-sse` or `responses-sse` they stream (`/v1/chat/completions` or
 `/v1/responses` with `stream: true`), and the script also prints the median time to the
-first token (the first line that carries the upstream's first word). A build may be a
+first token (the first line that carries the upstream's first word). With `--gap-ms G` the
+upstream sends its chunks G ms apart, as a model generates them, instead of at once: each
+delta then commits alone. A build may be a
 wrapper script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the
-forty-third and forty-fourth passes; the other surfaces and `--chunks`, the forty-fifth.
+forty-third and forty-fourth passes; the other surfaces and `--chunks`, the forty-fifth;
+`--gap-ms`, the forty-sixth.
 
 With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
 per request before it answers: the run then stores its conversation, with the tool's result,
@@ -53,6 +56,8 @@ class Upstream(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # Words in an answer (`--chunks`), each a chunk of the stream.
     chunks = 7
+    # Seconds between two chunks (`--gap-ms`); 0 sends the whole stream at once.
+    gap = 0.0
     disable_nagle_algorithm = True
 
     def log_message(self, *args):
@@ -75,17 +80,23 @@ class Upstream(http.server.BaseHTTPRequestHandler):
             {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": self.chunks,
                                          "total_tokens": 10 + self.chunks}},
         ]
-        body = b"".join(
+        events = [
             b"data: "
             + json.dumps(dict(chunk, id="c1", object="chat.completion.chunk", created=1, model="m")).encode()
             + b"\n\n"
             for chunk in chunks
-        ) + b"data: [DONE]\n\n"
+        ] + [b"data: [DONE]\n\n"]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(sum(map(len, events))))
         self.end_headers()
-        self.wfile.write(body)
+        if not self.gap:
+            self.wfile.write(b"".join(events))
+            return
+        for event in events:
+            self.wfile.write(event)
+            self.wfile.flush()
+            time.sleep(self.gap)
 
 
 class ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -208,10 +219,12 @@ def main():
     parser.add_argument("--tools", action="store_true")
     parser.add_argument("--parked", action="store_true")
     parser.add_argument("--chunks", type=int, default=7)
+    parser.add_argument("--gap-ms", type=float, default=0.0)
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
     Upstream.chunks = args.chunks
+    Upstream.gap = args.gap_ms / 1000
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", args.tools, args.parked)
