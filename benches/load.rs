@@ -10,7 +10,9 @@
 //!   and to the end of a 20-chunk stream on `/v1/chat/completions` and `/v1/responses`; the
 //!   overhead per chunk with 20 and 200 chunks, and with 8 streams at a time, in time and in
 //!   server CPU (on 2 cores, 8 streams queue for the CPU: their time per chunk grows, their
-//!   CPU per chunk need not);
+//!   CPU per chunk need not); and a 20-chunk chat stream whose chunks come 1 ms apart, as a
+//!   model generates them (each delta then commits alone, no aim): the time added to its
+//!   first token and its end, and the server's CPU per chunk;
 //! - the server's RSS idle and after the load;
 //! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
@@ -61,6 +63,9 @@ const SHORT_STREAM: usize = 20;
 const LONG_STREAM: usize = 200;
 /// Streams at a time for the concurrent-streams figure.
 const CONCURRENT_STREAMS: usize = 8;
+/// The least pause between two chunks of a stream sent as a model generates it (each delta
+/// then commits alone), in ms; the upstream's timer rounds it up to its next tick.
+const APART_MS: u64 = 1;
 
 fn main() {
     stable_harness::app::install_crypto_provider();
@@ -112,16 +117,24 @@ async fn run() {
     let trust = ca_file.as_ref().map(tempfile::NamedTempFile::path);
     let client = client.build().unwrap();
     upstream.stop_recording();
-    // The length of the answer is asked for in the user's message: "chunks N".
+    // The length of the answer is asked for in the user's message: "chunks N", or
+    // "chunks N apart M" for chunks sent M ms apart.
     upstream.set_responder(upstream::Responder::new(|body: &Value| {
         let asked = body["messages"]
             .as_array()
             .and_then(|m| m.last())
             .and_then(|m| m["content"].as_str())
             .and_then(|text| text.strip_prefix("chunks "))
-            .and_then(|n| n.parse::<usize>().ok())
-            .unwrap_or(7);
-        upstream::Reply::Text(answer_of(asked))
+            .unwrap_or("7");
+        let (chunks, apart) = asked.split_once(" apart ").unwrap_or((asked, "0"));
+        let text = answer_of(chunks.parse().unwrap_or(7));
+        match apart.parse() {
+            Ok(ms) if ms > 0 => upstream::Reply::Slow {
+                text,
+                pause: Duration::from_millis(ms),
+            },
+            _ => upstream::Reply::Text(text),
+        }
     }));
     let store = if std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL").is_ok() {
         "PostgreSQL"
@@ -276,6 +289,16 @@ async fn measure(
     );
     let (direct_short, direct_stream, direct_long) =
         (direct(7), direct(SHORT_STREAM), direct(LONG_STREAM));
+    // A stream whose chunks come apart, as a model generates them.
+    let apart = format!("chunks {SHORT_STREAM} apart {APART_MS}");
+    let mut direct_apart = direct(SHORT_STREAM);
+    direct_apart.name = "direct, chunks apart";
+    direct_apart.body["messages"][1]["content"] = json!(apart);
+    let chat_apart = harness(
+        "chat SSE, chunks apart",
+        "/v1/chat/completions",
+        json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": apart }] }),
+    );
     // Warm every path (connections, SQLite pages, allocator).
     for target in [
         &direct_short,
@@ -321,6 +344,7 @@ async fn measure(
             "wait" => wait.clone(),
             "chat-sse" => chat_stream(SHORT_STREAM),
             "responses-sse" => responses_stream.clone(),
+            "chat-sse-apart" => chat_apart.clone(),
             "direct" => direct_short.clone(),
             other => panic!("STABLE_HARNESS_BENCH_ONLY: unknown surface `{other}`"),
         };
@@ -446,6 +470,21 @@ async fn measure(
         "chat.sse.chunk20c8".into(),
         per_chunk(&chat_c, &direct_c, SHORT_STREAM),
     );
+    // Chunks that come apart: each delta commits alone (no aim; what a token costs when a
+    // model generates them one by one).
+    let direct_a = streamed(SHORT_STREAM, 1, &direct_apart).await;
+    let chat_a = streamed(SHORT_STREAM, 1, &chat_apart).await;
+    // The upstream's timer rounds each pause up to its next tick: the spacing is measured,
+    // over the stream's parts (a role chunk, the words, the finish and usage chunks and
+    // `[DONE]`, each after a pause).
+    println!(
+        "chunks at least {APART_MS} ms apart ({:.2} ms apart direct): {:.3} ms added to a {SHORT_STREAM}-chunk chat stream's end ({:.3} ms a chunk), {:.3} ms added to its first token; server CPU per chunk {:.3} ms (each delta its own commit)",
+        direct_a.p50 / (SHORT_STREAM + 4) as f64,
+        chat_a.p50 - direct_a.p50,
+        per_chunk(&chat_a, &direct_a, SHORT_STREAM).0,
+        chat_a.first_p50 - direct_a.first_p50,
+        chat_a.cpu_per_chunk,
+    );
     // Flat with concurrency, measured as work: with 8 streams on 2 cores the time per chunk
     // grows with the queue for the CPU, the CPU a chunk costs need not.
     figures.insert("chat.sse.cpu20".into(), (chat_s.cpu_per_chunk, f64::NAN));
@@ -524,7 +563,7 @@ enum Load {
 
 /// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
 /// responses, responses-next (each request continuing one stored response), wait, chat-sse,
-/// responses-sse, direct): run that phase alone against this build, for a profiler or to
+/// chat-sse-apart (its chunks 1 ms apart), responses-sse, direct): run that phase alone against this build, for a profiler or to
 /// compare two builds.
 fn only_phase() -> Option<(String, Load)> {
     let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
