@@ -240,14 +240,16 @@ async fn measure(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle_rss = rss_kib(servers.pid());
 
-    let direct = |chunks: usize| Target {
-        name: "direct",
+    // The call stable-harness makes upstream for the user's message `asked`: a streamed
+    // completion, read to the end.
+    let direct_asking = |name: &'static str, asked: &str| Target {
+        name,
         urls: Arc::new(vec![format!("{}/chat/completions", upstream.url)]),
         next: Arc::default(),
-        // The call stable-harness makes upstream: a streamed completion, read to the end.
         body: json!({ "model": "bench-upstream", "stream": true, "stream_options": { "include_usage": true },
-                      "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": format!("chunks {chunks}") }] }),
+                      "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": asked }] }),
     };
+    let direct = |chunks: usize| direct_asking("direct", &format!("chunks {chunks}"));
     let harness = |name: &'static str, path: &str, body: Value| Target {
         name,
         urls: Arc::new(
@@ -291,9 +293,7 @@ async fn measure(
         (direct(7), direct(SHORT_STREAM), direct(LONG_STREAM));
     // A stream whose chunks come apart, as a model generates them.
     let apart = format!("chunks {SHORT_STREAM} apart {APART_MS}");
-    let mut direct_apart = direct(SHORT_STREAM);
-    direct_apart.name = "direct, chunks apart";
-    direct_apart.body["messages"][1]["content"] = json!(apart);
+    let direct_apart = direct_asking("direct, chunks apart", &apart);
     let chat_apart = harness(
         "chat SSE, chunks apart",
         "/v1/chat/completions",

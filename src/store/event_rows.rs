@@ -69,6 +69,12 @@ pub(super) struct EventRows {
 }
 
 impl EventRows {
+    /// Every event of the rows read (an archive's).
+    pub const EVERY: Self = Self {
+        after: 0,
+        limit: -1,
+    };
+
     /// The lowest first number a row holding an event after the cursor can have: a row
     /// starts at most [`EVENTS_PER_ROW`] - 1 events before the event it holds.
     pub fn lowest_first_seq(&self) -> i64 {

@@ -574,11 +574,12 @@ pub(crate) fn owned_by_sessions(in_sessions: &str) -> [(&'static str, String); 8
     ]
 }
 
-/// The statements that read an archive's rows ([`Store::archive_rows`]) but its events (read
-/// with their request's session and agent, as every read of events is): sessions, messages,
-/// requests, runs, tool calls and approvals, each every column of what [`owned_by_sessions`]
-/// names, in the order its archive line keeps.
-pub(crate) fn archive_selects(in_sessions: &str) -> [String; 6] {
+/// The statements that read an archive's rows ([`Store::archive_rows`]), in the order of
+/// [`ArchiveRows`]' fields: sessions, messages, requests, runs, events, tool calls and
+/// approvals, each every column of what [`owned_by_sessions`] names, in the order its
+/// archive line keeps. `event_rows` is the store's select of rows of events with their
+/// request's session and agent (joined as `r`), up to its `WHERE`.
+pub(crate) fn archive_selects(in_sessions: &str, event_rows: &str) -> [String; 7] {
     let [
         _,
         tool_calls,
@@ -589,15 +590,25 @@ pub(crate) fn archive_selects(in_sessions: &str) -> [String; 6] {
         requests,
         sessions,
     ] = owned_by_sessions(in_sessions);
+    let select =
+        |(_, rows): (&str, String), order: &str| format!("SELECT * FROM {rows} ORDER BY {order}");
     [
-        (sessions, "id"),
-        (messages, "created_at, id"),
-        (requests, "id DESC"),
-        (runs, "request_id, attempt"),
-        (tool_calls, "run_id, call_key"),
-        (approvals, "run_id, id"),
+        select(sessions, "id"),
+        select(messages, "created_at, id"),
+        select(requests, "id DESC"),
+        select(runs, "request_id, attempt"),
+        format!("{event_rows} r.session_id {in_sessions} ORDER BY e.request_id, e.seq"),
+        select(tool_calls, "run_id, call_key"),
+        select(approvals, "run_id, id"),
     ]
-    .map(|((_, rows), order)| format!("SELECT * FROM {rows} ORDER BY {order}"))
+}
+
+/// How many requests each session of a set holds (`Store::requests_per_session`), sessions
+/// without requests left out.
+pub(crate) fn requests_per_session_sql(in_sessions: &str) -> String {
+    format!(
+        "SELECT session_id, COUNT(*) FROM requests WHERE session_id {in_sessions} GROUP BY session_id"
+    )
 }
 
 /// The requests per session (`counted`: a session's id and its count, sessions without

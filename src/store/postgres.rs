@@ -1782,10 +1782,9 @@ impl Store for PostgresStore {
     }
 
     async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError> {
-        let counted: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT session_id, COUNT(*) FROM requests WHERE session_id = ANY($1)
-             GROUP BY session_id",
-        )
+        let counted: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(
+            super::requests_per_session_sql(IN_SESSIONS),
+        ))
         .bind(sessions)
         .fetch_all(&self.pool)
         .await?;
@@ -1793,69 +1792,53 @@ impl Store for PostgresStore {
     }
 
     async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError> {
-        let [
-            of_sessions,
-            of_messages,
-            of_requests,
-            of_runs,
-            of_tool_calls,
-            of_approvals,
-        ] = super::archive_selects(IN_SESSIONS);
-        let of_events =
-            format!("{EVENT_SELECT} WHERE r.session_id = ANY($1) ORDER BY e.request_id, e.seq");
         // One snapshot for every table, as the embedded store's read transaction gives.
         let mut tx = self.pool.begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .execute(&mut *tx)
             .await?;
-        let mut select = async |sql: &str| {
-            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        let mut rows: [Vec<PgRow>; 7] = Default::default();
+        let selects = super::archive_selects(IN_SESSIONS, &format!("{EVENT_SELECT} WHERE"));
+        for (sql, read) in selects.into_iter().zip(&mut rows) {
+            *read = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(sessions)
                 .fetch_all(&mut *tx)
-                .await
-        };
-        let rows = ArchiveRows {
-            sessions: select(&of_sessions)
-                .await?
+                .await?;
+        }
+        tx.commit().await?;
+        let [
+            sessions,
+            messages,
+            requests,
+            runs,
+            events,
+            tool_calls,
+            approvals,
+        ] = &rows;
+        Ok(ArchiveRows {
+            sessions: sessions
                 .iter()
                 .map(session_from_row)
                 .collect::<Result<_, _>>()?,
-            messages: select(&of_messages)
-                .await?
+            messages: messages
                 .iter()
                 .map(message_from_row)
                 .collect::<Result<_, _>>()?,
-            requests: select(&of_requests)
-                .await?
+            requests: requests
                 .iter()
                 .map(request_from_row)
                 .collect::<Result<_, _>>()?,
-            runs: select(&of_runs)
-                .await?
-                .iter()
-                .map(run_from_row)
-                .collect::<Result<_, _>>()?,
-            events: select(&of_events)
-                .await?
-                .iter()
-                .map(events_from_row)
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .flatten()
-                .collect(),
-            tool_calls: select(&of_tool_calls)
-                .await?
+            runs: runs.iter().map(run_from_row).collect::<Result<_, _>>()?,
+            events: EventRows::EVERY.keep(events, events_from_row)?,
+            tool_calls: tool_calls
                 .iter()
                 .map(tool_call_from_row)
                 .collect::<Result<_, _>>()?,
-            approvals: select(&of_approvals)
-                .await?
+            approvals: approvals
                 .iter()
                 .map(approval_from_row)
                 .collect::<Result<_, _>>()?,
-        };
-        tx.commit().await?;
-        Ok(rows)
+        })
     }
 
     async fn delete_sessions(

@@ -695,11 +695,6 @@ macro_rules! event_rows {
 const LAST_EVENT_ROW: &str = event_rows!("e.request_id = ?1", " ORDER BY e.seq DESC LIMIT 1");
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
-/// The events of the sessions `?1` names (a JSON array), for an archive.
-const ARCHIVED_EVENTS: &str = event_rows!(
-    "r.session_id IN (SELECT value FROM json_each(?1))",
-    " ORDER BY e.request_id, e.seq"
-);
 /// A session's newest message with no children (its children are found through
 /// `messages_by_parent`, which leaves out messages with no parent: migration 0013).
 const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
@@ -1220,10 +1215,9 @@ impl Store for SqliteStore {
     async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let counted: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT session_id, COUNT(*) FROM requests
-             WHERE session_id IN (SELECT value FROM json_each(?1)) GROUP BY session_id",
-        )
+        let counted: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(
+            super::requests_per_session_sql(IN_SESSIONS),
+        ))
         .bind(&ids)
         .fetch_all(&self.reader)
         .await?;
@@ -1233,64 +1227,50 @@ impl Store for SqliteStore {
     async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let [
-            of_sessions,
-            of_messages,
-            of_requests,
-            of_runs,
-            of_tool_calls,
-            of_approvals,
-        ] = super::archive_selects(IN_SESSIONS);
         // One read transaction: every table from the same snapshot.
         let mut tx = self.reader.begin().await?;
-        let mut select = async |sql: &str| {
-            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        let mut rows: [Vec<SqliteRow>; 7] = Default::default();
+        let selects = super::archive_selects(IN_SESSIONS, event_rows!("", ""));
+        for (sql, read) in selects.into_iter().zip(&mut rows) {
+            *read = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
                 .fetch_all(&mut *tx)
-                .await
-        };
-        let rows = ArchiveRows {
-            sessions: select(&of_sessions)
-                .await?
+                .await?;
+        }
+        tx.commit().await?;
+        let [
+            sessions,
+            messages,
+            requests,
+            runs,
+            events,
+            tool_calls,
+            approvals,
+        ] = &rows;
+        Ok(ArchiveRows {
+            sessions: sessions
                 .iter()
                 .map(session_from_row)
                 .collect::<Result<_, _>>()?,
-            messages: select(&of_messages)
-                .await?
+            messages: messages
                 .iter()
                 .map(message_from_row)
                 .collect::<Result<_, _>>()?,
-            requests: select(&of_requests)
-                .await?
+            requests: requests
                 .iter()
                 .map(request_from_row)
                 .collect::<Result<_, _>>()?,
-            runs: select(&of_runs)
-                .await?
-                .iter()
-                .map(run_from_row)
-                .collect::<Result<_, _>>()?,
-            events: select(ARCHIVED_EVENTS)
-                .await?
-                .iter()
-                .map(events_from_row)
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .flatten()
-                .collect(),
-            tool_calls: select(&of_tool_calls)
-                .await?
+            runs: runs.iter().map(run_from_row).collect::<Result<_, _>>()?,
+            events: EventRows::EVERY.keep(events, events_from_row)?,
+            tool_calls: tool_calls
                 .iter()
                 .map(tool_call_from_row)
                 .collect::<Result<_, _>>()?,
-            approvals: select(&of_approvals)
-                .await?
+            approvals: approvals
                 .iter()
                 .map(approval_from_row)
                 .collect::<Result<_, _>>()?,
-        };
-        tx.commit().await?;
-        Ok(rows)
+        })
     }
 
     async fn delete_sessions(

@@ -1097,6 +1097,19 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
     assert!(store.events("req_old1", 0, 10).await.unwrap().is_empty());
 }
 
+/// A second attempt of `req_a` (`run_id`, queued) and a pending approval `apr_0` on it.
+fn retry_of_run_a(run_id: &str) -> (RunRecord, ApprovalRecord) {
+    let WriteOp::InsertRun(mut retry) = run(run_id, "req_a", RunStatus::Queued) else {
+        unreachable!("run() inserts a run")
+    };
+    retry.attempt = 2;
+    let WriteOp::InsertApproval(mut on_retry) = approval("apr_0", ApprovalStatus::Pending) else {
+        unreachable!("approval() inserts an approval")
+    };
+    on_retry.run_id = run_id.into();
+    (retry, on_retry)
+}
+
 fn approval(id: &str, status: ApprovalStatus) -> WriteOp {
     WriteOp::InsertApproval(ApprovalRecord {
         id: id.into(),
@@ -1559,14 +1572,7 @@ async fn an_archive_reads_each_table_once_for_many_sessions_and_finds_what_singl
             created_at: now + Age::milliseconds(offset),
         })
     };
-    let WriteOp::InsertRun(mut retry) = run("run_a0", "req_a", RunStatus::Queued) else {
-        unreachable!("run() inserts a run")
-    };
-    retry.attempt = 2;
-    let WriteOp::InsertApproval(mut on_retry) = approval("apr_0", ApprovalStatus::Pending) else {
-        unreachable!("approval() inserts an approval")
-    };
-    on_retry.run_id = "run_a0".into();
+    let (retry, on_retry) = retry_of_run_a("run_a0");
     store
         .apply(&[
             // A second request in session a, a retry of req_a, messages out of id order.
@@ -1702,14 +1708,7 @@ async fn a_request_is_read_in_full_with_runs_approvals_and_charges(store: Arc<dy
     seed(&store, "b", RunStatus::Running).await;
     // A second attempt whose id, and its approval's, sort before the first's: the view
     // lists runs by attempt, and approvals run by run.
-    let WriteOp::InsertRun(mut retry) = run("run_0a", "req_a", RunStatus::Queued) else {
-        unreachable!("run() inserts a run")
-    };
-    retry.attempt = 2;
-    let WriteOp::InsertApproval(mut on_retry) = approval("apr_0", ApprovalStatus::Pending) else {
-        unreachable!("approval() inserts an approval")
-    };
-    on_retry.run_id = "run_0a".into();
+    let (retry, on_retry) = retry_of_run_a("run_0a");
     // A decided approval, every field of it set.
     let WriteOp::InsertApproval(mut decided) = approval("apr_2", ApprovalStatus::Approved) else {
         unreachable!("approval() inserts an approval")
