@@ -346,7 +346,12 @@ impl std::fmt::Debug for Adapters {
 impl Adapters {
     pub fn new(http: reqwest::Client) -> Self {
         let mut by_backend: BTreeMap<&'static str, Arc<dyn RuntimeAdapter>> = BTreeMap::new();
-        by_backend.insert("openai", Arc::new(OpenAiAdapter::new(http.clone())));
+        by_backend.insert(
+            "openai",
+            Arc::new(OpenAiAdapter::new(
+                crate::net::upstream::UpstreamClient::new(),
+            )),
+        );
         by_backend.insert("scripted", Arc::new(ScriptedAdapter));
         by_backend.insert("http", Arc::new(RemoteAdapter::new(http)));
         Self { by_backend }

@@ -4,8 +4,8 @@
 //! error kinds in `retryOn` are retried (honouring `retry-after`), each retry is announced with
 //! `runtime.retry.scheduled`, and after the last attempt the model's `fallbacks` are tried in
 //! order. A stream that already delivered text is never retried: the client would see it twice.
-//! Transport is plain reqwest so that timeouts, status codes and `retry-after` stay in our hands
-//! (no hidden client-side retries).
+//! Transport is hyper's pooled client ([`crate::net::upstream`]) so that timeouts, status codes
+//! and `retry-after` stay in our hands (no hidden client-side retries).
 //!
 //! The loop: the agent's tools are offered as functions (tool ids mapped reversibly onto
 //! OpenAI's `[a-zA-Z0-9_-]` names); the calls of one turn run concurrently through the
@@ -19,16 +19,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use http::Uri;
 use serde_json::{Map, Value, json};
 
 use super::chat_wire;
-use super::retry::{AttemptError, refused, settle};
+use super::retry::{AttemptError, refused, retry_after, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
     ToolCall, ToolSpec, Usage, call_tools,
 };
 use crate::json;
+use crate::net::CallFailure;
+use crate::net::upstream::{CallError, UpstreamClient};
 use crate::runtime::events::MODEL_CALL_COMPLETED;
 use crate::text::excerpt;
 use crate::workspace::{ModelConfig, UpstreamUrl};
@@ -49,11 +52,12 @@ pub const MAX_TURN_ARGUMENT_BYTES: usize = MAX_EVENT_BYTES;
 
 #[derive(Debug, Clone)]
 pub struct OpenAiAdapter {
-    http: reqwest::Client,
+    /// The client of calls made off the HTTP shards (a shard calls with its own).
+    upstream: UpstreamClient,
     /// Each upstream's Chat Completions endpoint by base URL, parsed once (a URL parse was
     /// ~0.5% of a request's CPU). Keyed by the base as read, so one from the environment that
     /// changes is parsed again; emptied when it holds [`MAX_ENDPOINTS`].
-    endpoints: Arc<std::sync::Mutex<HashMap<String, reqwest::Url>>>,
+    endpoints: Arc<std::sync::Mutex<HashMap<String, Uri>>>,
 }
 
 /// Most upstream endpoints kept parsed.
@@ -65,30 +69,33 @@ const GATHERED_FOR: Duration = Duration::from_millis(5);
 const GATHERED_BYTES: usize = 64 * 1024;
 
 impl OpenAiAdapter {
-    pub fn new(http: reqwest::Client) -> Self {
+    pub fn new(upstream: UpstreamClient) -> Self {
         Self {
-            http,
+            upstream,
             endpoints: Arc::default(),
         }
     }
 
-    /// The Chat Completions endpoint of the upstream at `base_url`.
-    fn endpoint(&self, model: &ModelConfig, base_url: &str) -> Result<reqwest::Url, AdapterError> {
+    /// The Chat Completions endpoint of the upstream at `base_url`: read as a URL (so that it
+    /// is normalized as before), then held as the URI a request carries.
+    fn endpoint(&self, model: &ModelConfig, base_url: &str) -> Result<Uri, AdapterError> {
         if let Ok(known) = self.endpoints.lock()
             && let Some(url) = known.get(base_url)
         {
             return Ok(url.clone());
         }
-        let url = reqwest::Url::parse(&format!(
-            "{}/chat/completions",
-            base_url.trim_end_matches('/')
-        ))
-        .map_err(|error| {
+        let not_a_url = |error: &dyn std::fmt::Display| {
             AdapterError::new(
                 FailureKind::Unsupported,
                 format!("model `{}`: its base URL is not a URL: {error}", model.id),
             )
-        })?;
+        };
+        let url = reqwest::Url::parse(&format!(
+            "{}/chat/completions",
+            base_url.trim_end_matches('/')
+        ))
+        .map_err(|error| not_a_url(&error))?;
+        let url = Uri::try_from(url.as_str()).map_err(|error| not_a_url(&error))?;
         if let Ok(mut known) = self.endpoints.lock() {
             if known.len() >= MAX_ENDPOINTS {
                 known.clear();
@@ -185,37 +192,44 @@ impl OpenAiAdapter {
         let url = self.endpoint(model, &upstream_url(model)?)?;
         let streaming = model.capabilities.streaming;
         let output_budget = request.output_budget;
-        let request = authorized(
-            crate::net::client_here(&self.http)
-                .post(url)
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .body(body),
-            model,
-        );
+        let key = api_key(model);
+        let call = crate::net::with_upstream_here(&self.upstream, |client| {
+            client.post_json(&url, body, key.as_deref())
+        });
         let started = Instant::now();
         let response = tokio::select! {
             () = context.cancel.cancelled() => return Err(AttemptError::taken(AdapterError::new(FailureKind::Cancelled, "the run was cancelled"))),
-            result = tokio::time::timeout(model.timeout, request.send()) => result,
+            result = tokio::time::timeout(model.timeout, call) => result,
         };
         // A call that found no connection never reached the upstream; one that was sent and
         // then timed out or broke off may have been billed.
         let response = match response {
             Err(_) => return Err(AttemptError::taken(timeout_error(model))),
+            Ok(Err(error @ CallError::Key)) => {
+                return Err(AdapterError::new(
+                    FailureKind::Unsupported,
+                    format!("upstream model `{}`: {error}", model.id),
+                )
+                .into());
+            }
             Ok(Err(error)) if error.is_connect() => {
                 return Err(transport_error(model, &error).into());
             }
             Ok(Err(error)) => return Err(AttemptError::taken(transport_error(model, &error))),
             Ok(Ok(response)) => response,
         };
-        if !response.status().is_success() {
+        let (head, body) = response.into_parts();
+        let body = http_body_util::BodyDataStream::new(body);
+        if !head.status.is_success() {
             let who = format!("upstream model `{}`", model.id);
-            return Err(refused(response, &who, model.timeout).await);
+            let after = retry_after(&head.headers);
+            return Err(refused(head.status, after, body, &who, model.timeout).await);
         }
         let mut output = if streaming {
-            self.read_stream(context, model, response, output_budget)
+            self.read_stream(context, model, body, output_budget)
                 .await?
         } else {
-            let text = read_limited(response, MAX_BODY_BYTES, model.timeout)
+            let text = read_limited(body, MAX_BODY_BYTES, model.timeout)
                 .await
                 .map_err(AttemptError::taken)?;
             let mut turn = parse_completion(model, &text).map_err(|mut failure| {
@@ -268,7 +282,7 @@ impl OpenAiAdapter {
         &self,
         context: &AdapterContext<'_>,
         model: &ModelConfig,
-        response: reqwest::Response,
+        body: http_body_util::BodyDataStream<hyper::body::Incoming>,
         output_budget: usize,
     ) -> Result<Turn, AttemptError> {
         let mut output = RuntimeOutput::default();
@@ -276,7 +290,7 @@ impl OpenAiAdapter {
         let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
         let mut events = Vec::new();
-        let mut body = response.bytes_stream();
+        let mut body = body;
         // Whatever fails now, the upstream took the call; `written` bytes of text reached
         // the run.
         let fail = |error: AdapterError, written: usize| AttemptError {
@@ -1023,13 +1037,13 @@ async fn emit_pending(context: &AdapterContext<'_>, pending: &mut String) {
     }
 }
 
-pub(super) async fn read_limited(
-    response: reqwest::Response,
+pub(super) async fn read_limited<E: std::fmt::Display>(
+    body: impl futures::Stream<Item = Result<bytes::Bytes, E>>,
     limit: usize,
     timeout: Duration,
 ) -> Result<String, AdapterError> {
+    let mut stream = std::pin::pin!(body);
     let mut body = Vec::new();
-    let mut stream = response.bytes_stream();
     loop {
         match tokio::time::timeout(timeout, stream.next()).await {
             Err(_) => {
@@ -1068,13 +1082,13 @@ fn timeout_error(model: &ModelConfig) -> AdapterError {
     )
 }
 
-fn transport_error(model: &ModelConfig, error: &reqwest::Error) -> AdapterError {
+fn transport_error(model: &ModelConfig, error: &impl CallFailure) -> AdapterError {
     let kind = if error.is_timeout() {
         FailureKind::Timeout
     } else {
         FailureKind::Connection
     };
-    // reqwest errors carry the URL; keep only the kind of failure to avoid leaking query secrets.
+    // Errors may carry the URL; keep only the kind of failure to avoid leaking query secrets.
     let what = if error.is_connect() {
         crate::net::connect_failure(error)
     } else if error.is_timeout() {
@@ -1277,11 +1291,19 @@ fn upstream_url(model: &ModelConfig) -> Result<String, AdapterError> {
     }
 }
 
+/// The model's key, when its variable is set.
+fn api_key(model: &ModelConfig) -> Option<String> {
+    model
+        .api_key_env
+        .as_deref()
+        .and_then(|name| std::env::var(name).ok())
+}
+
 /// The request with the model's key, when its variable is set.
 fn authorized(request: reqwest::RequestBuilder, model: &ModelConfig) -> reqwest::RequestBuilder {
-    match model.api_key_env.as_deref().map(std::env::var) {
-        Some(Ok(key)) => request.bearer_auth(key),
-        _ => request,
+    match api_key(model) {
+        Some(key) => request.bearer_auth(key),
+        None => request,
     }
 }
 

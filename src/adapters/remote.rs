@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::openai::read_limited;
-use super::retry::{AttemptError, refused, settle};
+use super::retry::{AttemptError, refused, retry_after, settle};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, Usage,
@@ -153,7 +153,9 @@ impl RemoteAdapter {
         let response = response.map_err(|error| AttemptError::from(transport(context, &error)))?;
         if !response.status().is_success() {
             let who = format!("agent service of `{}`", context.agent.name);
-            return Err(refused(response, &who, endpoint.timeout).await);
+            let (status, after) = (response.status(), retry_after(response.headers()));
+            let body = response.bytes_stream();
+            return Err(refused(status, after, body, &who, endpoint.timeout).await);
         }
         let is_json = response
             .headers()
@@ -161,7 +163,11 @@ impl RemoteAdapter {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("application/json"));
         if is_json {
-            let read = read_limited(response, MAX_ANSWER_BYTES + 1, endpoint.timeout);
+            let read = read_limited(
+                response.bytes_stream(),
+                MAX_ANSWER_BYTES + 1,
+                endpoint.timeout,
+            );
             let text = serve_while(context, endpoint, state, &mut in_flight, read)
                 .await?
                 .map_err(AttemptError::from)?;

@@ -106,14 +106,14 @@ fn kind_matches(configured: RetryKind, kind: FailureKind) -> bool {
 
 /// The failed attempt an error status is: 429 rate limited, 5xx, else refused — with an
 /// excerpt of the body `who` answered and its `retry-after`.
-pub(super) async fn refused(
-    response: reqwest::Response,
+pub(super) async fn refused<E: std::fmt::Display>(
+    status: http::StatusCode,
+    retry_after: Option<Duration>,
+    body: impl futures::Stream<Item = Result<bytes::Bytes, E>>,
     who: &str,
     timeout: Duration,
 ) -> AttemptError {
-    let status = response.status();
-    let retry_after = retry_after(response.headers());
-    let text = super::openai::read_limited(response, 2048, timeout)
+    let text = super::openai::read_limited(body, 2048, timeout)
         .await
         .unwrap_or_default();
     let kind = if status.as_u16() == 429 {
@@ -143,8 +143,8 @@ pub(super) async fn refused(
 }
 
 /// An upstream's `retry-after` in seconds.
-pub(super) fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+pub(super) fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
     value
         .trim()
         .parse::<f64>()

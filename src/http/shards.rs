@@ -69,7 +69,10 @@ impl Shards {
                         .build()
                 },
                 move |runtime| {
-                    crate::net::keep_thread_client(crate::app::upstream_client());
+                    crate::net::keep_thread_clients(
+                        crate::app::upstream_client(),
+                        crate::net::upstream::UpstreamClient::new(),
+                    );
                     runtime.block_on(async move {
                         let listener = Dealt { incoming, local };
                         let signal = async move {

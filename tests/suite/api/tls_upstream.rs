@@ -265,8 +265,74 @@ async fn an_https_upstream_is_reached_through_the_proxy_https_proxy_names() {
     }
 }
 
-/// A forward proxy on loopback that only tunnels (`CONNECT host:port`, as HTTPS clients use
-/// a proxy), recording each request head and every byte the client sent through a tunnel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_upstream_is_reached_through_the_proxy_http_proxy_names_with_its_credentials() {
+    // A plain `http://` upstream behind a forwarding proxy: the binary sends the proxy the
+    // request itself, its target in absolute form, with the credentials the proxy's URL
+    // carries; the connection to the proxy is kept for the next call.
+    let upstream = MockUpstream::start().await;
+    let proxy = TunnelProxy::start().await;
+    let with_credentials = proxy.url.replace("http://", "http://egress:s3cret@");
+    let served = start_trusting(
+        &upstream,
+        None,
+        &[("HTTP_PROXY", with_credentials.as_str()), ("NO_PROXY", "")],
+    );
+    ask_in_sequence(&client(), &served.server, 2).await;
+
+    let heads = proxy.heads();
+    assert_eq!(
+        heads.len(),
+        1,
+        "one connection to the proxy, kept: {heads:?}"
+    );
+    let target = format!("{}/chat/completions", upstream.url);
+    assert!(
+        heads[0].starts_with(&format!("POST {target} HTTP/1.1\r\n")),
+        "{heads:?}"
+    );
+    // `egress:s3cret` in base64, as HTTP's basic scheme sends it.
+    let credentials = heads[0].lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.eq_ignore_ascii_case("proxy-authorization")
+            .then(|| value.trim().to_owned())
+    });
+    assert_eq!(
+        credentials.as_deref(),
+        Some("Basic ZWdyZXNzOnMzY3JldA=="),
+        "{heads:?}"
+    );
+    assert_eq!(upstream.calls().len(), 2, "both calls reached the upstream");
+    assert_eq!(upstream.connections(), 1, "through one relayed connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_cannot_be_a_header_fails_the_call_before_it_is_sent_and_is_not_shown() {
+    // A key pasted with its line end: no call leaves with a broken header, and the error
+    // says what to mend without printing the key.
+    let upstream = MockUpstream::start().await;
+    let served = start_trusting(
+        &upstream,
+        None,
+        &[(
+            "STABLE_HARNESS_TEST_UPSTREAM_KEY",
+            "sk-pasted\nwith-its-line-end",
+        )],
+    );
+    let (status, body) = chat(&client(), &served.server, ask("hello")).await;
+    assert_ne!(status, 200, "{body}");
+    assert!(
+        body.contains("its key is not a valid HTTP header value"),
+        "{body}"
+    );
+    assert!(!body.contains("sk-pasted"), "{body}");
+    assert!(upstream.calls().is_empty(), "nothing was sent");
+}
+
+/// A forward proxy on loopback: it tunnels a `CONNECT host:port` (as HTTPS clients use a
+/// proxy) and relays a plain request sent in absolute form (as plain HTTP clients do),
+/// recording each connection's first request head and every byte the client sent through
+/// a tunnel.
 struct TunnelProxy {
     url: String,
     heads: Arc<Mutex<Vec<String>>>,
@@ -299,7 +365,8 @@ impl TunnelProxy {
     }
 }
 
-/// Reads one request head; a `CONNECT` is answered 200 and its bytes are relayed both ways.
+/// Reads one request head; a `CONNECT` is answered 200 and its bytes are relayed both ways,
+/// as a plain request's are after its head is sent on to the host its target names.
 async fn tunnel(
     mut client: tokio::net::TcpStream,
     heads: Arc<Mutex<Vec<String>>>,
@@ -315,24 +382,32 @@ async fn tunnel(
     }
     let head = String::from_utf8_lossy(&head).into_owned();
     heads.lock().unwrap().push(head.clone());
-    let target = head
+    let connect = head
         .strip_prefix("CONNECT ")
         .and_then(|rest| rest.split_whitespace().next());
-    let upstream = match target {
+    let forward = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|target| target.strip_prefix("http://"))
+        .and_then(|rest| rest.split('/').next());
+    let upstream = match connect.or(forward) {
         Some(target) => tokio::net::TcpStream::connect(target).await.ok(),
         None => None,
     };
-    let Some(upstream) = upstream else {
+    let Some(mut upstream) = upstream else {
         let _ = client
             .write_all(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
             .await;
         return;
     };
-    if client
-        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        .await
-        .is_err()
-    {
+    let started = if connect.is_some() {
+        client
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .await
+    } else {
+        upstream.write_all(head.as_bytes()).await
+    };
+    if started.is_err() {
         return;
     }
     let (mut from_client, mut to_client) = client.into_split();
