@@ -82,7 +82,7 @@ pub fn write(out: &mut String, value: &Value) {
 
 /// `text` as a JSON string, escaped as serde_json escapes: a quote, a backslash and the
 /// control characters, nothing else. The runs between escapes are copied whole.
-fn write_str(out: &mut String, text: &str) {
+pub fn write_str(out: &mut String, text: &str) {
     out.push('"');
     let mut start = 0;
     while let Some(at) = next_to_escape(text.as_bytes(), start) {

@@ -950,7 +950,7 @@ struct EventRow<'a> {
     /// The first event, its number, and its data as stored.
     first: Option<(&'a super::EventRecord, i64, String)>,
     /// The events after the first, as a JSON array still open at its end.
-    more: Vec<u8>,
+    more: String,
     count: usize,
 }
 
@@ -977,10 +977,8 @@ impl<'a> EventRow<'a> {
                 // Written straight into `more`, and taken back out if the row would be too
                 // long.
                 let mark = self.more.len();
-                self.more.push(if mark == 0 { b'[' } else { b',' });
-                // Strings and maps with string keys: writing them into a `Vec` cannot fail.
-                serde_json::to_writer(&mut self.more, &later)
-                    .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+                self.more.push(if mark == 0 { '[' } else { ',' });
+                later.write(&mut self.more);
                 // The event's bytes, without the separator, as the row's length.
                 if data.len() + self.more.len() - 1 <= ROW_BYTES {
                     self.count += 1;
@@ -1003,12 +1001,8 @@ impl<'a> EventRow<'a> {
         let more = if self.more.is_empty() {
             None
         } else {
-            self.more.push(b']');
-            // Built from `serde_json`'s output and ASCII brackets and commas.
-            Some(
-                String::from_utf8(std::mem::take(&mut self.more))
-                    .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?,
-            )
+            self.more.push(']');
+            Some(std::mem::take(&mut self.more))
         };
         self.count = 0;
         prepared
