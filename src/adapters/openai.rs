@@ -282,7 +282,7 @@ impl OpenAiAdapter {
         &self,
         context: &AdapterContext<'_>,
         model: &ModelConfig,
-        body: http_body_util::BodyDataStream<hyper::body::Incoming>,
+        mut body: http_body_util::BodyDataStream<hyper::body::Incoming>,
         output_budget: usize,
     ) -> Result<Turn, AttemptError> {
         let mut output = RuntimeOutput::default();
@@ -290,7 +290,6 @@ impl OpenAiAdapter {
         let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
         let mut events = Vec::new();
-        let mut body = body;
         // Whatever fails now, the upstream took the call; `written` bytes of text reached
         // the run.
         let fail = |error: AdapterError, written: usize| AttemptError {
