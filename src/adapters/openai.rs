@@ -23,7 +23,7 @@ use http::Uri;
 use serde_json::{Map, Value, json};
 
 use super::chat_wire;
-use super::retry::{AttemptError, refused, retry_after, settle};
+use super::retry::{AttemptError, refused, retry_after, settle, transport_failure};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
@@ -1082,20 +1082,7 @@ fn timeout_error(model: &ModelConfig) -> AdapterError {
 }
 
 fn transport_error(model: &ModelConfig, error: &impl CallFailure) -> AdapterError {
-    let kind = if error.is_timeout() {
-        FailureKind::Timeout
-    } else {
-        FailureKind::Connection
-    };
-    // Errors may carry the URL; keep only the kind of failure to avoid leaking query secrets.
-    let what = if error.is_connect() {
-        crate::net::connect_failure(error)
-    } else if error.is_timeout() {
-        "timed out"
-    } else {
-        "connection failed"
-    };
-    AdapterError::new(kind, format!("upstream model `{}`: {what}", model.id))
+    transport_failure(&format!("upstream model `{}`", model.id), error)
 }
 
 /// `retry-after` in seconds (the HTTP-date form is rare for APIs and falls back to backoff).

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::openai::read_limited;
-use super::retry::{AttemptError, refused, retry_after, settle};
+use super::retry::{AttemptError, refused, retry_after, settle, transport_failure};
 use super::sse::{MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, Usage,
@@ -475,19 +475,6 @@ fn timeout(context: &AdapterContext<'_>, endpoint: &EndpointConfig) -> AdapterEr
 }
 
 fn transport(context: &AdapterContext<'_>, error: &reqwest::Error) -> AdapterError {
-    let kind = if error.is_timeout() {
-        FailureKind::Timeout
-    } else {
-        FailureKind::Connection
-    };
-    // The URL stays out of the message (it may carry credentials in a query).
-    let what = if error.is_connect() {
-        crate::net::connect_failure(error)
-    } else {
-        "the connection failed"
-    };
-    AdapterError::new(
-        kind,
-        format!("the agent service of `{}`: {what}", context.agent.name),
-    )
+    let who = format!("the agent service of `{}`", context.agent.name);
+    transport_failure(&who, error)
 }

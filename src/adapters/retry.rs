@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::{AdapterContext, AdapterError, FailureKind};
+use crate::net::CallFailure;
 use crate::runtime::events::RETRY_SCHEDULED;
 use crate::workspace::RetryKind;
 
@@ -140,6 +141,24 @@ pub(super) async fn refused<E: std::fmt::Display>(
         upstream_took: status.is_server_error(),
         written: 0,
     }
+}
+
+/// A call that failed in transport, as `who`'s error: `timeout` or `connection`, in words
+/// without the URL (it may carry credentials in a query) or the address.
+pub(super) fn transport_failure(who: &str, error: &impl CallFailure) -> AdapterError {
+    let kind = if error.is_timeout() {
+        FailureKind::Timeout
+    } else {
+        FailureKind::Connection
+    };
+    let what = if error.is_connect() {
+        crate::net::connect_failure(error)
+    } else if error.is_timeout() {
+        "timed out"
+    } else {
+        "connection failed"
+    };
+    AdapterError::new(kind, format!("{who}: {what}"))
 }
 
 /// An upstream's `retry-after` in seconds.
