@@ -603,6 +603,46 @@ pub(crate) fn archive_selects(in_sessions: &str, event_rows: &str) -> [String; 7
     ]
 }
 
+/// How a store reads each kind of an archive's records from its rows ([`archive_from_rows`]).
+pub(crate) struct ArchiveReaders<R> {
+    pub session: fn(&R) -> Result<SessionRecord, StoreError>,
+    pub message: fn(&R) -> Result<MessageRecord, StoreError>,
+    pub request: fn(&R) -> Result<RequestRecord, StoreError>,
+    pub run: fn(&R) -> Result<RunRecord, StoreError>,
+    /// A row of events holds several ([`event_rows::EventRows`]).
+    pub events: fn(&R) -> Result<Vec<EventRecord>, StoreError>,
+    pub tool_call: fn(&R) -> Result<ToolCallRecord, StoreError>,
+    pub approval: fn(&R) -> Result<ApprovalRecord, StoreError>,
+}
+
+/// An archive's records from the rows [`archive_selects`]' statements read, in their order.
+pub(crate) fn archive_from_rows<R>(
+    rows: &[Vec<R>; 7],
+    read: &ArchiveReaders<R>,
+) -> Result<ArchiveRows, StoreError> {
+    fn all<R, T>(rows: &[R], read: fn(&R) -> Result<T, StoreError>) -> Result<Vec<T>, StoreError> {
+        rows.iter().map(read).collect()
+    }
+    let [
+        sessions,
+        messages,
+        requests,
+        runs,
+        events,
+        tool_calls,
+        approvals,
+    ] = rows;
+    Ok(ArchiveRows {
+        sessions: all(sessions, read.session)?,
+        messages: all(messages, read.message)?,
+        requests: all(requests, read.request)?,
+        runs: all(runs, read.run)?,
+        events: event_rows::EventRows::EVERY.keep(events, read.events)?,
+        tool_calls: all(tool_calls, read.tool_call)?,
+        approvals: all(approvals, read.approval)?,
+    })
+}
+
 /// How many requests each session of a set holds (`Store::requests_per_session`), sessions
 /// without requests left out.
 pub(crate) fn requests_per_session_sql(in_sessions: &str) -> String {

@@ -1238,39 +1238,18 @@ impl Store for SqliteStore {
                 .await?;
         }
         tx.commit().await?;
-        let [
-            sessions,
-            messages,
-            requests,
-            runs,
-            events,
-            tool_calls,
-            approvals,
-        ] = &rows;
-        Ok(ArchiveRows {
-            sessions: sessions
-                .iter()
-                .map(session_from_row)
-                .collect::<Result<_, _>>()?,
-            messages: messages
-                .iter()
-                .map(message_from_row)
-                .collect::<Result<_, _>>()?,
-            requests: requests
-                .iter()
-                .map(request_from_row)
-                .collect::<Result<_, _>>()?,
-            runs: runs.iter().map(run_from_row).collect::<Result<_, _>>()?,
-            events: EventRows::EVERY.keep(events, events_from_row)?,
-            tool_calls: tool_calls
-                .iter()
-                .map(tool_call_from_row)
-                .collect::<Result<_, _>>()?,
-            approvals: approvals
-                .iter()
-                .map(approval_from_row)
-                .collect::<Result<_, _>>()?,
-        })
+        super::archive_from_rows(
+            &rows,
+            &super::ArchiveReaders {
+                session: session_from_row,
+                message: message_from_row,
+                request: request_from_row,
+                run: run_from_row,
+                events: events_from_row,
+                tool_call: tool_call_from_row,
+                approval: approval_from_row,
+            },
+        )
     }
 
     async fn delete_sessions(

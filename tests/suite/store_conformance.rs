@@ -1624,18 +1624,10 @@ async fn an_archive_reads_each_table_once_for_many_sessions_and_finds_what_singl
     let mut found_sessions = Vec::new();
     for id in ["ses_a", "ses_b"] {
         found_sessions.push(store.session(id).await.unwrap().unwrap());
-        let messages: Vec<&MessageRecord> = rows
-            .messages
-            .iter()
-            .filter(|m| m.session_id == id)
-            .collect();
+        let messages = picked(&rows.messages, |m: &MessageRecord| m.session_id == id);
         let single = store.messages(id).await.unwrap();
         assert_eq!(messages, single.iter().collect::<Vec<_>>(), "{id}");
-        let requests: Vec<&RequestRecord> = rows
-            .requests
-            .iter()
-            .filter(|r| r.session_id == id)
-            .collect();
+        let requests = picked(&rows.requests, |r: &RequestRecord| r.session_id == id);
         let filter = RequestFilter {
             session_id: Some(id.into()),
             ..RequestFilter::default()
@@ -1651,35 +1643,19 @@ async fn an_archive_reads_each_table_once_for_many_sessions_and_finds_what_singl
             .items;
         assert_eq!(requests, single.iter().collect::<Vec<_>>(), "{id}");
         for request in single {
-            let events: Vec<&EventRecord> = rows
-                .events
-                .iter()
-                .filter(|e| *e.request_id == *request.id)
-                .collect();
+            let events = picked(&rows.events, |e: &EventRecord| *e.request_id == *request.id);
             let single = store.events(&request.id, 0, i64::MAX).await.unwrap();
             assert!(!single.is_empty());
             assert_eq!(events, single.iter().collect::<Vec<_>>(), "{}", request.id);
-            let runs: Vec<&RunRecord> = rows
-                .runs
-                .iter()
-                .filter(|r| r.request_id == request.id)
-                .collect();
+            let runs = picked(&rows.runs, |r: &RunRecord| r.request_id == request.id);
             let single = store.runs_of(&request.id).await.unwrap();
             assert_eq!(runs, single.iter().collect::<Vec<_>>(), "{}", request.id);
             for run in single {
-                let calls: Vec<&ToolCallRecord> = rows
-                    .tool_calls
-                    .iter()
-                    .filter(|c| c.run_id == run.id)
-                    .collect();
+                let calls = picked(&rows.tool_calls, |c: &ToolCallRecord| c.run_id == run.id);
                 let mut single = store.tool_calls_of_run(&run.id).await.unwrap();
                 single.sort_by(|x, y| x.call_key.cmp(&y.call_key));
                 assert_eq!(calls, single.iter().collect::<Vec<_>>(), "{}", run.id);
-                let approvals: Vec<&ApprovalRecord> = rows
-                    .approvals
-                    .iter()
-                    .filter(|a| a.run_id == run.id)
-                    .collect();
+                let approvals = picked(&rows.approvals, |a: &ApprovalRecord| a.run_id == run.id);
                 let single = store.approvals_of_run(&run.id).await.unwrap();
                 assert_eq!(approvals, single.iter().collect::<Vec<_>>(), "{}", run.id);
             }
@@ -2597,6 +2573,12 @@ fn run_at(id: &str, request: &str, at: chrono::DateTime<Utc>) -> WriteOp {
         record.updated_at = at;
     }
     op
+}
+
+/// The records of `all` that `keep` picks, in their order: what an archive read for several
+/// sessions holds of one session, request or run, to compare with what a single read finds.
+fn picked<T>(all: &[T], keep: impl Fn(&T) -> bool) -> Vec<&T> {
+    all.iter().filter(|record| keep(record)).collect()
 }
 
 fn session_at(id: &str, at: chrono::DateTime<Utc>) -> WriteOp {
