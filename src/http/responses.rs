@@ -30,9 +30,10 @@ use super::v1::{
     hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
     terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
-use super::views::{Json, json_event, run_failure, store_error};
+use super::views::{JsonText, json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
+use crate::json;
 use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};
 use crate::runtime::{ApprovalWatch, Runtime, Submitted};
 use crate::store::{EventRecord, RequestRecord, RunStatus, Store};
@@ -130,76 +131,70 @@ impl Shape {
         })
     }
 
-    /// The response object, borrowed from the shape and the outcome: a JSON answer writes
-    /// it out without building a `Value` tree first.
-    fn object<'a>(&'a self, outcome: &'a Outcome) -> ResponseObject<'a> {
-        ResponseObject {
-            id: &self.id,
-            object: "response",
-            created_at: self.created_at,
-            status: outcome.status,
-            model: &self.model,
-            output: &outcome.output,
-            usage: &outcome.usage,
-            error: &outcome.error,
-            incomplete_details: &outcome.incomplete,
-            instructions: self.instructions.as_deref(),
-            metadata: &self.metadata,
-            parallel_tool_calls: &self.parallel_tool_calls,
-            tool_choice: &self.tool_choice,
-            tools: &self.tools,
-            previous_response_id: self.previous_response_id.as_deref(),
-            store: self.store,
-            text: TextConfig {
-                format: TextFormat { kind: "text" },
-            },
-            truncation: "disabled",
-            temperature: (),
-            top_p: (),
-            max_output_tokens: (),
-            reasoning: (),
-            user: (),
+    /// The response object as text: written here field by field, its constant runs (`object`,
+    /// `text`, `truncation` and the five `null`s) each one copy, with no serializer between
+    /// (docs/profiling.md, the forty-eighth pass). The fields keep the order they always had.
+    fn object_text(&self, outcome: &Outcome) -> String {
+        let mut out = String::with_capacity(640);
+        self.write_object(&mut out, outcome);
+        out
+    }
+
+    fn write_object(&self, out: &mut String, outcome: &Outcome) {
+        out.push_str("{\"id\":");
+        json::write_str(out, &self.id);
+        out.push_str(",\"object\":\"response\",\"created_at\":");
+        out.push_str(itoa::Buffer::new().format(self.created_at));
+        out.push_str(",\"status\":");
+        json::write_str(out, outcome.status);
+        out.push_str(",\"model\":");
+        json::write_str(out, &self.model);
+        out.push_str(",\"output\":[");
+        for (index, entry) in outcome.output.iter().enumerate() {
+            if index > 0 {
+                out.push(',');
+            }
+            entry.write(out);
         }
+        out.push_str("],\"usage\":");
+        match &outcome.usage {
+            Some(usage) => usage.write(out),
+            None => out.push_str("null"),
+        }
+        out.push_str(",\"error\":");
+        json::write(out, &outcome.error);
+        out.push_str(",\"incomplete_details\":");
+        json::write(out, &outcome.incomplete);
+        out.push_str(",\"instructions\":");
+        write_optional_str(out, self.instructions.as_deref());
+        out.push_str(",\"metadata\":");
+        json::write(out, &self.metadata);
+        out.push_str(",\"parallel_tool_calls\":");
+        json::write(out, &self.parallel_tool_calls);
+        out.push_str(",\"tool_choice\":");
+        json::write(out, &self.tool_choice);
+        out.push_str(",\"tools\":");
+        json::write(out, &self.tools);
+        out.push_str(",\"previous_response_id\":");
+        write_optional_str(out, self.previous_response_id.as_deref());
+        out.push_str(if self.store {
+            ",\"store\":true"
+        } else {
+            ",\"store\":false"
+        });
+        out.push_str(
+            ",\"text\":{\"format\":{\"type\":\"text\"}},\"truncation\":\"disabled\",\"temperature\":null,\
+             \"top_p\":null,\"max_output_tokens\":null,\"reasoning\":null,\"user\":null}",
+        );
     }
 }
 
-/// A response object as written out (`()` is written `null`).
-#[derive(Serialize)]
-struct ResponseObject<'a> {
-    id: &'a str,
-    object: &'static str,
-    created_at: i64,
-    status: &'static str,
-    model: &'a str,
-    output: &'a [OutputEntry],
-    usage: &'a Option<ResponseUsage>,
-    error: &'a Value,
-    incomplete_details: &'a Value,
-    instructions: Option<&'a str>,
-    metadata: &'a Value,
-    parallel_tool_calls: &'a Value,
-    tool_choice: &'a Value,
-    tools: &'a Value,
-    previous_response_id: Option<&'a str>,
-    store: bool,
-    text: TextConfig,
-    truncation: &'static str,
-    temperature: (),
-    top_p: (),
-    max_output_tokens: (),
-    reasoning: (),
-    user: (),
-}
-
-#[derive(Serialize)]
-struct TextConfig {
-    format: TextFormat,
-}
-
-#[derive(Serialize)]
-struct TextFormat {
-    #[serde(rename = "type")]
-    kind: &'static str,
+/// `text` as a JSON string, or `null`.
+fn write_optional_str(out: &mut String, text: Option<&str>) {
+    match text {
+        Some(text) => json::write_str(out, text),
+        None => out.push_str("null"),
+    }
 }
 
 /// What a run made of a response, typed: a JSON answer and the stream's last event write it
@@ -222,37 +217,37 @@ enum OutputEntry {
     FunctionCall(ClientCall),
 }
 
-impl Serialize for OutputEntry {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+impl OutputEntry {
+    /// The item as it is in a finished response's `output`.
+    fn write(&self, out: &mut String) {
         match self {
-            Self::Message { id, text } => {
-                MessageItem::new(id, "completed", &[OutputText::of(text)]).serialize(serializer)
-            }
+            Self::Message { id, text } => write_message_item(out, id, "completed", Some(text)),
             Self::FunctionCall(call) => {
-                FunctionCallItem::of(call, &call.arguments, "completed").serialize(serializer)
+                write_function_call_item(out, call, &call.arguments, "completed");
             }
         }
     }
 }
 
-/// A response's `usage`: always all five fields.
-#[derive(Debug, Serialize)]
+/// A response's `usage`: always all five fields, the two details `0`.
+#[derive(Debug)]
 struct ResponseUsage {
     input_tokens: u64,
-    input_tokens_details: CachedTokens,
     output_tokens: u64,
-    output_tokens_details: ReasoningTokens,
     total_tokens: u64,
 }
 
-#[derive(Debug, Serialize)]
-struct CachedTokens {
-    cached_tokens: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct ReasoningTokens {
-    reasoning_tokens: u64,
+impl ResponseUsage {
+    fn write(&self, out: &mut String) {
+        let mut digits = itoa::Buffer::new();
+        out.push_str("{\"input_tokens\":");
+        out.push_str(digits.format(self.input_tokens));
+        out.push_str(",\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":");
+        out.push_str(digits.format(self.output_tokens));
+        out.push_str(",\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":");
+        out.push_str(digits.format(self.total_tokens));
+        out.push('}');
+    }
 }
 
 impl Outcome {
@@ -337,29 +332,41 @@ fn message_item_id(request_id: &str) -> String {
     )
 }
 
-/// A client's function call, as an output item.
-#[derive(Serialize)]
-struct FunctionCallItem<'a> {
-    arguments: &'a str,
-    call_id: &'a str,
-    id: String,
-    name: &'a str,
-    status: &'static str,
-    #[serde(rename = "type")]
-    kind: &'static str,
+/// The output item id of a client's call `call_<x>`: `fc_<x>`.
+fn function_call_item_id(call: &ClientCall) -> String {
+    format!("fc_{}", call.id.strip_prefix("call_").unwrap_or(&call.id))
 }
 
-impl<'a> FunctionCallItem<'a> {
-    fn of(call: &'a ClientCall, arguments: &'a str, status: &'static str) -> Self {
-        Self {
-            arguments,
-            call_id: &call.id,
-            id: format!("fc_{}", call.id.strip_prefix("call_").unwrap_or(&call.id)),
-            name: &call.name,
-            status,
-            kind: "function_call",
+/// A client's function call, as an output item: its `arguments` as far as they are known.
+fn write_function_call_item(out: &mut String, call: &ClientCall, arguments: &str, status: &str) {
+    out.push_str("{\"arguments\":");
+    json::write_str(out, arguments);
+    out.push_str(",\"call_id\":");
+    json::write_str(out, &call.id);
+    out.push_str(",\"id\":");
+    json::write_str(out, &function_call_item_id(call));
+    out.push_str(",\"name\":");
+    json::write_str(out, &call.name);
+    out.push_str(",\"status\":");
+    json::write_str(out, status);
+    out.push_str(",\"type\":\"function_call\"}");
+}
+
+/// The assistant's message, as an output item: its one text part, or none while it opens.
+fn write_message_item(out: &mut String, id: &str, status: &str, text: Option<&str>) {
+    match text {
+        Some(text) => {
+            out.push_str("{\"content\":[{\"annotations\":[],\"logprobs\":[],\"text\":");
+            json::write_str(out, text);
+            out.push_str(",\"type\":\"output_text\"}]");
         }
+        None => out.push_str("{\"content\":[]"),
     }
+    out.push_str(",\"id\":");
+    json::write_str(out, id);
+    out.push_str(",\"role\":\"assistant\",\"status\":");
+    json::write_str(out, status);
+    out.push_str(",\"type\":\"message\"}");
 }
 
 /// The run's usage (a Chat Completions `usage`) in the Responses shape.
@@ -373,11 +380,7 @@ fn usage(usage: Option<&Value>) -> ResponseUsage {
     let (input, output) = (count("prompt_tokens"), count("completion_tokens"));
     ResponseUsage {
         input_tokens: input,
-        input_tokens_details: CachedTokens { cached_tokens: 0 },
         output_tokens: output,
-        output_tokens_details: ReasoningTokens {
-            reasoning_tokens: 0,
-        },
         total_tokens: count("total_tokens").max(input.saturating_add(output)),
     }
 }
@@ -789,7 +792,7 @@ pub async fn get_response(
         return Err(response_not_found(&id, None));
     };
     let outcome = stored_outcome(&state.runtime, &request).await?;
-    Ok(Json(shape.object(&outcome)).into_response())
+    Ok(JsonText(shape.object_text(&outcome)).into_response())
 }
 
 async fn complete_response(
@@ -799,7 +802,7 @@ async fn complete_response(
 ) -> Result<Response, ApiError> {
     let event = completed_event(&mut events, submitted).await?;
     let outcome = Outcome::ended(&submitted.request_id, &event);
-    Ok(Json(shape.object(&outcome)).into_response())
+    Ok(JsonText(shape.object_text(&outcome)).into_response())
 }
 
 /// Numbers a stream's events from 0, as every Responses event carries `sequence_number`.
@@ -827,6 +830,40 @@ impl Sequence {
         Ok(json_event(Event::default().event(event_type), &data))
     }
 
+    /// The event `event_type` whose fields `fields` writes (`"key":value` pairs, comma
+    /// separated, without the braces), numbered: the events that carry a whole response or an
+    /// output item, written as the JSON answer writes them.
+    fn written(
+        &mut self,
+        event_type: &'static str,
+        fields: impl FnOnce(&mut String),
+    ) -> Result<Event, Infallible> {
+        let mut data = String::with_capacity(256);
+        data.push('{');
+        fields(&mut data);
+        data.push_str(",\"sequence_number\":");
+        data.push_str(itoa::Buffer::new().format(self.next()));
+        data.push_str(",\"type\":");
+        json::write_str(&mut data, event_type);
+        data.push('}');
+        Ok(Event::default().event(event_type).data(data))
+    }
+
+    /// `response.output_item.added` or `.done`: `item`, written by `write_item`.
+    fn output_item(
+        &mut self,
+        event_type: &'static str,
+        output_index: usize,
+        write_item: impl FnOnce(&mut String),
+    ) -> Result<Event, Infallible> {
+        self.written(event_type, |out| {
+            out.push_str("\"item\":");
+            write_item(out);
+            out.push_str(",\"output_index\":");
+            out.push_str(itoa::Buffer::new().format(output_index));
+        })
+    }
+
     /// `response.output_text.delta`, the event a stream sends per delta.
     fn text_delta(&mut self, item_id: &str, delta: &str) -> Result<Event, Infallible> {
         self.event(
@@ -844,13 +881,9 @@ impl Sequence {
     /// The two events that open a message's text: its item, then its text part, both empty.
     fn message_opened(&mut self, item_id: &str) -> [Result<Event, Infallible>; 2] {
         [
-            self.event(
-                "response.output_item.added",
-                OutputItem {
-                    item: MessageItem::new(item_id, "in_progress", &[]),
-                    output_index: 0,
-                },
-            ),
+            self.output_item("response.output_item.added", 0, |out| {
+                write_message_item(out, item_id, "in_progress", None);
+            }),
             self.event("response.content_part.added", TextPart::of(item_id, "")),
         ]
     }
@@ -869,13 +902,9 @@ impl Sequence {
                 },
             ),
             self.event("response.content_part.done", TextPart::of(item_id, text)),
-            self.event(
-                "response.output_item.done",
-                OutputItem {
-                    item: MessageItem::new(item_id, "completed", &[OutputText::of(text)]),
-                    output_index: 0,
-                },
-            ),
+            self.output_item("response.output_item.done", 0, |out| {
+                write_message_item(out, item_id, "completed", Some(text));
+            }),
         ]
     }
 
@@ -887,40 +916,26 @@ impl Sequence {
         shape: &Shape,
         outcome: &Outcome,
     ) -> Result<Event, Infallible> {
-        self.event(
-            event_type,
-            WholeResponse {
-                response: shape.object(outcome),
-            },
-        )
+        self.whole(event_type, &shape.object_text(outcome))
+    }
+
+    /// An event carrying `response`, the response object's text.
+    fn whole(&mut self, event_type: &'static str, response: &str) -> Result<Event, Infallible> {
+        self.written(event_type, |out| {
+            out.push_str("\"response\":");
+            out.push_str(response);
+        })
     }
 
     /// `response.created` and `response.in_progress`, the events before any output: the
     /// same response object (in progress, no output yet) in both, written once. They come
     /// before the first token, and the object carries every tool the client declared.
     fn started(&mut self, shape: &Shape) -> [Result<Event, Infallible>; 2] {
-        let started = Outcome::in_progress("in_progress");
-        match serde_json::value::to_raw_value(&shape.object(&started)) {
-            Ok(response) => [
-                self.event(
-                    "response.created",
-                    WholeResponse {
-                        response: &*response,
-                    },
-                ),
-                self.event(
-                    "response.in_progress",
-                    WholeResponse {
-                        response: &*response,
-                    },
-                ),
-            ],
-            // What does not serialize here fails in each event, which then says so.
-            Err(_) => [
-                self.response("response.created", shape, &started),
-                self.response("response.in_progress", shape, &started),
-            ],
-        }
+        let response = shape.object_text(&Outcome::in_progress("in_progress"));
+        [
+            self.whole("response.created", &response),
+            self.whole("response.in_progress", &response),
+        ]
     }
 }
 
@@ -933,11 +948,6 @@ struct Sequenced<F> {
     sequence_number: u64,
     #[serde(rename = "type")]
     event_type: &'static str,
-}
-
-#[derive(Serialize)]
-struct WholeResponse<R> {
-    response: R,
 }
 
 #[derive(Serialize)]
@@ -988,56 +998,6 @@ struct Part<'a> {
     text: &'a str,
     #[serde(rename = "type")]
     kind: &'static str,
-}
-
-#[derive(Serialize)]
-struct OutputItem<I> {
-    item: I,
-    output_index: usize,
-}
-
-/// The assistant's message, as an output item.
-#[derive(Serialize)]
-struct MessageItem<'a> {
-    content: &'a [OutputText<'a>],
-    id: &'a str,
-    role: &'static str,
-    status: &'a str,
-    #[serde(rename = "type")]
-    kind: &'static str,
-}
-
-impl<'a> MessageItem<'a> {
-    fn new(id: &'a str, status: &'a str, content: &'a [OutputText<'a>]) -> Self {
-        Self {
-            content,
-            id,
-            role: "assistant",
-            status,
-            kind: "message",
-        }
-    }
-}
-
-/// A message's text, as its content part.
-#[derive(Serialize)]
-struct OutputText<'a> {
-    annotations: [(); 0],
-    logprobs: [(); 0],
-    text: &'a str,
-    #[serde(rename = "type")]
-    kind: &'static str,
-}
-
-impl<'a> OutputText<'a> {
-    fn of(text: &'a str) -> Self {
-        Self {
-            annotations: [],
-            logprobs: [],
-            text,
-            kind: "output_text",
-        }
-    }
 }
 
 async fn stream_response(
@@ -1112,15 +1072,17 @@ async fn stream_response(
                 output_index = 1;
             }
             for call in client_calls(&event.data) {
-                let added = FunctionCallItem::of(&call, "", "in_progress");
-                let fc_id = added.id.clone();
-                yield seq.event("response.output_item.added", OutputItem { item: added, output_index });
+                let fc_id = function_call_item_id(&call);
+                yield seq.output_item("response.output_item.added", output_index, |out| {
+                    write_function_call_item(out, &call, "", "in_progress");
+                });
                 yield seq.event("response.function_call_arguments.delta", json!({ "item_id": fc_id,
                     "output_index": output_index, "delta": call.arguments }));
                 yield seq.event("response.function_call_arguments.done", json!({ "item_id": fc_id,
                     "output_index": output_index, "name": call.name, "arguments": call.arguments }));
-                yield seq.event("response.output_item.done", OutputItem {
-                    item: FunctionCallItem::of(&call, &call.arguments, "completed"), output_index });
+                yield seq.output_item("response.output_item.done", output_index, |out| {
+                    write_function_call_item(out, &call, &call.arguments, "completed");
+                });
                 output_index += 1;
             }
             let terminal = if outcome.status == "incomplete" { "response.incomplete" } else { "response.completed" };
@@ -1165,11 +1127,13 @@ mod tests {
             .collect()
     }
 
-    /// Each event written from its fields is the JSON the `Value` it replaced was (those
-    /// `Value`s are written out below as the stream built them before), numbered in turn.
-    #[tokio::test]
-    async fn each_event_is_the_json_its_value_was() {
-        let shape = Shape {
+    /// The response object's text, parsed.
+    fn object_value(shape: &Shape, outcome: &Outcome) -> Value {
+        serde_json::from_str(&shape.object_text(outcome)).expect("the object is JSON")
+    }
+
+    fn a_shape() -> Shape {
+        Shape {
             id: "resp_1".into(),
             created_at: 1_764_547_200,
             model: "coder".into(),
@@ -1180,7 +1144,71 @@ mod tests {
             parallel_tool_calls: json!(true),
             previous_response_id: Some("resp_0".into()),
             store: true,
-        };
+        }
+    }
+
+    /// The response object's text, byte for byte as serde's derived serializer wrote it
+    /// before it was written by hand: every field, in the same order, escaped the same way.
+    #[test]
+    fn the_response_object_is_written_as_it_was_serialized() {
+        let mut shape = a_shape();
+        let mut ended = Outcome::in_progress("completed");
+        ended.output = vec![
+            OutputEntry::Message {
+                id: "msg_1".into(),
+                text: "hé \"x\"\n\u{1}".into(),
+            },
+            OutputEntry::FunctionCall(ClientCall {
+                id: "call_7".into(),
+                name: "look\\up".into(),
+                arguments: "{\"q\":1}".into(),
+            }),
+        ];
+        ended.usage = Some(usage(Some(
+            &json!({ "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 4 }),
+        )));
+        assert_eq!(
+            shape.object_text(&ended),
+            concat!(
+                r#"{"id":"resp_1","object":"response","created_at":1764547200,"status":"completed","#,
+                r#""model":"coder","output":[{"content":[{"annotations":[],"logprobs":[],"#,
+                r#""text":"hé \"x\"\n\u0001","type":"output_text"}],"id":"msg_1","role":"assistant","#,
+                r#""status":"completed","type":"message"},{"arguments":"{\"q\":1}","#,
+                r#""call_id":"call_7","id":"fc_7","name":"look\\up","status":"completed","#,
+                r#""type":"function_call"}],"usage":{"input_tokens":3,"#,
+                r#""input_tokens_details":{"cached_tokens":0},"output_tokens":2,"#,
+                r#""output_tokens_details":{"reasoning_tokens":0},"total_tokens":5},"#,
+                r#""error":null,"incomplete_details":null,"instructions":"Be brief.","#,
+                r#""metadata":{"team":"a"},"parallel_tool_calls":true,"tool_choice":"auto","#,
+                r#""tools":[{"name":"f","type":"function"}],"previous_response_id":"resp_0","#,
+                r#""store":true,"text":{"format":{"type":"text"}},"truncation":"disabled","#,
+                r#""temperature":null,"top_p":null,"max_output_tokens":null,"reasoning":null,"#,
+                r#""user":null}"#
+            )
+        );
+        shape.instructions = None;
+        shape.previous_response_id = None;
+        shape.store = false;
+        shape.created_at = -1;
+        let mut failed = Outcome::in_progress("failed");
+        failed.error = json!({ "code": "upstream_error", "message": "down" });
+        failed.incomplete = json!({ "reason": "max_output_tokens" });
+        let text = shape.object_text(&failed);
+        for part in [
+            r#""created_at":-1,"#,
+            r#""output":[],"usage":null,"error":{"code":"upstream_error","message":"down"},"#,
+            r#""incomplete_details":{"reason":"max_output_tokens"},"instructions":null,"#,
+            r#""previous_response_id":null,"store":false,"#,
+        ] {
+            assert!(text.contains(part), "{part} in {text}");
+        }
+    }
+
+    /// Each event written from its fields is the JSON the `Value` it replaced was (those
+    /// `Value`s are written out below as the stream built them before), numbered in turn.
+    #[tokio::test]
+    async fn each_event_is_the_json_its_value_was() {
+        let shape = a_shape();
         let started = Outcome::in_progress("in_progress");
         let mut ended = Outcome::in_progress("completed");
         let text = "hé \"x\"\n";
@@ -1207,7 +1235,9 @@ mod tests {
             "completed",
             json!([{ "type": "output_text", "text": text, "annotations": [], "logprobs": [] }]),
         );
-        assert_eq!(serde_json::to_value(&ended.output[0]).unwrap(), done_item);
+        let mut entry = String::new();
+        ended.output[0].write(&mut entry);
+        assert_eq!(serde_json::from_str::<Value>(&entry).unwrap(), done_item);
         // A client's call and the usage, as the `Value`s written before them.
         let call = ClientCall {
             id: "call_7".into(),
@@ -1219,7 +1249,7 @@ mod tests {
         typed.usage = Some(usage(Some(
             &json!({ "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 4 }),
         )));
-        let typed = serde_json::to_value(shape.object(&typed)).unwrap();
+        let typed = object_value(&shape, &typed);
         assert_eq!(
             typed["output"],
             json!([{ "type": "function_call", "id": "fc_7", "call_id": "call_7",
@@ -1231,11 +1261,8 @@ mod tests {
                     "output_tokens": 2, "output_tokens_details": { "reasoning_tokens": 0 },
                     "total_tokens": 5 })
         );
-        assert_eq!(
-            serde_json::to_value(shape.object(&started)).unwrap()["usage"],
-            Value::Null
-        );
-        let response = |outcome: &Outcome| serde_json::to_value(shape.object(outcome)).unwrap();
+        assert_eq!(object_value(&shape, &started)["usage"], Value::Null);
+        let response = |outcome: &Outcome| object_value(&shape, outcome);
         let expected = [
             json!({ "response": response(&started) }),
             json!({ "response": response(&started) }),

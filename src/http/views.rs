@@ -494,6 +494,22 @@ impl<T: Serialize> axum::response::IntoResponse for Json<T> {
     }
 }
 
+/// An answer whose JSON text is written already (by a surface's own writer).
+pub struct JsonText(pub String);
+
+impl axum::response::IntoResponse for JsonText {
+    fn into_response(self) -> axum::response::Response {
+        (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("application/json"),
+            )],
+            self.0,
+        )
+            .into_response()
+    }
+}
+
 /// `event` with `data` as its JSON data. Serialized into one `String` first: axum's
 /// `json_data` writes into the event directly but scans each of serde's many small writes
 /// for line breaks, which cost more than the copy (docs/profiling.md, the fourteenth pass).
