@@ -864,18 +864,16 @@ impl Sequence {
         })
     }
 
-    /// `response.output_text.delta`, the event a stream sends per delta.
+    /// `response.output_text.delta`, the event a stream sends per delta: written straight
+    /// into its text.
     fn text_delta(&mut self, item_id: &str, delta: &str) -> Result<Event, Infallible> {
-        self.event(
-            "response.output_text.delta",
-            TextDelta {
-                content_index: 0,
-                delta,
-                item_id,
-                logprobs: [],
-                output_index: 0,
-            },
-        )
+        self.written("response.output_text.delta", |out| {
+            out.push_str("\"content_index\":0,\"delta\":");
+            json::write_str(out, delta);
+            out.push_str(",\"item_id\":");
+            json::write_str(out, item_id);
+            out.push_str(",\"logprobs\":[],\"output_index\":0");
+        })
     }
 
     /// The two events that open a message's text: its item, then its text part, both empty.
@@ -948,15 +946,6 @@ struct Sequenced<F> {
     sequence_number: u64,
     #[serde(rename = "type")]
     event_type: &'static str,
-}
-
-#[derive(Serialize)]
-struct TextDelta<'a> {
-    content_index: u32,
-    delta: &'a str,
-    item_id: &'a str,
-    logprobs: [(); 0],
-    output_index: u32,
 }
 
 #[derive(Serialize)]
