@@ -88,6 +88,14 @@ fn write_number(out: &mut String, number: &serde_json::Number) {
     }
 }
 
+/// `text` as a JSON string, or `null`.
+pub fn write_str_or_null(out: &mut String, text: Option<&str>) {
+    match text {
+        Some(text) => write_str(out, text),
+        None => out.push_str("null"),
+    }
+}
+
 /// `text` as a JSON string, escaped as serde_json escapes: a quote, a backslash and the
 /// control characters, nothing else. The runs between escapes are copied whole.
 pub fn write_str(out: &mut String, text: &str) {

@@ -166,7 +166,7 @@ impl Shape {
         out.push_str(",\"incomplete_details\":");
         json::write(out, &outcome.incomplete);
         out.push_str(",\"instructions\":");
-        write_optional_str(out, self.instructions.as_deref());
+        json::write_str_or_null(out, self.instructions.as_deref());
         out.push_str(",\"metadata\":");
         json::write(out, &self.metadata);
         out.push_str(",\"parallel_tool_calls\":");
@@ -176,7 +176,7 @@ impl Shape {
         out.push_str(",\"tools\":");
         json::write(out, &self.tools);
         out.push_str(",\"previous_response_id\":");
-        write_optional_str(out, self.previous_response_id.as_deref());
+        json::write_str_or_null(out, self.previous_response_id.as_deref());
         out.push_str(if self.store {
             ",\"store\":true"
         } else {
@@ -186,14 +186,6 @@ impl Shape {
             ",\"text\":{\"format\":{\"type\":\"text\"}},\"truncation\":\"disabled\",\"temperature\":null,\
              \"top_p\":null,\"max_output_tokens\":null,\"reasoning\":null,\"user\":null}",
         );
-    }
-}
-
-/// `text` as a JSON string, or `null`.
-fn write_optional_str(out: &mut String, text: Option<&str>) {
-    match text {
-        Some(text) => json::write_str(out, text),
-        None => out.push_str("null"),
     }
 }
 

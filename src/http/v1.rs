@@ -10,14 +10,14 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::views::{Json, json_event, run_failure, store_error};
+use super::views::{Json, JsonText, json_event, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::client::{self, ClientFunction};
@@ -513,30 +513,10 @@ struct Completion {
 }
 
 impl Completion {
-    /// One `chat.completion.chunk`: `delta` as its one choice's, and `usage: null` when the
-    /// client asked for usage (it comes in a chunk of its own at the end).
-    fn chunk<'a, D>(
-        &'a self,
-        delta: D,
-        finish_reason: Option<&'a str>,
-        include_usage: bool,
-    ) -> CompletionBody<'a, [ChunkChoice<'a, D>; 1]> {
-        let choice = ChunkChoice {
-            delta,
-            finish_reason,
-            index: 0,
-            logprobs: (),
-        };
-        self.body(
-            "chat.completion.chunk",
-            [choice],
-            include_usage.then_some(&Value::Null),
-        )
-    }
-
-    /// What each chunk of this stream writes after its choices (`created` to `usage`, and the
-    /// closing brace): the same for every chunk, so written once per stream.
-    fn chunk_tail(&self, include_usage: bool) -> String {
+    /// What a `chat.completion` or one of a stream's chunks writes after its choices:
+    /// `created` to `usage` (left out when `None`) and the closing brace. A stream's chunks
+    /// all end alike, so a stream writes its tail once.
+    fn tail(&self, object: &str, usage: Option<&Value>) -> String {
         let mut tail = String::with_capacity(self.id.len() + self.model.len() + 112);
         tail.push_str("\"created\":");
         tail.push_str(itoa::Buffer::new().format(self.created));
@@ -544,104 +524,93 @@ impl Completion {
         json::write_str(&mut tail, &self.id);
         tail.push_str(",\"model\":");
         json::write_str(&mut tail, &self.model);
-        tail.push_str(",\"object\":\"chat.completion.chunk\",\"system_fingerprint\":null");
-        if include_usage {
-            tail.push_str(",\"usage\":null");
+        tail.push_str(",\"object\":");
+        json::write_str(&mut tail, object);
+        tail.push_str(",\"system_fingerprint\":null");
+        if let Some(usage) = usage {
+            tail.push_str(",\"usage\":");
+            json::write(&mut tail, usage);
         }
         tail.push('}');
         tail
     }
 
-    /// The chunk after the last choice: no choices, and the request's usage.
-    fn usage_chunk<'a>(&'a self, usage: &'a Value) -> CompletionBody<'a, [(); 0]> {
-        self.body("chat.completion.chunk", [], Some(usage))
-    }
-
-    fn body<'a, C>(
-        &'a self,
-        object: &'static str,
-        choices: C,
-        usage: Option<&'a Value>,
-    ) -> CompletionBody<'a, C> {
-        CompletionBody {
-            choices,
-            created: self.created,
-            id: &self.id,
-            model: &self.model,
-            object,
-            system_fingerprint: (),
-            usage,
-        }
+    /// The tail of each chunk of a stream: `usage: null` when the client asked for usage
+    /// (it comes in a chunk of its own at the end).
+    fn chunk_tail(&self, include_usage: bool) -> String {
+        self.tail(
+            "chat.completion.chunk",
+            include_usage.then_some(&Value::Null),
+        )
     }
 }
 
-/// A `chat.completion`, or one `chat.completion.chunk` of a stream, as sent: serialized
-/// from its fields, no `Value` built per answer or chunk. The fields are in the order a
-/// `Value`'s map prints them, as before.
-#[derive(Serialize)]
-struct CompletionBody<'a, C> {
-    /// An array: one choice, or none in the usage chunk.
-    choices: C,
-    created: i64,
-    id: &'a str,
-    model: &'a str,
-    object: &'static str,
-    /// Always `null`.
-    system_fingerprint: (),
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<&'a Value>,
-}
-
-/// The choice of a `chat.completion`.
-#[derive(Serialize)]
-struct MessageChoice<'a> {
-    finish_reason: &'a str,
-    index: u32,
-    /// Always `null`.
-    logprobs: (),
-    message: CompletionMessage<'a>,
-}
-
-#[derive(Serialize)]
-struct CompletionMessage<'a> {
-    content: &'a Value,
-    /// Always `null`.
-    refusal: (),
-    role: &'static str,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    tool_calls: Vec<Value>,
-}
-
-/// The choice of a `chat.completion.chunk`.
-#[derive(Serialize)]
-struct ChunkChoice<'a, D> {
-    delta: D,
-    finish_reason: Option<&'a str>,
-    index: u32,
-    /// Always `null`.
-    logprobs: (),
-}
-
-/// The chunk of a delta of text (`role` only in the first), as [`Completion::chunk`] writes
-/// it, with `tail` from [`Completion::chunk_tail`]: a stream sends one per delta, so it is
-/// written straight into its text, the parts that never change one copy each
-/// (docs/profiling.md, the forty-eighth pass).
-fn text_chunk(tail: &str, content: &str, role: Option<&str>) -> String {
-    let mut data = String::with_capacity(content.len() + tail.len() + 96);
-    data.push_str("{\"choices\":[{\"delta\":{\"content\":");
-    json::write_str(&mut data, content);
-    if let Some(role) = role {
-        data.push_str(",\"role\":");
-        json::write_str(&mut data, role);
-    }
-    data.push_str("},\"finish_reason\":null,\"index\":0,\"logprobs\":null}],");
+/// A `chat.completion`, or one `chat.completion.chunk` of a stream, written straight into its
+/// text: its choices (none, or the one `choice` writes), then `tail` (from
+/// [`Completion::tail`]). No serializer between: the parts that never change are one copy
+/// each (docs/profiling.md, the forty-eighth pass). The fields are in the order a `Value`'s
+/// map prints them, as they always were.
+fn completion_text(tail: &str, choice: impl FnOnce(&mut String)) -> String {
+    let mut data = String::with_capacity(tail.len() + 160);
+    data.push_str("{\"choices\":[");
+    choice(&mut data);
+    data.push_str("],");
     data.push_str(tail);
     data
 }
 
-/// The delta of the chunk that carries the finish reason: `{}`.
-#[derive(Serialize)]
-struct NoDelta {}
+/// A chunk: its one choice, whose delta `delta` writes, with `finish_reason`.
+fn chunk_text(tail: &str, finish_reason: Option<&str>, delta: impl FnOnce(&mut String)) -> String {
+    completion_text(tail, |out| {
+        out.push_str("{\"delta\":");
+        delta(out);
+        out.push_str(",\"finish_reason\":");
+        json::write_str_or_null(out, finish_reason);
+        out.push_str(",\"index\":0,\"logprobs\":null}");
+    })
+}
+
+/// The chunk of a delta of text (`role` only in the first): one per delta of a stream.
+fn text_chunk(tail: &str, content: &str, role: Option<&str>) -> String {
+    chunk_text(tail, None, |out| {
+        out.push_str("{\"content\":");
+        json::write_str(out, content);
+        if let Some(role) = role {
+            out.push_str(",\"role\":");
+            json::write_str(out, role);
+        }
+        out.push('}');
+    })
+}
+
+/// The `chat.completion` of a request answered whole: its one choice, the assistant's
+/// `content` (text, or `null`) with the calls handed to the client, and `usage`.
+fn completion_answer(
+    completion: &Completion,
+    finish_reason: &str,
+    content: &Value,
+    calls: &[ClientCall],
+    usage: &Value,
+) -> String {
+    completion_text(&completion.tail("chat.completion", Some(usage)), |out| {
+        out.push_str("{\"finish_reason\":");
+        json::write_str(out, finish_reason);
+        out.push_str(",\"index\":0,\"logprobs\":null,\"message\":{\"content\":");
+        json::write(out, content);
+        out.push_str(",\"refusal\":null,\"role\":\"assistant\"");
+        if !calls.is_empty() {
+            out.push_str(",\"tool_calls\":[");
+            for (index, call) in calls.iter().enumerate() {
+                if index > 0 {
+                    out.push(',');
+                }
+                json::write(out, &call.to_chat_json());
+            }
+            out.push(']');
+        }
+        out.push_str("}}");
+    })
+}
 
 /// The calls a completed request handed to the client (`clientToolCalls`).
 pub(super) fn client_calls(data: &Value) -> Vec<ClientCall> {
@@ -718,27 +687,19 @@ async fn complete_response(
     let data = &event.data;
     let calls = client_calls(data);
     let output = data.get("output").unwrap_or(&Value::Null);
-    let message = CompletionMessage {
-        // With calls handed to the client, no text is `null`, as OpenAI sends it.
-        content: if !calls.is_empty() && output.as_str() == Some("") {
-            &Value::Null
-        } else {
-            output
-        },
-        refusal: (),
-        role: "assistant",
-        tool_calls: calls.iter().map(ClientCall::to_chat_json).collect(),
+    // With calls handed to the client, no text is `null`, as OpenAI sends it.
+    let content = if !calls.is_empty() && output.as_str() == Some("") {
+        &Value::Null
+    } else {
+        output
     };
-    let choice = MessageChoice {
-        finish_reason: finish_reason(data),
-        index: 0,
-        logprobs: (),
-        message,
-    };
-    Ok(Json(completion.body(
-        "chat.completion",
-        [choice],
-        Some(data.get("usage").unwrap_or(&Value::Null)),
+    let usage = data.get("usage").unwrap_or(&Value::Null);
+    Ok(JsonText(completion_answer(
+        &completion,
+        finish_reason(data),
+        content,
+        &calls,
+        usage,
     ))
     .into_response())
 }
@@ -905,14 +866,15 @@ async fn stream_response(
                 // arguments as a delta, as OpenAI streams them.
                 for (index, call) in client_calls(&event.data).iter().enumerate() {
                     let opened = json!({ "tool_calls": [{ "index": index, "id": call.id, "type": "function", "function": { "name": call.name, "arguments": "" } }] });
-                    yield Ok(json_event(Event::default(), completion.chunk(opened, None, include_usage)));
+                    yield Ok(Event::default().data(chunk_text(&tail, None, |out| json::write(out, &opened))));
                     let arguments = json!({ "tool_calls": [{ "index": index, "function": { "arguments": call.arguments } }] });
-                    yield Ok(json_event(Event::default(), completion.chunk(arguments, None, include_usage)));
+                    yield Ok(Event::default().data(chunk_text(&tail, None, |out| json::write(out, &arguments))));
                 }
                 let reason = finish_reason(&event.data);
-                yield Ok(json_event(Event::default(), completion.chunk(NoDelta {}, Some(reason), include_usage)));
+                yield Ok(Event::default().data(chunk_text(&tail, Some(reason), |out| out.push_str("{}"))));
                 if include_usage {
-                    yield Ok(json_event(Event::default(), completion.usage_chunk(event.data.get("usage").unwrap_or(&Value::Null))));
+                    let usage = completion.tail("chat.completion.chunk", Some(event.data.get("usage").unwrap_or(&Value::Null)));
+                    yield Ok(Event::default().data(completion_text(&usage, |_| {})));
                 }
                 yield Ok(Event::default().data("[DONE]"));
                 return;
@@ -955,46 +917,60 @@ mod tests {
             text_chunk(&tail, "", Some("assistant")),
             chunk(json!({ "role": "assistant", "content": "" }), None)
         );
-        // Without usage asked for, a chunk has no `usage`, as the serialized one has none.
+        assert_eq!(
+            chunk_text(&tail, Some("stop"), |out| out.push_str("{}")),
+            chunk(json!({}), Some("stop"))
+        );
+        let opened = json!({ "tool_calls": [{ "index": 0, "id": "call_1", "type": "function",
+                                              "function": { "name": "f", "arguments": "" } }] });
+        assert_eq!(
+            chunk_text(&tail, None, |out| json::write(out, &opened)),
+            chunk(opened.clone(), None)
+        );
+        // Without usage asked for, a chunk has no `usage`.
+        let mut bare: Value =
+            serde_json::from_str(&chunk(json!({ "content": "a" }), None)).expect("a chunk");
+        bare.as_object_mut().map(|chunk| chunk.remove("usage"));
         assert_eq!(
             text_chunk(&completion.chunk_tail(false), "a", None),
-            print(completion.chunk(json!({ "content": "a" }), None, false))
-        );
-        assert_eq!(
-            print(completion.chunk(NoDelta {}, Some("stop"), true)),
-            chunk(json!({}), Some("stop"))
+            bare.to_string()
         );
         let mut usage_chunk: Value =
             serde_json::from_str(&chunk(json!({}), None)).expect("a chunk");
         usage_chunk["choices"] = json!([]);
         usage_chunk["usage"] = usage.clone();
         assert_eq!(
-            print(completion.usage_chunk(&usage)),
+            completion_text(
+                &completion.tail("chat.completion.chunk", Some(&usage)),
+                |_| {}
+            ),
             usage_chunk.to_string()
         );
-        let call = json!({ "id": "call_1", "type": "function", "function": { "name": "f", "arguments": "{}" } });
-        let answer = MessageChoice {
-            finish_reason: "tool_calls",
-            index: 0,
-            logprobs: (),
-            message: CompletionMessage {
-                content: &Value::Null,
-                refusal: (),
-                role: "assistant",
-                tool_calls: vec![call.clone()],
-            },
+        let call = ClientCall {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
         };
-        assert_eq!(
-            print(completion.body("chat.completion", [answer], Some(&usage))),
+        let answer = |content: &Value, calls: &[ClientCall]| {
+            completion_answer(&completion, "tool_calls", content, calls, &usage)
+        };
+        let expected = |message: Value| {
             json!({ "id": "chatcmpl-req_1", "object": "chat.completion", "created": 1_800_000_000,
                     "model": "assistant", "system_fingerprint": null, "usage": usage,
                     "choices": [{ "index": 0, "logprobs": null, "finish_reason": "tool_calls",
-                                  "message": { "role": "assistant", "content": null, "refusal": null, "tool_calls": [call] } }] })
+                                  "message": message }] })
             .to_string()
+        };
+        assert_eq!(
+            answer(&Value::Null, std::slice::from_ref(&call)),
+            expected(
+                json!({ "role": "assistant", "content": null, "refusal": null,
+                             "tool_calls": [call.to_chat_json()] })
+            )
         );
-    }
-
-    fn print(body: impl Serialize) -> String {
-        serde_json::to_string(&body).expect("a body serializes")
+        assert_eq!(
+            answer(&json!("hé \"x\""), &[]),
+            expected(json!({ "role": "assistant", "content": "hé \"x\"", "refusal": null }))
+        );
     }
 }
