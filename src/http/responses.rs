@@ -823,8 +823,8 @@ impl Sequence {
     }
 
     /// The event `event_type` whose fields `fields` writes (`"key":value` pairs, comma
-    /// separated, without the braces), numbered: the events that carry a whole response or an
-    /// output item, written as the JSON answer writes them.
+    /// separated, without the braces), numbered: the events that carry a whole response, an
+    /// output item or a text delta, written as the JSON answer writes them.
     fn written(
         &mut self,
         event_type: &'static str,
