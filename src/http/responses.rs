@@ -18,7 +18,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
@@ -30,7 +30,7 @@ use super::v1::{
     hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
     terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
-use super::views::{JsonText, json_event, run_failure, store_error};
+use super::views::{JsonText, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::json;
@@ -807,24 +807,10 @@ impl Sequence {
         number
     }
 
-    /// The event `event_type` with `fields`, numbered: written straight from the fields, with
-    /// no `Value` tree built for the event (docs/profiling.md, the forty-fifth pass).
-    fn event(
-        &mut self,
-        event_type: &'static str,
-        fields: impl Serialize,
-    ) -> Result<Event, Infallible> {
-        let data = Sequenced {
-            fields,
-            sequence_number: self.next(),
-            event_type,
-        };
-        Ok(json_event(Event::default().event(event_type), &data))
-    }
-
     /// The event `event_type` whose fields `fields` writes (`"key":value` pairs, comma
-    /// separated, without the braces), numbered: the events that carry a whole response, an
-    /// output item or a text delta, written as the JSON answer writes them.
+    /// separated, without the braces), then its number and type: every event of a stream is
+    /// written straight into its text, as the JSON answer is (docs/profiling.md, the
+    /// forty-eighth pass).
     fn written(
         &mut self,
         event_type: &'static str,
@@ -874,28 +860,82 @@ impl Sequence {
             self.output_item("response.output_item.added", 0, |out| {
                 write_message_item(out, item_id, "in_progress", None);
             }),
-            self.event("response.content_part.added", TextPart::of(item_id, "")),
+            self.content_part("response.content_part.added", item_id, ""),
         ]
     }
 
     /// The three events that close a message's text, each carrying all of it.
     fn message_done(&mut self, item_id: &str, text: &str) -> [Result<Event, Infallible>; 3] {
         [
-            self.event(
-                "response.output_text.done",
-                TextDone {
-                    content_index: 0,
-                    item_id,
-                    logprobs: [],
-                    output_index: 0,
-                    text,
-                },
-            ),
-            self.event("response.content_part.done", TextPart::of(item_id, text)),
+            self.written("response.output_text.done", |out| {
+                out.push_str("\"content_index\":0,\"item_id\":");
+                json::write_str(out, item_id);
+                out.push_str(",\"logprobs\":[],\"output_index\":0,\"text\":");
+                json::write_str(out, text);
+            }),
+            self.content_part("response.content_part.done", item_id, text),
             self.output_item("response.output_item.done", 0, |out| {
                 write_message_item(out, item_id, "completed", Some(text));
             }),
         ]
+    }
+
+    /// `response.content_part.added` or `.done`: the message's one text part.
+    fn content_part(
+        &mut self,
+        event_type: &'static str,
+        item_id: &str,
+        text: &str,
+    ) -> Result<Event, Infallible> {
+        self.written(event_type, |out| {
+            out.push_str("\"content_index\":0,\"item_id\":");
+            json::write_str(out, item_id);
+            out.push_str(",\"output_index\":0,\"part\":{\"annotations\":[],\"text\":");
+            json::write_str(out, text);
+            out.push_str(",\"type\":\"output_text\"}");
+        })
+    }
+
+    /// A client's call's arguments: all of them as one delta, then done.
+    fn call_arguments(
+        &mut self,
+        call: &ClientCall,
+        output_index: usize,
+    ) -> [Result<Event, Infallible>; 2] {
+        let item_id = function_call_item_id(call);
+        let index = itoa::Buffer::new().format(output_index).to_owned();
+        [
+            self.written("response.function_call_arguments.delta", |out| {
+                out.push_str("\"delta\":");
+                json::write_str(out, &call.arguments);
+                out.push_str(",\"item_id\":");
+                json::write_str(out, &item_id);
+                out.push_str(",\"output_index\":");
+                out.push_str(&index);
+            }),
+            self.written("response.function_call_arguments.done", |out| {
+                out.push_str("\"arguments\":");
+                json::write_str(out, &call.arguments);
+                out.push_str(",\"item_id\":");
+                json::write_str(out, &item_id);
+                out.push_str(",\"name\":");
+                json::write_str(out, &call.name);
+                out.push_str(",\"output_index\":");
+                out.push_str(&index);
+            }),
+        ]
+    }
+
+    /// `error`: what ended the stream.
+    fn error(&mut self, error: &ApiError) -> Result<Event, Infallible> {
+        self.written("error", |out| {
+            out.push_str("\"code\":");
+            json::write_str(out, error.code.as_str());
+            out.push_str(",\"message\":");
+            json::write_str(out, &error.message);
+            out.push_str(",\"param\":");
+            json::write_str_or_null(out, error.param.as_deref());
+        })
     }
 
     /// An event carrying the whole response as it stands (`response.created`,
@@ -927,58 +967,6 @@ impl Sequence {
             self.whole("response.in_progress", &response),
         ]
     }
-}
-
-/// A stream event as written: its own fields, then its number and type. Each event's fields
-/// are a struct borrowing what it shows (a few events with rare shapes pass a `Value`).
-#[derive(Serialize)]
-struct Sequenced<F> {
-    #[serde(flatten)]
-    fields: F,
-    sequence_number: u64,
-    #[serde(rename = "type")]
-    event_type: &'static str,
-}
-
-#[derive(Serialize)]
-struct TextDone<'a> {
-    content_index: u32,
-    item_id: &'a str,
-    logprobs: [(); 0],
-    output_index: u32,
-    text: &'a str,
-}
-
-/// `response.content_part.added` / `.done`: the message's one text part.
-#[derive(Serialize)]
-struct TextPart<'a> {
-    content_index: u32,
-    item_id: &'a str,
-    output_index: u32,
-    part: Part<'a>,
-}
-
-impl<'a> TextPart<'a> {
-    fn of(item_id: &'a str, text: &'a str) -> Self {
-        Self {
-            content_index: 0,
-            item_id,
-            output_index: 0,
-            part: Part {
-                annotations: [],
-                text,
-                kind: "output_text",
-            },
-        }
-    }
-}
-
-#[derive(Serialize)]
-struct Part<'a> {
-    annotations: [(); 0],
-    text: &'a str,
-    #[serde(rename = "type")]
-    kind: &'static str,
 }
 
 async fn stream_response(
@@ -1053,14 +1041,12 @@ async fn stream_response(
                 output_index = 1;
             }
             for call in client_calls(&event.data) {
-                let fc_id = function_call_item_id(&call);
                 yield seq.output_item("response.output_item.added", output_index, |out| {
                     write_function_call_item(out, &call, "", "in_progress");
                 });
-                yield seq.event("response.function_call_arguments.delta", json!({ "item_id": fc_id,
-                    "output_index": output_index, "delta": call.arguments }));
-                yield seq.event("response.function_call_arguments.done", json!({ "item_id": fc_id,
-                    "output_index": output_index, "name": call.name, "arguments": call.arguments }));
+                for event in seq.call_arguments(&call, output_index) {
+                    yield event;
+                }
                 yield seq.output_item("response.output_item.done", output_index, |out| {
                     write_function_call_item(out, &call, &call.arguments, "completed");
                 });
@@ -1080,10 +1066,7 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event,
     let mut outcome = Outcome::in_progress("failed");
     outcome.error = json!({ "code": error.code.as_str(), "message": error.message });
     [
-        seq.event(
-            "error",
-            json!({ "code": error.code.as_str(), "message": error.message, "param": error.param }),
-        ),
+        seq.error(error),
         seq.response("response.failed", shape, &outcome),
     ]
 }
@@ -1202,11 +1185,16 @@ mod tests {
         events.extend(seq.message_opened("msg_1"));
         events.push(seq.text_delta("msg_1", text));
         events.extend(seq.message_done("msg_1", text));
-        events.push(seq.event(
-            "response.function_call_arguments.delta",
-            json!({ "item_id": "fc_1", "output_index": 1, "delta": "{}" }),
-        ));
+        let call = ClientCall {
+            id: "call_1".into(),
+            name: "f\"".into(),
+            arguments: "{\"a\":\"é\"}".into(),
+        };
+        events.extend(seq.call_arguments(&call, 1));
         events.push(seq.response("response.completed", &shape, &ended));
+        let refused =
+            ApiError::new(ErrorCode::InvalidRequest, "the \"store\" failed").param("input");
+        events.extend(failed(&mut seq, &shape, &refused));
 
         let item = |status: &str, content: Value| {
             json!({ "type": "message", "id": "msg_1", "role": "assistant", "status": status,
@@ -1243,6 +1231,8 @@ mod tests {
                     "total_tokens": 5 })
         );
         assert_eq!(object_value(&shape, &started)["usage"], Value::Null);
+        let mut failed_outcome = Outcome::in_progress("failed");
+        failed_outcome.error = json!({ "code": refused.code.as_str(), "message": refused.message });
         let response = |outcome: &Outcome| object_value(&shape, outcome);
         let expected = [
             json!({ "response": response(&started) }),
@@ -1257,8 +1247,13 @@ mod tests {
             json!({ "item_id": "msg_1", "output_index": 0, "content_index": 0,
                     "part": { "type": "output_text", "text": text, "annotations": [] } }),
             json!({ "output_index": 0, "item": done_item }),
-            json!({ "item_id": "fc_1", "output_index": 1, "delta": "{}" }),
+            json!({ "item_id": "fc_1", "output_index": 1, "delta": "{\"a\":\"é\"}" }),
+            json!({ "item_id": "fc_1", "output_index": 1, "name": "f\"",
+                    "arguments": "{\"a\":\"é\"}" }),
             json!({ "response": response(&ended) }),
+            json!({ "code": refused.code.as_str(), "message": "the \"store\" failed",
+                    "param": "input" }),
+            json!({ "response": response(&failed_outcome) }),
         ];
         let types = [
             "response.created",
@@ -1270,7 +1265,10 @@ mod tests {
             "response.content_part.done",
             "response.output_item.done",
             "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
             "response.completed",
+            "error",
+            "response.failed",
         ];
         let expected: Vec<Value> = expected
             .into_iter()
