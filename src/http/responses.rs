@@ -140,6 +140,7 @@ impl Shape {
         out
     }
 
+    /// The response object, appended to `out` (an event carrying it writes it in place).
     fn write_object(&self, out: &mut String, outcome: &Outcome) {
         out.push_str("{\"id\":");
         json::write_str(out, &self.id);
@@ -946,10 +947,14 @@ impl Sequence {
         shape: &Shape,
         outcome: &Outcome,
     ) -> Result<Event, Infallible> {
-        self.whole(event_type, &shape.object_text(outcome))
+        self.written(event_type, |out| {
+            out.push_str("\"response\":");
+            shape.write_object(out, outcome);
+        })
     }
 
-    /// An event carrying `response`, the response object's text.
+    /// An event carrying `response`, the response object's text written already (the two
+    /// events before any output carry the same).
     fn whole(&mut self, event_type: &'static str, response: &str) -> Result<Event, Infallible> {
         self.written(event_type, |out| {
             out.push_str("\"response\":");
