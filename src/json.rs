@@ -96,6 +96,25 @@ pub fn write_str_or_null(out: &mut String, text: Option<&str>) {
     }
 }
 
+/// `value` as JSON, or `null`: what serde_json writes for an `Option<Value>`.
+pub fn write_or_null(out: &mut String, value: Option<&Value>) {
+    match value {
+        Some(value) => write(out, value),
+        None => out.push_str("null"),
+    }
+}
+
+/// `value` as serde_json writes an `Option<f64>`: its shortest digits (by `zmij`, as
+/// [`write`] writes a float), `null` when absent or not finite.
+pub fn write_f64_or_null(out: &mut String, value: Option<f64>) {
+    match value {
+        Some(value) if value.is_finite() => {
+            out.push_str(zmij::Buffer::new().format_finite(value));
+        }
+        _ => out.push_str("null"),
+    }
+}
+
 /// `text` as a JSON string, escaped as serde_json escapes: a quote, a backslash and the
 /// control characters, nothing else. The runs between escapes are copied whole.
 pub fn write_str(out: &mut String, text: &str) {

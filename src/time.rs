@@ -174,6 +174,22 @@ pub fn serialize<S: Serializer>(value: &DateTime<Utc>, serializer: S) -> Result<
     serializer.serialize_str(text(value, SecondsFormat::AutoSi).as_str())
 }
 
+/// Appends `value` as a JSON string, the bytes [`serialize`] writes (a time's text needs no
+/// escapes).
+pub fn write_json(out: &mut String, value: &DateTime<Utc>) {
+    out.push('"');
+    out.push_str(text(value, SecondsFormat::AutoSi).as_str());
+    out.push('"');
+}
+
+/// [`write_json`] for a time that may be absent (`null`).
+pub fn write_json_optional(out: &mut String, value: Option<&DateTime<Utc>>) {
+    match value {
+        Some(value) => write_json(out, value),
+        None => out.push_str("null"),
+    }
+}
+
 /// [`serialize`] for a time that may be absent (`null`).
 pub fn serialize_optional<S: Serializer>(
     value: &Option<DateTime<Utc>>,

@@ -58,7 +58,7 @@ pub struct ListRequestsQuery {
 pub async fn list_requests(
     State(state): State<AppState>,
     ApiQuery(query): ApiQuery<ListRequestsQuery>,
-) -> Result<Json<RequestList>, ApiError> {
+) -> Result<RequestList, ApiError> {
     let status = status_filter(query.status.as_deref(), &RunStatus::ALL, RunStatus::as_str)?;
     let created_from = instant(query.created_after.as_deref(), "createdAfter")?;
     let created_before = instant(query.created_before.as_deref(), "createdBefore")?;
@@ -89,10 +89,10 @@ pub async fn list_requests(
         .store()
         .requests(&filter, &page, RequestInput::Skipped)
         .await?;
-    Ok(Json(RequestList {
+    Ok(RequestList {
         data: request_views(&state.runtime, page.items).await?,
         next_cursor: page.next_cursor,
-    }))
+    })
 }
 
 #[utoipa::path(get, path = "/admin/requests/{id}", tag = "admin", security(("admin_key" = [])),
@@ -101,8 +101,8 @@ pub async fn list_requests(
 pub async fn get_request(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
-) -> Result<Json<RequestView>, ApiError> {
-    Ok(Json(request_view(&state.runtime, &id, None).await?))
+) -> Result<RequestView, ApiError> {
+    request_view(&state.runtime, &id, None).await
 }
 
 #[utoipa::path(get, path = "/admin/runs/{id}", tag = "admin", security(("admin_key" = [])),
@@ -111,11 +111,11 @@ pub async fn get_request(
 pub async fn get_run(
     State(state): State<AppState>,
     ApiPath(id): ApiPath<String>,
-) -> Result<Json<RunView>, ApiError> {
+) -> Result<RunView, ApiError> {
     let run = state.runtime.store().run(&id).await?.ok_or_else(|| {
         ApiError::new(ErrorCode::RunNotFound, format!("run `{id}` not found")).param("id")
     })?;
-    Ok(Json(RunView::from(run)))
+    Ok(RunView::from(run))
 }
 
 #[utoipa::path(get, path = "/admin/runs/{id}/events", tag = "admin", security(("admin_key" = [])),

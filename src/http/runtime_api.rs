@@ -150,7 +150,7 @@ pub async fn create_request(
         } else {
             StatusCode::ACCEPTED
         };
-        return Ok((status, Json(view)).into_response());
+        return Ok((status, view).into_response());
     }
     let submitted = state.runtime.submit(request).await?;
     let accepted = Accepted {
@@ -169,10 +169,8 @@ pub async fn get_request(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     ApiPath(id): ApiPath<String>,
-) -> Result<Json<RequestView>, ApiError> {
-    Ok(Json(
-        request_view(&state.runtime, &id, Some(&caller.identity)).await?,
-    ))
+) -> Result<RequestView, ApiError> {
+    request_view(&state.runtime, &id, Some(&caller.identity)).await
 }
 
 #[utoipa::path(get, path = "/runtime/requests/{id}/events", tag = "runtime", security(("client_key" = [])),
@@ -294,7 +292,7 @@ pub(super) async fn cancelled(
     } else {
         StatusCode::ACCEPTED
     };
-    Ok((status, Json(view)).into_response())
+    Ok((status, view).into_response())
 }
 
 #[utoipa::path(get, path = "/runtime/sessions/{id}", tag = "runtime", security(("client_key" = [])),

@@ -7,12 +7,15 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{ApiError, ErrorCode};
+use crate::json;
 use crate::runtime::{JournalError, Runtime, RuntimeError};
 use crate::spend::SpendError;
+use crate::store::spend::UsageTotals;
 use crate::store::{
     ApprovalRecord, EventRecord, MessageRecord, RequestInFull, RequestRecord, RunRecord, RunStatus,
     SessionRecord, StoreError,
 };
+use crate::time;
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -114,6 +117,181 @@ impl RequestView {
         view.charged = Some(full.charged);
         view
     }
+}
+
+// The views below are written straight into their text, the bytes their derived `Serialize`
+// writes (the tests compare both): a waiting client's answer is a request's view, and
+// serde_json's serializer spent ~13,000 instructions on one (docs/profiling.md, the
+// forty-ninth pass). The derives stay the reference, and utoipa's schema.
+
+impl RunView {
+    /// Appends the run's JSON text.
+    pub fn write(&self, out: &mut String) {
+        out.push_str("{\"runId\":");
+        json::write_str(out, &self.run_id);
+        out.push_str(",\"requestId\":");
+        json::write_str(out, &self.request_id);
+        out.push_str(",\"attempt\":");
+        out.push_str(itoa::Buffer::new().format(self.attempt));
+        write_status(out, self.status.as_str());
+        out.push_str(",\"error\":");
+        json::write_or_null(out, self.error.as_ref());
+        out.push_str(",\"createdAt\":");
+        time::write_json(out, &self.created_at);
+        out.push_str(",\"startedAt\":");
+        time::write_json_optional(out, self.started_at.as_ref());
+        out.push_str(",\"endedAt\":");
+        time::write_json_optional(out, self.ended_at.as_ref());
+        out.push('}');
+    }
+}
+
+impl RequestView {
+    /// Appends the request's JSON text.
+    pub fn write(&self, out: &mut String) {
+        out.push_str("{\"requestId\":");
+        json::write_str(out, &self.request_id);
+        out.push_str(",\"sessionId\":");
+        json::write_str(out, &self.session_id);
+        out.push_str(",\"agentId\":");
+        json::write_str(out, &self.agent_id);
+        out.push_str(",\"protocol\":");
+        json::write_str(out, &self.protocol);
+        out.push_str(",\"owner\":");
+        json::write_str(out, &self.owner);
+        write_status(out, self.status.as_str());
+        out.push_str(",\"output\":");
+        json::write_str_or_null(out, self.output.as_deref());
+        out.push_str(",\"error\":");
+        json::write_or_null(out, self.error.as_ref());
+        out.push_str(",\"usage\":");
+        json::write_or_null(out, self.usage.as_ref());
+        out.push_str(",\"costUsd\":");
+        json::write_f64_or_null(out, self.cost_usd);
+        out.push_str(",\"metadata\":");
+        json::write(out, &self.metadata);
+        out.push_str(",\"createdAt\":");
+        time::write_json(out, &self.created_at);
+        out.push_str(",\"updatedAt\":");
+        time::write_json(out, &self.updated_at);
+        out.push_str(",\"runs\":");
+        write_array(out, &self.runs, RunView::write);
+        if let Some(approvals) = &self.approvals {
+            out.push_str(",\"approvals\":");
+            write_array(out, approvals, write_approval);
+        }
+        if let Some(charged) = &self.charged {
+            out.push_str(",\"charged\":");
+            write_totals(out, charged);
+        }
+        out.push('}');
+    }
+}
+
+impl RequestList {
+    /// Appends the page's JSON text.
+    pub fn write(&self, out: &mut String) {
+        out.push_str("{\"data\":");
+        write_array(out, &self.data, RequestView::write);
+        out.push_str(",\"nextCursor\":");
+        json::write_str_or_null(out, self.next_cursor.as_deref());
+        out.push('}');
+    }
+}
+
+/// A view's answer: its JSON text, written by the view's own writer.
+macro_rules! written_answer {
+    ($($view:ty),*) => {$(
+        impl axum::response::IntoResponse for $view {
+            fn into_response(self) -> axum::response::Response {
+                // Most views fit without growing it.
+                let mut text = String::with_capacity(1024);
+                self.write(&mut text);
+                JsonText(text).into_response()
+            }
+        }
+    )*};
+}
+
+written_answer!(RunView, RequestView, RequestList);
+
+/// `,"status":"…"`: a status's text needs no escapes.
+fn write_status(out: &mut String, status: &str) {
+    out.push_str(",\"status\":\"");
+    out.push_str(status);
+    out.push('"');
+}
+
+/// `items` as a JSON array, each written by `write`.
+fn write_array<T>(out: &mut String, items: &[T], write: fn(&T, &mut String)) {
+    out.push('[');
+    for (index, item) in items.iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        write(item, out);
+    }
+    out.push(']');
+}
+
+/// An approval as its derived `Serialize` writes it.
+fn write_approval(approval: &ApprovalRecord, out: &mut String) {
+    out.push_str("{\"id\":");
+    json::write_str(out, &approval.id);
+    out.push_str(",\"requestId\":");
+    json::write_str(out, &approval.request_id);
+    out.push_str(",\"runId\":");
+    json::write_str(out, &approval.run_id);
+    out.push_str(",\"sessionId\":");
+    json::write_str(out, &approval.session_id);
+    out.push_str(",\"agentId\":");
+    json::write_str(out, &approval.agent_id);
+    out.push_str(",\"callKey\":");
+    json::write_str(out, &approval.call_key);
+    out.push_str(",\"kind\":\"");
+    out.push_str(approval.kind.as_str());
+    out.push_str("\",\"execution\":");
+    out.push_str(itoa::Buffer::new().format(approval.execution));
+    out.push_str(",\"toolCallId\":");
+    json::write_str(out, &approval.tool_call_id);
+    out.push_str(",\"toolId\":");
+    json::write_str(out, &approval.tool_id);
+    out.push_str(",\"arguments\":");
+    json::write(out, &approval.arguments);
+    out.push_str(",\"rule\":");
+    json::write_str_or_null(out, approval.rule.as_deref());
+    write_status(out, approval.status.as_str());
+    out.push_str(",\"reason\":");
+    json::write_str_or_null(out, approval.reason.as_deref());
+    out.push_str(",\"decidedBy\":");
+    json::write_str_or_null(out, approval.decided_by.as_deref());
+    out.push_str(",\"createdAt\":");
+    time::write_json(out, &approval.created_at);
+    out.push_str(",\"expiresAt\":");
+    time::write_json_optional(out, approval.expires_at.as_ref());
+    out.push_str(",\"decidedAt\":");
+    time::write_json_optional(out, approval.decided_at.as_ref());
+    out.push('}');
+}
+
+/// What a request was charged, as its derived `Serialize` writes it.
+fn write_totals(out: &mut String, totals: &UsageTotals) {
+    let mut digits = itoa::Buffer::new();
+    out.push_str("{\"group\":");
+    json::write_str(out, &totals.group);
+    out.push_str(",\"calls\":");
+    out.push_str(digits.format(totals.calls));
+    out.push_str(",\"promptTokens\":");
+    out.push_str(digits.format(totals.prompt_tokens));
+    out.push_str(",\"completionTokens\":");
+    out.push_str(digits.format(totals.completion_tokens));
+    out.push_str(",\"totalTokens\":");
+    out.push_str(digits.format(totals.total_tokens));
+    out.push_str(",\"cost\":");
+    json::write_f64_or_null(out, totals.cost);
+    out.push_str(",\"estimatedCalls\":");
+    out.push_str(digits.format(totals.estimated_calls));
+    out.push('}');
 }
 
 /// A page of events: `nextAfter` is the `after` of the next call.
@@ -562,6 +740,119 @@ mod tests {
         let (status, kind, body) = answered(Json(&value).into_response()).await;
         assert_eq!((status, kind.as_str()), (200, "application/json"));
         assert_eq!(body, serde_json::to_string(&value).unwrap());
+    }
+
+    /// `view`'s answer: its derived `Serialize`'s text, as JSON.
+    async fn written<V: serde::Serialize + IntoResponse>(view: V) -> String {
+        let expected = serde_json::to_string(&view).expect("serializes");
+        let (status, kind, body) = answered(view.into_response()).await;
+        assert_eq!((status, kind.as_str()), (200, "application/json"));
+        assert_eq!(body, expected);
+        body
+    }
+
+    /// A view with its runs, approvals and charges, a run alone and pages of views are
+    /// written as their derived `Serialize` writes them: every field in order, absent ones
+    /// `null` or left out, escapes in strings, fractions of seconds, a cost that is no number.
+    #[tokio::test]
+    async fn views_are_written_as_serde_writes_them() {
+        use chrono::{TimeZone, Utc};
+
+        use super::{RequestList, RequestView, RunView};
+        use crate::store::spend::UsageTotals;
+        use crate::store::{
+            ApprovalKind, ApprovalRecord, ApprovalStatus, RequestInFull, RequestRecord, RunRecord,
+            RunStatus,
+        };
+
+        let at = Utc.with_ymd_and_hms(2026, 12, 1, 9, 30, 5).unwrap();
+        let later = at + chrono::Duration::microseconds(1_250);
+        let odd = "q\"uo\\te\n\u{1}é\u{7f}";
+        let request = RequestRecord {
+            id: "req_1".into(),
+            session_id: format!("ses_{odd}"),
+            agent_id: "support".into(),
+            protocol: "runtime".into(),
+            owner: "team-a".into(),
+            status: RunStatus::Completed,
+            input: serde_json::Value::Null,
+            output: Some(format!("answer {odd}")),
+            error: None,
+            usage: Some(json!({ "promptTokens": 7, "costUsd": 0.000125, "note": odd })),
+            metadata: json!({ "k": odd, "n": [1, -2, 2.5, null, true] }),
+            created_at: at,
+            updated_at: later,
+        };
+        let mut failed = RunRecord::new("run_1".into(), "req_1".into(), 1, RunStatus::Failed, at);
+        failed.error = Some(json!({ "code": "upstream_error", "message": odd }));
+        failed.started_at = Some(later);
+        failed.ended_at = Some(later + chrono::Duration::nanoseconds(7));
+        let queued = RunRecord::new("run_2".into(), "req_1".into(), 2, RunStatus::Queued, later);
+        let approval = |status, decided: bool| ApprovalRecord {
+            id: "apr_1".into(),
+            request_id: "req_1".into(),
+            run_id: "run_2".into(),
+            session_id: "ses_1".into(),
+            agent_id: "support".into(),
+            call_key: "t1.0".into(),
+            kind: ApprovalKind::Interrupted,
+            execution: 2,
+            tool_call_id: format!("call_{odd}"),
+            tool_id: "files.write".into(),
+            arguments: json!({ "path": odd }),
+            rule: decided.then(|| "writes".into()),
+            status,
+            reason: decided.then(|| odd.into()),
+            decided_by: decided.then(|| "operator `ops`".into()),
+            created_at: at,
+            expires_at: decided.then_some(later),
+            decided_at: decided.then_some(later),
+        };
+        let full = RequestInFull {
+            request: request.clone(),
+            runs: vec![failed.clone(), queued.clone()],
+            approvals: vec![
+                approval(ApprovalStatus::Pending, false),
+                approval(ApprovalStatus::Denied, true),
+            ],
+            charged: UsageTotals {
+                group: String::new(),
+                calls: 2,
+                prompt_tokens: 7,
+                completion_tokens: u64::MAX,
+                total_tokens: u64::MAX,
+                cost: Some(f64::NAN),
+                estimated_calls: 1,
+            },
+        };
+        let body = written(RequestView::in_full(full.clone())).await;
+        assert!(body.contains("\"costUsd\":0.000125,"), "{body}");
+        assert!(body.contains("\"cost\":null,"), "{body}");
+        let mut unpriced = RequestView::in_full(RequestInFull {
+            approvals: Vec::new(),
+            charged: UsageTotals {
+                cost: Some(1.5e-9),
+                ..full.charged.clone()
+            },
+            ..full
+        });
+        unpriced.cost_usd = None;
+        unpriced.usage = None;
+        written(unpriced).await;
+        written(RequestList {
+            data: vec![
+                RequestView::new(request.clone(), vec![queued]),
+                RequestView::new(request, Vec::new()),
+            ],
+            next_cursor: Some("req_0".into()),
+        })
+        .await;
+        written(RequestList {
+            data: Vec::new(),
+            next_cursor: None,
+        })
+        .await;
+        written(RunView::from(failed)).await;
     }
 
     /// What does not serialize (here a map keyed by pairs) is answered with the internal
