@@ -1,6 +1,7 @@
-//! Wire views of stored records, shared by `/runtime` and `/admin`, the one mapping of
-//! runtime errors to API errors, how a JSON answer is written ([`Json`], or [`JsonText`] for
-//! one a surface wrote itself) and how an SSE event's JSON data is written from a value.
+//! Wire views of stored records, shared by `/runtime` and `/admin` (a request's and a run's
+//! written by hand, the others by serde), the one mapping of runtime errors to API errors, how
+//! a JSON answer is written ([`Json`], or [`JsonText`] for one a surface wrote itself) and how
+//! an SSE event's JSON data is written from a value.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
