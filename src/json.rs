@@ -49,16 +49,7 @@ pub fn write(out: &mut String, value: &Value) {
         Value::Bool(false) => out.push_str("false"),
         Value::Number(number) => write_number(out, number),
         Value::String(text) => write_str(out, text),
-        Value::Array(items) => {
-            out.push('[');
-            for (index, item) in items.iter().enumerate() {
-                if index > 0 {
-                    out.push(',');
-                }
-                write(out, item);
-            }
-            out.push(']');
-        }
+        Value::Array(items) => write_array(out, items, write),
         Value::Object(entries) => {
             out.push('{');
             for (index, (key, item)) in entries.iter().enumerate() {
@@ -94,6 +85,23 @@ pub fn write_str_or_null(out: &mut String, text: Option<&str>) {
         Some(text) => write_str(out, text),
         None => out.push_str("null"),
     }
+}
+
+/// `items` as a JSON array, each written by `write`: how every array a writer by hand sends
+/// is written.
+pub fn write_array<T>(
+    out: &mut String,
+    items: impl IntoIterator<Item = T>,
+    mut write: impl FnMut(&mut String, T),
+) {
+    out.push('[');
+    for (index, item) in items.into_iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        write(out, item);
+    }
+    out.push(']');
 }
 
 /// `value` as JSON, or `null`: what serde_json writes for an `Option<Value>`.

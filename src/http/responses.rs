@@ -150,14 +150,9 @@ impl Shape {
         json::write_str(out, outcome.status);
         out.push_str(",\"model\":");
         json::write_str(out, &self.model);
-        out.push_str(",\"output\":[");
-        for (index, entry) in outcome.output.iter().enumerate() {
-            if index > 0 {
-                out.push(',');
-            }
-            entry.write(out);
-        }
-        out.push_str("],\"usage\":");
+        out.push_str(",\"output\":");
+        json::write_array(out, &outcome.output, |out, entry| entry.write(out));
+        out.push_str(",\"usage\":");
         match &outcome.usage {
             Some(usage) => usage.write(out),
             None => out.push_str("null"),

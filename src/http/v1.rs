@@ -599,14 +599,10 @@ fn completion_answer(
         json::write(out, content);
         out.push_str(",\"refusal\":null,\"role\":\"assistant\"");
         if !calls.is_empty() {
-            out.push_str(",\"tool_calls\":[");
-            for (index, call) in calls.iter().enumerate() {
-                if index > 0 {
-                    out.push(',');
-                }
-                json::write(out, &call.to_chat_json());
-            }
-            out.push(']');
+            out.push_str(",\"tool_calls\":");
+            json::write_array(out, calls, |out, call| {
+                json::write(out, &call.to_chat_json())
+            });
         }
         out.push_str("}}");
     })

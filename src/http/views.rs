@@ -176,10 +176,10 @@ impl RequestView {
         out.push_str(",\"updatedAt\":");
         time::write_json(out, &self.updated_at);
         out.push_str(",\"runs\":");
-        write_array(out, &self.runs, RunView::write);
+        json::write_array(out, &self.runs, |out, run| run.write(out));
         if let Some(approvals) = &self.approvals {
             out.push_str(",\"approvals\":");
-            write_array(out, approvals, write_approval);
+            json::write_array(out, approvals, write_approval);
         }
         if let Some(charged) = &self.charged {
             out.push_str(",\"charged\":");
@@ -193,7 +193,7 @@ impl RequestList {
     /// Appends the page's JSON text.
     pub fn write(&self, out: &mut String) {
         out.push_str("{\"data\":");
-        write_array(out, &self.data, RequestView::write);
+        json::write_array(out, &self.data, |out, view| view.write(out));
         out.push_str(",\"nextCursor\":");
         json::write_str_or_null(out, self.next_cursor.as_deref());
         out.push('}');
@@ -223,20 +223,8 @@ fn write_status(out: &mut String, status: &str) {
     out.push('"');
 }
 
-/// `items` as a JSON array, each written by `write`.
-fn write_array<T>(out: &mut String, items: &[T], write: fn(&T, &mut String)) {
-    out.push('[');
-    for (index, item) in items.iter().enumerate() {
-        if index > 0 {
-            out.push(',');
-        }
-        write(item, out);
-    }
-    out.push(']');
-}
-
 /// An approval as its derived `Serialize` writes it.
-fn write_approval(approval: &ApprovalRecord, out: &mut String) {
+fn write_approval(out: &mut String, approval: &ApprovalRecord) {
     out.push_str("{\"id\":");
     json::write_str(out, &approval.id);
     out.push_str(",\"requestId\":");
