@@ -19,6 +19,7 @@ mod responses;
 mod runtime_api;
 pub mod shards;
 mod spend;
+mod sse;
 mod v1;
 mod views;
 

@@ -10,13 +10,11 @@
 //! continues from the whole stored chain: the previous request's transcript (without its
 //! instructions) and its output, function calls included.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::Extension;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -25,6 +23,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
+use super::sse::{self, Frame};
 use super::v1::{
     V1Submission, client_calls, client_functions, completed_event, delta_text, finish_reason,
     hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
@@ -843,20 +842,17 @@ impl Sequence {
     /// separated, without the braces), then its number and type: every event of a stream is
     /// written straight into its text, as the JSON answer is (docs/profiling.md, the
     /// forty-eighth pass).
-    fn written(
-        &mut self,
-        event_type: &'static str,
-        fields: impl FnOnce(&mut String),
-    ) -> Result<Event, Infallible> {
-        let mut data = String::with_capacity(256);
-        data.push('{');
-        fields(&mut data);
-        data.push_str(",\"sequence_number\":");
-        data.push_str(itoa::Buffer::new().format(self.next()));
-        data.push_str(",\"type\":");
-        json::write_str(&mut data, event_type);
-        data.push('}');
-        Ok(Event::default().event(event_type).data(data))
+    fn written(&mut self, event_type: &'static str, fields: impl FnOnce(&mut String)) -> Frame {
+        let number = self.next();
+        Frame::named(event_type, |data| {
+            data.push('{');
+            fields(data);
+            data.push_str(",\"sequence_number\":");
+            data.push_str(itoa::Buffer::new().format(number));
+            data.push_str(",\"type\":");
+            json::write_str(data, event_type);
+            data.push('}');
+        })
     }
 
     /// `response.output_item.added` or `.done`: `item`, written by `write_item`.
@@ -865,7 +861,7 @@ impl Sequence {
         event_type: &'static str,
         output_index: usize,
         write_item: impl FnOnce(&mut String),
-    ) -> Result<Event, Infallible> {
+    ) -> Frame {
         self.written(event_type, |out| {
             out.push_str("\"item\":");
             write_item(out);
@@ -876,7 +872,7 @@ impl Sequence {
 
     /// `response.output_text.delta`, the event a stream sends per delta: written straight
     /// into its text.
-    fn text_delta(&mut self, item_id: &str, delta: &str) -> Result<Event, Infallible> {
+    fn text_delta(&mut self, item_id: &str, delta: &str) -> Frame {
         self.written("response.output_text.delta", |out| {
             out.push_str("\"content_index\":0,\"delta\":");
             json::write_str(out, delta);
@@ -887,7 +883,7 @@ impl Sequence {
     }
 
     /// The two events that open a message's text: its item, then its text part, both empty.
-    fn message_opened(&mut self, item_id: &str) -> [Result<Event, Infallible>; 2] {
+    fn message_opened(&mut self, item_id: &str) -> [Frame; 2] {
         [
             self.output_item("response.output_item.added", 0, |out| {
                 write_message_item(out, item_id, "in_progress", None);
@@ -897,7 +893,7 @@ impl Sequence {
     }
 
     /// The three events that close a message's text, each carrying all of it.
-    fn message_done(&mut self, item_id: &str, text: &str) -> [Result<Event, Infallible>; 3] {
+    fn message_done(&mut self, item_id: &str, text: &str) -> [Frame; 3] {
         [
             self.written("response.output_text.done", |out| {
                 out.push_str("\"content_index\":0,\"item_id\":");
@@ -913,12 +909,7 @@ impl Sequence {
     }
 
     /// `response.content_part.added` or `.done`: the message's one text part.
-    fn content_part(
-        &mut self,
-        event_type: &'static str,
-        item_id: &str,
-        text: &str,
-    ) -> Result<Event, Infallible> {
+    fn content_part(&mut self, event_type: &'static str, item_id: &str, text: &str) -> Frame {
         self.written(event_type, |out| {
             out.push_str("\"content_index\":0,\"item_id\":");
             json::write_str(out, item_id);
@@ -929,11 +920,7 @@ impl Sequence {
     }
 
     /// A client's call's arguments: all of them as one delta, then done.
-    fn call_arguments(
-        &mut self,
-        call: &ClientCall,
-        output_index: usize,
-    ) -> [Result<Event, Infallible>; 2] {
+    fn call_arguments(&mut self, call: &ClientCall, output_index: usize) -> [Frame; 2] {
         let item_id = function_call_item_id(call);
         let index = itoa::Buffer::new().format(output_index).to_owned();
         [
@@ -959,7 +946,7 @@ impl Sequence {
     }
 
     /// `error`: what ended the stream.
-    fn error(&mut self, error: &ApiError) -> Result<Event, Infallible> {
+    fn error(&mut self, error: &ApiError) -> Frame {
         self.written("error", |out| {
             out.push_str("\"code\":");
             json::write_str(out, error.code.as_str());
@@ -972,12 +959,7 @@ impl Sequence {
 
     /// An event carrying the whole response as it stands (`response.created`,
     /// `response.completed`, ...).
-    fn response(
-        &mut self,
-        event_type: &'static str,
-        shape: &Shape,
-        outcome: &Outcome,
-    ) -> Result<Event, Infallible> {
+    fn response(&mut self, event_type: &'static str, shape: &Shape, outcome: &Outcome) -> Frame {
         self.written(event_type, |out| {
             out.push_str("\"response\":");
             shape.write_object(out, outcome);
@@ -986,7 +968,7 @@ impl Sequence {
 
     /// An event carrying `response`, the response object's text written already (the two
     /// events before any output carry the same).
-    fn whole(&mut self, event_type: &'static str, response: &str) -> Result<Event, Infallible> {
+    fn whole(&mut self, event_type: &'static str, response: &str) -> Frame {
         self.written(event_type, |out| {
             out.push_str("\"response\":");
             out.push_str(response);
@@ -996,7 +978,7 @@ impl Sequence {
     /// `response.created` and `response.in_progress`, the events before any output: the
     /// same response object (in progress, no output yet) in both, written once. They come
     /// before the first token, and the object carries every tool the client declared.
-    fn started(&mut self, shape: &Shape) -> [Result<Event, Infallible>; 2] {
+    fn started(&mut self, shape: &Shape) -> [Frame; 2] {
         let response = shape.object_text(&Outcome::in_progress("in_progress"));
         [
             self.whole("response.created", &response),
@@ -1035,7 +1017,7 @@ async fn stream_response(
                 }
             };
             if named_events && let Some(progress) = progress_event(&event) {
-                yield Ok(progress);
+                yield progress;
             }
             if let Some(delta) = delta_text(&event).filter(|_| !final_only) {
                 if !opened {
@@ -1093,12 +1075,12 @@ async fn stream_response(
             return;
         }
     };
-    Ok(Sse::new(body).keep_alive(keep_alive).into_response())
+    Ok(sse::response(body, keep_alive))
 }
 
 /// A stream's end on failure: an `error` event, then `response.failed` (its one terminal
 /// event).
-fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Result<Event, Infallible>; 2] {
+fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Frame; 2] {
     let mut outcome = Outcome::in_progress("failed");
     outcome.error = json!({ "code": error.code.as_str(), "message": error.message });
     [
@@ -1112,10 +1094,12 @@ mod tests {
     use super::*;
 
     /// The `data:` lines of a stream made of `events`, parsed.
-    async fn printed(events: Vec<Result<Event, Infallible>>) -> Vec<Value> {
-        let body = Sse::new(futures::stream::iter(events))
-            .into_response()
-            .into_body();
+    async fn printed(events: Vec<Frame>) -> Vec<Value> {
+        let body = sse::response(
+            futures::stream::iter(events),
+            std::time::Duration::from_secs(15),
+        )
+        .into_body();
         let bytes = axum::body::to_bytes(body, usize::MAX)
             .await
             .expect("the stream's body is read");

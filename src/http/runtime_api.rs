@@ -4,13 +4,11 @@
 //! follows live (each SSE `id:` is the seq; `Last-Event-ID` resumes without gaps or
 //! duplicates).
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Extension;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde::Deserialize;
@@ -20,9 +18,9 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiJson, ApiPath, ApiQuery};
 use super::messages::validate_messages;
+use super::sse::{self, Frame};
 use super::views::{
-    EventPage, EventsQuery, Json, RequestView, SessionView, json_event, request_view, session_view,
-    store_error,
+    EventPage, EventsQuery, Json, RequestView, SessionView, request_view, session_view, store_error,
 };
 use crate::error::{ApiError, ErrorCode};
 use crate::runtime::{AwaitedView, Following, NewRequest, Protocol, RuntimeError};
@@ -191,6 +189,9 @@ pub async fn request_events(
     events_response(&state, &id, Some(&caller.identity), &headers, &query).await
 }
 
+/// How long a live event stream stays quiet before a comment keeps its connection alive.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
 /// A request's events for `owner` (any owner when `None`): a JSON page, or with `Accept:
 /// text/event-stream` a live SSE stream from `after` (or `Last-Event-ID`) to the terminal
 /// event.
@@ -214,22 +215,11 @@ pub(super) async fn events_response(
     };
     if wants_stream {
         let events = state.runtime.follow(id, after, Following::Live);
-        let body = events.map(|event| {
-            Ok::<Event, Infallible>(match event {
-                Ok(event) => json_event(
-                    Event::default()
-                        .id(event.seq.to_string())
-                        .event(event.event_type.clone()),
-                    &*event,
-                ),
-                Err(error) => {
-                    json_event(Event::default().event("error"), store_error(&error).body())
-                }
-            })
+        let body = events.map(|event| match event {
+            Ok(event) => Frame::numbered(event.seq, &event.event_type, &*event),
+            Err(error) => Frame::json(Some("error"), &store_error(&error).body()),
         });
-        return Ok(Sse::new(body)
-            .keep_alive(KeepAlive::default())
-            .into_response());
+        return Ok(sse::response(body, KEEP_ALIVE));
     }
     let data = state.runtime.store().events(id, after, limit).await?;
     Ok(Json(EventPage::new(data, after)).into_response())

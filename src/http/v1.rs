@@ -3,12 +3,9 @@
 //! groups requests into a session. The default stream holds nothing but standard
 //! `chat.completion.chunk` events and `[DONE]`, so every OpenAI SDK parses it.
 
-use std::convert::Infallible;
-
 use axum::Extension;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -17,7 +14,8 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::views::{Json, JsonText, json_event, run_failure, store_error};
+use super::sse::{self, Frame};
+use super::views::{Json, JsonText, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::gateway::client::{self, ClientFunction};
@@ -550,18 +548,21 @@ impl Completion {
 /// [`Completion::tail`]). No serializer between: the parts that never change are one copy
 /// each (docs/profiling.md, the forty-eighth pass). The fields are in the order a `Value`'s
 /// map prints them, as they always were.
-fn completion_text(tail: &str, choice: impl FnOnce(&mut String)) -> String {
-    let mut data = String::with_capacity(tail.len() + 160);
-    data.push_str("{\"choices\":[");
-    choice(&mut data);
-    data.push_str("],");
-    data.push_str(tail);
-    data
+fn write_completion(out: &mut String, tail: &str, choice: impl FnOnce(&mut String)) {
+    out.push_str("{\"choices\":[");
+    choice(out);
+    out.push_str("],");
+    out.push_str(tail);
 }
 
 /// A chunk: its one choice, whose delta `delta` writes, with `finish_reason`.
-fn chunk_text(tail: &str, finish_reason: Option<&str>, delta: impl FnOnce(&mut String)) -> String {
-    completion_text(tail, |out| {
+fn write_chunk(
+    out: &mut String,
+    tail: &str,
+    finish_reason: Option<&str>,
+    delta: impl FnOnce(&mut String),
+) {
+    write_completion(out, tail, |out| {
         out.push_str("{\"delta\":");
         delta(out);
         out.push_str(",\"finish_reason\":");
@@ -571,8 +572,8 @@ fn chunk_text(tail: &str, finish_reason: Option<&str>, delta: impl FnOnce(&mut S
 }
 
 /// The chunk of a delta of text (`role` only in the first): one per delta of a stream.
-fn text_chunk(tail: &str, content: &str, role: Option<&str>) -> String {
-    chunk_text(tail, None, |out| {
+fn write_text_chunk(out: &mut String, tail: &str, content: &str, role: Option<&str>) {
+    write_chunk(out, tail, None, |out| {
         out.push_str("{\"content\":");
         json::write_str(out, content);
         if let Some(role) = role {
@@ -592,7 +593,9 @@ fn completion_answer(
     calls: &[ClientCall],
     usage: &Value,
 ) -> String {
-    completion_text(&completion.tail("chat.completion", Some(usage)), |out| {
+    let tail = completion.tail("chat.completion", Some(usage));
+    let mut answer = String::with_capacity(tail.len() + 160);
+    write_completion(&mut answer, &tail, |out| {
         out.push_str("{\"finish_reason\":");
         json::write_str(out, finish_reason);
         out.push_str(",\"index\":0,\"logprobs\":null,\"message\":{\"content\":");
@@ -605,7 +608,8 @@ fn completion_answer(
             });
         }
         out.push_str("}}");
-    })
+    });
+    answer
 }
 
 /// The calls a completed request handed to the client (`clientToolCalls`).
@@ -752,17 +756,14 @@ pub(super) async fn next_streamed(
 
 /// The named progress event a client that opted in (`x-stable-harness-events: true`)
 /// receives for `event`, if it is one.
-pub(super) fn progress_event(event: &EventRecord) -> Option<Event> {
+pub(super) fn progress_event(event: &EventRecord) -> Option<Frame> {
     if is_tool_progress(event) {
         let mut data = event.data.clone();
         data["type"] = Value::String(event.event_type.clone());
-        Some(json_event(
-            Event::default().event("stable_harness.tool.progress"),
-            &data,
-        ))
+        Some(Frame::json(Some("stable_harness.tool.progress"), &data))
     } else if event.event_type == PROGRESS_NARRATION {
-        Some(json_event(
-            Event::default().event("stable_harness.progress.narration"),
+        Some(Frame::json(
+            Some("stable_harness.progress.narration"),
             &event.data,
         ))
     } else {
@@ -805,12 +806,11 @@ pub(super) async fn hold_until_started(
 }
 
 /// SSE comments keep the connection alive while a call waits on an operator.
-pub(super) fn keep_alive(events: &ApprovalWatch) -> KeepAlive {
-    let interval = (events.approval_wait() / 4).clamp(
+pub(super) fn keep_alive(events: &ApprovalWatch) -> std::time::Duration {
+    (events.approval_wait() / 4).clamp(
         std::time::Duration::from_secs(1),
         std::time::Duration::from_secs(15),
-    );
-    KeepAlive::new().interval(interval)
+    )
 }
 
 /// How a chat stream is rendered.
@@ -836,57 +836,64 @@ async fn stream_response(
     let keep_alive = keep_alive(&events);
     let body = async_stream::stream! {
         let tail = completion.chunk_tail(include_usage);
-        yield Ok::<Event, Infallible>(Event::default().data(text_chunk(&tail, "", Some("assistant"))));
+        yield Frame::data(|out| write_text_chunk(out, &tail, "", Some("assistant")));
         let mut held = held.into_iter();
         loop {
             let event = match next_streamed(&mut held, &mut events, &submitted).await {
                 Some(Ok(event)) => event,
                 None => return,
                 Some(Err(error)) => {
-                    yield Ok(json_event(Event::default(), error.body()));
+                    yield Frame::json(None, &error.body());
                     return;
                 }
             };
             if named_events && let Some(progress) = progress_event(&event) {
-                yield Ok(progress);
+                yield progress;
             }
             if let Some(text) = delta_text(&event) {
                 if !final_only {
-                    yield Ok(Event::default().data(text_chunk(&tail, text, None)));
+                    yield Frame::data(|out| write_text_chunk(out, &tail, text, None));
                 }
             } else if event.event_type == REQUEST_COMPLETED {
                 if final_only && let Some(text) = event.data.get("output").and_then(Value::as_str).filter(|t| !t.is_empty()) {
-                    yield Ok(Event::default().data(text_chunk(&tail, text, None)));
+                    yield Frame::data(|out| write_text_chunk(out, &tail, text, None));
                 }
                 // Calls handed to the client: one `index` each, its name first, then its
                 // arguments as a delta, as OpenAI streams them.
                 for (index, call) in client_calls(&event.data).iter().enumerate() {
                     let opened = json!({ "tool_calls": [{ "index": index, "id": call.id, "type": "function", "function": { "name": call.name, "arguments": "" } }] });
-                    yield Ok(Event::default().data(chunk_text(&tail, None, |out| json::write(out, &opened))));
+                    yield Frame::data(|out| write_chunk(out, &tail, None, |out| json::write(out, &opened)));
                     let arguments = json!({ "tool_calls": [{ "index": index, "function": { "arguments": call.arguments } }] });
-                    yield Ok(Event::default().data(chunk_text(&tail, None, |out| json::write(out, &arguments))));
+                    yield Frame::data(|out| write_chunk(out, &tail, None, |out| json::write(out, &arguments)));
                 }
                 let reason = finish_reason(&event.data);
-                yield Ok(Event::default().data(chunk_text(&tail, Some(reason), |out| out.push_str("{}"))));
+                yield Frame::data(|out| write_chunk(out, &tail, Some(reason), |out| out.push_str("{}")));
                 if include_usage {
                     let usage = completion.tail("chat.completion.chunk", Some(event.data.get("usage").unwrap_or(&Value::Null)));
-                    yield Ok(Event::default().data(completion_text(&usage, |_| {})));
+                    yield Frame::data(|out| write_completion(out, &usage, |_| {}));
                 }
-                yield Ok(Event::default().data("[DONE]"));
+                yield Frame::data(|out| out.push_str("[DONE]"));
                 return;
             } else if is_terminal(&event.event_type) {
                 // Failed after text was sent: an error event, then the stream closes.
-                yield Ok(json_event(Event::default(), terminal_failure(&submitted, &event).body()));
+                yield Frame::json(None, &terminal_failure(&submitted, &event).body());
                 return;
             }
         }
     };
-    Ok(Sse::new(body).keep_alive(keep_alive).into_response())
+    Ok(sse::response(body, keep_alive))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `write` writes.
+    fn text(write: impl FnOnce(&mut String)) -> String {
+        let mut out = String::new();
+        write(&mut out);
+        out
+    }
 
     /// The typed answer and chunks print exactly what the `Value`s they replaced printed
     /// (a `Value`'s map prints its keys in order): the same bytes reach clients.
@@ -906,21 +913,21 @@ mod tests {
         };
         let tail = completion.chunk_tail(true);
         assert_eq!(
-            text_chunk(&tail, "hé \"x\"\n\u{1}", None),
+            text(|out| write_text_chunk(out, &tail, "hé \"x\"\n\u{1}", None)),
             chunk(json!({ "content": "hé \"x\"\n\u{1}" }), None)
         );
         assert_eq!(
-            text_chunk(&tail, "", Some("assistant")),
+            text(|out| write_text_chunk(out, &tail, "", Some("assistant"))),
             chunk(json!({ "role": "assistant", "content": "" }), None)
         );
         assert_eq!(
-            chunk_text(&tail, Some("stop"), |out| out.push_str("{}")),
+            text(|out| write_chunk(out, &tail, Some("stop"), |out| out.push_str("{}"))),
             chunk(json!({}), Some("stop"))
         );
         let opened = json!({ "tool_calls": [{ "index": 0, "id": "call_1", "type": "function",
                                               "function": { "name": "f", "arguments": "" } }] });
         assert_eq!(
-            chunk_text(&tail, None, |out| json::write(out, &opened)),
+            text(|out| write_chunk(out, &tail, None, |out| json::write(out, &opened))),
             chunk(opened.clone(), None)
         );
         // Without usage asked for, a chunk has no `usage`.
@@ -928,7 +935,7 @@ mod tests {
             serde_json::from_str(&chunk(json!({ "content": "a" }), None)).expect("a chunk");
         bare.as_object_mut().map(|chunk| chunk.remove("usage"));
         assert_eq!(
-            text_chunk(&completion.chunk_tail(false), "a", None),
+            text(|out| write_text_chunk(out, &completion.chunk_tail(false), "a", None)),
             bare.to_string()
         );
         let mut usage_chunk: Value =
@@ -936,10 +943,11 @@ mod tests {
         usage_chunk["choices"] = json!([]);
         usage_chunk["usage"] = usage.clone();
         assert_eq!(
-            completion_text(
+            text(|out| write_completion(
+                out,
                 &completion.tail("chat.completion.chunk", Some(&usage)),
                 |_| {}
-            ),
+            )),
             usage_chunk.to_string()
         );
         let call = ClientCall {

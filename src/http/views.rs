@@ -677,25 +677,6 @@ impl axum::response::IntoResponse for JsonText {
     }
 }
 
-/// `event` with `data` as its JSON data. Serialized into one `String` first: axum's
-/// `json_data` writes into the event directly but scans each of serde's many small writes
-/// for line breaks, which cost more than the copy (docs/profiling.md, the fourteenth pass).
-/// What a stream sends serializes (string-keyed maps and structs): should that ever fail,
-/// the stream sends a comment in its place and says why in the log.
-pub(super) fn json_event(
-    event: axum::response::sse::Event,
-    data: impl Serialize,
-) -> axum::response::sse::Event {
-    match serde_json::to_string(&data) {
-        Ok(text) => event.data(text),
-        Err(error) => {
-            tracing::error!(%error, "a stream's event did not serialize");
-            axum::response::sse::Event::default()
-                .comment("an event was left out: it did not serialize")
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
