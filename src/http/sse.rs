@@ -78,7 +78,17 @@ impl Frame {
         }
         if let Some(event) = event {
             frame.push_str("event: ");
-            frame.push_str(event);
+            if memchr::memchr2(b'\n', b'\r', event.as_bytes()).is_some() {
+                // Every name here is one of ours; a line break in one would start a field
+                // of its own (axum's `Event` panicked), so it is sent as a space.
+                frame.extend(
+                    event
+                        .chars()
+                        .map(|c| if matches!(c, '\n' | '\r') { ' ' } else { c }),
+                );
+            } else {
+                frame.push_str(event);
+            }
             frame.push('\n');
         }
         frame.push_str("data: ");
@@ -253,6 +263,11 @@ mod tests {
             "event: x\ndata: a\ndata: b\ndata: c\ndata: \n\n"
         );
         assert_eq!(sent(""), "event: x\ndata: \n\n");
+        let named = Frame::named("a\nid: 7\r", |out| out.push('1')).0;
+        assert_eq!(
+            named, "event: a id: 7 \ndata: 1\n\n",
+            "a name cannot start a field"
+        );
     }
 
     /// The answer's headers are those of an event stream, not to be cached.
