@@ -33,8 +33,8 @@ pub(super) struct ChunkView<'a> {
     /// The first of `choices`, an object or nothing (the others are read and dropped).
     #[serde(borrow)]
     pub choices: First<Object<ChoiceView<'a>>>,
-    /// `usage` as sent (rare: once per call); see [`ChunkView::reported_usage`].
-    pub usage: Option<Value>,
+    /// `usage` as it reads (rare: once per call); see [`ChunkView::reported_usage`].
+    pub usage: ReportedUsage,
     /// `error`, present even when `null` (an upstream reporting an error mid-stream).
     pub error: Present,
 }
@@ -52,10 +52,18 @@ impl<'a> ChunkView<'a> {
 
     /// The usage reported, when `usage` reads as one (absent, `null` or malformed: none).
     pub fn reported_usage(&self) -> Option<Usage> {
-        self.usage
-            .as_ref()
-            .filter(|usage| !usage.is_null())
-            .and_then(|usage| Usage::deserialize(usage).ok())
+        self.usage.0
+    }
+}
+
+/// A chunk's `usage`: a [`Usage`] when it reads as one, as a `Value` holding it reads (a key
+/// given twice counts as its last); absent, `null`, or of another shape, none.
+#[derive(Debug, Default)]
+pub(super) struct ReportedUsage(pub Option<Usage>);
+
+impl<'de> Deserialize<'de> for ReportedUsage {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Value::deserialize(deserializer).map(|value| Self(Usage::deserialize(&value).ok()))
     }
 }
 
@@ -353,12 +361,7 @@ impl<'a> Scan<'a> {
             }
             b"usage" => {
                 first_time(&mut seen, 2)?;
-                view.usage = if scan.peek()? == b'n' {
-                    scan.literal(b"null")?;
-                    None
-                } else {
-                    Some(scan.value(2)?)
-                };
+                view.usage = scan.usage(2)?;
                 Some(())
             }
             b"error" => {
@@ -461,6 +464,24 @@ impl<'a> Scan<'a> {
             return self.string().map(|text| Str(Some(text)));
         }
         self.skip(depth).map(|()| Str(None))
+    }
+
+    /// The next value as a usage: read by `serde_json` straight into a [`Usage`], no `Value`
+    /// built on the way (its maps were most of a usage chunk's reading). Where that refuses
+    /// (a count given twice, which a `Value` reads as its last; a value of another shape),
+    /// the `Value` is read and the usage taken from it, as [`ReportedUsage`] reads it. A value
+    /// this scan passed over is one `serde_json` reads (its numbers in range, its strings
+    /// whole), so the two readings agree wherever the first gives a usage.
+    fn usage(&mut self, depth: u32) -> Option<ReportedUsage> {
+        self.peek()?;
+        let start = self.at;
+        self.skip(depth)?;
+        let text = self.text.get(start..self.at)?;
+        if let Ok(usage) = serde_json::from_str::<Usage>(text) {
+            return Some(ReportedUsage(Some(usage)));
+        }
+        let value: Value = serde_json::from_str(text).ok()?;
+        Some(ReportedUsage(Usage::deserialize(&value).ok()))
     }
 
     /// The next value as `serde_json` gives it: its text found here, parsed there.
@@ -724,7 +745,7 @@ mod tests {
         let delta = choice.delta.0.as_ref().unwrap();
         assert!(matches!(delta.content.0, Some(Cow::Borrowed("Hel"))));
         assert_eq!(choice.finish_reason.as_str(), None);
-        assert!(view.usage.is_none());
+        assert!(view.usage.0.is_none());
         assert!(view.error.0.is_none());
     }
 
@@ -746,7 +767,7 @@ mod tests {
         assert_eq!(delta.content.as_str(), None);
         assert!(delta.tool_calls.0.is_none());
         assert_eq!(choice.finish_reason.as_str(), None);
-        assert_eq!(view.usage.unwrap()["prompt_tokens"], 3);
+        assert_eq!(view.reported_usage().map(|u| u.prompt_tokens), Some(3));
 
         // A first choice that is not an object is there, with nothing in it.
         let view = parse(r#"{"choices":[42]}"#).unwrap().unwrap();
@@ -757,6 +778,28 @@ mod tests {
         assert!(view.first_choice().is_none());
         let view = parse(r#"{"choices":[]}"#).unwrap().unwrap();
         assert!(view.first_choice().is_none());
+    }
+
+    /// A usage is read straight into its counts, and where that reading refuses one, as the
+    /// `Value` holding it reads: the last of a count given twice, none for a count of
+    /// another type; unknown fields (OpenAI's details) are passed over.
+    #[test]
+    fn a_usage_reads_as_the_value_holding_it_reads() {
+        let usage = |body: &str| parse(body).unwrap().unwrap().reported_usage();
+        let counts = |prompt, completion, total| Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: total,
+        };
+        let details = r#"{"usage":{"prompt_tokens":11,"completion_tokens":20,"total_tokens":31,
+            "prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0}}}"#;
+        assert_eq!(usage(details), Some(counts(11, 20, 31)));
+        let twice = r#"{"usage":{"prompt_tokens":1,"completion_tokens":2,"prompt_tokens":5}}"#;
+        assert_eq!(usage(twice), Some(counts(5, 2, 0)));
+        assert_eq!(usage(r#"{"usage":[4,5,9]}"#), Some(counts(4, 5, 9)));
+        assert_eq!(usage(r#"{"usage":{"prompt_tokens":-1}}"#), None);
+        assert_eq!(usage(r#"{"usage":null}"#), None);
+        assert_eq!(usage(r#"{"usage":"17"}"#), None);
     }
 
     #[test]
@@ -814,6 +857,11 @@ mod tests {
         r#"{"error":{"message":"overloaded","type":"server_error","code":null}}"#,
         r#"{"error":null,"choices":[42,"x",null,{"delta":"text","message":[1,2],"finish_reason":7}]}"#,
         r#"{"choices":{"0":{}},"usage":[true,false,-0,0.5]}"#,
+        // Usages a `Usage` is read from as a `Value` holding them reads: a count given twice
+        // (its last), a list of the three counts, a count of another type.
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2,"prompt_tokens":5}}"#,
+        r#"{"usage":[4,5,9]}"#,
+        r#"{"usage":{"prompt_tokens":-1,"total_tokens":3}}"#,
     ];
 
     #[test]
