@@ -117,7 +117,7 @@ impl OpenAiAdapter {
         attempt: u32,
     ) -> Result<Turn, AttemptError> {
         let streaming = model.capabilities.streaming;
-        let body = crate::json::to_bytes(&request_body(context, request, model, streaming));
+        let body = request_body(context, request, model, streaming);
         let prompt_tokens = crate::spend::estimate_tokens(body.len());
         let output_cap = output_cap(context, model, prompt_tokens);
         let worst_cost = model
@@ -906,21 +906,35 @@ fn unanswered_calls(messages: &[Value], own_from: usize, names: &FunctionNames) 
         .unwrap_or_default()
 }
 
-/// The upstream request: system instructions and recalled memory first, then the transcript; the agent's
-/// `backendConfig` passes through and the client's explicit options win over it.
+/// The upstream request, as JSON text: system instructions and recalled memory first, then
+/// the transcript; the agent's `backendConfig` passes through and the client's explicit
+/// options win over it.
 fn request_body(
     context: &AdapterContext<'_>,
     request: &TurnRequest<'_>,
     model: &ModelConfig,
     streaming: bool,
-) -> Value {
-    let mut messages = Vec::with_capacity(request.messages.len() + 2);
-    if let Some(instructions) = &context.agent.instructions {
-        messages.push(json!({ "role": "system", "content": instructions }));
-    }
+) -> Vec<u8> {
+    let system = context
+        .agent
+        .instructions
+        .as_ref()
+        .map(|instructions| json!({ "role": "system", "content": instructions }));
     // What memory recalled comes after the agent's own instructions, in its own block.
-    messages.extend(crate::memory::context_message(context.memory));
-    messages.extend(request.messages.iter().cloned());
+    let memory = crate::memory::context_message(context.memory);
+    let messages = system.iter().chain(memory.iter()).chain(request.messages);
+    let fields = request_fields(context, request, model, streaming);
+    write_request(&fields, messages, request.functions).into_bytes()
+}
+
+/// The upstream request's fields but its `messages` and its `tools` (when the turn offers
+/// any): the agent's `backendConfig`, the client's options over it, the model, streaming.
+fn request_fields(
+    context: &AdapterContext<'_>,
+    request: &TurnRequest<'_>,
+    model: &ModelConfig,
+    streaming: bool,
+) -> Map<String, Value> {
     let mut body: Map<String, Value> = context.agent.backend_config.clone();
     for (key, value) in context.options {
         body.insert(key.clone(), value.clone());
@@ -946,9 +960,10 @@ fn request_body(
         );
     }
     body.insert("model".into(), model.upstream_model.clone().into());
-    body.insert("messages".into(), messages.into());
+    // Written from the run's own values (see `write_request`).
+    body.remove("messages");
     if !request.functions.is_empty() {
-        body.insert("tools".into(), request.functions.to_vec().into());
+        body.remove("tools");
     }
     body.insert("stream".into(), streaming.into());
     if streaming {
@@ -956,7 +971,55 @@ fn request_body(
     } else {
         body.remove("stream_options");
     }
-    Value::Object(body)
+    body
+}
+
+/// `fields` as a JSON object with `messages` and, when there are any, `tools` among them,
+/// each key where a map holding them all would put it: the text of that map, without it
+/// built. The transcript and the tools are written from the run's own values: the
+/// transcript, as long as the conversation, was copied whole into a map for every model
+/// call, then written and dropped (docs/profiling.md, the fiftieth pass).
+fn write_request<'a>(
+    fields: &Map<String, Value>,
+    messages: impl Iterator<Item = &'a Value>,
+    functions: &[Value],
+) -> String {
+    enum Entry<'v> {
+        Field(&'v Value),
+        Messages,
+        Tools,
+    }
+    let mut entries: Vec<(&str, Entry<'_>)> = fields
+        .iter()
+        .map(|(key, value)| (key.as_str(), Entry::Field(value)))
+        .collect();
+    entries.push(("messages", Entry::Messages));
+    if !functions.is_empty() {
+        entries.push(("tools", Entry::Tools));
+    }
+    // A map's keys in its order (`request_fields` left neither key in `fields`).
+    entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let mut messages = Some(messages);
+    let mut out = String::with_capacity(1024);
+    out.push('{');
+    for (index, (key, entry)) in entries.into_iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        crate::json::write_str(&mut out, key);
+        out.push(':');
+        match entry {
+            Entry::Field(value) => crate::json::write(&mut out, value),
+            Entry::Messages => crate::json::write_array(
+                &mut out,
+                messages.take().into_iter().flatten(),
+                crate::json::write,
+            ),
+            Entry::Tools => crate::json::write_array(&mut out, functions, crate::json::write),
+        }
+    }
+    out.push('}');
+    out
 }
 
 fn parse_completion(model: &ModelConfig, text: &str) -> Result<Turn, AttemptError> {
@@ -1093,8 +1156,50 @@ mod tests {
 
     use super::{
         MAX_FUNCTION_NAME_BYTES, MAX_TOOL_CALLS_PER_TURN, MAX_TURN_ARGUMENT_BYTES,
-        StreamedCallError, StreamedCalls,
+        StreamedCallError, StreamedCalls, write_request,
     };
+
+    /// The upstream request's text is the text of the map holding its fields, `messages`
+    /// and `tools` among them: each key where the map puts it, whatever keys the agent's
+    /// configuration and the client's options add around them, and a configured `tools`
+    /// kept when the turn offers none.
+    #[test]
+    fn the_request_is_written_as_the_map_holding_it_is() {
+        let messages = [
+            json!({ "role": "system", "content": "Be brief." }),
+            json!({ "role": "user", "content": "hé \"x\"\n\u{1}" }),
+        ];
+        let functions =
+            [json!({ "type": "function", "function": { "name": "f", "parameters": {} } })];
+        let field_sets = [
+            json!({}),
+            json!({ "model": "m", "stream": true, "stream_options": { "include_usage": true } }),
+            json!({ "aaa": 1, "max_tokens": 5, "messagez": [1], "model": "m", "n": 2,
+                    "stream": false, "temperature": 0.5, "tool_choice": "auto",
+                    "tools_extra": null, "zzz": { "a": [] } }),
+            json!({ "Messages": 0, "messagea": 1, "tool": true, "toolt": 3 }),
+        ];
+        for fields in field_sets {
+            let fields = fields.as_object().cloned().unwrap_or_default();
+            for offered in [&functions[..], &[]] {
+                let mut map = fields.clone();
+                map.insert("messages".into(), messages.to_vec().into());
+                if !offered.is_empty() {
+                    map.insert("tools".into(), offered.to_vec().into());
+                }
+                let expected = serde_json::to_string(&map).expect("a map serializes");
+                assert_eq!(write_request(&fields, messages.iter(), offered), expected);
+            }
+        }
+        let configured = json!({ "model": "m", "tools": [{ "type": "web" }] });
+        let configured = configured.as_object().cloned().unwrap_or_default();
+        let mut map = configured.clone();
+        map.insert("messages".into(), messages.to_vec().into());
+        assert_eq!(
+            write_request(&configured, messages.iter(), &[]),
+            serde_json::to_string(&map).expect("a map serializes")
+        );
+    }
 
     fn feed(fragments: Value) -> Result<StreamedCalls, StreamedCallError> {
         let mut calls = StreamedCalls::default();
