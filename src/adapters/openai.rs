@@ -924,7 +924,19 @@ fn request_body(
     let memory = crate::memory::context_message(context.memory);
     let messages = system.iter().chain(memory.iter()).chain(request.messages);
     let fields = request_fields(context, request, model, streaming);
-    write_request(&fields, messages, request.functions).into_bytes()
+    // Sized for the messages' text, most of a long conversation's body, so that the buffer
+    // is not grown and copied a doubling at a time.
+    let text: usize = messages
+        .clone()
+        .map(|message| {
+            message
+                .get("content")
+                .and_then(Value::as_str)
+                .map_or(0, str::len)
+                .saturating_add(64)
+        })
+        .fold(1024, usize::saturating_add);
+    write_request(&fields, messages, request.functions, text).into_bytes()
 }
 
 /// The upstream request's fields but its `messages` and its `tools` (when the turn offers
@@ -983,6 +995,7 @@ fn write_request<'a>(
     fields: &Map<String, Value>,
     messages: impl Iterator<Item = &'a Value>,
     functions: &[Value],
+    capacity: usize,
 ) -> String {
     enum Entry<'v> {
         Field(&'v Value),
@@ -1000,7 +1013,7 @@ fn write_request<'a>(
     // A map's keys in its order (`request_fields` left neither key in `fields`).
     entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let mut messages = Some(messages);
-    let mut out = String::with_capacity(1024);
+    let mut out = String::with_capacity(capacity);
     out.push('{');
     for (index, (key, entry)) in entries.into_iter().enumerate() {
         if index > 0 {
@@ -1188,7 +1201,10 @@ mod tests {
                     map.insert("tools".into(), offered.to_vec().into());
                 }
                 let expected = serde_json::to_string(&map).expect("a map serializes");
-                assert_eq!(write_request(&fields, messages.iter(), offered), expected);
+                assert_eq!(
+                    write_request(&fields, messages.iter(), offered, 16),
+                    expected
+                );
             }
         }
         let configured = json!({ "model": "m", "tools": [{ "type": "web" }] });
@@ -1196,7 +1212,7 @@ mod tests {
         let mut map = configured.clone();
         map.insert("messages".into(), messages.to_vec().into());
         assert_eq!(
-            write_request(&configured, messages.iter(), &[]),
+            write_request(&configured, messages.iter(), &[], 16),
             serde_json::to_string(&map).expect("a map serializes")
         );
     }
