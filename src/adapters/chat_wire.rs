@@ -61,9 +61,16 @@ impl<'a> ChunkView<'a> {
 #[derive(Debug, Default)]
 pub(super) struct ReportedUsage(pub Option<Usage>);
 
+impl ReportedUsage {
+    /// The usage `value` reads as, if any.
+    fn of(value: &Value) -> Self {
+        Self(Usage::deserialize(value).ok())
+    }
+}
+
 impl<'de> Deserialize<'de> for ReportedUsage {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Value::deserialize(deserializer).map(|value| Self(Usage::deserialize(&value).ok()))
+        Value::deserialize(deserializer).map(|value| Self::of(&value))
     }
 }
 
@@ -473,23 +480,25 @@ impl<'a> Scan<'a> {
     /// this scan passed over is one `serde_json` reads (its numbers in range, its strings
     /// whole), so the two readings agree wherever the first gives a usage.
     fn usage(&mut self, depth: u32) -> Option<ReportedUsage> {
-        self.peek()?;
-        let start = self.at;
-        self.skip(depth)?;
-        let text = self.text.get(start..self.at)?;
+        let text = self.value_text(depth)?;
         if let Ok(usage) = serde_json::from_str::<Usage>(text) {
             return Some(ReportedUsage(Some(usage)));
         }
         let value: Value = serde_json::from_str(text).ok()?;
-        Some(ReportedUsage(Usage::deserialize(&value).ok()))
+        Some(ReportedUsage::of(&value))
     }
 
     /// The next value as `serde_json` gives it: its text found here, parsed there.
     fn value(&mut self, depth: u32) -> Option<Value> {
+        serde_json::from_str(self.value_text(depth)?).ok()
+    }
+
+    /// The text of the next value, checked and passed over.
+    fn value_text(&mut self, depth: u32) -> Option<&'a str> {
         self.peek()?;
         let start = self.at;
         self.skip(depth)?;
-        serde_json::from_str(self.text.get(start..self.at)?).ok()
+        self.text.get(start..self.at)
     }
 
     /// The next byte past whitespace, not taken.
