@@ -50,18 +50,7 @@ pub fn write(out: &mut String, value: &Value) {
         Value::Number(number) => write_number(out, number),
         Value::String(text) => write_str(out, text),
         Value::Array(items) => write_array(out, items, write),
-        Value::Object(entries) => {
-            out.push('{');
-            for (index, (key, item)) in entries.iter().enumerate() {
-                if index > 0 {
-                    out.push(',');
-                }
-                write_str(out, key);
-                out.push(':');
-                write(out, item);
-            }
-            out.push('}');
-        }
+        Value::Object(entries) => write_object(out, entries, write),
     }
 }
 
@@ -102,6 +91,25 @@ pub fn write_array<T>(
         write(out, item);
     }
     out.push(']');
+}
+
+/// `entries` as a JSON object, keys in the order given, each value written by `write`: how
+/// a `Value`'s maps and an upstream request are written.
+pub fn write_object<K: AsRef<str>, T>(
+    out: &mut String,
+    entries: impl IntoIterator<Item = (K, T)>,
+    mut write: impl FnMut(&mut String, T),
+) {
+    out.push('{');
+    for (index, (key, item)) in entries.into_iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        write_str(out, key.as_ref());
+        out.push(':');
+        write(out, item);
+    }
+    out.push('}');
 }
 
 /// `value` as JSON, or `null`: what serde_json writes for an `Option<Value>`.

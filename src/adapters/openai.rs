@@ -1014,24 +1014,15 @@ fn write_request<'a>(
     entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let mut messages = Some(messages);
     let mut out = String::with_capacity(capacity);
-    out.push('{');
-    for (index, (key, entry)) in entries.into_iter().enumerate() {
-        if index > 0 {
-            out.push(',');
-        }
-        crate::json::write_str(&mut out, key);
-        out.push(':');
-        match entry {
-            Entry::Field(value) => crate::json::write(&mut out, value),
-            Entry::Messages => crate::json::write_array(
-                &mut out,
-                messages.take().into_iter().flatten(),
-                crate::json::write,
-            ),
-            Entry::Tools => crate::json::write_array(&mut out, functions, crate::json::write),
-        }
-    }
-    out.push('}');
+    crate::json::write_object(&mut out, entries, |out, entry| match entry {
+        Entry::Field(value) => crate::json::write(out, value),
+        Entry::Messages => crate::json::write_array(
+            out,
+            messages.take().into_iter().flatten(),
+            crate::json::write,
+        ),
+        Entry::Tools => crate::json::write_array(out, functions, crate::json::write),
+    });
     out
 }
 
