@@ -4,7 +4,7 @@
 Usage: large_input.py [--bytes 64000] [--requests 300] [--rounds 4]
                       [--surface wait|chat|chat-sse|responses|responses-sse|list|view]
                       [--stored 100] [--database-url postgres://...] [--tools] [--parked]
-                      [--chunks 7] [--gap-ms 0] BINARY [BINARY...]
+                      [--chunks 7] [--gap-ms 0] [--openai-chunks] BINARY [BINARY...]
 
 The load benchmark's requests carry one short message; an agent's requests often carry a
 long transcript, and what the server does per byte of it (parse, store, send upstream) only
@@ -22,10 +22,12 @@ measured), then times `--requests` reads of the admin listing's first page (`GET
 `/v1/responses` with `stream: true`), and the script also prints the median time to the
 first token (the first line that carries the upstream's first word). With `--gap-ms G` the
 upstream sends its chunks G ms apart, as a model generates them, instead of at once: each
-delta then commits alone. A build may be a
+delta then commits alone. With `--openai-chunks` each chunk is laid out as OpenAI sends it
+(compact, its `id`, `model`, `system_fingerprint`, `service_tier`, `logprobs` and
+`obfuscation` fields, and `"usage": null` in every chunk but the last). A build may be a
 wrapper script (the callgrind recipe of docs/profiling.md). docs/profiling.md, the
 forty-third and forty-fourth passes; the other surfaces and `--chunks`, the forty-fifth;
-`--gap-ms`, the forty-sixth.
+`--gap-ms`, the forty-sixth; `--openai-chunks`, the fifty-first.
 
 With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
 per request before it answers: the run then stores its conversation, with the tool's result,
@@ -58,6 +60,8 @@ class Upstream(http.server.BaseHTTPRequestHandler):
     chunks = 7
     # Seconds between two chunks (`--gap-ms`); 0 sends the whole stream at once.
     gap = 0.0
+    # Chunks laid out as OpenAI sends them (`--openai-chunks`).
+    openai = False
     disable_nagle_algorithm = True
 
     def log_message(self, *args):
@@ -80,12 +84,8 @@ class Upstream(http.server.BaseHTTPRequestHandler):
             {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": self.chunks,
                                          "total_tokens": 10 + self.chunks}},
         ]
-        events = [
-            b"data: "
-            + json.dumps(dict(chunk, id="c1", object="chat.completion.chunk", created=1, model="m")).encode()
-            + b"\n\n"
-            for chunk in chunks
-        ] + [b"data: [DONE]\n\n"]
+        events = [b"data: " + self.shaped(chunk) + b"\n\n" for chunk in chunks]
+        events.append(b"data: [DONE]\n\n")
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Content-Length", str(sum(map(len, events))))
@@ -97,6 +97,22 @@ class Upstream(http.server.BaseHTTPRequestHandler):
             self.wfile.write(event)
             self.wfile.flush()
             time.sleep(self.gap)
+
+
+    @classmethod
+    def shaped(cls, chunk):
+        """A chunk as sent: short fields around it, or (`--openai-chunks`) as OpenAI lays one
+        out, compact, with the fields it adds to every chunk and `"usage": null` in all but the
+        last (the call asks for usage)."""
+        if not cls.openai:
+            return json.dumps(dict(chunk, id="c1", object="chat.completion.chunk", created=1, model="m")).encode()
+        choices = [dict(choice, logprobs=None, finish_reason=choice.get("finish_reason"))
+                   for choice in chunk["choices"]]
+        shaped = {"id": "chatcmpl-AbCdEf0123456789xyzABCDEFGHI", "object": "chat.completion.chunk",
+                  "created": 1733000000, "model": "gpt-4o-mini-2024-07-18", "service_tier": "default",
+                  "system_fingerprint": "fp_0ba0d124f1", "choices": choices,
+                  "usage": chunk.get("usage"), "obfuscation": "Qx7bT"}
+        return json.dumps(shaped, separators=(",", ":")).encode()
 
 
 class ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -220,11 +236,13 @@ def main():
     parser.add_argument("--parked", action="store_true")
     parser.add_argument("--chunks", type=int, default=7)
     parser.add_argument("--gap-ms", type=float, default=0.0)
+    parser.add_argument("--openai-chunks", action="store_true")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
 
     Upstream.chunks = args.chunks
     Upstream.gap = args.gap_ms / 1000
+    Upstream.openai = args.openai_chunks
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", args.tools, args.parked)

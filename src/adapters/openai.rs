@@ -24,7 +24,7 @@ use serde_json::{Map, Value, json};
 
 use super::chat_wire;
 use super::retry::{AttemptError, refused, retry_after, settle, transport_failure};
-use super::sse::{MAX_EVENT_BYTES, SseDecoder};
+use super::sse::{Events, MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, ClientCall, FailureKind, Outcome, RuntimeAdapter, RuntimeOutput,
     ToolCall, ToolSpec, Usage, call_tools,
@@ -289,7 +289,7 @@ impl OpenAiAdapter {
         let mut usage_reported = false;
         let mut calls = StreamedCalls::default();
         let mut decoder = SseDecoder::default();
-        let mut events = Vec::new();
+        let mut events = Events::default();
         // Whatever fails now, the upstream took the call; `written` bytes of text reached
         // the run.
         let fail = |error: AdapterError, written: usize| AttemptError {
@@ -358,7 +358,7 @@ impl OpenAiAdapter {
             events.clear();
             let decoded = decoder.feed(&chunk, &mut events);
             let gathering = !pending.is_empty();
-            for data in &events {
+            for data in events.iter() {
                 if data.trim() == "[DONE]" {
                     emit_pending(context, &mut pending).await;
                     return Ok(Turn {

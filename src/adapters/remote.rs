@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::openai::read_limited;
 use super::retry::{AttemptError, refused, retry_after, settle, transport_failure};
-use super::sse::{MAX_EVENT_BYTES, SseDecoder};
+use super::sse::{Events, MAX_EVENT_BYTES, SseDecoder};
 use super::{
     AdapterContext, AdapterError, FailureKind, RuntimeAdapter, RuntimeOutput, ToolCall, Usage,
     call_tools,
@@ -209,7 +209,7 @@ impl RemoteAdapter {
         let cap = context.output_cap();
         let mut body = response.bytes_stream();
         let mut decoder = SseDecoder::with_limit(MAX_EVENT_BYTES);
-        let mut events = Vec::new();
+        let mut events = Events::default();
         let mut read = 0usize;
         let mut text = String::new();
         loop {
@@ -238,7 +238,7 @@ impl RemoteAdapter {
             }
             events.clear();
             let decoded = decoder.feed(&chunk, &mut events);
-            for data in &events {
+            for data in events.iter() {
                 let event: Value = serde_json::from_str(data).map_err(|_| {
                     malformed(
                         context,

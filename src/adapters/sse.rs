@@ -28,6 +28,10 @@ pub const MAX_EVENT_BYTES: usize = 8 << 20;
 /// The UTF-8 byte-order mark, ignored once at the start of a stream.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
+/// Largest buffer kept for the next event once one is done with: a rare large event's
+/// memory is given back instead of held for the rest of the stream.
+const KEPT_CAPACITY: usize = 64 << 10;
+
 /// Why a stream cannot be decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum SseError {
@@ -36,14 +40,55 @@ pub enum SseError {
     EventTooLarge { limit: usize },
 }
 
+/// The `data` of the events one or more reads completed, in order. Cleared between reads, it
+/// keeps its texts' buffers for the next ones: a stream's events, a few hundred bytes each,
+/// are copied into them, not each allocated, grown and freed (docs/profiling.md, the
+/// fifty-first pass).
+#[derive(Debug, Default)]
+pub struct Events {
+    texts: Vec<String>,
+    /// How many of `texts` hold an event; the others are buffers kept for reuse.
+    len: usize,
+}
+
+impl Events {
+    /// Forgets the events, keeping their buffers (but a large one's).
+    pub fn clear(&mut self) {
+        for text in &mut self.texts[..self.len] {
+            if text.capacity() > KEPT_CAPACITY {
+                *text = String::new();
+            }
+        }
+        self.len = 0;
+    }
+
+    /// The events' data, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.texts[..self.len].iter().map(String::as_str)
+    }
+
+    fn push(&mut self, data: &str) {
+        match self.texts.get_mut(self.len) {
+            Some(text) => {
+                text.clear();
+                text.push_str(data);
+            }
+            None => self.texts.push(data.to_owned()),
+        }
+        self.len += 1;
+    }
+}
+
 /// Decodes an SSE byte stream read in arbitrary pieces into the `data` of its events.
 #[derive(Debug)]
 pub struct SseDecoder {
     limit: usize,
     /// The current, unfinished line.
     line: Vec<u8>,
-    /// The current event's `data` lines, each followed by `\n`; `None` before its first.
-    data: Option<Vec<u8>>,
+    /// The current event's `data` lines, each followed by `\n` (kept from event to event).
+    data: Vec<u8>,
+    /// The current event has a `data` line (which may be empty).
+    has_data: bool,
     /// Bytes read since the last blank line, including the ones still in `line` (a line end
     /// counts as one).
     event_bytes: usize,
@@ -66,7 +111,8 @@ impl SseDecoder {
         Self {
             limit,
             line: Vec::new(),
-            data: None,
+            data: Vec::new(),
+            has_data: false,
             event_bytes: 0,
             after_cr: false,
             first_line: true,
@@ -76,7 +122,7 @@ impl SseDecoder {
 
     /// Reads `bytes`, appending the data of every event they complete to `events`. Events
     /// completed before an error are still appended; after an error the decoder stays failed.
-    pub fn feed(&mut self, mut bytes: &[u8], events: &mut Vec<String>) -> Result<(), SseError> {
+    pub fn feed(&mut self, mut bytes: &[u8], events: &mut Events) -> Result<(), SseError> {
         if let Some(error) = self.failed {
             return Err(error);
         }
@@ -127,7 +173,7 @@ impl SseDecoder {
     /// Bytes held right now (the current line and event data): never more than the limit.
     #[cfg(test)]
     fn held(&self) -> usize {
-        self.line.len() + self.data.as_ref().map_or(0, Vec::len)
+        self.line.len() + self.data.len()
     }
 
     /// Counts `bytes` more into the current event, failing once it passes the limit.
@@ -137,30 +183,36 @@ impl SseDecoder {
             let error = SseError::EventTooLarge { limit: self.limit };
             self.failed = Some(error);
             self.line = Vec::new();
-            self.data = None;
+            self.data = Vec::new();
+            self.has_data = false;
             return Err(error);
         }
         Ok(())
     }
 
     /// Interprets a completed line (without its line end).
-    fn end_line(&mut self, mut line: &[u8], events: &mut Vec<String>) {
+    fn end_line(&mut self, mut line: &[u8], events: &mut Events) {
         if std::mem::replace(&mut self.first_line, false) {
             line = line.strip_prefix(BOM).unwrap_or(line);
         }
         if line.is_empty() {
             self.event_bytes = 0;
-            if let Some(mut data) = self.data.take() {
-                data.pop(); // the `\n` after the last data line
-                // Valid UTF-8 (the rule) becomes the event's text without a copy.
-                events.push(String::from_utf8(data).unwrap_or_else(|invalid| {
-                    String::from_utf8_lossy(invalid.as_bytes()).into_owned()
-                }));
+            if std::mem::replace(&mut self.has_data, false) {
+                // Without the `\n` after the last data line.
+                let data = &self.data[..self.data.len().saturating_sub(1)];
+                match std::str::from_utf8(data) {
+                    Ok(text) => events.push(text),
+                    Err(_) => events.push(&String::from_utf8_lossy(data)),
+                }
+                self.data.clear();
+                if self.data.capacity() > KEPT_CAPACITY {
+                    self.data = Vec::new();
+                }
             }
         } else if let Some(value) = data_value(line) {
-            let data = self.data.get_or_insert_with(Vec::new);
-            data.extend_from_slice(value);
-            data.push(b'\n');
+            self.has_data = true;
+            self.data.extend_from_slice(value);
+            self.data.push(b'\n');
         }
     }
 }
@@ -182,29 +234,33 @@ fn data_value(line: &[u8]) -> Option<&[u8]> {
 mod tests {
     use proptest::prelude::*;
 
-    use super::{SseDecoder, SseError};
+    use super::{Events, SseDecoder, SseError};
 
     fn decode_all(decoder: &mut SseDecoder, bytes: &[u8]) -> (Vec<String>, Result<(), SseError>) {
-        let mut events = Vec::new();
+        let mut events = Events::default();
         let result = decoder.feed(bytes, &mut events);
-        (events, result)
+        (texts(&events), result)
+    }
+
+    fn texts(events: &Events) -> Vec<String> {
+        events.iter().map(str::to_owned).collect()
     }
 
     #[test]
     fn decodes_split_events_and_crlf() {
         let mut decoder = SseDecoder::default();
-        let mut events = Vec::new();
+        let mut events = Events::default();
         decoder.feed(b"data: {\"a\"", &mut events).unwrap();
-        assert!(events.is_empty());
+        assert!(texts(&events).is_empty());
         decoder
             .feed(b":1}\n\n: keep-alive\n\ndata: [DONE]\r\n\r\n", &mut events)
             .unwrap();
-        assert_eq!(events, vec!["{\"a\":1}", "[DONE]"]);
+        assert_eq!(texts(&events), vec!["{\"a\":1}", "[DONE]"]);
         events.clear();
         decoder
             .feed(b"event: x\ndata: one\ndata: two\n\n", &mut events)
             .unwrap();
-        assert_eq!(events, vec!["one\ntwo"]);
+        assert_eq!(texts(&events), vec!["one\ntwo"]);
         assert_eq!(decoder.held(), 0);
     }
 
@@ -240,23 +296,23 @@ mod tests {
     #[test]
     fn a_crlf_split_between_reads_is_one_line_end() {
         let mut decoder = SseDecoder::default();
-        let mut events = Vec::new();
+        let mut events = Events::default();
         decoder.feed(b"data: a\r", &mut events).unwrap();
         decoder.feed(b"", &mut events).unwrap();
         decoder.feed(b"\n", &mut events).unwrap();
-        assert!(events.is_empty(), "{events:?}");
+        assert!(texts(&events).is_empty(), "{events:?}");
         decoder.feed(b"\r", &mut events).unwrap();
-        assert_eq!(events, vec!["a"]);
+        assert_eq!(texts(&events), vec!["a"]);
     }
 
     #[test]
     fn an_event_past_the_limit_fails_and_stays_failed() {
         let mut decoder = SseDecoder::with_limit(16);
-        let mut events = Vec::new();
+        let mut events = Events::default();
         // Events before the error in the same read are kept.
         let result = decoder.feed(b"data: ok\n\ndata: 0123456789abcdef", &mut events);
         assert_eq!(result, Err(SseError::EventTooLarge { limit: 16 }));
-        assert_eq!(events, vec!["ok"]);
+        assert_eq!(texts(&events), vec!["ok"]);
         assert_eq!(decoder.held(), 0);
         assert!(decoder.feed(b"\n\n", &mut events).is_err());
         // Comment lines without a blank line count too: the limit is per event, not per line.
@@ -271,6 +327,33 @@ mod tests {
         for _ in 0..10 {
             decoder.feed(b"data: 0123456\n\n", &mut events).unwrap();
         }
+    }
+
+    /// Events and the event being read keep their buffers from read to read, each holding
+    /// only its own event's data, but give a large event's back.
+    #[test]
+    fn buffers_are_kept_from_read_to_read_but_a_large_events() {
+        let mut decoder = SseDecoder::default();
+        let mut events = Events::default();
+        decoder
+            .feed(b"data: a longer first event\n\n", &mut events)
+            .unwrap();
+        events.clear();
+        decoder
+            .feed(b"data: short\n\ndata: two\n\n", &mut events)
+            .unwrap();
+        assert_eq!(texts(&events), vec!["short", "two"]);
+        assert!(events.texts[0].capacity() >= "a longer first event".len());
+
+        let large = format!("data: {}\n\n", "x".repeat(2 * super::KEPT_CAPACITY));
+        events.clear();
+        decoder.feed(large.as_bytes(), &mut events).unwrap();
+        assert_eq!(texts(&events)[0].len(), 2 * super::KEPT_CAPACITY);
+        assert!(decoder.data.capacity() <= super::KEPT_CAPACITY);
+        events.clear();
+        assert!(events.texts[0].capacity() <= super::KEPT_CAPACITY);
+        decoder.feed(b"data: after\n\n", &mut events).unwrap();
+        assert_eq!(texts(&events), vec!["after"]);
     }
 
     #[test]
@@ -336,7 +419,7 @@ mod tests {
                 .collect();
             cuts.sort_unstable();
             let mut decoder = SseDecoder::with_limit(limit);
-            let mut pieces = Vec::new();
+            let mut pieces = Events::default();
             let mut result = Ok(());
             let mut start = 0;
             for (end, empty) in cuts.into_iter().chain([(bytes.len(), false)]) {
@@ -350,7 +433,7 @@ mod tests {
                 }
                 start = end;
             }
-            prop_assert_eq!(&pieces, &whole);
+            prop_assert_eq!(&texts(&pieces), &whole);
             prop_assert_eq!(result, whole_result);
         }
     }
