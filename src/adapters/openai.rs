@@ -311,9 +311,7 @@ impl OpenAiAdapter {
         tokio::pin!(idle);
         // The text of the deltas read and not yet emitted. It is emitted as one event when a
         // read is handled (or before anything else happens): a fast upstream's burst of
-        // chunks costs one event, not one each (two when it holds the turn's first text and
-        // the run is shown live: that text goes out alone first). While nobody is shown the
-        // run live (an answer
+        // chunks costs one event, not one each. While nobody is shown the run live (an answer
         // rendered whole), it is gathered over reads until `gathered` goes off,
         // `GATHERED_FOR` after its first word, or it holds `GATHERED_BYTES`: its events
         // commit with the run's next write anyway. The text and its order are the same
@@ -421,13 +419,6 @@ impl OpenAiAdapter {
                     }
                     pending.push_str(text);
                     output.text.push_str(text);
-                    // A turn's first text, shown live, goes out at once rather than at the
-                    // end of its read: the chunks after it in a burst are read while it
-                    // commits, where the first token waited for all of them (docs/profiling.md,
-                    // the fifty-first pass). The ones after it go out together as before.
-                    if output.text.len() == text.len() && context.events.shown_live() {
-                        emit_pending(context, &mut pending).await;
-                    }
                 }
                 if let Some(fragments) = delta.and_then(|delta| delta.tool_calls.0.as_deref())
                     && let Err(error) = calls.feed(fragments)
