@@ -40,42 +40,40 @@ pub enum SseError {
     EventTooLarge { limit: usize },
 }
 
-/// The `data` of the events one or more reads completed, in order. Cleared between reads, it
-/// keeps its texts' buffers for the next ones: a stream's events, a few hundred bytes each,
-/// are copied into them, not each allocated, grown and freed (docs/profiling.md, the
-/// fifty-first pass).
+/// The `data` of the events one or more reads completed, in order: their texts one after
+/// another in one buffer, kept when cleared between reads (but a large one's). A read's
+/// events cost no allocation each, where each was a `String` of its own, allocated and
+/// freed at the next read (docs/profiling.md, the fifty-first pass).
 #[derive(Debug, Default)]
 pub struct Events {
-    texts: Vec<String>,
-    /// How many of `texts` hold an event; the others are buffers kept for reuse.
-    len: usize,
+    text: String,
+    /// Where each event's text ends in `text`.
+    ends: Vec<usize>,
 }
 
 impl Events {
-    /// Forgets the events, keeping their buffers (but a large one's).
+    /// Forgets the events, keeping their buffer unless it grew past [`KEPT_CAPACITY`].
     pub fn clear(&mut self) {
-        for text in &mut self.texts[..self.len] {
-            if text.capacity() > KEPT_CAPACITY {
-                *text = String::new();
-            }
+        if self.text.capacity() > KEPT_CAPACITY {
+            self.text = String::new();
+        } else {
+            self.text.clear();
         }
-        self.len = 0;
+        self.ends.clear();
     }
 
     /// The events' data, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = &str> {
-        self.texts[..self.len].iter().map(String::as_str)
+        self.ends.iter().scan(0, |start, &end| {
+            let text = self.text.get(*start..end);
+            *start = end;
+            text
+        })
     }
 
     fn push(&mut self, data: &str) {
-        match self.texts.get_mut(self.len) {
-            Some(text) => {
-                text.clear();
-                text.push_str(data);
-            }
-            None => self.texts.push(data.to_owned()),
-        }
-        self.len += 1;
+        self.text.push_str(data);
+        self.ends.push(self.text.len());
     }
 }
 
@@ -129,6 +127,9 @@ impl SseDecoder {
         if bytes.is_empty() {
             return Ok(());
         }
+        // The events these bytes complete hold at most these bytes and the event begun before
+        // them: room for them is made once.
+        events.text.reserve(bytes.len().min(self.limit));
         if std::mem::replace(&mut self.after_cr, false) && bytes[0] == b'\n' {
             bytes = &bytes[1..];
         }
@@ -343,7 +344,7 @@ mod tests {
             .feed(b"data: short\n\ndata: two\n\n", &mut events)
             .unwrap();
         assert_eq!(texts(&events), vec!["short", "two"]);
-        assert!(events.texts[0].capacity() >= "a longer first event".len());
+        assert!(events.text.capacity() >= "a longer first event".len());
 
         let large = format!("data: {}\n\n", "x".repeat(2 * super::KEPT_CAPACITY));
         events.clear();
@@ -351,7 +352,7 @@ mod tests {
         assert_eq!(texts(&events)[0].len(), 2 * super::KEPT_CAPACITY);
         assert!(decoder.data.capacity() <= super::KEPT_CAPACITY);
         events.clear();
-        assert!(events.texts[0].capacity() <= super::KEPT_CAPACITY);
+        assert!(events.text.capacity() <= super::KEPT_CAPACITY);
         decoder.feed(b"data: after\n\n", &mut events).unwrap();
         assert_eq!(texts(&events), vec!["after"]);
     }
