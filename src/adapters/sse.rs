@@ -54,11 +54,7 @@ pub struct Events {
 impl Events {
     /// Forgets the events, keeping their buffer unless it grew past [`KEPT_CAPACITY`].
     pub fn clear(&mut self) {
-        if self.text.capacity() > KEPT_CAPACITY {
-            self.text = String::new();
-        } else {
-            self.text.clear();
-        }
+        emptied(&mut self.text, String::capacity, String::clear);
         self.ends.clear();
     }
 
@@ -83,10 +79,9 @@ pub struct SseDecoder {
     limit: usize,
     /// The current, unfinished line.
     line: Vec<u8>,
-    /// The current event's `data` lines, each followed by `\n` (kept from event to event).
+    /// The current event's `data` lines, each followed by `\n`: empty before its first
+    /// (kept from event to event).
     data: Vec<u8>,
-    /// The current event has a `data` line (which may be empty).
-    has_data: bool,
     /// Bytes read since the last blank line, including the ones still in `line` (a line end
     /// counts as one).
     event_bytes: usize,
@@ -110,7 +105,6 @@ impl SseDecoder {
             limit,
             line: Vec::new(),
             data: Vec::new(),
-            has_data: false,
             event_bytes: 0,
             after_cr: false,
             first_line: true,
@@ -185,7 +179,6 @@ impl SseDecoder {
             self.failed = Some(error);
             self.line = Vec::new();
             self.data = Vec::new();
-            self.has_data = false;
             return Err(error);
         }
         Ok(())
@@ -198,23 +191,28 @@ impl SseDecoder {
         }
         if line.is_empty() {
             self.event_bytes = 0;
-            if std::mem::replace(&mut self.has_data, false) {
-                // Without the `\n` after the last data line.
-                let data = &self.data[..self.data.len().saturating_sub(1)];
+            // Without the `\n` after the last data line; none without a data line.
+            if let Some(data) = self.data.strip_suffix(b"\n") {
                 match std::str::from_utf8(data) {
                     Ok(text) => events.push(text),
                     Err(_) => events.push(&String::from_utf8_lossy(data)),
                 }
-                self.data.clear();
-                if self.data.capacity() > KEPT_CAPACITY {
-                    self.data = Vec::new();
-                }
+                emptied(&mut self.data, Vec::capacity, Vec::clear);
             }
         } else if let Some(value) = data_value(line) {
-            self.has_data = true;
             self.data.extend_from_slice(value);
             self.data.push(b'\n');
         }
+    }
+}
+
+/// Empties `buffer` by `clear`, keeping its allocation for what comes next, or gives the
+/// allocation back when it grew past [`KEPT_CAPACITY`].
+fn emptied<T: Default>(buffer: &mut T, capacity: fn(&T) -> usize, clear: fn(&mut T)) {
+    if capacity(buffer) > KEPT_CAPACITY {
+        *buffer = T::default();
+    } else {
+        clear(buffer);
     }
 }
 
