@@ -73,6 +73,13 @@ const MAX_MERGED_DELTA: usize = 64 * 1024;
 const HOLD: Duration = Duration::from_millis(5);
 /// Longest a prompt write waits for another run's commit (see [`Urgency::Prompt`]).
 const PROMPT_HOLD: Duration = Duration::from_millis(1);
+/// Longest the writer polls its queue before it sleeps (see [`Writer::polls`]).
+const AWAKE: Duration = Duration::from_millis(1);
+/// How long the writer polls before it lets the other tasks of its thread, and the other
+/// threads of its CPU, run: a thread that polls a whole [`AWAKE`] keeps a thread woken on
+/// its CPU waiting for the kernel's time slice (p99 at c=1 0.80 -> 1.27 ms,
+/// docs/profiling.md, the fifty-third pass).
+const AWAKE_SLICE: Duration = Duration::from_micros(50);
 /// First pause before a batch that lost a race with another transaction (a deadlock) is tried
 /// again; it doubles with each race lost in a row, up to [`MAX_CONTENTION_DELAY`].
 const CONTENTION_RETRY_DELAY: Duration = Duration::from_millis(1);
@@ -408,6 +415,7 @@ impl Journal {
                     poisoned: HashSet::new(),
                     hold,
                     executing: executing.clone(),
+                    stays_awake: runtime.is_some() && executing.is_some(),
                 };
                 let run = writer.run(Arc::clone(&queue));
                 match &runtime {
@@ -650,6 +658,10 @@ struct Writer {
     /// The runs executing here, when the journal serves a runtime (prompt writes linger
     /// only while others execute).
     executing: Option<Executing>,
+    /// The writer may poll its queue before it sleeps ([`Writer::polls`]): it has a thread
+    /// of its own (the embedded store's writer, [`Store::writer_runtime`]) and serves a
+    /// runtime.
+    stays_awake: bool,
 }
 
 impl Writer {
@@ -668,7 +680,17 @@ impl Writer {
         let mut watch_until: Option<tokio::time::Instant> = None;
         // Items were left in the queue (more than a batch): take them without waiting.
         let mut more = false;
+        // The last wait ended within `AWAKE` with something to take (a poll that found
+        // nothing clears it), and the last batch committed held one request's writes at
+        // most: the writer then polls before it waits (`Writer::polls`).
+        let mut poll_pays = false;
+        let mut one_request = false;
         loop {
+            let waiting_since = std::time::Instant::now();
+            if !more && poll_pays && one_request && self.polls() {
+                more = queued_within(&queue, waiting_since + AWAKE, deadline).await;
+                poll_pays = more;
+            }
             // Woken by a producer or by the deadline: what is due is decided below.
             match (more, deadline) {
                 (true, _) => {}
@@ -690,6 +712,7 @@ impl Writer {
                 if taken > 0 {
                     held_since = held_since.or(state.since);
                     state.since = more.then_some(now);
+                    poll_pays = waiting_since.elapsed() <= AWAKE;
                 }
                 // A hold that has passed commits, whatever woke the writer: a stream of
                 // writes arriving one by one must not stretch it.
@@ -735,6 +758,7 @@ impl Writer {
             if urgent {
                 held_since = None;
                 prompt_until = None;
+                one_request = held.of_one_request();
                 self.apply(held.take()).await;
                 for done in flushes {
                     let _ = done.send(());
@@ -754,6 +778,18 @@ impl Writer {
                 .flatten()
                 .min();
         }
+    }
+
+    /// Whether the writer may poll its queue before it waits, for up to [`AWAKE`]: when it
+    /// has a thread of its own and at most one run executes. It then does after a short
+    /// wait and a batch of one request's writes (see `Writer::run`): where a client sends
+    /// one request after another, its next write comes within the poll, and a wake-up of
+    /// a halted CPU (tens of µs) is saved on each hand-over. Not between requests at a
+    /// steady rate, nor during a slow model's answer (the wait before was long), nor
+    /// under load (a batch holds many requests' writes, and many runs execute): there
+    /// the poll would find nothing, or the writer is never idle.
+    fn polls(&self) -> bool {
+        self.stays_awake && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -1047,10 +1083,50 @@ impl Held {
         }
     }
 
+    /// Whether everything held writes for one request at most (groups of none aside).
+    fn of_one_request(&self) -> bool {
+        let mut requests = self.groups.iter().flat_map(Group::requests);
+        let first = requests.next();
+        requests.all(|request| Some(request) == first)
+    }
+
     /// Everything held, for one transaction.
     fn take(&mut self) -> Vec<Group> {
         self.last_delta.clear();
         std::mem::take(&mut self.groups)
+    }
+}
+
+/// Polls `queue` until an item is queued or every producer is gone (true), or until `until` or `deadline`, whichever
+/// comes first (false). Every [`AWAKE_SLICE`] it lets the other threads of its CPU and the
+/// other tasks of its thread run.
+async fn queued_within(
+    queue: &Queue,
+    until: std::time::Instant,
+    deadline: Option<tokio::time::Instant>,
+) -> bool {
+    let until = deadline.map_or(until, |deadline| until.min(deadline.into_std()));
+    loop {
+        let slice_ends = (std::time::Instant::now() + AWAKE_SLICE).min(until);
+        loop {
+            {
+                let state = queue.state();
+                if !state.items.is_empty() || state.closed {
+                    return true;
+                }
+            }
+            let now = std::time::Instant::now();
+            if now >= until {
+                return false;
+            }
+            if now >= slice_ends {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        // A thread woken on this CPU runs now, not when the kernel's slice of this one ends.
+        std::thread::yield_now();
+        tokio::task::yield_now().await;
     }
 }
 
@@ -1478,6 +1554,114 @@ mod tests {
             stored.is_ok(),
             "a held write was lost when the journal closed"
         );
+    }
+
+    #[tokio::test]
+    async fn a_lone_clients_requests_commit_in_order_whether_the_writer_polls_or_sleeps() {
+        let (_dir, store) = fresh_store().await;
+        let hub = Arc::new(EventHub::default());
+        // One run executes (the client's): the embedded store's writer then polls after a
+        // commit whose next write comes soon, and sleeps after one that came late.
+        let slots = Arc::new(Semaphore::new(4));
+        let _running = Arc::clone(&slots).acquire_owned().await.unwrap();
+        let journal = Journal::start_serving(
+            Arc::clone(&store),
+            Arc::clone(&hub),
+            Redactor::default(),
+            &tokio_util::task::TaskTracker::new(),
+            Executing { slots, limit: 4 },
+        );
+        for n in 0..12 {
+            let request = format!("req_{n}");
+            journal
+                .write_submit(Some(&request), request_ops(&request))
+                .await
+                .unwrap();
+            journal
+                .write(Some(&request), event(&request, "started"))
+                .await
+                .unwrap();
+            journal
+                .commit(Some(&request), vec![event(&request, "end")])
+                .await
+                .unwrap();
+            if n % 3 == 2 {
+                // Longer than a poll: the writer sleeps and is woken as usual.
+                tokio::time::sleep(AWAKE * 3).await;
+            }
+        }
+        for n in 0..12 {
+            assert_eq!(
+                stored_types(&store, &format!("req_{n}")).await,
+                ["started", "end"]
+            );
+        }
+    }
+
+    fn a_queue() -> Queue {
+        Queue {
+            state: std::sync::Mutex::default(),
+            wake: Notify::new(),
+            room: Semaphore::new(QUEUE),
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_poll_lets_its_threads_other_tasks_run_and_finds_what_they_queue() {
+        let queue = Arc::new(a_queue());
+        let producer = {
+            let queue = Arc::clone(&queue);
+            tokio::spawn(async move {
+                queue
+                    .state()
+                    .queue(Item::Forgive("req_a".into()), Urgency::Now);
+            })
+        };
+        // One thread: the producer runs only when the poll yields to it.
+        let long = std::time::Instant::now() + Duration::from_secs(600);
+        assert!(queued_within(&queue, long, None).await);
+        producer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_poll_that_finds_nothing_lasts_until_its_end_or_the_writers_deadline() {
+        let queue = a_queue();
+        let started = std::time::Instant::now();
+        assert!(!queued_within(&queue, started + AWAKE, None).await);
+        assert!(started.elapsed() >= AWAKE);
+        // A deadline (a hold that ends) sooner than the poll's end stops it.
+        let started = std::time::Instant::now();
+        let deadline = tokio::time::Instant::now() + AWAKE;
+        let long = started + Duration::from_secs(600);
+        assert!(!queued_within(&queue, long, Some(deadline)).await);
+        assert!(started.elapsed() < Duration::from_secs(600));
+    }
+
+    #[tokio::test]
+    async fn a_poll_ends_when_every_producer_is_gone() {
+        let queue = a_queue();
+        queue.state().closed = true;
+        let long = std::time::Instant::now() + Duration::from_secs(600);
+        assert!(queued_within(&queue, long, None).await);
+    }
+
+    #[test]
+    fn a_batch_is_of_one_request_when_its_groups_write_for_one_at_most() {
+        let group = |request: Option<&str>| Group {
+            request: request.map(Into::into),
+            ops: Vec::new(),
+            settles: false,
+            asked: Asked::Held,
+            ack: None,
+        };
+        let mut held = Held::default();
+        assert!(held.of_one_request());
+        held.push(group(None));
+        held.push(group(Some("req_a")));
+        held.push(group(Some("req_a")));
+        assert!(held.of_one_request());
+        held.push(group(Some("req_b")));
+        assert!(!held.of_one_request());
     }
 
     fn request_ops(id: &str) -> Vec<WriteOp> {
