@@ -1107,9 +1107,9 @@ impl Held {
     }
 }
 
-/// Polls `queue` until an item is queued or every producer is gone (true), or until `until` or `deadline`, whichever
-/// comes first (false). Every [`AWAKE_SLICE`] it lets the other threads of its CPU and the
-/// other tasks of its thread run.
+/// Polls `queue` until an item is queued or every producer is gone (true), or until `until`
+/// or `deadline`, whichever comes first (false). Every [`AWAKE_SLICE`] it lets the other
+/// threads of its CPU and the other tasks of its thread run.
 async fn queued_within(
     queue: &Queue,
     until: std::time::Instant,
