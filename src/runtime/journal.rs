@@ -425,7 +425,7 @@ impl Journal {
                     poisoned: HashSet::new(),
                     hold,
                     executing: executing.clone(),
-                    stays_awake: runtime.is_some() && executing.is_some(),
+                    own_thread: runtime.is_some(),
                 };
                 let run = writer.run(Arc::clone(&queue));
                 match &runtime {
@@ -668,10 +668,9 @@ struct Writer {
     /// The runs executing here, when the journal serves a runtime (prompt writes linger
     /// only while others execute).
     executing: Option<Executing>,
-    /// The writer may poll its queue before it sleeps ([`Writer::polls`]): it has a thread
-    /// of its own (the embedded store's writer, [`Store::writer_runtime`]) and serves a
-    /// runtime.
-    stays_awake: bool,
+    /// The writer runs on a thread of its own (the embedded store's writer,
+    /// [`Store::writer_runtime`]): it may poll its queue before it sleeps ([`Writer::polls`]).
+    own_thread: bool,
 }
 
 impl Writer {
@@ -791,7 +790,7 @@ impl Writer {
     }
 
     /// Whether the writer may poll its queue before it waits, for up to [`AWAKE`]: when it
-    /// has a thread of its own and at most one run executes. It then does after a short
+    /// has a thread of its own and serves a runtime in which at most one run executes. It then does after a short
     /// wait and a batch of one request's writes (see `Writer::run`): where a client sends
     /// one request after another, its next write comes within the poll, and a wake-up of
     /// a halted CPU (tens of µs) is saved on each hand-over. Hardly between requests at a
@@ -799,7 +798,7 @@ impl Writer {
     /// found nothing), and never under load (a batch holds many requests' writes, and many
     /// runs execute): there a poll would find nothing, or the writer is never idle.
     fn polls(&self) -> bool {
-        self.stays_awake && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
+        self.own_thread && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -1116,27 +1115,27 @@ async fn queued_within(
     deadline: Option<tokio::time::Instant>,
 ) -> bool {
     let until = deadline.map_or(until, |deadline| until.min(deadline.into_std()));
+    let mut slice_ends = std::time::Instant::now() + AWAKE_SLICE;
     loop {
-        let slice_ends = (std::time::Instant::now() + AWAKE_SLICE).min(until);
-        loop {
-            {
-                let state = queue.state();
-                if !state.items.is_empty() || state.closed {
-                    return true;
-                }
+        {
+            let state = queue.state();
+            if !state.items.is_empty() || state.closed {
+                return true;
             }
-            let now = std::time::Instant::now();
-            if now >= until {
-                return false;
-            }
-            if now >= slice_ends {
-                break;
-            }
+        }
+        let now = std::time::Instant::now();
+        if now >= until {
+            return false;
+        }
+        if now >= slice_ends {
+            // A thread woken on this CPU runs now, not when the kernel's slice of this one
+            // ends.
+            std::thread::yield_now();
+            tokio::task::yield_now().await;
+            slice_ends = std::time::Instant::now() + AWAKE_SLICE;
+        } else {
             std::hint::spin_loop();
         }
-        // A thread woken on this CPU runs now, not when the kernel's slice of this one ends.
-        std::thread::yield_now();
-        tokio::task::yield_now().await;
     }
 }
 
@@ -1272,6 +1271,34 @@ mod tests {
     }
 
     /// A journal holding writes nobody waits on for `hold`, with request `req_a` stored.
+    /// A journal serving a runtime of four execution slots, `running` of them taken (the
+    /// permit, held by the test).
+    async fn journal_serving_with_runs_executing(
+        running: u32,
+    ) -> (
+        tempfile::TempDir,
+        Arc<dyn Store>,
+        Journal,
+        Arc<EventHub>,
+        tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let (dir, store) = fresh_store().await;
+        let hub = Arc::new(EventHub::default());
+        let slots = Arc::new(Semaphore::new(4));
+        let permit = Arc::clone(&slots)
+            .acquire_many_owned(running)
+            .await
+            .unwrap();
+        let journal = Journal::start_serving(
+            Arc::clone(&store),
+            Arc::clone(&hub),
+            Redactor::default(),
+            &tokio_util::task::TaskTracker::new(),
+            Executing { slots, limit: 4 },
+        );
+        (dir, store, journal, hub, permit)
+    }
+
     async fn request_a_held_for(
         hold: Duration,
     ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
@@ -1484,19 +1511,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_prompt_write_commits_by_itself_while_other_runs_execute() {
-        let (_dir, store) = fresh_store().await;
-        let hub = Arc::new(EventHub::default());
         // Two of four slots taken: other runs execute, so the prompt write may wait for
         // their commit, which never comes; the hold far longer than the test is not its.
-        let slots = Arc::new(Semaphore::new(4));
-        let _running = Arc::clone(&slots).acquire_many_owned(2).await.unwrap();
-        let journal = Journal::start_serving(
-            Arc::clone(&store),
-            Arc::clone(&hub),
-            Redactor::default(),
-            &tokio_util::task::TaskTracker::new(),
-            Executing { slots, limit: 4 },
-        );
+        let (_dir, store, journal, hub, _running) = journal_serving_with_runs_executing(2).await;
         let mut live = hub.subscribe("req_a");
         let mut ops = request_ops("req_a");
         ops.push(event("req_a", "submitted"));
@@ -1568,19 +1585,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_lone_clients_requests_commit_in_order_whether_the_writer_polls_or_sleeps() {
-        let (_dir, store) = fresh_store().await;
-        let hub = Arc::new(EventHub::default());
         // One run executes (the client's): the embedded store's writer then polls after a
         // commit whose next write comes soon, and sleeps after one that came late.
-        let slots = Arc::new(Semaphore::new(4));
-        let _running = Arc::clone(&slots).acquire_owned().await.unwrap();
-        let journal = Journal::start_serving(
-            Arc::clone(&store),
-            Arc::clone(&hub),
-            Redactor::default(),
-            &tokio_util::task::TaskTracker::new(),
-            Executing { slots, limit: 4 },
-        );
+        let (_dir, store, journal, _hub, _running) = journal_serving_with_runs_executing(1).await;
         for n in 0..12 {
             let request = format!("req_{n}");
             journal
