@@ -790,13 +790,14 @@ impl Writer {
     }
 
     /// Whether the writer may poll its queue before it waits, for up to [`AWAKE`]: when it
-    /// has a thread of its own and serves a runtime in which at most one run executes. It then does after a short
-    /// wait and a batch of one request's writes (see `Writer::run`): where a client sends
-    /// one request after another, its next write comes within the poll, and a wake-up of
-    /// a halted CPU (tens of µs) is saved on each hand-over. Hardly between requests at a
-    /// steady rate, or during a slow model's answer (the wait before was long, or a poll
-    /// found nothing), and never under load (a batch holds many requests' writes, and many
-    /// runs execute): there a poll would find nothing, or the writer is never idle.
+    /// has a thread of its own and serves a runtime in which at most one run executes. It
+    /// then does after a short wait and a batch of one request's writes (see `Writer::run`):
+    /// where a client sends one request after another, its next write comes within the
+    /// poll, and a wake-up of a halted CPU (tens of µs) is saved on each hand-over. Hardly
+    /// between requests at a steady rate, or during a slow model's answer (the wait before
+    /// was long, or a poll found nothing), and never under load (a batch holds many
+    /// requests' writes, and many runs execute): there a poll would find nothing, or the
+    /// writer is never idle.
     fn polls(&self) -> bool {
         self.own_thread && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
     }
@@ -1270,7 +1271,6 @@ mod tests {
         (dir, store, journal, hub)
     }
 
-    /// A journal holding writes nobody waits on for `hold`, with request `req_a` stored.
     /// A journal serving a runtime of four execution slots, `running` of them taken (the
     /// permit, held by the test).
     async fn journal_serving_with_runs_executing(
@@ -1299,6 +1299,7 @@ mod tests {
         (dir, store, journal, hub, permit)
     }
 
+    /// A journal holding writes nobody waits on for `hold`, with request `req_a` stored.
     async fn request_a_held_for(
         hold: Duration,
     ) -> (tempfile::TempDir, Arc<dyn Store>, Journal, Arc<EventHub>) {
