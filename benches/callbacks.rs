@@ -109,11 +109,7 @@ fn main() {
             ),
         )
         .unwrap();
-        let (server, base) = server::start(
-            std::path::Path::new(env!("CARGO_BIN_EXE_stable-harness")),
-            dir.path(),
-            &[],
-        );
+        let (server, base) = server::start(&server::this_build(), dir.path(), &[]);
         let view: Value = reqwest::Client::new()
             .post(format!("{base}/runtime/requests"))
             .json(&json!({ "input": { "text": "go" }, "wait": true }))

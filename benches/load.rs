@@ -28,6 +28,8 @@
 //! database and requests go to them in turn, as behind a load balancer. With
 //! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
+//! `STABLE_HARNESS_BENCH_SERVER` names the binary measured as "this build" (by default the one
+//! cargo built beside this benchmark), such as the profile-guided build of `deploy/pgo-build.sh`.
 //! `STABLE_HARNESS_BENCH_UPSTREAM=https-h2` (or `https-h1`) serves the upstream over TLS, as
 //! hosted providers are, offering HTTP/2 and HTTP/1.1 (or HTTP/1.1 alone) by ALPN; the binary
 //! and the direct client both trust its CA and agree the protocol in the handshake. The
@@ -149,9 +151,9 @@ async fn run() {
     let before = std::env::var("STABLE_HARNESS_BENCH_BEFORE")
         .ok()
         .map(PathBuf::from);
-    let this_build = Path::new(env!("CARGO_BIN_EXE_stable-harness"));
+    let this_build = server::this_build();
     if only_phase().is_some() {
-        compare_one_phase(before.as_deref(), this_build, &upstream, trust, &client).await;
+        compare_one_phase(before.as_deref(), &this_build, &upstream, trust, &client).await;
         return;
     }
     println!(
@@ -168,8 +170,8 @@ async fn run() {
     } else if let Some(recorded) = recorded_before().filter(|_| tls.is_none()) {
         columns.push(("before (recorded)".into(), recorded));
     }
-    println!("== after: this build");
-    let after = measure(this_build, &upstream, trust, &client).await;
+    println!("== after: {}", this_build.display());
+    let after = measure(&this_build, &upstream, trust, &client).await;
     if std::env::var("STABLE_HARNESS_BENCH_PRINT_TSV").is_ok_and(|v| v == "1") {
         for (key, (value, ratio)) in &after {
             println!("tsv\t{key}\t{value}\t{ratio}");

@@ -1,7 +1,7 @@
 //! Starting the `stable-harness` binary for a benchmark, as users start it.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 /// The store arguments the benchmarks share: `STABLE_HARNESS_BENCH_DATABASE_URL=postgres://...`
@@ -10,6 +10,15 @@ pub fn store_args() -> Vec<String> {
     std::env::var("STABLE_HARNESS_BENCH_DATABASE_URL")
         .map(|url| vec!["--database-url".to_owned(), url])
         .unwrap_or_default()
+}
+
+/// The binary measured as "this build": the one `STABLE_HARNESS_BENCH_SERVER` names (a build
+/// made another way, such as the profile-guided one of `deploy/pgo-build.sh`), or else the one
+/// cargo built beside the benchmark.
+pub fn this_build() -> PathBuf {
+    std::env::var_os("STABLE_HARNESS_BENCH_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stable-harness")))
 }
 
 /// Starts `binary` on `workspace` on a free port, with `env` added to its environment, and

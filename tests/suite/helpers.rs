@@ -117,9 +117,18 @@ impl TestWorkspace {
     }
 }
 
+/// The `stable-harness` binary the suite drives: the one `STABLE_HARNESS_TEST_BINARY` names
+/// (a build made another way, such as the profile-guided one of `deploy/pgo-build.sh`, whose
+/// crash test and soak must pass as the plain build's do), or else the one cargo built.
+pub fn binary() -> PathBuf {
+    std::env::var_os("STABLE_HARNESS_TEST_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_stable-harness")))
+}
+
 /// Runs the `stable-harness` binary with `args`.
 pub fn stable_harness(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+    Command::new(binary())
         .args(args)
         .env_remove("STABLE_HARNESS_LOG")
         .output()

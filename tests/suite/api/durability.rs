@@ -12,7 +12,7 @@ use super::{ADMIN_KEY, CLIENT_KEY, TestApp, api_workspace, request_id_header};
 
 /// The real binary serving `dir` on a random port; returns the process and its base URL.
 fn start_server(dir: &std::path::Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+    let mut child = Command::new(crate::helpers::binary())
         .args([
             "start",
             "-w",

@@ -531,7 +531,7 @@ async fn open_surfaces_on_a_public_address_are_refused_unless_explicitly_allowed
 /// Runs `start` with `args` until it exits by itself (it should: each case is refused at
 /// once); a `start` that serves instead is killed and reported.
 fn start_expecting_exit(args: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+    let mut child = Command::new(crate::helpers::binary())
         .arg("start")
         .args(args)
         .env_remove("STABLE_HARNESS_LOG")
@@ -586,7 +586,7 @@ fn start_refuses_open_surfaces_on_a_public_address_and_serves_them_with_the_flag
     );
 
     // With the flag it serves (and still warns).
-    let mut child: Child = Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+    let mut child: Child = Command::new(crate::helpers::binary())
         .args(["start", "-w", dir, "--host", "0.0.0.0", "--port", "0"])
         .arg("--insecure-open-surfaces")
         .env("STABLE_HARNESS_LOG", "warn")

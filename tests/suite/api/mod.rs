@@ -426,7 +426,7 @@ impl ServerProcess {
     pub fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> Self {
         use std::process::{Command, Stdio};
         let stderr = tempfile::NamedTempFile::new().unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+        let mut command = Command::new(crate::helpers::binary());
         command
             .args([
                 "start",

@@ -690,7 +690,7 @@ async fn the_usage_command_reads_a_running_server() {
     assert_eq!(status, 200, "{body}");
     let base = app.base.clone();
     let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+        std::process::Command::new(crate::helpers::binary())
             .args(["usage", "--url", &base, "--by", "model", "--since", "1d"])
             .env("STABLE_HARNESS_ADMIN_KEY", ADMIN_KEY)
             .output()
@@ -713,7 +713,7 @@ async fn the_usage_command_reads_a_running_server() {
     assert!(row.starts_with("main") && row.contains("10010"), "{stdout}");
     let base = app.base.clone();
     let bad = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_stable-harness"))
+        std::process::Command::new(crate::helpers::binary())
             .args(["usage", "--url", &base, "--by", "colour"])
             .env("STABLE_HARNESS_ADMIN_KEY", ADMIN_KEY)
             .output()

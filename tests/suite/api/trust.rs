@@ -604,7 +604,7 @@ async fn a_second_process_on_a_live_store_refuses_at_once_and_touches_nothing() 
 
     // A second `start` on the same workspace: refused before it resumes or binds anything.
     let dir = workspace.path().to_str().unwrap();
-    let mut second = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+    let mut second = Command::new(crate::helpers::binary());
     second.args([
         "start",
         "-w",
@@ -626,7 +626,7 @@ async fn a_second_process_on_a_live_store_refuses_at_once_and_touches_nothing() 
     );
 
     // `run` against the live server's store refuses too.
-    let mut run = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+    let mut run = Command::new(crate::helpers::binary());
     run.args(["run", "-w", dir, "--agent", "greeter", "hello"]);
     let refused = output_within(run, Duration::from_secs(60));
     assert!(!refused.status.success(), "{refused:?}");
@@ -646,7 +646,7 @@ async fn a_second_process_on_a_live_store_refuses_at_once_and_touches_nothing() 
     server.terminate();
 
     // Once the server is gone, the store is free again.
-    let mut run = Command::new(env!("CARGO_BIN_EXE_stable-harness"));
+    let mut run = Command::new(crate::helpers::binary());
     run.args(["run", "-w", dir, "--agent", "greeter", "again"]);
     let ran = output_within(run, Duration::from_secs(60));
     assert!(ran.status.success(), "{}", stderr(&ran));
