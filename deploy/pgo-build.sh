@@ -3,17 +3,19 @@
 # serves the load benchmark's phases (the request path users take: chat and responses, JSON
 # and streamed, `wait`, budgets, an upstream over HTTPS; PostgreSQL too when
 # STABLE_HARNESS_BENCH_DATABASE_URL names a throwaway database to train on), and the compiler
-# then lays out and inlines the whole program by the counts it gathered. The same source and
-# the same guarantees; measured in docs/profiling.md ("The fifty-fifth pass"): 11-23% less
-# CPU per request.
+# then lays out and inlines the whole program by the counts it gathered; where llvm-bolt is
+# installed, BOLT then lays out the linked binary by a second training run. The same source
+# and the same guarantees; measured in docs/profiling.md ("The fifty-fifth pass"): the
+# compiler's profile 11-23% less CPU per request, BOLT 2-10% less again.
 #
-#   bash deploy/pgo-build.sh           # -> target/pgo/use/release/stable-harness
+#   bash deploy/pgo-build.sh           # -> target/pgo/stable-harness
 #   bash deploy/pgo-build.sh --check   # only checks that llvm-profdata reads rustc's profiles
 #
 # Needs `llvm-profdata` from an LLVM that reads the raw profiles of this toolchain's LLVM
 # (LLVM 19 or later for rustc 1.95; on Debian bookworm: `apt-get install llvm-19`), found as
-# $LLVM_PROFDATA, or else the newest llvm-profdata installed. Three release builds on 2 cores
-# take about 35 minutes: the load generator, the instrumented server and the final one.
+# $LLVM_PROFDATA, or else the newest llvm-profdata installed; BOLT as $LLVM_BOLT or beside it
+# (`apt-get install bolt-19`). Three release builds on 2 cores take about 35 minutes: the load
+# generator, the instrumented server and the final one; BOLT adds about 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +65,34 @@ out="${PGO_DIR:-target/pgo}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 
+# BOLT, beside llvm-profdata (Debian: the package bolt-19), lays out the linked binary again by
+# a second training run: the whole of it, the C of SQLite and mimalloc included, which the
+# compiler's profile does not reach. Without it the build stops at the compiler's profile.
+bolt="${LLVM_BOLT:-$(dirname "$profdata")/llvm-bolt}"
+merge_fdata="$(dirname "$bolt")/merge-fdata"
+if [ -x "$bolt" ] && [ -x "$merge_fdata" ]; then
+  relocs="-Clink-arg=-Wl,--emit-relocs"
+else
+  echo "pgo-build: no llvm-bolt beside $profdata (Debian: apt-get install bolt-19); the binary will not be laid out by BOLT"
+  bolt=""
+  relocs=""
+fi
+
+# The load benchmark's phases against the binary $1 (2 s each): on PostgreSQL when
+# STABLE_HARNESS_BENCH_DATABASE_URL names a database, on the embedded store, and again with
+# budgets and an upstream over HTTPS (h2).
+train() {
+  local url="${STABLE_HARNESS_BENCH_DATABASE_URL:-}"
+  export STABLE_HARNESS_BENCH_SERVER="$1" STABLE_HARNESS_BENCH_SECONDS=2
+  if [ -n "$url" ]; then
+    cargo bench --locked --bench load
+  fi
+  env -u STABLE_HARNESS_BENCH_DATABASE_URL cargo bench --locked --bench load
+  env -u STABLE_HARNESS_BENCH_DATABASE_URL STABLE_HARNESS_BENCH_BUDGETS=1 \
+    STABLE_HARNESS_BENCH_UPSTREAM=https-h2 cargo bench --locked --bench load
+  unset STABLE_HARNESS_BENCH_SERVER STABLE_HARNESS_BENCH_SECONDS
+}
+
 echo "== the load generator (release)"
 cargo bench --locked --bench load --no-run
 
@@ -72,23 +102,31 @@ RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$out/build-profiles" \
 
 echo "== training: the load benchmark's phases against the instrumented server"
 rm -rf "$out/profiles"
-export LLVM_PROFILE_FILE="$out/profiles/server-%m.profraw"
-export STABLE_HARNESS_BENCH_SERVER="$out/generate/release/stable-harness"
-export STABLE_HARNESS_BENCH_SECONDS=2
-if [ -n "${STABLE_HARNESS_BENCH_DATABASE_URL:-}" ]; then
-  cargo bench --locked --bench load
-  unset STABLE_HARNESS_BENCH_DATABASE_URL
-fi
-cargo bench --locked --bench load
-STABLE_HARNESS_BENCH_BUDGETS=1 STABLE_HARNESS_BENCH_UPSTREAM=https-h2 cargo bench --locked --bench load
-unset LLVM_PROFILE_FILE STABLE_HARNESS_BENCH_SERVER
-
+LLVM_PROFILE_FILE="$out/profiles/server-%m.profraw" train "$out/generate/release/stable-harness"
 "$profdata" merge -o "$out/stable-harness.profdata" "$out"/profiles/*.profraw
 
 echo "== the server built by the profile"
-RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$out/stable-harness.profdata" \
+# Built afresh: cargo does not see a new profile behind the same flags.
+rm -rf "$out/use"
+RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$out/stable-harness.profdata $relocs" \
   cargo build --release --locked --bin stable-harness --target-dir "$out/use"
 
-echo "pgo-build: $out/use/release/stable-harness"
+if [ -n "$bolt" ]; then
+  echo "== training again: the same phases against the server instrumented by BOLT"
+  rm -rf "$out/bolt-profiles"
+  mkdir -p "$out/bolt-profiles"
+  "$bolt" "$out/use/release/stable-harness" -instrument -o "$out/bolt-instrumented" \
+    --instrumentation-file="$out/bolt-profiles/server.fdata" --instrumentation-file-append-pid
+  train "$out/bolt-instrumented"
+  "$merge_fdata" "$out"/bolt-profiles/*.fdata > "$out/stable-harness.fdata"
+  echo "== the server laid out by BOLT"
+  "$bolt" "$out/use/release/stable-harness" -o "$out/stable-harness" \
+    -data="$out/stable-harness.fdata" -reorder-blocks=ext-tsp -reorder-functions=cdsort \
+    -split-functions -split-all-cold -split-eh -icf=1 -use-gnu-stack
+else
+  cp "$out/use/release/stable-harness" "$out/stable-harness"
+fi
+
+echo "pgo-build: $out/stable-harness"
 echo "pgo-build: measure it beside the plain build with"
-echo "  STABLE_HARNESS_BENCH_SERVER=$out/use/release/stable-harness STABLE_HARNESS_BENCH_BEFORE=target/release/stable-harness cargo bench --bench load"
+echo "  STABLE_HARNESS_BENCH_SERVER=$out/stable-harness STABLE_HARNESS_BENCH_BEFORE=target/release/stable-harness cargo bench --bench load"
