@@ -4,7 +4,8 @@
 //! plain loopback round trips to an endpoint of its own that answers at once. The difference
 //! is what the callback path adds to an HTTP round trip: token check, the run's queue, the
 //! gateway (schema, policy, the call's records and events, committed), the answer. Compare it
-//! with `--bench gateway`, the gateway's own cost in-process.
+//! with `--bench gateway`, the gateway's own cost in-process. It also prints the server's
+//! CPU per callback (user and system time, over the whole request).
 //!
 //! `cargo bench --bench callbacks` (SQLite; `STABLE_HARNESS_BENCH_DATABASE_URL` for PostgreSQL).
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
@@ -110,6 +111,7 @@ fn main() {
         )
         .unwrap();
         let (server, base) = server::start(&server::this_build(), dir.path(), &[]);
+        let cpu_before = server::cpu_seconds(server.id());
         let view: Value = reqwest::Client::new()
             .post(format!("{base}/runtime/requests"))
             .json(&json!({ "input": { "text": "go" }, "wait": true }))
@@ -121,6 +123,10 @@ fn main() {
             .await
             .unwrap();
         assert_eq!(view["status"], "completed", "{view}");
+        // The server's CPU over the request, its calls (the warm-up's too) and its end: a
+        // steadier figure than the added time, which the machine's wake-ups move.
+        let cpu_per_call = (server::cpu_seconds(server.id()) - cpu_before) * 1000.0
+            / (WARMUP + CALLS) as f64;
         let mut callbacks = measured.callbacks.lock().unwrap().clone();
         let mut baseline = measured.baseline.lock().unwrap().clone();
         callbacks.sort();
@@ -144,6 +150,7 @@ fn main() {
             percentile(&callbacks, 0.50) - percentile(&baseline, 0.50),
             percentile(&callbacks, 0.99) - percentile(&baseline, 0.99)
         );
+        println!("server CPU per callback           {cpu_per_call:.3} ms");
         server::stop(server);
     });
 }

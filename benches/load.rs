@@ -833,7 +833,10 @@ impl Servers {
 
     /// User and system CPU time of every instance so far.
     fn cpu_seconds(&self) -> f64 {
-        self.children.iter().map(|c| cpu_seconds(c.id())).sum()
+        self.children
+            .iter()
+            .map(|c| server::cpu_seconds(c.id()))
+            .sum()
     }
 
     /// Times a thread of the servers went to sleep until woken (voluntary context switches,
@@ -981,26 +984,6 @@ fn rss_kib(pid: u32) -> u64 {
                 .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse().ok()))
         })
         .unwrap_or(0)
-}
-
-/// utime + stime of a process from `/proc/PID/stat`, in seconds (at 100 ticks a second).
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // The command name may hold spaces: fields are counted after its closing parenthesis.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
-    (ticks(11) + ticks(12)) as f64 / 100.0
 }
 
 /// The voluntary context switches of every thread of a process so far.

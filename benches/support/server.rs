@@ -45,6 +45,26 @@ pub fn start(binary: &Path, workspace: &Path, env: &[(&str, &str)]) -> (Child, S
     (server, base)
 }
 
+/// utime + stime of a process from `/proc/PID/stat`, in seconds (at 100 ticks a second).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // The command name may hold spaces: fields are counted after its closing parenthesis.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
 /// Stops a server as an operator does (SIGTERM) and waits for it.
 pub fn stop(mut server: Child) {
     let _ = Command::new("kill")
