@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Builds stable-harness with profile-guided optimisation (PGO): an instrumented release build
 # serves the load benchmark's phases (the request path users take: chat and responses, JSON
-# and streamed, `wait`, budgets, an upstream over HTTPS; PostgreSQL too when
-# STABLE_HARNESS_BENCH_DATABASE_URL names a throwaway database to train on), and the compiler
-# then lays out and inlines the whole program by the counts it gathered; where llvm-bolt is
-# installed, BOLT then lays out the linked binary by a second training run. The same source
-# and the same guarantees; measured in docs/profiling.md ("The fifty-fifth pass"): the
-# compiler's profile 11-23% less CPU per request, BOLT 2-10% less again.
+# and streamed, `wait`, budgets, an upstream over HTTPS) and a remote agent's tool callbacks
+# (the tool gateway's path; PostgreSQL too when STABLE_HARNESS_BENCH_DATABASE_URL names a
+# throwaway database to train on), and the compiler then lays out and inlines the whole
+# program by the counts it gathered; where llvm-bolt is installed, BOLT then lays out the
+# linked binary by a second training run. The same source and the same guarantees; measured
+# in docs/profiling.md (the fifty-fifth and fifty-sixth passes): the compiler's profile
+# 11-23% less CPU per request, BOLT 2-10% less again.
 #
 #   bash deploy/pgo-build.sh           # -> target/pgo/stable-harness
 #   bash deploy/pgo-build.sh --check   # only checks that llvm-profdata reads rustc's profiles
@@ -15,7 +16,7 @@
 # (LLVM 19 or later for rustc 1.95; on Debian bookworm: `apt-get install llvm-19`), found as
 # $LLVM_PROFDATA, or else the newest llvm-profdata installed; BOLT as $LLVM_BOLT or beside it
 # (`apt-get install bolt-19`). Three release builds on 2 cores take about 35 minutes: the load
-# generator, the instrumented server and the final one; BOLT adds about 5.
+# generators, the instrumented server and the final one; BOLT adds about 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,29 +79,32 @@ else
   relocs=""
 fi
 
-# The load benchmark's phases against the binary $1 (2 s each): on PostgreSQL when
-# STABLE_HARNESS_BENCH_DATABASE_URL names a database, on the embedded store, and again with
-# budgets and an upstream over HTTPS (h2).
+# The load benchmark's phases against the binary $1 (2 s each) and the callbacks benchmark
+# (2,100 tool calls through the gateway): on PostgreSQL when STABLE_HARNESS_BENCH_DATABASE_URL
+# names a database, on the embedded store, and the load's phases again with budgets and an
+# upstream over HTTPS (h2).
 train() {
   local url="${STABLE_HARNESS_BENCH_DATABASE_URL:-}"
   export STABLE_HARNESS_BENCH_SERVER="$1" STABLE_HARNESS_BENCH_SECONDS=2
   if [ -n "$url" ]; then
     cargo bench --locked --bench load
+    cargo bench --locked --bench callbacks
   fi
   env -u STABLE_HARNESS_BENCH_DATABASE_URL cargo bench --locked --bench load
+  env -u STABLE_HARNESS_BENCH_DATABASE_URL cargo bench --locked --bench callbacks
   env -u STABLE_HARNESS_BENCH_DATABASE_URL STABLE_HARNESS_BENCH_BUDGETS=1 \
     STABLE_HARNESS_BENCH_UPSTREAM=https-h2 cargo bench --locked --bench load
   unset STABLE_HARNESS_BENCH_SERVER STABLE_HARNESS_BENCH_SECONDS
 }
 
-echo "== the load generator (release)"
-cargo bench --locked --bench load --no-run
+echo "== the load generators (release)"
+cargo bench --locked --bench load --bench callbacks --no-run
 
 echo "== the instrumented server"
 RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$out/build-profiles" \
   cargo build --release --locked --bin stable-harness --target-dir "$out/generate"
 
-echo "== training: the load benchmark's phases against the instrumented server"
+echo "== training: the load benchmark's phases and the callbacks against the instrumented server"
 rm -rf "$out/profiles"
 LLVM_PROFILE_FILE="$out/profiles/server-%m.profraw" train "$out/generate/release/stable-harness"
 "$profdata" merge -o "$out/stable-harness.profdata" "$out"/profiles/*.profraw
@@ -112,7 +116,7 @@ RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$out/stable-harness.profdata $relocs" \
   cargo build --release --locked --bin stable-harness --target-dir "$out/use"
 
 if [ -n "$bolt" ]; then
-  echo "== training again: the same phases against the server instrumented by BOLT"
+  echo "== training again: the same runs against the server instrumented by BOLT"
   rm -rf "$out/bolt-profiles"
   mkdir -p "$out/bolt-profiles"
   "$bolt" "$out/use/release/stable-harness" -instrument -o "$out/bolt-instrumented" \
