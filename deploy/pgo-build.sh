@@ -2,8 +2,8 @@
 # Builds stable-harness with profile-guided optimisation (PGO): an instrumented release build
 # serves the load benchmark's phases (the request path users take: chat and responses, JSON
 # and streamed, `wait`, budgets, an upstream over HTTPS) and a remote agent's tool callbacks
-# (the tool gateway's path; PostgreSQL too when STABLE_HARNESS_BENCH_DATABASE_URL names a
-# throwaway database to train on), and the compiler then lays out and inlines the whole
+# (the tool gateway's path), on PostgreSQL too when STABLE_HARNESS_BENCH_DATABASE_URL names a
+# throwaway database to train on, and the compiler then lays out and inlines the whole
 # program by the counts it gathered; where llvm-bolt is installed, BOLT then lays out the
 # linked binary by a second training run. The same source and the same guarantees; measured
 # in docs/profiling.md (the fifty-fifth and fifty-sixth passes): the compiler's profile
