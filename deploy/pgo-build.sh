@@ -79,23 +79,26 @@ else
   relocs=""
 fi
 
-# The load benchmark's phases against the binary $1 (2 s each) and the callbacks benchmark
-# (2,100 tool calls through the gateway): on PostgreSQL when STABLE_HARNESS_BENCH_DATABASE_URL
-# names a database, on the embedded store, and the load's phases again with budgets and an
-# upstream over HTTPS (h2).
-train() {
-  local url="${STABLE_HARNESS_BENCH_DATABASE_URL:-}"
-  export STABLE_HARNESS_BENCH_SERVER="$1" STABLE_HARNESS_BENCH_SECONDS=2
-  if [ -n "$url" ]; then
-    cargo bench --locked --bench load
-    cargo bench --locked --bench callbacks
-  fi
-  env -u STABLE_HARNESS_BENCH_DATABASE_URL cargo bench --locked --bench load
-  env -u STABLE_HARNESS_BENCH_DATABASE_URL cargo bench --locked --bench callbacks
-  env -u STABLE_HARNESS_BENCH_DATABASE_URL STABLE_HARNESS_BENCH_BUDGETS=1 \
-    STABLE_HARNESS_BENCH_UPSTREAM=https-h2 cargo bench --locked --bench load
-  unset STABLE_HARNESS_BENCH_SERVER STABLE_HARNESS_BENCH_SECONDS
+# The load benchmark's phases (2 s each) and the callbacks benchmark (2,100 tool calls through
+# the gateway) against the store the environment names.
+train_on_store() {
+  cargo bench --locked --bench load
+  cargo bench --locked --bench callbacks
 }
+
+# Both against the binary $1: on PostgreSQL when STABLE_HARNESS_BENCH_DATABASE_URL names a
+# database, on the embedded store, and the load's phases again with budgets and an upstream
+# over HTTPS (h2). A subshell, so that what it exports and unsets ends with it.
+train() (
+  export STABLE_HARNESS_BENCH_SERVER="$1" STABLE_HARNESS_BENCH_SECONDS=2
+  if [ -n "${STABLE_HARNESS_BENCH_DATABASE_URL:-}" ]; then
+    train_on_store
+  fi
+  unset STABLE_HARNESS_BENCH_DATABASE_URL
+  train_on_store
+  STABLE_HARNESS_BENCH_BUDGETS=1 STABLE_HARNESS_BENCH_UPSTREAM=https-h2 \
+    cargo bench --locked --bench load
+)
 
 echo "== the load generators (release)"
 cargo bench --locked --bench load --bench callbacks --no-run
