@@ -28,6 +28,8 @@
 //! database and requests go to them in turn, as behind a load balancer. With
 //! `STABLE_HARNESS_BENCH_BUDGETS=1` every request also passes two budgets and a rate limit.
 //! `STABLE_HARNESS_BENCH_SECONDS` sets the length of a phase (default 4).
+//! `STABLE_HARNESS_BENCH_STORED=N` first stores N chat requests through the server (after the
+//! warm-up, 32 at a time), so that every phase runs on a store that holds a history.
 //! `STABLE_HARNESS_BENCH_SERVER` names the binary measured as "this build" (by default the one
 //! cargo built beside this benchmark), such as the profile-guided build of `deploy/pgo-build.sh`.
 //! `STABLE_HARNESS_BENCH_UPSTREAM=https-h2` (or `https-h1`) serves the upstream over TLS, as
@@ -85,6 +87,50 @@ fn phase_length() -> Duration {
         .and_then(|s| s.parse::<f64>().ok())
         .unwrap_or(4.0);
     Duration::from_secs_f64(seconds)
+}
+
+/// `STABLE_HARNESS_BENCH_STORED`: how many requests the store holds before the phases
+/// (default none).
+fn stored_requests() -> usize {
+    std::env::var("STABLE_HARNESS_BENCH_STORED")
+        .ok()
+        .map(|n| {
+            n.parse()
+                .expect("STABLE_HARNESS_BENCH_STORED: a number of requests")
+        })
+        .unwrap_or(0)
+}
+
+/// Stores `requests` chat requests through the server, 32 at a time, so that every phase
+/// after it writes into and reads from a store that holds a history, as a server that has
+/// served for a while does (each request its session, messages, run, events and charge).
+/// Prints how long it took and, on the embedded store, the size of its file.
+async fn fill(client: &reqwest::Client, target: &Target, requests: usize, database: &Path) {
+    let started = Instant::now();
+    let left = Arc::new(AtomicUsize::new(requests));
+    let workers: Vec<_> = (0..32)
+        .map(|_| {
+            let (client, target, left) = (client.clone(), target.clone(), Arc::clone(&left));
+            tokio::spawn(async move {
+                while left
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                    .is_ok()
+                {
+                    one(&client, &target).await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let took = started.elapsed().as_secs_f64();
+    // The checkpointer's next passes copy the WAL back into the file before the phases.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let size = std::fs::metadata(database)
+        .map(|m| format!(", the store's file {:.0} MiB", m.len() as f64 / 1048576.0))
+        .unwrap_or_default();
+    println!("stored: {requests} requests in {took:.1} s{size}");
 }
 
 /// The upstream as `STABLE_HARNESS_BENCH_UPSTREAM` asks: over plain HTTP (the default), or
@@ -319,6 +365,16 @@ async fn measure(
         Duration::from_secs(1),
     )
     .await;
+    let stored = stored_requests();
+    if stored > 0 {
+        fill(
+            client,
+            &chat,
+            stored,
+            &dir.path().join(".stable-harness/state.db"),
+        )
+        .await;
+    }
 
     if let Some((key, load)) = only_phase() {
         // Profiling mode: one surface, one concurrency, for `perf` to attach to.
