@@ -107,23 +107,12 @@ fn stored_requests() -> usize {
 /// Prints how long it took and, on the embedded store, the size of its file.
 async fn fill(client: &reqwest::Client, target: &Target, requests: usize, database: &Path) {
     let started = Instant::now();
-    let left = Arc::new(AtomicUsize::new(requests));
-    let workers: Vec<_> = (0..32)
-        .map(|_| {
-            let (client, target, left) = (client.clone(), target.clone(), Arc::clone(&left));
-            tokio::spawn(async move {
-                while left
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                    .is_ok()
-                {
-                    one(&client, &target).await;
-                }
-            })
-        })
-        .collect();
-    for worker in workers {
-        worker.await.unwrap();
-    }
+    let left = AtomicUsize::new(requests);
+    clients(client, target, 32, move || {
+        left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+    })
+    .await;
     let took = started.elapsed().as_secs_f64();
     // The checkpointer's next passes copy the WAL back into the file before the phases.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -367,13 +356,8 @@ async fn measure(
     .await;
     let stored = stored_requests();
     if stored > 0 {
-        fill(
-            client,
-            &chat,
-            stored,
-            &dir.path().join(".stable-harness/state.db"),
-        )
-        .await;
+        let database = stable_harness::store::sqlite_path(None, dir.path()).unwrap();
+        fill(client, &chat, stored, &database).await;
     }
 
     if let Some((key, load)) = only_phase() {
@@ -969,14 +953,30 @@ async fn closed_loop(
     duration: Duration,
 ) -> Stats {
     let started = Instant::now();
+    let latencies = clients(client, target, workers, move || {
+        started.elapsed() < duration
+    })
+    .await;
+    stats(latencies, started.elapsed())
+}
+
+/// `count` clients, each sending one request after another while `more` says so; every
+/// request's (first token, end) times.
+async fn clients(
+    client: &reqwest::Client,
+    target: &Target,
+    count: usize,
+    more: impl Fn() -> bool + Send + Sync + 'static,
+) -> Vec<(Duration, Duration)> {
     let client = Arc::new(client.clone());
     let target = Arc::new(target.clone());
+    let more = Arc::new(more);
     let mut handles = Vec::new();
-    for _ in 0..workers {
-        let (client, target) = (Arc::clone(&client), Arc::clone(&target));
+    for _ in 0..count {
+        let (client, target, more) = (Arc::clone(&client), Arc::clone(&target), Arc::clone(&more));
         handles.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
-            while started.elapsed() < duration {
+            while more() {
                 latencies.push(one(&client, &target).await);
             }
             latencies
@@ -986,7 +986,7 @@ async fn closed_loop(
     for handle in handles {
         latencies.extend(handle.await.unwrap());
     }
-    stats(latencies, started.elapsed())
+    latencies
 }
 
 async fn open_loop(
