@@ -57,7 +57,11 @@
 //! polling. A poll that finds nothing stops the polling until a wait is short again, so
 //! requests at a steady rate, a slow model's answer or an idle writer cost at most a poll
 //! now and then; under load (a batch of several requests' writes, or more than one run
-//! executing) it never polls.
+//! executing) it never polls. While it polls, a producer waits for its commit of a request
+//! nobody follows live ([`Journal::commit`], a run's end among them) awake too, for up to
+//! [`AWAKE`]: the acknowledgement is then taken without a wake-up of the producer's thread
+//! either, for the commit's time of CPU spent waiting where that thread's sleep and wake-up
+//! were spent before (docs/profiling.md, the fifty-eighth pass).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -224,6 +228,9 @@ impl Executing {
 struct Queue {
     state: std::sync::Mutex<QueueState>,
     wake: Notify,
+    /// The writer polls its queue before it sleeps ([`Writer::polls`]): a client sends one
+    /// request after another, and a producer waits for its commit awake too.
+    polling: AtomicBool,
     /// One permit per free place ([`QUEUE`] in all): producers wait while the queue is full.
     room: Semaphore,
 }
@@ -412,6 +419,7 @@ impl Journal {
                 let queue = Arc::new(Queue {
                     state: std::sync::Mutex::default(),
                     wake: Notify::new(),
+                    polling: AtomicBool::new(false),
                     room: Semaphore::new(QUEUE),
                 });
                 let available = Arc::new(AtomicBool::new(true));
@@ -520,7 +528,10 @@ impl Journal {
         self.enqueue(request, ops, false, Asked::Now, None).await
     }
 
-    /// Queues `ops` as one group and waits until they committed together.
+    /// Queues `ops` as one group and waits until they committed together: awake, for up to
+    /// [`AWAKE`], while the writer polls ([`Queue::polling`]) and nobody follows the request
+    /// live, so that the acknowledgement wakes no thread either (a live follower's events
+    /// come to this thread during the commit, and would wait for the waiting task's turns).
     pub async fn commit(
         &self,
         request: Option<&str>,
@@ -541,9 +552,17 @@ impl Journal {
         ops: Vec<WriteOp>,
         settles: bool,
     ) -> Result<(), JournalError> {
-        let (ack, done) = oneshot::channel();
+        let (ack, mut done) = oneshot::channel();
         self.enqueue(request, ops, settles, Asked::Now, Some(ack))
             .await?;
+        if self.lane(request).queue.polling.load(Ordering::Relaxed)
+            && request.is_none_or(|request| !self.hub.is_streamed(request))
+        {
+            let until = std::time::Instant::now() + AWAKE;
+            if let Some(result) = awake_until(until, || acknowledgement(&mut done)).await {
+                return result;
+            }
+        }
         done.await.map_err(|_| JournalError::Closed)?
     }
 
@@ -696,9 +715,13 @@ impl Writer {
         let mut one_request = false;
         loop {
             let waiting_since = std::time::Instant::now();
-            if !more && poll_pays && one_request && self.polls() {
+            let polling = poll_pays && one_request && self.polls();
+            queue.polling.store(polling, Ordering::Relaxed);
+            if !more && polling {
                 more = queued_within(&queue, waiting_since + AWAKE, deadline).await;
                 poll_pays = more;
+                // It sleeps now: a producer waiting awake would wait for its wake-up.
+                queue.polling.store(more, Ordering::Relaxed);
             }
             // Woken by a producer or by the deadline: what is due is decided below.
             match (more, deadline) {
@@ -1108,25 +1131,48 @@ impl Held {
 }
 
 /// Polls `queue` until an item is queued or every producer is gone (true), or until `until`
-/// or `deadline`, whichever comes first (false). Every [`AWAKE_SLICE`] it lets the other
-/// threads of its CPU and the other tasks of its thread run.
+/// or `deadline`, whichever comes first (false).
 async fn queued_within(
     queue: &Queue,
     until: std::time::Instant,
     deadline: Option<tokio::time::Instant>,
 ) -> bool {
     let until = deadline.map_or(until, |deadline| until.min(deadline.into_std()));
+    awake_until(until, || {
+        let state = queue.state();
+        (!state.items.is_empty() || state.closed).then_some(())
+    })
+    .await
+    .is_some()
+}
+
+/// The outcome of a commit, once the writer has sent it (or is gone without sending it).
+fn acknowledgement(
+    done: &mut oneshot::Receiver<Result<(), JournalError>>,
+) -> Option<Result<(), JournalError>> {
+    match done.try_recv() {
+        Ok(result) => Some(result),
+        Err(oneshot::error::TryRecvError::Closed) => Some(Err(JournalError::Closed)),
+        Err(oneshot::error::TryRecvError::Empty) => None,
+    }
+}
+
+/// Asks `ready` until it gives a value or `until` passes (`None`), without sleeping: what
+/// is awaited is taken without a wake-up of this thread, on a CPU that would otherwise
+/// halt (tens of µs on a virtual machine's idle CPU). Every [`AWAKE_SLICE`] it lets the
+/// other threads of its CPU and the other tasks of its thread run.
+async fn awake_until<T>(
+    until: std::time::Instant,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
     let mut slice_ends = std::time::Instant::now() + AWAKE_SLICE;
     loop {
-        {
-            let state = queue.state();
-            if !state.items.is_empty() || state.closed {
-                return true;
-            }
+        if let Some(value) = ready() {
+            return Some(value);
         }
         let now = std::time::Instant::now();
         if now >= until {
-            return false;
+            return None;
         }
         if now >= slice_ends {
             // A thread woken on this CPU runs now, not when the kernel's slice of this one
@@ -1616,10 +1662,78 @@ mod tests {
         }
     }
 
+    #[test]
+    fn an_acknowledgement_is_taken_as_the_writer_sent_it() {
+        let (sender, mut done) = oneshot::channel();
+        assert!(acknowledgement(&mut done).is_none());
+        sender.send(Ok(())).unwrap();
+        assert!(matches!(acknowledgement(&mut done), Some(Ok(()))));
+        let (sender, mut done) = oneshot::channel();
+        sender
+            .send(Err(JournalError::Poisoned("req_a".into())))
+            .unwrap();
+        assert!(matches!(
+            acknowledgement(&mut done),
+            Some(Err(JournalError::Poisoned(_)))
+        ));
+        let (sender, mut done) = oneshot::channel::<Result<(), JournalError>>();
+        drop(sender);
+        assert!(matches!(
+            acknowledgement(&mut done),
+            Some(Err(JournalError::Closed))
+        ));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_producer_waiting_awake_gets_its_commits_outcome() {
+        // One run executes and the embedded store's writer has a thread of its own: from the
+        // third commit on, each queued as soon as the last was acknowledged, the writer
+        // polls and the producer waits awake; each gives what the writer decided.
+        let (_dir, store, journal, _hub, _running) = journal_serving_with_runs_executing(1).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        let refused = journal
+            .commit(Some("req_a"), vec![event("req_a", "lost"), orphan_run()])
+            .await;
+        assert!(
+            matches!(refused, Err(JournalError::Rejected(_))),
+            "{refused:?}"
+        );
+        let poisoned = journal
+            .commit(Some("req_a"), vec![event("req_a", "next")])
+            .await;
+        assert!(
+            matches!(poisoned, Err(JournalError::Poisoned(_))),
+            "{poisoned:?}"
+        );
+        journal
+            .settle("req_a", vec![event("req_a", "end")])
+            .await
+            .unwrap();
+        assert_eq!(stored_types(&store, "req_a").await, ["end"]);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_wait_awake_lets_its_threads_other_tasks_run_and_ends_at_its_end() {
+        let (sender, mut receiver) = oneshot::channel::<u32>();
+        let producer = tokio::spawn(async move { sender.send(7) });
+        // One thread: the sender runs only when the wait yields to it.
+        let long = std::time::Instant::now() + Duration::from_secs(600);
+        let got = awake_until(long, || receiver.try_recv().ok()).await;
+        assert_eq!(got, Some(7));
+        producer.await.unwrap().unwrap();
+        let started = std::time::Instant::now();
+        assert_eq!(awake_until(started + AWAKE, || None::<u32>).await, None);
+        assert!(started.elapsed() >= AWAKE);
+    }
+
     fn a_queue() -> Queue {
         Queue {
             state: std::sync::Mutex::default(),
             wake: Notify::new(),
+            polling: AtomicBool::new(false),
             room: Semaphore::new(QUEUE),
         }
     }
