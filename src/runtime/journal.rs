@@ -1686,9 +1686,10 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_producer_waiting_awake_gets_its_commits_outcome() {
-        // One run executes and the embedded store's writer has a thread of its own: from the
-        // third commit on, each queued as soon as the last was acknowledged, the writer
-        // polls and the producer waits awake; each gives what the writer decided.
+        // One run executes and the embedded store's writer has a thread of its own; each
+        // commit is queued as soon as the last was acknowledged, as a lone client's are, so
+        // the writer polls between them and a producer that finds it polling waits awake.
+        // Whichever way each waits, it gives what the writer decided.
         let (_dir, store, journal, _hub, _running) = journal_serving_with_runs_executing(1).await;
         journal
             .commit(Some("req_a"), request_ops("req_a"))
