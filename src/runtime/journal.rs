@@ -298,6 +298,15 @@ impl QueueState {
 }
 
 impl Queue {
+    fn new() -> Self {
+        Self {
+            state: std::sync::Mutex::default(),
+            wake: Notify::new(),
+            polling: AtomicBool::new(false),
+            room: Semaphore::new(QUEUE),
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
         // Nothing panics while holding the lock; a poisoned one still holds whole items.
         self.state
@@ -416,12 +425,7 @@ impl Journal {
         let runtime = store.writer_runtime();
         let lanes: Arc<[Lane]> = (0..lanes.max(1))
             .map(|lane| {
-                let queue = Arc::new(Queue {
-                    state: std::sync::Mutex::default(),
-                    wake: Notify::new(),
-                    polling: AtomicBool::new(false),
-                    room: Semaphore::new(QUEUE),
-                });
+                let queue = Arc::new(Queue::new());
                 let available = Arc::new(AtomicBool::new(true));
                 let writer = Writer {
                     store: Arc::clone(&store),
@@ -1730,18 +1734,9 @@ mod tests {
         assert!(started.elapsed() >= AWAKE);
     }
 
-    fn a_queue() -> Queue {
-        Queue {
-            state: std::sync::Mutex::default(),
-            wake: Notify::new(),
-            polling: AtomicBool::new(false),
-            room: Semaphore::new(QUEUE),
-        }
-    }
-
     #[tokio::test(flavor = "current_thread")]
     async fn a_poll_lets_its_threads_other_tasks_run_and_finds_what_they_queue() {
-        let queue = Arc::new(a_queue());
+        let queue = Arc::new(Queue::new());
         let producer = {
             let queue = Arc::clone(&queue);
             tokio::spawn(async move {
@@ -1758,7 +1753,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_poll_that_finds_nothing_lasts_until_its_end_or_the_writers_deadline() {
-        let queue = a_queue();
+        let queue = Queue::new();
         let started = std::time::Instant::now();
         assert!(!queued_within(&queue, started + AWAKE, None).await);
         assert!(started.elapsed() >= AWAKE);
@@ -1772,7 +1767,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_poll_ends_when_every_producer_is_gone() {
-        let queue = a_queue();
+        let queue = Queue::new();
         queue.state().closed = true;
         let long = std::time::Instant::now() + Duration::from_secs(600);
         assert!(queued_within(&queue, long, None).await);
