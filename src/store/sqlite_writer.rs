@@ -10,9 +10,10 @@
 //! only when a checkpoint has copied every frame and then a write begins with no reader on
 //! the old frames; a checkpoint on another connection never wins that race while writes keep
 //! coming (the WAL grew by gigabytes under sustained load). So the bulk copying runs on the
-//! store's checkpointer connection, off the request path; when that finds the WAL past
-//! [`CATCH_UP_BYTES`], it asks the writer ([`SqliteWriter::catch_up`]) to copy the few frames
-//! written since, between two transactions: no other write can slip in before the writer's
+//! store's checkpointer connection, off the request path (again while a pass leaves a few
+//! frames, so that mostly none are left); when that finds the WAL past [`CATCH_UP_BYTES`], it
+//! asks the writer ([`SqliteWriter::catch_up`]) to copy the frames written since, if any,
+//! between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning. The writer makes that write
 //! itself, at once, one page ([`restart_wal`]): the restart syncs the WAL's new header to the
 //! disk, a cost of the catch-up rather than of the next request's commit.
@@ -300,6 +301,15 @@ impl SqliteWriter {
         if !self.catch_up_queued.swap(true, Ordering::AcqRel) {
             let _ = self.send(Job::CatchUp);
         }
+    }
+
+    /// The frames in the WAL of the writer's database (a PASSIVE checkpoint's count).
+    #[cfg(test)]
+    pub async fn wal_frames(&self) -> i64 {
+        self.maintain(|connection| checkpoint(connection, "PASSIVE"))
+            .await
+            .expect("a checkpoint")
+            .1
     }
 
     fn send(&self, job: Job) -> Result<(), StoreError> {
@@ -1136,15 +1146,6 @@ mod tests {
         assert_eq!(count(&connection), 1);
     }
 
-    /// The frames in the WAL of the writer's database (a PASSIVE checkpoint's count).
-    async fn wal_frames(writer: &SqliteWriter) -> i64 {
-        writer
-            .maintain(|connection| checkpoint(connection, "PASSIVE"))
-            .await
-            .expect("a checkpoint")
-            .1
-    }
-
     #[tokio::test]
     async fn a_catch_up_that_copied_every_frame_starts_the_wal_over_itself() {
         let dir = tempfile::tempdir().expect("a directory");
@@ -1175,13 +1176,13 @@ mod tests {
                 .await
                 .expect("a row");
         }
-        let before = wal_frames(&writer).await;
+        let before = writer.wal_frames().await;
         assert!(before >= 40, "a frame or more a commit: {before}");
 
         // Jobs run in turn: the count after it is the catch-up's WAL. Before, the WAL held
         // every frame until the next write restarted it, in that write's commit.
         writer.catch_up();
-        let after = wal_frames(&writer).await;
+        let after = writer.wal_frames().await;
         assert_eq!(
             after, 1,
             "the WAL started over with the header's page alone"
