@@ -239,8 +239,8 @@ impl StoreOwnership {
 /// passes (docs/profiling.md, the fifth pass).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(400);
 
-/// Passes the checkpointer makes in a row, each copying the few frames written during the one
-/// before, until it has copied every frame of a WAL long enough to restart. The writer's
+/// Passes the checkpointer makes in a row, each copying the frames written during the one
+/// before (at most [`AGAIN_FRAMES`]), until it has copied every frame of a WAL long enough to restart. The writer's
 /// catch-up then has nothing left to copy: it skips the copy and the database's sync (~1.4
 /// ms here, during which requests wait for the writer) and only restarts the WAL.
 const CATCH_UP_PASSES: u32 = 3;
