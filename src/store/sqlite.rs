@@ -239,16 +239,21 @@ impl StoreOwnership {
 /// passes (docs/profiling.md, the fifth pass).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(400);
 
-/// Passes the checkpointer makes in a row, each copying the frames written during the one
-/// before (at most [`AGAIN_FRAMES`]), until it has copied every frame of a WAL long enough to restart. The writer's
-/// catch-up then has nothing left to copy: it skips the copy and the database's sync (~1.4
-/// ms here, during which requests wait for the writer) and only restarts the WAL.
+/// Passes the checkpointer makes in a row, each copying what the one before left (see
+/// [`after_pass`]), until one has copied every frame of a WAL long enough to restart with
+/// no commit during it. SQLite syncs the database only after such a pass (one that copied
+/// up to the WAL's end as it stands when the copy ends); otherwise the writer's catch-up
+/// copied the last frames and synced the database itself (~1.4 ms here, during which
+/// requests wait for the writer). After it, the catch-up copies nothing and only restarts
+/// the WAL.
 const CATCH_UP_PASSES: u32 = 3;
-/// Frames left by a pass past which another pass is not made: writes that keep coming (one
-/// request after another, or 32 at once) leave hundreds during a pass, and a pass after it
-/// would leave as many, for one more sync of the database each time. At 200 requests a
-/// second a pass leaves a request's or two (~20 frames each).
+/// Frames a reader held back from a pass past which another pass is not made.
 const AGAIN_FRAMES: i64 = 64;
+/// Commits during a pass past which another pass is not made: writes that keep coming (one
+/// request after another, or 32 at once) commit many times during a pass (3-6 ms), and a
+/// pass after it would meet as many, for one more sync of the WAL and of the database each
+/// time. At 200 requests a second a pass meets one commit or two (~20-40 frames each).
+const AGAIN_COMMITS: u64 = 2;
 
 /// Copies the write-ahead log's frames back into the database every [`CHECKPOINT_EVERY`], off
 /// the request path, and asks the writer to catch up (which restarts the WAL, see
@@ -284,25 +289,41 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
     }
 }
 
-/// What the checkpointer does after a pass that left `frames` in the WAL, `copied` of them
-/// copied back, on its `pass`-th pass in a row.
+/// One PASSIVE pass, as the checkpointer saw it.
+#[derive(Debug, Clone, Copy)]
+struct Pass {
+    /// Frames in the WAL when the pass began (SQLite's count leaves out those committed
+    /// during it).
+    frames: i64,
+    /// Frames copied back into the database, up to the oldest reader's.
+    copied: i64,
+    /// Commits the writer made during the pass ([`SqliteWriter::commits`]).
+    commits: u64,
+    /// Its number in this tick's row of passes, from 1.
+    number: u32,
+}
+
+/// What the checkpointer does after a pass.
 #[derive(Debug, PartialEq, Eq)]
 enum AfterPass {
     /// The WAL is short: nothing to restart yet.
     Done,
-    /// A few frames were written during the pass: copy them too, off the request path.
+    /// A reader held a few frames back, or a commit or two came during the pass: copy them
+    /// too, off the request path.
     Again,
-    /// Every frame copied, or too many left, or the passes spent: the writer copies the rest
-    /// and restarts the WAL.
+    /// Every frame copied with nothing written since, or too much left, or the passes
+    /// spent: the writer copies the rest, if any, and restarts the WAL.
     CatchUp,
 }
 
-fn after_pass(writer: &SqliteWriter, frames: i64, copied: i64, pass: u32) -> AfterPass {
-    if !writer.wants_catch_up(frames) {
+fn after_pass(writer: &SqliteWriter, pass: Pass) -> AfterPass {
+    let held_back = pass.frames.saturating_sub(pass.copied);
+    if !writer.wants_catch_up(pass.frames) {
         AfterPass::Done
-    } else if copied < frames
-        && frames.saturating_sub(copied) <= AGAIN_FRAMES
-        && pass < CATCH_UP_PASSES
+    } else if (held_back > 0 || pass.commits > 0)
+        && held_back <= AGAIN_FRAMES
+        && pass.commits <= AGAIN_COMMITS
+        && pass.number < CATCH_UP_PASSES
     {
         AfterPass::Again
     } else {
@@ -313,13 +334,18 @@ fn after_pass(writer: &SqliteWriter, frames: i64, copied: i64, pass: u32) -> Aft
 /// One tick of the checkpointer: PASSIVE passes (see [`after_pass`]), then the writer's
 /// catch-up if the WAL is long.
 async fn copy_back(pool: &SqlitePool, writer: &SqliteWriter) -> Result<(), sqlx::Error> {
-    for pass in 1..=CATCH_UP_PASSES {
+    for number in 1..=CATCH_UP_PASSES {
+        let commits_before = writer.commits();
         let row = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
             .fetch_one(pool)
             .await?;
-        let frames: i64 = row.try_get(1).unwrap_or(0);
-        let copied: i64 = row.try_get(2).unwrap_or(0);
-        match after_pass(writer, frames, copied, pass) {
+        let pass = Pass {
+            frames: row.try_get(1).unwrap_or(0),
+            copied: row.try_get(2).unwrap_or(0),
+            commits: writer.commits().wrapping_sub(commits_before),
+            number,
+        };
+        match after_pass(writer, pass) {
             AfterPass::Done => break,
             AfterPass::Again => continue,
             AfterPass::CatchUp => {
@@ -1999,20 +2025,48 @@ mod checkpointer_tests {
         let writer = &store.writer;
         // A WAL past 4 MiB, whatever the page size.
         let long = 1 << 22;
-        assert_eq!(after_pass(writer, 10, 4, 1), AfterPass::Done);
-        assert_eq!(after_pass(writer, long, long - 20, 1), AfterPass::Again);
+        let pass = |frames, copied, commits, number| Pass {
+            frames,
+            copied,
+            commits,
+            number,
+        };
+        assert_eq!(after_pass(writer, pass(10, 4, 1, 1)), AfterPass::Done);
         assert_eq!(
-            after_pass(writer, long, long - AGAIN_FRAMES, CATCH_UP_PASSES - 1),
+            after_pass(writer, pass(long, long, 0, 1)),
+            AfterPass::CatchUp,
+            "every frame copied and none written since: the database is synced"
+        );
+        assert_eq!(
+            after_pass(writer, pass(long, long, 1, 1)),
+            AfterPass::Again,
+            "a commit during the pass: SQLite left the database unsynced"
+        );
+        assert_eq!(
+            after_pass(writer, pass(long, long, AGAIN_COMMITS, CATCH_UP_PASSES - 1)),
             AfterPass::Again
         );
-        assert_eq!(after_pass(writer, long, long, 1), AfterPass::CatchUp);
         assert_eq!(
-            after_pass(writer, long, long - AGAIN_FRAMES - 1, 1),
-            AfterPass::CatchUp,
-            "writes that keep coming leave too many frames for another pass to catch up"
+            after_pass(writer, pass(long, long - 20, 0, 1)),
+            AfterPass::Again,
+            "a reader held a few frames back"
         );
         assert_eq!(
-            after_pass(writer, long, long - 20, CATCH_UP_PASSES),
+            after_pass(writer, pass(long, long - AGAIN_FRAMES, 1, 1)),
+            AfterPass::Again
+        );
+        assert_eq!(
+            after_pass(writer, pass(long, long, AGAIN_COMMITS + 1, 1)),
+            AfterPass::CatchUp,
+            "writes that keep coming would meet the next pass as well"
+        );
+        assert_eq!(
+            after_pass(writer, pass(long, long - AGAIN_FRAMES - 1, 0, 1)),
+            AfterPass::CatchUp,
+            "too many frames held back for another pass to catch up"
+        );
+        assert_eq!(
+            after_pass(writer, pass(long, long - 20, 1, CATCH_UP_PASSES)),
             AfterPass::CatchUp,
             "the passes are bounded"
         );

@@ -10,8 +10,8 @@
 //! only when a checkpoint has copied every frame and then a write begins with no reader on
 //! the old frames; a checkpoint on another connection never wins that race while writes keep
 //! coming (the WAL grew by gigabytes under sustained load). So the bulk copying runs on the
-//! store's checkpointer connection, off the request path (again while a pass leaves a few
-//! frames, so that mostly none are left); when that finds the WAL past [`CATCH_UP_BYTES`], it
+//! store's checkpointer connection, off the request path (again while a pass met a commit or
+//! two, so that mostly none are left); when that finds the WAL past [`CATCH_UP_BYTES`], it
 //! asks the writer ([`SqliteWriter::catch_up`]) to copy the frames written since, if any,
 //! between two transactions: no other write can slip in before the writer's
 //! next one, which then starts the WAL over from its beginning. The writer makes that write
@@ -23,7 +23,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -157,10 +157,21 @@ pub struct SqliteWriter {
     /// The writer thread's own runtime: a task spawned here hands batches to the writer
     /// without waking another thread (see [`SqliteWriter::runtime`]).
     runtime: tokio::runtime::Handle,
-    /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
-    catch_up_queued: Arc<AtomicBool>,
+    /// What the writer thread and this handle share.
+    shared: Arc<Shared>,
     /// The database's page size: a WAL frame holds one page.
     page_size: i64,
+}
+
+/// The state the writer thread publishes to its handle.
+#[derive(Debug, Default)]
+struct Shared {
+    /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
+    catch_up_queued: AtomicBool,
+    /// Jobs the writer ran that changed rows, each one transaction (a batch, or pending
+    /// charges written alone): the checkpointer reads it around a pass to learn whether
+    /// commits came during it, which SQLite's own count of frames does not say.
+    commits: AtomicU64,
 }
 
 impl SqliteWriter {
@@ -205,8 +216,8 @@ impl SqliteWriter {
         // Unbounded, but never long: the journal's queue bounds batches, charges are bounded
         // below, and at most one catch-up waits.
         let (jobs, queue) = mpsc::unbounded_channel::<Job>();
-        let catch_up_queued = Arc::new(AtomicBool::new(false));
-        let queued = Arc::clone(&catch_up_queued);
+        let shared = Arc::new(Shared::default());
+        let state = Arc::clone(&shared);
         let (_thread, runtime) = crate::threads::spawn_with_runtime(
             "sqlite-writer",
             || {
@@ -215,14 +226,14 @@ impl SqliteWriter {
                     .build()
             },
             move |runtime| {
-                runtime.block_on(write_loop(connection, queue, &queued, &leases, page_size));
+                runtime.block_on(write_loop(connection, queue, &state, &leases, page_size));
             },
         )
         .map_err(|e| StoreError::Writer(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             jobs,
             runtime,
-            catch_up_queued,
+            shared,
             page_size,
         })
     }
@@ -298,9 +309,16 @@ impl SqliteWriter {
     /// Asks the writer to copy the WAL's remaining frames between two transactions (the
     /// checkpointer has copied the rest) and to start the WAL over.
     pub fn catch_up(&self) {
-        if !self.catch_up_queued.swap(true, Ordering::AcqRel) {
+        if !self.shared.catch_up_queued.swap(true, Ordering::AcqRel) {
             let _ = self.send(Job::CatchUp);
         }
+    }
+
+    /// How many transactions that changed rows the writer has committed so far (a refused
+    /// one may count too: the count only ever errs high). Two reads tell whether any came
+    /// between them.
+    pub fn commits(&self) -> u64 {
+        self.shared.commits.load(Ordering::Acquire)
     }
 
     /// The frames in the WAL of the writer's database (a PASSIVE checkpoint's count).
@@ -524,7 +542,7 @@ impl From<rusqlite::Error> for Abandon {
 async fn write_loop(
     connection: Connection,
     mut queue: mpsc::UnboundedReceiver<Job>,
-    catch_up_queued: &AtomicBool,
+    shared: &Shared,
     leases: &Leases,
     page_size: i64,
 ) {
@@ -532,7 +550,14 @@ async fn write_loop(
     let mut charges = PendingCharges::default();
     let mut last_seqs = LastSeqs::default();
     let mut prepared = Prepared::new(&connection);
+    let mut changes = connection.total_changes();
     loop {
+        // The last job's transaction, if it changed rows, counts before the writer waits.
+        let changed = connection.total_changes();
+        if changed != changes {
+            changes = changed;
+            shared.commits.fetch_add(1, Ordering::Release);
+        }
         let job = match charges.deadline() {
             None => queue.recv().await,
             Some(deadline) => match tokio::time::timeout_at(deadline, queue.recv()).await {
@@ -592,7 +617,7 @@ async fn write_loop(
             }
             Job::CatchUp => {
                 charges.flush(&mut prepared);
-                catch_up_queued.store(false, Ordering::Release);
+                shared.catch_up_queued.store(false, Ordering::Release);
                 match checkpoint(&connection, "PASSIVE") {
                     Ok((_, frames, _)) if frames.saturating_mul(page_size) >= STARVED_BYTES => {
                         wait_for_readers(&connection, &mut last_wait, frames);
@@ -1144,6 +1169,47 @@ mod tests {
             .transaction(|prepared| prepared.get(INSERT)?.execute(params!["after"]))
             .expect("the next transaction");
         assert_eq!(count(&connection), 1);
+    }
+
+    #[tokio::test]
+    async fn the_writer_counts_its_transactions_that_changed_rows() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let leases = Leases {
+            holder: "test".into(),
+            duration: Duration::from_secs(30),
+        };
+        let writer =
+            SqliteWriter::open(&dir.path().join("state.db"), None, leases).expect("a writer");
+        writer
+            .maintain(|connection| connection.execute_batch("CREATE TABLE t (v TEXT)"))
+            .await
+            .expect("a table");
+        let before = writer.commits();
+        for value in ["a", "b"] {
+            writer
+                .maintain(move |connection| {
+                    connection
+                        .execute("INSERT INTO t (v) VALUES (?1)", params![value])
+                        .map(drop)
+                })
+                .await
+                .expect("a row");
+        }
+        let rows: i64 = writer
+            .maintain(|connection| {
+                connection.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))
+            })
+            .await
+            .expect("a count");
+        assert_eq!(rows, 2);
+        // A job's count is published before the writer takes the next one: once this one
+        // ran, the jobs before it are counted.
+        writer.maintain(|_| Ok(())).await.expect("a turn");
+        assert_eq!(
+            writer.commits() - before,
+            2,
+            "the two inserts, not the read"
+        );
     }
 
     #[tokio::test]
