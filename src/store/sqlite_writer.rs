@@ -1171,8 +1171,8 @@ mod tests {
         assert_eq!(count(&connection), 1);
     }
 
-    #[tokio::test]
-    async fn the_writer_counts_its_transactions_that_changed_rows() {
+    /// A writer on a fresh database of its own (the folder lives as long as the handle).
+    fn writer_in_temporary_folder() -> (tempfile::TempDir, SqliteWriter) {
         let dir = tempfile::tempdir().expect("a directory");
         let leases = Leases {
             holder: "test".into(),
@@ -1180,6 +1180,12 @@ mod tests {
         };
         let writer =
             SqliteWriter::open(&dir.path().join("state.db"), None, leases).expect("a writer");
+        (dir, writer)
+    }
+
+    #[tokio::test]
+    async fn the_writer_counts_its_transactions_that_changed_rows() {
+        let (_dir, writer) = writer_in_temporary_folder();
         writer
             .maintain(|connection| connection.execute_batch("CREATE TABLE t (v TEXT)"))
             .await
@@ -1214,13 +1220,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_catch_up_that_copied_every_frame_starts_the_wal_over_itself() {
-        let dir = tempfile::tempdir().expect("a directory");
-        let leases = Leases {
-            holder: "test".into(),
-            duration: Duration::from_secs(30),
-        };
-        let writer =
-            SqliteWriter::open(&dir.path().join("state.db"), None, leases).expect("a writer");
+        let (_dir, writer) = writer_in_temporary_folder();
         writer
             .maintain(|connection| {
                 connection.execute_batch(
