@@ -43,6 +43,8 @@
 //! figure the machine's speed does not move, and how many times per request a thread of the
 //! server went to sleep until woken (`sleeps/request`: its hand-overs, which cost more than
 //! their instructions on a machine whose idle CPUs halt).
+//! `STABLE_HARNESS_BENCH_LATENCIES=FILE` appends every request of the fixed-rate phases to
+//! FILE, with the time it was sent, to line up with a trace of the server.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../tests/suite/api/upstream.rs"]
@@ -1004,13 +1006,54 @@ async fn open_loop(
     while started.elapsed() < duration {
         interval.tick().await;
         let (client, target) = (Arc::clone(&client), Arc::clone(&target));
-        handles.push(tokio::spawn(async move { one(&client, &target).await }));
+        handles.push(tokio::spawn(async move {
+            let sent = std::time::SystemTime::now();
+            (sent, one(&client, &target).await)
+        }));
     }
     let mut latencies = Vec::new();
+    let mut sent_at = Vec::new();
     for handle in handles {
-        latencies.push(handle.await.unwrap());
+        let (sent, latency) = handle.await.unwrap();
+        sent_at.push(sent);
+        latencies.push(latency);
+    }
+    if let Ok(path) = std::env::var("STABLE_HARNESS_BENCH_LATENCIES") {
+        write_latencies(&path, target.name, &sent_at, &latencies);
     }
     stats(latencies, started.elapsed())
+}
+
+/// `STABLE_HARNESS_BENCH_LATENCIES=FILE`: appends each request of a fixed-rate phase to FILE
+/// as a line `SURFACE<TAB>SENT<TAB>FIRST<TAB>END`: when it was sent, in µs since the Unix
+/// epoch (the clock `perf record -k CLOCK_REALTIME` stamps a trace with), and its times to
+/// the first token and to the end, in µs. A trace of the server over the same seconds then
+/// shows what the slowest requests met (docs/profiling.md, the sixty-third pass).
+fn write_latencies(
+    path: &str,
+    surface: &str,
+    sent_at: &[std::time::SystemTime],
+    latencies: &[(Duration, Duration)],
+) {
+    use std::io::Write as _;
+    let mut lines = String::new();
+    for (sent, (first, end)) in sent_at.iter().zip(latencies) {
+        let sent = sent
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros();
+        lines.push_str(&format!(
+            "{surface}\t{sent}\t{}\t{}\n",
+            first.as_micros(),
+            end.as_micros()
+        ));
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    file.write_all(lines.as_bytes()).unwrap();
 }
 
 fn stats(latencies: Vec<(Duration, Duration)>, elapsed: Duration) -> Stats {
