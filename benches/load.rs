@@ -1025,10 +1025,11 @@ async fn open_loop(
 }
 
 /// `STABLE_HARNESS_BENCH_LATENCIES=FILE`: appends each request of a fixed-rate phase to FILE
-/// as a line `SURFACE<TAB>SENT<TAB>FIRST<TAB>END`: when it was sent, in µs since the Unix
-/// epoch (the clock `perf record -k CLOCK_REALTIME` stamps a trace with), and its times to
-/// the first token and to the end, in µs. A trace of the server over the same seconds then
-/// shows what the slowest requests met (docs/profiling.md, the sixty-third pass).
+/// as a line `SURFACE<TAB>SENT<TAB>FIRST<TAB>END`: when it was sent, in µs of the wall clock
+/// since the Unix epoch, and its times to the first token and to the end, in µs. A trace of
+/// the machine over the same seconds then shows what the slowest requests met:
+/// `benches/tail_waits.py` joins the two (the kernel stamps a trace with the monotonic clock,
+/// not the wall clock; docs/profiling.md, the sixty-third pass).
 fn write_latencies(
     path: &str,
     surface: &str,
