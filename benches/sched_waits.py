@@ -27,11 +27,9 @@ running on that CPU again.
 
 import argparse
 import collections
-import re
 import sys
 
-EVENT = re.compile(r"^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(sched:\w+):\s*(.*)$")
-FIELD = re.compile(r"(\w+)=(\S+)")
+from sched_trace import sched_events
 
 
 def main() -> None:
@@ -43,7 +41,7 @@ def main() -> None:
 
     process_of: dict[int, int] = {}
     name_of: dict[int, str] = {}
-    running: dict[str, int] = {}  # CPU -> thread id; 0 is the idle task
+    running: dict[int, int] = {}  # CPU -> thread id; 0 is the idle task
     woken: dict[int, tuple[float, bool]] = {}  # thread id -> (when, onto an idle CPU)
     counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     first = last = None
@@ -56,34 +54,28 @@ def main() -> None:
             counts[thread][f"delay {bucket}"] += (stamp - when) * 1e6
             counts[thread][f"timed {bucket}"] += 1
 
-    for line in sys.stdin:
-        match = EVENT.match(line)
-        if not match:
-            continue
-        comm, pid, tid, cpu, stamp, event, rest = match.groups()
-        tid, stamp = int(tid), float(stamp)
-        process_of[tid] = int(pid)
+    for comm, pid, tid, cpu, stamp, event, fields in sched_events(sys.stdin):
+        process_of[tid] = pid
         first = stamp if first is None else first
         last = stamp
-        fields = dict(FIELD.findall(rest))
         running[cpu] = tid  # whoever an event is recorded by runs there, the idle task too
         if tid != 0:
             name_of.setdefault(tid, comm)
             ran_now(tid, stamp, switched_in=False)
-        if event == "sched:sched_switch":
+        if event == "sched_switch":
             next_tid = int(fields["next_pid"])
             running[cpu] = next_tid
             if next_tid != 0:
                 name_of[next_tid] = fields["next_comm"]
                 ran_now(next_tid, stamp, switched_in=True)
-        elif event == "sched:sched_waking":
-            wakee, target = int(fields["pid"]), f"{int(fields['target_cpu']):03d}"
+        elif event == "sched_waking":
+            wakee, target = int(fields["pid"]), int(fields["target_cpu"])
             idle = running.get(target) == 0
             name_of.setdefault(wakee, fields["comm"])
             woken[wakee] = (stamp, idle)
             counts[wakee]["woken"] += 1
             counts[wakee]["onto idle"] += idle
-        elif event == "sched:sched_stat_runtime":
+        elif event == "sched_stat_runtime":
             counts[int(fields["pid"])]["ran"] += int(fields["runtime"]) / 1000
 
     if first is None or last <= first:

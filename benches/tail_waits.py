@@ -30,8 +30,8 @@ import collections
 import re
 import sys
 
-EVENT = re.compile(r"^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s*(.*)$")
-FIELD = re.compile(r"(\w+)=(\S+)")
+from sched_trace import sched_events
+
 # A waiter that starts running this long after its wake-up counts as having waited.
 WAITED_S = 0.0003
 
@@ -50,21 +50,14 @@ def main() -> None:
     on_cpu: dict[int, tuple[int, float]] = {}  # CPU -> (thread, since)
     held: dict[int, list[tuple[float, float, int]]] = collections.defaultdict(list)
     waits: list[tuple[float, float, int, int]] = []  # (woken, running, thread, CPU)
-    for line in sys.stdin:
-        match = EVENT.match(line)
-        if not match:
-            continue
-        comm, pid, tid, cpu, stamp, event, rest = match.groups()
-        cpu, stamp = int(cpu), float(stamp)
-        process_of[int(tid)] = int(pid)
-        name_of.setdefault(int(tid), comm)
+    for comm, pid, tid, cpu, stamp, event, fields in sched_events(sys.stdin):
+        process_of[tid] = pid
+        name_of.setdefault(tid, comm)
         if event == "sched_wakeup":
-            fields = dict(FIELD.findall(rest))
             woken.setdefault(int(fields["pid"]), stamp)
         elif event == "sched_switch":
-            incoming = dict(FIELD.findall(rest.split("==>")[1]))
-            thread = int(incoming["next_pid"])
-            name_of[thread] = incoming["next_comm"]
+            thread = int(fields["next_pid"])
+            name_of[thread] = fields["next_comm"]
             if cpu in on_cpu:
                 before, since = on_cpu[cpu]
                 held[cpu].append((since, stamp, before))
