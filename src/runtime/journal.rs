@@ -52,12 +52,13 @@
 //! What it spends for latency: on the embedded store, where the writer has a thread of its
 //! own, the writer polls its queue for up to [`AWAKE`] before it sleeps when a client sends
 //! one request after another (its last wait was short, its last batch held one request's
-//! writes, at most one run executes): the next write is then taken without waking a thread
-//! on a halted CPU, ~0.1 ms of such a client's request, for ~0.1 ms of CPU a request spent
-//! polling. A poll that finds nothing stops the polling until a wait is short again, so
-//! requests at a steady rate, a slow model's answer or an idle writer cost at most a poll
-//! now and then; under load (a batch of several requests' writes, or more than one run
-//! executing) it never polls. While it polls, a producer waits for its commit of a request
+//! writes, the writes it holds began within [`AWAKE`] of that batch's commit, at most one run
+//! executes: [`Pace`]): the next write is then taken without waking a thread on a halted
+//! CPU, ~0.1 ms of such a client's request, for ~0.1 ms of CPU a request spent polling. A
+//! poll that finds nothing stops the polling until a wait is short again, and requests at
+//! a steady rate never begin within [`AWAKE`] of the commit before them, so they, a slow
+//! model's answer or an idle writer cost at most a poll now and then; under load (a batch of
+//! several requests' writes, or more than one run executing) it never polls. While it polls, a producer waits for its commit of a request
 //! nobody follows live ([`Journal::commit`], a run's end among them) awake too, for up to
 //! [`AWAKE`]: the acknowledgement is then taken without a wake-up of the producer's thread
 //! either, for the commit's time of CPU spent waiting where that thread's sleep and wake-up
@@ -696,6 +697,52 @@ struct Writer {
     own_thread: bool,
 }
 
+/// What the writer has seen of its producers' pace, to decide whether a poll of its queue
+/// before it sleeps may find the next write ([`Writer::polls`] decides whether it may poll
+/// at all). It may where a client sends one request after another: the last wait ended
+/// within [`AWAKE`] with something to take (a poll that found nothing says no), the last
+/// batch committed held one request's writes at most, and the writes held now began within
+/// [`AWAKE`] of that commit. The last is what tells a client that sends its next request
+/// as soon as it has its answer from requests at a steady rate: each of those writes its
+/// submit and its end close together too, but the next request comes milliseconds later,
+/// and a poll after each commit found nothing (~1 ms of CPU a request at 50 a second,
+/// docs/profiling.md, the sixty-fourth pass).
+#[derive(Debug, Default)]
+struct Pace {
+    last_wait_short: bool,
+    last_batch_one_request: bool,
+    last_commit: Option<std::time::Instant>,
+    began_after_commit: bool,
+}
+
+impl Pace {
+    /// The writer took writes at `now` after waiting since `waiting_since`; `first` when
+    /// nothing was held before them (the first writes since the last commit).
+    fn took(&mut self, waiting_since: std::time::Instant, first: bool, now: std::time::Instant) {
+        self.last_wait_short = now.saturating_duration_since(waiting_since) <= AWAKE;
+        if first {
+            self.began_after_commit = self
+                .last_commit
+                .is_some_and(|at| now.saturating_duration_since(at) <= AWAKE);
+        }
+    }
+
+    /// A poll ended, having found writes or not.
+    fn polled(&mut self, found: bool) {
+        self.last_wait_short = found;
+    }
+
+    /// A batch committed at `at`.
+    fn committed(&mut self, one_request: bool, at: std::time::Instant) {
+        self.last_batch_one_request = one_request;
+        self.last_commit = Some(at);
+    }
+
+    fn poll_pays(&self) -> bool {
+        self.last_wait_short && self.last_batch_one_request && self.began_after_commit
+    }
+}
+
 impl Writer {
     async fn run(mut self, queue: Arc<Queue>) {
         let _finished = Finished(Arc::clone(&queue));
@@ -712,18 +759,14 @@ impl Writer {
         let mut watch_until: Option<tokio::time::Instant> = None;
         // Items were left in the queue (more than a batch): take them without waiting.
         let mut more = false;
-        // The last wait ended within `AWAKE` with something to take (a poll that found
-        // nothing clears it), and the last batch committed held one request's writes at
-        // most: the writer then polls before it waits (`Writer::polls`).
-        let mut poll_pays = false;
-        let mut one_request = false;
+        let mut pace = Pace::default();
         loop {
             let waiting_since = std::time::Instant::now();
-            let polling = poll_pays && one_request && self.polls();
+            let polling = pace.poll_pays() && self.polls();
             queue.polling.store(polling, Ordering::Relaxed);
             if !more && polling {
                 more = queued_within(&queue, waiting_since + AWAKE, deadline).await;
-                poll_pays = more;
+                pace.polled(more);
                 // It sleeps now: a producer waiting awake would wait for its wake-up.
                 queue.polling.store(more, Ordering::Relaxed);
             }
@@ -748,7 +791,11 @@ impl Writer {
                 if taken > 0 {
                     held_since = held_since.or(state.since);
                     state.since = more.then_some(now);
-                    poll_pays = waiting_since.elapsed() <= AWAKE;
+                    pace.took(
+                        waiting_since,
+                        held.groups.is_empty(),
+                        std::time::Instant::now(),
+                    );
                 }
                 // A hold that has passed commits, whatever woke the writer: a stream of
                 // writes arriving one by one must not stretch it.
@@ -794,8 +841,9 @@ impl Writer {
             if urgent {
                 held_since = None;
                 prompt_until = None;
-                one_request = held.of_one_request();
+                let one_request = held.of_one_request();
                 self.apply(held.take()).await;
+                pace.committed(one_request, std::time::Instant::now());
                 for done in flushes {
                     let _ = done.send(());
                 }
@@ -818,13 +866,12 @@ impl Writer {
 
     /// Whether the writer may poll its queue before it waits, for up to [`AWAKE`]: when it
     /// has a thread of its own and serves a runtime in which at most one run executes. It
-    /// then does after a short wait and a batch of one request's writes (see `Writer::run`):
-    /// where a client sends one request after another, its next write comes within the
-    /// poll, and a wake-up of a halted CPU (tens of µs) is saved on each hand-over. Hardly
-    /// between requests at a steady rate, or during a slow model's answer (the wait before
-    /// was long, or a poll found nothing), and never under load (a batch holds many
-    /// requests' writes, and many runs execute): there a poll would find nothing, or the
-    /// writer is never idle.
+    /// then does when its [`Pace`] says a poll pays: where a client sends one request after
+    /// another, its next write comes within the poll, and a wake-up of a halted CPU (tens
+    /// of µs) is saved on each hand-over. Not between requests at a steady rate, and hardly
+    /// during a slow model's answer (the wait before was long, or a poll found nothing), and
+    /// never under load (a batch holds many requests' writes, and many runs execute): there
+    /// a poll would find nothing, or the writer is never idle.
     fn polls(&self) -> bool {
         self.own_thread && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
     }
@@ -1771,6 +1818,44 @@ mod tests {
         queue.state().closed = true;
         let long = std::time::Instant::now() + Duration::from_secs(600);
         assert!(queued_within(&queue, long, None).await);
+    }
+
+    #[test]
+    fn the_writer_polls_after_back_to_back_requests_and_not_between_requests_at_a_rate() {
+        let start = std::time::Instant::now();
+        let at = |micros: u64| start + Duration::from_micros(micros);
+        // A lone client: its request's writes come 200 µs after the last commit, its end
+        // 300 µs after them, and it committed alone: a poll may find the next request.
+        let mut pace = Pace::default();
+        pace.committed(true, at(0));
+        pace.took(at(0), true, at(200));
+        assert!(pace.poll_pays());
+        pace.took(at(200), false, at(500));
+        pace.committed(true, at(600));
+        assert!(pace.poll_pays());
+        // A poll that found nothing stops the polling until a wait is short again.
+        pace.polled(false);
+        assert!(!pace.poll_pays());
+
+        // Requests 20 ms apart: each one's end comes soon after its submit, but its writes
+        // began long after the commit before them, so no poll follows its commit.
+        let mut pace = Pace::default();
+        pace.committed(true, at(0));
+        pace.took(at(0), true, at(20_000));
+        assert!(!pace.poll_pays());
+        pace.took(at(20_000), false, at(20_300));
+        pace.committed(true, at(20_400));
+        assert!(!pace.poll_pays());
+
+        // Several requests' writes in one batch (load): no poll, however close they come.
+        let mut pace = Pace::default();
+        pace.committed(false, at(0));
+        pace.took(at(0), true, at(50));
+        assert!(!pace.poll_pays());
+        // Nothing committed yet: nothing to go by.
+        let mut pace = Pace::default();
+        pace.took(at(0), true, at(10));
+        assert!(!pace.poll_pays());
     }
 
     #[test]
