@@ -4,7 +4,8 @@
 //! `cargo bench --bench load` measures, through stable-harness and directly:
 //! - `/v1/chat/completions` (JSON), `/v1/responses` (JSON) and `/runtime/requests` with
 //!   `wait`: p50/p99 latency at concurrency 1, requests per second at concurrency 32, and the
-//!   chat surface at a fixed 200 requests/second;
+//!   chat surface at a fixed 200 requests/second, and at 20 a second (a lightly used server,
+//!   no aim: latency added, and the server's CPU per request beside its idle upkeep);
 //! - the server's CPU time per request (over the concurrency-32 chat phase);
 //! - streaming, with the upstream sending its whole answer at once: time to the first token
 //!   and to the end of a 20-chunk stream on `/v1/chat/completions` and `/v1/responses`; the
@@ -64,6 +65,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 const RATE: u32 = 200;
+/// A lightly used server's rate (no aim).
+const SLOW_RATE: u32 = 20;
 /// Chunks of the short and the long streamed answer.
 const SHORT_STREAM: usize = 20;
 const LONG_STREAM: usize = 200;
@@ -447,6 +450,25 @@ async fn measure(
     row(&format!("fixed {RATE} req/s chat JSON"), &rate);
     figures.insert("chat.rate.p50".into(), added(rate.p50, direct_rate.p50));
     figures.insert("chat.rate.p99".into(), added(rate.p99, direct_rate.p99));
+    // A lightly used server (no aim): each request finds every thread asleep, and the
+    // server's own upkeep (the checkpointer's ticks) is measured while it idles beside the
+    // direct phase, to be told apart from the requests' CPU.
+    let idle_before = servers.cpu_seconds();
+    let direct_slow = open_loop(client, &direct_short, SLOW_RATE, phase).await;
+    let idle_cpu = servers.cpu_seconds() - idle_before;
+    row(&format!("fixed {SLOW_RATE} req/s direct"), &direct_slow);
+    let cpu_before = servers.cpu_seconds();
+    let slow = open_loop(client, &chat, SLOW_RATE, phase).await;
+    let cpu = servers.cpu_seconds() - cpu_before;
+    row(&format!("fixed {SLOW_RATE} req/s chat JSON"), &slow);
+    let per_request = |seconds: f64| seconds * 1000.0 / slow.count as f64;
+    println!(
+        "at {SLOW_RATE} req/s: {:.3} ms added to chat's p50, {:.3} to its p99; server CPU {:.3} ms a request, {:.3} of it the idle server's upkeep",
+        slow.p50 - direct_slow.p50,
+        slow.p99 - direct_slow.p99,
+        per_request(cpu),
+        per_request(idle_cpu)
+    );
 
     // Throughput at concurrency 32, and the server's CPU per request.
     let direct_c32 = closed_loop(client, &direct_short, 32, phase).await;
