@@ -52,17 +52,18 @@
 //! What it spends for latency: on the embedded store, where the writer has a thread of its
 //! own, the writer polls its queue for up to [`AWAKE`] before it sleeps when a client sends
 //! one request after another (its last wait was short, its last batch held one request's
-//! writes, the writes it holds began within [`AWAKE`] of that batch's commit, at most one run
-//! executes: [`Pace`]): the next write is then taken without waking a thread on a halted
+//! writes, the writes it holds began within [`AWAKE`] of that batch's commit, at most one
+//! run executes: [`Pace`]): the next write is then taken without waking a thread on a halted
 //! CPU, ~0.1 ms of such a client's request, for ~0.1 ms of CPU a request spent polling. A
 //! poll that finds nothing stops the polling until a wait is short again, and requests at
 //! a steady rate never begin within [`AWAKE`] of the commit before them, so they, a slow
-//! model's answer or an idle writer cost at most a poll now and then; under load (a batch of
-//! several requests' writes, or more than one run executing) it never polls. While it polls, a producer waits for its commit of a request
-//! nobody follows live ([`Journal::commit`], a run's end among them) awake too, for up to
-//! [`AWAKE`]: the acknowledgement is then taken without a wake-up of the producer's thread
-//! either, for the commit's time of CPU spent waiting where that thread's sleep and wake-up
-//! were spent before (docs/profiling.md, the fifty-eighth pass).
+//! model's answer or an idle writer cost at most a poll now and then; under load (a batch
+//! of several requests' writes, or more than one run executing) it never polls. While it
+//! polls, a producer waits for its commit of a request nobody follows live
+//! ([`Journal::commit`], a run's end among them) awake too, for up to [`AWAKE`]: the
+//! acknowledgement is then taken without a wake-up of the producer's thread either, for the
+//! commit's time of CPU spent waiting where that thread's sleep and wake-up were spent
+//! before (docs/profiling.md, the fifty-eighth pass).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
