@@ -453,13 +453,13 @@ async fn measure(
     // A lightly used server (no aim): each request finds every thread asleep, and the
     // server's own upkeep (the checkpointer's ticks) is measured while it idles beside the
     // direct phase, to be told apart from the requests' CPU.
-    let idle_before = servers.cpu_seconds();
-    let direct_slow = open_loop(client, &direct_short, SLOW_RATE, phase).await;
-    let idle_cpu = servers.cpu_seconds() - idle_before;
+    let (direct_slow, idle_cpu) = servers
+        .cpu_during(open_loop(client, &direct_short, SLOW_RATE, phase))
+        .await;
     row(&format!("fixed {SLOW_RATE} req/s direct"), &direct_slow);
-    let cpu_before = servers.cpu_seconds();
-    let slow = open_loop(client, &chat, SLOW_RATE, phase).await;
-    let cpu = servers.cpu_seconds() - cpu_before;
+    let (slow, cpu) = servers
+        .cpu_during(open_loop(client, &chat, SLOW_RATE, phase))
+        .await;
     row(&format!("fixed {SLOW_RATE} req/s chat JSON"), &slow);
     let per_request = |seconds: f64| seconds * 1000.0 / slow.count as f64;
     println!(
@@ -474,9 +474,9 @@ async fn measure(
     let direct_c32 = closed_loop(client, &direct_short, 32, phase).await;
     row("concurrency 32 direct", &direct_c32);
     for (key, target) in [("chat", &chat), ("responses", &responses), ("wait", &wait)] {
-        let cpu_before = servers.cpu_seconds();
-        let stats = closed_loop(client, target, 32, phase).await;
-        let cpu = servers.cpu_seconds() - cpu_before;
+        let (stats, cpu) = servers
+            .cpu_during(closed_loop(client, target, 32, phase))
+            .await;
         row(&format!("concurrency 32 {}", target.name), &stats);
         figures.insert(
             format!("{key}.c32.rps"),
@@ -492,10 +492,10 @@ async fn measure(
     // Each phase also measures stable-harness's CPU per chunk (idle, and unused, in a direct
     // phase).
     let streamed = async |chunks: usize, workers: usize, target: &Target| {
-        let cpu_before = servers.cpu_seconds();
-        let mut stats = closed_loop(client, target, workers, phase).await;
-        stats.cpu_per_chunk =
-            (servers.cpu_seconds() - cpu_before) * 1000.0 / (stats.count * chunks) as f64;
+        let (mut stats, cpu) = servers
+            .cpu_during(closed_loop(client, target, workers, phase))
+            .await;
+        stats.cpu_per_chunk = cpu * 1000.0 / (stats.count * chunks) as f64;
         row(
             &format!(
                 "stream {chunks} chunks, concurrency {workers} {}",
@@ -901,6 +901,13 @@ impl Servers {
             .iter()
             .map(|c| server::cpu_seconds(c.id()))
             .sum()
+    }
+
+    /// What `phase` gives, and the CPU seconds every instance spent while it ran.
+    async fn cpu_during<T>(&self, phase: impl std::future::Future<Output = T>) -> (T, f64) {
+        let before = self.cpu_seconds();
+        let result = phase.await;
+        (result, self.cpu_seconds() - before)
     }
 
     /// Times a thread of the servers went to sleep until woken (voluntary context switches,
