@@ -1080,8 +1080,16 @@ mod tests {
                     .sum::<u64>()
             }
         };
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(state(workspace.clone()).await, 200);
+        // The charge waits for the store writer's next transaction, and with none coming here
+        // (no run writes after it), for the net: the store's checkpointer's next tick.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while state(workspace.clone()).await != 200 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the charge was never counted"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // The same budget, now counting everything: the old usage counts, today's once.
         std::fs::write(
             dir.path().join("config/runtime/workspace.yaml"),

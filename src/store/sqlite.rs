@@ -271,6 +271,9 @@ async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
         if pool.is_closed() {
             return;
         }
+        // The net under charges handed to the writer with no job of their own: this tick
+        // comes anyway, so the net costs no wake-up (see `sqlite_writer::PendingCharges`).
+        writer.take_idle_charges();
         match copy_back(&pool, &writer).await {
             Ok(()) => {
                 if std::mem::take(&mut failing) {
@@ -1679,7 +1682,8 @@ mod tests {
 
     /// The view of a request is read after its own pending charges are stored, and only
     /// those: flushing every pending charge for each `wait` cost a commit per request at
-    /// concurrency. Others' still commit on their own within `CHARGE_IDLE`.
+    /// concurrency. Others' still commit on their own, after `CHARGE_IDLE`, at the
+    /// checkpointer's next tick.
     #[tokio::test]
     async fn reading_a_request_stores_its_own_pending_charges_only() {
         use super::super::spend::{SpendStore, UsageRecord};
@@ -1710,6 +1714,39 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "b was never stored");
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
+    }
+
+    /// A charge is handed to the writer without a job of its own, so without waking it: it
+    /// waits for the next job, past `CHARGE_IDLE` too, until the net (the checkpointer's
+    /// tick) asks the writer to take it.
+    #[tokio::test]
+    async fn a_charge_waits_for_the_writers_next_job_and_the_net_takes_it_once_idle() {
+        use super::super::spend::SpendStore;
+        let opened = std::time::Instant::now();
+        let (_dir, store) = SqliteStore::in_temporary_folder().await;
+        store
+            .record_usage(&charge("use_a", "req_a"), &[], None)
+            .await
+            .expect("handed over");
+        tokio::time::sleep(std::time::Duration::from_millis(60)).await;
+        // The checkpointer ticks at its start and then every 400 ms: before its second tick,
+        // nothing but a job could have stored the charge.
+        let stored = usage_rows(&store, "req_a").await;
+        if opened.elapsed() < CHECKPOINT_EVERY - std::time::Duration::from_millis(50) {
+            assert_eq!(stored, 0, "no job ran, so the charge still waits");
+        }
+        store.writer.take_idle_charges();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while usage_rows(&store, "req_a").await == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the charge was never stored"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        // Stored once, though the net and the checkpointer may both have asked.
+        tokio::time::sleep(CHECKPOINT_EVERY).await;
+        assert_eq!(usage_rows(&store, "req_a").await, 1);
     }
 
     /// The plan SQLite chose for `sql`, one line per step.

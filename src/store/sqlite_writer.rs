@@ -64,8 +64,9 @@ pub type Applied = (Vec<WriteOp>, Result<Vec<i64>, StoreError>);
 enum Job {
     /// A batch goes to the writer and comes back with its outcome: never copied.
     Apply(Vec<WriteOp>, oneshot::Sender<Applied>),
-    /// A settled call's charge: committed with the next transaction (see [`PendingCharges`]).
-    Charge(Box<Charge>),
+    /// Take the charges waiting in [`Shared::charges`] now: too many wait, or the oldest
+    /// has waited [`CHARGE_IDLE`] with no job to carry them (see [`PendingCharges`]).
+    TakeCharges,
     /// Copy the WAL's last frames, then start the WAL over (see [`restart_wal`]).
     CatchUp,
     /// Maintenance on the writer's connection (pruning, reclaiming space), between writes.
@@ -79,12 +80,16 @@ enum Job {
 pub type Charge = (UsageRecord, Vec<CounterDelta>);
 
 /// Charges waiting for the writer's next transaction. A charge rides along with the next
-/// batch (it costs no transaction, and no round trip, of its own); the writer queue is FIFO,
-/// so it commits no later than the next write its run makes (its end at the latest). Kept
-/// until a transaction holding them commits; written alone once the oldest has waited
-/// [`CHARGE_IDLE`] with no transaction to ride along with, when [`MAX_PENDING_CHARGES`] wait,
-/// before maintenance, or before a read of their request.
-#[derive(Default)]
+/// batch (it costs no transaction, and no round trip, of its own). It is handed over without
+/// a job of its own, so without waking the writer thread ([`SqliteWriter::charge`]): left in
+/// [`Shared::charges`], it is taken by the writer before the next job it runs, and the job
+/// that carries the run's next write (its usage event, which the journal commits within its
+/// hold, and its end at the latest) is queued after the charge. Kept until a transaction
+/// holding them commits; written alone once the oldest has waited [`CHARGE_IDLE`] with no
+/// transaction to ride along with (the store's checkpointer, which ticks anyway, asks the
+/// writer to take charges left that long in [`Shared::charges`]), when
+/// [`MAX_PENDING_CHARGES`] wait, before maintenance, or before a read of their request.
+#[derive(Debug, Default)]
 struct PendingCharges {
     charges: Vec<Charge>,
     /// When the oldest pending charge was queued.
@@ -100,6 +105,26 @@ impl PendingCharges {
     fn push(&mut self, charge: Charge) {
         self.since.get_or_insert_with(tokio::time::Instant::now);
         self.charges.push(charge);
+    }
+
+    /// Takes the charges handed over in `handed`, behind those pending already.
+    fn take_handed(&mut self, handed: &std::sync::Mutex<PendingCharges>) {
+        let mut handed = lock(handed);
+        let Some(since) = handed.since.take() else {
+            return;
+        };
+        let room = (MAX_PENDING_CHARGES * 16).saturating_sub(self.charges.len());
+        if handed.charges.len() > room {
+            // Past the bound (the disk refused every flush for a long while) charges are
+            // dropped, counted in memory only, rather than memory growing without end.
+            tracing::error!(
+                dropped = handed.charges.len() - room,
+                "the store keeps refusing charges; some were dropped"
+            );
+            handed.charges.truncate(room);
+        }
+        self.since = Some(self.since.map_or(since, |pending| pending.min(since)));
+        self.charges.append(&mut handed.charges);
     }
 
     fn len(&self) -> usize {
@@ -168,6 +193,10 @@ pub struct SqliteWriter {
 struct Shared {
     /// A catch-up is queued: at most one waits at a time (the job queue stays bounded).
     catch_up_queued: AtomicBool,
+    /// Charges handed over and not yet taken by the writer (see [`PendingCharges`]).
+    charges: std::sync::Mutex<PendingCharges>,
+    /// A [`Job::TakeCharges`] is queued: at most one waits at a time.
+    take_charges_queued: AtomicBool,
     /// Jobs the writer ran that changed rows, each one transaction (a batch, or pending
     /// charges written alone): the checkpointer reads it around a pass to learn whether
     /// commits came during it, which SQLite's own count of frames does not say.
@@ -260,9 +289,38 @@ impl SqliteWriter {
             .unwrap_or_else(|_| (Vec::new(), Err(stopped())))
     }
 
-    /// Queues a settled call's charge; it commits with the writer's next transaction.
+    /// Hands a settled call's charge to the writer; it commits with the writer's next
+    /// transaction. No job of its own: a job would wake the writer thread for nothing but
+    /// this, one wake-up in three of a request at a steady rate (docs/profiling.md, the
+    /// sixty-fifth pass). Only when [`MAX_PENDING_CHARGES`] wait is the writer asked at once.
     pub fn charge(&self, charge: Charge) -> Result<(), StoreError> {
-        self.send(Job::Charge(Box::new(charge)))
+        let waiting = {
+            let mut handed = lock(&self.shared.charges);
+            handed.push(charge);
+            handed.len()
+        };
+        if waiting >= MAX_PENDING_CHARGES {
+            self.take_charges();
+        }
+        Ok(())
+    }
+
+    /// Asks the writer to take the charges handed over once the oldest has waited
+    /// [`CHARGE_IDLE`]: no job carried them meanwhile (the store's checkpointer calls it on
+    /// its every tick).
+    pub fn take_idle_charges(&self) {
+        let due = lock(&self.shared.charges)
+            .deadline()
+            .is_some_and(|due| due <= tokio::time::Instant::now());
+        if due {
+            self.take_charges();
+        }
+    }
+
+    fn take_charges(&self) {
+        if !self.shared.take_charges_queued.swap(true, Ordering::AcqRel) {
+            let _ = self.send(Job::TakeCharges);
+        }
     }
 
     /// Runs `work` on the writer's connection between two transactions and returns its result.
@@ -333,6 +391,13 @@ impl SqliteWriter {
     fn send(&self, job: Job) -> Result<(), StoreError> {
         self.jobs.send(job).map_err(|_| stopped())
     }
+}
+
+/// Locks `mutex`; nothing panics while holding it, so a poisoned one still holds whole data.
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn stopped() -> StoreError {
@@ -571,6 +636,9 @@ async fn write_loop(
         let Some(job) = job else {
             break;
         };
+        // Charges handed over before this job was queued ride along with it, or are stored
+        // before it reads.
+        charges.take_handed(&shared.charges);
         match job {
             Job::Apply(ops, done) => {
                 let result = apply(&mut prepared, &ops, leases, &charges, &mut last_seqs).map_err(
@@ -588,15 +656,12 @@ async fn write_loop(
                 }
                 let _ = done.send((ops, result));
             }
-            Job::Charge(charge) => {
-                // Past the bound (the disk refused every flush for a long while) a charge is
-                // dropped, counted in memory only, rather than memory growing without end.
-                if charges.len() >= MAX_PENDING_CHARGES * 16 {
-                    tracing::error!("the store keeps refusing charges; one was dropped");
-                    continue;
-                }
-                charges.push(*charge);
-                if charges.len() % MAX_PENDING_CHARGES == 0 {
+            Job::TakeCharges => {
+                shared.take_charges_queued.store(false, Ordering::Release);
+                let idle = charges
+                    .deadline()
+                    .is_some_and(|due| due <= tokio::time::Instant::now());
+                if idle || charges.len() >= MAX_PENDING_CHARGES {
                     charges.flush(&mut prepared);
                 }
             }
@@ -631,6 +696,7 @@ async fn write_loop(
             }
         }
     }
+    charges.take_handed(&shared.charges);
     charges.flush(&mut prepared);
 }
 
