@@ -63,7 +63,11 @@
 //! ([`Journal::commit`], a run's end among them) awake too, for up to [`AWAKE`]: the
 //! acknowledgement is then taken without a wake-up of the producer's thread either, for the
 //! commit's time of CPU spent waiting where that thread's sleep and wake-up were spent
-//! before (docs/profiling.md, the fifty-eighth pass).
+//! before (docs/profiling.md, the fifty-eighth pass). After a commit, the writer watches its
+//! queue for a hold's length (a deadline, no polling), so that writes queued meanwhile need
+//! no wake-up, only where the first writes after the commit before came within a hold of it
+//! ([`Pace::watch_pays`]): between requests further apart a watch ended in a timer's
+//! wake-up that took nothing (the sixty-fifth pass).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -708,23 +712,39 @@ struct Writer {
 /// submit and its end close together too, but the next request comes milliseconds later,
 /// and a poll after each commit found nothing (~1 ms of CPU a request at 50 a second,
 /// docs/profiling.md, the sixty-fourth pass).
+///
+/// It also decides whether the writer watches its queue for a hold's length after a
+/// commit ([`Pace::watch_pays`]): where the first write after a commit came within a hold
+/// of it, a watch lets the next ones ride without a wake-up; where writes come further
+/// apart (requests at 50 a second), a watch only ended in a timer's wake-up of its own, one
+/// in four of the writer's (the sixty-fifth pass).
 #[derive(Debug, Default)]
 struct Pace {
     last_wait_short: bool,
     last_batch_one_request: bool,
     last_commit: Option<std::time::Instant>,
     began_after_commit: bool,
+    first_within_hold: bool,
 }
 
 impl Pace {
     /// The writer took writes at `now` after waiting since `waiting_since`; `first` when
-    /// nothing was held before them (the first writes since the last commit).
-    fn took(&mut self, waiting_since: std::time::Instant, first: bool, now: std::time::Instant) {
+    /// nothing was held before them (the first writes since the last commit), the first of
+    /// them queued at `queued_at`.
+    fn took(
+        &mut self,
+        waiting_since: std::time::Instant,
+        first: Option<tokio::time::Instant>,
+        now: std::time::Instant,
+        hold: Duration,
+    ) {
         self.last_wait_short = now.saturating_duration_since(waiting_since) <= AWAKE;
-        if first {
-            self.began_after_commit = self
+        if let Some(queued_at) = first {
+            let since_commit = |at: std::time::Instant| now.saturating_duration_since(at);
+            self.began_after_commit = self.last_commit.is_some_and(|at| since_commit(at) <= AWAKE);
+            self.first_within_hold = self
                 .last_commit
-                .is_some_and(|at| now.saturating_duration_since(at) <= AWAKE);
+                .is_some_and(|at| queued_at.into_std().saturating_duration_since(at) <= hold);
         }
     }
 
@@ -741,6 +761,10 @@ impl Pace {
 
     fn poll_pays(&self) -> bool {
         self.last_wait_short && self.last_batch_one_request && self.began_after_commit
+    }
+
+    fn watch_pays(&self) -> bool {
+        self.first_within_hold
     }
 }
 
@@ -790,13 +814,10 @@ impl Writer {
                 }
                 more = !state.items.is_empty();
                 if taken > 0 {
+                    let first = held.groups.is_empty().then_some(state.since).flatten();
                     held_since = held_since.or(state.since);
                     state.since = more.then_some(now);
-                    pace.took(
-                        waiting_since,
-                        held.groups.is_empty(),
-                        std::time::Instant::now(),
-                    );
+                    pace.took(waiting_since, first, std::time::Instant::now(), self.hold);
                 }
                 // A hold that has passed commits, whatever woke the writer: a stream of
                 // writes arriving one by one must not stretch it.
@@ -848,9 +869,13 @@ impl Writer {
                 for done in flushes {
                     let _ = done.send(());
                 }
-                // Watch for a hold's length: whatever is queued meanwhile is drained by then.
-                queue.state().timed = true;
-                watch_until = Some(tokio::time::Instant::now() + self.hold);
+                // Watch for a hold's length, where that pays: whatever is queued meanwhile
+                // is drained by then. Otherwise `timed` stays unset (it was when the writer
+                // decided to commit) and the next write wakes the writer.
+                watch_until = pace.watch_pays().then(|| {
+                    queue.state().timed = true;
+                    tokio::time::Instant::now() + self.hold
+                });
             } else if lingers {
                 prompt_until = prompt_until.or(Some(now + PROMPT_HOLD));
             }
@@ -1421,7 +1446,8 @@ mod tests {
     }
 
     /// Waits until the writer of `request`'s lane watches its queue with a deadline, as it
-    /// does after a commit. It acknowledges the commit first: a held write queued before it
+    /// does after a commit whose writes came within a hold of the commit before. It
+    /// acknowledges the commit first: a held write queued before it
     /// watches wakes it, and it takes that write out of the queue, where a test expects to
     /// find it.
     async fn until_the_writer_watches(journal: &Journal, request: &str) {
@@ -1825,13 +1851,16 @@ mod tests {
     fn the_writer_polls_after_back_to_back_requests_and_not_between_requests_at_a_rate() {
         let start = std::time::Instant::now();
         let at = |micros: u64| start + Duration::from_micros(micros);
+        // The first writes taken, queued at `micros`; taken writes that follow others.
+        let first = |micros: u64| Some(tokio::time::Instant::from_std(at(micros)));
+        let later = None;
         // A lone client: its request's writes come 200 µs after the last commit, its end
         // 300 µs after them, and it committed alone: a poll may find the next request.
         let mut pace = Pace::default();
         pace.committed(true, at(0));
-        pace.took(at(0), true, at(200));
+        pace.took(at(0), first(200), at(200), HOLD);
         assert!(pace.poll_pays());
-        pace.took(at(200), false, at(500));
+        pace.took(at(200), later, at(500), HOLD);
         pace.committed(true, at(600));
         assert!(pace.poll_pays());
         // A poll that found nothing stops the polling until a wait is short again.
@@ -1842,21 +1871,53 @@ mod tests {
         // began long after the commit before them, so no poll follows its commit.
         let mut pace = Pace::default();
         pace.committed(true, at(0));
-        pace.took(at(0), true, at(20_000));
+        pace.took(at(0), first(20_000), at(20_000), HOLD);
         assert!(!pace.poll_pays());
-        pace.took(at(20_000), false, at(20_300));
+        pace.took(at(20_000), later, at(20_300), HOLD);
         pace.committed(true, at(20_400));
         assert!(!pace.poll_pays());
 
         // Several requests' writes in one batch (load): no poll, however close they come.
         let mut pace = Pace::default();
         pace.committed(false, at(0));
-        pace.took(at(0), true, at(50));
+        pace.took(at(0), first(50), at(50), HOLD);
         assert!(!pace.poll_pays());
         // Nothing committed yet: nothing to go by.
         let mut pace = Pace::default();
-        pace.took(at(0), true, at(10));
+        pace.took(at(0), first(10), at(10), HOLD);
         assert!(!pace.poll_pays());
+    }
+
+    #[test]
+    fn the_writer_watches_after_a_commit_where_the_writes_after_the_last_came_within_a_hold() {
+        let start = std::time::Instant::now();
+        let at = |micros: u64| start + Duration::from_micros(micros);
+        let queued = |micros: u64| Some(tokio::time::Instant::from_std(at(micros)));
+        let hold = Duration::from_millis(5);
+        // Nothing committed yet: no watch, the next write wakes the writer.
+        let mut pace = Pace::default();
+        assert!(!pace.watch_pays());
+        // Requests 20 ms apart (50 a second): a watch would end with nothing to take.
+        pace.committed(true, at(0));
+        pace.took(at(0), queued(20_000), at(20_000), hold);
+        assert!(!pace.watch_pays());
+        // Writes queued 2 ms after a commit, taken when a watch ended 3 ms later: they
+        // began within the hold, so the next commit is watched after.
+        pace.committed(true, at(21_000));
+        pace.took(at(21_000), queued(23_000), at(26_000), hold);
+        assert!(pace.watch_pays());
+        // Writes queued while the batch before them committed count as within it.
+        pace.committed(false, at(30_000));
+        pace.took(at(30_000), queued(29_900), at(30_000), hold);
+        assert!(pace.watch_pays());
+        // Writes taken after others held are not the first after a commit: they decide
+        // nothing.
+        pace.took(at(30_000), None, at(90_000), hold);
+        assert!(pace.watch_pays());
+        // A quiet spell after a commit ends the watching.
+        pace.committed(true, at(90_000));
+        pace.took(at(90_000), queued(95_001), at(95_001), hold);
+        assert!(!pace.watch_pays());
     }
 
     #[test]
@@ -2093,6 +2154,11 @@ mod tests {
         let (_dir, store, journal, hub) = journal_holding(Duration::from_secs(600)).await;
         journal
             .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        // A second commit, within the hold of the first: the writer watches after it.
+        journal
+            .commit(Some("req_a"), vec![event("req_a", "started")])
             .await
             .unwrap();
         until_the_writer_watches(&journal, "req_a").await;
