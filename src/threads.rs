@@ -1,7 +1,15 @@
 //! Threads that run a single-threaded tokio runtime of their own (the store's writer, the
-//! HTTP shards).
+//! HTTP shards), and the one way the crate locks what threads share.
 
 use std::thread::JoinHandle;
+
+/// Locks `mutex`, whatever a holder that panicked left: nothing in the crate panics while
+/// holding a lock, so what a poisoned one guards is still whole.
+pub fn locked<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Starts thread `name` with a single-threaded runtime made by `make` on the thread itself
 /// (a runtime must never be dropped inside another one's context), then runs `body` with it

@@ -10,12 +10,13 @@
 //! such a request's view right after the commit of its terminal event, and hands it over
 //! before it publishes that event, so the waiter has it when it wakes.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::{broadcast, oneshot};
 
 use crate::ids::IdMap;
 use crate::store::{EventRecord, RequestInFull};
+use crate::threads::locked;
 
 /// Events buffered per request for live subscribers. Every request with a follower has a
 /// channel, allocated whole when it is made: a 1,024-slot channel was ~50 KB of allocation
@@ -204,13 +205,6 @@ impl EventHub {
     pub fn channel_count(&self) -> usize {
         self.channels.lock().map(|c| c.len()).unwrap_or(0)
     }
-}
-
-/// The hub's maps stay whole if a holder panicked (nothing panics while holding them).
-fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -314,10 +314,7 @@ impl Queue {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        // Nothing panics while holding the lock; a poisoned one still holds whole items.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::threads::locked(&self.state)
     }
 }
 
@@ -728,9 +725,9 @@ struct Pace {
 }
 
 impl Pace {
-    /// The writer took writes at `now` after waiting since `waiting_since`; `first` when
-    /// nothing was held before them (the first writes since the last commit), the first of
-    /// them queued at `queued_at`.
+    /// The writer took writes at `now` after waiting since `waiting_since`. `first` is when
+    /// the first of them was queued, given when nothing was held before them (the first
+    /// writes since the last commit).
     fn took(
         &mut self,
         waiting_since: std::time::Instant,
@@ -1447,9 +1444,8 @@ mod tests {
 
     /// Waits until the writer of `request`'s lane watches its queue with a deadline, as it
     /// does after a commit whose writes came within a hold of the commit before. It
-    /// acknowledges the commit first: a held write queued before it
-    /// watches wakes it, and it takes that write out of the queue, where a test expects to
-    /// find it.
+    /// acknowledges the commit first: a held write queued before it watches wakes it, and it
+    /// takes that write out of the queue, where a test expects to find it.
     async fn until_the_writer_watches(journal: &Journal, request: &str) {
         let queue = &journal.lane(Some(request)).queue;
         for _ in 0..10_000 {

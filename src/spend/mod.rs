@@ -320,9 +320,7 @@ impl LocalCounter {
 impl Local {
     /// The counters, whatever a panicking holder left (every change is one whole step).
     fn counters(&self) -> std::sync::MutexGuard<'_, HashMap<CounterKey, LocalCounter>> {
-        self.counters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::threads::locked(&self.counters)
     }
 
     fn release(&self, entries: &[(CounterKey, Amount)]) {
@@ -335,10 +333,7 @@ impl Local {
     }
 
     fn take_rate(&self, bucket: &RateBucket, amount: f64, need: f64) -> RateTake {
-        let mut rates = self
-            .rates
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut rates = crate::threads::locked(&self.rates);
         let capacity = bucket.per_minute as f64;
         let now = Instant::now();
         let entry = rates

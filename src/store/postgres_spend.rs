@@ -70,9 +70,7 @@ struct Queue {
 
 impl PendingCharges {
     fn queue(&self) -> MutexGuard<'_, Queue> {
-        self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::threads::locked(&self.queue)
     }
 
     fn push(&self, charge: Charge) {

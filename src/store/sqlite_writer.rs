@@ -39,6 +39,7 @@ use super::stored_time;
 use super::{ApprovalDecision, StoreError, WriteOp};
 use crate::ids::IdMap;
 use crate::json::to_text;
+use crate::threads::locked;
 use crate::time::TimeText;
 
 /// WAL size past which the writer is asked to catch up and restart the WAL (SQLite's own
@@ -100,6 +101,10 @@ struct PendingCharges {
 const CHARGE_IDLE: Duration = Duration::from_millis(20);
 /// Most charges held back at once.
 const MAX_PENDING_CHARGES: usize = 512;
+/// Most charges kept, handed over or pending, while the writer cannot write them (a disk
+/// refusing every flush for a long while): past it a charge is dropped, counted in memory
+/// only, rather than memory growing without end.
+const MAX_KEPT_CHARGES: usize = MAX_PENDING_CHARGES * 16;
 
 impl PendingCharges {
     fn push(&mut self, charge: Charge) {
@@ -109,14 +114,12 @@ impl PendingCharges {
 
     /// Takes the charges handed over in `handed`, behind those pending already.
     fn take_handed(&mut self, handed: &std::sync::Mutex<PendingCharges>) {
-        let mut handed = lock(handed);
+        let mut handed = locked(handed);
         let Some(since) = handed.since.take() else {
             return;
         };
-        let room = (MAX_PENDING_CHARGES * 16).saturating_sub(self.charges.len());
+        let room = MAX_KEPT_CHARGES.saturating_sub(self.charges.len());
         if handed.charges.len() > room {
-            // Past the bound (the disk refused every flush for a long while) charges are
-            // dropped, counted in memory only, rather than memory growing without end.
             tracing::error!(
                 dropped = handed.charges.len() - room,
                 "the store keeps refusing charges; some were dropped"
@@ -294,8 +297,15 @@ impl SqliteWriter {
     /// this, one wake-up in three of a request at a steady rate (docs/profiling.md, the
     /// sixty-fifth pass). Only when [`MAX_PENDING_CHARGES`] wait is the writer asked at once.
     pub fn charge(&self, charge: Charge) -> Result<(), StoreError> {
+        if self.jobs.is_closed() {
+            return Err(stopped());
+        }
         let waiting = {
-            let mut handed = lock(&self.shared.charges);
+            let mut handed = locked(&self.shared.charges);
+            if handed.len() >= MAX_KEPT_CHARGES {
+                tracing::error!("the store's writer takes no charges; one was dropped");
+                return Ok(());
+            }
             handed.push(charge);
             handed.len()
         };
@@ -309,7 +319,7 @@ impl SqliteWriter {
     /// [`CHARGE_IDLE`]: no job carried them meanwhile (the store's checkpointer calls it on
     /// its every tick).
     pub fn take_idle_charges(&self) {
-        let due = lock(&self.shared.charges)
+        let due = locked(&self.shared.charges)
             .deadline()
             .is_some_and(|due| due <= tokio::time::Instant::now());
         if due {
@@ -391,13 +401,6 @@ impl SqliteWriter {
     fn send(&self, job: Job) -> Result<(), StoreError> {
         self.jobs.send(job).map_err(|_| stopped())
     }
-}
-
-/// Locks `mutex`; nothing panics while holding it, so a poisoned one still holds whole data.
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn stopped() -> StoreError {
@@ -1247,6 +1250,44 @@ mod tests {
         let writer =
             SqliteWriter::open(&dir.path().join("state.db"), None, leases).expect("a writer");
         (dir, writer)
+    }
+
+    /// A charge is handed over without a job, so it is the handle that tells a writer whose
+    /// thread stopped: the charge is refused, not left where nothing will take it.
+    #[tokio::test]
+    async fn a_charge_handed_to_a_writer_whose_thread_stopped_is_refused() {
+        let (_dir, writer) = writer_in_temporary_folder();
+        let record = UsageRecord {
+            id: "use_1".into(),
+            at: Utc::now(),
+            request_id: "req_1".into(),
+            run_id: "run_1".into(),
+            owner: "key".into(),
+            agent_id: "assistant".into(),
+            session_id: "ses_1".into(),
+            model: "main".into(),
+            source: "model".into(),
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            cost_nanos: None,
+            estimated: false,
+        };
+        writer
+            .charge((record.clone(), Vec::new()))
+            .expect("handed over while the thread runs");
+        let stopped = writer
+            .maintain(|_| -> Result<(), rusqlite::Error> { panic!("the writer thread stops") })
+            .await;
+        assert!(matches!(stopped, Err(StoreError::Writer(_))), "{stopped:?}");
+        // The job's reply goes as the panic unwinds the job; the queue, a moment later.
+        for _ in 0..1_000 {
+            if writer.jobs.is_closed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let refused = writer.charge((record, Vec::new()));
+        assert!(matches!(refused, Err(StoreError::Writer(_))), "{refused:?}");
     }
 
     #[tokio::test]
