@@ -260,7 +260,8 @@ const AGAIN_COMMITS: u64 = 2;
 /// [`super::sqlite_writer`]) once the WAL is past 4 MiB: the writer then has
 /// only the frames of the last moment left to copy, or none ([`CATCH_UP_PASSES`]). PASSIVE
 /// never blocks the writer or readers; the loop stops by itself when the store is dropped
-/// (pool closed).
+/// (pool closed). Its tick is also the net under charges handed to the writer: it asks the
+/// writer to take those no job carried within 20 ms (`SqliteWriter::take_idle_charges`).
 async fn checkpoint_loop(pool: SqlitePool, writer: Arc<SqliteWriter>) {
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
     // A failing checkpoint (a full disk) is said once, and again when it passes.

@@ -145,6 +145,12 @@ impl PendingCharges {
         self.since.map(|since| since + CHARGE_IDLE)
     }
 
+    /// Whether the oldest has waited [`CHARGE_IDLE`] for a transaction to ride along with.
+    fn idle(&self) -> bool {
+        self.deadline()
+            .is_some_and(|due| due <= tokio::time::Instant::now())
+    }
+
     /// Whether a charge of `request_id` is pending.
     fn of_request(&self, request_id: &str) -> bool {
         self.charges
@@ -319,10 +325,7 @@ impl SqliteWriter {
     /// [`CHARGE_IDLE`]: no job carried them meanwhile (the store's checkpointer calls it on
     /// its every tick).
     pub fn take_idle_charges(&self) {
-        let due = locked(&self.shared.charges)
-            .deadline()
-            .is_some_and(|due| due <= tokio::time::Instant::now());
-        if due {
+        if locked(&self.shared.charges).idle() {
             self.take_charges();
         }
     }
@@ -661,10 +664,7 @@ async fn write_loop(
             }
             Job::TakeCharges => {
                 shared.take_charges_queued.store(false, Ordering::Release);
-                let idle = charges
-                    .deadline()
-                    .is_some_and(|due| due <= tokio::time::Instant::now());
-                if idle || charges.len() >= MAX_PENDING_CHARGES {
+                if charges.idle() || charges.len() >= MAX_PENDING_CHARGES {
                     charges.flush(&mut prepared);
                 }
             }
