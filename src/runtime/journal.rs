@@ -63,11 +63,11 @@
 //! ([`Journal::commit`], a run's end among them) awake too, for up to [`AWAKE`]: the
 //! acknowledgement is then taken without a wake-up of the producer's thread either, for the
 //! commit's time of CPU spent waiting where that thread's sleep and wake-up were spent
-//! before (docs/profiling.md, the fifty-eighth pass). After a commit, the writer watches its
-//! queue for a hold's length (a deadline, no polling), so that writes queued meanwhile need
-//! no wake-up, only where the first writes after the commit before came within a hold of it
-//! ([`Writer::watches`]; on the embedded store): between requests further apart a watch
-//! ended in a timer's wake-up that took nothing (the sixty-fifth pass).
+//! before (docs/profiling.md, the fifty-eighth pass). A held write never wakes the writer:
+//! while the writer holds none, the first one's hold is timed on its producer's runtime
+//! ([`HoldTimer`]), and the request's end, queued from the same thread, cancels the timer
+//! there, so that a request answered whole wakes the writer once, whatever the pace of
+//! requests (the sixty-sixth pass).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -228,11 +228,14 @@ impl Executing {
 /// marked urgent or not when queued.
 ///
 /// A channel would wake the writer for every item. Here a producer wakes it only for an
-/// urgent item, or when the writer has no deadline set (none within a hold's length of its
-/// last commit): a write that will be held anyway (a request's submit, most of a request
-/// answered whole) costs no thread wake-up.
+/// urgent item: a write that will be held anyway (a request's submit, most of a request
+/// answered whole) costs no wake-up of the writer's thread. Its hold is timed by the writer
+/// when the writer holds writes already ([`QueueState::timed`]), and by a timer on its
+/// producer's runtime otherwise ([`HoldTimer`]).
 struct Queue {
     state: std::sync::Mutex<QueueState>,
+    /// Longest a write nobody waits on is held ([`HOLD`]): when a [`HoldTimer`] fires.
+    hold: Duration,
     wake: Notify,
     /// The writer polls its queue before it sleeps ([`Writer::polls`]): a client sends one
     /// request after another, and a producer waits for its commit awake too.
@@ -253,6 +256,13 @@ struct QueueState {
     /// The writer holds writes with a deadline set: it drains the queue by then, so a
     /// write that is not urgent needs no wake-up.
     timed: bool,
+    /// The timer that wakes the writer for writes queued while it slept with no deadline,
+    /// unless an urgent write does first.
+    hold_timer: Option<HoldTimer>,
+    /// The writer took items and has not waited since: it looks at the queue again before
+    /// it waits, so a held write queued meanwhile needs no wake-up, nor a timer (under
+    /// load, most of them).
+    writer_busy: bool,
     /// When the oldest item not yet taken by the writer was queued: a hold counts from it.
     since: Option<tokio::time::Instant>,
     /// Every producer is gone.
@@ -304,9 +314,10 @@ impl QueueState {
 }
 
 impl Queue {
-    fn new() -> Self {
+    fn new(hold: Duration) -> Self {
         Self {
             state: std::sync::Mutex::default(),
+            hold,
             wake: Notify::new(),
             polling: AtomicBool::new(false),
             room: Semaphore::new(QUEUE),
@@ -315,6 +326,83 @@ impl Queue {
 
     fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
         crate::threads::locked(&self.state)
+    }
+
+    /// Times the hold of the writes queued since the writer last took any, on the runtime
+    /// of the producer queuing one now: when it ends, the timer wakes the writer, unless
+    /// the writer holds them by then. False where there is no runtime to time it on: the
+    /// caller wakes the writer instead.
+    fn arm_hold_timer(self: &Arc<Self>, state: &mut QueueState) -> bool {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let number = state.pushed;
+        let due = state.since.unwrap_or_else(tokio::time::Instant::now) + self.hold;
+        let fires = HoldTimerFires {
+            queue: Arc::clone(self),
+            number,
+        };
+        let task = runtime.spawn(async move {
+            tokio::time::sleep_until(due).await;
+            drop(fires);
+        });
+        state.hold_timer = Some(HoldTimer {
+            number,
+            thread: std::thread::current().id(),
+            task: task.abort_handle(),
+        });
+        true
+    }
+}
+
+/// A hold timed on a producer's runtime ([`Queue::arm_hold_timer`]): the writer was not
+/// woken for the writes it times, and sleeps with no deadline of its own, so a request
+/// answered whole wakes the writer once, for its end, where it woke it for its submit too.
+/// An urgent write wakes the writer anyway and cancels the timer when queued from the
+/// timer's thread (a request's end comes from the thread of its submit): cancelling it
+/// from another thread would wake that thread's runtime, so the timer is only disowned
+/// there, and fires to find it has nothing to do.
+struct HoldTimer {
+    /// The [`QueueState::pushed`] count when it was armed: which timer it is.
+    number: u64,
+    thread: std::thread::ThreadId,
+    task: tokio::task::AbortHandle,
+}
+
+impl HoldTimer {
+    /// Stops the timer: cancelled where that wakes no other thread, disowned elsewhere.
+    fn stop(self) {
+        if self.thread == std::thread::current().id() {
+            self.task.abort();
+        }
+    }
+}
+
+/// Wakes the writer when dropped, if its [`HoldTimer`] is still the queue's and the writes
+/// it times are neither taken nor held by the writer: dropped when the hold ends, and when
+/// the timer's runtime drops the task unfinished (it shuts down), so that no held write is
+/// left without a wake-up.
+struct HoldTimerFires {
+    queue: Arc<Queue>,
+    number: u64,
+}
+
+impl Drop for HoldTimerFires {
+    fn drop(&mut self) {
+        let wake = {
+            let mut state = self.queue.state();
+            let ours = state
+                .hold_timer
+                .as_ref()
+                .is_some_and(|timer| timer.number == self.number);
+            if ours {
+                state.hold_timer = None;
+            }
+            ours && !state.items.is_empty() && !state.timed && !state.writer_busy
+        };
+        if wake {
+            self.queue.wake.notify_one();
+        }
     }
 }
 
@@ -428,7 +516,7 @@ impl Journal {
         let runtime = store.writer_runtime();
         let lanes: Arc<[Lane]> = (0..lanes.max(1))
             .map(|lane| {
-                let queue = Arc::new(Queue::new());
+                let queue = Arc::new(Queue::new(hold));
                 let available = Arc::new(AtomicBool::new(true));
                 let writer = Writer {
                     store: Arc::clone(&store),
@@ -603,17 +691,26 @@ impl Journal {
         // Given back by the writer as it takes items.
         permit.forget();
         let urgency = item.urgency(&self.hub);
-        let wake = {
+        let (wake, timer) = {
             let mut state = queue.state();
             if state.finished {
                 return Err(JournalError::Closed);
             }
             state.since.get_or_insert_with(tokio::time::Instant::now);
             state.queue(item, urgency);
-            urgency > Urgency::Held || !state.timed
+            if urgency > Urgency::Held {
+                (true, state.hold_timer.take())
+            } else if state.timed || state.writer_busy || state.hold_timer.is_some() {
+                (false, None)
+            } else {
+                (!queue.arm_hold_timer(&mut state), None)
+            }
         };
         if wake {
             queue.wake.notify_one();
+        }
+        if let Some(timer) = timer {
+            timer.stop();
         }
         Ok(())
     }
@@ -632,9 +729,8 @@ impl Journal {
             Urgency::Held
         };
         let queue = &self.lane(Some(request)).queue;
-        let wake = {
+        let timer = {
             let mut state = queue.state();
-            let timed = state.timed;
             if state.finished {
                 return false;
             }
@@ -648,10 +744,16 @@ impl Journal {
             };
             joined.push_str(text);
             *queued = (*queued).max(urgency);
-            urgency > Urgency::Held || !timed
+            // A held join needs no wake-up: the delta it joins was queued with one, a
+            // deadline or a timer.
+            if urgency == Urgency::Held {
+                return true;
+            }
+            state.hold_timer.take()
         };
-        if wake {
-            queue.wake.notify_one();
+        queue.wake.notify_one();
+        if let Some(timer) = timer {
+            timer.stop();
         }
         true
     }
@@ -709,39 +811,23 @@ struct Writer {
 /// submit and its end close together too, but the next request comes milliseconds later,
 /// and a poll after each commit found nothing (~1 ms of CPU a request at 50 a second,
 /// docs/profiling.md, the sixty-fourth pass).
-///
-/// It also decides whether the writer, where it has a thread of its own, watches its queue
-/// for a hold's length after a commit ([`Writer::watches`]): where the first write after a
-/// commit came within a hold of it, a watch lets the next ones ride without a wake-up;
-/// where writes come further apart (requests at 50 a second), a watch only ended in a
-/// timer's wake-up of its own, one in four of the writer's (the sixty-fifth pass).
 #[derive(Debug, Default)]
 struct Pace {
     last_wait_short: bool,
     last_batch_one_request: bool,
     last_commit: Option<std::time::Instant>,
     began_after_commit: bool,
-    first_within_hold: bool,
 }
 
 impl Pace {
-    /// The writer took writes at `now` after waiting since `waiting_since`. `first` is when
-    /// the first of them was queued, given when nothing was held before them (the first
-    /// writes since the last commit).
-    fn took(
-        &mut self,
-        waiting_since: std::time::Instant,
-        first: Option<tokio::time::Instant>,
-        now: std::time::Instant,
-        hold: Duration,
-    ) {
+    /// The writer took writes at `now` after waiting since `waiting_since`; `first` when
+    /// nothing was held before them (the first writes since the last commit).
+    fn took(&mut self, waiting_since: std::time::Instant, first: bool, now: std::time::Instant) {
         self.last_wait_short = now.saturating_duration_since(waiting_since) <= AWAKE;
-        if let Some(queued_at) = first {
-            let since_commit = |at: std::time::Instant| now.saturating_duration_since(at);
-            self.began_after_commit = self.last_commit.is_some_and(|at| since_commit(at) <= AWAKE);
-            self.first_within_hold = self
+        if first {
+            self.began_after_commit = self
                 .last_commit
-                .is_some_and(|at| queued_at.into_std().saturating_duration_since(at) <= hold);
+                .is_some_and(|at| now.saturating_duration_since(at) <= AWAKE);
         }
     }
 
@@ -759,10 +845,6 @@ impl Pace {
     fn poll_pays(&self) -> bool {
         self.last_wait_short && self.last_batch_one_request && self.began_after_commit
     }
-
-    fn watch_pays(&self) -> bool {
-        self.first_within_hold
-    }
 }
 
 impl Writer {
@@ -770,15 +852,14 @@ impl Writer {
         let _finished = Finished(Arc::clone(&queue));
         let mut items = Vec::with_capacity(MAX_BATCH);
         let mut held = Held::default();
-        // Set while writes nobody waits on are held for the next commit, and for a hold's
-        // length after a commit: the next held write (a request's submit) then needs no
-        // wake-up, and a request answered whole wakes the writer once, for its end.
+        // Set while writes nobody waits on are held for the next commit. A held write
+        // queued while none is set needs no wake-up either: its producer times its hold
+        // ([`HoldTimer`]), and a request answered whole wakes the writer once, for its end.
         let mut deadline: Option<tokio::time::Instant> = None;
-        // When the oldest held write was queued, when a lingering prompt write stops
-        // waiting, and until when the writer watches after a commit.
+        // When the oldest held write was queued, and when a lingering prompt write stops
+        // waiting.
         let mut held_since: Option<tokio::time::Instant> = None;
         let mut prompt_until: Option<tokio::time::Instant> = None;
-        let mut watch_until: Option<tokio::time::Instant> = None;
         // Items were left in the queue (more than a batch): take them without waiting.
         let mut more = false;
         let mut pace = Pace::default();
@@ -811,10 +892,13 @@ impl Writer {
                 }
                 more = !state.items.is_empty();
                 if taken > 0 {
-                    let first = held.groups.is_empty().then_some(state.since).flatten();
                     held_since = held_since.or(state.since);
                     state.since = more.then_some(now);
-                    pace.took(waiting_since, first, std::time::Instant::now(), self.hold);
+                    pace.took(
+                        waiting_since,
+                        held.groups.is_empty(),
+                        std::time::Instant::now(),
+                    );
                 }
                 // A hold that has passed commits, whatever woke the writer: a stream of
                 // writes arriving one by one must not stretch it.
@@ -833,10 +917,10 @@ impl Writer {
                         .as_ref()
                         .is_some_and(|e| e.count() > self.lanes);
                 let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
-                let watching = watch_until.is_some_and(|until| until > now);
                 // Decided with the queue locked, so that no producer skips a wake-up the
                 // writer needs: `timed` only while a deadline will drain what is queued.
-                state.timed = !urgent && !more && groups < MAX_BATCH && (groups > 0 || watching);
+                state.timed = !urgent && !more && groups < MAX_BATCH && groups > 0;
+                state.writer_busy = true;
                 (urgent, lingers, state.closed && !more)
             };
             queue.room.add_permits(items.len());
@@ -866,24 +950,18 @@ impl Writer {
                 for done in flushes {
                     let _ = done.send(());
                 }
-                // Watch for a hold's length, where that pays: whatever is queued meanwhile
-                // is drained by then. Otherwise `timed` stays unset (it was when the writer
-                // decided to commit) and the next write wakes the writer.
-                watch_until = self.watches(&pace).then(|| {
-                    queue.state().timed = true;
-                    tokio::time::Instant::now() + self.hold
-                });
             } else if lingers {
                 prompt_until = prompt_until.or(Some(now + PROMPT_HOLD));
             }
             let held_until = (!held.groups.is_empty())
                 .then(|| held_since.map(|since| since + self.hold))
                 .flatten();
-            let watching = watch_until.filter(|until| *until > tokio::time::Instant::now());
-            deadline = [held_until, prompt_until, watching]
-                .into_iter()
-                .flatten()
-                .min();
+            deadline = [held_until, prompt_until].into_iter().flatten().min();
+            // Writes queued while it was busy woke nobody and armed no timer: it takes them
+            // now, before it waits.
+            let mut state = queue.state();
+            more |= !state.items.is_empty();
+            state.writer_busy = more;
         }
     }
 
@@ -897,16 +975,6 @@ impl Writer {
     /// a poll would find nothing, or the writer is never idle.
     fn polls(&self) -> bool {
         self.own_thread && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
-    }
-
-    /// Whether the writer watches its queue for a hold's length after a commit: where it
-    /// has a thread of its own, when its [`Pace`] says a watch pays (a watch that takes
-    /// nothing ends in a wake-up of that thread by its timer). Elsewhere (PostgreSQL's lanes,
-    /// tasks among the runtime's others) always, as before: the lanes split the requests, so
-    /// a lane's next writes come irregularly, and there the rule measured 0.5 more sleeps a
-    /// request at 200 req/s (docs/profiling.md, the sixty-fifth pass).
-    fn watches(&self, pace: &Pace) -> bool {
-        !self.own_thread || pace.watch_pays()
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -1452,19 +1520,18 @@ mod tests {
             .collect()
     }
 
-    /// Waits until the writer of `request`'s lane watches its queue with a deadline, as it
-    /// does after a commit whose writes came within a hold of the commit before. It
-    /// acknowledges the commit first: a held write queued before it watches wakes it, and it
-    /// takes that write out of the queue, where a test expects to find it.
-    async fn until_the_writer_watches(journal: &Journal, request: &str) {
+    /// Waits until the writer of `request`'s lane is done with what it took and waits: a
+    /// held write queued before then is taken by it as it looks at the queue again, where
+    /// a test expects to find it queued.
+    async fn until_the_writer_waits(journal: &Journal, request: &str) {
         let queue = &journal.lane(Some(request)).queue;
         for _ in 0..10_000 {
-            if queue.state().timed {
+            if !queue.state().writer_busy {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        panic!("the writer never watched its queue");
+        panic!("the writer never waited");
     }
 
     /// The texts of a request's stored output deltas, one per stored event.
@@ -1816,7 +1883,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_poll_lets_its_threads_other_tasks_run_and_finds_what_they_queue() {
-        let queue = Arc::new(Queue::new());
+        let queue = Arc::new(Queue::new(HOLD));
         let producer = {
             let queue = Arc::clone(&queue);
             tokio::spawn(async move {
@@ -1833,7 +1900,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_poll_that_finds_nothing_lasts_until_its_end_or_the_writers_deadline() {
-        let queue = Queue::new();
+        let queue = Queue::new(HOLD);
         let started = std::time::Instant::now();
         assert!(!queued_within(&queue, started + AWAKE, None).await);
         assert!(started.elapsed() >= AWAKE);
@@ -1847,26 +1914,179 @@ mod tests {
 
     #[tokio::test]
     async fn a_poll_ends_when_every_producer_is_gone() {
-        let queue = Queue::new();
+        let queue = Queue::new(HOLD);
         queue.state().closed = true;
         let long = std::time::Instant::now() + Duration::from_secs(600);
         assert!(queued_within(&queue, long, None).await);
+    }
+
+    #[tokio::test]
+    async fn a_held_write_wakes_no_writer_and_the_next_urgent_one_cancels_its_timer() {
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        until_the_writer_waits(&journal, "req_a").await;
+        journal
+            .write(Some("req_a"), event("req_a", "held"))
+            .await
+            .unwrap();
+        let queue = Arc::clone(&journal.lane(Some("req_a")).queue);
+        let timer = {
+            let state = queue.state();
+            // Not taken: the writer was not woken for it, and holds nothing to time it by.
+            assert_eq!(state.items.len(), 1);
+            assert!(!state.timed);
+            let timer = state.hold_timer.as_ref().expect("its hold is timed here");
+            timer.task.clone()
+        };
+        // A second held write rides on the same timer.
+        journal
+            .write(Some("req_a"), event("req_a", "held too"))
+            .await
+            .unwrap();
+        assert_eq!(queue.state().items.len(), 2);
+        journal
+            .commit(Some("req_a"), vec![event("req_a", "end")])
+            .await
+            .unwrap();
+        assert_eq!(
+            stored_types(&store, "req_a").await,
+            ["held", "held too", "end"]
+        );
+        // Cancelled here, on the thread that armed it: it will not wake this runtime.
+        assert!(queue.state().hold_timer.is_none());
+        for _ in 0..10_000 {
+            if timer.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(timer.is_finished());
+    }
+
+    #[tokio::test]
+    async fn a_held_write_alone_commits_when_its_producers_timer_fires() {
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_millis(20)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        until_the_writer_waits(&journal, "req_a").await;
+        journal
+            .write(Some("req_a"), event("req_a", "held"))
+            .await
+            .unwrap();
+        // Queued while the writer slept with no deadline: timed here.
+        assert!(
+            journal
+                .lane(Some("req_a"))
+                .queue
+                .state()
+                .hold_timer
+                .is_some()
+        );
+        for _ in 0..30_000 {
+            if !stored_types(&store, "req_a").await.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(stored_types(&store, "req_a").await, ["held"]);
+        assert!(
+            journal
+                .lane(Some("req_a"))
+                .queue
+                .state()
+                .hold_timer
+                .is_none()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_write_queued_at_any_moment_of_the_writers_turn_commits_unflushed() {
+        // A held write queued a little after a write that commits at once finds the writer
+        // asleep, taking, committing or done: it is woken for, timed, or taken as the writer
+        // looks at the queue again before it waits, and never waits for a later write.
+        let (_dir, store, journal, _hub) = journal_holding(Duration::from_millis(2)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        for step in 0..200_usize {
+            journal
+                .write_group_now(Some("req_a"), vec![event("req_a", "now")])
+                .await
+                .unwrap();
+            let queued_at =
+                std::time::Instant::now() + Duration::from_micros(step as u64 % 20 * 25);
+            while std::time::Instant::now() < queued_at {
+                std::hint::spin_loop();
+            }
+            journal
+                .write(Some("req_a"), event("req_a", "held"))
+                .await
+                .unwrap();
+            let mut stored = 0;
+            for _ in 0..30_000 {
+                stored = stored_types(&store, "req_a").await.len();
+                if stored == 2 * (step + 1) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            assert_eq!(stored, 2 * (step + 1), "step {step}'s held write commits");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_hold_timer_dropped_with_its_runtime_wakes_the_writer() {
+        let (_dir, _store, journal, _hub) = journal_holding(Duration::from_secs(600)).await;
+        journal
+            .commit(Some("req_a"), request_ops("req_a"))
+            .await
+            .unwrap();
+        until_the_writer_waits(&journal, "req_a").await;
+        let producer = journal.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            runtime
+                .block_on(producer.write(Some("req_a"), event("req_a", "held")))
+                .unwrap();
+            // The runtime ends here, its timer unfired.
+        })
+        .join()
+        .unwrap();
+        // The writer was woken: it took the write and times its hold itself.
+        let queue = &journal.lane(Some("req_a")).queue;
+        for _ in 0..30_000 {
+            {
+                let state = queue.state();
+                if state.items.is_empty() && state.timed {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let state = queue.state();
+        assert!(state.items.is_empty() && state.timed && state.hold_timer.is_none());
     }
 
     #[test]
     fn the_writer_polls_after_back_to_back_requests_and_not_between_requests_at_a_rate() {
         let start = std::time::Instant::now();
         let at = |micros: u64| start + Duration::from_micros(micros);
-        // The first writes taken, queued at `micros`; taken writes that follow others.
-        let first = |micros: u64| Some(tokio::time::Instant::from_std(at(micros)));
-        let later = None;
         // A lone client: its request's writes come 200 µs after the last commit, its end
         // 300 µs after them, and it committed alone: a poll may find the next request.
         let mut pace = Pace::default();
         pace.committed(true, at(0));
-        pace.took(at(0), first(200), at(200), HOLD);
+        pace.took(at(0), true, at(200));
         assert!(pace.poll_pays());
-        pace.took(at(200), later, at(500), HOLD);
+        pace.took(at(200), false, at(500));
         pace.committed(true, at(600));
         assert!(pace.poll_pays());
         // A poll that found nothing stops the polling until a wait is short again.
@@ -1877,53 +2097,21 @@ mod tests {
         // began long after the commit before them, so no poll follows its commit.
         let mut pace = Pace::default();
         pace.committed(true, at(0));
-        pace.took(at(0), first(20_000), at(20_000), HOLD);
+        pace.took(at(0), true, at(20_000));
         assert!(!pace.poll_pays());
-        pace.took(at(20_000), later, at(20_300), HOLD);
+        pace.took(at(20_000), false, at(20_300));
         pace.committed(true, at(20_400));
         assert!(!pace.poll_pays());
 
         // Several requests' writes in one batch (load): no poll, however close they come.
         let mut pace = Pace::default();
         pace.committed(false, at(0));
-        pace.took(at(0), first(50), at(50), HOLD);
+        pace.took(at(0), true, at(50));
         assert!(!pace.poll_pays());
         // Nothing committed yet: nothing to go by.
         let mut pace = Pace::default();
-        pace.took(at(0), first(10), at(10), HOLD);
+        pace.took(at(0), true, at(10));
         assert!(!pace.poll_pays());
-    }
-
-    #[test]
-    fn the_writer_watches_after_a_commit_where_the_writes_after_the_last_came_within_a_hold() {
-        let start = std::time::Instant::now();
-        let at = |micros: u64| start + Duration::from_micros(micros);
-        let queued = |micros: u64| Some(tokio::time::Instant::from_std(at(micros)));
-        let hold = Duration::from_millis(5);
-        // Nothing committed yet: no watch, the next write wakes the writer.
-        let mut pace = Pace::default();
-        assert!(!pace.watch_pays());
-        // Requests 20 ms apart (50 a second): a watch would end with nothing to take.
-        pace.committed(true, at(0));
-        pace.took(at(0), queued(20_000), at(20_000), hold);
-        assert!(!pace.watch_pays());
-        // Writes queued 2 ms after a commit, taken when a watch ended 3 ms later: they
-        // began within the hold, so the next commit is watched after.
-        pace.committed(true, at(21_000));
-        pace.took(at(21_000), queued(23_000), at(26_000), hold);
-        assert!(pace.watch_pays());
-        // Writes queued while the batch before them committed count as within it.
-        pace.committed(false, at(30_000));
-        pace.took(at(30_000), queued(29_900), at(30_000), hold);
-        assert!(pace.watch_pays());
-        // Writes taken after others held are not the first after a commit: they decide
-        // nothing.
-        pace.took(at(30_000), None, at(90_000), hold);
-        assert!(pace.watch_pays());
-        // A quiet spell after a commit ends the watching.
-        pace.committed(true, at(90_000));
-        pace.took(at(90_000), queued(95_001), at(95_001), hold);
-        assert!(!pace.watch_pays());
     }
 
     #[test]
@@ -2085,7 +2273,7 @@ mod tests {
                 .await
                 .unwrap();
         }
-        until_the_writer_watches(&journal, "req_a").await;
+        until_the_writer_waits(&journal, "req_a").await;
         // Nothing queued: nothing to join.
         assert!(!journal.extend_queued_delta("req_a", "run", "lost"));
         journal
@@ -2162,12 +2350,7 @@ mod tests {
             .commit(Some("req_a"), request_ops("req_a"))
             .await
             .unwrap();
-        // A second commit, within the hold of the first: the writer watches after it.
-        journal
-            .commit(Some("req_a"), vec![event("req_a", "started")])
-            .await
-            .unwrap();
-        until_the_writer_watches(&journal, "req_a").await;
+        until_the_writer_waits(&journal, "req_a").await;
         journal
             .write(Some("req_a"), delta("req_a", "run", "held "))
             .await
