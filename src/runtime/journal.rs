@@ -67,7 +67,9 @@
 //! while the writer holds none, the first one's hold is timed on its producer's runtime
 //! ([`HoldTimer`]), and the request's end, queued from the same thread, cancels the timer
 //! there, so that a request answered whole wakes the writer once, whatever the pace of
-//! requests (the sixty-sixth pass).
+//! requests. Under load (more than one run executing) the writer watches its queue for a
+//! hold's length after each commit instead ([`Writer::watches`]), and the held writes that
+//! come meanwhile need no timer either (the sixty-sixth pass).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -860,6 +862,9 @@ impl Writer {
         // waiting.
         let mut held_since: Option<tokio::time::Instant> = None;
         let mut prompt_until: Option<tokio::time::Instant> = None;
+        // Until when the writer watches its queue after a commit, under load
+        // ([`Writer::watches`]).
+        let mut watch_until: Option<tokio::time::Instant> = None;
         // Items were left in the queue (more than a batch): take them without waiting.
         let mut more = false;
         let mut pace = Pace::default();
@@ -919,7 +924,8 @@ impl Writer {
                 let urgent = urgency == Urgency::Now || (urgency == Urgency::Prompt && !lingers);
                 // Decided with the queue locked, so that no producer skips a wake-up the
                 // writer needs: `timed` only while a deadline will drain what is queued.
-                state.timed = !urgent && !more && groups < MAX_BATCH && groups > 0;
+                let watching = watch_until.is_some_and(|until| until > now);
+                state.timed = !urgent && !more && groups < MAX_BATCH && (groups > 0 || watching);
                 state.writer_busy = true;
                 (urgent, lingers, state.closed && !more)
             };
@@ -950,13 +956,23 @@ impl Writer {
                 for done in flushes {
                     let _ = done.send(());
                 }
+                // Watch for a hold's length under load: whatever is queued meanwhile is
+                // drained by then, with no timer armed for it.
+                watch_until = self.watches().then(|| {
+                    queue.state().timed = true;
+                    tokio::time::Instant::now() + self.hold
+                });
             } else if lingers {
                 prompt_until = prompt_until.or(Some(now + PROMPT_HOLD));
             }
             let held_until = (!held.groups.is_empty())
                 .then(|| held_since.map(|since| since + self.hold))
                 .flatten();
-            deadline = [held_until, prompt_until].into_iter().flatten().min();
+            let watching = watch_until.filter(|until| *until > tokio::time::Instant::now());
+            deadline = [held_until, prompt_until, watching]
+                .into_iter()
+                .flatten()
+                .min();
             // Writes queued while it was busy woke nobody and armed no timer: it takes them
             // now, before it waits.
             let mut state = queue.state();
@@ -975,6 +991,15 @@ impl Writer {
     /// a poll would find nothing, or the writer is never idle.
     fn polls(&self) -> bool {
         self.own_thread && self.executing.as_ref().is_some_and(|e| e.count() <= 1)
+    }
+
+    /// Whether the writer watches its queue for a hold's length after a commit: under load
+    /// (more than one run executing), where the next held writes come within the hold and
+    /// the watch lets them ride without a timer of their producer's ([`HoldTimer`]); a timer
+    /// armed after nearly every commit cost chat at c=32 ~3% of its requests a second
+    /// (docs/profiling.md, the sixty-sixth pass).
+    fn watches(&self) -> bool {
+        self.executing.as_ref().is_some_and(|e| e.count() > 1)
     }
 
     /// Applies a batch: all groups in one transaction, or, when that fails for a reason
@@ -2037,6 +2062,44 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             assert_eq!(stored, 2 * (step + 1), "step {step}'s held write commits");
+        }
+    }
+
+    #[tokio::test]
+    async fn under_load_the_writer_watches_after_a_commit_and_no_timer_is_armed() {
+        // Each try: a commit, then a held write once the writer waits. With one run
+        // executing the writer sleeps with no deadline, so the write arms its producer's
+        // timer; with two, it watches for a hold's length, so the write needs none (unless
+        // a thread stalled past the hold's 5 ms, hence several tries).
+        for (running, timed_here) in [(1, true), (2, false)] {
+            let (_dir, _store, journal, _hub, _permit) =
+                journal_serving_with_runs_executing(running).await;
+            let mut armed = Vec::new();
+            for attempt in 0..10 {
+                let request = format!("req_{attempt}");
+                journal
+                    .commit(Some(&request), request_ops(&request))
+                    .await
+                    .unwrap();
+                until_the_writer_waits(&journal, &request).await;
+                journal
+                    .write(Some(&request), event(&request, "held"))
+                    .await
+                    .unwrap();
+                armed.push(
+                    journal
+                        .lane(Some(&request))
+                        .queue
+                        .state()
+                        .hold_timer
+                        .is_some(),
+                );
+                journal.flush().await.unwrap();
+            }
+            assert!(
+                armed.contains(&timed_here),
+                "{running} executing: {armed:?}"
+            );
         }
     }
 
