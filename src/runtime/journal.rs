@@ -330,34 +330,56 @@ impl Queue {
         crate::threads::locked(&self.state)
     }
 
-    /// Times the hold of the writes queued since the writer last took any, on the runtime
-    /// of the producer queuing one now: when it ends, the timer wakes the writer, unless
-    /// the writer holds them by then. False where there is no runtime to time it on: the
-    /// caller wakes the writer instead.
-    fn arm_hold_timer(self: &Arc<Self>, state: &mut QueueState) -> bool {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return false;
-        };
+    /// Reserves the timing of the hold of the writes queued since the writer last took
+    /// any for the producer queuing one now, on its runtime ([`Queue::arm_hold_timer`]
+    /// starts the timer once the queue is unlocked). `None` where there is no runtime to
+    /// time it on: the caller wakes the writer instead.
+    fn reserve_hold_timer(&self, state: &mut QueueState) -> Option<HoldTimerArming> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let number = state.pushed;
-        let due = state.since.unwrap_or_else(tokio::time::Instant::now) + self.hold;
-        let fires = HoldTimerFires {
-            queue: Arc::clone(self),
-            number,
-        };
-        let task = runtime.spawn(async move {
-            tokio::time::sleep_until(due).await;
-            drop(fires);
-        });
         state.hold_timer = Some(HoldTimer {
             number,
             thread: std::thread::current().id(),
-            task: task.abort_handle(),
+            task: None,
         });
-        true
+        Some(HoldTimerArming {
+            runtime,
+            number,
+            due: state.since.unwrap_or_else(tokio::time::Instant::now) + self.hold,
+        })
+    }
+
+    /// Starts a timer reserved by [`Queue::reserve_hold_timer`], with the queue unlocked: a
+    /// runtime shutting down drops the task, and with it [`HoldTimerFires`], at once, and
+    /// that locks the queue to wake the writer.
+    fn arm_hold_timer(self: &Arc<Self>, arming: HoldTimerArming) {
+        let fires = HoldTimerFires {
+            queue: Arc::clone(self),
+            number: arming.number,
+        };
+        let due = arming.due;
+        let task = arming.runtime.spawn(async move {
+            tokio::time::sleep_until(due).await;
+            drop(fires);
+        });
+        let mut state = self.state();
+        // Unless it fired, was stopped or was dropped meanwhile.
+        if let Some(timer) = state.hold_timer.as_mut()
+            && timer.number == arming.number
+        {
+            timer.task = Some(task.abort_handle());
+        }
     }
 }
 
-/// A hold timed on a producer's runtime ([`Queue::arm_hold_timer`]): the writer was not
+/// A hold timer reserved, to be started once the queue is unlocked.
+struct HoldTimerArming {
+    runtime: tokio::runtime::Handle,
+    number: u64,
+    due: tokio::time::Instant,
+}
+
+/// A hold timed on a producer's runtime ([`Queue::reserve_hold_timer`]): the writer was not
 /// woken for the writes it times, and sleeps with no deadline of its own, so a request
 /// answered whole wakes the writer once, for its end, where it woke it for its submit too.
 /// An urgent write wakes the writer anyway and cancels the timer when queued from the
@@ -368,14 +390,17 @@ struct HoldTimer {
     /// The [`QueueState::pushed`] count when it was armed: which timer it is.
     number: u64,
     thread: std::thread::ThreadId,
-    task: tokio::task::AbortHandle,
+    /// Set once the timer's task is spawned: a timer stopped before then is disowned.
+    task: Option<tokio::task::AbortHandle>,
 }
 
 impl HoldTimer {
     /// Stops the timer: cancelled where that wakes no other thread, disowned elsewhere.
     fn stop(self) {
-        if self.thread == std::thread::current().id() {
-            self.task.abort();
+        if let Some(task) = self.task
+            && self.thread == std::thread::current().id()
+        {
+            task.abort();
         }
     }
 }
@@ -693,7 +718,7 @@ impl Journal {
         // Given back by the writer as it takes items.
         permit.forget();
         let urgency = item.urgency(&self.hub);
-        let (wake, timer) = {
+        let (wake, timer, arming) = {
             let mut state = queue.state();
             if state.finished {
                 return Err(JournalError::Closed);
@@ -701,11 +726,12 @@ impl Journal {
             state.since.get_or_insert_with(tokio::time::Instant::now);
             state.queue(item, urgency);
             if urgency > Urgency::Held {
-                (true, state.hold_timer.take())
+                (true, state.hold_timer.take(), None)
             } else if state.timed || state.writer_busy || state.hold_timer.is_some() {
-                (false, None)
+                (false, None, None)
             } else {
-                (!queue.arm_hold_timer(&mut state), None)
+                let arming = queue.reserve_hold_timer(&mut state);
+                (arming.is_none(), None, arming)
             }
         };
         if wake {
@@ -713,6 +739,9 @@ impl Journal {
         }
         if let Some(timer) = timer {
             timer.stop();
+        }
+        if let Some(arming) = arming {
+            queue.arm_hold_timer(arming);
         }
         Ok(())
     }
@@ -1964,7 +1993,7 @@ mod tests {
             assert_eq!(state.items.len(), 1);
             assert!(!state.timed);
             let timer = state.hold_timer.as_ref().expect("its hold is timed here");
-            timer.task.clone()
+            timer.task.clone().expect("its timer is started")
         };
         // A second held write rides on the same timer.
         journal
