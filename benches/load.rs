@@ -15,6 +15,14 @@
 //!   model generates them (each delta then commits alone, no aim): the time added to its
 //!   first token and its end, and the server's CPU per chunk;
 //! - the server's RSS idle and after the load;
+//! - beyond the aims, after them: an agent's tool call (`clock.now`, allowed by policy, between
+//!   two model calls) at concurrency 1 against a client making the same two upstream calls
+//!   itself, and at concurrency 32 with the server's CPU per request; approvals, one cycle
+//!   after another as an operator's tool drives them (a request submitted, its events
+//!   followed until its tool call waits on an approval, approved, read to its end): the time
+//!   to park, the time from the approve to the answer, and the server's CPU a cycle; and the
+//!   admin listing of the newest 50 requests over every request the run stored, at
+//!   concurrency 1 and 8;
 //! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
@@ -72,6 +80,11 @@ const SHORT_STREAM: usize = 20;
 const LONG_STREAM: usize = 200;
 /// Streams at a time for the concurrent-streams figure.
 const CONCURRENT_STREAMS: usize = 8;
+/// The user's message that makes the upstream call a tool first.
+const TOOL_ASK: &str = "tool";
+/// Approval cycles measured one after another (each a request parked on its approval, the
+/// operator's approve, the answer).
+const APPROVAL_CYCLES: usize = 200;
 /// The least pause between two chunks of a stream sent as a model generates it (each delta
 /// then commits alone), in ms; the upstream's timer rounds it up to its next tick.
 const APART_MS: u64 = 1;
@@ -161,10 +174,16 @@ async fn run() {
     upstream.stop_recording();
     // The length of the answer is asked for in the user's message: "chunks N", or
     // "chunks N apart M" for chunks sent M ms apart.
+    // An agent asked "tool" calls `clock.now` first, and answers once it has the result.
     upstream.set_responder(upstream::Responder::new(|body: &Value| {
-        let asked = body["messages"]
-            .as_array()
-            .and_then(|m| m.last())
+        let last = body["messages"].as_array().and_then(|m| m.last());
+        if last.is_some_and(|m| m["role"] == "tool") {
+            return upstream::Reply::Text(answer_of(7));
+        }
+        if last.is_some_and(|m| m["content"] == TOOL_ASK) {
+            return upstream::Reply::call("clock_now", "{}");
+        }
+        let asked = last
             .and_then(|m| m["content"].as_str())
             .and_then(|text| text.strip_prefix("chunks "))
             .unwrap_or("7");
@@ -288,6 +307,7 @@ async fn measure(
         name,
         urls: Arc::new(vec![format!("{}/chat/completions", upstream.url)]),
         next: Arc::default(),
+        follow_up: None,
         body: json!({ "model": "bench-upstream", "stream": true, "stream_options": { "include_usage": true },
                       "messages": [{ "role": "system", "content": "Be brief." }, { "role": "user", "content": asked }] }),
     };
@@ -303,6 +323,7 @@ async fn measure(
         ),
         next: Arc::default(),
         body,
+        follow_up: None,
     };
     let chat = harness(
         "chat JSON",
@@ -341,6 +362,24 @@ async fn measure(
         "/v1/chat/completions",
         json!({ "model": "assistant", "stream": true, "messages": [{ "role": "user", "content": apart }] }),
     );
+    // A tool call allowed by policy: two upstream calls with `clock.now` run between them;
+    // directly, a client making the same two calls itself (the tool's result at hand).
+    let tool = harness(
+        "chat JSON, a tool call",
+        "/v1/chat/completions",
+        json!({ "model": "tooled", "messages": [{ "role": "user", "content": TOOL_ASK }] }),
+    );
+    let mut direct_tool = direct_asking("direct, two calls", TOOL_ASK);
+    let mut answered = direct_tool.body.clone();
+    if let Some(messages) = answered["messages"].as_array_mut() {
+        messages.push(json!({ "role": "assistant", "content": null, "tool_calls": [{ "id": "call_0", "type": "function", "function": { "name": "clock_now", "arguments": "{}" } }] }));
+        messages.push(
+            json!({ "role": "tool", "tool_call_id": "call_0", "content": "2026-01-01T00:00:00Z" }),
+        );
+    }
+    direct_tool.follow_up = Some(answered);
+    // The operator's listing of the requests stored so far, newest first.
+    let admin_list = harness("admin list", "/admin/requests?limit=50", Value::Null);
     // Warm every path (connections, SQLite pages, allocator).
     for target in [
         &direct_short,
@@ -393,6 +432,9 @@ async fn measure(
             "responses-sse" => responses_stream.clone(),
             "chat-sse-apart" => chat_apart.clone(),
             "direct" => direct_short.clone(),
+            "tool" => tool.clone(),
+            "direct-tool" => direct_tool.clone(),
+            "admin-list" | "approval" => admin_list.clone(),
             other => panic!("STABLE_HARNESS_BENCH_ONLY: unknown surface `{other}`"),
         };
         println!("server pid {}", servers.pid());
@@ -400,6 +442,19 @@ async fn measure(
         let written_before = servers.written_bytes();
         let sleeps_before = servers.sleeps();
         let stats = match load {
+            // Approval cycles one after another for the phase: "first ms" is the time to
+            // park, "p50 ms" and "p99 ms" the approve to the answer.
+            _ if key == "approval" => {
+                let started = Instant::now();
+                let cycles =
+                    approval_cycles(client, &servers.bases[0], || started.elapsed() < phase).await;
+                let mut stats = stats(
+                    cycles.iter().map(|c| (c.0, c.1)).collect(),
+                    started.elapsed(),
+                );
+                stats.first_p50 = quantile(cycles.iter().map(|c| c.0).collect(), 0.5);
+                stats
+            }
             Load::Concurrency(workers) => closed_loop(client, &target, workers, phase).await,
             Load::Rate(rate) => open_loop(client, &target, rate, phase).await,
         };
@@ -567,6 +622,63 @@ async fn measure(
     let loaded_rss = rss_kib(servers.pid());
     figures.insert("rss.idle".into(), (idle_rss as f64 / 1024.0, f64::NAN));
     figures.insert("rss.loaded".into(), (loaded_rss as f64 / 1024.0, f64::NAN));
+
+    // Beyond the aims (the issue sets none for these), after the RSS under load so that the
+    // aims' figures stay comparable with earlier runs.
+    let direct_t = closed_loop(client, &direct_tool, 1, phase).await;
+    row("concurrency 1 direct, two calls", &direct_t);
+    let tool_c1 = closed_loop(client, &tool, 1, phase).await;
+    row(&format!("concurrency 1 {}", tool.name), &tool_c1);
+    let (tool_c32, cpu) = servers
+        .cpu_during(closed_loop(client, &tool, 32, phase))
+        .await;
+    row(&format!("concurrency 32 {}", tool.name), &tool_c32);
+    let tool_cpu = cpu * 1000.0 / tool_c32.count as f64;
+    println!(
+        "a tool call (clock.now, allowed by policy, two model calls): {:.3} ms added to the two direct calls' p50 at c=1, {:.3} to their p99; {:.0} req/s at c=32, server CPU {tool_cpu:.3} ms a request",
+        tool_c1.p50 - direct_t.p50,
+        tool_c1.p99 - direct_t.p99,
+        tool_c32.rps
+    );
+    figures.insert("tool.c1.p50".into(), added(tool_c1.p50, direct_t.p50));
+    figures.insert("tool.c1.p99".into(), added(tool_c1.p99, direct_t.p99));
+    figures.insert("tool.c32.rps".into(), (tool_c32.rps, f64::NAN));
+    figures.insert("tool.cpu".into(), (tool_cpu, f64::NAN));
+
+    let (cycles, cpu) = servers
+        .cpu_during(approval_cycles(client, &servers.bases[0], {
+            let mut left = APPROVAL_CYCLES;
+            move || {
+                let more = left > 0;
+                left = left.saturating_sub(1);
+                more
+            }
+        }))
+        .await;
+    let parked = quantile(cycles.iter().map(|c| c.0).collect(), 0.5);
+    let resumed: Vec<Duration> = cycles.iter().map(|c| c.1).collect();
+    let (resumed_p50, resumed_p99) = (quantile(resumed.clone(), 0.5), quantile(resumed, 0.99));
+    let approval_cpu = cpu * 1000.0 / cycles.len() as f64;
+    println!(
+        "an approval, {APPROVAL_CYCLES} cycles one after another (submit, follow the events, approve, read to the end): parked in {parked:.3} ms (p50; the model's first call included), the operator's approve to the answer {resumed_p50:.3} ms (p50; the tool and the second model call included), {resumed_p99:.3} (p99); server CPU {approval_cpu:.3} ms a cycle"
+    );
+    figures.insert("approval.park.p50".into(), (parked, f64::NAN));
+    figures.insert("approval.resume.p50".into(), (resumed_p50, f64::NAN));
+    figures.insert("approval.resume.p99".into(), (resumed_p99, f64::NAN));
+    figures.insert("approval.cpu".into(), (approval_cpu, f64::NAN));
+
+    let list_c1 = closed_loop(client, &admin_list, 1, phase).await;
+    row("concurrency 1 admin list (50 requests)", &list_c1);
+    let (list_c8, cpu) = servers
+        .cpu_during(closed_loop(client, &admin_list, 8, phase))
+        .await;
+    row("concurrency 8 admin list (50 requests)", &list_c8);
+    figures.insert("admin.list.c1.p50".into(), (list_c1.p50, f64::NAN));
+    figures.insert("admin.list.c8.rps".into(), (list_c8.rps, f64::NAN));
+    figures.insert(
+        "admin.list.cpu".into(),
+        (cpu * 1000.0 / list_c8.count as f64, f64::NAN),
+    );
     servers.stop();
     figures
 }
@@ -629,8 +741,10 @@ enum Load {
 
 /// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
 /// responses, responses-next (each request continuing one stored response), wait, chat-sse,
-/// chat-sse-apart (its chunks 1 ms apart), responses-sse, direct): run that phase alone against this build, for a profiler or to
-/// compare two builds.
+/// chat-sse-apart (its chunks 1 ms apart), responses-sse, tool (a tool call between two model
+/// calls), admin-list, approval (approval cycles one after another, whatever the
+/// concurrency), direct, direct-tool (the tool call's two upstream calls)): run that phase
+/// alone against this build, for a profiler or to compare two builds.
 fn only_phase() -> Option<(String, Load)> {
     let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
     if let Some((key, rate)) = value.split_once('@') {
@@ -934,7 +1048,11 @@ struct Target {
     /// Taken in turn (several instances behind a balancer).
     urls: Arc<Vec<String>>,
     next: Arc<AtomicUsize>,
+    /// What is posted; `null` for a GET.
     body: Value,
+    /// Posted to the same URL once the first answer is read: a client running a tool loop
+    /// itself (the upstream called directly, the tool's result already known).
+    follow_up: Option<Value>,
 }
 
 struct Stats {
@@ -952,7 +1070,28 @@ struct Stats {
 async fn one(client: &reqwest::Client, target: &Target) -> (Duration, Duration) {
     let started = Instant::now();
     let url = &target.urls[target.next.fetch_add(1, Ordering::Relaxed) % target.urls.len()];
-    let mut response = client.post(url).json(&target.body).send().await.unwrap();
+    if let Some(follow_up) = &target.follow_up {
+        let first = client.post(url).json(&target.body).send().await.unwrap();
+        assert!(
+            first.status().is_success(),
+            "{} answered {}",
+            target.name,
+            first.status()
+        );
+        first.bytes().await.unwrap();
+        let mut rest = target.clone();
+        rest.body = follow_up.clone();
+        rest.follow_up = None;
+        Box::pin(one(client, &rest)).await;
+        let whole = started.elapsed();
+        return (whole, whole);
+    }
+    let request = if target.body.is_null() {
+        client.get(url)
+    } else {
+        client.post(url).json(&target.body)
+    };
+    let mut response = request.send().await.unwrap();
     assert!(
         response.status().is_success(),
         "{} answered {}",
@@ -1086,11 +1225,85 @@ fn write_latencies(
     file.write_all(lines.as_bytes()).unwrap();
 }
 
+/// The `q` quantile of `values`, in ms.
+fn quantile(mut values: Vec<Duration>, q: f64) -> f64 {
+    values.sort();
+    values[((values.len() as f64 * q) as usize).min(values.len() - 1)].as_secs_f64() * 1000.0
+}
+
+/// Approval cycles one after another while `more` says so, as an operator's tool drives
+/// them: a request to the `guarded` agent submitted, its events followed live until its tool
+/// call waits on an approval, the approval approved, the events read to the request's end.
+/// Each cycle's (submit to the approval's event, the approve sent to the request's last
+/// event).
+async fn approval_cycles(
+    client: &reqwest::Client,
+    base: &str,
+    mut more: impl FnMut() -> bool,
+) -> Vec<(Duration, Duration)> {
+    let mut times = Vec::new();
+    while more() {
+        let started = Instant::now();
+        let accepted: Value = client
+            .post(format!("{base}/runtime/requests"))
+            .json(&json!({ "agentId": "guarded", "input": { "text": TOOL_ASK } }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = accepted["requestId"].as_str().unwrap();
+        let mut events = client
+            .get(format!("{base}/runtime/requests/{id}/events"))
+            .header("accept", "text/event-stream")
+            .send()
+            .await
+            .unwrap();
+        let mut seen = String::new();
+        let approval = loop {
+            let chunk = events
+                .chunk()
+                .await
+                .unwrap()
+                .expect("events end before the approval");
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            let requested = seen
+                .split_once("event: runtime.approval.requested")
+                .and_then(|(_, event)| event.split_once("\n\n"))
+                .and_then(|(event, _)| event.split_once("\"apr_"))
+                .and_then(|(_, id)| id.split_once('"'));
+            if let Some((id, _)) = requested {
+                break format!("apr_{id}");
+            }
+        };
+        let parked = started.elapsed();
+        let approving = Instant::now();
+        let decided = client
+            .post(format!("{base}/admin/approvals/{approval}/approve"))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            decided.status().is_success(),
+            "approve: {}",
+            decided.status()
+        );
+        while !seen.contains("event: runtime.request.completed") {
+            let chunk = events
+                .chunk()
+                .await
+                .unwrap()
+                .expect("events end before the request");
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        times.push((parked, approving.elapsed()));
+    }
+    times
+}
+
 fn stats(latencies: Vec<(Duration, Duration)>, elapsed: Duration) -> Stats {
-    let quantile = |mut values: Vec<Duration>, q: f64| {
-        values.sort();
-        values[((values.len() as f64 * q) as usize).min(values.len() - 1)].as_secs_f64() * 1000.0
-    };
     let whole: Vec<Duration> = latencies.iter().map(|l| l.1).collect();
     let first: Vec<Duration> = latencies.iter().map(|l| l.0).collect();
     Stats {
@@ -1159,8 +1372,22 @@ fn write_workspace(root: &Path, upstream: &str) {
     write(
         "config/runtime/workspace.yaml",
         format!(
-            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: bench }}\nspec:\n  defaultAgent: assistant\n  limits: {{ maxConcurrentRuns: 512 }}\n  progress: {{ narration: {{ enabled: true }} }}\n{spend}"
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: bench }}\nspec:\n  defaultAgent: assistant\n  limits: {{ maxConcurrentRuns: 512 }}\n  progress: {{ narration: {{ enabled: true }} }}\n  governance:\n    default: allow\n    rules:\n      - {{ name: guarded-asks, match: {{ agents: [guarded] }}, decision: needs_approval }}\n{spend}"
         ),
+    );
+    // Two agents that call the built-in `clock.now`: `tooled` as governance allows it,
+    // `guarded` only once an operator approves each call.
+    for agent in ["tooled", "guarded"] {
+        write(
+            &format!("config/agents/{agent}.yaml"),
+            format!(
+                "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: {{ name: {agent} }}\nspec:\n  backend: openai\n  model: fast\n  instructions: Be brief.\n  tools: [clock.now]\n  maxIterations: 3\n"
+            ),
+        );
+    }
+    write(
+        "config/catalogs/tools.yaml",
+        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - id: clock.now\n      description: The current date and time (UTC).\n      builtin: clock.now\n".into(),
     );
     write(
         "config/agents/assistant.yaml",
