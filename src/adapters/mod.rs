@@ -39,9 +39,12 @@ pub trait EventSink: Send + Sync {
     async fn emit_delta(&self, text: &str) {
         self.emit(ADAPTER_EVENT, output_delta(text)).await;
     }
-    /// Persists the conversation after a step (a model turn, tool results) and waits for the
-    /// commit: a run resumed after a crash starts from the last checkpoint, and a model turn's
-    /// tools never run before the turn is stored. `Err`: the run cannot go on.
+    /// Persists the conversation after a step (a model turn, tool results), committed with
+    /// the run's next write that commits at the latest, and that write is refused if this one
+    /// was lost: a model turn's tools never run before the turn is stored (a call's `started`
+    /// record commits before it runs), and a run resumed after a crash starts from the last
+    /// checkpoint that committed, with the results its calls recorded. `Err`: the run cannot
+    /// go on.
     async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError>;
     /// Whether someone is shown the run's events as they come (a stream). While nobody is,
     /// an adapter may gather a streamed answer's text into fewer output deltas: the same

@@ -342,17 +342,44 @@ impl RunEvents {
     /// Commits `ops` after the run's earlier writes. A failure stops the run: nothing it
     /// does next may rest on a write that was lost.
     async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), JournalError> {
-        let result = if self.is_handed_over() {
-            Err(JournalError::LeaseLost(
-                "the run was handed over to another instance".to_owned(),
-            ))
-        } else {
-            self.runtime
-                .inner
-                .journal
-                .commit(Some(&self.submitted.request_id), ops)
-                .await
+        let result = match self.handed_over_error() {
+            Some(error) => Err(error),
+            None => {
+                self.runtime
+                    .inner
+                    .journal
+                    .commit(Some(&self.submitted.request_id), ops)
+                    .await
+            }
         };
+        self.stopped_by(result)
+    }
+
+    /// Queues `op` after the run's earlier writes without waiting for its commit: the
+    /// journal commits it with the run's next write that commits (or after its hold), and
+    /// refuses that write if this one was lost. A failure to queue it stops the run.
+    async fn queue(&self, op: WriteOp) -> Result<(), JournalError> {
+        let result = match self.handed_over_error() {
+            Some(error) => Err(error),
+            None => {
+                self.runtime
+                    .inner
+                    .journal
+                    .write(Some(&self.submitted.request_id), op)
+                    .await
+            }
+        };
+        self.stopped_by(result)
+    }
+
+    fn handed_over_error(&self) -> Option<JournalError> {
+        self.is_handed_over().then(|| {
+            JournalError::LeaseLost("the run was handed over to another instance".to_owned())
+        })
+    }
+
+    /// A write that failed stops the run, and is what the run ends with.
+    fn stopped_by(&self, result: Result<(), JournalError>) -> Result<(), JournalError> {
         if let Err(error) = &result {
             tracing::error!(%error, "a run step could not be committed; stopping the run");
             if let Ok(mut lost) = self.lost.lock() {
@@ -393,13 +420,16 @@ impl EventSink for RunEvents {
             Some(job) => job.state(messages),
             None => json!({ "messages": messages }),
         };
-        self.commit(vec![WriteOp::UpdateRun {
+        // Queued, not awaited: it commits with the run's next write that commits at the
+        // latest, and every way a turn's tool runs first commits a record of the call (its
+        // `started` record), which the journal refuses if this checkpoint was lost.
+        self.queue(WriteOp::UpdateRun {
             id: self.submitted.run_id.clone(),
             status: RunStatus::Running,
             error: None,
             state: Some(state),
             at: Utc::now(),
-        }])
+        })
         .await
         .map_err(|error| store_failure(&error))
     }

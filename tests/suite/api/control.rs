@@ -864,13 +864,6 @@ async fn start_watch_reloads_when_files_change() {
     assert_eq!(status, 200);
 }
 
-/// The value of a Prometheus sample line `name{labels} value`, 0 when absent.
-fn sample(text: &str, name_and_labels: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_as_requests_run() {
     let upstream = MockUpstream::start().await;
@@ -899,7 +892,8 @@ async fn metrics_move_as_requests_run() {
     .await;
     assert_eq!(app.wait_until_done(&id).await["status"], "completed");
     let after = scrape().await;
-    let moved = |name: &str| sample(&after, name) - sample(&before, name);
+    let moved =
+        |name: &str| super::metric_sample(&after, name) - super::metric_sample(&before, name);
     assert_eq!(
         moved("stable_harness_requests_total{agent=\"metered\",status=\"completed\"}"),
         1.0,

@@ -321,6 +321,13 @@ pub async fn metrics_text(http: &reqwest::Client, url: &str) -> String {
     response.text().await.unwrap()
 }
 
+/// The value of a Prometheus sample line `name{labels} value`, 0 when absent.
+pub fn metric_sample(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// `POST url` of `body` as JSON with a bearer key: the response, its body unread.
 pub async fn send_post(
     http: &reqwest::Client,

@@ -252,6 +252,69 @@ async fn bad_calls_come_back_to_the_model_as_typed_errors_and_the_run_goes_on() 
     assert_eq!(view["status"], "completed");
 }
 
+/// A tool turn's checkpoints commit with the writes around them, not each alone: the model's
+/// turn with the call's `started` record (which the journal refuses if the turn was lost,
+/// so the tool never runs before the turn is stored), the transcript with the results with
+/// the run's next commit. Counted in the binary's own metrics, one request at a time: a
+/// request with one tool call commits at most three times more than a plain one (the
+/// `started` record, the result, and the results' checkpoint alone if its hold ends before
+/// the run does), where the two checkpoints were two more commits of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_turns_checkpoints_commit_with_the_writes_around_them() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    upstream.set_responder(super::upstream::Responder::new(|body| {
+        let last = &body["messages"].as_array().unwrap().last().unwrap().clone();
+        if last["role"] == "tool" {
+            Reply::Text("sunny".into())
+        } else if last["content"] == "weather?" {
+            Reply::call("weather_lookup", r#"{"city":"Paris"}"#)
+        } else {
+            Reply::Text("hello".into())
+        }
+    }));
+    let workspace = tools_workspace(&upstream, &tools, "");
+    let server = super::ServerProcess::start(
+        workspace.path(),
+        &[("STABLE_HARNESS_TEST_UPSTREAM_KEY", "test-upstream-key")],
+    );
+    let http = reqwest::Client::new();
+    // The commits of one request: counted once everything it held has committed too.
+    let commits_of = async |asked: &str| {
+        let count = async || {
+            let text = super::metrics_text(&http, &server.url("/metrics")).await;
+            super::metric_sample(
+                &text,
+                "stable_harness_journal_commit_duration_seconds_count",
+            )
+        };
+        let before = count().await;
+        let (status, body) = super::post_json(
+            &http,
+            &server.url("/v1/chat/completions"),
+            CLIENT_KEY,
+            &json!({ "model": "clerk", "messages": [{ "role": "user", "content": asked }] }),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        count().await - before
+    };
+    commits_of("hi").await;
+    let plain = commits_of("hi").await;
+    let mut with_a_tool = Vec::new();
+    for _ in 0..3 {
+        with_a_tool.push(commits_of("weather?").await);
+    }
+    assert_eq!(tools.count("/weather"), 3, "each call ran once");
+    let fewest = with_a_tool.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(
+        plain >= 1.0 && fewest - plain <= 3.0,
+        "a plain request committed {plain} times, one with a tool call {with_a_tool:?}"
+    );
+}
+
 #[tokio::test]
 async fn an_operator_approves_while_the_openai_client_waits() {
     let upstream = MockUpstream::start().await;
