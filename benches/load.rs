@@ -17,12 +17,12 @@
 //! - the server's RSS idle and after the load;
 //! - beyond the aims, after them: an agent's tool call (`clock.now`, allowed by policy, between
 //!   two model calls) at concurrency 1 against a client making the same two upstream calls
-//!   itself, and at concurrency 32 with the server's CPU per request; approvals, one cycle
-//!   after another as an operator's tool drives them (a request submitted, its events
-//!   followed until its tool call waits on an approval, approved, read to its end): the time
-//!   to park, the time from the approve to the answer, and the server's CPU a cycle; and the
-//!   admin listing of the newest 50 requests over every request the run stored, at
-//!   concurrency 1 and 8;
+//!   itself (answered whole and streamed), and at concurrency 32 with the server's CPU per
+//!   request; approvals, one cycle after another as an operator's tool drives them (a
+//!   request submitted, its events followed until its tool call waits on an approval,
+//!   approved, read to its end): the time to park, the time from the approve to the answer,
+//!   and the server's CPU a cycle; and the admin listing of the newest 50 requests over
+//!   every request the run stored, at concurrency 1 and 8;
 //! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
@@ -369,6 +369,11 @@ async fn measure(
         "/v1/chat/completions",
         json!({ "model": "tooled", "messages": [{ "role": "user", "content": TOOL_ASK }] }),
     );
+    let tool_stream = harness(
+        "chat SSE, a tool call",
+        "/v1/chat/completions",
+        json!({ "model": "tooled", "stream": true, "messages": [{ "role": "user", "content": TOOL_ASK }] }),
+    );
     let mut direct_tool = direct_asking("direct, two calls", TOOL_ASK);
     let mut answered = direct_tool.body.clone();
     if let Some(messages) = answered["messages"].as_array_mut() {
@@ -433,6 +438,7 @@ async fn measure(
             "chat-sse-apart" => chat_apart.clone(),
             "direct" => direct_short.clone(),
             "tool" => tool.clone(),
+            "tool-sse" => tool_stream.clone(),
             "direct-tool" => direct_tool.clone(),
             "admin-list" | "approval" => admin_list.clone(),
             other => panic!("STABLE_HARNESS_BENCH_ONLY: unknown surface `{other}`"),
@@ -629,19 +635,23 @@ async fn measure(
     row("concurrency 1 direct, two calls", &direct_t);
     let tool_c1 = closed_loop(client, &tool, 1, phase).await;
     row(&format!("concurrency 1 {}", tool.name), &tool_c1);
+    let tool_sse = closed_loop(client, &tool_stream, 1, phase).await;
+    row(&format!("concurrency 1 {}", tool_stream.name), &tool_sse);
     let (tool_c32, cpu) = servers
         .cpu_during(closed_loop(client, &tool, 32, phase))
         .await;
     row(&format!("concurrency 32 {}", tool.name), &tool_c32);
     let tool_cpu = cpu * 1000.0 / tool_c32.count as f64;
     println!(
-        "a tool call (clock.now, allowed by policy, two model calls): {:.3} ms added to the two direct calls' p50 at c=1, {:.3} to their p99; {:.0} req/s at c=32, server CPU {tool_cpu:.3} ms a request",
+        "a tool call (clock.now, allowed by policy, two model calls): {:.3} ms added to the two direct calls' p50 at c=1, {:.3} to their p99, {:.3} to their p50 streamed; {:.0} req/s at c=32, server CPU {tool_cpu:.3} ms a request",
         tool_c1.p50 - direct_t.p50,
         tool_c1.p99 - direct_t.p99,
+        tool_sse.p50 - direct_t.p50,
         tool_c32.rps
     );
     figures.insert("tool.c1.p50".into(), added(tool_c1.p50, direct_t.p50));
     figures.insert("tool.c1.p99".into(), added(tool_c1.p99, direct_t.p99));
+    figures.insert("tool.sse.c1.p50".into(), added(tool_sse.p50, direct_t.p50));
     figures.insert("tool.c32.rps".into(), (tool_c32.rps, f64::NAN));
     figures.insert("tool.cpu".into(), (tool_cpu, f64::NAN));
 
@@ -742,7 +752,7 @@ enum Load {
 /// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
 /// responses, responses-next (each request continuing one stored response), wait, chat-sse,
 /// chat-sse-apart (its chunks 1 ms apart), responses-sse, tool (a tool call between two model
-/// calls), admin-list, approval (approval cycles one after another, whatever the
+/// calls; tool-sse, the same streamed), admin-list, approval (approval cycles one after another, whatever the
 /// concurrency), direct, direct-tool (the tool call's two upstream calls)): run that phase
 /// alone against this build, for a profiler or to compare two builds.
 fn only_phase() -> Option<(String, Load)> {
