@@ -417,15 +417,7 @@ async fn measure(
             "responses-next" => {
                 // A conversation continued: every request follows the same stored response,
                 // so the server reads it, its last event and its session before it submits.
-                let stored: Value = client
-                    .post(&responses.urls[0])
-                    .json(&responses.body)
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
+                let stored = post_json(client, &responses.urls[0], &responses.body).await;
                 harness(
                     "responses JSON, continued",
                     "/v1/responses",
@@ -1061,7 +1053,8 @@ struct Target {
     /// What is posted; `null` for a GET.
     body: Value,
     /// Posted to the same URL once the first answer is read: a client running a tool loop
-    /// itself (the upstream called directly, the tool's result already known).
+    /// itself (the upstream called directly, the tool's result already known). Its first
+    /// token is the first in either answer.
     follow_up: Option<Value>,
 }
 
@@ -1080,32 +1073,33 @@ struct Stats {
 async fn one(client: &reqwest::Client, target: &Target) -> (Duration, Duration) {
     let started = Instant::now();
     let url = &target.urls[target.next.fetch_add(1, Ordering::Relaxed) % target.urls.len()];
-    if let Some(follow_up) = &target.follow_up {
-        let first = client.post(url).json(&target.body).send().await.unwrap();
-        assert!(
-            first.status().is_success(),
-            "{} answered {}",
-            target.name,
-            first.status()
-        );
-        first.bytes().await.unwrap();
-        let mut rest = target.clone();
-        rest.body = follow_up.clone();
-        rest.follow_up = None;
-        Box::pin(one(client, &rest)).await;
-        let whole = started.elapsed();
-        return (whole, whole);
+    let mut first = None;
+    for body in std::iter::once(&target.body).chain(&target.follow_up) {
+        let token = read_answer(client, target.name, url, body, started).await;
+        first = first.or(token);
     }
-    let request = if target.body.is_null() {
+    let whole = started.elapsed();
+    (first.unwrap_or(whole), whole)
+}
+
+/// Sends `body` to `url` (a GET when it is `null`) and reads the answer to its end; the time
+/// since `started` when the first token came, if it did.
+async fn read_answer(
+    client: &reqwest::Client,
+    name: &str,
+    url: &str,
+    body: &Value,
+    started: Instant,
+) -> Option<Duration> {
+    let request = if body.is_null() {
         client.get(url)
     } else {
-        client.post(url).json(&target.body)
+        client.post(url).json(body)
     };
     let mut response = request.send().await.unwrap();
     assert!(
         response.status().is_success(),
-        "{} answered {}",
-        target.name,
+        "{name} answered {}",
         response.status()
     );
     let mut first = None;
@@ -1122,8 +1116,20 @@ async fn one(client: &reqwest::Client, target: &Target) -> (Duration, Duration) 
             }
         }
     }
-    let whole = started.elapsed();
-    (first.unwrap_or(whole), whole)
+    first
+}
+
+/// Posts `body` to `url` and reads the answer as JSON.
+async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> Value {
+    client
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
 }
 
 async fn closed_loop(
@@ -1254,15 +1260,12 @@ async fn approval_cycles(
     let mut times = Vec::new();
     while more() {
         let started = Instant::now();
-        let accepted: Value = client
-            .post(format!("{base}/runtime/requests"))
-            .json(&json!({ "agentId": "guarded", "input": { "text": TOOL_ASK } }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let accepted = post_json(
+            client,
+            &format!("{base}/runtime/requests"),
+            &json!({ "agentId": "guarded", "input": { "text": TOOL_ASK } }),
+        )
+        .await;
         let id = accepted["requestId"].as_str().unwrap();
         let mut events = client
             .get(format!("{base}/runtime/requests/{id}/events"))
@@ -1271,22 +1274,8 @@ async fn approval_cycles(
             .await
             .unwrap();
         let mut seen = String::new();
-        let approval = loop {
-            let chunk = events
-                .chunk()
-                .await
-                .unwrap()
-                .expect("events end before the approval");
-            seen.push_str(&String::from_utf8_lossy(&chunk));
-            let requested = seen
-                .split_once("event: runtime.approval.requested")
-                .and_then(|(_, event)| event.split_once("\n\n"))
-                .and_then(|(event, _)| event.split_once("\"apr_"))
-                .and_then(|(_, id)| id.split_once('"'));
-            if let Some((id, _)) = requested {
-                break format!("apr_{id}");
-            }
-        };
+        read_until(&mut events, &mut seen, |seen| approval_of(seen).is_some()).await;
+        let approval = approval_of(&seen).unwrap_or_default();
         let parked = started.elapsed();
         let approving = Instant::now();
         let decided = client
@@ -1300,17 +1289,39 @@ async fn approval_cycles(
             "approve: {}",
             decided.status()
         );
-        while !seen.contains("event: runtime.request.completed") {
-            let chunk = events
-                .chunk()
-                .await
-                .unwrap()
-                .expect("events end before the request");
-            seen.push_str(&String::from_utf8_lossy(&chunk));
-        }
+        read_until(&mut events, &mut seen, |seen| {
+            seen.contains("event: runtime.request.completed")
+        })
+        .await;
         times.push((parked, approving.elapsed()));
     }
     times
+}
+
+/// The id of the approval a request's event stream `seen` so far asked for, once its
+/// `runtime.approval.requested` event came whole.
+fn approval_of(seen: &str) -> Option<String> {
+    let (_, event) = seen.split_once("event: runtime.approval.requested")?;
+    let (event, _) = event.split_once("\n\n")?;
+    let (_, id) = event.split_once("\"apr_")?;
+    let (id, _) = id.split_once('"')?;
+    Some(format!("apr_{id}"))
+}
+
+/// Reads an event stream into `seen` until `done` says so; panics if it ends first.
+async fn read_until(
+    events: &mut reqwest::Response,
+    seen: &mut String,
+    done: impl Fn(&str) -> bool,
+) {
+    while !done(seen) {
+        let chunk = events
+            .chunk()
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("the events ended: {seen}"));
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
 }
 
 fn stats(latencies: Vec<(Duration, Duration)>, elapsed: Duration) -> Stats {

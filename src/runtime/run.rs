@@ -24,8 +24,8 @@ use super::events::{
     TOOL_CLIENT_COMPLETED, USAGE_RECORDED, output_delta,
 };
 use super::{
-    Inventory, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted, narration,
-    new_id,
+    Inventory, Journal, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted,
+    narration, new_id,
 };
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
@@ -342,16 +342,8 @@ impl RunEvents {
     /// Commits `ops` after the run's earlier writes. A failure stops the run: nothing it
     /// does next may rest on a write that was lost.
     async fn commit(&self, ops: Vec<WriteOp>) -> Result<(), JournalError> {
-        let result = match self.handed_over_error() {
-            Some(error) => Err(error),
-            None => {
-                self.runtime
-                    .inner
-                    .journal
-                    .commit(Some(&self.submitted.request_id), ops)
-                    .await
-            }
-        };
+        let request = Some(self.submitted.request_id.as_str());
+        let result = async { self.journal()?.commit(request, ops).await }.await;
         self.stopped_by(result)
     }
 
@@ -359,23 +351,20 @@ impl RunEvents {
     /// journal commits it with the run's next write that commits (or after its hold), and
     /// refuses that write if this one was lost. A failure to queue it stops the run.
     async fn queue(&self, op: WriteOp) -> Result<(), JournalError> {
-        let result = match self.handed_over_error() {
-            Some(error) => Err(error),
-            None => {
-                self.runtime
-                    .inner
-                    .journal
-                    .write(Some(&self.submitted.request_id), op)
-                    .await
-            }
-        };
+        let request = Some(self.submitted.request_id.as_str());
+        let result = async { self.journal()?.write(request, op).await }.await;
         self.stopped_by(result)
     }
 
-    fn handed_over_error(&self) -> Option<JournalError> {
-        self.is_handed_over().then(|| {
-            JournalError::LeaseLost("the run was handed over to another instance".to_owned())
-        })
+    /// The journal the run writes through, unless the run was handed over to another
+    /// instance.
+    fn journal(&self) -> Result<&Journal, JournalError> {
+        if self.is_handed_over() {
+            return Err(JournalError::LeaseLost(
+                "the run was handed over to another instance".to_owned(),
+            ));
+        }
+        Ok(&self.runtime.inner.journal)
     }
 
     /// A write that failed stops the run, and is what the run ends with.
