@@ -21,8 +21,12 @@
 //!   request; approvals, one cycle after another as an operator's tool drives them (a
 //!   request submitted, its events followed until its tool call waits on an approval,
 //!   approved, read to its end): the time to park, the time from the approve to the answer,
-//!   and the server's CPU a cycle; and the admin listing of the newest 50 requests over
-//!   every request the run stored, at concurrency 1 and 8;
+//!   and the server's CPU a cycle; the admin listing of the newest 50 requests over every
+//!   request the run stored, at concurrency 1 and 8; the tool call with an MCP server's tool
+//!   in place of the builtin one (served by rmcp over streamable HTTP on loopback, in this
+//!   process: `support/mcp.rs`), beside the same server called directly; and an agent that
+//!   recalls the best 5 of 10,000 memory records (imported through the operators' API)
+//!   before each run, at concurrency 1 and 32, against plain chat;
 //! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
@@ -63,6 +67,9 @@ mod upstream;
 #[path = "support/server.rs"]
 mod server;
 
+#[path = "support/mcp.rs"]
+mod mcp;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -88,6 +95,8 @@ const APPROVAL_CYCLES: usize = 200;
 /// The least pause between two chunks of a stream sent as a model generates it (each delta
 /// then commits alone), in ms; the upstream's timer rounds it up to its next tick.
 const APART_MS: u64 = 1;
+/// Records in the memory namespace the recalling agent searches before every run.
+const MEMORIES: usize = 10_000;
 
 fn main() {
     stable_harness::app::install_crypto_provider();
@@ -171,6 +180,7 @@ async fn run() {
     };
     let trust = ca_file.as_ref().map(tempfile::NamedTempFile::path);
     let client = client.build().unwrap();
+    let mcp_url = mcp::start().await;
     upstream.stop_recording();
     // The length of the answer is asked for in the user's message: "chunks N", or
     // "chunks N apart M" for chunks sent M ms apart.
@@ -181,7 +191,12 @@ async fn run() {
             return upstream::Reply::Text(answer_of(7));
         }
         if last.is_some_and(|m| m["content"] == TOOL_ASK) {
-            return upstream::Reply::call("clock_now", "{}");
+            // The tool the agent offers (the builtin or the MCP one); a direct client offers
+            // none and runs `clock_now` itself.
+            let tool = body["tools"][0]["function"]["name"]
+                .as_str()
+                .unwrap_or("clock_now");
+            return upstream::Reply::call(tool, "{}");
         }
         let asked = last
             .and_then(|m| m["content"].as_str())
@@ -212,7 +227,15 @@ async fn run() {
         .map(PathBuf::from);
     let this_build = server::this_build();
     if only_phase().is_some() {
-        compare_one_phase(before.as_deref(), &this_build, &upstream, trust, &client).await;
+        compare_one_phase(
+            before.as_deref(),
+            &this_build,
+            &upstream,
+            &mcp_url,
+            trust,
+            &client,
+        )
+        .await;
         return;
     }
     println!(
@@ -224,13 +247,13 @@ async fn run() {
         println!("== before: {}", binary.display());
         columns.push((
             "before".into(),
-            measure(binary, &upstream, trust, &client).await,
+            measure(binary, &upstream, &mcp_url, trust, &client).await,
         ));
     } else if let Some(recorded) = recorded_before().filter(|_| tls.is_none()) {
         columns.push(("before (recorded)".into(), recorded));
     }
     println!("== after: {}", this_build.display());
-    let after = measure(&this_build, &upstream, trust, &client).await;
+    let after = measure(&this_build, &upstream, &mcp_url, trust, &client).await;
     if std::env::var("STABLE_HARNESS_BENCH_PRINT_TSV").is_ok_and(|v| v == "1") {
         for (key, (value, ratio)) in &after {
             println!("tsv\t{key}\t{value}\t{ratio}");
@@ -291,12 +314,13 @@ type Figures = BTreeMap<String, (f64, f64)>;
 async fn measure(
     binary: &Path,
     upstream: &upstream::MockUpstream,
+    mcp_url: &str,
     trust: Option<&Path>,
     client: &reqwest::Client,
 ) -> Figures {
     let phase = phase_length();
     let dir = tempfile::tempdir().unwrap();
-    write_workspace(dir.path(), &upstream.url);
+    write_workspace(dir.path(), &upstream.url, mcp_url);
     let servers = Servers::start(binary, dir.path(), trust);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle_rss = rss_kib(servers.pid());
@@ -383,6 +407,18 @@ async fn measure(
         );
     }
     direct_tool.follow_up = Some(answered);
+    // The builtin tool's loop with an MCP server's tool in its place.
+    let mcp_tool = harness(
+        "chat JSON, an MCP tool call",
+        "/v1/chat/completions",
+        json!({ "model": "mcp-tooled", "messages": [{ "role": "user", "content": TOOL_ASK }] }),
+    );
+    // An agent that recalls memories before every run.
+    let recall = harness(
+        "chat JSON, memory recalled",
+        "/v1/chat/completions",
+        json!({ "model": "remembering", "messages": [{ "role": "user", "content": memory_ask() }] }),
+    );
     // The operator's listing of the requests stored so far, newest first.
     let admin_list = harness("admin list", "/admin/requests?limit=50", Value::Null);
     // Warm every path (connections, SQLite pages, allocator).
@@ -433,6 +469,16 @@ async fn measure(
             "tool-sse" => tool_stream.clone(),
             "direct-tool" => direct_tool.clone(),
             "admin-list" | "approval" => admin_list.clone(),
+            "mcp" => mcp_tool.clone(),
+            "memory" => {
+                let started = Instant::now();
+                import_memories(client, &servers.bases[0]).await;
+                println!(
+                    "{MEMORIES} memories imported in {:.2} s",
+                    started.elapsed().as_secs_f64()
+                );
+                recall.clone()
+            }
             other => panic!("STABLE_HARNESS_BENCH_ONLY: unknown surface `{other}`"),
         };
         println!("server pid {}", servers.pid());
@@ -681,8 +727,109 @@ async fn measure(
         "admin.list.cpu".into(),
         (cpu * 1000.0 / list_c8.count as f64, f64::NAN),
     );
+
+    // The builtin tool's loop with an MCP tool in its place, and the MCP server called
+    // directly over one session: what the gateway adds to an MCP call is the MCP tool's time
+    // less the builtin tool's, less the server's own round trip. The MCP server runs in this
+    // process: its CPU is not the server's.
+    let mcp_direct = quantile(mcp::direct_calls(mcp_url, phase).await, 0.5);
+    let mcp_c1 = closed_loop(client, &mcp_tool, 1, phase).await;
+    row(&format!("concurrency 1 {}", mcp_tool.name), &mcp_c1);
+    let (mcp_c32, cpu) = servers
+        .cpu_during(closed_loop(client, &mcp_tool, 32, phase))
+        .await;
+    row(&format!("concurrency 32 {}", mcp_tool.name), &mcp_c32);
+    let mcp_cpu = cpu * 1000.0 / mcp_c32.count as f64;
+    println!(
+        "an MCP tool call (streamable HTTP on loopback, one session kept) in place of the builtin tool: {:.3} ms added to its p50 at c=1, of which the MCP server's own round trip, called directly, {mcp_direct:.3} ms; {:.0} req/s at c=32, server CPU {mcp_cpu:.3} ms a request (the builtin tool's {tool_cpu:.3})",
+        mcp_c1.p50 - tool_c1.p50,
+        mcp_c32.rps
+    );
+    figures.insert("mcp.direct.p50".into(), (mcp_direct, f64::NAN));
+    figures.insert("mcp.c1.p50".into(), added(mcp_c1.p50, tool_c1.p50));
+    figures.insert("mcp.c32.rps".into(), (mcp_c32.rps, f64::NAN));
+    figures.insert("mcp.cpu".into(), (mcp_cpu, f64::NAN));
+
+    // Last, as it grows the store: an agent recalling the best 5 of MEMORIES records (the
+    // store's full-text search) before its run, against the plain chat measured above.
+    let imported = Instant::now();
+    import_memories(client, &servers.bases[0]).await;
+    let imported = imported.elapsed();
+    let recall_c1 = closed_loop(client, &recall, 1, phase).await;
+    row(&format!("concurrency 1 {}", recall.name), &recall_c1);
+    let (recall_c32, cpu) = servers
+        .cpu_during(closed_loop(client, &recall, 32, phase))
+        .await;
+    row(&format!("concurrency 32 {}", recall.name), &recall_c32);
+    let recall_cpu = cpu * 1000.0 / recall_c32.count as f64;
+    println!(
+        "memory recalled (the best 5 of {MEMORIES} records, imported in {:.2} s): {:.3} ms added to direct's p50 at c=1 (plain chat {:.3}); {:.0} req/s at c=32 (plain chat {:.0}), server CPU {recall_cpu:.3} ms a request (plain chat {:.3})",
+        imported.as_secs_f64(),
+        recall_c1.p50 - direct_c1.p50,
+        figures["chat.c1.p50"].0,
+        recall_c32.rps,
+        figures["chat.c32.rps"].0,
+        figures["chat.cpu"].0,
+    );
+    figures.insert("memory.c1.p50".into(), added(recall_c1.p50, direct_c1.p50));
+    figures.insert("memory.c32.rps".into(), (recall_c32.rps, f64::NAN));
+    figures.insert("memory.cpu".into(), (recall_cpu, f64::NAN));
     servers.stop();
     figures
+}
+
+/// A word of the memories' made-up vocabulary (consonant-vowel syllables), the same every run.
+fn memory_word(index: usize) -> String {
+    let (consonants, vowels) = (b"bdfgklmnprstvz", b"aeiou");
+    let mut word = String::new();
+    let mut rest = index + 1;
+    while rest > 0 {
+        let syllable = rest % (consonants.len() * vowels.len());
+        word.push(consonants[syllable / vowels.len()] as char);
+        word.push(vowels[syllable % vowels.len()] as char);
+        rest /= consonants.len() * vowels.len();
+    }
+    word.push_str("ko");
+    word
+}
+
+/// The question the recalling agent is asked: two words of the vocabulary, each in about 150
+/// of the records, among common words the search leaves out.
+fn memory_ask() -> String {
+    format!(
+        "What do we know about {} and {}?",
+        memory_word(3),
+        memory_word(17)
+    )
+}
+
+/// Imports MEMORIES active records, six words of a 400-word vocabulary each, into the
+/// recalling agent's namespace through the operators' memory API.
+async fn import_memories(client: &reqwest::Client, base: &str) {
+    let mut lines = String::new();
+    let mut state: u64 = 7;
+    for index in 0..MEMORIES {
+        let words: Vec<String> = (0..6)
+            .map(|_| {
+                // A linear congruential sequence: the same records every run.
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                memory_word((state >> 33) as usize % 400)
+            })
+            .collect();
+        let record = json!({ "namespace": "agent/remembering",
+            "content": format!("Note {index}: {}.", words.join(" ")) });
+        lines.push_str(&record.to_string());
+        lines.push('\n');
+    }
+    let report = post_json(
+        client,
+        &format!("{base}/admin/memory/maintenance"),
+        &json!({ "operation": "import", "data": lines }),
+    )
+    .await;
+    assert_eq!(report["imported"], MEMORIES, "{report}");
 }
 
 /// One phase alone (`STABLE_HARNESS_BENCH_ONLY`), against this build and, when
@@ -694,6 +841,7 @@ async fn compare_one_phase(
     before: Option<&Path>,
     this_build: &Path,
     upstream: &upstream::MockUpstream,
+    mcp_url: &str,
     trust: Option<&Path>,
     client: &reqwest::Client,
 ) {
@@ -709,7 +857,7 @@ async fn compare_one_phase(
     let mut runs: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
     for round in 1..=rounds {
         for &(name, binary) in &builds {
-            let figures = measure(binary, upstream, trust, client).await;
+            let figures = measure(binary, upstream, mcp_url, trust, client).await;
             let cells: Vec<String> = figures
                 .iter()
                 .map(|(key, (value, _))| format!("{key} {value:.3}"))
@@ -744,8 +892,10 @@ enum Load {
 /// `STABLE_HARNESS_BENCH_ONLY=SURFACE:CONCURRENCY` or `SURFACE@RATE` (surfaces: chat,
 /// responses, responses-next (each request continuing one stored response), wait, chat-sse,
 /// chat-sse-apart (its chunks 1 ms apart), responses-sse, tool (a tool call between two model
-/// calls; tool-sse, the same streamed), admin-list, approval (approval cycles one after another, whatever the
-/// concurrency), direct, direct-tool (the tool call's two upstream calls)): run that phase
+/// calls; tool-sse, the same streamed; mcp, an MCP server's tool in its place), memory (an
+/// agent recalling from 10,000 records), admin-list, approval (approval cycles one after
+/// another, whatever the concurrency), direct, direct-tool (the tool call's two upstream
+/// calls)): run that phase
 /// alone against this build, for a profiler or to compare two builds.
 fn only_phase() -> Option<(String, Load)> {
     let value = std::env::var("STABLE_HARNESS_BENCH_ONLY").ok()?;
@@ -1377,7 +1527,7 @@ fn written_bytes(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn write_workspace(root: &Path, upstream: &str) {
+fn write_workspace(root: &Path, upstream: &str, mcp_url: &str) {
     let write = |path: &str, text: String| {
         let path = root.join(path);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -1393,7 +1543,7 @@ fn write_workspace(root: &Path, upstream: &str) {
     write(
         "config/runtime/workspace.yaml",
         format!(
-            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: bench }}\nspec:\n  defaultAgent: assistant\n  limits: {{ maxConcurrentRuns: 512 }}\n  progress: {{ narration: {{ enabled: true }} }}\n  governance:\n    default: allow\n    rules:\n      - {{ name: guarded-asks, match: {{ agents: [guarded] }}, decision: needs_approval }}\n{spend}"
+            "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: {{ name: bench }}\nspec:\n  defaultAgent: assistant\n  limits: {{ maxConcurrentRuns: 512 }}\n  progress: {{ narration: {{ enabled: true }} }}\n  governance:\n    default: allow\n    rules:\n      - {{ name: guarded-asks, match: {{ agents: [guarded] }}, decision: needs_approval }}\n  mcpServers:\n    - {{ name: stamps, url: \"{mcp_url}\" }}\n  memory: {{ enabled: true }}\n{spend}"
         ),
     );
     // Two agents that call the built-in `clock.now`: `tooled` as governance allows it,
@@ -1408,7 +1558,20 @@ fn write_workspace(root: &Path, upstream: &str) {
     }
     write(
         "config/catalogs/tools.yaml",
-        "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: { name: tools }\nspec:\n  tools:\n    - id: clock.now\n      description: The current date and time (UTC).\n      builtin: clock.now\n".into(),
+        format!(
+            "apiVersion: stable-harness/v1\nkind: ToolCatalog\nmetadata: {{ name: tools }}\nspec:\n  tools:\n    - id: clock.now\n      description: The current date and time (UTC).\n      builtin: clock.now\n    - {{ id: stamps.now, description: The current date and time (UTC), mcp: {{ server: stamps, tool: {} }} }}\n",
+            mcp::TOOL
+        ),
+    );
+    // `mcp-tooled` calls the MCP server's tool where `tooled` calls the builtin; `remembering`
+    // recalls from its agent namespace before every run.
+    write(
+        "config/agents/mcp-tooled.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: mcp-tooled }\nspec:\n  backend: openai\n  model: fast\n  instructions: Be brief.\n  tools: [stamps.now]\n  maxIterations: 3\n".into(),
+    );
+    write(
+        "config/agents/remembering.yaml",
+        "apiVersion: stable-harness/v1\nkind: Agent\nmetadata: { name: remembering }\nspec:\n  backend: openai\n  model: fast\n  instructions: Be brief.\n  memory: { namespace: \"agent/{agentId}\" }\n".into(),
     );
     write(
         "config/agents/assistant.yaml",
