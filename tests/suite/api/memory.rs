@@ -594,3 +594,64 @@ impl MemoryService {
         self.of("recall")
     }
 }
+
+/// On PostgreSQL a record's words go into the word index as it is written, imported or
+/// written by the model: no pending list is left for every recall to read whole until a
+/// vacuum merges it (migration `0015`), and recall finds both kinds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_written_words_are_in_the_index_before_the_next_recall() {
+    let url = crate::pg::fresh_database();
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("noted".into()));
+    let app = spawn(
+        memory_workspace(&upstream, false, "", ""),
+        Some(url.clone()),
+    )
+    .await;
+    let data: String = (0..200)
+        .map(|i| {
+            let line = json!({ "namespace": "agent/rememberer",
+                "content": format!("Gateway fact {i}: the zephyr relay restarts nightly") });
+            format!("{line}\n")
+        })
+        .collect();
+    let (status, report) = app
+        .post(
+            "/admin/memory/maintenance",
+            ADMIN_KEY,
+            &json!({ "operation": "import", "data": data }),
+        )
+        .await;
+    assert_eq!(status, 201, "{report}");
+    assert_eq!(report["imported"], 200, "{report}");
+    upstream.push([
+        remember("The quokka relay moved to rack nine"),
+        Reply::Text("noted".into()),
+    ]);
+    turn(
+        &app,
+        CLIENT_KEY,
+        "ada",
+        "remember where the quokka relay is",
+    )
+    .await;
+
+    crate::pg::psql(&url, "CREATE EXTENSION IF NOT EXISTS pgstattuple");
+    let index = crate::pg::psql(
+        &url,
+        "SELECT (SELECT reloptions::text FROM pg_class WHERE relname = 'memories_by_words')
+                || ' ' || pending_tuples FROM pgstatginindex('memories_by_words')",
+    );
+    assert_eq!(index.trim(), "{fastupdate=off} 0");
+
+    turn(
+        &app,
+        CLIENT_KEY,
+        "ada",
+        "when does the zephyr relay restart?",
+    )
+    .await;
+    assert!(memory_block(&upstream).contains("zephyr relay restarts nightly"));
+    turn(&app, CLIENT_KEY, "ada", "where is the quokka relay?").await;
+    assert!(memory_block(&upstream).contains("rack nine"));
+}
