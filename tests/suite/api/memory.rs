@@ -42,6 +42,16 @@ fn memory_workspace(
     workspace
 }
 
+/// Imports JSON Lines `data` through the operators' memory API: the status and the report.
+async fn import(app: &TestApp, data: &str) -> (u16, Value) {
+    app.post(
+        "/admin/memory/maintenance",
+        ADMIN_KEY,
+        &json!({ "operation": "import", "data": data }),
+    )
+    .await
+}
+
 /// Runs one request of `rememberer` for `user` with `key` to its end; its request id.
 async fn turn(app: &TestApp, key: &str, user: &str, text: &str) -> String {
     let body = json!({ "agentId": "rememberer", "input": { "text": text },
@@ -309,13 +319,7 @@ async fn export_then_import_into_a_fresh_store_round_trips(store: Option<String>
         json!({ "namespace": "user/ada", "scope": "key-a", "content": "Ada lives in Lyon", "status": "archived" }),
     ];
     let data: String = lines.iter().map(|l| format!("{l}\n")).collect();
-    let (status, report) = app
-        .post(
-            "/admin/memory/maintenance",
-            ADMIN_KEY,
-            &json!({ "operation": "import", "data": data }),
-        )
-        .await;
+    let (status, report) = import(&app, &data).await;
     assert_eq!(status, 201, "{report}");
     assert_eq!(
         (report["imported"].as_u64(), report["merged"].as_u64()),
@@ -337,13 +341,7 @@ async fn export_then_import_into_a_fresh_store_round_trips(store: Option<String>
 
     // A fresh store (always SQLite here: a new folder) takes the export whole.
     let fresh = TestApp::spawn(memory_workspace(&upstream, true, "", "")).await;
-    let (status, report) = fresh
-        .post(
-            "/admin/memory/maintenance",
-            ADMIN_KEY,
-            &json!({ "operation": "import", "data": export }),
-        )
-        .await;
+    let (status, report) = import(&fresh, &export).await;
     assert_eq!(status, 201, "{report}");
     let listing = async |app: &TestApp| {
         let (_, page) = app.get("/admin/memory", ADMIN_KEY).await;
@@ -367,13 +365,7 @@ async fn export_then_import_into_a_fresh_store_round_trips(store: Option<String>
     };
     assert_eq!(listing(&fresh).await, listing(&app).await);
     // Importing the same file again merges every record.
-    let (_, again) = fresh
-        .post(
-            "/admin/memory/maintenance",
-            ADMIN_KEY,
-            &json!({ "operation": "import", "data": data }),
-        )
-        .await;
+    let (_, again) = import(&fresh, &data).await;
     assert_eq!(again["merged"].as_u64(), Some(3), "{again}");
 
     // Compaction through the API: near-duplicates archived, the newest kept.
@@ -381,12 +373,7 @@ async fn export_then_import_into_a_fresh_store_round_trips(store: Option<String>
         json!({ "namespace": "agent/rememberer", "content": "refunds take five days!!", "createdAt": "2030-01-01T00:00:00Z" }),
     ];
     let near: String = near.iter().map(|l| format!("{l}\n")).collect();
-    app.post(
-        "/admin/memory/maintenance",
-        ADMIN_KEY,
-        &json!({ "operation": "import", "data": near }),
-    )
-    .await;
+    import(&app, &near).await;
     let (status, compacted) = app
         .post(
             "/admin/memory/maintenance",
@@ -471,13 +458,7 @@ async fn bad_memory_input_is_refused_and_nothing_partial_is_imported(store: Opti
         json!({ "namespace": "agent/rememberer", "content": "z".repeat(300) }).to_string(),
     ]
     .join("\n");
-    let (status, error) = app
-        .post(
-            "/admin/memory/maintenance",
-            ADMIN_KEY,
-            &json!({ "operation": "import", "data": data }),
-        )
-        .await;
+    let (status, error) = import(&app, &data).await;
     assert_eq!(status, 422, "{error}");
     assert_eq!(error["error"]["code"], "invalid_import");
     let message = error["error"]["message"].as_str().unwrap();
@@ -615,13 +596,7 @@ async fn on_postgres_written_words_are_in_the_index_before_the_next_recall() {
             format!("{line}\n")
         })
         .collect();
-    let (status, report) = app
-        .post(
-            "/admin/memory/maintenance",
-            ADMIN_KEY,
-            &json!({ "operation": "import", "data": data }),
-        )
-        .await;
+    let (status, report) = import(&app, &data).await;
     assert_eq!(status, 201, "{report}");
     assert_eq!(report["imported"], 200, "{report}");
     upstream.push([
