@@ -471,11 +471,10 @@ async fn measure(
             "admin-list" | "approval" => admin_list.clone(),
             "mcp" => mcp_tool.clone(),
             "memory" => {
-                let started = Instant::now();
-                import_memories(client, &servers.bases[0]).await;
+                let took = import_memories(client, &servers.bases[0]).await;
                 println!(
                     "{MEMORIES} memories imported in {:.2} s",
-                    started.elapsed().as_secs_f64()
+                    took.as_secs_f64()
                 );
                 recall.clone()
             }
@@ -671,15 +670,20 @@ async fn measure(
     // aims' figures stay comparable with earlier runs.
     let direct_t = closed_loop(client, &direct_tool, 1, phase).await;
     row("concurrency 1 direct, two calls", &direct_t);
-    let tool_c1 = closed_loop(client, &tool, 1, phase).await;
-    row(&format!("concurrency 1 {}", tool.name), &tool_c1);
+    // A surface at concurrency 1, then at 32 with the server's CPU a request.
+    let alone_then_32 = async |target: &Target| {
+        let alone = closed_loop(client, target, 1, phase).await;
+        row(&format!("concurrency 1 {}", target.name), &alone);
+        let (loaded, cpu) = servers
+            .cpu_during(closed_loop(client, target, 32, phase))
+            .await;
+        row(&format!("concurrency 32 {}", target.name), &loaded);
+        let cpu = cpu * 1000.0 / loaded.count as f64;
+        (alone, loaded, cpu)
+    };
+    let (tool_c1, tool_c32, tool_cpu) = alone_then_32(&tool).await;
     let tool_sse = closed_loop(client, &tool_stream, 1, phase).await;
     row(&format!("concurrency 1 {}", tool_stream.name), &tool_sse);
-    let (tool_c32, cpu) = servers
-        .cpu_during(closed_loop(client, &tool, 32, phase))
-        .await;
-    row(&format!("concurrency 32 {}", tool.name), &tool_c32);
-    let tool_cpu = cpu * 1000.0 / tool_c32.count as f64;
     println!(
         "a tool call (clock.now, allowed by policy, two model calls): {:.3} ms added to the two direct calls' p50 at c=1, {:.3} to their p99, {:.3} to their p50 streamed; {:.0} req/s at c=32, server CPU {tool_cpu:.3} ms a request",
         tool_c1.p50 - direct_t.p50,
@@ -733,13 +737,7 @@ async fn measure(
     // less the builtin tool's, less the server's own round trip. The MCP server runs in this
     // process: its CPU is not the server's.
     let mcp_direct = quantile(mcp::direct_calls(mcp_url, phase).await, 0.5);
-    let mcp_c1 = closed_loop(client, &mcp_tool, 1, phase).await;
-    row(&format!("concurrency 1 {}", mcp_tool.name), &mcp_c1);
-    let (mcp_c32, cpu) = servers
-        .cpu_during(closed_loop(client, &mcp_tool, 32, phase))
-        .await;
-    row(&format!("concurrency 32 {}", mcp_tool.name), &mcp_c32);
-    let mcp_cpu = cpu * 1000.0 / mcp_c32.count as f64;
+    let (mcp_c1, mcp_c32, mcp_cpu) = alone_then_32(&mcp_tool).await;
     println!(
         "an MCP tool call (streamable HTTP on loopback, one session kept) in place of the builtin tool: {:.3} ms added to its p50 at c=1, of which the MCP server's own round trip, called directly, {mcp_direct:.3} ms; {:.0} req/s at c=32, server CPU {mcp_cpu:.3} ms a request (the builtin tool's {tool_cpu:.3})",
         mcp_c1.p50 - tool_c1.p50,
@@ -752,16 +750,8 @@ async fn measure(
 
     // Last, as it grows the store: an agent recalling the best 5 of MEMORIES records (the
     // store's full-text search) before its run, against the plain chat measured above.
-    let imported = Instant::now();
-    import_memories(client, &servers.bases[0]).await;
-    let imported = imported.elapsed();
-    let recall_c1 = closed_loop(client, &recall, 1, phase).await;
-    row(&format!("concurrency 1 {}", recall.name), &recall_c1);
-    let (recall_c32, cpu) = servers
-        .cpu_during(closed_loop(client, &recall, 32, phase))
-        .await;
-    row(&format!("concurrency 32 {}", recall.name), &recall_c32);
-    let recall_cpu = cpu * 1000.0 / recall_c32.count as f64;
+    let imported = import_memories(client, &servers.bases[0]).await;
+    let (recall_c1, recall_c32, recall_cpu) = alone_then_32(&recall).await;
     println!(
         "memory recalled (the best 5 of {MEMORIES} records, imported in {:.2} s): {:.3} ms added to direct's p50 at c=1 (plain chat {:.3}); {:.0} req/s at c=32 (plain chat {:.0}), server CPU {recall_cpu:.3} ms a request (plain chat {:.3})",
         imported.as_secs_f64(),
@@ -804,8 +794,8 @@ fn memory_ask() -> String {
 }
 
 /// Imports MEMORIES active records, six words of a 400-word vocabulary each, into the
-/// recalling agent's namespace through the operators' memory API.
-async fn import_memories(client: &reqwest::Client, base: &str) {
+/// recalling agent's namespace through the operators' memory API; how long the import took.
+async fn import_memories(client: &reqwest::Client, base: &str) -> Duration {
     let mut lines = String::new();
     let mut state: u64 = 7;
     for index in 0..MEMORIES {
@@ -823,15 +813,18 @@ async fn import_memories(client: &reqwest::Client, base: &str) {
         lines.push_str(&record.to_string());
         lines.push('\n');
     }
+    let started = Instant::now();
     let report = post_json(
         client,
         &format!("{base}/admin/memory/maintenance"),
         &json!({ "operation": "import", "data": lines }),
     )
     .await;
+    let took = started.elapsed();
     // `imported` counts the records merged into those a database measured before holds (the
     // profile-guided build trains twice on one PostgreSQL database).
     assert_eq!(report["imported"], MEMORIES, "{report}");
+    took
 }
 
 /// One phase alone (`STABLE_HARNESS_BENCH_ONLY`), against this build and, when
