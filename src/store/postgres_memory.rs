@@ -147,22 +147,28 @@ impl MemoryStore for PostgresStore {
         } else {
             // The matches come from the GIN index first (a materialized CTE): a prepared
             // statement's generic plan would otherwise walk the namespace's rows by the btree
-            // and test each against the query. A month-old record counts half.
+            // and test each against the query. They are ranked with only what the ranking
+            // reads, and the best `limit` read whole after: a match's content and metadata
+            // are not copied into the CTE for the few kept. A month-old record counts half.
             sqlx::query(
                 "WITH hits AS MATERIALIZED (
-                     SELECT m.id, m.namespace, m.scope, m.owner, m.content, m.metadata, m.status,
-                            m.content_hash, m.near_hash, m.source_request_id, m.source_run_id,
-                            m.decided_by, m.created_at, m.updated_at,
+                     SELECT m.id, m.namespace, m.scope, m.status, m.updated_at,
                             ts_rank(m.words, q) AS relevance
                        FROM memories m, to_tsquery('english', $4) q
-                      WHERE m.words @@ q)
-                 SELECT * FROM hits
-                  WHERE namespace = $1 AND scope = $2 AND status = 'active'
-                  ORDER BY relevance
-                         / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - updated_at), 0)
-                                  / 2592000.0) DESC,
-                           id DESC
-                  LIMIT $3",
+                      WHERE m.words @@ q),
+                 best AS (
+                     SELECT id, relevance
+                                / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - updated_at), 0)
+                                         / 2592000.0) AS weight
+                       FROM hits
+                      WHERE namespace = $1 AND scope = $2 AND status = 'active'
+                      ORDER BY weight DESC, id DESC
+                      LIMIT $3)
+                 SELECT m.id, m.namespace, m.scope, m.owner, m.content, m.metadata, m.status,
+                        m.content_hash, m.near_hash, m.source_request_id, m.source_run_id,
+                        m.decided_by, m.created_at, m.updated_at
+                   FROM best JOIN memories m ON m.id = best.id
+                  ORDER BY best.weight DESC, m.id DESC",
             )
             .bind(text(namespace))
             .bind(text(scope))
