@@ -101,6 +101,7 @@ conformance!(
     a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder,
     claims_take_free_or_expired_runs_once_and_renewals_keep_them,
     memory_merges_duplicates_and_recalls_by_relevance_within_scope,
+    recall_keeps_the_best_in_order_and_reads_them_whole,
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
     a_charge_commits_with_the_next_batch_or_alone,
@@ -1397,6 +1398,70 @@ async fn memory_merges_duplicates_and_recalls_by_relevance_within_scope(store: A
     assert_eq!(merged, 1);
     assert!(store.memory("mem_9").await.unwrap().is_some());
     assert!(store.memory("mem_8").await.unwrap().is_none());
+}
+
+/// Of more matches than asked for, recall keeps the best ones, in their order, and reads each
+/// whole; other scopes and inactive records stay out however fresh they are.
+async fn recall_keeps_the_best_in_order_and_reads_them_whole(store: Arc<dyn Store>) {
+    // Equally relevant records (one word matched, as many words each), so age decides; ids
+    // in another order than age, so an order by id would not pass.
+    let days_old = [
+        (3, 1),
+        (7, 2),
+        (1, 3),
+        (5, 4),
+        (8, 5),
+        (2, 6),
+        (6, 7),
+        (4, 8),
+    ];
+    let mut written = Vec::new();
+    for (number, days) in days_old {
+        let mut record = memory(
+            &format!("rank_{number}"),
+            "agent/ranked",
+            "",
+            &format!("Zephyr relay fact {number}"),
+            Age::days(days),
+        );
+        record.metadata = json!({ "number": number });
+        written.push(record.clone());
+        store.put_memory(&record).await.unwrap();
+    }
+    let mut other_scope = memory(
+        "rank_other",
+        "agent/ranked",
+        "key-b",
+        "Zephyr relay fact 0",
+        Age::zero(),
+    );
+    other_scope.owner = "key-b".into();
+    store.put_memory(&other_scope).await.unwrap();
+    let mut archived = memory(
+        "rank_archived",
+        "agent/ranked",
+        "",
+        "Zephyr relay fact 9",
+        Age::zero(),
+    );
+    archived.status = MemoryStatus::Archived;
+    store.put_memory(&archived).await.unwrap();
+
+    let found = store
+        .recall_memories("agent/ranked", "", &words("zephyr?"), 5)
+        .await
+        .unwrap();
+    let ids: Vec<&str> = found.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(ids, ["rank_3", "rank_7", "rank_1", "rank_5", "rank_8"]);
+    for record in &found {
+        let stored = written.iter().find(|w| w.id == record.id).unwrap();
+        assert_eq!(
+            (&record.content, &record.metadata, &record.owner),
+            (&stored.content, &stored.metadata, &stored.owner)
+        );
+        assert_eq!(record.content_hash, stored.content_hash);
+        assert_eq!(record.status, MemoryStatus::Active);
+    }
 }
 
 async fn memory_decisions_compaction_and_deletion(store: Arc<dyn Store>) {
