@@ -1428,24 +1428,16 @@ async fn recall_keeps_the_best_in_order_and_reads_them_whole(store: Arc<dyn Stor
         written.push(record.clone());
         store.put_memory(&record).await.unwrap();
     }
-    let mut other_scope = memory(
-        "rank_other",
-        "agent/ranked",
-        "key-b",
-        "Zephyr relay fact 0",
-        Age::zero(),
-    );
-    other_scope.owner = "key-b".into();
-    store.put_memory(&other_scope).await.unwrap();
-    let mut archived = memory(
-        "rank_archived",
-        "agent/ranked",
-        "",
-        "Zephyr relay fact 9",
-        Age::zero(),
-    );
-    archived.status = MemoryStatus::Archived;
-    store.put_memory(&archived).await.unwrap();
+    // As relevant and fresher than all of them, but another scope's or archived.
+    for (id, scope, number, status) in [
+        ("rank_other", "key-b", 0, MemoryStatus::Active),
+        ("rank_archived", "", 9, MemoryStatus::Archived),
+    ] {
+        let content = format!("Zephyr relay fact {number}");
+        let mut record = memory(id, "agent/ranked", scope, &content, Age::zero());
+        record.status = status;
+        store.put_memory(&record).await.unwrap();
+    }
 
     let found = store
         .recall_memories("agent/ranked", "", &words("zephyr?"), 5)
