@@ -164,10 +164,7 @@ impl MemoryStore for PostgresStore {
                       WHERE namespace = $1 AND scope = $2 AND status = 'active'
                       ORDER BY weight DESC, id DESC
                       LIMIT $3)
-                 SELECT m.id, m.namespace, m.scope, m.owner, m.content, m.metadata, m.status,
-                        m.content_hash, m.near_hash, m.source_request_id, m.source_run_id,
-                        m.decided_by, m.created_at, m.updated_at
-                   FROM best JOIN memories m ON m.id = best.id
+                 SELECT m.* FROM best JOIN memories m ON m.id = best.id
                   ORDER BY best.weight DESC, m.id DESC",
             )
             .bind(text(namespace))
