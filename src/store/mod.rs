@@ -36,6 +36,7 @@ pub mod retention;
 pub mod spend;
 mod sqlite;
 mod sqlite_memory;
+mod sqlite_readers;
 mod sqlite_spend;
 mod sqlite_wal_vfs;
 mod sqlite_writer;

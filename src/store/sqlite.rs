@@ -1,7 +1,8 @@
 //! The embedded store: one SQLite file in write-ahead-log mode.
 //!
 //! Writes go to a single writer thread ([`super::sqlite_writer`]) that applies each batch in one
-//! transaction; reads use a small sqlx pool and never wait for the writer (WAL readers see the
+//! transaction; reads use a few sqlx connections ([`super::sqlite_readers`]) and never wait for
+//! the writer (WAL readers see the
 //! last committed state). `synchronous = NORMAL` in WAL mode makes a commit durable against a
 //! process crash without an fsync per commit, and checkpoints run in the background.
 //!
@@ -29,6 +30,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
+use super::sqlite_readers::Readers;
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -53,7 +55,7 @@ macro_rules! live_run {
 pub struct SqliteStore {
     path: PathBuf,
     pub(super) writer: Arc<SqliteWriter>,
-    pub(super) reader: SqlitePool,
+    pub(super) reader: Arc<Readers>,
     /// Who this process holds leases as, and for how long.
     leases: Leases,
     /// This process's ownership of the store, held for the store's life.
@@ -131,15 +133,9 @@ impl SqliteStore {
             duration: open.lease,
         };
         let writer = Arc::new(SqliteWriter::open(path, open.max_bytes, leases.clone())?);
-        // A connection to a local file does not go stale: no ping before each use (in sqlx's
-        // SQLite driver a ping is a round trip to the connection's thread, doubling the
-        // cost of every read).
-        let reader = SqlitePoolOptions::new()
-            .max_connections(4)
-            .min_connections(1)
-            .test_before_acquire(false)
-            .connect_with(options.read_only(true))
-            .await?;
+        // Not sqlx's pool: it pings a connection before and after each use, in sqlx's SQLite
+        // driver a round trip to the connection's thread each (`sqlite_readers`).
+        let reader = Arc::new(Readers::new(options));
         tokio::spawn(checkpoint_loop(checkpointer, Arc::clone(&writer)));
         Ok(Self {
             path: path.to_path_buf(),
@@ -161,7 +157,7 @@ impl SqliteStore {
             "SELECT * FROM runs WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id",
         )
         .bind(serde_json::to_string(ids).unwrap_or_default())
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter().map(run_from_row).collect()
     }
@@ -192,10 +188,13 @@ impl SqliteStore {
 
 /// `VACUUM INTO`: one read transaction (a consistent snapshot) written out as a compact new
 /// database; SQLite refuses to overwrite an existing file.
-async fn vacuum_into(pool: &SqlitePool, to: &Path) -> Result<u64, StoreError> {
+async fn vacuum_into(
+    connection: impl sqlx::SqliteExecutor<'_>,
+    to: &Path,
+) -> Result<u64, StoreError> {
     sqlx::query("VACUUM INTO ?")
         .bind(to.to_string_lossy().into_owned())
-        .execute(pool)
+        .execute(connection)
         .await?;
     Ok(std::fs::metadata(to).map_or(0, |m| m.len()))
 }
@@ -846,7 +845,7 @@ impl Store for SqliteStore {
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
         let row = sqlx::query(REQUEST_BY_ID)
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(request_from_row).transpose()
     }
@@ -866,7 +865,7 @@ impl Store for SqliteStore {
             .bind(&filter.owner)
             .bind(stored_time::owned(filter.created_from.as_ref()))
             .bind(stored_time::owned(filter.created_before.as_ref()))
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         let from_row = match input {
             RequestInput::Read => request_from_row,
@@ -879,7 +878,7 @@ impl Store for SqliteStore {
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM runs WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(run_from_row).transpose()
     }
@@ -887,7 +886,7 @@ impl Store for SqliteStore {
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
         let rows = sqlx::query(RUNS_OF_REQUEST)
             .bind(request_id)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter().map(run_from_row).collect()
     }
@@ -903,7 +902,7 @@ impl Store for SqliteStore {
              ORDER BY request_id, attempt"
         ))
         .bind(serde_json::to_string(request_ids).unwrap_or_default())
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter().map(run_without_state).collect()
     }
@@ -912,7 +911,7 @@ impl Store for SqliteStore {
         let wanted: Vec<&str> = statuses.iter().map(|s| s.as_str()).collect();
         let rows = sqlx::query("SELECT * FROM runs WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at")
             .bind(serde_json::to_string(&wanted).unwrap_or_default())
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter().map(run_from_row).collect()
     }
@@ -1030,7 +1029,7 @@ impl Store for SqliteStore {
             live_run!()
         ))
         .bind(serde_json::to_string(runs).unwrap_or_default())
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?)
     }
 
@@ -1045,7 +1044,7 @@ impl Store for SqliteStore {
             .bind(request_id)
             .bind(read.lowest_first_seq())
             .bind(read.rows())
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         read.keep(&rows, events_from_row)
     }
@@ -1061,7 +1060,7 @@ impl Store for SqliteStore {
             .bind(run_id)
             .bind(read.lowest_first_seq())
             .bind(read.rows())
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         read.keep(&rows, events_from_row)
     }
@@ -1069,7 +1068,7 @@ impl Store for SqliteStore {
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
         let row = sqlx::query(LAST_EVENT_ROW)
             .bind(request_id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         Ok(row
             .as_ref()
@@ -1081,7 +1080,7 @@ impl Store for SqliteStore {
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM sessions WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(session_from_row).transpose()
     }
@@ -1090,7 +1089,7 @@ impl Store for SqliteStore {
         let rows =
             sqlx::query("SELECT * FROM messages WHERE session_id = ? ORDER BY created_at, id")
                 .bind(session_id)
-                .fetch_all(&self.reader)
+                .fetch_all(&mut *self.reader.lend().await?)
                 .await?;
         rows.iter().map(message_from_row).collect()
     }
@@ -1098,7 +1097,7 @@ impl Store for SqliteStore {
     async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM messages WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(message_from_row).transpose()
     }
@@ -1106,7 +1105,7 @@ impl Store for SqliteStore {
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         Ok(sqlx::query_scalar(SESSION_HEAD)
             .bind(session_id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?)
     }
 
@@ -1120,7 +1119,7 @@ impl Store for SqliteStore {
              SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
         )
         .bind(leaf)
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter().map(message_from_row).collect()
     }
@@ -1139,7 +1138,7 @@ impl Store for SqliteStore {
             .bind(&filter.owner)
             .bind(&page.cursor)
             .bind(page.limit + 1)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         let items = rows
             .iter()
@@ -1151,7 +1150,7 @@ impl Store for SqliteStore {
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM approvals WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(approval_from_row).transpose()
     }
@@ -1165,7 +1164,7 @@ impl Store for SqliteStore {
             .bind(status.map(ApprovalStatus::as_str))
             .bind(&page.cursor)
             .bind(page.limit + 1)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         let items = rows
             .iter()
@@ -1177,7 +1176,7 @@ impl Store for SqliteStore {
     async fn count_pending_approvals(&self) -> Result<u64, StoreError> {
         let count: i64 =
             sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE status = 'pending'")
-                .fetch_one(&self.reader)
+                .fetch_one(&mut *self.reader.lend().await?)
                 .await?;
         Ok(count.max(0) as u64)
     }
@@ -1185,7 +1184,7 @@ impl Store for SqliteStore {
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
         let rows = sqlx::query(APPROVALS_OF_RUN)
             .bind(run_id)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter().map(approval_from_row).collect()
     }
@@ -1193,7 +1192,7 @@ impl Store for SqliteStore {
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
         let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = ?")
             .bind(run_id)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter().map(tool_call_from_row).collect()
     }
@@ -1214,7 +1213,7 @@ impl Store for SqliteStore {
         )
         .bind(serde_json::to_string(ids).unwrap_or_default())
         .bind(owner)
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter()
             .map(|row| {
@@ -1254,7 +1253,9 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.reader).await?;
+        sqlx::query("SELECT 1")
+            .execute(&mut *self.reader.lend().await?)
+            .await?;
         Ok(())
     }
 
@@ -1274,7 +1275,7 @@ impl Store for SqliteStore {
             .bind(after)
             .bind(limit)
             .bind(None::<String>)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter().map(|row| Ok(row.try_get("id")?)).collect()
     }
@@ -1287,7 +1288,7 @@ impl Store for SqliteStore {
             let sql = count_owned_sql(table, &rows, "json_array_length");
             let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&ids)
-                .fetch_one(&self.reader)
+                .fetch_one(&mut *self.reader.lend().await?)
                 .await?;
             *count = n.max(0) as u64;
         }
@@ -1301,7 +1302,7 @@ impl Store for SqliteStore {
             super::requests_per_session_sql(IN_SESSIONS),
         ))
         .bind(&ids)
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         Ok(super::counts_in_order(sessions, counted))
     }
@@ -1310,7 +1311,8 @@ impl Store for SqliteStore {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         // One read transaction: every table from the same snapshot.
-        let mut tx = self.reader.begin().await?;
+        let mut reader = self.reader.lend().await?;
+        let mut tx = sqlx::Connection::begin(&mut *reader).await?;
         let mut rows: [Vec<SqliteRow>; 7] = Default::default();
         let selects = super::archive_selects(IN_SESSIONS, event_rows!("", ""));
         for (sql, read) in selects.into_iter().zip(&mut rows) {
@@ -1418,7 +1420,7 @@ impl Store for SqliteStore {
     }
 
     async fn backup_to(&self, path: &Path) -> Result<u64, StoreError> {
-        vacuum_into(&self.reader, path).await
+        vacuum_into(&mut *self.reader.lend().await?, path).await
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {
@@ -1428,7 +1430,7 @@ impl Store for SqliteStore {
                     (SELECT COUNT(*) FROM requests) AS requests,
                     (SELECT COUNT(*) FROM sessions) AS sessions",
         )
-        .fetch_one(&self.reader)
+        .fetch_one(&mut *self.reader.lend().await?)
         .await?;
         let number = |name: &str| -> Result<u64, StoreError> {
             Ok(row.try_get::<i64, _>(name)?.max(0) as u64)
@@ -1473,7 +1475,7 @@ impl Store for SqliteStore {
         let rows =
             sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT CAST(? AS INTEGER)")
                 .bind(limit)
-                .fetch_all(&self.reader)
+                .fetch_all(&mut *self.reader.lend().await?)
                 .await?;
         rows.iter()
             .map(|row| {
@@ -1535,7 +1537,7 @@ mod tests {
         let (_dir, store) = SqliteStore::in_temporary_folder().await;
         // One library for every connection: the reader pool's tells the writer's too.
         let options: Vec<String> = sqlx::query_scalar("PRAGMA compile_options")
-            .fetch_all(&store.reader)
+            .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
             .await
             .expect("the options");
         assert!(
@@ -1629,7 +1631,7 @@ mod tests {
             .expect("the second batch");
         let rows: i64 =
             sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE request_id = 'req_a'")
-                .fetch_one(&store.reader)
+                .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
                 .await
                 .expect("a count");
         assert_eq!(rows, 2, "one row per batch");
@@ -1676,7 +1678,7 @@ mod tests {
     async fn usage_rows(store: &SqliteStore, request_id: &str) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM usage_records WHERE request_id = ?1")
             .bind(request_id)
-            .fetch_one(&store.reader)
+            .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
             .await
             .expect("a count")
     }
@@ -1753,7 +1755,7 @@ mod tests {
     /// The plan SQLite chose for `sql`, one line per step.
     async fn plan(store: &SqliteStore, sql: &str) -> String {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
-            .fetch_all(&store.reader)
+            .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
             .await
             .expect("a plan");
         rows.iter()
@@ -1867,7 +1869,7 @@ mod tests {
             "UPDATE runs SET status = ?1, updated_at = ?2 WHERE id = ?3",
         ] {
             let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
-                .fetch_all(&store.reader)
+                .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
                 .await
                 .expect("a program");
             let program: Vec<String> = rows
@@ -2016,17 +2018,17 @@ mod tests {
         assert_eq!(usage_rows(&store, "req_1").await, 3, "each charge once");
         let kept: i64 =
             sqlx::query_scalar("SELECT prompt_tokens FROM usage_records WHERE id = 'use_1'")
-                .fetch_one(&store.reader)
+                .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
                 .await
                 .expect("the first charge");
         assert_eq!(kept, 30, "a charge written already is left as it is");
 
         // What the migration is for: two b-trees fewer in a chat request's commit.
         let indexes = |table: &'static str| {
-            let reader = &store.reader;
+            let readers = &store.reader;
             async move {
                 sqlx::query(sqlx::AssertSqlSafe(format!("PRAGMA index_list({table})")))
-                    .fetch_all(reader)
+                    .fetch_all(&mut *readers.lend().await.expect("a reader"))
                     .await
                     .expect("indexes")
                     .iter()
@@ -2135,7 +2137,7 @@ mod checkpointer_tests {
         // The catch-up is the writer's next job: the count after it sees its restart.
         assert_eq!(store.writer.wal_frames().await, 1, "the WAL started over");
         let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
-            .fetch_one(&store.reader)
+            .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
             .await
             .expect("a count");
         assert_eq!(rows, 1_300);

@@ -149,7 +149,7 @@ impl MemoryStore for SqliteStore {
     async fn memory(&self, id: &str) -> Result<Option<MemoryRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM memories WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&mut *self.reader.lend().await?)
             .await?;
         row.as_ref().map(memory_from_row).transpose()
     }
@@ -167,7 +167,7 @@ impl MemoryStore for SqliteStore {
             .bind(&page.cursor)
             .bind(words)
             .bind(page.limit + 1)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         let items = rows
             .iter()
@@ -191,7 +191,7 @@ impl MemoryStore for SqliteStore {
             .bind(namespace)
             .bind(scope)
             .bind(limit)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
             return rows.iter().map(memory_from_row).collect();
         }
@@ -206,7 +206,7 @@ impl MemoryStore for SqliteStore {
             .bind(limit)
             .bind(&query)
             .bind(candidates)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         let rows = if (rows.len() as i64) < limit {
             sqlx::query(RECALL_EVERY_MATCH)
@@ -214,7 +214,7 @@ impl MemoryStore for SqliteStore {
                 .bind(scope)
                 .bind(limit)
                 .bind(&query)
-                .fetch_all(&self.reader)
+                .fetch_all(&mut *self.reader.lend().await?)
                 .await?
         } else {
             rows

@@ -91,7 +91,7 @@ impl SpendStore for SqliteStore {
         .bind(&key.budget)
         .bind(&key.subject)
         .bind(from_bucket)
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter().map(bucket_from_row).collect()
     }
@@ -107,7 +107,7 @@ impl SpendStore for SqliteStore {
         )
         .bind(budget)
         .bind(from_bucket)
-        .fetch_all(&self.reader)
+        .fetch_all(&mut *self.reader.lend().await?)
         .await?;
         rows.iter()
             .map(|row| {
@@ -133,7 +133,7 @@ impl SpendStore for SqliteStore {
             .bind(stored_time::owned(filter.from.as_ref()))
             .bind(stored_time::owned(filter.to.as_ref()))
             .bind(&filter.request_id)
-            .fetch_all(&self.reader)
+            .fetch_all(&mut *self.reader.lend().await?)
             .await?;
         rows.iter()
             .map(|row| {

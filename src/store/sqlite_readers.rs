@@ -1,0 +1,217 @@
+//! The embedded store's read connections: a few sqlx SQLite connections, each lent to one read
+//! at a time and opened when a read first needs it.
+//!
+//! Why not sqlx's pool: it pings every connection given back to it before another read may
+//! take it, and in sqlx's SQLite driver a ping is a round trip to the connection's own thread:
+//! two more wake-ups after every read, on a machine where a wake-up costs more than most
+//! reads' own work (docs/profiling.md, the sixty-ninth pass). The ping guards against a
+//! connection left half-way through a command by a read dropped mid-await; a SQLite
+//! connection's commands run one after another on its thread, so the next read's command
+//! simply runs after what is left of that one (a dropped transaction queues its rollback
+//! first, as sqlx's own `Transaction` does), and a local file never goes stale.
+//!
+//! Connections stay open once opened (at most [`READERS`], as many as reads ever ran at once):
+//! each holds its thread and its page cache, which SQLite empties at the read after any commit
+//! anyway.
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use sqlx::ConnectOptions;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, Semaphore, SemaphorePermit};
+
+use super::StoreError;
+
+/// Most read connections open at once: reads beyond them wait for one to be given back.
+pub(super) const READERS: usize = 4;
+/// How long a read waits for a connection before the store is reported unavailable (sqlx's
+/// pool's own default).
+const LEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The read connections of one database.
+#[derive(Debug)]
+pub(super) struct Readers {
+    options: SqliteConnectOptions,
+    /// A place for each connection, empty until a read first needs it; a read holds the lock
+    /// of the one it uses. Reads take the first free place, so that one read at a time keeps
+    /// to one connection and one thread.
+    places: [Mutex<Option<SqliteConnection>>; READERS],
+    /// One permit a free place: a read that holds one always finds a place unlocked.
+    free: Semaphore,
+}
+
+impl Readers {
+    /// Read connections with `options` (opened read-only), none opened yet.
+    pub(super) fn new(options: SqliteConnectOptions) -> Self {
+        Self {
+            options: options.read_only(true),
+            places: std::array::from_fn(|_| Mutex::new(None)),
+            free: Semaphore::new(READERS),
+        }
+    }
+
+    /// A connection for one read (several statements, or a transaction, if the read needs
+    /// them), opened if its place is empty. It is free again when the returned guard drops.
+    pub(super) async fn lend(&self) -> Result<Reader<'_>, StoreError> {
+        let permit = tokio::time::timeout(LEND_TIMEOUT, self.free.acquire())
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        // A permit held means a place unlocked: each guard below drops before its permit.
+        let mut place = self
+            .places
+            .iter()
+            .find_map(|place| place.try_lock().ok())
+            .ok_or(sqlx::Error::PoolTimedOut)?;
+        if place.is_none() {
+            *place = Some(self.options.connect().await?);
+        }
+        let connection =
+            MutexGuard::try_map(place, Option::as_mut).map_err(|_| sqlx::Error::PoolClosed)?;
+        Ok(Reader {
+            connection,
+            _permit: permit,
+        })
+    }
+}
+
+/// A connection lent to one read; free again, with no round trip, when this drops.
+#[derive(Debug)]
+pub(super) struct Reader<'a> {
+    // Declared (so dropped) before the permit: a read given the permit finds the place free.
+    connection: MappedMutexGuard<'a, SqliteConnection>,
+    _permit: SemaphorePermit<'a>,
+}
+
+impl Deref for Reader<'_> {
+    type Target = SqliteConnection;
+
+    fn deref(&self) -> &SqliteConnection {
+        &self.connection
+    }
+}
+
+impl DerefMut for Reader<'_> {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        &mut self.connection
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::str::FromStr;
+
+    /// Read connections on a new database holding one small table, and a connection that
+    /// writes to it.
+    async fn readers_of_a_new_database() -> (tempfile::TempDir, Readers, SqliteConnection) {
+        let dir = tempfile::tempdir().expect("a folder");
+        let options = SqliteConnectOptions::from_str("sqlite://")
+            .expect("options")
+            .filename(dir.path().join("state.db"))
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+            .create_if_missing(true);
+        let mut writer = options.connect().await.expect("a connection");
+        sqlx::query(
+            "CREATE TABLE numbers (n INTEGER);
+             WITH RECURSIVE up(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM up WHERE n < 100)
+             INSERT INTO numbers SELECT n FROM up;",
+        )
+        .execute(&mut writer)
+        .await
+        .expect("a table");
+        (dir, Readers::new(options), writer)
+    }
+
+    fn open(readers: &Readers) -> usize {
+        readers
+            .places
+            .iter()
+            .filter(|place| place.try_lock().is_ok_and(|place| place.is_some()))
+            .count()
+    }
+
+    async fn count(readers: &Readers) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM numbers")
+            .fetch_one(&mut *readers.lend().await.expect("a reader"))
+            .await
+            .expect("a count")
+    }
+
+    #[tokio::test]
+    async fn reads_one_after_another_keep_to_one_connection_and_none_opens_before_a_read() {
+        let (_dir, readers, _writer) = readers_of_a_new_database().await;
+        assert_eq!(
+            open(&readers),
+            0,
+            "nothing is opened before a read needs it"
+        );
+        for _ in 0..5 {
+            assert_eq!(count(&readers).await, 100);
+        }
+        assert_eq!(open(&readers), 1);
+    }
+
+    #[tokio::test]
+    async fn reads_beyond_the_connections_wait_for_one_given_back() {
+        let (_dir, readers, _writer) = readers_of_a_new_database().await;
+        let mut lent = Vec::new();
+        for _ in 0..READERS {
+            lent.push(readers.lend().await.expect("a reader"));
+        }
+        assert_eq!(READERS, 4);
+        let waiting = tokio::time::timeout(Duration::from_millis(50), readers.lend()).await;
+        assert!(waiting.is_err(), "a fifth read waits while four are lent");
+        lent.pop();
+        assert_eq!(
+            count(&readers).await,
+            100,
+            "a connection given back serves the next"
+        );
+        drop(lent);
+        assert_eq!(open(&readers), READERS, "never more than four were opened");
+    }
+
+    #[tokio::test]
+    async fn a_read_dropped_half_way_leaves_its_connection_fit_for_the_next() {
+        let (_dir, readers, mut writer) = readers_of_a_new_database().await;
+        {
+            // A transaction dropped before its end (a request whose client went away).
+            let mut reader = readers.lend().await.expect("a reader");
+            let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
+            let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM numbers")
+                .fetch_one(&mut *transaction)
+                .await
+                .expect("a count");
+        }
+        {
+            // A statement whose rows were no longer awaited.
+            let mut reader = readers.lend().await.expect("a reader");
+            let dropped = tokio::time::timeout(
+                Duration::ZERO,
+                sqlx::query_scalar::<_, i64>(
+                    "WITH RECURSIVE up(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM up
+                     WHERE n < 100000) SELECT n FROM up",
+                )
+                .fetch_all(&mut *reader),
+            )
+            .await;
+            assert!(dropped.is_err(), "the read was dropped before it ended");
+        }
+        assert_eq!(open(&readers), 1, "both reads used the one connection");
+        // A commit after them: a read still inside either one's snapshot would not see it.
+        sqlx::query("INSERT INTO numbers VALUES (101)")
+            .execute(&mut writer)
+            .await
+            .expect("a row more");
+        let mut reader = readers.lend().await.expect("a reader");
+        let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
+        let sum: i64 = sqlx::query_scalar("SELECT SUM(n) FROM numbers")
+            .fetch_one(&mut *transaction)
+            .await
+            .expect("a sum");
+        assert_eq!(sum, 5050 + 101, "the next read sees the table as it is now");
+        transaction.commit().await.expect("committed");
+    }
+}
