@@ -2,9 +2,9 @@
 //!
 //! Writes go to a single writer thread ([`super::sqlite_writer`]) that applies each batch in one
 //! transaction; reads use a few sqlx connections ([`super::sqlite_readers`]) and never wait for
-//! the writer (WAL readers see the
-//! last committed state). `synchronous = NORMAL` in WAL mode makes a commit durable against a
-//! process crash without an fsync per commit, and checkpoints run in the background.
+//! the writer (WAL readers see the last committed state). `synchronous = NORMAL` in WAL mode
+//! makes a commit durable against a process crash without an fsync per commit, and
+//! checkpoints run in the background.
 //!
 //! Every `LIMIT` binds its count as `CAST(?n AS INTEGER)`, never as a bare `?n`. SQLite
 //! (3.51) plans a bare `LIMIT ?n` with the value bound, so binding it again marks the
@@ -133,8 +133,8 @@ impl SqliteStore {
             duration: open.lease,
         };
         let writer = Arc::new(SqliteWriter::open(path, open.max_bytes, leases.clone())?);
-        // Not sqlx's pool: it pings a connection before and after each use, in sqlx's SQLite
-        // driver a round trip to the connection's thread each (`sqlite_readers`).
+        // Not sqlx's pool: it pings every connection given back to it, in sqlx's SQLite
+        // driver a round trip to the connection's thread after every read (`sqlite_readers`).
         let reader = Arc::new(Readers::new(options));
         tokio::spawn(checkpoint_loop(checkpointer, Arc::clone(&writer)));
         Ok(Self {
