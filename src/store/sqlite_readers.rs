@@ -139,6 +139,26 @@ mod tests {
             .expect("a count")
     }
 
+    /// How a read's transaction ends.
+    enum Ending {
+        Committed,
+        Dropped,
+    }
+
+    /// The table's sum, read in a transaction of its own on a lent connection.
+    async fn sum_in_a_transaction(readers: &Readers, ending: Ending) -> i64 {
+        let mut reader = readers.lend().await.expect("a reader");
+        let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
+        let sum = sqlx::query_scalar("SELECT SUM(n) FROM numbers")
+            .fetch_one(&mut *transaction)
+            .await
+            .expect("a sum");
+        if let Ending::Committed = ending {
+            transaction.commit().await.expect("committed");
+        }
+        sum
+    }
+
     #[tokio::test]
     async fn reads_one_after_another_keep_to_one_connection_and_none_opens_before_a_read() {
         let (_dir, readers, _writer) = readers_of_a_new_database().await;
@@ -176,15 +196,8 @@ mod tests {
     #[tokio::test]
     async fn a_read_dropped_half_way_leaves_its_connection_fit_for_the_next() {
         let (_dir, readers, mut writer) = readers_of_a_new_database().await;
-        {
-            // A transaction dropped before its end (a request whose client went away).
-            let mut reader = readers.lend().await.expect("a reader");
-            let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
-            let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM numbers")
-                .fetch_one(&mut *transaction)
-                .await
-                .expect("a count");
-        }
+        // A transaction dropped before its end (a request whose client went away).
+        sum_in_a_transaction(&readers, Ending::Dropped).await;
         {
             // A statement whose rows were no longer awaited.
             let mut reader = readers.lend().await.expect("a reader");
@@ -205,13 +218,7 @@ mod tests {
             .execute(&mut writer)
             .await
             .expect("a row more");
-        let mut reader = readers.lend().await.expect("a reader");
-        let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
-        let sum: i64 = sqlx::query_scalar("SELECT SUM(n) FROM numbers")
-            .fetch_one(&mut *transaction)
-            .await
-            .expect("a sum");
+        let sum = sum_in_a_transaction(&readers, Ending::Committed).await;
         assert_eq!(sum, 5050 + 101, "the next read sees the table as it is now");
-        transaction.commit().await.expect("committed");
     }
 }
