@@ -1,6 +1,56 @@
 //! Rebuilds the crate when a store migration changes: `sqlx::migrate!` embeds the files of
-//! `migrations/` at compile time, and cargo does not know it reads them.
+//! `migrations/` at compile time, and cargo does not know it reads them. Lays out a release
+//! binary's functions by `deploy/symbol-order.txt` where the linker is LLD.
+
+use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=migrations");
+    println!("cargo:rerun-if-changed=deploy/symbol-order.txt");
+    if lld_links_a_release() {
+        let order = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/symbol-order.txt");
+        if std::path::Path::new(order).is_file() {
+            // The functions a server runs first and most, laid out together: a started server
+            // maps fewer of the binary's pages (docs/profiling.md, the seventieth pass). Names
+            // the binary does not define (a file older than the code) are skipped quietly.
+            println!("cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={order}");
+            println!("cargo:rustc-link-arg-bins=-Wl,--no-warn-symbol-ordering");
+        }
+    }
+}
+
+/// Whether this is a release build for x86-64 Linux by rustc 1.90 or later without a linker of
+/// its own choosing: rustc then links with its own LLD, which reads an ordering file (GNU ld
+/// refuses the option).
+fn lld_links_a_release() -> bool {
+    for variable in [
+        "RUSTC_LINKER",
+        "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER",
+    ] {
+        println!("cargo:rerun-if-env-changed={variable}");
+    }
+    let env = |name: &str| std::env::var(name).unwrap_or_default();
+    let flags = env("CARGO_ENCODED_RUSTFLAGS");
+    env("PROFILE") == "release"
+        && env("TARGET") == "x86_64-unknown-linux-gnu"
+        && env("RUSTC_LINKER").is_empty()
+        && env("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER").is_empty()
+        && !["linker", "fuse-ld", "link-self-contained"]
+            .iter()
+            .any(|flag| flags.contains(flag))
+        && rustc_minor().is_some_and(|minor| minor >= 90)
+}
+
+/// The minor version of the rustc cargo builds with (`rustc 1.95.0 (...)` -> 95).
+fn rustc_minor() -> Option<u32> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+    let output = Command::new(rustc).arg("--version").output().ok()?;
+    let version = String::from_utf8(output.stdout).ok()?;
+    version
+        .split_whitespace()
+        .nth(1)?
+        .split('.')
+        .nth(1)?
+        .parse()
+        .ok()
 }
