@@ -3,7 +3,7 @@
 # runs, hottest first, then those only the start runs. `build.rs` hands the file to the linker
 # (LLD's --symbol-ordering-file) for release builds, which lays those functions out first and
 # together: the code a started server touches fits in fewer pages, so it maps fewer of the
-# binary's pages (idle RSS 25.5-26.3 -> 17.5-17.6 MiB) and the request path's code sits
+# binary's pages (idle RSS 25.9-26.4 -> 17.9-18.2 MiB) and the request path's code sits
 # together (docs/profiling.md, the seventieth pass).
 #
 #   bash deploy/symbol-order.sh
