@@ -23,18 +23,21 @@ fn main() {
 /// its own choosing: rustc then links with its own LLD, which reads an ordering file (GNU ld
 /// refuses the option).
 fn lld_links_a_release() -> bool {
-    for variable in [
+    // Where a builder names a linker of their own.
+    const LINKER_VARIABLES: [&str; 2] = [
         "RUSTC_LINKER",
         "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER",
-    ] {
+    ];
+    for variable in LINKER_VARIABLES {
         println!("cargo:rerun-if-env-changed={variable}");
     }
     let env = |name: &str| std::env::var(name).unwrap_or_default();
     let flags = env("CARGO_ENCODED_RUSTFLAGS");
     env("PROFILE") == "release"
         && env("TARGET") == "x86_64-unknown-linux-gnu"
-        && env("RUSTC_LINKER").is_empty()
-        && env("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER").is_empty()
+        && LINKER_VARIABLES
+            .iter()
+            .all(|variable| env(variable).is_empty())
         && !["linker", "fuse-ld", "link-self-contained"]
             .iter()
             .any(|flag| flags.contains(flag))
