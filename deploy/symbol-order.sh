@@ -13,8 +13,9 @@
 # warm-up (chat and Responses, JSON and streamed, `wait`) and a tool call between two model
 # calls against it, also under callgrind. About 15 minutes on 2 cores, most of it the build.
 #
-# Regenerate it after changes that rename or add many functions: names the binary no longer
-# has are skipped by the linker, so a stale file costs only the layout of the new code.
+# Regenerate it after changes that rename or add many functions, and after adding or removing
+# a dependency (cargo then gives every function of the crate a new hash): names the binary no
+# longer has are skipped by the linker, so a stale file costs only the layout of that code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,8 @@ command -v valgrind > /dev/null || {
   exit 1
 }
 
+# Code moved onto huge pages is anonymous memory, which callgrind's names would miss.
+export STABLE_HARNESS_HUGE_TEXT=off
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # Two builds: a benchmark's binary is built with its dev-dependencies' features on shared

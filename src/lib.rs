@@ -8,6 +8,7 @@ pub mod cli;
 pub mod error;
 pub mod gateway;
 pub mod governance;
+pub mod hot_text;
 pub mod http;
 pub mod ids;
 pub mod json;

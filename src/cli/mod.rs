@@ -225,7 +225,17 @@ pub fn run(command: Command) -> u8 {
             output::print(&crate::http::openapi::document());
             exit::OK
         }
-        Command::Start(args) => block_on(start::run(args)),
+        Command::Start(args) => match std::env::var("STABLE_HARNESS_HUGE_TEXT").as_deref() {
+            Err(std::env::VarError::NotPresent) | Ok("on") => {
+                hot_code_onto_huge_pages();
+                block_on(start::run(args))
+            }
+            Ok("off") => block_on(start::run(args)),
+            _ => {
+                output::error("STABLE_HARNESS_HUGE_TEXT must be `on` or `off`");
+                exit::USAGE
+            }
+        },
         Command::Run(args) => block_on(run::run(args)),
         Command::Migrate(args) => block_on(migrate(args)),
         Command::Store(StoreCommand::Prune(args)) => block_on(store::prune(args)),
@@ -233,6 +243,16 @@ pub fn run(command: Command) -> u8 {
         Command::Approvals(command) => block_on(operator::approvals(command)),
         Command::Requests(command) => block_on(operator::requests(command)),
         Command::Usage(args) => block_on(operator::usage(args)),
+    }
+}
+
+/// Moves the server's hottest code onto huge pages; called before any thread starts.
+/// `STABLE_HARNESS_HUGE_TEXT=off` skips it, for profilers, which cannot name code in
+/// anonymous memory.
+fn hot_code_onto_huge_pages() {
+    match crate::hot_text::move_onto_huge_pages() {
+        Ok(bytes) => tracing::debug!(bytes, "the hottest code moved onto huge pages"),
+        Err(reason) => tracing::debug!(%reason, "the code stays on small pages"),
     }
 }
 

@@ -397,6 +397,22 @@ fn bad_usage_exits_2() {
     assert_eq!(stable_harness(&["--help"]).status.code(), Some(0));
 }
 
+#[test]
+fn start_refuses_a_huge_text_setting_it_does_not_know() {
+    // An empty folder: a start that got past the setting would stop at the workspace, with
+    // another message.
+    let empty = tempfile::tempdir().expect("a folder");
+    let mut start = std::process::Command::new(crate::helpers::binary());
+    start
+        .args(["start", "-w"])
+        .arg(empty.path())
+        .args(["--port", "0"])
+        .env("STABLE_HARNESS_HUGE_TEXT", "sometimes");
+    let output = crate::helpers::output_within(start, std::time::Duration::from_secs(30));
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr(&output).contains("STABLE_HARNESS_HUGE_TEXT must be `on` or `off`"));
+}
+
 fn yaml_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
