@@ -1,6 +1,7 @@
 //! Rebuilds the crate when a store migration changes: `sqlx::migrate!` embeds the files of
 //! `migrations/` at compile time, and cargo does not know it reads them. Lays out a release
-//! binary's functions by `deploy/symbol-order.txt` where the linker is LLD.
+//! binary's functions by `deploy/symbol-order.txt` where the linker is LLD, its code starting
+//! on a 2 MiB boundary (`src/hot_text.rs` moves the first of it onto huge pages).
 
 use std::process::Command;
 
