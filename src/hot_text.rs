@@ -13,7 +13,8 @@
 //!
 //! It runs before any other thread exists, and only where the build prepared for it: a binary
 //! whose code does not start on a 2 MiB boundary (a debug build, another linker's) is left as
-//! it is, as is a machine that has no huge page to give.
+//! it is, as is a machine that has no huge page to give or whose setting for them is
+//! `never`.
 // Mapping memory and moving it over the code are calls into the C library.
 #![allow(unsafe_code)]
 
@@ -28,6 +29,8 @@ const HOT_CODE: usize = 2 * HUGE_PAGE;
 /// `madvise`'s synchronous collapse into huge pages (Linux 6.1 and later); the `libc` crate
 /// defines it for glibc only, and the value is Linux's on every architecture.
 const MADV_COLLAPSE: c_int = 25;
+/// The machine's transparent huge page setting.
+const THP_SETTING: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 
 /// Why the code stayed where it was.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +39,8 @@ pub enum Unmoved {
     NoCode,
     #[error("the code does not start on a 2 MiB boundary (the build did not align it)")]
     Unaligned,
+    #[error("transparent huge pages are set to `never` on this machine")]
+    Refused,
     #[error("{0}")]
     System(#[from] io::Error),
 }
@@ -43,6 +48,12 @@ pub enum Unmoved {
 /// Moves the first [`HOT_CODE`] bytes of the executable's code onto huge pages and returns how
 /// many bytes moved. Call it before starting any thread.
 pub fn move_onto_huge_pages() -> Result<usize, Unmoved> {
+    // `MADV_COLLAPSE` would collapse whatever the machine's setting: an operator's `never`
+    // is kept here.
+    let setting = std::fs::read_to_string(THP_SETTING).unwrap_or_default();
+    if refuses_huge_pages(&setting) {
+        return Err(Unmoved::Refused);
+    }
     let (start, len) = executable_code().ok_or(Unmoved::NoCode)?;
     let hot = hot_length(start, len)?;
     if hot == 0 {
@@ -52,6 +63,12 @@ pub fn move_onto_huge_pages() -> Result<usize, Unmoved> {
     // whose bytes the copy keeps, and no other thread runs while it moves.
     unsafe { move_code(start as *mut c_void, hot)? };
     Ok(hot)
+}
+
+/// Whether the kernel's transparent huge page setting (its `enabled` file: the choices, the
+/// one in force in brackets) is `never`.
+fn refuses_huge_pages(setting: &str) -> bool {
+    setting.contains("[never]")
 }
 
 /// How much of a code segment at `start`, `len` bytes long, to move: whole huge pages only,
@@ -251,6 +268,15 @@ mod tests {
         }
         // SAFETY: this test's mapping, unmapped once.
         unsafe { libc::munmap(start, len) };
+    }
+
+    #[test]
+    fn a_machine_set_to_never_is_not_given_huge_pages() {
+        assert!(refuses_huge_pages("always madvise [never]\n"));
+        assert!(!refuses_huge_pages("always [madvise] never\n"));
+        assert!(!refuses_huge_pages("[always] madvise never\n"));
+        // A kernel without the setting: `MADV_COLLAPSE` answers for it.
+        assert!(!refuses_huge_pages(""));
     }
 
     #[test]
