@@ -48,16 +48,16 @@ pub enum Unmoved {
 /// Moves the first [`HOT_CODE`] bytes of the executable's code onto huge pages and returns how
 /// many bytes moved. Call it before starting any thread.
 pub fn move_onto_huge_pages() -> Result<usize, Unmoved> {
-    // `MADV_COLLAPSE` would collapse whatever the machine's setting: an operator's `never`
-    // is kept here.
-    let setting = std::fs::read_to_string(THP_SETTING).unwrap_or_default();
-    if refuses_huge_pages(&setting) {
-        return Err(Unmoved::Refused);
-    }
     let (start, len) = executable_code().ok_or(Unmoved::NoCode)?;
     let hot = hot_length(start, len)?;
     if hot == 0 {
         return Ok(0);
+    }
+    // `MADV_COLLAPSE` would collapse whatever the machine's setting: an operator's `never`
+    // is kept here. Read only for a binary aligned for the move.
+    let setting = std::fs::read_to_string(THP_SETTING).unwrap_or_default();
+    if refuses_huge_pages(&setting) {
+        return Err(Unmoved::Refused);
     }
     // SAFETY: `[start, start + hot)` lies inside the executable's code segment (found above),
     // whose bytes the copy keeps, and no other thread runs while it moves.
@@ -188,19 +188,20 @@ fn check(result: c_int) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    /// The addresses a line of `/proc/self/maps` or `smaps` maps (`from-to ...`), if it is a
+    /// mapping's first line.
+    fn mapped_range(line: &str) -> Option<std::ops::Range<usize>> {
+        let (from, to) = line.split_whitespace().next()?.split_once('-')?;
+        Some(usize::from_str_radix(from, 16).ok()?..usize::from_str_radix(to, 16).ok()?)
+    }
+
     /// The huge pages backing the mapping that contains `address`, in KiB (`smaps`).
     fn huge_kib_at(address: usize) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
         let mut inside = false;
         for line in smaps.lines() {
-            let first = line.split_whitespace().next().unwrap_or_default();
-            if let Some((from, to)) = first.split_once('-')
-                && let (Ok(from), Ok(to)) = (
-                    usize::from_str_radix(from, 16),
-                    usize::from_str_radix(to, 16),
-                )
-            {
-                inside = (from..to).contains(&address);
+            if let Some(range) = mapped_range(line) {
+                inside = range.contains(&address);
             } else if inside && let Some(rest) = line.strip_prefix("AnonHugePages:") {
                 return rest.trim().trim_end_matches(" kB").parse().expect("a size");
             }
@@ -212,16 +213,10 @@ mod tests {
     fn permissions_at(address: usize) -> String {
         let maps = std::fs::read_to_string("/proc/self/maps").expect("maps");
         maps.lines()
-            .find_map(|line| {
-                let mut fields = line.split_whitespace();
-                let (from, to) = fields.next()?.split_once('-')?;
-                let range =
-                    usize::from_str_radix(from, 16).ok()?..usize::from_str_radix(to, 16).ok()?;
-                range
-                    .contains(&address)
-                    .then(|| fields.next().map(str::to_owned))?
-            })
+            .find(|line| mapped_range(line).is_some_and(|range| range.contains(&address)))
+            .and_then(|line| line.split_whitespace().nth(1))
             .expect("a mapping")
+            .to_owned()
     }
 
     #[test]

@@ -225,14 +225,10 @@ pub fn run(command: Command) -> u8 {
             output::print(&crate::http::openapi::document());
             exit::OK
         }
-        Command::Start(args) => match std::env::var("STABLE_HARNESS_HUGE_TEXT").as_deref() {
-            Err(std::env::VarError::NotPresent) | Ok("on") => {
-                hot_code_onto_huge_pages();
-                block_on(start::run(args))
-            }
-            Ok("off") => block_on(start::run(args)),
-            _ => {
-                output::error("STABLE_HARNESS_HUGE_TEXT must be `on` or `off`");
+        Command::Start(args) => match hot_code_onto_huge_pages() {
+            Ok(()) => block_on(start::run(args)),
+            Err(usage) => {
+                output::error(usage);
                 exit::USAGE
             }
         },
@@ -248,12 +244,18 @@ pub fn run(command: Command) -> u8 {
 
 /// Moves the server's hottest code onto huge pages; called before any thread starts.
 /// `STABLE_HARNESS_HUGE_TEXT=off` skips it, for profilers, which cannot name code in
-/// anonymous memory.
-fn hot_code_onto_huge_pages() {
+/// anonymous memory; a value other than `on` or `off` is a usage error.
+fn hot_code_onto_huge_pages() -> Result<(), &'static str> {
+    match std::env::var("STABLE_HARNESS_HUGE_TEXT").as_deref() {
+        Err(std::env::VarError::NotPresent) | Ok("on") => {}
+        Ok("off") => return Ok(()),
+        _ => return Err("STABLE_HARNESS_HUGE_TEXT must be `on` or `off`"),
+    }
     match crate::hot_text::move_onto_huge_pages() {
         Ok(bytes) => tracing::debug!(bytes, "the hottest code moved onto huge pages"),
         Err(reason) => tracing::debug!(%reason, "the code stays on small pages"),
     }
+    Ok(())
 }
 
 /// Runs an async subcommand on a multi-threaded runtime.
