@@ -894,6 +894,9 @@ impl ToolGateway {
         asked: Ask,
     ) -> Result<(), ToolResult> {
         let governance = &self.workspace.runtime.governance;
+        // Parked first: whoever sees the pending approval sees the run and its request
+        // `waiting_approval` too (the status commits before the approval does).
+        scope.enter_wait().await;
         let approval = match scope
             .approvals
             .get(&(call.key.clone(), asked.kind, asked.execution))
@@ -928,6 +931,7 @@ impl ToolGateway {
                     .commit(vec![WriteOp::InsertApproval(approval.clone())])
                     .await
                 {
+                    scope.leave_wait().await;
                     return Err(ToolResult::error(
                         Outcome::Cancelled,
                         "store_unavailable",
@@ -942,7 +946,6 @@ impl ToolGateway {
                 approval
             }
         };
-        scope.enter_wait().await;
         let decided = approvals::wait_for_decision(
             self.store.as_ref(),
             scope.host,
