@@ -106,6 +106,9 @@ pub enum StoreError {
     Unsupported(String),
     #[error("store writer: {0}")]
     Writer(String),
+    /// A read of the embedded store's own connections failed (not one through sqlx).
+    #[error("store reader: {0}")]
+    Reader(String),
     /// The database cannot write for now (busy, I/O error, full disk): worth retrying.
     #[error("the store cannot write for now: {0}")]
     Unavailable(String),

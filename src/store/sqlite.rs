@@ -30,7 +30,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_readers::Readers;
+use super::sqlite_readers::{Readers, reader_error};
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -441,9 +441,10 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
     RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
 }
 
-/// A row of either SQLite driver: the reader pool's (sqlx) or the writer's connection
-/// (rusqlite, [`SqliteWriter::read`]): the records both read are mapped once.
-trait Columns {
+/// A row of either SQLite driver: the reader pool's (sqlx), the stepping readers' or the
+/// writer's connection (rusqlite, [`Readers::step`] and [`SqliteWriter::read`]): the
+/// records they read are mapped once.
+pub(super) trait Columns {
     fn text(&self, name: &str) -> Result<String, StoreError>;
     fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError>;
     fn int(&self, name: &str) -> Result<i64, StoreError>;
@@ -472,6 +473,21 @@ impl Columns for SqliteRow {
 
     fn int(&self, name: &str) -> Result<i64, StoreError> {
         Ok(self.try_get(name)?)
+    }
+}
+
+/// A row of a stepping reader's statement, its columns found by name.
+impl Columns for rusqlite::Row<'_> {
+    fn text(&self, name: &str) -> Result<String, StoreError> {
+        self.get(name).map_err(reader_error)
+    }
+
+    fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
+        self.get(name).map_err(reader_error)
+    }
+
+    fn int(&self, name: &str) -> Result<i64, StoreError> {
+        self.get(name).map_err(reader_error)
     }
 }
 

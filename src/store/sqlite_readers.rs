@@ -13,8 +13,15 @@
 //! Connections stay open once opened (at most [`READERS`], as many as reads ever ran at once):
 //! each holds its thread and its page cache, which SQLite empties at the read after any commit
 //! anyway.
+//!
+//! Beside them, a few rusqlite connections ([`Readers::step`]) for reads that decide row by
+//! row what to read next (a memory recall reads a candidate's record only while it can still
+//! rank among the best): each such read runs whole on one of the runtime's blocking threads,
+//! one hop there and one back, where through sqlx every statement is a round trip.
 
 use std::ops::{Deref, DerefMut};
+use std::path::PathBuf;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use sqlx::ConnectOptions;
@@ -22,6 +29,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, Semaphore, SemaphorePermit};
 
 use super::StoreError;
+use super::sqlite_writer::may_pass;
 
 /// Most read connections open at once: reads beyond them wait for one to be given back.
 pub(super) const READERS: usize = 4;
@@ -39,16 +47,88 @@ pub(super) struct Readers {
     places: [Mutex<Option<SqliteConnection>>; READERS],
     /// One permit a free place: a read that holds one always finds a place unlocked.
     free: Semaphore,
+    /// The rusqlite connections of [`Readers::step`].
+    stepping: Arc<Stepping>,
 }
+
+/// The rusqlite read connections: those not lent, and one permit a connection that may be
+/// lent (at most [`READERS`] open).
+#[derive(Debug)]
+struct Stepping {
+    path: PathBuf,
+    idle: std::sync::Mutex<Vec<rusqlite::Connection>>,
+    free: Arc<Semaphore>,
+}
+
+impl Stepping {
+    fn open(&self) -> Result<rusqlite::Connection, rusqlite::Error> {
+        use rusqlite::OpenFlags;
+        let connection = rusqlite::Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        connection.busy_timeout(BUSY_TIMEOUT)?;
+        Ok(connection)
+    }
+}
+
+/// A read's failure, classified as [`super::sqlite_writer::writer_error`] classifies a write's.
+pub(super) fn reader_error(error: rusqlite::Error) -> StoreError {
+    if may_pass(&error) {
+        StoreError::Unavailable(error.to_string())
+    } else {
+        StoreError::Reader(error.to_string())
+    }
+}
+
+/// How long a read waits for a lock an outside tool holds (sqlx's readers' setting too).
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Readers {
     /// Read connections with `options` (opened read-only), none opened yet.
     pub(super) fn new(options: SqliteConnectOptions) -> Self {
+        let stepping = Arc::new(Stepping {
+            path: options.get_filename().to_path_buf(),
+            idle: std::sync::Mutex::new(Vec::with_capacity(READERS)),
+            free: Arc::new(Semaphore::new(READERS)),
+        });
         Self {
             options: options.read_only(true),
             places: std::array::from_fn(|_| Mutex::new(None)),
             free: Semaphore::new(READERS),
+            stepping,
         }
+    }
+
+    /// Runs `read` on a rusqlite connection (opened read-only on first need) on one of the
+    /// runtime's blocking threads, and returns what it returns. The connection is free again
+    /// when `read` ends, even if the caller stopped waiting.
+    pub(super) async fn step<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&rusqlite::Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let permit = tokio::time::timeout(
+            LEND_TIMEOUT,
+            Arc::clone(&self.stepping.free).acquire_owned(),
+        )
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)?
+        .map_err(|_| sqlx::Error::PoolClosed)?;
+        let stepping = Arc::clone(&self.stepping);
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let idle = || stepping.idle.lock().unwrap_or_else(PoisonError::into_inner);
+            let kept = idle().pop();
+            let connection = match kept {
+                Some(connection) => connection,
+                None => stepping.open().map_err(reader_error)?,
+            };
+            let result = read(&connection);
+            idle().push(connection);
+            result
+        })
+        .await
+        .map_err(|stopped| StoreError::Reader(format!("a read stopped: {stopped}")))?
     }
 
     /// A connection for one read (several statements, or a transaction, if the read needs
