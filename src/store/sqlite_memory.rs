@@ -1,5 +1,6 @@
 //! Memory records on the embedded store: a table kept in step with an FTS5 index (Porter
-//! stemming) by triggers; writes go through the single writer, reads through the pool.
+//! stemming) by triggers; writes go through the single writer, reads through the stepping
+//! readers (`Readers::step`), where a recall decides row by row what to read.
 
 use chrono::{DateTime, Utc};
 use rusqlite::OptionalExtension;
@@ -264,7 +265,7 @@ impl MemoryStore for SqliteStore {
         let items = self
             .reader
             .step(move |connection| {
-                let mut statement = connection.prepare(&sql).map_err(reader_error)?;
+                let mut statement = connection.prepare_cached(&sql).map_err(reader_error)?;
                 memories_of(
                     &mut statement,
                     rusqlite::params![
@@ -288,10 +289,11 @@ impl MemoryStore for SqliteStore {
         words: &[String],
         limit: i64,
     ) -> Result<Vec<MemoryRecord>, StoreError> {
-        let (namespace, scope) = (namespace.to_owned(), scope.to_owned());
-        let Ok(limit) = usize::try_from(limit) else {
+        // A negative limit asks for nothing (SQLite would read it as no limit at all).
+        let Ok(count) = usize::try_from(limit) else {
             return Ok(Vec::new());
         };
+        let (namespace, scope) = (namespace.to_owned(), scope.to_owned());
         if words.is_empty() {
             return self
                 .reader
@@ -303,16 +305,13 @@ impl MemoryStore for SqliteStore {
                              ORDER BY updated_at DESC LIMIT CAST(?3 AS INTEGER)",
                         )
                         .map_err(reader_error)?;
-                    memories_of(
-                        &mut statement,
-                        rusqlite::params![namespace, scope, i64::try_from(limit).unwrap_or(0)],
-                    )
+                    memories_of(&mut statement, rusqlite::params![namespace, scope, limit])
                 })
                 .await;
         }
         let query = any_of(words);
         self.reader
-            .step(move |connection| recall_ranked(connection, &namespace, &scope, &query, limit))
+            .step(move |connection| recall_ranked(connection, &namespace, &scope, &query, count))
             .await
     }
 

@@ -239,6 +239,51 @@ mod tests {
         sum
     }
 
+    /// The table's count and sum, read by a stepping read.
+    async fn stepped_count_and_sum(readers: &Readers) -> (i64, i64) {
+        readers
+            .step(|connection| {
+                connection
+                    .query_row("SELECT COUNT(*), SUM(n) FROM numbers", [], |row| {
+                        Ok((row.get(0)?, row.get(1)?))
+                    })
+                    .map_err(reader_error)
+            })
+            .await
+            .expect("a stepping read")
+    }
+
+    #[tokio::test]
+    async fn stepping_reads_keep_one_connection_see_each_commit_and_never_write() {
+        let (_dir, readers, mut writer) = readers_of_a_new_database().await;
+        let idle = || readers.stepping.idle.lock().expect("the idle list").len();
+        assert_eq!(idle(), 0, "nothing is opened before a read needs it");
+        assert_eq!(stepped_count_and_sum(&readers).await, (100, 5050));
+        sqlx::query("INSERT INTO numbers VALUES (101)")
+            .execute(&mut writer)
+            .await
+            .expect("a row more");
+        assert_eq!(
+            stepped_count_and_sum(&readers).await,
+            (101, 5151),
+            "the next read sees the commit made since the last"
+        );
+        assert_eq!(idle(), 1, "both reads used the one connection");
+        let refused = readers
+            .step(|connection| {
+                connection
+                    .execute("DELETE FROM numbers", [])
+                    .map_err(reader_error)
+            })
+            .await;
+        assert!(
+            matches!(&refused, Err(StoreError::Reader(message)) if message.contains("readonly")),
+            "{refused:?}"
+        );
+        assert_eq!(stepped_count_and_sum(&readers).await, (101, 5151));
+        assert_eq!(idle(), 1, "a failed read gives its connection back");
+    }
+
     #[tokio::test]
     async fn reads_one_after_another_keep_to_one_connection_and_none_opens_before_a_read() {
         let (_dir, readers, _writer) = readers_of_a_new_database().await;
