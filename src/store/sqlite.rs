@@ -661,14 +661,14 @@ fn run_without_state<R: Columns>(row: &R) -> Result<RunRecord, StoreError> {
     })
 }
 
-fn session_from_row(row: &SqliteRow) -> Result<SessionRecord, StoreError> {
+fn session_from_row<R: Columns>(row: &R) -> Result<SessionRecord, StoreError> {
     Ok(SessionRecord {
-        id: row.try_get("id")?,
-        agent_id: row.try_get("agent_id")?,
-        owner: row.try_get("owner")?,
-        metadata: parse_json(row.try_get("metadata")?)?.unwrap_or(Value::Null),
-        created_at: stored_time::parse(&row.try_get::<String, _>("created_at")?)?,
-        updated_at: stored_time::parse(&row.try_get::<String, _>("updated_at")?)?,
+        id: row.text("id")?,
+        agent_id: row.text("agent_id")?,
+        owner: row.text("owner")?,
+        metadata: row.json("metadata")?.unwrap_or(Value::Null),
+        created_at: row.time("created_at")?,
+        updated_at: row.time("updated_at")?,
     })
 }
 
@@ -685,19 +685,19 @@ fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
 }
 
 /// The events one row of `events` holds: its first, then those in `more`, numbered on.
-fn events_from_row(row: &SqliteRow) -> Result<Vec<EventRecord>, StoreError> {
+fn events_from_row<R: Columns>(row: &R) -> Result<Vec<EventRecord>, StoreError> {
     let first = EventRecord {
-        id: row.try_get("id")?,
-        request_id: row.try_get("request_id")?,
-        run_id: row.try_get("run_id")?,
-        session_id: row.try_get("session_id")?,
-        agent_id: row.try_get("agent_id")?,
-        seq: row.try_get("seq")?,
-        event_type: row.try_get("type")?,
-        at: stored_time::parse(&row.try_get::<String, _>("at")?)?,
-        data: parse_json(row.try_get("data")?)?.unwrap_or(Value::Null),
+        id: row.text("id")?,
+        request_id: row.text("request_id")?.into(),
+        run_id: row.text("run_id")?.into(),
+        session_id: row.text("session_id")?.into(),
+        agent_id: row.text("agent_id")?.into(),
+        seq: row.int("seq")?,
+        event_type: row.text("type")?,
+        at: row.time("at")?,
+        data: row.json("data")?.unwrap_or(Value::Null),
     };
-    let Some(more) = row.try_get::<Option<String>, _>("more")? else {
+    let Some(more) = row.opt_text("more")? else {
         return Ok(vec![first]);
     };
     let later: Vec<StoredLaterEvent> = serde_json::from_str(&more)
@@ -859,11 +859,9 @@ impl Store for SqliteStore {
     }
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
-        let row = sqlx::query(REQUEST_BY_ID)
-            .bind(id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?;
-        row.as_ref().map(request_from_row).transpose()
+        self.reader
+            .one(REQUEST_BY_ID, id, |row| request_from_row(row))
+            .await
     }
 
     async fn requests(
@@ -1082,23 +1080,19 @@ impl Store for SqliteStore {
     }
 
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
-        let row = sqlx::query(LAST_EVENT_ROW)
-            .bind(request_id)
-            .fetch_optional(&mut *self.reader.lend().await?)
+        let events = self
+            .reader
+            .one(LAST_EVENT_ROW, request_id, |row| events_from_row(row))
             .await?;
-        Ok(row
-            .as_ref()
-            .map(events_from_row)
-            .transpose()?
-            .and_then(|mut events| events.pop()))
+        Ok(events.and_then(|mut events| events.pop()))
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM sessions WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?;
-        row.as_ref().map(session_from_row).transpose()
+        self.reader
+            .one("SELECT * FROM sessions WHERE id = ?1", id, |row| {
+                session_from_row(row)
+            })
+            .await
     }
 
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {

@@ -156,6 +156,25 @@ impl Readers {
     }
 }
 
+impl Readers {
+    /// The row `sql` finds for its one parameter `key` (a lookup by key), as `map` reads it,
+    /// on a stepping reader.
+    pub(super) async fn one<T: Send + 'static>(
+        &self,
+        sql: &'static str,
+        key: &str,
+        map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+    ) -> Result<Option<T>, StoreError> {
+        let key = key.to_owned();
+        self.step(move |connection| {
+            let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+            let mut rows = statement.query([key]).map_err(reader_error)?;
+            rows.next().map_err(reader_error)?.map(map).transpose()
+        })
+        .await
+    }
+}
+
 /// A connection lent to one read; free again, with no round trip, when this drops.
 #[derive(Debug)]
 pub(super) struct Reader<'a> {
