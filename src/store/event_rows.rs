@@ -117,10 +117,19 @@ impl EventRows {
         rows: &[R],
         unpack_row: impl Fn(&R) -> Result<Vec<EventRecord>, StoreError>,
     ) -> Result<Vec<EventRecord>, StoreError> {
+        self.keep_unpacked(rows.iter().map(unpack_row))
+    }
+
+    /// [`EventRows::keep`] of rows unpacked as they are read: none is unpacked past the
+    /// `limit`-th event.
+    pub fn keep_unpacked(
+        &self,
+        rows: impl IntoIterator<Item = Result<Vec<EventRecord>, StoreError>>,
+    ) -> Result<Vec<EventRecord>, StoreError> {
         let most = usize::try_from(self.limit).unwrap_or(usize::MAX);
         let mut events = Vec::new();
         for row in rows {
-            for event in unpack_row(row)? {
+            for event in row? {
                 if events.len() == most {
                     return Ok(events);
                 }

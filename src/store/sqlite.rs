@@ -30,7 +30,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_readers::{Readers, reader_error};
+use super::sqlite_readers::{Readers, reader_error, rows_of};
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -148,18 +148,36 @@ impl SqliteStore {
 }
 
 impl SqliteStore {
+    /// The events `sql` (`EVENTS_OF_REQUEST` or `EVENTS_OF_RUN`) finds for `owner` after
+    /// `read`'s cursor, at most its limit, each row unpacked as it is read.
+    async fn events_after(
+        &self,
+        sql: &'static str,
+        owner: &str,
+        read: EventRows,
+    ) -> Result<Vec<EventRecord>, StoreError> {
+        let owner = owner.to_owned();
+        self.reader
+            .step(move |connection| {
+                let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+                let params = (owner, read.lowest_first_seq(), read.rows());
+                read.keep_unpacked(rows_of(&mut statement, params, |row| events_from_row(row)))
+            })
+            .await
+    }
+
     /// The runs with these ids, oldest first.
     async fn runs_by_id(&self, ids: &[String]) -> Result<Vec<RunRecord>, StoreError> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "SELECT * FROM runs WHERE id IN (SELECT value FROM json_each(?)) ORDER BY id",
-        )
-        .bind(serde_json::to_string(ids).unwrap_or_default())
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter().map(run_from_row).collect()
+        self.reader
+            .all(
+                "SELECT * FROM runs WHERE id IN (SELECT value FROM json_each(?1)) ORDER BY id",
+                (serde_json::to_string(ids).unwrap_or_default(),),
+                |row| run_from_row(row),
+            )
+            .await
     }
 
     /// Copies a consistent snapshot of the database at `database` to the new file `to`,
@@ -672,15 +690,15 @@ fn session_from_row<R: Columns>(row: &R) -> Result<SessionRecord, StoreError> {
     })
 }
 
-fn message_from_row(row: &SqliteRow) -> Result<MessageRecord, StoreError> {
+fn message_from_row<R: Columns>(row: &R) -> Result<MessageRecord, StoreError> {
     Ok(MessageRecord {
-        id: row.try_get("id")?,
-        session_id: row.try_get("session_id")?,
-        parent_id: row.try_get("parent_id")?,
-        request_id: row.try_get("request_id")?,
-        role: row.try_get("role")?,
-        content: parse_json(row.try_get("content")?)?.unwrap_or(Value::Null),
-        created_at: stored_time::parse(&row.try_get::<String, _>("created_at")?)?,
+        id: row.text("id")?,
+        session_id: row.text("session_id")?,
+        parent_id: row.opt_text("parent_id")?,
+        request_id: row.opt_text("request_id")?,
+        role: row.text("role")?,
+        content: row.json("content")?.unwrap_or(Value::Null),
+        created_at: row.time("created_at")?,
     })
 }
 
@@ -860,7 +878,7 @@ impl Store for SqliteStore {
 
     async fn request(&self, id: &str) -> Result<Option<RequestRecord>, StoreError> {
         self.reader
-            .one(REQUEST_BY_ID, id, |row| request_from_row(row))
+            .one(REQUEST_BY_ID, (id.to_owned(),), |row| request_from_row(row))
             .await
     }
 
@@ -890,44 +908,51 @@ impl Store for SqliteStore {
     }
 
     async fn run(&self, id: &str) -> Result<Option<RunRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM runs WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?;
-        row.as_ref().map(run_from_row).transpose()
+        self.reader
+            .one(
+                "SELECT * FROM runs WHERE id = ?1",
+                (id.to_owned(),),
+                |row| run_from_row(row),
+            )
+            .await
     }
 
     async fn runs_of(&self, request_id: &str) -> Result<Vec<RunRecord>, StoreError> {
-        let rows = sqlx::query(RUNS_OF_REQUEST)
-            .bind(request_id)
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter().map(run_from_row).collect()
+        self.reader
+            .all(RUNS_OF_REQUEST, (request_id.to_owned(),), |row| {
+                run_from_row(row)
+            })
+            .await
     }
 
     async fn runs_of_requests(&self, request_ids: &[String]) -> Result<Vec<RunRecord>, StoreError> {
         if request_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            run_columns_but_state!(),
-            " FROM runs WHERE request_id IN (SELECT value FROM json_each(?))
-             ORDER BY request_id, attempt"
-        ))
-        .bind(serde_json::to_string(request_ids).unwrap_or_default())
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter().map(run_without_state).collect()
+        self.reader
+            .all(
+                concat!(
+                    "SELECT ",
+                    run_columns_but_state!(),
+                    " FROM runs WHERE request_id IN (SELECT value FROM json_each(?1))
+                     ORDER BY request_id, attempt"
+                ),
+                (serde_json::to_string(request_ids).unwrap_or_default(),),
+                |row| run_without_state(row),
+            )
+            .await
     }
 
     async fn runs_with_status(&self, statuses: &[RunStatus]) -> Result<Vec<RunRecord>, StoreError> {
         let wanted: Vec<&str> = statuses.iter().map(|s| s.as_str()).collect();
-        let rows = sqlx::query("SELECT * FROM runs WHERE status IN (SELECT value FROM json_each(?)) ORDER BY created_at")
-            .bind(serde_json::to_string(&wanted).unwrap_or_default())
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter().map(run_from_row).collect()
+        self.reader
+            .all(
+                "SELECT * FROM runs WHERE status IN (SELECT value FROM json_each(?1))
+                 ORDER BY created_at",
+                (serde_json::to_string(&wanted).unwrap_or_default(),),
+                |row| run_from_row(row),
+            )
+            .await
     }
 
     fn holder(&self) -> &str {
@@ -1037,14 +1062,18 @@ impl Store for SqliteStore {
         if runs.is_empty() {
             return Ok(Vec::new());
         }
-        Ok(sqlx::query_as(concat!(
-            "SELECT id, cancel_requested_by FROM runs WHERE id IN (SELECT value FROM json_each(?))
-               AND cancel_requested_by IS NOT NULL AND ",
-            live_run!()
-        ))
-        .bind(serde_json::to_string(runs).unwrap_or_default())
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?)
+        self.reader
+            .all(
+                concat!(
+                    "SELECT id, cancel_requested_by FROM runs
+                     WHERE id IN (SELECT value FROM json_each(?1))
+                       AND cancel_requested_by IS NOT NULL AND ",
+                    live_run!()
+                ),
+                (serde_json::to_string(runs).unwrap_or_default(),),
+                |row| Ok((row.text("id")?, row.text("cancel_requested_by")?)),
+            )
+            .await
     }
 
     async fn events(
@@ -1053,14 +1082,8 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        let read = EventRows { after, limit };
-        let rows = sqlx::query(EVENTS_OF_REQUEST)
-            .bind(request_id)
-            .bind(read.lowest_first_seq())
-            .bind(read.rows())
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        read.keep(&rows, events_from_row)
+        self.events_after(EVENTS_OF_REQUEST, request_id, EventRows { after, limit })
+            .await
     }
 
     async fn run_events(
@@ -1069,69 +1092,71 @@ impl Store for SqliteStore {
         after: i64,
         limit: i64,
     ) -> Result<Vec<EventRecord>, StoreError> {
-        let read = EventRows { after, limit };
-        let rows = sqlx::query(EVENTS_OF_RUN)
-            .bind(run_id)
-            .bind(read.lowest_first_seq())
-            .bind(read.rows())
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        read.keep(&rows, events_from_row)
+        self.events_after(EVENTS_OF_RUN, run_id, EventRows { after, limit })
+            .await
     }
 
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
         let events = self
             .reader
-            .one(LAST_EVENT_ROW, request_id, |row| events_from_row(row))
+            .one(LAST_EVENT_ROW, (request_id.to_owned(),), |row| {
+                events_from_row(row)
+            })
             .await?;
         Ok(events.and_then(|mut events| events.pop()))
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         self.reader
-            .one("SELECT * FROM sessions WHERE id = ?1", id, |row| {
-                session_from_row(row)
-            })
+            .one(
+                "SELECT * FROM sessions WHERE id = ?1",
+                (id.to_owned(),),
+                |row| session_from_row(row),
+            )
             .await
     }
 
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let rows =
-            sqlx::query("SELECT * FROM messages WHERE session_id = ? ORDER BY created_at, id")
-                .bind(session_id)
-                .fetch_all(&mut *self.reader.lend().await?)
-                .await?;
-        rows.iter().map(message_from_row).collect()
+        self.reader
+            .all(
+                "SELECT * FROM messages WHERE session_id = ?1 ORDER BY created_at, id",
+                (session_id.to_owned(),),
+                |row| message_from_row(row),
+            )
+            .await
     }
 
     async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM messages WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?;
-        row.as_ref().map(message_from_row).transpose()
+        self.reader
+            .one(
+                "SELECT * FROM messages WHERE id = ?1",
+                (id.to_owned(),),
+                |row| message_from_row(row),
+            )
+            .await
     }
 
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(sqlx::query_scalar(SESSION_HEAD)
-            .bind(session_id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?)
+        self.reader
+            .one(SESSION_HEAD, (session_id.to_owned(),), |row| {
+                row.get(0).map_err(reader_error)
+            })
+            .await
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let rows = sqlx::query(
-            "WITH RECURSIVE path(id, depth) AS (
-                 SELECT ?1, 0
-                 UNION ALL
-                 SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
-                  WHERE m.parent_id IS NOT NULL)
-             SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
-        )
-        .bind(leaf)
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter().map(message_from_row).collect()
+        self.reader
+            .all(
+                "WITH RECURSIVE path(id, depth) AS (
+                     SELECT ?1, 0
+                     UNION ALL
+                     SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
+                      WHERE m.parent_id IS NOT NULL)
+                 SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
+                (leaf.to_owned(),),
+                |row| message_from_row(row),
+            )
+            .await
     }
 
     async fn sessions(
@@ -1158,11 +1183,13 @@ impl Store for SqliteStore {
     }
 
     async fn approval(&self, id: &str) -> Result<Option<ApprovalRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM approvals WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&mut *self.reader.lend().await?)
-            .await?;
-        row.as_ref().map(approval_from_row).transpose()
+        self.reader
+            .one(
+                "SELECT * FROM approvals WHERE id = ?1",
+                (id.to_owned(),),
+                |row| approval_from_row(row),
+            )
+            .await
     }
 
     async fn approvals(
@@ -1192,19 +1219,21 @@ impl Store for SqliteStore {
     }
 
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query(APPROVALS_OF_RUN)
-            .bind(run_id)
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter().map(approval_from_row).collect()
+        self.reader
+            .all(APPROVALS_OF_RUN, (run_id.to_owned(),), |row| {
+                approval_from_row(row)
+            })
+            .await
     }
 
     async fn tool_calls_of_run(&self, run_id: &str) -> Result<Vec<ToolCallRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = ?")
-            .bind(run_id)
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter().map(tool_call_from_row).collect()
+        self.reader
+            .all(
+                "SELECT * FROM tool_calls WHERE run_id = ?1",
+                (run_id.to_owned(),),
+                |row| tool_call_from_row(row),
+            )
+            .await
     }
 
     async fn client_calls(
@@ -1215,24 +1244,25 @@ impl Store for SqliteStore {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(
-            "SELECT t.*, EXISTS (SELECT 1 FROM tool_calls s WHERE s.run_id = t.run_id
-                 AND s.tool_id NOT LIKE 'client.%') AS server_calls
-             FROM tool_calls t JOIN requests r ON r.id = t.request_id
-             WHERE t.tool_id LIKE 'client.%' AND t.model_call_id IN (SELECT value FROM json_each(?)) AND r.owner = ?",
-        )
-        .bind(serde_json::to_string(ids).unwrap_or_default())
-        .bind(owner)
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(ClientCallRecord {
-                    call: tool_call_from_row(row)?,
-                    server_calls: row.try_get("server_calls")?,
-                })
-            })
-            .collect()
+        self.reader
+            .all(
+                "SELECT t.*, EXISTS (SELECT 1 FROM tool_calls s WHERE s.run_id = t.run_id
+                     AND s.tool_id NOT LIKE 'client.%') AS server_calls
+                 FROM tool_calls t JOIN requests r ON r.id = t.request_id
+                 WHERE t.tool_id LIKE 'client.%'
+                   AND t.model_call_id IN (SELECT value FROM json_each(?1)) AND r.owner = ?2",
+                (
+                    serde_json::to_string(ids).unwrap_or_default(),
+                    owner.to_owned(),
+                ),
+                |row| {
+                    Ok(ClientCallRecord {
+                        call: tool_call_from_row(row)?,
+                        server_calls: row.int("server_calls")? != 0,
+                    })
+                },
+            )
+            .await
     }
 
     async fn complete_client_call(
@@ -1506,20 +1536,20 @@ impl Store for SqliteStore {
     }
 }
 
-fn tool_call_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<ToolCallRecord, StoreError> {
+fn tool_call_from_row<R: Columns>(row: &R) -> Result<ToolCallRecord, StoreError> {
     Ok(ToolCallRecord {
-        run_id: row.try_get("run_id")?,
-        call_key: row.try_get("call_key")?,
-        model_call_id: row.try_get("model_call_id")?,
-        request_id: row.try_get("request_id")?,
-        tool_id: row.try_get("tool_id")?,
-        arguments: parse_json(row.try_get("arguments")?)?.unwrap_or(Value::Null),
-        idempotency_key: row.try_get("idempotency_key")?,
-        executions: row.try_get("executions")?,
-        outcome: row.try_get("outcome")?,
-        result: parse_json(row.try_get("result")?)?.unwrap_or(Value::Null),
-        duration_ms: row.try_get("duration_ms")?,
-        recorded_at: stored_time::parse(&row.try_get::<String, _>("recorded_at")?)?,
+        run_id: row.text("run_id")?,
+        call_key: row.text("call_key")?,
+        model_call_id: row.text("model_call_id")?,
+        request_id: row.text("request_id")?,
+        tool_id: row.text("tool_id")?,
+        arguments: row.json("arguments")?.unwrap_or(Value::Null),
+        idempotency_key: row.text("idempotency_key")?,
+        executions: row.int("executions")?,
+        outcome: row.text("outcome")?,
+        result: row.json("result")?.unwrap_or(Value::Null),
+        duration_ms: row.int("duration_ms")?,
+        recorded_at: row.time("recorded_at")?,
     })
 }
 

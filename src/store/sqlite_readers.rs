@@ -157,22 +157,52 @@ impl Readers {
 }
 
 impl Readers {
-    /// The row `sql` finds for its one parameter `key` (a lookup by key), as `map` reads it,
-    /// on a stepping reader.
+    /// The first row `sql` finds for `params` (a lookup by key), as `map` reads it, on a
+    /// stepping reader.
     pub(super) async fn one<T: Send + 'static>(
         &self,
         sql: &'static str,
-        key: &str,
+        params: impl rusqlite::Params + Send + 'static,
         map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
     ) -> Result<Option<T>, StoreError> {
-        let key = key.to_owned();
         self.step(move |connection| {
             let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
-            let mut rows = statement.query([key]).map_err(reader_error)?;
+            let mut rows = statement.query(params).map_err(reader_error)?;
             rows.next().map_err(reader_error)?.map(map).transpose()
         })
         .await
     }
+
+    /// Every row `sql` finds for `params`, as `map` reads it, on a stepping reader.
+    pub(super) async fn all<T: Send + 'static>(
+        &self,
+        sql: &'static str,
+        params: impl rusqlite::Params + Send + 'static,
+        map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+    ) -> Result<Vec<T>, StoreError> {
+        self.step(move |connection| {
+            let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+            rows_of(&mut statement, params, map).collect()
+        })
+        .await
+    }
+}
+
+/// The rows `statement` yields for `params`, each as `map` reads it, one at a time.
+pub(super) fn rows_of<'s, T: 's>(
+    statement: &'s mut rusqlite::Statement<'_>,
+    params: impl rusqlite::Params,
+    map: impl Fn(&rusqlite::Row<'_>) -> Result<T, StoreError> + 's,
+) -> impl Iterator<Item = Result<T, StoreError>> + 's {
+    let (rows, failed) = match statement.query(params) {
+        Ok(rows) => (Some(rows.mapped(move |row| Ok(map(row)))), None),
+        Err(error) => (None, Some(Err(reader_error(error)))),
+    };
+    failed.into_iter().chain(
+        rows.into_iter()
+            .flatten()
+            .map(|read| read.map_err(reader_error).and_then(|mapped| mapped)),
+    )
 }
 
 /// A connection lent to one read; free again, with no round trip, when this drops.
