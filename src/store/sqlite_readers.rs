@@ -1,26 +1,34 @@
-//! The embedded store's read connections: a few sqlx SQLite connections, each lent to one read
-//! at a time and opened when a read first needs it.
+//! The embedded store's read connections, of two kinds, each opened when a read first needs
+//! it and lent to one read at a time.
 //!
-//! Why not sqlx's pool: it pings every connection given back to it before another read may
-//! take it, and in sqlx's SQLite driver a ping is a round trip to the connection's own thread:
-//! two more wake-ups after every read, on a machine where a wake-up costs more than most
-//! reads' own work (docs/profiling.md, the sixty-ninth pass). The ping guards against a
-//! connection left half-way through a command by a read dropped mid-await; a SQLite
-//! connection's commands run one after another on its thread, so the next read's command
-//! simply runs after what is left of that one (a dropped transaction queues its rollback
-//! first, as sqlx's own `Transaction` does), and a local file never goes stale.
+//! Stepping readers ([`Readers::step`], [`Readers::one`], [`Readers::all`]): rusqlite
+//! connections, read-only, for the reads on requests' paths (records by key, a request's or
+//! run's events, memory recall). Each connection has a thread of its own, and a read runs
+//! whole there: one hop there and one back, whatever its statements, and a read can decide
+//! row by row what to read next (a recall reads a candidate's record only while it can still
+//! rank). One read at a time keeps to the first reader, whose thread and caches stay warm.
+//! Through sqlx's SQLite driver every statement, and the rows it returns, is a round trip to
+//! the connection's own thread, and its statement cache and owned rows cost more besides
+//! (docs/profiling.md, the seventy-second pass).
 //!
-//! Connections stay open once opened (at most [`READERS`], as many as reads ever ran at once):
-//! each holds its thread and its page cache, which SQLite empties at the read after any commit
-//! anyway.
+//! sqlx connections ([`Readers::lend`]) for the listings, counts and maintenance reads not yet
+//! moved. Why not sqlx's pool: it pings every connection given back to it before another
+//! read may take it, in sqlx's SQLite driver a round trip to the connection's own thread: two
+//! more wake-ups after every read, on a machine where a wake-up costs more than most reads'
+//! own work (the sixty-ninth pass). The ping guards against a connection left half-way
+//! through a command by a read dropped mid-await; a SQLite connection's commands run one
+//! after another on its thread, so the next read's command simply runs after what is left of
+//! that one (a dropped transaction queues its rollback first, as sqlx's own `Transaction`
+//! does), and a local file never goes stale.
 //!
-//! Beside them, a few rusqlite connections ([`Readers::step`]) for reads that decide row by
-//! row what to read next (a memory recall reads a candidate's record only while it can still
-//! rank among the best): each such read runs whole on one of the runtime's blocking threads,
-//! one hop there and one back, where through sqlx every statement is a round trip.
+//! Connections stay open once opened (at most [`READERS`] of each kind, as many as reads ever
+//! ran at once): each holds its page cache, which SQLite empties at the read after any commit
+//! anyway. A stepping read the caller stopped awaiting still runs to its end and gives its
+//! connection back.
 
 use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
@@ -51,25 +59,102 @@ pub(super) struct Readers {
     stepping: Arc<Stepping>,
 }
 
-/// The rusqlite read connections: those not lent, and one permit a connection that may be
-/// lent (at most [`READERS`] open).
+/// The stepping readers: up to [`READERS`] threads, each with its own rusqlite connection,
+/// started as reads first need them; one permit a thread that may take a read.
 #[derive(Debug)]
 struct Stepping {
     path: PathBuf,
-    idle: std::sync::Mutex<Vec<rusqlite::Connection>>,
+    threads: [std::sync::Mutex<Option<SteppingThread>>; READERS],
     free: Arc<Semaphore>,
 }
 
+/// A read as its thread runs it: given the thread's connection, or why it could not open.
+type SteppingRead = Box<dyn FnOnce(Result<&rusqlite::Connection, StoreError>) + Send>;
+
+/// One stepping reader's thread: the reads it is sent, and whether it runs one now.
+#[derive(Debug)]
+struct SteppingThread {
+    reads: std::sync::mpsc::Sender<SteppingRead>,
+    busy: Arc<AtomicBool>,
+}
+
 impl Stepping {
-    fn open(&self) -> Result<rusqlite::Connection, rusqlite::Error> {
-        use rusqlite::OpenFlags;
-        let connection = rusqlite::Connection::open_with_flags(
-            &self.path,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )?;
-        connection.busy_timeout(BUSY_TIMEOUT)?;
-        Ok(connection)
+    /// The first thread with no read running, started if need be, marked busy. A caller
+    /// holding a permit always finds one (a read frees its thread before its permit).
+    fn take_thread(
+        &self,
+    ) -> Result<(std::sync::mpsc::Sender<SteppingRead>, Arc<AtomicBool>), StoreError> {
+        for place in &self.threads {
+            let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
+            let thread = match &mut *place {
+                Some(thread) => thread,
+                None => place.insert(self.start_thread()?),
+            };
+            if !thread.busy.swap(true, Ordering::AcqRel) {
+                return Ok((thread.reads.clone(), Arc::clone(&thread.busy)));
+            }
+        }
+        Err(StoreError::Reader("every reader is busy".into()))
     }
+
+    /// Starts a thread that opens its connection at its first read (again after a failed
+    /// open) and runs the reads it is sent, until the store is dropped.
+    fn start_thread(&self) -> Result<SteppingThread, StoreError> {
+        let (reads, incoming) = std::sync::mpsc::channel::<SteppingRead>();
+        let path = self.path.clone();
+        std::thread::Builder::new()
+            .name("sqlite-reader".into())
+            .spawn(move || {
+                let mut connection = None;
+                for read in incoming {
+                    if connection.is_none() {
+                        match open(&path) {
+                            Ok(opened) => connection = Some(opened),
+                            Err(error) => {
+                                read(Err(reader_error(error)));
+                                continue;
+                            }
+                        }
+                    }
+                    if let Some(connection) = &connection {
+                        // A read that panicked has already dropped its statements and freed
+                        // this thread; the thread goes on serving the next.
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            read(Ok(connection))
+                        }));
+                    }
+                }
+            })
+            .map_err(|error| StoreError::Reader(format!("cannot start a reader: {error}")))?;
+        Ok(SteppingThread {
+            reads,
+            busy: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+/// Frees a stepping reader's thread when its read ends, however it ends (its result sent, or
+/// a panic): the thread first, then the permit, so that a read given the permit finds it.
+struct Freed {
+    busy: Arc<AtomicBool>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Freed {
+    fn drop(&mut self) {
+        self.busy.store(false, Ordering::Release);
+    }
+}
+
+/// A read-only connection to the database at `path`.
+fn open(path: &std::path::Path) -> Result<rusqlite::Connection, rusqlite::Error> {
+    use rusqlite::OpenFlags;
+    let connection = rusqlite::Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    connection.busy_timeout(BUSY_TIMEOUT)?;
+    Ok(connection)
 }
 
 /// A read's failure, classified as [`super::sqlite_writer::writer_error`] classifies a write's.
@@ -89,7 +174,7 @@ impl Readers {
     pub(super) fn new(options: SqliteConnectOptions) -> Self {
         let stepping = Arc::new(Stepping {
             path: options.get_filename().to_path_buf(),
-            idle: std::sync::Mutex::new(Vec::with_capacity(READERS)),
+            threads: std::array::from_fn(|_| std::sync::Mutex::new(None)),
             free: Arc::new(Semaphore::new(READERS)),
         });
         Self {
@@ -100,9 +185,10 @@ impl Readers {
         }
     }
 
-    /// Runs `read` on a rusqlite connection (opened read-only on first need) on one of the
-    /// runtime's blocking threads, and returns what it returns. The connection is free again
-    /// when `read` ends, even if the caller stopped waiting.
+    /// Runs `read` on a stepping reader's connection (opened read-only on first need), on
+    /// that reader's own thread, and returns what it returns. One read at a time keeps to one
+    /// thread and connection (the first free), whose caches stay warm. The reader is free
+    /// again when `read` ends, even if the caller stopped waiting.
     pub(super) async fn step<T: Send + 'static>(
         &self,
         read: impl FnOnce(&rusqlite::Connection) -> Result<T, StoreError> + Send + 'static,
@@ -114,21 +200,23 @@ impl Readers {
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)?
         .map_err(|_| sqlx::Error::PoolClosed)?;
-        let stepping = Arc::clone(&self.stepping);
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let idle = || stepping.idle.lock().unwrap_or_else(PoisonError::into_inner);
-            let kept = idle().pop();
-            let connection = match kept {
-                Some(connection) => connection,
-                None => stepping.open().map_err(reader_error)?,
-            };
-            let result = read(&connection);
-            idle().push(connection);
-            result
-        })
-        .await
-        .map_err(|stopped| StoreError::Reader(format!("a read stopped: {stopped}")))?
+        // A permit held means a thread free: each read frees its thread before its permit.
+        let (thread, busy) = self.stepping.take_thread()?;
+        let (done, result) = tokio::sync::oneshot::channel();
+        let freed = Freed {
+            busy,
+            _permit: permit,
+        };
+        let job: SteppingRead = Box::new(move |connection| {
+            let _freed = freed;
+            let _ = done.send(connection.and_then(read));
+        });
+        thread
+            .send(job)
+            .map_err(|_| StoreError::Reader("a reader's thread stopped".into()))?;
+        result
+            .await
+            .map_err(|_| StoreError::Reader("a reader's thread stopped mid-read".into()))?
     }
 
     /// A connection for one read (several statements, or a transaction, if the read needs
@@ -305,8 +393,13 @@ mod tests {
     #[tokio::test]
     async fn stepping_reads_keep_one_connection_see_each_commit_and_never_write() {
         let (_dir, readers, mut writer) = readers_of_a_new_database().await;
-        let idle = || readers.stepping.idle.lock().expect("the idle list").len();
-        assert_eq!(idle(), 0, "nothing is opened before a read needs it");
+        let started = || {
+            let threads = readers.stepping.threads.iter();
+            threads
+                .filter(|thread| thread.lock().is_ok_and(|thread| thread.is_some()))
+                .count()
+        };
+        assert_eq!(started(), 0, "nothing is started before a read needs it");
         assert_eq!(stepped_count_and_sum(&readers).await, (100, 5050));
         sqlx::query("INSERT INTO numbers VALUES (101)")
             .execute(&mut writer)
@@ -317,7 +410,7 @@ mod tests {
             (101, 5151),
             "the next read sees the commit made since the last"
         );
-        assert_eq!(idle(), 1, "both reads used the one connection");
+        assert_eq!(started(), 1, "both reads kept to the one reader");
         let refused = readers
             .step(|connection| {
                 connection
@@ -330,7 +423,51 @@ mod tests {
             "{refused:?}"
         );
         assert_eq!(stepped_count_and_sum(&readers).await, (101, 5151));
-        assert_eq!(idle(), 1, "a failed read gives its connection back");
+        assert_eq!(started(), 1, "a failed read frees its reader");
+    }
+
+    #[tokio::test]
+    async fn stepping_reads_beyond_the_readers_wait_and_a_read_that_panics_frees_its_reader() {
+        let (_dir, readers, _writer) = readers_of_a_new_database().await;
+        let readers = Arc::new(readers);
+        // Four reads held inside their readers until let go.
+        let (let_go, held) = std::sync::mpsc::channel::<()>();
+        let held = Arc::new(std::sync::Mutex::new(held));
+        let mut holding = Vec::new();
+        for _ in 0..READERS {
+            let (readers, held) = (Arc::clone(&readers), Arc::clone(&held));
+            holding.push(tokio::spawn(async move {
+                readers
+                    .step(move |_| {
+                        let _ = held.lock().map(|held| held.recv());
+                        Ok(())
+                    })
+                    .await
+            }));
+        }
+        while readers.stepping.free.available_permits() > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let waiting =
+            tokio::time::timeout(Duration::from_millis(50), stepped_count_and_sum(&readers)).await;
+        assert!(waiting.is_err(), "a fifth read waits while four run");
+        for _ in 0..READERS {
+            let_go.send(()).expect("a held read");
+        }
+        for held in holding {
+            held.await.expect("joined").expect("a held read's end");
+        }
+        let panicked = readers
+            .step(|_| -> Result<(), StoreError> { panic!("a read's own bug") })
+            .await;
+        assert!(
+            matches!(panicked, Err(StoreError::Reader(_))),
+            "{panicked:?}"
+        );
+        for _ in 0..READERS + 1 {
+            assert_eq!(stepped_count_and_sum(&readers).await, (100, 5050));
+        }
+        assert_eq!(readers.stepping.free.available_permits(), READERS);
     }
 
     #[tokio::test]
