@@ -926,9 +926,16 @@ impl ToolGateway {
                         .and_then(|timeout| now.checked_add_signed(timeout)),
                     decided_at: None,
                 };
+                // Its event commits with it, in its transaction: queued after it, the event
+                // would wait out the journal's hold, since nothing the parked run writes
+                // comes after it to carry it (no event of this type is narrated).
                 if let Err(message) = scope
                     .host
-                    .commit(vec![WriteOp::InsertApproval(approval.clone())])
+                    .commit_with_event(
+                        vec![WriteOp::InsertApproval(approval.clone())],
+                        APPROVAL_REQUESTED,
+                        json!({ "approval": approval }),
+                    )
                     .await
                 {
                     scope.leave_wait().await;
@@ -939,10 +946,6 @@ impl ToolGateway {
                         json!({}),
                     ));
                 }
-                scope
-                    .host
-                    .emit(APPROVAL_REQUESTED, json!({ "approval": approval }))
-                    .await;
                 approval
             }
         };
