@@ -208,8 +208,10 @@ impl Readers {
             _permit: permit,
         };
         let job: SteppingRead = Box::new(move |connection| {
-            let _freed = freed;
-            let _ = done.send(connection.and_then(read));
+            let result = connection.and_then(read);
+            // Freed before the answer: the caller's next read finds this reader free.
+            drop(freed);
+            let _ = done.send(result);
         });
         thread
             .send(job)
