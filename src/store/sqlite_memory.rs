@@ -7,7 +7,7 @@ use rusqlite::OptionalExtension;
 
 use super::conditions::{self, Dialect};
 use super::sqlite::{Columns, SqliteStore};
-use super::sqlite_readers::reader_error;
+use super::sqlite_readers::{reader_error, rows_of};
 use super::stored_time;
 use super::{
     CompactReport, MemoryFilter, MemoryRecord, MemoryStatus, MemoryStore, MemoryTransition, Page,
@@ -70,12 +70,7 @@ fn memories_of(
     statement: &mut rusqlite::Statement<'_>,
     params: impl rusqlite::Params,
 ) -> Result<Vec<MemoryRecord>, StoreError> {
-    let mut rows = statement.query(params).map_err(reader_error)?;
-    let mut records = Vec::new();
-    while let Some(row) = rows.next().map_err(reader_error)? {
-        records.push(memory_from_row(row)?);
-    }
-    Ok(records)
+    rows_of(statement, params, |row| memory_from_row(row)).collect()
 }
 
 /// Matches ranked by relevance alone before recall reads any row: enough that the records

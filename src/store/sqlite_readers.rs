@@ -257,8 +257,7 @@ impl Readers {
     ) -> Result<Option<T>, StoreError> {
         self.step(move |connection| {
             let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
-            let mut rows = statement.query(params).map_err(reader_error)?;
-            rows.next().map_err(reader_error)?.map(map).transpose()
+            rows_of(&mut statement, params, map).next().transpose()
         })
         .await
     }
