@@ -82,7 +82,7 @@ const RECALL_CANDIDATES: i64 = 200;
 const RECALL_RANKED: &str = "SELECT rowid, rank FROM memory_fts WHERE memory_fts MATCH ?1
      ORDER BY rank LIMIT CAST(?2 AS INTEGER)";
 // Dividing by the age factor moves an old record's score towards 0, behind fresher ones of the
-// same relevance (a month-old record counts half). `?3` is the recall's `julianday('now')`.
+// same relevance (a month-old record counts half). `?3` is the recall's time (`julian_day`).
 const RECALL_CANDIDATE: &str = "SELECT *,
        ?2 / (1.0 + max(?3 - julianday(updated_at), 0) / 30.0) AS recall_score
      FROM memories WHERE rowid = ?1 AND namespace = ?4 AND scope = ?5 AND status = 'active'";
@@ -115,9 +115,7 @@ fn recall_ranked(
     if limit == 0 {
         return Ok(Vec::new());
     }
-    let now: f64 = connection
-        .query_row("SELECT julianday('now')", [], |row| row.get(0))
-        .map_err(reader_error)?;
+    let now = julian_day(Utc::now());
     let candidates = i64::try_from(limit)
         .unwrap_or(i64::MAX)
         .saturating_mul(20)
@@ -180,6 +178,14 @@ fn recall_ranked(
     )
 }
 
+/// `at` as SQLite's `julianday()` gives it (days since noon UTC, 24 November 4714 BC, in
+/// the proleptic Gregorian calendar), to the nearest millisecond, as SQLite keeps times.
+fn julian_day(at: DateTime<Utc>) -> f64 {
+    /// The Julian day of the Unix epoch.
+    const UNIX_EPOCH: f64 = 2_440_587.5;
+    (at.timestamp_micros() as f64 / 1_000.0).round() / 86_400_000.0 + UNIX_EPOCH
+}
+
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
 fn any_of(words: &[String]) -> String {
     words
@@ -238,14 +244,12 @@ impl MemoryStore for SqliteStore {
     }
 
     async fn memory(&self, id: &str) -> Result<Option<MemoryRecord>, StoreError> {
-        let id = id.to_owned();
         self.reader
-            .step(move |connection| {
-                let mut statement = connection
-                    .prepare_cached("SELECT * FROM memories WHERE id = ?1")
-                    .map_err(reader_error)?;
-                Ok(memories_of(&mut statement, [id])?.pop())
-            })
+            .one(
+                "SELECT * FROM memories WHERE id = ?1",
+                (id.to_owned(),),
+                |row| memory_from_row(row),
+            )
             .await
     }
 
@@ -292,16 +296,13 @@ impl MemoryStore for SqliteStore {
         if words.is_empty() {
             return self
                 .reader
-                .step(move |connection| {
-                    let mut statement = connection
-                        .prepare_cached(
-                            "SELECT * FROM memories
-                             WHERE namespace = ?1 AND scope = ?2 AND status = 'active'
-                             ORDER BY updated_at DESC LIMIT CAST(?3 AS INTEGER)",
-                        )
-                        .map_err(reader_error)?;
-                    memories_of(&mut statement, rusqlite::params![namespace, scope, limit])
-                })
+                .all(
+                    "SELECT * FROM memories
+                     WHERE namespace = ?1 AND scope = ?2 AND status = 'active'
+                     ORDER BY updated_at DESC LIMIT CAST(?3 AS INTEGER)",
+                    (namespace, scope, limit),
+                    |row| memory_from_row(row),
+                )
                 .await;
         }
         let query = any_of(words);
@@ -457,6 +458,23 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    #[test]
+    fn a_julian_day_is_sqlites() {
+        let connection = rusqlite::Connection::open_in_memory().expect("a connection");
+        for at in [
+            Utc::now(),
+            DateTime::UNIX_EPOCH,
+            Utc::now() - chrono::Duration::days(400) + chrono::Duration::milliseconds(7),
+        ] {
+            let sqlite: f64 = connection
+                .query_row("SELECT julianday(?1)", [stored_time::text(&at)], |row| {
+                    row.get(0)
+                })
+                .expect("a julian day");
+            assert!((julian_day(at) - sqlite).abs() < 1e-9, "{at}: {sqlite}");
+        }
     }
 
     /// What a recall finds, by definition: the namespace's best among the candidates, all of

@@ -37,7 +37,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, Semaphore, SemaphorePermit};
 
 use super::StoreError;
-use super::sqlite_writer::may_pass;
+use super::sqlite_writer::classified;
 
 /// Most read connections open at once: reads beyond them wait for one to be given back.
 pub(super) const READERS: usize = 4;
@@ -159,11 +159,7 @@ fn open(path: &std::path::Path) -> Result<rusqlite::Connection, rusqlite::Error>
 
 /// A read's failure, classified as [`super::sqlite_writer::writer_error`] classifies a write's.
 pub(super) fn reader_error(error: rusqlite::Error) -> StoreError {
-    if may_pass(&error) {
-        StoreError::Unavailable(error.to_string())
-    } else {
-        StoreError::Reader(error.to_string())
-    }
+    classified(error, StoreError::Reader)
 }
 
 /// How long a read waits for a lock an outside tool holds (sqlx's readers' setting too).

@@ -413,28 +413,27 @@ fn stopped() -> StoreError {
 /// A write failure, classified: the database being busy, out of space or failing I/O may pass
 /// (the journal retries); anything else (a constraint, a malformed value) will not.
 pub(super) fn writer_error(error: rusqlite::Error) -> StoreError {
-    if may_pass(&error) {
-        StoreError::Unavailable(error.to_string())
-    } else {
-        StoreError::Writer(error.to_string())
-    }
+    classified(error, StoreError::Writer)
 }
 
-/// Whether SQLite's `error` may pass: the database busy, out of space or memory, or failing
-/// I/O.
-pub(super) fn may_pass(error: &rusqlite::Error) -> bool {
+/// SQLite's `error` as the store reports it: `Unavailable` where it may pass (the database
+/// busy, out of space or memory, or failing I/O), `otherwise` where it will not.
+pub(super) fn classified(
+    error: rusqlite::Error,
+    otherwise: fn(String) -> StoreError,
+) -> StoreError {
     use rusqlite::ErrorCode as Code;
-    matches!(
-        error.sqlite_error_code(),
+    match error.sqlite_error_code() {
         Some(
             Code::DatabaseBusy
-                | Code::DatabaseLocked
-                | Code::DiskFull
-                | Code::SystemIoFailure
-                | Code::CannotOpen
-                | Code::OutOfMemory,
-        )
-    )
+            | Code::DatabaseLocked
+            | Code::DiskFull
+            | Code::SystemIoFailure
+            | Code::CannotOpen
+            | Code::OutOfMemory,
+        ) => StoreError::Unavailable(error.to_string()),
+        _ => otherwise(error.to_string()),
+    }
 }
 
 /// The statements the writer runs (its writes, and the reads of [`SqliteWriter::read`]),
