@@ -22,8 +22,7 @@ use chrono::{DateTime, Utc};
 use rusqlite::OptionalExtension;
 use serde_json::Value;
 use sqlx::sqlite::{
-    SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteAutoVacuum, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{Row, SqlitePool};
 
@@ -133,9 +132,7 @@ impl SqliteStore {
             duration: open.lease,
         };
         let writer = Arc::new(SqliteWriter::open(path, open.max_bytes, leases.clone())?);
-        // Not sqlx's pool: it pings every connection given back to it, in sqlx's SQLite
-        // driver a round trip to the connection's thread after every read (`sqlite_readers`).
-        let reader = Arc::new(Readers::new(options));
+        let reader = Arc::new(Readers::new(path.to_path_buf()));
         tokio::spawn(checkpoint_loop(checkpointer, Arc::clone(&writer)));
         Ok(Self {
             path: path.to_path_buf(),
@@ -190,31 +187,34 @@ impl SqliteStore {
             });
         }
         super::prepare_new_file(to)?;
-        let options = SqliteConnectOptions::from_str("sqlite://")?
-            .filename(database)
-            .read_only(true)
-            .busy_timeout(Duration::from_secs(10));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options)
-            .await?;
-        let result = vacuum_into(&pool, to).await;
-        pool.close().await;
-        result
+        vacuum_into(&Readers::new(database.to_path_buf()), to).await
     }
 }
 
 /// `VACUUM INTO`: one read transaction (a consistent snapshot) written out as a compact new
 /// database; SQLite refuses to overwrite an existing file.
-async fn vacuum_into(
-    connection: impl sqlx::SqliteExecutor<'_>,
-    to: &Path,
-) -> Result<u64, StoreError> {
-    sqlx::query("VACUUM INTO ?")
-        .bind(to.to_string_lossy().into_owned())
-        .execute(connection)
+async fn vacuum_into(readers: &Readers, to: &Path) -> Result<u64, StoreError> {
+    let into = to.to_string_lossy().into_owned();
+    readers
+        .step(move |connection| {
+            connection
+                .execute("VACUUM INTO ?1", (into,))
+                .map_err(reader_error)
+        })
         .await?;
     Ok(std::fs::metadata(to).map_or(0, |m| m.len()))
+}
+
+/// Every row `sql` (a statement run once, not kept prepared) finds for the sessions `ids`,
+/// as `map` reads it.
+fn every_row<T>(
+    connection: &rusqlite::Connection,
+    sql: &str,
+    ids: &str,
+    map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let mut statement = connection.prepare(sql).map_err(reader_error)?;
+    rows_of(&mut statement, (ids,), map).collect()
 }
 
 /// Exclusive ownership of a store by this process: an advisory lock (`flock`) on the file
@@ -459,9 +459,8 @@ fn parse_status(text: &str) -> Result<RunStatus, StoreError> {
     RunStatus::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown status `{text}`")))
 }
 
-/// A row of either SQLite driver: the reader pool's (sqlx), the stepping readers' or the
-/// writer's connection (rusqlite, [`Readers::step`] and [`SqliteWriter::read`]): the
-/// records they read are mapped once.
+/// A row of a reader's or the writer's connection ([`Readers::step`] and
+/// [`SqliteWriter::read`]): the records they read are mapped once.
 pub(super) trait Columns {
     fn text(&self, name: &str) -> Result<String, StoreError>;
     fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError>;
@@ -480,21 +479,6 @@ pub(super) trait Columns {
     }
 }
 
-impl Columns for SqliteRow {
-    fn text(&self, name: &str) -> Result<String, StoreError> {
-        Ok(self.try_get(name)?)
-    }
-
-    fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.try_get(name)?)
-    }
-
-    fn int(&self, name: &str) -> Result<i64, StoreError> {
-        Ok(self.try_get(name)?)
-    }
-}
-
-/// A row of a stepping reader's statement, its columns found by name.
 impl Columns for rusqlite::Row<'_> {
     fn text(&self, name: &str) -> Result<String, StoreError> {
         self.get(name).map_err(reader_error)
@@ -888,22 +872,22 @@ impl Store for SqliteStore {
         page: &PageRequest,
         input: RequestInput,
     ) -> Result<Page<RequestRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(requests_page(filter, input)))
-            .bind(filter.status.map(RunStatus::as_str))
-            .bind(&filter.agent_id)
-            .bind(&filter.session_id)
-            .bind(&page.cursor)
-            .bind(page.limit + 1)
-            .bind(&filter.owner)
-            .bind(stored_time::owned(filter.created_from.as_ref()))
-            .bind(stored_time::owned(filter.created_before.as_ref()))
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        let from_row = match input {
-            RequestInput::Read => request_from_row,
-            RequestInput::Skipped => request_without_input,
+        let params = (
+            filter.status.map(RunStatus::as_str),
+            filter.agent_id.clone(),
+            filter.session_id.clone(),
+            page.cursor.clone(),
+            page.limit.saturating_add(1),
+            filter.owner.clone(),
+            stored_time::owned(filter.created_from.as_ref()),
+            stored_time::owned(filter.created_before.as_ref()),
+        );
+        let from_row: fn(&rusqlite::Row<'_>) -> Result<RequestRecord, StoreError> = match input {
+            RequestInput::Read => |row| request_from_row(row),
+            RequestInput::Skipped => |row| request_without_input(row),
         };
-        let items = rows.iter().map(from_row).collect::<Result<Vec<_>, _>>()?;
+        let sql = requests_page(filter, input);
+        let items = self.reader.all(sql, params, from_row).await?;
         Ok(Page::from_overfetch(items, page.limit, |r| r.id.clone()))
     }
 
@@ -1168,17 +1152,16 @@ impl Store for SqliteStore {
         let sql = format!(
             "SELECT * FROM sessions WHERE {conditions} ORDER BY id DESC LIMIT CAST(?4 AS INTEGER)"
         );
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(&filter.agent_id)
-            .bind(&filter.owner)
-            .bind(&page.cursor)
-            .bind(page.limit + 1)
-            .fetch_all(&mut *self.reader.lend().await?)
+        let params = (
+            filter.agent_id.clone(),
+            filter.owner.clone(),
+            page.cursor.clone(),
+            page.limit.saturating_add(1),
+        );
+        let items = self
+            .reader
+            .all(sql, params, |row| session_from_row(row))
             .await?;
-        let items = rows
-            .iter()
-            .map(session_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(Page::from_overfetch(items, page.limit, |s| s.id.clone()))
     }
 
@@ -1197,25 +1180,28 @@ impl Store for SqliteStore {
         status: Option<ApprovalStatus>,
         page: &PageRequest,
     ) -> Result<Page<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(approvals_page(status)))
-            .bind(status.map(ApprovalStatus::as_str))
-            .bind(&page.cursor)
-            .bind(page.limit + 1)
-            .fetch_all(&mut *self.reader.lend().await?)
+        let params = (
+            status.map(ApprovalStatus::as_str),
+            page.cursor.clone(),
+            page.limit.saturating_add(1),
+        );
+        let items = self
+            .reader
+            .all(approvals_page(status), params, |row| approval_from_row(row))
             .await?;
-        let items = rows
-            .iter()
-            .map(approval_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(Page::from_overfetch(items, page.limit, |a| a.id.clone()))
     }
 
     async fn count_pending_approvals(&self) -> Result<u64, StoreError> {
-        let count: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM approvals WHERE status = 'pending'")
-                .fetch_one(&mut *self.reader.lend().await?)
-                .await?;
-        Ok(count.max(0) as u64)
+        let count = self
+            .reader
+            .one(
+                "SELECT COUNT(*) FROM approvals WHERE status = 'pending'",
+                (),
+                |row| row.get::<_, i64>(0).map_err(reader_error),
+            )
+            .await?;
+        Ok(count.unwrap_or(0).max(0) as u64)
     }
 
     async fn approvals_of_run(&self, run_id: &str) -> Result<Vec<ApprovalRecord>, StoreError> {
@@ -1293,10 +1279,13 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&mut *self.reader.lend().await?)
-            .await?;
-        Ok(())
+        self.reader
+            .step(|connection| {
+                connection
+                    .query_row("SELECT 1", [], |_| Ok(()))
+                    .map_err(reader_error)
+            })
+            .await
     }
 
     async fn prunable_sessions(
@@ -1308,72 +1297,89 @@ impl Store for SqliteStore {
         let agents = serde_json::to_string(&filter.agent_cutoffs)
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let sql = prunable_sessions(after.is_some(), false);
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(agents)
-            .bind(&filter.default_cutoff)
-            .bind(i64::try_from(filter.min_keep).unwrap_or(i64::MAX))
-            .bind(after)
-            .bind(limit)
-            .bind(None::<String>)
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter().map(|row| Ok(row.try_get("id")?)).collect()
+        let params = (
+            agents,
+            filter.default_cutoff.clone(),
+            i64::try_from(filter.min_keep).unwrap_or(i64::MAX),
+            after.map(str::to_owned),
+            limit,
+            None::<String>,
+        );
+        self.reader.all(sql, params, |row| row.text("id")).await
     }
 
     async fn count_owned(&self, sessions: &[String]) -> Result<PruneCounts, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let mut counts = [0; 8];
-        for (count, (table, rows)) in counts.iter_mut().zip(super::owned_by_sessions(IN_SESSIONS)) {
-            let sql = count_owned_sql(table, &rows, "json_array_length");
-            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                .bind(&ids)
-                .fetch_one(&mut *self.reader.lend().await?)
-                .await?;
-            *count = n.max(0) as u64;
-        }
-        Ok(PruneCounts::from_owned(counts))
+        self.reader
+            .step(move |connection| {
+                let mut counts = [0; 8];
+                let tables = super::owned_by_sessions(IN_SESSIONS);
+                for (count, (table, rows)) in counts.iter_mut().zip(tables) {
+                    let sql = count_owned_sql(table, &rows, "json_array_length");
+                    let n: i64 = connection
+                        .query_row(&sql, (&ids,), |row| row.get(0))
+                        .map_err(reader_error)?;
+                    *count = n.max(0) as u64;
+                }
+                Ok(PruneCounts::from_owned(counts))
+            })
+            .await
     }
 
     async fn requests_per_session(&self, sessions: &[String]) -> Result<Vec<u64>, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let counted: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(
-            super::requests_per_session_sql(IN_SESSIONS),
-        ))
-        .bind(&ids)
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
+        let counted = self
+            .reader
+            .all(
+                super::requests_per_session_sql(IN_SESSIONS),
+                (ids,),
+                |row| {
+                    let counted = (row.get(0), row.get(1));
+                    Ok((
+                        counted.0.map_err(reader_error)?,
+                        counted.1.map_err(reader_error)?,
+                    ))
+                },
+            )
+            .await?;
         Ok(super::counts_in_order(sessions, counted))
     }
 
     async fn archive_rows(&self, sessions: &[String]) -> Result<ArchiveRows, StoreError> {
         let ids =
             serde_json::to_string(sessions).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        // One read transaction: every table from the same snapshot.
-        let mut reader = self.reader.lend().await?;
-        let mut tx = sqlx::Connection::begin(&mut *reader).await?;
-        let mut rows: [Vec<SqliteRow>; 7] = Default::default();
-        let selects = super::archive_selects(IN_SESSIONS, event_rows!("", ""));
-        for (sql, read) in selects.into_iter().zip(&mut rows) {
-            *read = sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(&ids)
-                .fetch_all(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        super::archive_from_rows(
-            &rows,
-            &super::ArchiveReaders {
-                session: session_from_row,
-                message: message_from_row,
-                request: request_from_row,
-                run: run_from_row,
-                events: events_from_row,
-                tool_call: tool_call_from_row,
-                approval: approval_from_row,
-            },
-        )
+        self.reader
+            .step(move |connection| {
+                // One read transaction: every table from the same snapshot.
+                let snapshot = connection.unchecked_transaction().map_err(reader_error)?;
+                let [
+                    sessions,
+                    messages,
+                    requests,
+                    runs,
+                    events,
+                    tool_calls,
+                    approvals,
+                ] = super::archive_selects(IN_SESSIONS, event_rows!("", ""));
+                let mut events = snapshot.prepare(&events).map_err(reader_error)?;
+                let events = rows_of(&mut events, (&ids,), |row| events_from_row(row));
+                Ok(ArchiveRows {
+                    sessions: every_row(&snapshot, &sessions, &ids, |row| session_from_row(row))?,
+                    messages: every_row(&snapshot, &messages, &ids, |row| message_from_row(row))?,
+                    requests: every_row(&snapshot, &requests, &ids, |row| request_from_row(row))?,
+                    runs: every_row(&snapshot, &runs, &ids, |row| run_from_row(row))?,
+                    events: EventRows::EVERY.keep_unpacked(events)?,
+                    tool_calls: every_row(&snapshot, &tool_calls, &ids, |row| {
+                        tool_call_from_row(row)
+                    })?,
+                    approvals: every_row(&snapshot, &approvals, &ids, |row| {
+                        approval_from_row(row)
+                    })?,
+                })
+            })
+            .await
     }
 
     async fn delete_sessions(
@@ -1460,28 +1466,35 @@ impl Store for SqliteStore {
     }
 
     async fn backup_to(&self, path: &Path) -> Result<u64, StoreError> {
-        vacuum_into(&mut *self.reader.lend().await?, path).await
+        vacuum_into(&self.reader, path).await
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {
-        let row = sqlx::query(
-            "SELECT (SELECT page_size FROM pragma_page_size) AS page_size,
-                    (SELECT freelist_count FROM pragma_freelist_count) AS free_pages,
-                    (SELECT COUNT(*) FROM requests) AS requests,
-                    (SELECT COUNT(*) FROM sessions) AS sessions",
-        )
-        .fetch_one(&mut *self.reader.lend().await?)
-        .await?;
-        let number = |name: &str| -> Result<u64, StoreError> {
-            Ok(row.try_get::<i64, _>(name)?.max(0) as u64)
-        };
+        let [page_size, free_pages, requests, sessions] = self
+            .reader
+            .one(
+                "SELECT (SELECT page_size FROM pragma_page_size),
+                        (SELECT freelist_count FROM pragma_freelist_count),
+                        (SELECT COUNT(*) FROM requests),
+                        (SELECT COUNT(*) FROM sessions)",
+                (),
+                |row| {
+                    let mut numbers = [0; 4];
+                    for (index, number) in numbers.iter_mut().enumerate() {
+                        *number = row.get::<_, i64>(index).map_err(reader_error)?.max(0) as u64;
+                    }
+                    Ok(numbers)
+                },
+            )
+            .await?
+            .unwrap_or_default();
         let file_size = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
         Ok(StoreStats {
             database_bytes: file_size(&self.path),
             wal_bytes: file_size(&with_suffix(&self.path, "-wal")),
-            free_bytes: number("free_pages")? * number("page_size")?,
-            requests: number("requests")?,
-            sessions: number("sessions")?,
+            free_bytes: free_pages.saturating_mul(page_size),
+            requests,
+            sessions,
         })
     }
 
@@ -1512,23 +1525,22 @@ impl Store for SqliteStore {
     }
 
     async fn maintenance(&self, limit: i64) -> Result<Vec<MaintenanceRecord>, StoreError> {
-        let rows =
-            sqlx::query("SELECT * FROM maintenance ORDER BY id DESC LIMIT CAST(? AS INTEGER)")
-                .bind(limit)
-                .fetch_all(&mut *self.reader.lend().await?)
-                .await?;
-        rows.iter()
-            .map(|row| {
-                Ok(MaintenanceRecord {
-                    id: row.try_get("id")?,
-                    operation: row.try_get("operation")?,
-                    status: row.try_get("status")?,
-                    started_at: stored_time::parse(&row.try_get::<String, _>("started_at")?)?,
-                    ended_at: stored_time::parse(&row.try_get::<String, _>("ended_at")?)?,
-                    report: parse_json(row.try_get("report")?)?.unwrap_or(Value::Null),
-                })
-            })
-            .collect()
+        self.reader
+            .all(
+                "SELECT * FROM maintenance ORDER BY id DESC LIMIT CAST(?1 AS INTEGER)",
+                (limit,),
+                |row| {
+                    Ok(MaintenanceRecord {
+                        id: row.text("id")?,
+                        operation: row.text("operation")?,
+                        status: row.text("status")?,
+                        started_at: row.time("started_at")?,
+                        ended_at: row.time("ended_at")?,
+                        report: row.json("report")?.unwrap_or(Value::Null),
+                    })
+                },
+            )
+            .await
     }
 
     fn describe(&self) -> String {
@@ -1563,6 +1575,35 @@ impl SqliteStore {
             .expect("a store");
         (dir, store)
     }
+
+    /// Every row `sql` returns (its parameters unbound: NULL), as `map` reads it, read on
+    /// the store's readers.
+    pub(crate) async fn rows_read<T: Send + 'static>(
+        &self,
+        sql: impl Into<String>,
+        map: fn(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Vec<T> {
+        let sql = sql.into();
+        self.reader
+            .step(move |connection| {
+                let mut statement = connection.prepare(&sql).map_err(reader_error)?;
+                // Unbound: a plan's or program's statement names parameters it is not given.
+                let mut rows = statement.raw_query();
+                let mut read = Vec::new();
+                while let Some(row) = rows.next().map_err(reader_error)? {
+                    read.push(map(row).map_err(reader_error)?);
+                }
+                Ok(read)
+            })
+            .await
+            .expect("a read")
+    }
+
+    /// The number in the first column of the first row `sql` returns.
+    pub(crate) async fn number_read(&self, sql: impl Into<String>) -> i64 {
+        let numbers = self.rows_read(sql, |row| row.get(0)).await;
+        numbers.first().copied().expect("a row")
+    }
 }
 
 #[cfg(test)]
@@ -1576,10 +1617,9 @@ mod tests {
     async fn the_bundled_sqlite_keeps_a_page_cache_per_connection() {
         let (_dir, store) = SqliteStore::in_temporary_folder().await;
         // One library for every connection: the reader pool's tells the writer's too.
-        let options: Vec<String> = sqlx::query_scalar("PRAGMA compile_options")
-            .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
-            .await
-            .expect("the options");
+        let options: Vec<String> = store
+            .rows_read("PRAGMA compile_options", |row| row.get(0))
+            .await;
         assert!(
             options.iter().any(|o| o.starts_with("THREADSAFE=1")),
             "{options:?}"
@@ -1669,11 +1709,9 @@ mod tests {
             .apply(&[event(3), message(2), session(), event(4), message(3)])
             .await
             .expect("the second batch");
-        let rows: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM events WHERE request_id = 'req_a'")
-                .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
-                .await
-                .expect("a count");
+        let rows = store
+            .number_read("SELECT COUNT(*) FROM events WHERE request_id = 'req_a'")
+            .await;
         assert_eq!(rows, 2, "one row per batch");
         for events in [
             store.events("req_a", 0, 10).await.expect("by request"),
@@ -1716,11 +1754,11 @@ mod tests {
 
     /// Usage records of `request_id` the reader pool sees.
     async fn usage_rows(store: &SqliteStore, request_id: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM usage_records WHERE request_id = ?1")
-            .bind(request_id)
-            .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
+        store
+            .number_read(format!(
+                "SELECT COUNT(*) FROM usage_records WHERE request_id = '{request_id}'"
+            ))
             .await
-            .expect("a count")
     }
 
     /// The view of a request is read after its own pending charges are stored, and only
@@ -1794,14 +1832,10 @@ mod tests {
 
     /// The plan SQLite chose for `sql`, one line per step.
     async fn plan(store: &SqliteStore, sql: &str) -> String {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
-            .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
-            .await
-            .expect("a plan");
-        rows.iter()
-            .map(|row| row.try_get::<String, _>("detail").unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join("\n")
+        let steps: Vec<String> = store
+            .rows_read(format!("EXPLAIN QUERY PLAN {sql}"), |row| row.get("detail"))
+            .await;
+        steps.join("\n")
     }
 
     /// Every listing spells only the filters given, so a selective filter reads its index: with
@@ -1908,14 +1942,9 @@ mod tests {
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             "UPDATE runs SET status = ?1, updated_at = ?2 WHERE id = ?3",
         ] {
-            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {sql}")))
-                .fetch_all(&mut *store.reader.lend().await.expect("a reader"))
-                .await
-                .expect("a program");
-            let program: Vec<String> = rows
-                .iter()
-                .map(|row| row.try_get::<String, _>("opcode").unwrap_or_default())
-                .collect();
+            let program: Vec<String> = store
+                .rows_read(format!("EXPLAIN {sql}"), |row| row.get("opcode"))
+                .await;
             assert!(
                 program.iter().any(|op| op == "IdxInsert"),
                 "{sql}: {program:?}"
@@ -2056,28 +2085,23 @@ mod tests {
         // Read after its own pending charges are stored (see the test above).
         store.request_in_full("req_1").await.expect("a read");
         assert_eq!(usage_rows(&store, "req_1").await, 3, "each charge once");
-        let kept: i64 =
-            sqlx::query_scalar("SELECT prompt_tokens FROM usage_records WHERE id = 'use_1'")
-                .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
-                .await
-                .expect("the first charge");
+        let kept = store
+            .number_read("SELECT prompt_tokens FROM usage_records WHERE id = 'use_1'")
+            .await;
         assert_eq!(kept, 30, "a charge written already is left as it is");
 
         // What the migration is for: two b-trees fewer in a chat request's commit.
         let indexes = |table: &'static str| {
-            let readers = &store.reader;
+            let store = &store;
             async move {
-                sqlx::query(sqlx::AssertSqlSafe(format!("PRAGMA index_list({table})")))
-                    .fetch_all(&mut *readers.lend().await.expect("a reader"))
-                    .await
-                    .expect("indexes")
-                    .iter()
-                    .map(|row| {
-                        let name: String = row.try_get("name").unwrap_or_default();
-                        let partial: i64 = row.try_get("partial").unwrap_or_default();
-                        (name, partial == 1)
-                    })
-                    .collect::<BTreeSet<_>>()
+                let sql = format!("PRAGMA index_list({table})");
+                let read = store.rows_read(sql, |row| {
+                    Ok((
+                        row.get::<_, String>("name")?,
+                        row.get::<_, i64>("partial")? == 1,
+                    ))
+                });
+                read.await.into_iter().collect::<BTreeSet<_>>()
             }
         };
         assert_eq!(
@@ -2176,10 +2200,7 @@ mod checkpointer_tests {
             .expect("a tick");
         // The catch-up is the writer's next job: the count after it sees its restart.
         assert_eq!(store.writer.wal_frames().await, 1, "the WAL started over");
-        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
-            .fetch_one(&mut *store.reader.lend().await.expect("a reader"))
-            .await
-            .expect("a count");
+        let rows = store.number_read("SELECT COUNT(*) FROM t").await;
         assert_eq!(rows, 1_300);
     }
 }

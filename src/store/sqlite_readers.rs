@@ -1,89 +1,59 @@
-//! The embedded store's read connections, of two kinds, each opened when a read first needs
-//! it and lent to one read at a time.
+//! The embedded store's read connections: rusqlite connections, read-only, each opened when
+//! a read first needs it, each on a thread of its own, lent to one read at a time.
 //!
-//! Stepping readers ([`Readers::step`], [`Readers::one`], [`Readers::all`]): rusqlite
-//! connections, read-only, for the reads on requests' paths (records by key, a request's or
-//! run's events, memory recall). Each connection has a thread of its own, and a read runs
-//! whole there: one hop there and one back, whatever its statements, and a read can decide
-//! row by row what to read next (a recall reads a candidate's record only while it can still
-//! rank). One read at a time keeps to the first reader, whose thread and caches stay warm.
-//! Through sqlx's SQLite driver every statement, and the rows it returns, is a round trip to
-//! the connection's own thread, and its statement cache and owned rows cost more besides
-//! (docs/profiling.md, the seventy-second pass).
+//! A read ([`Readers::step`], [`Readers::one`], [`Readers::all`]) runs whole on its reader's
+//! thread: one hop there and one back, whatever its statements, and a read can decide row by
+//! row what to read next (a recall reads a candidate's record only while it can still rank).
+//! One read at a time keeps to the first reader, whose thread and caches stay warm. Through
+//! sqlx's SQLite driver, which the store used before, every statement and the rows it returns
+//! were a round trip to the connection's own thread, its pool pinged each connection given
+//! back (two more wake-ups a read), and its statement cache and owned rows cost more besides
+//! (docs/profiling.md, the sixty-ninth, seventy-second and seventy-third passes).
 //!
-//! sqlx connections ([`Readers::lend`]) for the listings, counts and maintenance reads not yet
-//! moved. Why not sqlx's pool: it pings every connection given back to it before another
-//! read may take it, in sqlx's SQLite driver a round trip to the connection's own thread: two
-//! more wake-ups after every read, on a machine where a wake-up costs more than most reads'
-//! own work (the sixty-ninth pass). The ping guards against a connection left half-way
-//! through a command by a read dropped mid-await; a SQLite connection's commands run one
-//! after another on its thread, so the next read's command simply runs after what is left of
-//! that one (a dropped transaction queues its rollback first, as sqlx's own `Transaction`
-//! does), and a local file never goes stale.
-//!
-//! Connections stay open once opened (at most [`READERS`] of each kind, as many as reads ever
-//! ran at once): each holds its page cache, which SQLite empties at the read after any commit
-//! anyway. A stepping read the caller stopped awaiting still runs to its end and gives its
-//! connection back.
+//! Readers stay open once opened (at most [`READERS`], as many as reads ever ran at once):
+//! each holds its page cache, which SQLite empties at the read after any commit anyway. A
+//! read the caller stopped awaiting still runs to its end and gives its reader back; a read
+//! that fails or panics inside a transaction rolls it back as it unwinds, so the next read
+//! sees the database as it is then.
 
-use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use sqlx::ConnectOptions;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
-use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard, Semaphore, SemaphorePermit};
+use tokio::sync::Semaphore;
 
 use super::StoreError;
 use super::sqlite_writer::classified;
 
 /// Most read connections open at once: reads beyond them wait for one to be given back.
 pub(super) const READERS: usize = 4;
-/// How long a read waits for a connection before the store is reported unavailable (sqlx's
-/// pool's own default).
+/// How long a read waits for a free reader before the store is reported unavailable.
 const LEND_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The read connections of one database.
-#[derive(Debug)]
-pub(super) struct Readers {
-    options: SqliteConnectOptions,
-    /// A place for each connection, empty until a read first needs it; a read holds the lock
-    /// of the one it uses. Reads take the first free place, so that one read at a time keeps
-    /// to one connection and one thread.
-    places: [Mutex<Option<SqliteConnection>>; READERS],
-    /// One permit a free place: a read that holds one always finds a place unlocked.
-    free: Semaphore,
-    /// The rusqlite connections of [`Readers::step`].
-    stepping: Arc<Stepping>,
-}
-
-/// The stepping readers: up to [`READERS`] threads, each with its own rusqlite connection,
+/// The readers of one database: up to [`READERS`] threads, each with its own connection,
 /// started as reads first need them; one permit a thread that may take a read.
 #[derive(Debug)]
-struct Stepping {
+pub(super) struct Readers {
     path: PathBuf,
-    threads: [std::sync::Mutex<Option<SteppingThread>>; READERS],
+    threads: [std::sync::Mutex<Option<ReaderThread>>; READERS],
     free: Arc<Semaphore>,
 }
 
 /// A read as its thread runs it: given the thread's connection, or why it could not open.
-type SteppingRead = Box<dyn FnOnce(Result<&rusqlite::Connection, StoreError>) + Send>;
+type Read = Box<dyn FnOnce(Result<&rusqlite::Connection, StoreError>) + Send>;
 
-/// One stepping reader's thread: the reads it is sent, and whether it runs one now.
+/// One reader's thread: the reads it is sent, and whether it runs one now.
 #[derive(Debug)]
-struct SteppingThread {
-    reads: std::sync::mpsc::Sender<SteppingRead>,
+struct ReaderThread {
+    reads: std::sync::mpsc::Sender<Read>,
     busy: Arc<AtomicBool>,
 }
 
-impl Stepping {
+impl Readers {
     /// The first thread with no read running, started if need be, marked busy. A caller
     /// holding a permit always finds one (a read frees its thread before its permit).
-    fn take_thread(
-        &self,
-    ) -> Result<(std::sync::mpsc::Sender<SteppingRead>, Arc<AtomicBool>), StoreError> {
+    fn take_thread(&self) -> Result<(std::sync::mpsc::Sender<Read>, Arc<AtomicBool>), StoreError> {
         for place in &self.threads {
             let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
             let thread = match &mut *place {
@@ -99,8 +69,8 @@ impl Stepping {
 
     /// Starts a thread that opens its connection at its first read (again after a failed
     /// open) and runs the reads it is sent, until the store is dropped.
-    fn start_thread(&self) -> Result<SteppingThread, StoreError> {
-        let (reads, incoming) = std::sync::mpsc::channel::<SteppingRead>();
+    fn start_thread(&self) -> Result<ReaderThread, StoreError> {
+        let (reads, incoming) = std::sync::mpsc::channel::<Read>();
         let path = self.path.clone();
         std::thread::Builder::new()
             .name("sqlite-reader".into())
@@ -126,14 +96,14 @@ impl Stepping {
                 }
             })
             .map_err(|error| StoreError::Reader(format!("cannot start a reader: {error}")))?;
-        Ok(SteppingThread {
+        Ok(ReaderThread {
             reads,
             busy: Arc::new(AtomicBool::new(false)),
         })
     }
 }
 
-/// Frees a stepping reader's thread when its read ends, however it ends (its result sent, or
+/// Frees a reader's thread when its read ends, however it ends (its result sent, or
 /// a panic): the thread first, then the permit, so that a read given the permit finds it.
 struct Freed {
     busy: Arc<AtomicBool>,
@@ -154,6 +124,9 @@ fn open(path: &std::path::Path) -> Result<rusqlite::Connection, rusqlite::Error>
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     connection.busy_timeout(BUSY_TIMEOUT)?;
+    // Room for every statement of the requests' paths and the listings' few shapes: one
+    // evicted is parsed and planned again at its next use.
+    connection.set_prepared_statement_cache_capacity(STATEMENTS_KEPT);
     Ok(connection)
 }
 
@@ -162,26 +135,23 @@ pub(super) fn reader_error(error: rusqlite::Error) -> StoreError {
     classified(error, StoreError::Reader)
 }
 
+/// Statements a reader keeps prepared (rusqlite's default is 16).
+const STATEMENTS_KEPT: usize = 64;
+
 /// How long a read waits for a lock an outside tool holds (sqlx's readers' setting too).
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Readers {
-    /// Read connections with `options` (opened read-only), none opened yet.
-    pub(super) fn new(options: SqliteConnectOptions) -> Self {
-        let stepping = Arc::new(Stepping {
-            path: options.get_filename().to_path_buf(),
+    /// Readers of the database at `path` (opened read-only), none opened yet.
+    pub(super) fn new(path: PathBuf) -> Self {
+        Self {
+            path,
             threads: std::array::from_fn(|_| std::sync::Mutex::new(None)),
             free: Arc::new(Semaphore::new(READERS)),
-        });
-        Self {
-            options: options.read_only(true),
-            places: std::array::from_fn(|_| Mutex::new(None)),
-            free: Semaphore::new(READERS),
-            stepping,
         }
     }
 
-    /// Runs `read` on a stepping reader's connection (opened read-only on first need), on
+    /// Runs `read` on a reader's connection (opened read-only on first need), on
     /// that reader's own thread, and returns what it returns. One read at a time keeps to one
     /// thread and connection (the first free), whose caches stay warm. The reader is free
     /// again when `read` ends, even if the caller stopped waiting.
@@ -189,21 +159,18 @@ impl Readers {
         &self,
         read: impl FnOnce(&rusqlite::Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let permit = tokio::time::timeout(
-            LEND_TIMEOUT,
-            Arc::clone(&self.stepping.free).acquire_owned(),
-        )
-        .await
-        .map_err(|_| sqlx::Error::PoolTimedOut)?
-        .map_err(|_| sqlx::Error::PoolClosed)?;
+        let permit = tokio::time::timeout(LEND_TIMEOUT, Arc::clone(&self.free).acquire_owned())
+            .await
+            .map_err(|_| StoreError::Unavailable("every reader stayed busy for 30 s".into()))?
+            .map_err(|_| StoreError::Reader("the readers are closed".into()))?;
         // A permit held means a thread free: each read frees its thread before its permit.
-        let (thread, busy) = self.stepping.take_thread()?;
+        let (thread, busy) = self.take_thread()?;
         let (done, result) = tokio::sync::oneshot::channel();
         let freed = Freed {
             busy,
             _permit: permit,
         };
-        let job: SteppingRead = Box::new(move |connection| {
+        let job: Read = Box::new(move |connection| {
             let result = connection.and_then(read);
             // Freed before the answer: the caller's next read finds this reader free.
             drop(freed);
@@ -216,57 +183,37 @@ impl Readers {
             .await
             .map_err(|_| StoreError::Reader("a reader's thread stopped mid-read".into()))?
     }
-
-    /// A connection for one read (several statements, or a transaction, if the read needs
-    /// them), opened if its place is empty. It is free again when the returned guard drops.
-    pub(super) async fn lend(&self) -> Result<Reader<'_>, StoreError> {
-        let permit = tokio::time::timeout(LEND_TIMEOUT, self.free.acquire())
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)?
-            .map_err(|_| sqlx::Error::PoolClosed)?;
-        // A permit held means a place unlocked: each guard below drops before its permit.
-        let mut place = self
-            .places
-            .iter()
-            .find_map(|place| place.try_lock().ok())
-            .ok_or(sqlx::Error::PoolTimedOut)?;
-        if place.is_none() {
-            *place = Some(self.options.connect().await?);
-        }
-        let connection =
-            MutexGuard::try_map(place, Option::as_mut).map_err(|_| sqlx::Error::PoolClosed)?;
-        Ok(Reader {
-            connection,
-            _permit: permit,
-        })
-    }
 }
 
 impl Readers {
     /// The first row `sql` finds for `params` (a lookup by key), as `map` reads it, on a
-    /// stepping reader.
+    /// reader.
     pub(super) async fn one<T: Send + 'static>(
         &self,
-        sql: &'static str,
+        sql: impl AsRef<str> + Send + 'static,
         params: impl rusqlite::Params + Send + 'static,
         map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
     ) -> Result<Option<T>, StoreError> {
         self.step(move |connection| {
-            let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+            let mut statement = connection
+                .prepare_cached(sql.as_ref())
+                .map_err(reader_error)?;
             rows_of(&mut statement, params, map).next().transpose()
         })
         .await
     }
 
-    /// Every row `sql` finds for `params`, as `map` reads it, on a stepping reader.
+    /// Every row `sql` finds for `params`, as `map` reads it, on a reader.
     pub(super) async fn all<T: Send + 'static>(
         &self,
-        sql: &'static str,
+        sql: impl AsRef<str> + Send + 'static,
         params: impl rusqlite::Params + Send + 'static,
         map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
     ) -> Result<Vec<T>, StoreError> {
         self.step(move |connection| {
-            let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+            let mut statement = connection
+                .prepare_cached(sql.as_ref())
+                .map_err(reader_error)?;
             rows_of(&mut statement, params, map).collect()
         })
         .await
@@ -290,90 +237,34 @@ pub(super) fn rows_of<'s, T: 's>(
     )
 }
 
-/// A connection lent to one read; free again, with no round trip, when this drops.
-#[derive(Debug)]
-pub(super) struct Reader<'a> {
-    // Declared (so dropped) before the permit: a read given the permit finds the place free.
-    connection: MappedMutexGuard<'a, SqliteConnection>,
-    _permit: SemaphorePermit<'a>,
-}
-
-impl Deref for Reader<'_> {
-    type Target = SqliteConnection;
-
-    fn deref(&self) -> &SqliteConnection {
-        &self.connection
-    }
-}
-
-impl DerefMut for Reader<'_> {
-    fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.connection
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::str::FromStr;
 
-    /// Read connections on a new database holding one small table, and a connection that
-    /// writes to it.
-    async fn readers_of_a_new_database() -> (tempfile::TempDir, Readers, SqliteConnection) {
+    /// Readers of a new database holding one small table, and a connection that writes to
+    /// it.
+    fn readers_of_a_new_database() -> (tempfile::TempDir, Readers, rusqlite::Connection) {
         let dir = tempfile::tempdir().expect("a folder");
-        let options = SqliteConnectOptions::from_str("sqlite://")
-            .expect("options")
-            .filename(dir.path().join("state.db"))
-            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-            .create_if_missing(true);
-        let mut writer = options.connect().await.expect("a connection");
-        sqlx::query(
-            "CREATE TABLE numbers (n INTEGER);
-             WITH RECURSIVE up(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM up WHERE n < 100)
-             INSERT INTO numbers SELECT n FROM up;",
-        )
-        .execute(&mut writer)
-        .await
-        .expect("a table");
-        (dir, Readers::new(options), writer)
+        let path = dir.path().join("state.db");
+        let writer = rusqlite::Connection::open(&path).expect("a connection");
+        writer
+            .execute_batch(
+                "PRAGMA journal_mode = WAL;
+                 CREATE TABLE numbers (n INTEGER);
+                 WITH RECURSIVE up(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM up WHERE n < 100)
+                 INSERT INTO numbers SELECT n FROM up;",
+            )
+            .expect("a table");
+        (dir, Readers::new(path), writer)
     }
 
-    fn open(readers: &Readers) -> usize {
-        readers
-            .places
-            .iter()
-            .filter(|place| place.try_lock().is_ok_and(|place| place.is_some()))
-            .count()
+    fn add_a_row(writer: &rusqlite::Connection) {
+        writer
+            .execute("INSERT INTO numbers VALUES (101)", [])
+            .expect("a row more");
     }
 
-    async fn count(readers: &Readers) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM numbers")
-            .fetch_one(&mut *readers.lend().await.expect("a reader"))
-            .await
-            .expect("a count")
-    }
-
-    /// How a read's transaction ends.
-    enum Ending {
-        Committed,
-        Dropped,
-    }
-
-    /// The table's sum, read in a transaction of its own on a lent connection.
-    async fn sum_in_a_transaction(readers: &Readers, ending: Ending) -> i64 {
-        let mut reader = readers.lend().await.expect("a reader");
-        let mut transaction = sqlx::Connection::begin(&mut *reader).await.expect("begun");
-        let sum = sqlx::query_scalar("SELECT SUM(n) FROM numbers")
-            .fetch_one(&mut *transaction)
-            .await
-            .expect("a sum");
-        if let Ending::Committed = ending {
-            transaction.commit().await.expect("committed");
-        }
-        sum
-    }
-
-    /// The table's count and sum, read by a stepping read.
+    /// The table's count and sum, read on a reader.
     async fn stepped_count_and_sum(readers: &Readers) -> (i64, i64) {
         readers
             .step(|connection| {
@@ -384,24 +275,21 @@ mod tests {
                     .map_err(reader_error)
             })
             .await
-            .expect("a stepping read")
+            .expect("a read")
     }
 
     #[tokio::test]
     async fn stepping_reads_keep_one_connection_see_each_commit_and_never_write() {
-        let (_dir, readers, mut writer) = readers_of_a_new_database().await;
+        let (_dir, readers, writer) = readers_of_a_new_database();
         let started = || {
-            let threads = readers.stepping.threads.iter();
+            let threads = readers.threads.iter();
             threads
                 .filter(|thread| thread.lock().is_ok_and(|thread| thread.is_some()))
                 .count()
         };
         assert_eq!(started(), 0, "nothing is started before a read needs it");
         assert_eq!(stepped_count_and_sum(&readers).await, (100, 5050));
-        sqlx::query("INSERT INTO numbers VALUES (101)")
-            .execute(&mut writer)
-            .await
-            .expect("a row more");
+        add_a_row(&writer);
         assert_eq!(
             stepped_count_and_sum(&readers).await,
             (101, 5151),
@@ -425,7 +313,7 @@ mod tests {
 
     #[tokio::test]
     async fn stepping_reads_beyond_the_readers_wait_and_a_read_that_panics_frees_its_reader() {
-        let (_dir, readers, _writer) = readers_of_a_new_database().await;
+        let (_dir, readers, _writer) = readers_of_a_new_database();
         let readers = Arc::new(readers);
         // Four reads held inside their readers until let go.
         let (let_go, held) = std::sync::mpsc::channel::<()>();
@@ -442,7 +330,7 @@ mod tests {
                     .await
             }));
         }
-        while readers.stepping.free.available_permits() > 0 {
+        while readers.free.available_permits() > 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let waiting =
@@ -464,69 +352,43 @@ mod tests {
         for _ in 0..READERS + 1 {
             assert_eq!(stepped_count_and_sum(&readers).await, (100, 5050));
         }
-        assert_eq!(readers.stepping.free.available_permits(), READERS);
+        assert_eq!(readers.free.available_permits(), READERS);
     }
 
     #[tokio::test]
-    async fn reads_one_after_another_keep_to_one_connection_and_none_opens_before_a_read() {
-        let (_dir, readers, _writer) = readers_of_a_new_database().await;
-        assert_eq!(
-            open(&readers),
-            0,
-            "nothing is opened before a read needs it"
-        );
-        for _ in 0..5 {
-            assert_eq!(count(&readers).await, 100);
-        }
-        assert_eq!(open(&readers), 1);
-    }
-
-    #[tokio::test]
-    async fn reads_beyond_the_connections_wait_for_one_given_back() {
-        let (_dir, readers, _writer) = readers_of_a_new_database().await;
-        let mut lent = Vec::new();
-        for _ in 0..READERS {
-            lent.push(readers.lend().await.expect("a reader"));
-        }
-        assert_eq!(READERS, 4);
-        let waiting = tokio::time::timeout(Duration::from_millis(50), readers.lend()).await;
-        assert!(waiting.is_err(), "a fifth read waits while four are lent");
-        lent.pop();
-        assert_eq!(
-            count(&readers).await,
-            100,
-            "a connection given back serves the next"
-        );
-        drop(lent);
-        assert_eq!(open(&readers), READERS, "never more than four were opened");
-    }
-
-    #[tokio::test]
-    async fn a_read_dropped_half_way_leaves_its_connection_fit_for_the_next() {
-        let (_dir, readers, mut writer) = readers_of_a_new_database().await;
-        // A transaction dropped before its end (a request whose client went away).
-        sum_in_a_transaction(&readers, Ending::Dropped).await;
-        {
-            // A statement whose rows were no longer awaited.
-            let mut reader = readers.lend().await.expect("a reader");
-            let dropped = tokio::time::timeout(
-                Duration::ZERO,
-                sqlx::query_scalar::<_, i64>(
-                    "WITH RECURSIVE up(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM up
-                     WHERE n < 100000) SELECT n FROM up",
-                )
-                .fetch_all(&mut *reader),
-            )
+    async fn a_read_that_fails_or_panics_inside_a_transaction_leaves_its_reader_fit_for_the_next() {
+        let (_dir, readers, writer) = readers_of_a_new_database();
+        let failed = readers
+            .step(|connection| -> Result<(), StoreError> {
+                let snapshot = connection.unchecked_transaction().map_err(reader_error)?;
+                snapshot
+                    .query_row("SELECT SUM(n) FROM numbers", [], |_| Ok(()))
+                    .map_err(reader_error)?;
+                Err(StoreError::Corrupt("a row the read cannot use".into()))
+            })
             .await;
-            assert!(dropped.is_err(), "the read was dropped before it ended");
-        }
-        assert_eq!(open(&readers), 1, "both reads used the one connection");
-        // A commit after them: a read still inside either one's snapshot would not see it.
-        sqlx::query("INSERT INTO numbers VALUES (101)")
-            .execute(&mut writer)
+        assert!(matches!(failed, Err(StoreError::Corrupt(_))), "{failed:?}");
+        let panicked = readers
+            .step(|connection| -> Result<(), StoreError> {
+                let _snapshot = connection.unchecked_transaction().map_err(reader_error)?;
+                panic!("a read's own bug, mid-transaction")
+            })
+            .await;
+        assert!(
+            matches!(panicked, Err(StoreError::Reader(_))),
+            "{panicked:?}"
+        );
+        // A commit after both: a reader still inside either's snapshot would not see it.
+        add_a_row(&writer);
+        assert_eq!(
+            stepped_count_and_sum(&readers).await,
+            (101, 5151),
+            "the next read sees the table as it is now"
+        );
+        let still_in_a_transaction = readers
+            .step(|connection| Ok(!connection.is_autocommit()))
             .await
-            .expect("a row more");
-        let sum = sum_in_a_transaction(&readers, Ending::Committed).await;
-        assert_eq!(sum, 5050 + 101, "the next read sees the table as it is now");
+            .expect("a read");
+        assert!(!still_in_a_transaction);
     }
 }

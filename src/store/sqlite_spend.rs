@@ -3,8 +3,6 @@
 //! any run, so it costs neither a transaction nor a round trip of its own; reservations and
 //! rate buckets live in the process (it owns the store).
 
-use sqlx::Row;
-
 use super::StoreError;
 use super::conditions::{self, Dialect};
 use super::spend::{
@@ -12,6 +10,7 @@ use super::spend::{
     UsageTotals,
 };
 use super::sqlite::SqliteStore;
+use super::sqlite_readers::reader_error;
 use super::sqlite_writer::Prepared;
 use super::stored_time;
 
@@ -84,16 +83,14 @@ impl SpendStore for SqliteStore {
         key: &CounterKey,
         from_bucket: i64,
     ) -> Result<Vec<(i64, Amount)>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT bucket, tokens, cost_nanos FROM budget_usage
-             WHERE budget = ?1 AND subject = ?2 AND bucket >= ?3 ORDER BY bucket",
-        )
-        .bind(&key.budget)
-        .bind(&key.subject)
-        .bind(from_bucket)
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter().map(bucket_from_row).collect()
+        self.reader
+            .all(
+                "SELECT bucket, tokens, cost_nanos FROM budget_usage
+                 WHERE budget = ?1 AND subject = ?2 AND bucket >= ?3 ORDER BY bucket",
+                (key.budget.clone(), key.subject.clone(), from_bucket),
+                |row| Ok((column(row, "bucket")?, amount_of(row)?)),
+            )
+            .await
     }
 
     async fn budget_subjects(
@@ -101,22 +98,15 @@ impl SpendStore for SqliteStore {
         budget: &str,
         from_bucket: i64,
     ) -> Result<Vec<(String, Amount)>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT subject, SUM(tokens) AS tokens, SUM(cost_nanos) AS cost_nanos FROM budget_usage
-             WHERE budget = ?1 AND bucket >= ?2 GROUP BY subject ORDER BY subject",
-        )
-        .bind(budget)
-        .bind(from_bucket)
-        .fetch_all(&mut *self.reader.lend().await?)
-        .await?;
-        rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get("subject")?,
-                    amount(row.try_get("tokens")?, row.try_get("cost_nanos")?),
-                ))
-            })
-            .collect()
+        self.reader
+            .all(
+                "SELECT subject, SUM(tokens) AS tokens, SUM(cost_nanos) AS cost_nanos
+                 FROM budget_usage WHERE budget = ?1 AND bucket >= ?2
+                 GROUP BY subject ORDER BY subject",
+                (budget.to_owned(), from_bucket),
+                |row| Ok((column(row, "subject")?, amount_of(row)?)),
+            )
+            .await
     }
 
     async fn usage_totals(
@@ -125,28 +115,27 @@ impl SpendStore for SqliteStore {
         group_by: Option<UsageGroupBy>,
     ) -> Result<Vec<UsageTotals>, StoreError> {
         let sql = usage_totals(filter, group_by);
-        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(&filter.owner)
-            .bind(&filter.agent_id)
-            .bind(&filter.session_id)
-            .bind(&filter.model)
-            .bind(stored_time::owned(filter.from.as_ref()))
-            .bind(stored_time::owned(filter.to.as_ref()))
-            .bind(&filter.request_id)
-            .fetch_all(&mut *self.reader.lend().await?)
-            .await?;
-        rows.iter()
-            .map(|row| {
+        let params = (
+            filter.owner.clone(),
+            filter.agent_id.clone(),
+            filter.session_id.clone(),
+            filter.model.clone(),
+            stored_time::owned(filter.from.as_ref()),
+            stored_time::owned(filter.to.as_ref()),
+            filter.request_id.clone(),
+        );
+        self.reader
+            .all(sql, params, |row| {
                 Ok(UsageTotals::from_sums(
-                    row.try_get("grp")?,
-                    row.try_get("calls")?,
-                    row.try_get("prompt")?,
-                    row.try_get("completion")?,
-                    row.try_get("cost")?,
-                    row.try_get("estimated")?,
+                    column(row, "grp")?,
+                    column(row, "calls")?,
+                    column(row, "prompt")?,
+                    column(row, "completion")?,
+                    column(row, "cost")?,
+                    column(row, "estimated")?,
                 ))
             })
-            .collect()
+            .await
     }
 }
 
@@ -172,9 +161,15 @@ fn amount(tokens: i64, cost_nanos: i64) -> Amount {
     }
 }
 
-fn bucket_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<(i64, Amount), StoreError> {
-    Ok((
-        row.try_get("bucket")?,
-        amount(row.try_get("tokens")?, row.try_get("cost_nanos")?),
-    ))
+/// The column `name` of a read's row.
+fn column<T: rusqlite::types::FromSql>(
+    row: &rusqlite::Row<'_>,
+    name: &str,
+) -> Result<T, StoreError> {
+    row.get(name).map_err(reader_error)
+}
+
+/// The tokens and cost a row of counters holds.
+fn amount_of(row: &rusqlite::Row<'_>) -> Result<Amount, StoreError> {
+    Ok(amount(column(row, "tokens")?, column(row, "cost_nanos")?))
 }
