@@ -29,7 +29,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_readers::{Readers, reader_error, rows_of};
+use super::sqlite_readers::{Readers, column, reader_error, rows_of};
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -481,15 +481,15 @@ pub(super) trait Columns {
 
 impl Columns for rusqlite::Row<'_> {
     fn text(&self, name: &str) -> Result<String, StoreError> {
-        self.get(name).map_err(reader_error)
+        column(self, name)
     }
 
     fn opt_text(&self, name: &str) -> Result<Option<String>, StoreError> {
-        self.get(name).map_err(reader_error)
+        column(self, name)
     }
 
     fn int(&self, name: &str) -> Result<i64, StoreError> {
-        self.get(name).map_err(reader_error)
+        column(self, name)
     }
 }
 
@@ -1198,7 +1198,7 @@ impl Store for SqliteStore {
             .one(
                 "SELECT COUNT(*) FROM approvals WHERE status = 'pending'",
                 (),
-                |row| row.get::<_, i64>(0).map_err(reader_error),
+                |row| column::<i64>(row, 0),
             )
             .await?;
         Ok(count.unwrap_or(0).max(0) as u64)
@@ -1335,13 +1335,7 @@ impl Store for SqliteStore {
             .all(
                 super::requests_per_session_sql(IN_SESSIONS),
                 (ids,),
-                |row| {
-                    let counted = (row.get(0), row.get(1));
-                    Ok((
-                        counted.0.map_err(reader_error)?,
-                        counted.1.map_err(reader_error)?,
-                    ))
-                },
+                |row| Ok((column(row, 0)?, column(row, 1)?)),
             )
             .await?;
         Ok(super::counts_in_order(sessions, counted))
@@ -1481,7 +1475,7 @@ impl Store for SqliteStore {
                 |row| {
                     let mut numbers = [0; 4];
                     for (index, number) in numbers.iter_mut().enumerate() {
-                        *number = row.get::<_, i64>(index).map_err(reader_error)?.max(0) as u64;
+                        *number = column::<i64>(row, index)?.max(0) as u64;
                     }
                     Ok(numbers)
                 },

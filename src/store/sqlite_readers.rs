@@ -130,6 +130,14 @@ fn open(path: &std::path::Path) -> Result<rusqlite::Connection, rusqlite::Error>
     Ok(connection)
 }
 
+/// Column `index` (a position or a name) of a read's row.
+pub(super) fn column<T: rusqlite::types::FromSql>(
+    row: &rusqlite::Row<'_>,
+    index: impl rusqlite::RowIndex,
+) -> Result<T, StoreError> {
+    row.get(index).map_err(reader_error)
+}
+
 /// A read's failure, classified as [`super::sqlite_writer::writer_error`] classifies a write's.
 pub(super) fn reader_error(error: rusqlite::Error) -> StoreError {
     classified(error, StoreError::Reader)

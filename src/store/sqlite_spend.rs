@@ -10,7 +10,7 @@ use super::spend::{
     UsageTotals,
 };
 use super::sqlite::SqliteStore;
-use super::sqlite_readers::reader_error;
+use super::sqlite_readers::column;
 use super::sqlite_writer::Prepared;
 use super::stored_time;
 
@@ -159,14 +159,6 @@ fn amount(tokens: i64, cost_nanos: i64) -> Amount {
         tokens: tokens.max(0) as u64,
         cost_nanos,
     }
-}
-
-/// The column `name` of a read's row.
-fn column<T: rusqlite::types::FromSql>(
-    row: &rusqlite::Row<'_>,
-    name: &str,
-) -> Result<T, StoreError> {
-    row.get(name).map_err(reader_error)
 }
 
 /// The tokens and cost a row of counters holds.
