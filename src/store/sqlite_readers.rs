@@ -146,7 +146,7 @@ pub(super) fn reader_error(error: rusqlite::Error) -> StoreError {
 /// Statements a reader keeps prepared (rusqlite's default is 16).
 const STATEMENTS_KEPT: usize = 64;
 
-/// How long a read waits for a lock an outside tool holds (sqlx's readers' setting too).
+/// How long a read waits for a lock an outside tool holds.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Readers {
@@ -159,8 +159,8 @@ impl Readers {
         }
     }
 
-    /// Runs `read` on a reader's connection (opened read-only on first need), on
-    /// that reader's own thread, and returns what it returns. One read at a time keeps to one
+    /// Runs `read` on a reader's connection (opened read-only on first need), on that
+    /// reader's own thread, and returns what it returns. One read at a time keeps to one
     /// thread and connection (the first free), whose caches stay warm. The reader is free
     /// again when `read` ends, even if the caller stopped waiting.
     pub(super) async fn step<T: Send + 'static>(
@@ -191,9 +191,7 @@ impl Readers {
             .await
             .map_err(|_| StoreError::Reader("a reader's thread stopped mid-read".into()))?
     }
-}
 
-impl Readers {
     /// The first row `sql` finds for `params` (a lookup by key), as `map` reads it, on a
     /// reader.
     pub(super) async fn one<T: Send + 'static>(
