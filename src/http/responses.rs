@@ -34,7 +34,7 @@ use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::json;
 use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};
-use crate::runtime::{ApprovalWatch, Runtime, Submitted};
+use crate::runtime::{ApprovalWatch, Submitted};
 use crate::store::{EventRecord, RequestRecord, RunStatus, Store};
 
 /// `input.surface.api` of a request the Responses API submitted.
@@ -602,17 +602,26 @@ fn options(request: &CreateResponseRequest) -> Map<String, Value> {
     options
 }
 
-/// The stored request behind a response id, if `caller` may see it.
+/// A stored request behind a response id that `caller` may see, with its terminal event if
+/// it ended.
+struct StoredResponse {
+    request: RequestRecord,
+    shape: Shape,
+    terminal: Option<EventRecord>,
+}
+
+/// The stored request behind a response id, if `caller` may see it, read with its last event
+/// at once.
 async fn stored_request(
     store: &dyn Store,
     caller: &Caller,
     id: &str,
-) -> Result<Option<(RequestRecord, Shape)>, ApiError> {
+) -> Result<Option<StoredResponse>, ApiError> {
     let Some(request_id) = request_id_of(id) else {
         return Ok(None);
     };
-    let Some(request) = store
-        .request(&request_id)
+    let Some((request, last)) = store
+        .request_and_last_event(&request_id)
         .await
         .map_err(|e| store_error(&e))?
     else {
@@ -621,9 +630,14 @@ async fn stored_request(
     if request.owner != caller.identity {
         return Ok(None);
     }
-    Ok(Shape::from_request(&request)
-        .filter(|shape| shape.store)
-        .map(|shape| (request, shape)))
+    let Some(shape) = Shape::from_request(&request).filter(|shape| shape.store) else {
+        return Ok(None);
+    };
+    Ok(Some(StoredResponse {
+        terminal: last.filter(|event| is_terminal(&event.event_type)),
+        request,
+        shape,
+    }))
 }
 
 fn response_not_found(id: &str, param: Option<&str>) -> ApiError {
@@ -637,45 +651,32 @@ fn response_not_found(id: &str, param: Option<&str>) -> ApiError {
     }
 }
 
-async fn terminal_event(
-    runtime: &Runtime,
-    request_id: &str,
-) -> Result<Option<EventRecord>, ApiError> {
-    runtime
-        .terminal_event(request_id)
-        .await
-        .map_err(|error| ApiError::from(error).on_openai_surface())
-}
-
 /// What a stored request made of its response.
-async fn stored_outcome(runtime: &Runtime, request: &RequestRecord) -> Result<Outcome, ApiError> {
-    Ok(match request.status {
+fn stored_outcome(stored: &StoredResponse) -> Outcome {
+    match stored.request.status {
         RunStatus::Queued => Outcome::in_progress("queued"),
         RunStatus::Running | RunStatus::WaitingApproval => Outcome::in_progress("in_progress"),
-        _ => match terminal_event(runtime, &request.id).await? {
-            Some(event) => Outcome::ended(&request.id, &event),
+        _ => match &stored.terminal {
+            Some(event) => Outcome::ended(&stored.request.id, event),
             None => Outcome::in_progress("in_progress"),
         },
-    })
+    }
 }
 
 /// The context a chain continues from: the previous request's transcript without its
 /// instructions, then its output (text and function calls).
-async fn chain_context(
-    runtime: &Runtime,
-    previous: &RequestRecord,
-    shape: &Shape,
-) -> Result<Vec<Value>, ApiError> {
+fn chain_context(previous: &StoredResponse) -> Vec<Value> {
     let mut messages: Vec<Value> = previous
+        .request
         .input
         .get("messages")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
-    if shape.instructions.is_some() && !messages.is_empty() {
+    if previous.shape.instructions.is_some() && !messages.is_empty() {
         messages.remove(0);
     }
-    if let Some(event) = terminal_event(runtime, &previous.id).await?
+    if let Some(event) = &previous.terminal
         && event.event_type == REQUEST_COMPLETED
     {
         let text = event
@@ -686,7 +687,7 @@ async fn chain_context(
         let answer = ClientCall::assistant_message(text, &client_calls(&event.data));
         messages.push(answer);
     }
-    Ok(messages)
+    messages
 }
 
 #[utoipa::path(post, path = "/v1/responses", tag = "v1", security(("client_key" = [])),
@@ -713,16 +714,15 @@ pub async fn create_response(
     }
     let mut session = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     if let Some(previous_id) = &request.previous_response_id {
-        let Some((previous, shape)) = stored_request(store.as_ref(), &caller, previous_id).await?
-        else {
+        let Some(previous) = stored_request(store.as_ref(), &caller, previous_id).await? else {
             return Err(response_not_found(
                 previous_id,
                 Some("previous_response_id"),
             ));
         };
-        messages.extend(chain_context(&state.runtime, &previous, &shape).await?);
+        messages.extend(chain_context(&previous));
         // A chain is one session unless the client groups it otherwise.
-        session.get_or_insert(previous.session_id);
+        session.get_or_insert(previous.request.session_id);
     }
     match &request.input {
         Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
@@ -811,11 +811,10 @@ pub async fn get_response(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let store = state.runtime.store();
-    let Some((request, shape)) = stored_request(store.as_ref(), &caller, &id).await? else {
+    let Some(stored) = stored_request(store.as_ref(), &caller, &id).await? else {
         return Err(response_not_found(&id, None));
     };
-    let outcome = stored_outcome(&state.runtime, &request).await?;
-    Ok(JsonText(shape.object_text(&outcome)).into_response())
+    Ok(JsonText(stored.shape.object_text(&stored_outcome(&stored))).into_response())
 }
 
 async fn complete_response(

@@ -378,6 +378,18 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// The event of a request with the highest `seq`, if it has any: its last row of events
     /// read once (its `seq` is the request's highest).
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError>;
+    /// A request and its last event ([`Store::last_event`]), read together (the embedded
+    /// store reads both in one hop to a reader): the request first, so the event is at least
+    /// as new as the request's status. Whoever asks checks the owner before using either.
+    async fn request_and_last_event(
+        &self,
+        id: &str,
+    ) -> Result<Option<(RequestRecord, Option<EventRecord>)>, StoreError> {
+        let Some(request) = self.request(id).await? else {
+            return Ok(None);
+        };
+        Ok(Some((request, self.last_event(id).await?)))
+    }
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError>;
     /// The messages of a session, oldest first.
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;

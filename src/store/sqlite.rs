@@ -29,7 +29,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_readers::{Readers, column, reader_error, rows_of};
+use super::sqlite_readers::{Readers, column, first_row, reader_error, rows_of};
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -1088,6 +1088,27 @@ impl Store for SqliteStore {
             })
             .await?;
         Ok(events.and_then(|mut events| events.pop()))
+    }
+
+    async fn request_and_last_event(
+        &self,
+        id: &str,
+    ) -> Result<Option<(RequestRecord, Option<EventRecord>)>, StoreError> {
+        let id = id.to_owned();
+        self.reader
+            .step(move |connection| {
+                let request = first_row(connection, REQUEST_BY_ID, (&id,), |row| {
+                    request_from_row(row)
+                })?;
+                let Some(request) = request else {
+                    return Ok(None);
+                };
+                let last = first_row(connection, LAST_EVENT_ROW, (&id,), |row| {
+                    events_from_row(row)
+                })?;
+                Ok(Some((request, last.and_then(|mut events| events.pop()))))
+            })
+            .await
     }
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {

@@ -200,13 +200,8 @@ impl Readers {
         params: impl rusqlite::Params + Send + 'static,
         map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
     ) -> Result<Option<T>, StoreError> {
-        self.step(move |connection| {
-            let mut statement = connection
-                .prepare_cached(sql.as_ref())
-                .map_err(reader_error)?;
-            rows_of(&mut statement, params, map).next().transpose()
-        })
-        .await
+        self.step(move |connection| first_row(connection, sql.as_ref(), params, map))
+            .await
     }
 
     /// Every row `sql` finds for `params`, as `map` reads it, on a reader.
@@ -224,6 +219,17 @@ impl Readers {
         })
         .await
     }
+}
+
+/// The first row `sql` (kept prepared) finds for `params`, as `map` reads it.
+pub(super) fn first_row<T>(
+    connection: &rusqlite::Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+) -> Result<Option<T>, StoreError> {
+    let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+    rows_of(&mut statement, params, map).next().transpose()
 }
 
 /// The rows `statement` yields for `params`, each as `map` reads it, one at a time.

@@ -328,8 +328,30 @@ async fn a_batch_of_many_events_keeps_each_events_fields_and_order(store: Arc<dy
         // The last event is the last of its row, read alone.
         let last = store.last_event(&format!("req_{request}")).await.unwrap();
         assert_eq!(last.as_ref(), stored.last());
+        // And read with its request, the same.
+        let (read, with_request) = store
+            .request_and_last_event(&format!("req_{request}"))
+            .await
+            .unwrap()
+            .expect("the request");
+        assert_eq!(read.id, format!("req_{request}"));
+        assert_eq!(read.status, RunStatus::Running);
+        assert_eq!(with_request, last);
     }
     assert_eq!(store.last_event("req_missing").await.unwrap(), None);
+    let missing = store.request_and_last_event("req_missing").await.unwrap();
+    assert!(missing.is_none(), "{missing:?}");
+    seed(&store, "c", RunStatus::Queued).await;
+    let (read, last) = store
+        .request_and_last_event("req_c")
+        .await
+        .unwrap()
+        .expect("the request");
+    assert_eq!(
+        (read.id.as_str(), last),
+        ("req_c", None),
+        "a request with no events"
+    );
 }
 
 /// A request's events, written by two runs in batches of several (split by other ops and by
