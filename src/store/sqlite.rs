@@ -29,7 +29,7 @@ use sqlx::{Row, SqlitePool};
 use super::conditions::{self, Conditions, Dialect};
 use super::event_rows::{EventRows, StoredLaterEvent, count_owned_sql, unpack};
 use super::spend::UsageTotals;
-use super::sqlite_readers::{Readers, column, first_row, reader_error, rows_of};
+use super::sqlite_readers::{Readers, all_rows, column, first_row, reader_error, rows_of};
 use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
@@ -205,16 +205,15 @@ async fn vacuum_into(readers: &Readers, to: &Path) -> Result<u64, StoreError> {
     Ok(std::fs::metadata(to).map_or(0, |m| m.len()))
 }
 
-/// Every row `sql` (a statement run once, not kept prepared) finds for the sessions `ids`,
-/// as `map` reads it.
-fn every_row<T>(
+/// A request's last event: the last of its last row of events.
+fn last_event_in(
     connection: &rusqlite::Connection,
-    sql: &str,
-    ids: &str,
-    map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
-) -> Result<Vec<T>, StoreError> {
-    let mut statement = connection.prepare(sql).map_err(reader_error)?;
-    rows_of(&mut statement, (ids,), map).collect()
+    request_id: &str,
+) -> Result<Option<EventRecord>, StoreError> {
+    let row = first_row(connection, LAST_EVENT_ROW, (request_id,), |row| {
+        events_from_row(row)
+    })?;
+    Ok(row.and_then(|mut events| events.pop()))
 }
 
 /// Exclusive ownership of a store by this process: an advisory lock (`flock`) on the file
@@ -1081,13 +1080,10 @@ impl Store for SqliteStore {
     }
 
     async fn last_event(&self, request_id: &str) -> Result<Option<EventRecord>, StoreError> {
-        let events = self
-            .reader
-            .one(LAST_EVENT_ROW, (request_id.to_owned(),), |row| {
-                events_from_row(row)
-            })
-            .await?;
-        Ok(events.and_then(|mut events| events.pop()))
+        let request_id = request_id.to_owned();
+        self.reader
+            .step(move |connection| last_event_in(connection, &request_id))
+            .await
     }
 
     async fn request_and_last_event(
@@ -1103,10 +1099,7 @@ impl Store for SqliteStore {
                 let Some(request) = request else {
                     return Ok(None);
                 };
-                let last = first_row(connection, LAST_EVENT_ROW, (&id,), |row| {
-                    events_from_row(row)
-                })?;
-                Ok(Some((request, last.and_then(|mut events| events.pop()))))
+                Ok(Some((request, last_event_in(connection, &id)?)))
             })
             .await
     }
@@ -1381,15 +1374,15 @@ impl Store for SqliteStore {
                 let mut events = snapshot.prepare(&events).map_err(reader_error)?;
                 let events = rows_of(&mut events, (&ids,), |row| events_from_row(row));
                 Ok(ArchiveRows {
-                    sessions: every_row(&snapshot, &sessions, &ids, |row| session_from_row(row))?,
-                    messages: every_row(&snapshot, &messages, &ids, |row| message_from_row(row))?,
-                    requests: every_row(&snapshot, &requests, &ids, |row| request_from_row(row))?,
-                    runs: every_row(&snapshot, &runs, &ids, |row| run_from_row(row))?,
+                    sessions: all_rows(&snapshot, &sessions, (&ids,), |row| session_from_row(row))?,
+                    messages: all_rows(&snapshot, &messages, (&ids,), |row| message_from_row(row))?,
+                    requests: all_rows(&snapshot, &requests, (&ids,), |row| request_from_row(row))?,
+                    runs: all_rows(&snapshot, &runs, (&ids,), |row| run_from_row(row))?,
                     events: EventRows::EVERY.keep_unpacked(events)?,
-                    tool_calls: every_row(&snapshot, &tool_calls, &ids, |row| {
+                    tool_calls: all_rows(&snapshot, &tool_calls, (&ids,), |row| {
                         tool_call_from_row(row)
                     })?,
-                    approvals: every_row(&snapshot, &approvals, &ids, |row| {
+                    approvals: all_rows(&snapshot, &approvals, (&ids,), |row| {
                         approval_from_row(row)
                     })?,
                 })

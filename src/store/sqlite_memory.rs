@@ -260,25 +260,19 @@ impl MemoryStore for SqliteStore {
     ) -> Result<Page<MemoryRecord>, StoreError> {
         let sql = memories_page(filter);
         let words = (!filter.words.is_empty()).then(|| any_of(&filter.words));
-        let (filter, cursor, limit) = (filter.clone(), page.cursor.clone(), page.limit);
+        let params = (
+            filter.namespace.clone(),
+            filter.status.map(MemoryStatus::as_str),
+            filter.owner.clone(),
+            page.cursor.clone(),
+            words,
+            page.limit.saturating_add(1),
+        );
         let items = self
             .reader
-            .step(move |connection| {
-                let mut statement = connection.prepare_cached(&sql).map_err(reader_error)?;
-                memories_of(
-                    &mut statement,
-                    rusqlite::params![
-                        filter.namespace,
-                        filter.status.map(MemoryStatus::as_str),
-                        filter.owner,
-                        cursor,
-                        words,
-                        limit.saturating_add(1)
-                    ],
-                )
-            })
+            .all(sql, params, |row| memory_from_row(row))
             .await?;
-        Ok(Page::from_overfetch(items, limit, |m| m.id.clone()))
+        Ok(Page::from_overfetch(items, page.limit, |m| m.id.clone()))
     }
 
     async fn recall_memories(

@@ -169,7 +169,10 @@ impl Readers {
     ) -> Result<T, StoreError> {
         let permit = tokio::time::timeout(LEND_TIMEOUT, Arc::clone(&self.free).acquire_owned())
             .await
-            .map_err(|_| StoreError::Unavailable("every reader stayed busy for 30 s".into()))?
+            .map_err(|_| {
+                let waited = LEND_TIMEOUT.as_secs();
+                StoreError::Unavailable(format!("every reader stayed busy for {waited} s"))
+            })?
             .map_err(|_| StoreError::Reader("the readers are closed".into()))?;
         // A permit held means a thread free: each read frees its thread before its permit.
         let (thread, busy) = self.take_thread()?;
@@ -211,13 +214,8 @@ impl Readers {
         params: impl rusqlite::Params + Send + 'static,
         map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
     ) -> Result<Vec<T>, StoreError> {
-        self.step(move |connection| {
-            let mut statement = connection
-                .prepare_cached(sql.as_ref())
-                .map_err(reader_error)?;
-            rows_of(&mut statement, params, map).collect()
-        })
-        .await
+        self.step(move |connection| all_rows(connection, sql.as_ref(), params, map))
+            .await
     }
 }
 
@@ -230,6 +228,17 @@ pub(super) fn first_row<T>(
 ) -> Result<Option<T>, StoreError> {
     let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
     rows_of(&mut statement, params, map).next().transpose()
+}
+
+/// Every row `sql` (kept prepared) finds for `params`, as `map` reads it.
+pub(super) fn all_rows<T>(
+    connection: &rusqlite::Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    map: fn(&rusqlite::Row<'_>) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+    rows_of(&mut statement, params, map).collect()
 }
 
 /// The rows `statement` yields for `params`, each as `map` reads it, one at a time.
