@@ -65,8 +65,9 @@ const CHANGES_CAPACITY: usize = 4_096;
 /// Batches the journal applies at once ([`Store::writer_lanes`]), each in a backend of its
 /// own: one batch at a time left PostgreSQL one CPU's worth of work at most (a third of
 /// this 2-core machine idle at 32 clients; docs/profiling.md, the thirty-seventh pass).
-/// Not three: with two the machine is nearly saturated, and a third only adds contention
-/// between the lanes' transactions (2,962 -> 2,774 req/s at c=32, the seventy-fifth pass).
+/// Not three, measured with PostgreSQL on the same two cores: two lanes nearly saturate
+/// them, and a third only adds contention between the lanes' transactions (2,962 -> 2,774
+/// req/s at c=32, the seventy-fifth pass); a database on cores of its own was not measured.
 const WRITER_LANES: usize = 2;
 /// Backends kept for the reads on a request's answer path, outside the pool: a request's view
 /// (after `wait`), and what a continued conversation reads before it is submitted (the
