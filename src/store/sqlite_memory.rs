@@ -178,12 +178,24 @@ fn recall_ranked(
     )
 }
 
-/// `at` as SQLite's `julianday()` gives it (days since noon UTC, 24 November 4714 BC, in
-/// the proleptic Gregorian calendar), to the nearest millisecond, as SQLite keeps times.
+/// `at` as SQLite's `julianday()` gives it for `at`'s stored text (days since noon UTC, 24
+/// November 4714 BC, in the proleptic Gregorian calendar), in whole milliseconds, as SQLite
+/// keeps times. Its date parser reads a second's fraction as a double and caps it at 0.999
+/// (so that rounding never makes a 60th second), then rounds the seconds to the millisecond
+/// as `(s * 1000 + 0.5)` truncated: the same steps here, in the same arithmetic, or a time in
+/// a second's last half millisecond, or on a half millisecond, came out one millisecond off.
 fn julian_day(at: DateTime<Utc>) -> f64 {
+    use chrono::Timelike;
     /// The Julian day of the Unix epoch.
     const UNIX_EPOCH: f64 = 2_440_587.5;
-    (at.timestamp_micros() as f64 / 1_000.0).round() / 86_400_000.0 + UNIX_EPOCH
+    let of_day = i64::from(at.num_seconds_from_midnight());
+    // A leap second's fraction (chrono's past 1 s) is read as the stored text writes it.
+    let fraction = f64::from(at.timestamp_subsec_micros() % 1_000_000) / 1e6;
+    let seconds = (of_day % 60) as f64 + fraction.min(0.999);
+    let millis = (at.timestamp() - of_day) * 1_000
+        + (of_day / 60) * 60_000
+        + (seconds * 1_000.0 + 0.5) as i64;
+    millis as f64 / 86_400_000.0 + UNIX_EPOCH
 }
 
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
@@ -457,10 +469,22 @@ mod tests {
     #[test]
     fn a_julian_day_is_sqlites() {
         let connection = rusqlite::Connection::open_in_memory().expect("a connection");
+        let at = |seconds: i64, nanos: u32| {
+            DateTime::from_timestamp(seconds, nanos).expect("a time in range")
+        };
         for at in [
             Utc::now(),
             DateTime::UNIX_EPOCH,
             Utc::now() - chrono::Duration::days(400) + chrono::Duration::milliseconds(7),
+            // A second's last half millisecond: SQLite caps the fraction at 0.999.
+            at(1_761_929_899, 999_555_000),
+            at(1_761_929_899, 999_999_000),
+            // On a half millisecond, where SQLite's double rounds down or up.
+            at(1_761_929_899, 998_500_000),
+            at(1_761_929_899, 1_500_000),
+            at(1_761_929_899, 500_000),
+            // Before the Unix epoch.
+            at(-86_399, 999_600_000),
         ] {
             let sqlite: f64 = connection
                 .query_row("SELECT julianday(?1)", [stored_time::text(&at)], |row| {
