@@ -82,10 +82,13 @@ const RECALL_CANDIDATES: i64 = 200;
 const RECALL_RANKED: &str = "SELECT rowid, rank FROM memory_fts WHERE memory_fts MATCH ?1
      ORDER BY rank LIMIT CAST(?2 AS INTEGER)";
 // Dividing by the age factor moves an old record's score towards 0, behind fresher ones of the
-// same relevance (a month-old record counts half). `?3` is the recall's time (`julian_day`).
+// same relevance (a month-old record counts half). `?3` is the recall's time ([`RECALL_TIME`]).
 const RECALL_CANDIDATE: &str = "SELECT *,
        ?2 / (1.0 + max(?3 - julianday(updated_at), 0) / 30.0) AS recall_score
      FROM memories WHERE rowid = ?1 AND namespace = ?4 AND scope = ?5 AND status = 'active'";
+// A recall's time as a Julian day, read once for all its candidates (each its own statement),
+// from the text the store writes times in: SQLite reads it as it reads `updated_at`.
+const RECALL_TIME: &str = "SELECT julianday(?1)";
 // The full-text search is the outer loop (CROSS JOIN): the planner would otherwise walk the
 // namespace's rows and run the search again for each one.
 const RECALL_EVERY_MATCH: &str =
@@ -115,7 +118,10 @@ fn recall_ranked(
     if limit == 0 {
         return Ok(Vec::new());
     }
-    let now = julian_day(Utc::now());
+    let now: f64 = connection
+        .prepare_cached(RECALL_TIME)
+        .and_then(|mut time| time.query_row([stored_time::now()], |row| row.get(0)))
+        .map_err(reader_error)?;
     let candidates = i64::try_from(limit)
         .unwrap_or(i64::MAX)
         .saturating_mul(20)
@@ -176,26 +182,6 @@ fn recall_ranked(
             query
         ],
     )
-}
-
-/// `at` as SQLite's `julianday()` gives it for `at`'s stored text (days since noon UTC, 24
-/// November 4714 BC, in the proleptic Gregorian calendar), in whole milliseconds, as SQLite
-/// keeps times. Its date parser reads a second's fraction as a double and caps it at 0.999
-/// (so that rounding never makes a 60th second), then rounds the seconds to the millisecond
-/// as `(s * 1000 + 0.5)` truncated: the same steps here, in the same arithmetic, or a time in
-/// a second's last half millisecond, or on a half millisecond, came out one millisecond off.
-fn julian_day(at: DateTime<Utc>) -> f64 {
-    use chrono::Timelike;
-    /// The Julian day of the Unix epoch.
-    const UNIX_EPOCH: f64 = 2_440_587.5;
-    let of_day = i64::from(at.num_seconds_from_midnight());
-    // A leap second's fraction (chrono's past 1 s) is read as the stored text writes it.
-    let fraction = f64::from(at.timestamp_subsec_micros() % 1_000_000) / 1e6;
-    let seconds = (of_day % 60) as f64 + fraction.min(0.999);
-    let millis = (at.timestamp() - of_day) * 1_000
-        + (of_day / 60) * 60_000
-        + (seconds * 1_000.0 + 0.5) as i64;
-    millis as f64 / 86_400_000.0 + UNIX_EPOCH
 }
 
 /// An FTS5 query matching any of `words`, each a quoted string (no operator can slip in).
@@ -464,35 +450,6 @@ mod tests {
                 }
             })
             .collect()
-    }
-
-    #[test]
-    fn a_julian_day_is_sqlites() {
-        let connection = rusqlite::Connection::open_in_memory().expect("a connection");
-        let at = |seconds: i64, nanos: u32| {
-            DateTime::from_timestamp(seconds, nanos).expect("a time in range")
-        };
-        for at in [
-            Utc::now(),
-            DateTime::UNIX_EPOCH,
-            Utc::now() - chrono::Duration::days(400) + chrono::Duration::milliseconds(7),
-            // A second's last half millisecond: SQLite caps the fraction at 0.999.
-            at(1_761_929_899, 999_555_000),
-            at(1_761_929_899, 999_999_000),
-            // On a half millisecond, where SQLite's double rounds down or up.
-            at(1_761_929_899, 998_500_000),
-            at(1_761_929_899, 1_500_000),
-            at(1_761_929_899, 500_000),
-            // Before the Unix epoch.
-            at(-86_399, 999_600_000),
-        ] {
-            let sqlite: f64 = connection
-                .query_row("SELECT julianday(?1)", [stored_time::text(&at)], |row| {
-                    row.get(0)
-                })
-                .expect("a julian day");
-            assert!((julian_day(at) - sqlite).abs() < 1e-9, "{at}: {sqlite}");
-        }
     }
 
     /// What a recall finds, by definition: the namespace's best among the candidates, all of
