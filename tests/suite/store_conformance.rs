@@ -1975,9 +1975,11 @@ async fn a_charge_counts_once_and_the_ledger_adds_up_by_group(store: Arc<dyn Sto
     use stable_harness::store::spend::{
         Amount, CounterDelta, CounterKey, UsageFilter, UsageGroupBy, UsageRecord,
     };
+    // One time for every charge, so the day they group under is known even across midnight.
+    let at = Utc::now();
     let record = |id: &str, agent: &str, model: &str, prompt: u64, cost: Option<i64>| UsageRecord {
         id: id.into(),
-        at: Utc::now(),
+        at,
         request_id: format!("req_{id}"),
         run_id: "run_1".into(),
         owner: "key-a".into(),
@@ -2093,14 +2095,14 @@ async fn a_charge_counts_once_and_the_ledger_adds_up_by_group(store: Arc<dyn Sto
         .map(|t| (t.group.as_str(), t.prompt_tokens))
         .collect();
     assert_eq!(models, [("fast", 7), ("main", 40)]);
-    // A model without a price adds no cost to its group; the day groups every call of today.
+    // A model without a price adds no cost to its group; the day groups every call of its day.
     assert_eq!(by_model[1].cost, None);
     let by_day = store
         .usage_totals(&UsageFilter::default(), Some(UsageGroupBy::Day))
         .await
         .unwrap();
     assert_eq!(by_day.len(), 1);
-    assert_eq!(by_day[0].group, Utc::now().format("%Y-%m-%d").to_string());
+    assert_eq!(by_day[0].group, at.format("%Y-%m-%d").to_string());
     let none = store
         .usage_totals(
             &UsageFilter {
