@@ -25,8 +25,9 @@
 //!   request the run stored, at concurrency 1 and 8; the tool call with an MCP server's tool
 //!   in place of the builtin one (served by rmcp over streamable HTTP on loopback, in this
 //!   process: `support/mcp.rs`), beside the same server called directly; and an agent that
-//!   recalls the best 5 of 10,000 memory records (imported through the operators' API)
-//!   before each run, at concurrency 1 and 32, against plain chat;
+//!   recalls the best 5 of 10,000 memory records (imported through the operators' API;
+//!   `STABLE_HARNESS_BENCH_MEMORIES=N` imports N) before each run, at concurrency 1 and 32,
+//!   against plain chat;
 //! - first, the machine's cost of a wake-up: two threads waking each other in turn.
 //!
 //! It ends with a table of the aims of the performance work (issue 16), each as the figure
@@ -95,8 +96,11 @@ const APPROVAL_CYCLES: usize = 200;
 /// The least pause between two chunks of a stream sent as a model generates it (each delta
 /// then commits alone), in ms; the upstream's timer rounds it up to its next tick.
 const APART_MS: u64 = 1;
-/// Records in the memory namespace the recalling agent searches before every run.
+/// Records in the memory namespace the recalling agent searches before every run, unless
+/// `STABLE_HARNESS_BENCH_MEMORIES` names another number.
 const MEMORIES: usize = 10_000;
+/// Records a memory import carries: a larger namespace is imported in several.
+const IMPORT_BATCH: usize = 10_000;
 
 fn main() {
     stable_harness::app::install_crypto_provider();
@@ -118,6 +122,17 @@ fn phase_length() -> Duration {
 
 /// `STABLE_HARNESS_BENCH_STORED`: how many requests the store holds before the phases
 /// (default none).
+/// How many records the recalling agent's namespace holds (`STABLE_HARNESS_BENCH_MEMORIES`).
+fn memories() -> usize {
+    std::env::var("STABLE_HARNESS_BENCH_MEMORIES")
+        .ok()
+        .map(|n| {
+            n.parse()
+                .expect("STABLE_HARNESS_BENCH_MEMORIES: a number of records")
+        })
+        .unwrap_or(MEMORIES)
+}
+
 fn stored_requests() -> usize {
     std::env::var("STABLE_HARNESS_BENCH_STORED")
         .ok()
@@ -473,7 +488,8 @@ async fn measure(
             "memory" => {
                 let took = import_memories(client, &servers.bases[0]).await;
                 println!(
-                    "{MEMORIES} memories imported in {:.2} s",
+                    "{} memories imported in {:.2} s",
+                    memories(),
                     took.as_secs_f64()
                 );
                 recall.clone()
@@ -748,12 +764,13 @@ async fn measure(
     figures.insert("mcp.c32.rps".into(), (mcp_c32.rps, f64::NAN));
     figures.insert("mcp.cpu".into(), (mcp_cpu, f64::NAN));
 
-    // Last, as it grows the store: an agent recalling the best 5 of MEMORIES records (the
+    // Last, as it grows the store: an agent recalling the best 5 of memories() records (the
     // store's full-text search) before its run, against the plain chat measured above.
     let imported = import_memories(client, &servers.bases[0]).await;
     let (recall_c1, recall_c32, recall_cpu) = alone_then_32(&recall).await;
     println!(
-        "memory recalled (the best 5 of {MEMORIES} records, imported in {:.2} s): {:.3} ms added to direct's p50 at c=1 (plain chat {:.3}); {:.0} req/s at c=32 (plain chat {:.0}), server CPU {recall_cpu:.3} ms a request (plain chat {:.3})",
+        "memory recalled (the best 5 of {} records, imported in {:.2} s): {:.3} ms added to direct's p50 at c=1 (plain chat {:.3}); {:.0} req/s at c=32 (plain chat {:.0}), server CPU {recall_cpu:.3} ms a request (plain chat {:.3})",
+        memories(),
         imported.as_secs_f64(),
         recall_c1.p50 - direct_c1.p50,
         figures["chat.c1.p50"].0,
@@ -793,12 +810,14 @@ fn memory_ask() -> String {
     )
 }
 
-/// Imports MEMORIES active records, six words of a 400-word vocabulary each, into the
-/// recalling agent's namespace through the operators' memory API; how long the import took.
+/// Imports [`memories()`] active records, six words of a 400-word vocabulary each, into the
+/// recalling agent's namespace through the operators' memory API, [`IMPORT_BATCH`] records a
+/// call; how long the import took.
 async fn import_memories(client: &reqwest::Client, base: &str) -> Duration {
-    let mut lines = String::new();
+    let total = memories();
+    let mut batches = vec![String::new()];
     let mut state: u64 = 7;
-    for index in 0..MEMORIES {
+    for index in 0..total {
         let words: Vec<String> = (0..6)
             .map(|_| {
                 // A linear congruential sequence: the same records every run.
@@ -810,20 +829,28 @@ async fn import_memories(client: &reqwest::Client, base: &str) -> Duration {
             .collect();
         let record = json!({ "namespace": "agent/remembering",
             "content": format!("Note {index}: {}.", words.join(" ")) });
+        if index > 0 && index % IMPORT_BATCH == 0 {
+            batches.push(String::new());
+        }
+        let lines = batches.last_mut().expect("a batch is always open");
         lines.push_str(&record.to_string());
         lines.push('\n');
     }
     let started = Instant::now();
-    let report = post_json(
-        client,
-        &format!("{base}/admin/memory/maintenance"),
-        &json!({ "operation": "import", "data": lines }),
-    )
-    .await;
+    let mut imported = 0;
+    for lines in batches {
+        let report = post_json(
+            client,
+            &format!("{base}/admin/memory/maintenance"),
+            &json!({ "operation": "import", "data": lines }),
+        )
+        .await;
+        imported += report["imported"].as_u64().unwrap_or(0);
+    }
     let took = started.elapsed();
     // `imported` counts the records merged into those a database measured before holds (the
     // profile-guided build trains twice on one PostgreSQL database).
-    assert_eq!(report["imported"], MEMORIES, "{report}");
+    assert_eq!(imported, total as u64, "records imported");
     took
 }
 
