@@ -149,7 +149,9 @@ impl MemoryStore for PostgresStore {
             // statement's generic plan would otherwise walk the namespace's rows by the btree
             // and test each against the query. They are ranked with only what the ranking
             // reads, and the best `limit` read whole after: a match's content and metadata
-            // are not copied into the CTE for the few kept. A month-old record counts half.
+            // are not copied into the CTE for the few kept. A month-old record counts half;
+            // its age is `date_part`'s double, not `EXTRACT`'s numeric (PostgreSQL 14 on),
+            // whose arithmetic for every match took a tenth of a large recall's time.
             sqlx::query(
                 "WITH hits AS MATERIALIZED (
                      SELECT m.id, m.namespace, m.scope, m.status, m.updated_at,
@@ -158,7 +160,7 @@ impl MemoryStore for PostgresStore {
                       WHERE m.words @@ q),
                  best AS (
                      SELECT id, relevance
-                                / (1.0 + GREATEST(EXTRACT(EPOCH FROM now() - updated_at), 0)
+                                / (1.0 + GREATEST(date_part('epoch', now() - updated_at), 0)
                                          / 2592000.0) AS weight
                        FROM hits
                       WHERE namespace = $1 AND scope = $2 AND status = 'active'
