@@ -120,27 +120,23 @@ fn phase_length() -> Duration {
     Duration::from_secs_f64(seconds)
 }
 
-/// `STABLE_HARNESS_BENCH_STORED`: how many requests the store holds before the phases
-/// (default none).
-/// How many records the recalling agent's namespace holds (`STABLE_HARNESS_BENCH_MEMORIES`).
-fn memories() -> usize {
-    std::env::var("STABLE_HARNESS_BENCH_MEMORIES")
-        .ok()
-        .map(|n| {
-            n.parse()
-                .expect("STABLE_HARNESS_BENCH_MEMORIES: a number of records")
-        })
-        .unwrap_or(MEMORIES)
+/// A count the environment variable `name` gives (a bad one stops the run), or `default`.
+fn count_from_env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().map_or(default, |n| {
+        n.parse()
+            .unwrap_or_else(|_| panic!("{name}: a whole number, not `{n}`"))
+    })
 }
 
+/// How many records the recalling agent's namespace holds (`STABLE_HARNESS_BENCH_MEMORIES`).
+fn memories() -> usize {
+    count_from_env("STABLE_HARNESS_BENCH_MEMORIES", MEMORIES)
+}
+
+/// `STABLE_HARNESS_BENCH_STORED`: how many requests the store holds before the phases
+/// (default none).
 fn stored_requests() -> usize {
-    std::env::var("STABLE_HARNESS_BENCH_STORED")
-        .ok()
-        .map(|n| {
-            n.parse()
-                .expect("STABLE_HARNESS_BENCH_STORED: a number of requests")
-        })
-        .unwrap_or(0)
+    count_from_env("STABLE_HARNESS_BENCH_STORED", 0)
 }
 
 /// Stores `requests` chat requests through the server, 32 at a time, so that every phase
@@ -838,7 +834,7 @@ async fn import_memories(client: &reqwest::Client, base: &str) -> Duration {
     }
     let started = Instant::now();
     let mut imported = 0;
-    for lines in batches {
+    for lines in batches.into_iter().filter(|lines| !lines.is_empty()) {
         let report = post_json(
             client,
             &format!("{base}/admin/memory/maintenance"),
