@@ -1,6 +1,8 @@
 //! Memory records on PostgreSQL: the table carries a stored English `tsvector` of the content
 //! with a GIN index; relevance is `ts_rank`, weighed by recency.
 
+use std::collections::{HashMap, HashSet};
+
 use chrono::{DateTime, Utc};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
@@ -36,6 +38,91 @@ fn put<'q>(
         .bind(record.decided_by.as_deref().map(text))
         .bind(record.created_at)
         .bind(record.updated_at)
+}
+
+/// Records an import writes in one statement: a round trip carries a thousand, not one.
+const IMPORT_CHUNK: usize = 1_000;
+
+/// [`PUT`] for many records at once, each column bound as an array. The records' keys
+/// (namespace, scope, content hash) must differ: one statement cannot merge a row twice.
+const PUT_MANY: &str = "INSERT INTO memories (id, namespace, scope, owner, content, metadata,
+     status, content_hash, near_hash, source_request_id, source_run_id, decided_by, created_at,
+     updated_at)
+     SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+            $6::jsonb[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
+            $12::text[], $13::timestamptz[], $14::timestamptz[])
+     ON CONFLICT (namespace, scope, content_hash) DO UPDATE SET updated_at = excluded.updated_at
+     RETURNING id";
+
+fn put_many(
+    records: &[MemoryRecord],
+) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let column = |field: fn(&MemoryRecord) -> &str| -> Vec<String> {
+        records.iter().map(|record| text(field(record))).collect()
+    };
+    let optional = |field: fn(&MemoryRecord) -> Option<&str>| -> Vec<Option<String>> {
+        records
+            .iter()
+            .map(|record| field(record).map(text))
+            .collect()
+    };
+    sqlx::query(PUT_MANY)
+        .bind(column(|r| &r.id))
+        .bind(column(|r| &r.namespace))
+        .bind(column(|r| &r.scope))
+        .bind(column(|r| &r.owner))
+        .bind(column(|r| &r.content))
+        .bind(
+            records
+                .iter()
+                .map(|r| json(&r.metadata))
+                .collect::<Vec<_>>(),
+        )
+        .bind(column(|r| r.status.as_str()))
+        .bind(
+            records
+                .iter()
+                .map(|r| r.content_hash.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            records
+                .iter()
+                .map(|r| r.near_hash.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(optional(|r| r.source_request_id.as_deref()))
+        .bind(optional(|r| r.source_run_id.as_deref()))
+        .bind(optional(|r| r.decided_by.as_deref()))
+        .bind(records.iter().map(|r| r.created_at).collect::<Vec<_>>())
+        .bind(records.iter().map(|r| r.updated_at).collect::<Vec<_>>())
+}
+
+/// The records of an import with those of one key (namespace, scope and content hash, as
+/// PostgreSQL holds them) merged as [`PUT`] merges them one after another: the first one's
+/// fields and the last one's `updated_at`; and how many were merged so.
+fn merged_within(records: &[MemoryRecord]) -> (Vec<MemoryRecord>, u64) {
+    let mut first_of: HashMap<(String, String, &str), usize> = HashMap::new();
+    let mut kept: Vec<MemoryRecord> = Vec::with_capacity(records.len());
+    let mut merged = 0;
+    for record in records {
+        let key = (
+            text(&record.namespace),
+            text(&record.scope),
+            record.content_hash.as_str(),
+        );
+        match first_of.get(&key) {
+            Some(&at) => {
+                kept[at].updated_at = record.updated_at;
+                merged += 1;
+            }
+            None => {
+                first_of.insert(key, kept.len());
+                kept.push(record.clone());
+            }
+        }
+    }
+    (kept, merged)
 }
 
 fn memory_from_row(row: &PgRow) -> Result<MemoryRecord, StoreError> {
@@ -78,16 +165,21 @@ impl MemoryStore for PostgresStore {
     }
 
     async fn import_memories(&self, records: &[MemoryRecord]) -> Result<u64, StoreError> {
+        let (records, mut merged) = merged_within(records);
         let mut transaction = self.pool.begin().await?;
-        let mut merged = 0;
-        for record in records {
-            let id: String = put(record)
-                .fetch_one(&mut *transaction)
+        for chunk in records.chunks(IMPORT_CHUNK) {
+            let stored: Vec<String> = put_many(chunk)
+                .fetch_all(&mut *transaction)
                 .await?
-                .try_get("id")?;
-            if id != record.id {
-                merged += 1;
-            }
+                .iter()
+                .map(|row| row.try_get("id"))
+                .collect::<Result<_, _>>()?;
+            // A record merged into one stored before answers with the stored one's id.
+            let ids: HashSet<&str> = chunk.iter().map(|record| record.id.as_str()).collect();
+            merged += stored
+                .iter()
+                .filter(|id| !ids.contains(id.as_str()))
+                .count() as u64;
         }
         transaction.commit().await?;
         Ok(merged)

@@ -101,6 +101,7 @@ conformance!(
     a_runs_changes_and_tool_starts_are_fenced_to_its_lease_holder,
     claims_take_free_or_expired_runs_once_and_renewals_keep_them,
     memory_merges_duplicates_and_recalls_by_relevance_within_scope,
+    an_import_merges_as_one_write_after_another_would,
     recall_keeps_the_best_in_order_and_reads_them_whole,
     memory_decisions_compaction_and_deletion,
     a_charge_counts_once_and_the_ledger_adds_up_by_group,
@@ -1420,6 +1421,97 @@ async fn memory_merges_duplicates_and_recalls_by_relevance_within_scope(store: A
     assert_eq!(merged, 1);
     assert!(store.memory("mem_9").await.unwrap().is_some());
     assert!(store.memory("mem_8").await.unwrap().is_none());
+}
+
+/// An import of many records (past one statement's share) leaves what writing them one after
+/// another leaves: a record whose namespace, scope and content are already stored, or come
+/// earlier in the import, merges into that one (its fields kept, the last `updated_at`
+/// taken), and every merge is counted.
+async fn an_import_merges_as_one_write_after_another_would(store: Arc<dyn Store>) {
+    let close =
+        |a: chrono::DateTime<Utc>, b: chrono::DateTime<Utc>| (a - b).num_milliseconds().abs() <= 1;
+    let (old, _) = store
+        .put_memory(&memory(
+            "mem_old",
+            "agent/a",
+            "",
+            "An old fact",
+            Age::days(5),
+        ))
+        .await
+        .unwrap();
+    let mut batch = vec![
+        memory("mem_a1", "agent/a", "", "A shared fact", Age::days(3)),
+        memory("mem_b", "agent/a", "", "An old fact", Age::days(2)),
+    ];
+    batch.extend((0..2_500).map(|i| {
+        memory(
+            &format!("mem_bulk_{i}"),
+            "agent/bulk",
+            "",
+            &format!("Bulk fact {i}"),
+            Age::zero(),
+        )
+    }));
+    batch.push(memory(
+        "mem_a2",
+        "agent/a",
+        "",
+        "A shared fact",
+        Age::days(1),
+    ));
+    batch.push(memory(
+        "mem_a3",
+        "agent/a",
+        "",
+        "A shared fact",
+        Age::hours(1),
+    ));
+    // The same content in another scope is another record.
+    batch.push(memory(
+        "mem_c",
+        "agent/a",
+        "key-b",
+        "A shared fact",
+        Age::days(4),
+    ));
+    let merged = store.import_memories(&batch).await.unwrap();
+    assert_eq!(
+        merged, 3,
+        "mem_b into mem_old, mem_a2 and mem_a3 into mem_a1"
+    );
+    let shared = store
+        .memory("mem_a1")
+        .await
+        .unwrap()
+        .expect("the first one stays");
+    assert!(close(shared.created_at, batch[0].created_at));
+    assert!(
+        close(shared.updated_at, batch[2_503].updated_at),
+        "the last one's time"
+    );
+    let kept_old = store.memory("mem_old").await.unwrap().unwrap();
+    assert_eq!(kept_old.content, old.content);
+    assert!(close(kept_old.updated_at, batch[1].updated_at));
+    for merged_away in ["mem_a2", "mem_a3", "mem_b"] {
+        assert!(
+            store.memory(merged_away).await.unwrap().is_none(),
+            "{merged_away}"
+        );
+    }
+    for stored in [
+        "mem_bulk_0",
+        "mem_bulk_999",
+        "mem_bulk_1000",
+        "mem_bulk_2499",
+        "mem_c",
+    ] {
+        assert!(store.memory(stored).await.unwrap().is_some(), "{stored}");
+    }
+    // Imported again, a record stored under its own id is no merge: the same three merge.
+    let again = store.import_memories(&batch).await.unwrap();
+    assert_eq!(again, 3);
+    assert!(store.memory("mem_a2").await.unwrap().is_none());
 }
 
 /// Of more matches than asked for, recall keeps the best ones, in their order, and reads each
