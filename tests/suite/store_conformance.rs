@@ -1485,6 +1485,14 @@ async fn an_import_merges_as_one_write_after_another_would(store: Arc<dyn Store>
         .await
         .unwrap()
         .expect("the first one stays");
+    assert_eq!(
+        (
+            shared.content.as_str(),
+            shared.owner.as_str(),
+            &shared.metadata
+        ),
+        ("A shared fact", "key-a", &json!({ "source": "test" }))
+    );
     assert!(close(shared.created_at, batch[0].created_at));
     assert!(
         close(shared.updated_at, batch[2_503].updated_at),
