@@ -14,11 +14,27 @@ use super::{
     PageRequest, StoreError,
 };
 
-const PUT: &str = "INSERT INTO memories (id, namespace, scope, owner, content, metadata, status,
-     content_hash, near_hash, source_request_id, source_run_id, decided_by, created_at, updated_at)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
-     ON CONFLICT (namespace, scope, content_hash) DO UPDATE SET updated_at = excluded.updated_at
-     RETURNING *";
+/// An upsert of memory records from `$source` (rows of the fourteen columns), returning
+/// `$returning`: a record of the same namespace, scope and content is the same record, only
+/// its `updated_at` moves. [`PUT`] and [`PUT_MANY`] share it, so they merge alike.
+macro_rules! upsert_memories {
+    ($source:literal, $returning:literal) => {
+        concat!(
+            "INSERT INTO memories (id, namespace, scope, owner, content, metadata, status,
+             content_hash, near_hash, source_request_id, source_run_id, decided_by, created_at,
+             updated_at) ",
+            $source,
+            " ON CONFLICT (namespace, scope, content_hash)
+             DO UPDATE SET updated_at = excluded.updated_at RETURNING ",
+            $returning
+        )
+    };
+}
+
+const PUT: &str = upsert_memories!(
+    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+    "*"
+);
 
 fn put<'q>(
     record: &'q MemoryRecord,
@@ -43,16 +59,15 @@ fn put<'q>(
 /// Records an import writes in one statement: a round trip carries a thousand, not one.
 const IMPORT_CHUNK: usize = 1_000;
 
-/// [`PUT`] for many records at once, each column bound as an array. The records' keys
-/// (namespace, scope, content hash) must differ: one statement cannot merge a row twice.
-const PUT_MANY: &str = "INSERT INTO memories (id, namespace, scope, owner, content, metadata,
-     status, content_hash, near_hash, source_request_id, source_run_id, decided_by, created_at,
-     updated_at)
-     SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+/// [`PUT`] for many records at once, each column bound as an array, returning only the ids.
+/// The records' keys (namespace, scope, content hash) must differ: one statement cannot merge
+/// a row twice.
+const PUT_MANY: &str = upsert_memories!(
+    "SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
             $6::jsonb[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
-            $12::text[], $13::timestamptz[], $14::timestamptz[])
-     ON CONFLICT (namespace, scope, content_hash) DO UPDATE SET updated_at = excluded.updated_at
-     RETURNING id";
+            $12::text[], $13::timestamptz[], $14::timestamptz[])",
+    "id"
+);
 
 fn put_many(
     records: &[MemoryRecord],
@@ -79,18 +94,8 @@ fn put_many(
                 .collect::<Vec<_>>(),
         )
         .bind(column(|r| r.status.as_str()))
-        .bind(
-            records
-                .iter()
-                .map(|r| r.content_hash.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            records
-                .iter()
-                .map(|r| r.near_hash.clone())
-                .collect::<Vec<_>>(),
-        )
+        .bind(column(|r| &r.content_hash))
+        .bind(column(|r| &r.near_hash))
         .bind(optional(|r| r.source_request_id.as_deref()))
         .bind(optional(|r| r.source_run_id.as_deref()))
         .bind(optional(|r| r.decided_by.as_deref()))
