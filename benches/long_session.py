@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""A conversation that grows turn by turn, against one or more server builds in turn.
+
+Usage: long_session.py [--turns 400] [--every 50] [--bytes 500]
+                       [--surface responses|chat|session] [--database-url postgres://...]
+                       BINARY [BINARY...]
+
+What a turn costs as its conversation grows, and what the store keeps for it. Each build
+starts on a fresh store, with large_input.py's loopback upstream (a 7-word answer, sent at
+once), and holds one conversation of `--turns` turns, each a user message of `--bytes`
+bytes, one at a time:
+
+- `responses`: each turn continues the one before by `previous_response_id` (the Agents
+  SDK's stateful way): the server holds the conversation;
+- `chat`: each turn posts the whole transcript to `/v1/chat/completions` (the client holds
+  it, as a stateless client does);
+- `session`: each turn posts its message alone to `/runtime/requests` with `wait` and the
+  conversation's `sessionId`: the server holds it as a session's message tree.
+
+Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
+system, from `/proc`) and of it the embedded store's reader threads', and the bytes the store's files hold (the embedded store's database
+and WAL, or the PostgreSQL database's size). docs/profiling.md, the seventy-seventh pass.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+import time
+
+from large_input import ADMIN_KEY, Upstream, ThreadingServer, cpu_seconds, fresh_database, workspace
+
+
+def thread_cpu_seconds(pid, name):
+    """The CPU (user and system) of the server's threads called `name` so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if open(f"/proc/{pid}/task/{task}/comm").read().strip() != name:
+                continue
+            fields = open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def store_bytes(root, database_url):
+    """What the store holds now: the embedded store's files, or the database's size."""
+    if database_url:
+        size = subprocess.run(["psql", database_url, "-tAc", "SELECT pg_database_size(current_database())"],
+                              check=True, capture_output=True, text=True).stdout
+        return int(size)
+    state = os.path.join(root, ".stable-harness")
+    return sum(os.path.getsize(os.path.join(state, name)) for name in os.listdir(state)
+               if name.startswith("harness.db") or name.endswith(".db") or name.endswith("-wal"))
+
+
+# The embedded store's reader threads, which read a session's history.
+READER = "sqlite-reader"
+
+
+def one_build(binary, root, args):
+    shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
+    database = fresh_database(args.database_url) if args.database_url else None
+    store = ["--database-url", database[1]] if database else []
+    server = subprocess.Popen(
+        [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces", *store],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, STABLE_HARNESS_LOG="error", STABLE_HARNESS_ADMIN_KEY=ADMIN_KEY),
+    )
+    try:
+        line = server.stdout.readline().decode()
+        base = next(word for word in line.split() if word.startswith("http://"))
+        host, port = base[len("http://"):].rstrip("/").split(":")
+        connection = http.client.HTTPConnection(host, int(port))
+        connection.connect()
+        connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
+
+        def post(path, body):
+            started = time.perf_counter()
+            connection.request("POST", path, json.dumps(body).encode(), headers)
+            response = connection.getresponse()
+            answer = response.read()
+            if response.status != 200:
+                raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
+            return time.perf_counter() - started, json.loads(answer)
+
+        filler = "x" * max(args.bytes - 10, 0)
+        transcript = []
+        previous = None
+        session = None
+        latencies = []
+        before = cpu_seconds(server.pid)
+        read_before = thread_cpu_seconds(server.pid, READER)
+        rows = []
+        for turn in range(1, args.turns + 1):
+            text = f"{turn:>9} {filler}"
+            if args.surface == "responses":
+                body = {"model": "assistant", "input": text}
+                if previous:
+                    body["previous_response_id"] = previous
+                took, answer = post("/v1/responses", body)
+                previous = answer["id"]
+            elif args.surface == "chat":
+                transcript.append({"role": "user", "content": text})
+                took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": transcript})
+                transcript.append(answer["choices"][0]["message"])
+            else:
+                body = {"input": {"messages": [{"role": "user", "content": text}]}, "wait": True}
+                if session:
+                    body["sessionId"] = session
+                took, answer = post("/runtime/requests", body)
+                session = answer["sessionId"]
+                if answer.get("status") != "completed":
+                    raise SystemExit(f"{binary}: turn {turn} ended {answer.get('status')}")
+            latencies.append(took)
+            if turn % args.every == 0:
+                after = cpu_seconds(server.pid)
+                read = thread_cpu_seconds(server.pid, READER) - read_before
+                time.sleep(0.3)  # the writer's last commits and a checkpoint settle
+                held = store_bytes(root, database[1] if database else None)
+                rows.append((turn, statistics.median(latencies) * 1000,
+                             (after - before) / len(latencies) * 1000, held))
+                print(f"  turns {turn - args.every + 1}-{turn}: p50 {rows[-1][1]:.3f} ms, "
+                      f"CPU {rows[-1][2]:.3f} ms/turn (readers {read / len(latencies) * 1000:.3f}), "
+                      f"store {held / 1e6:.1f} MB", flush=True)
+                latencies = []
+                before = cpu_seconds(server.pid)
+                read_before = thread_cpu_seconds(server.pid, READER)
+        return rows
+    finally:
+        server.terminate()
+        server.wait()
+        if database:
+            subprocess.run(["psql", args.database_url, "-qc", f"DROP DATABASE {database[0]}"], check=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=400)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--bytes", type=int, default=500)
+    parser.add_argument("--surface", choices=["responses", "chat", "session"], default="responses")
+    parser.add_argument("--database-url")
+    parser.add_argument("binaries", nargs="+")
+    args = parser.parse_args()
+
+    upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", False, False)
+    try:
+        for binary in args.binaries:
+            print(f"{binary}, {args.surface}, {args.turns} turns of {args.bytes} bytes:", flush=True)
+            one_build(binary, root, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
