@@ -124,7 +124,9 @@ pub struct AdapterContext<'a> {
     pub workspace: &'a CompiledWorkspace,
     pub agent: &'a AgentConfig,
     /// OpenAI-style messages (`{"role", "content", ...}`), system instructions not included.
-    pub messages: &'a [Value],
+    /// The adapter's own: one that extends the transcript takes it instead of copying it (a
+    /// long session's history is most of a run's memory).
+    pub messages: Vec<Value>,
     /// Where the run's own messages start in `messages`: earlier ones came from the client
     /// (tool calls in them are history, never run), later ones from an earlier life of this
     /// run (a resumed run finishes their unanswered calls).

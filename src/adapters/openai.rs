@@ -727,7 +727,7 @@ impl OpenAiAdapter {
 
 #[async_trait::async_trait]
 impl RuntimeAdapter for OpenAiAdapter {
-    async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
+    async fn run(&self, mut context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
         let Some(primary) = context
             .agent
             .model
@@ -746,7 +746,7 @@ impl RuntimeAdapter for OpenAiAdapter {
         } else {
             Vec::new()
         };
-        let mut messages = context.messages.to_vec();
+        let mut messages = std::mem::take(&mut context.messages);
         let mut output = RuntimeOutput::default();
         // Whether every model call so far had a price (the cost is known).
         let mut rounds_priced = true;

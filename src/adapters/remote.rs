@@ -405,7 +405,7 @@ fn request_body(context: &AdapterContext<'_>, grant: Option<&CallbackGrant>) -> 
         "runId": context.run.run_id,
         "sessionId": context.run.session_id,
         "agentId": context.agent.name,
-        "messages": context.messages,
+        "messages": &context.messages,
         "memory": memory,
         "tools": tools,
         "callback": grant.map(|grant| json!({

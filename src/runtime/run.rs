@@ -980,7 +980,7 @@ pub(super) async fn execute(
                     agent,
                     resumed,
                     attempt,
-                    messages: &messages,
+                    messages,
                     own_from,
                     options: &options,
                     client: &client,
@@ -1285,7 +1285,7 @@ struct AdapterRun<'a> {
     agent: &'a AgentConfig,
     resumed: bool,
     attempt: i64,
-    messages: &'a [Value],
+    messages: Vec<Value>,
     own_from: usize,
     options: &'a Map<String, Value>,
     client: &'a super::ClientTurn,
@@ -1368,7 +1368,7 @@ async fn run_adapter(
     };
     // A cancel stops a slow memory provider too; the adapter then sees the cancel at once.
     let recalled = tokio::select! {
-        recalled = events.recall(messages) => recalled,
+        recalled = events.recall(&messages) => recalled,
         () = cancel.cancelled() => Vec::new(),
     };
     let identity = crate::adapters::RunIdentity {

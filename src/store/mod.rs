@@ -681,6 +681,30 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
         .collect()
 }
 
+/// Walks a message path up from `from` through `session`'s messages (all of them, read at
+/// once: a session's index reads them several times faster than a recursive read steps
+/// through them one parent at a time), appending each to `path` (leaf first). Returns the
+/// parent the walk left the session for, a message of the session a fork branched from, or
+/// `None` at the root.
+pub(crate) fn walk_path_in_session(
+    path: &mut Vec<MessageRecord>,
+    from: &str,
+    session: Vec<MessageRecord>,
+) -> Option<String> {
+    let mut by_id: crate::ids::IdMap<String, MessageRecord> =
+        session.into_iter().map(|m| (m.id.clone(), m)).collect();
+    let mut next = Some(from.to_owned());
+    while let Some(id) = next {
+        // Each message is taken once: a parent link that loops ends the walk.
+        let Some(message) = by_id.remove(&id) else {
+            return Some(id);
+        };
+        next = message.parent_id.clone();
+        path.push(message);
+    }
+    None
+}
+
 /// Readies the path of a new backup: an error when it exists (a backup never overwrites);
 /// its folder is created when missing.
 pub(crate) fn prepare_new_file(path: &Path) -> Result<(), StoreError> {

@@ -13,6 +13,7 @@
 //! did (docs/profiling.md, the thirteenth pass). The cast leaves the count a value read at
 //! run time.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -37,6 +38,7 @@ use super::{
     Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts,
     PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
     SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
+    walk_path_in_session,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -492,27 +494,48 @@ impl Columns for rusqlite::Row<'_> {
     }
 }
 
-/// A row of one of the writer's kept statements, its columns found by position among the
-/// names the statement kept ([`super::sqlite_writer::Prepared::query`]).
-struct WriterRow<'r, 's> {
+/// A row whose columns are found by position among the names its statement was read with
+/// (a writer's kept statement keeps them, [`super::sqlite_writer::Prepared::query`]; a read
+/// of many rows takes them once), not by asking SQLite for the statement's column names at
+/// every access, as rusqlite's `Row::get(&str)` does.
+struct NamedRow<'r, 's> {
     row: &'r rusqlite::Row<'s>,
     columns: &'r [Box<str>],
+    /// How a failed access is told: as a write's or as a read's.
+    error: fn(rusqlite::Error) -> StoreError,
 }
 
-impl WriterRow<'_, '_> {
-    fn get<T: rusqlite::types::FromSql>(&self, name: &str) -> Result<T, StoreError> {
-        let index = self
-            .columns
+impl NamedRow<'_, '_> {
+    fn index(&self, name: &str) -> Result<usize, StoreError> {
+        self.columns
             .iter()
             .position(|column| **column == *name)
-            .ok_or_else(|| rusqlite::Error::InvalidColumnName(name.to_owned()));
-        index
-            .and_then(|index| self.row.get(index))
-            .map_err(super::sqlite_writer::writer_error)
+            .ok_or_else(|| (self.error)(rusqlite::Error::InvalidColumnName(name.to_owned())))
+    }
+
+    fn get<T: rusqlite::types::FromSql>(&self, name: &str) -> Result<T, StoreError> {
+        self.row.get(self.index(name)?).map_err(self.error)
     }
 }
 
-impl Columns for WriterRow<'_, '_> {
+impl Columns for NamedRow<'_, '_> {
+    /// Parsed from the text SQLite holds, not from a copy of it (a message's content, an
+    /// event's data: most of what a long read moves).
+    fn json(&self, name: &str) -> Result<Option<Value>, StoreError> {
+        let index = self.index(name)?;
+        match self.row.get_ref(index).map_err(self.error)? {
+            rusqlite::types::ValueRef::Null => Ok(None),
+            rusqlite::types::ValueRef::Text(text) => serde_json::from_slice(text)
+                .map(Some)
+                .map_err(|e| StoreError::Corrupt(format!("JSON column: {e}"))),
+            other => Err((self.error)(rusqlite::Error::InvalidColumnType(
+                index,
+                name.to_owned(),
+                other.data_type(),
+            ))),
+        }
+    }
+
     fn text(&self, name: &str) -> Result<String, StoreError> {
         self.get(name)
     }
@@ -525,6 +548,32 @@ impl Columns for WriterRow<'_, '_> {
         self.get(name)
     }
 }
+
+/// Every row `statement` finds for `params`, each mapped by `map` with its columns found
+/// among `columns` (the statement's own, in its order); a failure told by `error`.
+fn named_rows<T>(
+    statement: &mut rusqlite::Statement<'_>,
+    columns: &[Box<str>],
+    params: impl rusqlite::Params,
+    error: fn(rusqlite::Error) -> StoreError,
+    map: impl Fn(&NamedRow<'_, '_>) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
+    let mut rows = statement.query(params).map_err(error)?;
+    let mut mapped = Vec::new();
+    while let Some(row) = rows.next().map_err(error)? {
+        mapped.push(map(&NamedRow {
+            row,
+            columns,
+            error,
+        })?);
+    }
+    Ok(mapped)
+}
+
+/// The session a message belongs to, then every message of it: a message path is walked
+/// through them ([`super::walk_path_in_session`]).
+const SESSION_OF_MESSAGE: &str = "SELECT session_id FROM messages WHERE id = ?1";
+const MESSAGES_OF_SESSION: &str = "SELECT * FROM messages WHERE session_id = ?1";
 
 /// A request and its runs whole, as the reader pool's methods read them; then the
 /// statements of a request's view, read on the writer's connection
@@ -552,16 +601,11 @@ fn writer_rows<T>(
     prepared: &mut Prepared<'_>,
     sql: &'static str,
     key: &str,
-    map: impl Fn(&WriterRow<'_, '_>) -> Result<T, StoreError>,
+    map: impl Fn(&NamedRow<'_, '_>) -> Result<T, StoreError>,
 ) -> Result<Vec<T>, StoreError> {
     let sqlite = super::sqlite_writer::writer_error;
     let (statement, columns) = prepared.query(sql).map_err(sqlite)?;
-    let mut rows = statement.query([key]).map_err(sqlite)?;
-    let mut mapped = Vec::new();
-    while let Some(row) = rows.next().map_err(sqlite)? {
-        mapped.push(map(&WriterRow { row, columns })?);
-    }
-    Ok(mapped)
+    named_rows(statement, columns, [key], sqlite, map)
 }
 
 /// A request's view, read on the writer's connection with its kept statements.
@@ -1143,17 +1187,41 @@ impl Store for SqliteStore {
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
+        let leaf = leaf.to_owned();
         self.reader
-            .all(
-                "WITH RECURSIVE path(id, depth) AS (
-                     SELECT ?1, 0
-                     UNION ALL
-                     SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id
-                      WHERE m.parent_id IS NOT NULL)
-                 SELECT m.* FROM path p JOIN messages m ON m.id = p.id ORDER BY p.depth DESC",
-                (leaf.to_owned(),),
-                |row| message_from_row(row),
-            )
+            .step(move |connection| {
+                // One snapshot for the path's reads, as one statement would see.
+                let read = connection.unchecked_transaction().map_err(reader_error)?;
+                let mut path = Vec::new();
+                let mut sessions_read = HashSet::new();
+                let mut next = Some(leaf);
+                while let Some(from) = next {
+                    let session: Option<String> =
+                        first_row(&read, SESSION_OF_MESSAGE, (from.clone(),), |row| {
+                            column(row, 0)
+                        })?;
+                    // A message that does not exist ends the path; so does a session read
+                    // before, which only a parent link that loops could lead back to.
+                    let Some(session) = session.filter(|s| sessions_read.insert(s.clone())) else {
+                        break;
+                    };
+                    let mut statement = read
+                        .prepare_cached(MESSAGES_OF_SESSION)
+                        .map_err(reader_error)?;
+                    let columns: Vec<Box<str>> = statement
+                        .column_names()
+                        .into_iter()
+                        .map(Box::from)
+                        .collect();
+                    let messages =
+                        named_rows(&mut statement, &columns, (session,), reader_error, |row| {
+                            message_from_row(row)
+                        })?;
+                    next = walk_path_in_session(&mut path, &from, messages);
+                }
+                path.reverse();
+                Ok(path)
+            })
             .await
     }
 

@@ -92,6 +92,7 @@ conformance!(
     pages_and_filters_list_requests_newest_first,
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
+    a_long_history_is_read_root_first_and_whole,
     tool_call_records_count_executions_and_keep_results,
     client_calls_are_found_by_id_for_their_owner_and_completed_once,
     a_batch_is_all_or_nothing,
@@ -868,6 +869,90 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
             .await
             .is_err()
     );
+}
+
+async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Completed).await;
+    // In whole microseconds, as both stores keep a time.
+    let now = chrono::DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();
+    // A conversation of 600 messages, each stamped at the same time (ordered by their
+    // parents alone), with a branch off every hundredth message that no path through the
+    // main line may cross into.
+    let mut ops = Vec::new();
+    let mut expected = Vec::new();
+    let mut parent: Option<String> = None;
+    for n in 0..600 {
+        let id = format!("msg_{n:04}");
+        let role = if n % 2 == 0 { "user" } else { "assistant" };
+        let record = MessageRecord {
+            id: id.clone(),
+            session_id: "ses_a".into(),
+            parent_id: parent.replace(id.clone()),
+            request_id: Some(format!("req_{}", n / 2)),
+            role: role.into(),
+            content: json!({ "role": role, "content": format!("turn {n}: {}", "é\"\\ ".repeat(n % 7)) }),
+            created_at: now,
+        };
+        expected.push(record.clone());
+        ops.push(WriteOp::InsertMessage(record));
+        if n % 100 == 0 {
+            ops.push(WriteOp::InsertMessage(MessageRecord {
+                id: format!("msg_{n:04}_branch"),
+                parent_id: Some(id),
+                content: json!({ "role": "user", "content": "a branch" }),
+                ..expected[n].clone()
+            }));
+        }
+    }
+    store.apply(&ops).await.unwrap();
+    let path = store.message_path("msg_0599").await.unwrap();
+    assert_eq!(path.len(), 600);
+    for (read, stored) in path.iter().zip(&expected) {
+        assert_eq!(read.id, stored.id);
+        assert_eq!(read.parent_id, stored.parent_id);
+        assert_eq!(read.session_id, stored.session_id);
+        assert_eq!(read.request_id, stored.request_id);
+        assert_eq!(read.role, stored.role);
+        assert_eq!(read.content, stored.content);
+        assert_eq!(read.created_at, stored.created_at);
+    }
+    // A path from inside the conversation ends there; one from a branch runs through its fork.
+    let ids = |path: Vec<MessageRecord>| path.into_iter().map(|m| m.id).collect::<Vec<_>>();
+    let through_250 = ids(store.message_path("msg_0250").await.unwrap());
+    assert_eq!(through_250.len(), 251);
+    assert_eq!(through_250.last().map(String::as_str), Some("msg_0250"));
+    let branch = ids(store.message_path("msg_0300_branch").await.unwrap());
+    assert_eq!(branch.len(), 302);
+    assert_eq!(branch[300], "msg_0300");
+    assert_eq!(branch[301], "msg_0300_branch");
+    // A fork: another session whose first message hangs under one of this session's; its
+    // path crosses into this session there.
+    seed(&store, "b", RunStatus::Completed).await;
+    let forked = |n: usize, parent: &str| {
+        WriteOp::InsertMessage(MessageRecord {
+            id: format!("msg_b{n}"),
+            session_id: "ses_b".into(),
+            parent_id: Some(parent.to_owned()),
+            request_id: Some("req_b".into()),
+            content: json!({ "role": "user", "content": format!("forked {n}") }),
+            ..expected[0].clone()
+        })
+    };
+    store
+        .apply(&[
+            forked(0, "msg_0400"),
+            forked(1, "msg_b0"),
+            forked(2, "msg_b1"),
+        ])
+        .await
+        .unwrap();
+    let fork = store.message_path("msg_b2").await.unwrap();
+    assert_eq!(fork.len(), 404);
+    assert_eq!(ids(fork[..401].to_vec()), ids(expected[..401].to_vec()));
+    assert_eq!(ids(fork[401..].to_vec()), ["msg_b0", "msg_b1", "msg_b2"]);
+    assert!(fork[401..].iter().all(|m| m.session_id == "ses_b"));
+    // A message that does not exist has no path.
+    assert!(store.message_path("msg_none").await.unwrap().is_empty());
 }
 
 async fn tool_call_records_count_executions_and_keep_results(store: Arc<dyn Store>) {
