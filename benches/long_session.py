@@ -18,8 +18,9 @@ bytes, one at a time:
   conversation's `sessionId`: the server holds it as a session's message tree.
 
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
-system, from `/proc`) and of it the embedded store's reader threads', and the bytes the store's files hold (the embedded store's database
-and WAL, or the PostgreSQL database's size). docs/profiling.md, the seventy-seventh pass.
+system, from `/proc`) and of it the embedded store's reader threads', and the bytes the store
+holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
+largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh pass.
 """
 
 import argparse
@@ -51,14 +52,16 @@ def thread_cpu_seconds(pid, name):
 
 
 def store_bytes(root, database_url):
-    """What the store holds now: the embedded store's files, or the database's size."""
+    """What the store holds now: the embedded store's database file and its WAL (bounded,
+    and started over by the checkpointer), or the PostgreSQL database's size and 0."""
     if database_url:
         size = subprocess.run(["psql", database_url, "-tAc", "SELECT pg_database_size(current_database())"],
                               check=True, capture_output=True, text=True).stdout
-        return int(size)
+        return int(size), 0
     state = os.path.join(root, ".stable-harness")
-    return sum(os.path.getsize(os.path.join(state, name)) for name in os.listdir(state)
-               if name.startswith("harness.db") or name.endswith(".db") or name.endswith("-wal"))
+    sizes = {name: os.path.getsize(os.path.join(state, name)) for name in os.listdir(state)}
+    return (sum(size for name, size in sizes.items() if name.endswith(".db")),
+            sum(size for name, size in sizes.items() if name.endswith(".db-wal")))
 
 
 # The embedded store's reader threads, which read a session's history.
@@ -130,7 +133,8 @@ def one_build(binary, root, args):
                              (after - before) / len(latencies) * 1000, held))
                 print(f"  turns {turn - args.every + 1}-{turn}: p50 {rows[-1][1]:.3f} ms, "
                       f"CPU {rows[-1][2]:.3f} ms/turn (readers {read / len(latencies) * 1000:.3f}), "
-                      f"store {held / 1e6:.1f} MB", flush=True)
+                      f"store {held[0] / 1e6:.1f} MB" + (f" (WAL {held[1] / 1e6:.1f} MB)" if not database else ""),
+                      flush=True)
                 latencies = []
                 before = cpu_seconds(server.pid)
                 read_before = thread_cpu_seconds(server.pid, READER)
