@@ -160,10 +160,10 @@ def fresh_database(admin_url):
     return name, admin_url.rsplit("/", 1)[0] + "/" + name
 
 
-def one_build(binary, root, requests, timed, stored=(), database_url=None):
-    """Starts `binary` on a fresh store, sends each of `stored` (a path and a body) once,
-    then the `timed` request (a method, a path and a body) 20 times to warm and `requests`
-    times measured."""
+def start_server(binary, root, database_url=None):
+    """Starts `binary` on a fresh store of the workspace `root` (or in a new database beside
+    the one `database_url` names): the server, a keep-alive connection to it, and the
+    database made (its name and URL; None on the embedded store)."""
     shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
     database = fresh_database(database_url) if database_url else None
     store = ["--database-url", database[1]] if database else []
@@ -179,7 +179,26 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
         connection = http.client.HTTPConnection(host, int(port))
         connection.connect()
         connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        stop_server(server, database, database_url)
+        raise
+    return server, connection, database
 
+
+def stop_server(server, database, database_url):
+    """Stops a server `start_server` started and drops the database made for it."""
+    server.terminate()
+    server.wait()
+    if database:
+        subprocess.run(["psql", database_url, "-qc", f"DROP DATABASE {database[0]}"], check=True)
+
+
+def one_build(binary, root, requests, timed, stored=(), database_url=None):
+    """Starts `binary` on a fresh store, sends each of `stored` (a path and a body) once,
+    then the `timed` request (a method, a path and a body) 20 times to warm and `requests`
+    times measured."""
+    server, connection, database = start_server(binary, root, database_url)
+    try:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
 
         def one(method, path, body):
@@ -217,10 +236,7 @@ def one_build(binary, root, requests, timed, stored=(), database_url=None):
         first = statistics.median(firsts) * 1000 if firsts else None
         return cpu, statistics.median(answer[0] for answer in answers) * 1000, first
     finally:
-        server.terminate()
-        server.wait()
-        if database:
-            subprocess.run(["psql", database_url, "-qc", f"DROP DATABASE {database[0]}"], check=True)
+        stop_server(server, database, database_url)
 
 
 def main():

@@ -24,17 +24,16 @@ largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seven
 """
 
 import argparse
-import http.client
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import threading
 import time
 
-from large_input import ADMIN_KEY, Upstream, ThreadingServer, cpu_seconds, fresh_database, workspace
+from large_input import (ADMIN_KEY, ThreadingServer, Upstream, cpu_seconds, start_server, stop_server,
+                         workspace)
 
 
 def thread_cpu_seconds(pid, name):
@@ -69,21 +68,8 @@ READER = "sqlite-reader"
 
 
 def one_build(binary, root, args):
-    shutil.rmtree(os.path.join(root, ".stable-harness"), ignore_errors=True)
-    database = fresh_database(args.database_url) if args.database_url else None
-    store = ["--database-url", database[1]] if database else []
-    server = subprocess.Popen(
-        [binary, "start", "-w", root, "--port", "0", "--insecure-open-surfaces", *store],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, STABLE_HARNESS_LOG="error", STABLE_HARNESS_ADMIN_KEY=ADMIN_KEY),
-    )
+    server, connection, database = start_server(binary, root, args.database_url)
     try:
-        line = server.stdout.readline().decode()
-        base = next(word for word in line.split() if word.startswith("http://"))
-        host, port = base[len("http://"):].rstrip("/").split(":")
-        connection = http.client.HTTPConnection(host, int(port))
-        connection.connect()
-        connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
 
         def post(path, body):
@@ -140,10 +126,7 @@ def one_build(binary, root, args):
                 read_before = thread_cpu_seconds(server.pid, READER)
         return rows
     finally:
-        server.terminate()
-        server.wait()
-        if database:
-            subprocess.run(["psql", args.database_url, "-qc", f"DROP DATABASE {database[0]}"], check=True)
+        stop_server(server, database, args.database_url)
 
 
 def main():

@@ -681,28 +681,62 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
         .collect()
 }
 
-/// Walks a message path up from `from` through `session`'s messages (all of them, read at
-/// once: a session's index reads them several times faster than a recursive read steps
-/// through them one parent at a time), appending each to `path` (leaf first). Returns the
-/// parent the walk left the session for, a message of the session a fork branched from, or
-/// `None` at the root.
-pub(crate) fn walk_path_in_session(
-    path: &mut Vec<MessageRecord>,
-    from: &str,
-    session: Vec<MessageRecord>,
-) -> Option<String> {
-    let mut by_id: crate::ids::IdMap<String, MessageRecord> =
-        session.into_iter().map(|m| (m.id.clone(), m)).collect();
-    let mut next = Some(from.to_owned());
-    while let Some(id) = next {
-        // Each message is taken once: a parent link that loops ends the walk.
-        let Some(message) = by_id.remove(&id) else {
-            return Some(id);
-        };
-        next = message.parent_id.clone();
-        path.push(message);
+/// A message path ([`Store::message_path`]) walked up from its leaf one session at a time:
+/// each session's messages are read at once (by the session's index, several times faster
+/// than a recursive read stepping through parents) and the path taken through them by
+/// parent id; where it leaves the session (a fork's origin) the next session is read.
+pub(crate) struct PathWalk {
+    /// Leaf first.
+    path: Vec<MessageRecord>,
+    next: Option<String>,
+    sessions_read: std::collections::HashSet<String>,
+}
+
+impl PathWalk {
+    pub(crate) fn from_leaf(leaf: &str) -> Self {
+        Self {
+            path: Vec::new(),
+            next: Some(leaf.to_owned()),
+            sessions_read: std::collections::HashSet::new(),
+        }
     }
-    None
+
+    /// The message whose session is to be read next; `None` once the path is whole.
+    pub(crate) fn next(&self) -> Option<&str> {
+        self.next.as_deref()
+    }
+
+    /// Walks through the messages of [`Self::next`]'s session (none if it does not exist).
+    pub(crate) fn walk(&mut self, session: Vec<MessageRecord>) {
+        let Some(mut next) = self.next.take() else {
+            return;
+        };
+        // A session read before could only be reached again by parent links that loop.
+        match session.first() {
+            Some(first) if self.sessions_read.insert(first.session_id.clone()) => {}
+            _ => return,
+        }
+        let mut by_id: crate::ids::IdMap<String, MessageRecord> =
+            session.into_iter().map(|m| (m.id.clone(), m)).collect();
+        // Each message is taken once.
+        while let Some(message) = by_id.remove(&next) {
+            match message.parent_id.clone() {
+                Some(parent) => next = parent,
+                None => {
+                    self.path.push(message);
+                    return;
+                }
+            }
+            self.path.push(message);
+        }
+        self.next = Some(next);
+    }
+
+    /// The path, root first.
+    pub(crate) fn into_path(mut self) -> Vec<MessageRecord> {
+        self.path.reverse();
+        self.path
+    }
 }
 
 /// Readies the path of a new backup: an error when it exists (a backup never overwrites);
@@ -762,7 +796,7 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{lane_of, redact_url};
+    use super::{MessageRecord, PathWalk, lane_of, redact_url};
 
     #[test]
     fn a_url_loses_its_password_wherever_it_is() {
@@ -796,5 +830,70 @@ mod tests {
                 "{counts:?}"
             );
         }
+    }
+
+    fn message(id: &str, session: &str, parent: Option<&str>) -> MessageRecord {
+        MessageRecord {
+            id: id.into(),
+            session_id: session.into(),
+            parent_id: parent.map(str::to_owned),
+            request_id: None,
+            role: "user".into(),
+            content: serde_json::json!({ "role": "user", "content": id }),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    /// The ids of the path `walk` makes, reading each session it asks for from `sessions`.
+    fn walked(leaf: &str, sessions: &[Vec<MessageRecord>]) -> (Vec<String>, usize) {
+        let mut walk = PathWalk::from_leaf(leaf);
+        let mut reads = 0;
+        while let Some(from) = walk.next() {
+            reads += 1;
+            assert!(reads < 10, "the walk ends");
+            let session = sessions
+                .iter()
+                .find(|session| session.iter().any(|m| m.id == from))
+                .cloned()
+                .unwrap_or_default();
+            walk.walk(session);
+        }
+        let ids = walk.into_path().into_iter().map(|m| m.id).collect();
+        (ids, reads)
+    }
+
+    #[test]
+    fn a_path_is_walked_root_first_across_a_fork_and_ends_at_a_loop() {
+        let origin = vec![
+            message("a1", "a", None),
+            message("a2", "a", Some("a1")),
+            message("a3", "a", Some("a2")),
+            message("a2-sibling", "a", Some("a1")),
+        ];
+        let fork = vec![
+            message("b1", "b", Some("a2")),
+            message("b2", "b", Some("b1")),
+        ];
+        let sessions = [origin, fork];
+        assert_eq!(
+            walked("a3", &sessions),
+            (vec!["a1".into(), "a2".into(), "a3".into()], 1)
+        );
+        assert_eq!(
+            walked("b2", &sessions),
+            (vec!["a1".into(), "a2".into(), "b1".into(), "b2".into()], 2)
+        );
+        assert_eq!(walked("none", &sessions), (Vec::new(), 1));
+        // Parent links that loop (no store lets them be written) end the walk.
+        let looped = vec![
+            message("x1", "x", Some("x2")),
+            message("x2", "x", Some("x1")),
+        ];
+        assert_eq!(walked("x2", &[looped]).0, ["x1", "x2"]);
+        let across = [
+            vec![message("p1", "p", Some("q1"))],
+            vec![message("q1", "q", Some("p1"))],
+        ];
+        assert_eq!(walked("p1", &across).0, ["q1", "p1"]);
     }
 }

@@ -24,8 +24,8 @@
 //!
 //! PostgreSQL text cannot hold U+0000, which clients may send; it is stored as U+FFFD.
 
+use std::collections::BTreeMap;
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -49,10 +49,9 @@ use super::postgres_spend::{
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PruneCounts, PruneFilter,
+    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathWalk, PruneCounts, PruneFilter,
     RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter,
     SessionRecord, Store, StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
-    walk_path_in_session,
 };
 use crate::ids::IdMap;
 use crate::time::TimeText;
@@ -1609,36 +1608,26 @@ impl Store for PostgresStore {
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let mut path = Vec::new();
-        let mut sessions_read = HashSet::new();
-        let mut next = Some(leaf.to_owned());
-        while let Some(from) = next {
-            let from_key = text(&from);
-            // Every message of `from`'s session (its index reads them several times faster
-            // than a recursive read steps through parents), walked in place.
+        let mut walk = PathWalk::from_leaf(leaf);
+        while let Some(from) = walk.next() {
+            let from = text(from);
+            // Every message of `from`'s session, by the session's index ([`PathWalk`]).
             let rows = self
                 .on_reader_backend(|| {
                     sqlx::query(
                         "SELECT * FROM messages WHERE session_id =
                            (SELECT session_id FROM messages WHERE id = $1::text COLLATE \"C\")",
                     )
-                    .bind(&from_key)
+                    .bind(&from)
                 })
                 .await?;
-            let messages = rows
+            let session = rows
                 .iter()
                 .map(message_from_row)
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            // A message that does not exist ends the path; so does a session read before,
-            // which only a parent link that loops could lead back to.
-            match messages.first() {
-                Some(first) if sessions_read.insert(first.session_id.clone()) => {}
-                _ => break,
-            }
-            next = walk_path_in_session(&mut path, &from, messages);
+            walk.walk(session);
         }
-        path.reverse();
-        Ok(path)
+        Ok(walk.into_path())
     }
 
     async fn sessions(

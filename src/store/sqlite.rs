@@ -13,7 +13,6 @@
 //! did (docs/profiling.md, the thirteenth pass). The cast leaves the count a value read at
 //! run time.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -35,10 +34,9 @@ use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PruneCounts,
+    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathWalk, PruneCounts,
     PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
     SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
-    walk_path_in_session,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -570,10 +568,10 @@ fn named_rows<T>(
     Ok(mapped)
 }
 
-/// The session a message belongs to, then every message of it: a message path is walked
-/// through them ([`super::walk_path_in_session`]).
-const SESSION_OF_MESSAGE: &str = "SELECT session_id FROM messages WHERE id = ?1";
-const MESSAGES_OF_SESSION: &str = "SELECT * FROM messages WHERE session_id = ?1";
+/// Every message of the session message `?1` belongs to, by the session's index: a message
+/// path is walked through them ([`PathWalk`]).
+const MESSAGES_OF_SESSION_OF: &str = "SELECT * FROM messages
+     WHERE session_id = (SELECT session_id FROM messages WHERE id = ?1)";
 
 /// A request and its runs whole, as the reader pool's methods read them; then the
 /// statements of a request's view, read on the writer's connection
@@ -1187,40 +1185,28 @@ impl Store for SqliteStore {
     }
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let leaf = leaf.to_owned();
+        let mut walk = PathWalk::from_leaf(leaf);
         self.reader
             .step(move |connection| {
                 // One snapshot for the path's reads, as one statement would see.
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let mut path = Vec::new();
-                let mut sessions_read = HashSet::new();
-                let mut next = Some(leaf);
-                while let Some(from) = next {
-                    let session: Option<String> =
-                        first_row(&read, SESSION_OF_MESSAGE, (from.clone(),), |row| {
-                            column(row, 0)
-                        })?;
-                    // A message that does not exist ends the path; so does a session read
-                    // before, which only a parent link that loops could lead back to.
-                    let Some(session) = session.filter(|s| sessions_read.insert(s.clone())) else {
-                        break;
-                    };
-                    let mut statement = read
-                        .prepare_cached(MESSAGES_OF_SESSION)
-                        .map_err(reader_error)?;
-                    let columns: Vec<Box<str>> = statement
-                        .column_names()
-                        .into_iter()
-                        .map(Box::from)
-                        .collect();
-                    let messages =
-                        named_rows(&mut statement, &columns, (session,), reader_error, |row| {
+                let mut statement = read
+                    .prepare_cached(MESSAGES_OF_SESSION_OF)
+                    .map_err(reader_error)?;
+                let columns: Vec<Box<str>> = statement
+                    .column_names()
+                    .into_iter()
+                    .map(Box::from)
+                    .collect();
+                while let Some(from) = walk.next() {
+                    let params = (from.to_owned(),);
+                    let session =
+                        named_rows(&mut statement, &columns, params, reader_error, |row| {
                             message_from_row(row)
                         })?;
-                    next = walk_path_in_session(&mut path, &from, messages);
+                    walk.walk(session);
                 }
-                path.reverse();
-                Ok(path)
+                Ok(walk.into_path())
             })
             .await
     }
