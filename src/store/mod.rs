@@ -682,54 +682,117 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
 }
 
 /// A message path ([`Store::message_path`]) walked up from its leaf one session at a time:
-/// each session's messages are read at once (by the session's index, several times faster
-/// than a recursive read stepping through parents) and the path taken through them by
-/// parent id; where it leaves the session (a fork's origin) the next session is read.
+/// a session's messages are read newest first, [`PathWalk::page`] at a time (by the
+/// session's index: several times faster than a recursive read stepping through parents),
+/// and the path taken through them by parent id; where it leaves the session (a fork's
+/// origin) the next session is read. A session's other branches are read and passed over,
+/// only as far back as the path reaches.
 pub(crate) struct PathWalk {
     /// Leaf first.
     path: Vec<MessageRecord>,
+    /// The message to take next; `None` once the path is whole.
     next: Option<String>,
+    /// The session being read: its messages read and not taken, and where its next page
+    /// starts (`None` once all of it was read).
+    session: Option<String>,
+    loaded: crate::ids::IdMap<String, MessageRecord>,
+    older_than: Option<(DateTime<Utc>, String)>,
+    /// Sessions and messages met: parent links that loop end the walk.
     sessions_read: std::collections::HashSet<String>,
+    taken: std::collections::HashSet<String>,
+    page: i64,
+}
+
+/// What a [`PathWalk`] reads next: newest first, at most [`PathWalk::page`] messages.
+pub(crate) enum PathRead<'a> {
+    /// The newest messages of the session `message` belongs to.
+    SessionOf { message: &'a str },
+    /// The messages of `session` older than `created_at` and `id` (in the order of the
+    /// session's index, `(created_at, id)`).
+    Older {
+        session: &'a str,
+        created_at: &'a DateTime<Utc>,
+        id: &'a str,
+    },
 }
 
 impl PathWalk {
     pub(crate) fn from_leaf(leaf: &str) -> Self {
+        // A long session's history in a few reads; a session holding many more messages
+        // than its history (many branches) read only as far back as the history reaches.
+        Self::in_pages_of(leaf, 1000)
+    }
+
+    fn in_pages_of(leaf: &str, page: i64) -> Self {
         Self {
             path: Vec::new(),
             next: Some(leaf.to_owned()),
+            session: None,
+            loaded: crate::ids::IdMap::default(),
+            older_than: None,
             sessions_read: std::collections::HashSet::new(),
+            taken: std::collections::HashSet::new(),
+            page,
         }
     }
 
-    /// The message whose session is to be read next; `None` once the path is whole.
-    pub(crate) fn next(&self) -> Option<&str> {
-        self.next.as_deref()
+    /// The most messages a read returns (its `LIMIT`).
+    pub(crate) fn page(&self) -> i64 {
+        self.page
     }
 
-    /// Walks through the messages of [`Self::next`]'s session (none if it does not exist).
-    pub(crate) fn walk(&mut self, session: Vec<MessageRecord>) {
-        let Some(mut next) = self.next.take() else {
-            return;
-        };
-        // A session read before could only be reached again by parent links that loop.
-        match session.first() {
-            Some(first) if self.sessions_read.insert(first.session_id.clone()) => {}
-            _ => return,
-        }
-        let mut by_id: crate::ids::IdMap<String, MessageRecord> =
-            session.into_iter().map(|m| (m.id.clone(), m)).collect();
-        // Each message is taken once.
-        while let Some(message) = by_id.remove(&next) {
-            match message.parent_id.clone() {
-                Some(parent) => next = parent,
-                None => {
-                    self.path.push(message);
+    /// The read the walk needs next; `None` once the path is whole.
+    pub(crate) fn next_read(&self) -> Option<PathRead<'_>> {
+        let next = self.next.as_deref()?;
+        Some(match (&self.session, &self.older_than) {
+            (Some(session), Some((created_at, id))) => PathRead::Older {
+                session,
+                created_at,
+                id,
+            },
+            _ => PathRead::SessionOf { message: next },
+        })
+    }
+
+    /// Walks on through `page`, the messages [`Self::next_read`] asked for.
+    pub(crate) fn walk(&mut self, page: Vec<MessageRecord>) {
+        if self.older_than.is_none() {
+            // A new session: none (the message does not exist), or one read before, which
+            // only parent links that loop could lead back to, ends the walk.
+            match page.first() {
+                Some(first) if self.sessions_read.insert(first.session_id.clone()) => {
+                    self.session = Some(first.session_id.clone());
+                    self.loaded.clear();
+                }
+                _ => {
+                    self.next = None;
                     return;
                 }
             }
+        }
+        let full = i64::try_from(page.len()).is_ok_and(|read| read >= self.page);
+        self.older_than = page
+            .last()
+            .filter(|_| full)
+            .map(|oldest| (oldest.created_at, oldest.id.clone()));
+        for message in page {
+            if !self.taken.contains(&message.id) {
+                self.loaded.insert(message.id.clone(), message);
+            }
+        }
+        while let Some(id) = self.next.take() {
+            let Some(message) = self.loaded.remove(&id) else {
+                self.next = Some(id);
+                break;
+            };
+            self.taken.insert(id);
+            self.next = message.parent_id.clone();
             self.path.push(message);
         }
-        self.next = Some(next);
+        if self.older_than.is_none() {
+            // The session is read whole: a parent not in it is in another.
+            self.session = None;
+        }
     }
 
     /// The path, root first.
@@ -796,7 +859,7 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{MessageRecord, PathWalk, lane_of, redact_url};
+    use super::{MessageRecord, PathRead, PathWalk, lane_of, redact_url};
 
     #[test]
     fn a_url_loses_its_password_wherever_it_is() {
@@ -844,56 +907,102 @@ mod tests {
         }
     }
 
-    /// The ids of the path `walk` makes, reading each session it asks for from `sessions`.
-    fn walked(leaf: &str, sessions: &[Vec<MessageRecord>]) -> (Vec<String>, usize) {
-        let mut walk = PathWalk::from_leaf(leaf);
+    /// The ids of the path a walk makes in pages of `page`, reading from `table` as the
+    /// stores' statements do, and how many reads it made.
+    fn walked(leaf: &str, table: &[MessageRecord], page: i64) -> (Vec<String>, usize) {
+        let mut walk = PathWalk::in_pages_of(leaf, page);
         let mut reads = 0;
-        while let Some(from) = walk.next() {
+        while let Some(read) = walk.next_read() {
             reads += 1;
-            assert!(reads < 10, "the walk ends");
-            let session = sessions
-                .iter()
-                .find(|session| session.iter().any(|m| m.id == from))
-                .cloned()
-                .unwrap_or_default();
-            walk.walk(session);
+            assert!(reads < 100, "the walk ends");
+            let mut rows: Vec<MessageRecord> = match read {
+                PathRead::SessionOf { message } => {
+                    let session = table
+                        .iter()
+                        .find(|m| m.id == message)
+                        .map(|m| &m.session_id);
+                    table
+                        .iter()
+                        .filter(|m| Some(&m.session_id) == session)
+                        .cloned()
+                        .collect()
+                }
+                PathRead::Older {
+                    session,
+                    created_at,
+                    id,
+                } => table
+                    .iter()
+                    .filter(|m| {
+                        m.session_id == session && (m.created_at, m.id.as_str()) < (*created_at, id)
+                    })
+                    .cloned()
+                    .collect(),
+            };
+            rows.sort_by(|a, b| (b.created_at, &b.id).cmp(&(a.created_at, &a.id)));
+            rows.truncate(usize::try_from(walk.page()).unwrap());
+            walk.walk(rows);
         }
         let ids = walk.into_path().into_iter().map(|m| m.id).collect();
         (ids, reads)
     }
 
     #[test]
-    fn a_path_is_walked_root_first_across_a_fork_and_ends_at_a_loop() {
-        let origin = vec![
+    fn a_path_is_walked_root_first_across_a_fork_and_pages_and_ends_at_a_loop() {
+        let mut table = vec![
             message("a1", "a", None),
             message("a2", "a", Some("a1")),
             message("a3", "a", Some("a2")),
             message("a2-sibling", "a", Some("a1")),
-        ];
-        let fork = vec![
             message("b1", "b", Some("a2")),
             message("b2", "b", Some("b1")),
         ];
-        let sessions = [origin, fork];
+        let ids = |ids: &[&str]| ids.iter().map(|id| (*id).to_owned()).collect::<Vec<_>>();
+        for page in [1, 2, 3, 1000] {
+            assert_eq!(walked("a3", &table, page).0, ids(&["a1", "a2", "a3"]));
+            assert_eq!(walked("b2", &table, page).0, ids(&["a1", "a2", "b1", "b2"]));
+            assert_eq!(walked("none", &table, page), (Vec::new(), 1));
+        }
+        // One read a session while pages hold it whole; the pages it takes otherwise.
+        assert_eq!(walked("b2", &table, 1000).1, 2);
+        assert_eq!(walked("b2", &table, 2).1, 4);
+        // A long conversation, with a sibling of every tenth message, and a child stamped
+        // before its parent (another instance's clock lagging): read in pages of 7.
+        let start = chrono::Utc::now();
+        let mut long = Vec::new();
+        for n in 0..100_i64 {
+            let mut m = message(
+                &format!("c{n:03}"),
+                "c",
+                (n > 0).then(|| format!("c{:03}", n - 1)).as_deref(),
+            );
+            m.created_at = start + chrono::Duration::milliseconds(if n == 50 { 48 } else { n });
+            long.push(m);
+            if n % 10 == 0 {
+                long.push(message(
+                    &format!("c{n:03}-sibling"),
+                    "c",
+                    Some(&format!("c{n:03}")),
+                ));
+            }
+        }
+        table.extend(long);
+        let (path, reads) = walked("c099", &table, 7);
         assert_eq!(
-            walked("a3", &sessions),
-            (vec!["a1".into(), "a2".into(), "a3".into()], 1)
+            path,
+            (0..100).map(|n| format!("c{n:03}")).collect::<Vec<_>>()
         );
-        assert_eq!(
-            walked("b2", &sessions),
-            (vec!["a1".into(), "a2".into(), "b1".into(), "b2".into()], 2)
-        );
-        assert_eq!(walked("none", &sessions), (Vec::new(), 1));
+        assert!(reads >= 110 / 7, "{reads} reads");
         // Parent links that loop (no store lets them be written) end the walk.
         let looped = vec![
             message("x1", "x", Some("x2")),
             message("x2", "x", Some("x1")),
         ];
-        assert_eq!(walked("x2", &[looped]).0, ["x1", "x2"]);
-        let across = [
-            vec![message("p1", "p", Some("q1"))],
-            vec![message("q1", "q", Some("p1"))],
+        assert_eq!(walked("x2", &looped, 1).0, ids(&["x1", "x2"]));
+        let across = vec![
+            message("p1", "p", Some("q1")),
+            message("q1", "q", Some("p1")),
         ];
-        assert_eq!(walked("p1", &across).0, ["q1", "p1"]);
+        assert_eq!(walked("p1", &across, 1000).0, ids(&["q1", "p1"]));
     }
 }

@@ -49,9 +49,10 @@ use super::postgres_spend::{
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathWalk, PruneCounts, PruneFilter,
-    RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter,
-    SessionRecord, Store, StoreChange, StoreError, StoreStats, ToolCallRecord, WriteOp, redact_url,
+    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathRead, PathWalk, PruneCounts,
+    PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
+    SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats, ToolCallRecord,
+    WriteOp, redact_url,
 };
 use crate::ids::IdMap;
 use crate::time::TimeText;
@@ -1609,23 +1610,49 @@ impl Store for PostgresStore {
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
         let mut walk = PathWalk::from_leaf(leaf);
-        while let Some(from) = walk.next() {
-            let from = text(from);
-            // Every message of `from`'s session, by the session's index ([`PathWalk`]).
-            let rows = self
-                .on_reader_backend(|| {
-                    sqlx::query(
-                        "SELECT * FROM messages WHERE session_id =
-                           (SELECT session_id FROM messages WHERE id = $1::text COLLATE \"C\")",
-                    )
-                    .bind(&from)
-                })
-                .await?;
-            let session = rows
+        let page = walk.page();
+        while let Some(next) = walk.next_read() {
+            // A page of a session's messages, newest first by the session's index
+            // ([`PathWalk`]).
+            let rows = match next {
+                PathRead::SessionOf { message } => {
+                    let message = text(message);
+                    self.on_reader_backend(|| {
+                        sqlx::query(
+                            "SELECT * FROM messages WHERE session_id =
+                               (SELECT session_id FROM messages WHERE id = $1::text COLLATE \"C\")
+                             ORDER BY created_at DESC, id DESC LIMIT $2",
+                        )
+                        .bind(&message)
+                        .bind(page)
+                    })
+                    .await?
+                }
+                PathRead::Older {
+                    session,
+                    created_at,
+                    id,
+                } => {
+                    let (session, created_at, id) = (text(session), *created_at, text(id));
+                    self.on_reader_backend(|| {
+                        sqlx::query(
+                            "SELECT * FROM messages
+                              WHERE session_id = $1 AND (created_at, id) < ($2, $3::text COLLATE \"C\")
+                              ORDER BY created_at DESC, id DESC LIMIT $4",
+                        )
+                        .bind(&session)
+                        .bind(created_at)
+                        .bind(&id)
+                        .bind(page)
+                    })
+                    .await?
+                }
+            };
+            let messages = rows
                 .iter()
                 .map(message_from_row)
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            walk.walk(session);
+            walk.walk(messages);
         }
         Ok(walk.into_path())
     }

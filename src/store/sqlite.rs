@@ -34,9 +34,10 @@ use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathWalk, PruneCounts,
-    PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
-    SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord, WriteOp,
+    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathRead, PathWalk,
+    PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord,
+    RunStatus, SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord,
+    WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -568,10 +569,32 @@ fn named_rows<T>(
     Ok(mapped)
 }
 
-/// Every message of the session message `?1` belongs to, by the session's index: a message
-/// path is walked through them ([`PathWalk`]).
-const MESSAGES_OF_SESSION_OF: &str = "SELECT * FROM messages
-     WHERE session_id = (SELECT session_id FROM messages WHERE id = ?1)";
+/// A page of a session's messages, newest first by the session's index, for a message
+/// path's walk ([`PathWalk`]): those of the session message `?1` belongs to (`?2` at most),
+/// then those of session `?1` older than time `?2` and id `?3` (`?4` at most).
+const NEWEST_OF_SESSION_OF: &str = "SELECT * FROM messages
+     WHERE session_id = (SELECT session_id FROM messages WHERE id = ?1)
+     ORDER BY created_at DESC, id DESC LIMIT ?2";
+const OLDER_OF_SESSION: &str = "SELECT * FROM messages
+     WHERE session_id = ?1 AND (created_at, id) < (?2, ?3)
+     ORDER BY created_at DESC, id DESC LIMIT ?4";
+
+/// The messages a page of a message path's walk reads (`sql`, one of the two above).
+fn path_page(
+    connection: &rusqlite::Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Vec<MessageRecord>, StoreError> {
+    let mut statement = connection.prepare_cached(sql).map_err(reader_error)?;
+    let columns: Vec<Box<str>> = statement
+        .column_names()
+        .into_iter()
+        .map(Box::from)
+        .collect();
+    named_rows(&mut statement, &columns, params, reader_error, |row| {
+        message_from_row(row)
+    })
+}
 
 /// A request and its runs whole, as the reader pool's methods read them; then the
 /// statements of a request's view, read on the writer's connection
@@ -1190,21 +1213,23 @@ impl Store for SqliteStore {
             .step(move |connection| {
                 // One snapshot for the path's reads, as one statement would see.
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let mut statement = read
-                    .prepare_cached(MESSAGES_OF_SESSION_OF)
-                    .map_err(reader_error)?;
-                let columns: Vec<Box<str>> = statement
-                    .column_names()
-                    .into_iter()
-                    .map(Box::from)
-                    .collect();
-                while let Some(from) = walk.next() {
-                    let params = (from.to_owned(),);
-                    let session =
-                        named_rows(&mut statement, &columns, params, reader_error, |row| {
-                            message_from_row(row)
-                        })?;
-                    walk.walk(session);
+                let page = walk.page();
+                while let Some(next) = walk.next_read() {
+                    let messages = match next {
+                        PathRead::SessionOf { message } => {
+                            path_page(&read, NEWEST_OF_SESSION_OF, (message, page))
+                        }
+                        PathRead::Older {
+                            session,
+                            created_at,
+                            id,
+                        } => {
+                            let time = stored_time::text(created_at);
+                            let params = (session, time.as_str(), id, page);
+                            path_page(&read, OLDER_OF_SESSION, params)
+                        }
+                    }?;
+                    walk.walk(messages);
                 }
                 Ok(walk.into_path())
             })

@@ -875,13 +875,14 @@ async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {
     seed(&store, "a", RunStatus::Completed).await;
     // In whole microseconds, as both stores keep a time.
     let now = chrono::DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();
-    // A conversation of 600 messages, each stamped at the same time (ordered by their
-    // parents alone), with a branch off every hundredth message that no path through the
-    // main line may cross into.
+    // A conversation of 2,600 messages (more than a read's page), seven at a time stamped
+    // alike (ordered by their parents alone) and one stamped before its parent (another
+    // instance's clock lagging), with a branch off every hundredth message that no path
+    // through the main line may cross into.
     let mut ops = Vec::new();
     let mut expected = Vec::new();
     let mut parent: Option<String> = None;
-    for n in 0..600 {
+    for n in 0..2600_usize {
         let id = format!("msg_{n:04}");
         let role = if n % 2 == 0 { "user" } else { "assistant" };
         let record = MessageRecord {
@@ -891,7 +892,8 @@ async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {
             request_id: Some(format!("req_{}", n / 2)),
             role: role.into(),
             content: json!({ "role": role, "content": format!("turn {n}: {}", "é\"\\ ".repeat(n % 7)) }),
-            created_at: now,
+            created_at: now
+                + Age::milliseconds(i64::try_from(n / 7).unwrap() - i64::from(n == 1234) * 3),
         };
         expected.push(record.clone());
         ops.push(WriteOp::InsertMessage(record));
@@ -905,8 +907,8 @@ async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {
         }
     }
     store.apply(&ops).await.unwrap();
-    let path = store.message_path("msg_0599").await.unwrap();
-    assert_eq!(path.len(), 600);
+    let path = store.message_path("msg_2599").await.unwrap();
+    assert_eq!(path.len(), 2600);
     for (read, stored) in path.iter().zip(&expected) {
         assert_eq!(read.id, stored.id);
         assert_eq!(read.parent_id, stored.parent_id);
