@@ -682,11 +682,13 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
 }
 
 /// A message path ([`Store::message_path`]) walked up from its leaf one session at a time:
-/// a session's messages are read newest first, [`PathWalk::page`] at a time (by the
-/// session's index: several times faster than a recursive read stepping through parents),
-/// and the path taken through them by parent id; where it leaves the session (a fork's
-/// origin) the next session is read. A session's other branches are read and passed over,
-/// only as far back as the path reaches.
+/// a session's messages are read newest first in pages (by the session's index: several
+/// times faster than a recursive read stepping through parents), and the path taken through
+/// them by parent id; where it leaves the session (a fork's origin) the next session is
+/// read. A session's other branches are read and passed over, only as far back as the path
+/// reaches: the first page is small and each next one twice as large, up to a thousand, so
+/// that a short history in a session of many branches (a `/v1` session's turns) costs a few
+/// dozen rows and a long one a few reads.
 pub(crate) struct PathWalk {
     /// Leaf first.
     path: Vec<MessageRecord>,
@@ -697,10 +699,12 @@ pub(crate) struct PathWalk {
     session: Option<String>,
     loaded: crate::ids::IdMap<String, MessageRecord>,
     older_than: Option<(DateTime<Utc>, String)>,
-    /// Sessions and messages met: parent links that loop end the walk.
+    /// Sessions met: parent links that loop back into one end the walk (within a session,
+    /// a message taken leaves `loaded`, and pages never read a message twice).
     sessions_read: std::collections::HashSet<String>,
-    taken: std::collections::HashSet<String>,
+    /// The next read's size, and the most a read takes.
     page: i64,
+    most: i64,
 }
 
 /// What a [`PathWalk`] reads next: newest first, at most [`PathWalk::page`] messages.
@@ -718,12 +722,10 @@ pub(crate) enum PathRead<'a> {
 
 impl PathWalk {
     pub(crate) fn from_leaf(leaf: &str) -> Self {
-        // A long session's history in a few reads; a session holding many more messages
-        // than its history (many branches) read only as far back as the history reaches.
-        Self::in_pages_of(leaf, 1000)
+        Self::in_pages_of(leaf, 64, 1024)
     }
 
-    fn in_pages_of(leaf: &str, page: i64) -> Self {
+    fn in_pages_of(leaf: &str, page: i64, most: i64) -> Self {
         Self {
             path: Vec::new(),
             next: Some(leaf.to_owned()),
@@ -731,8 +733,8 @@ impl PathWalk {
             loaded: crate::ids::IdMap::default(),
             older_than: None,
             sessions_read: std::collections::HashSet::new(),
-            taken: std::collections::HashSet::new(),
             page,
+            most,
         }
     }
 
@@ -771,21 +773,22 @@ impl PathWalk {
             }
         }
         let full = i64::try_from(page.len()).is_ok_and(|read| read >= self.page);
+        if full {
+            self.page = self.page.saturating_mul(2).min(self.most);
+        }
         self.older_than = page
             .last()
             .filter(|_| full)
             .map(|oldest| (oldest.created_at, oldest.id.clone()));
-        for message in page {
-            if !self.taken.contains(&message.id) {
-                self.loaded.insert(message.id.clone(), message);
-            }
-        }
+        self.loaded.extend(
+            page.into_iter()
+                .map(|message| (message.id.clone(), message)),
+        );
         while let Some(id) = self.next.take() {
             let Some(message) = self.loaded.remove(&id) else {
                 self.next = Some(id);
                 break;
             };
-            self.taken.insert(id);
             self.next = message.parent_id.clone();
             self.path.push(message);
         }
@@ -910,7 +913,7 @@ mod tests {
     /// The ids of the path a walk makes in pages of `page`, reading from `table` as the
     /// stores' statements do, and how many reads it made.
     fn walked(leaf: &str, table: &[MessageRecord], page: i64) -> (Vec<String>, usize) {
-        let mut walk = PathWalk::in_pages_of(leaf, page);
+        let mut walk = PathWalk::in_pages_of(leaf, page, page);
         let mut reads = 0;
         while let Some(read) = walk.next_read() {
             reads += 1;
@@ -993,6 +996,21 @@ mod tests {
             (0..100).map(|n| format!("c{n:03}")).collect::<Vec<_>>()
         );
         assert!(reads >= 110 / 7, "{reads} reads");
+        // The pages a walk reads grow: a short history of a session of many branches costs
+        // one small read, a long one a few.
+        let mut walk = PathWalk::from_leaf("c099");
+        let mut sizes = Vec::new();
+        while walk.next_read().is_some() {
+            sizes.push(walk.page());
+            walk.walk(vec![
+                message("filler", "f", None);
+                usize::try_from(walk.page()).unwrap()
+            ]);
+            if sizes.len() > 6 {
+                break;
+            }
+        }
+        assert_eq!(sizes, [64, 128, 256, 512, 1024, 1024, 1024]);
         // Parent links that loop (no store lets them be written) end the walk.
         let looped = vec![
             message("x1", "x", Some("x2")),

@@ -1610,8 +1610,8 @@ impl Store for PostgresStore {
 
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
         let mut walk = PathWalk::from_leaf(leaf);
-        let page = walk.page();
         while let Some(next) = walk.next_read() {
+            let page = walk.page();
             // A page of a session's messages, newest first by the session's index
             // ([`PathWalk`]).
             let rows = match next {

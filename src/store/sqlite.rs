@@ -1213,8 +1213,8 @@ impl Store for SqliteStore {
             .step(move |connection| {
                 // One snapshot for the path's reads, as one statement would see.
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let page = walk.page();
                 while let Some(next) = walk.next_read() {
+                    let page = walk.page();
                     let messages = match next {
                         PathRead::SessionOf { message } => {
                             path_page(&read, NEWEST_OF_SESSION_OF, (message, page))
