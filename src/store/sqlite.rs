@@ -574,10 +574,10 @@ fn named_rows<T>(
 /// then those of session `?1` older than time `?2` and id `?3` (`?4` at most).
 const NEWEST_OF_SESSION_OF: &str = "SELECT * FROM messages
      WHERE session_id = (SELECT session_id FROM messages WHERE id = ?1)
-     ORDER BY created_at DESC, id DESC LIMIT ?2";
+     ORDER BY created_at DESC, id DESC LIMIT CAST(?2 AS INTEGER)";
 const OLDER_OF_SESSION: &str = "SELECT * FROM messages
      WHERE session_id = ?1 AND (created_at, id) < (?2, ?3)
-     ORDER BY created_at DESC, id DESC LIMIT ?4";
+     ORDER BY created_at DESC, id DESC LIMIT CAST(?4 AS INTEGER)";
 
 /// The messages a page of a message path's walk reads (`sql`, one of the two above).
 fn path_page(
