@@ -686,7 +686,7 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
 /// times faster than a recursive read stepping through parents), and the path taken through
 /// them by parent id; where it leaves the session (a fork's origin) the next session is
 /// read. A session's other branches are read and passed over, only as far back as the path
-/// reaches: the first page is small and each next one twice as large, up to a thousand, so
+/// reaches: the first page is small (64) and each next one twice as large, up to 1,024, so
 /// that a short history in a session of many branches (a `/v1` session's turns) costs a few
 /// dozen rows and a long one a few reads.
 pub(crate) struct PathWalk {
