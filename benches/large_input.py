@@ -143,9 +143,14 @@ def workspace(upstream_url, tools, parked):
     return root
 
 
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+def stat_cpu_seconds(stat):
+    """The CPU (user and system) a `/proc/.../stat` file counts."""
+    fields = open(stat).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    return stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 ADMIN_KEY = "bench-admin-key"

@@ -32,8 +32,8 @@ import subprocess
 import threading
 import time
 
-from large_input import (ADMIN_KEY, ThreadingServer, Upstream, cpu_seconds, start_server, stop_server,
-                         workspace)
+from large_input import (ADMIN_KEY, ThreadingServer, Upstream, cpu_seconds, start_server, stat_cpu_seconds,
+                         stop_server, workspace)
 
 
 def thread_cpu_seconds(pid, name):
@@ -41,13 +41,11 @@ def thread_cpu_seconds(pid, name):
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            if open(f"/proc/{pid}/task/{task}/comm").read().strip() != name:
-                continue
-            fields = open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()
+            if open(f"/proc/{pid}/task/{task}/comm").read().strip() == name:
+                total += stat_cpu_seconds(f"/proc/{pid}/task/{task}/stat")
         except FileNotFoundError:
             continue  # a thread that ended meanwhile
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def store_bytes(root, database_url):

@@ -694,17 +694,24 @@ pub(crate) struct PathWalk {
     path: Vec<MessageRecord>,
     /// The message to take next; `None` once the path is whole.
     next: Option<String>,
-    /// The session being read: its messages read and not taken, and where its next page
-    /// starts (`None` once all of it was read).
-    session: Option<String>,
+    /// The session being read: its messages read and not taken, and the oldest of them, where
+    /// its next page starts (`None` once all of it was read).
     loaded: crate::ids::IdMap<String, MessageRecord>,
-    older_than: Option<(DateTime<Utc>, String)>,
+    older_than: Option<PageEnd>,
     /// Sessions met: parent links that loop back into one end the walk (within a session,
     /// a message taken leaves `loaded`, and pages never read a message twice).
     sessions_read: std::collections::HashSet<String>,
     /// The next read's size, and the most a read takes.
     page: i64,
     most: i64,
+}
+
+/// Where a session's next page starts: its session, the time and the id of the oldest
+/// message read.
+struct PageEnd {
+    session: String,
+    created_at: DateTime<Utc>,
+    id: String,
 }
 
 /// What a [`PathWalk`] reads next: newest first, at most [`PathWalk::page`] messages.
@@ -729,7 +736,6 @@ impl PathWalk {
         Self {
             path: Vec::new(),
             next: Some(leaf.to_owned()),
-            session: None,
             loaded: crate::ids::IdMap::default(),
             older_than: None,
             sessions_read: std::collections::HashSet::new(),
@@ -746,13 +752,13 @@ impl PathWalk {
     /// The read the walk needs next; `None` once the path is whole.
     pub(crate) fn next_read(&self) -> Option<PathRead<'_>> {
         let next = self.next.as_deref()?;
-        Some(match (&self.session, &self.older_than) {
-            (Some(session), Some((created_at, id))) => PathRead::Older {
-                session,
-                created_at,
-                id,
+        Some(match &self.older_than {
+            Some(end) => PathRead::Older {
+                session: &end.session,
+                created_at: &end.created_at,
+                id: &end.id,
             },
-            _ => PathRead::SessionOf { message: next },
+            None => PathRead::SessionOf { message: next },
         })
     }
 
@@ -763,7 +769,6 @@ impl PathWalk {
             // only parent links that loop could lead back to, ends the walk.
             match page.first() {
                 Some(first) if self.sessions_read.insert(first.session_id.clone()) => {
-                    self.session = Some(first.session_id.clone());
                     self.loaded.clear();
                 }
                 _ => {
@@ -776,10 +781,11 @@ impl PathWalk {
         if full {
             self.page = self.page.saturating_mul(2).min(self.most);
         }
-        self.older_than = page
-            .last()
-            .filter(|_| full)
-            .map(|oldest| (oldest.created_at, oldest.id.clone()));
+        self.older_than = page.last().filter(|_| full).map(|oldest| PageEnd {
+            session: oldest.session_id.clone(),
+            created_at: oldest.created_at,
+            id: oldest.id.clone(),
+        });
         self.loaded.extend(
             page.into_iter()
                 .map(|message| (message.id.clone(), message)),
@@ -792,10 +798,8 @@ impl PathWalk {
             self.next = message.parent_id.clone();
             self.path.push(message);
         }
-        if self.older_than.is_none() {
-            // The session is read whole: a parent not in it is in another.
-            self.session = None;
-        }
+        // Once the session is read whole (`older_than` is `None`), a parent not in it is in
+        // another: the next read is that parent's session.
     }
 
     /// The path, root first.
