@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use super::{RunArgs, exit, output};
 use crate::app::build_runtime;
 use crate::runtime::events::{APPROVAL_REQUESTED, APPROVAL_RESOLVED, PROGRESS_NARRATION};
-use crate::runtime::{Following, NewRequest, Protocol, Runtime};
+use crate::runtime::{Following, History, NewRequest, Protocol, Runtime};
 use crate::store::RunStatus;
 use crate::workspace;
 
@@ -73,7 +73,9 @@ pub async fn run(args: RunArgs) -> u8 {
             agent_id: args.agent.clone(),
             session_id: args.session.clone(),
             owner: CLI_OWNER.to_owned(),
-            with_history: true,
+            history: History::SessionLeaf,
+            leading: Vec::new(),
+            chainable: false,
             messages: vec![json!({ "role": "user", "content": args.message })],
             new_messages: 1,
             options: Default::default(),

@@ -25,16 +25,16 @@ use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
 use super::sse::{self, Frame};
 use super::v1::{
-    V1Submission, client_calls, client_functions, completed_event, delta_text, finish_reason,
-    hold_until_started, keep_alive, next_streamed, progress_event, session_id, submit,
-    terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
+    Chain, V1Submission, client_calls, client_functions, completed_event, delta_text,
+    finish_reason, hold_until_started, keep_alive, next_streamed, progress_event, session_id,
+    submit, terminal_failure, v1_error, v1_metadata, wants_named_events, with_request_headers,
 };
 use super::views::{JsonText, run_failure, store_error};
 use crate::adapters::ClientCall;
 use crate::error::{ApiError, ErrorCode};
 use crate::json;
 use crate::runtime::events::{REQUEST_COMPLETED, is_terminal};
-use crate::runtime::{ApprovalWatch, Submitted};
+use crate::runtime::{ApprovalWatch, LEADING, Submitted, TRANSCRIPT_THROUGH};
 use crate::store::{EventRecord, RequestRecord, RunStatus, Store};
 
 /// `input.surface.api` of a request the Responses API submitted.
@@ -663,31 +663,53 @@ fn stored_outcome(stored: &StoredResponse) -> Outcome {
     }
 }
 
-/// The context a chain continues from: the previous request's transcript without its
-/// instructions, then its output (text and function calls).
-fn chain_context(previous: &StoredResponse) -> Vec<Value> {
-    let mut messages: Vec<Value> = previous
-        .request
-        .input
+/// The previous response's answer as its client saw it (text and function calls), and the
+/// session message holding it, if it completed.
+fn previous_answer(previous: &StoredResponse) -> Option<(Value, Option<String>)> {
+    let event = previous
+        .terminal
+        .as_ref()
+        .filter(|event| event.event_type == REQUEST_COMPLETED)?;
+    let text = event
+        .data
+        .get("output")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let answer = ClientCall::assistant_message(text, &client_calls(&event.data));
+    let message_id = event
+        .data
+        .get("messageId")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    Some((answer, message_id))
+}
+
+/// A copy of the transcript a chain continues from, without the previous request's
+/// instructions: the session's path to where it ends, or for a response stored before chains
+/// were held in the session, the transcript its input holds (instructions first).
+async fn copied_chain(
+    store: &dyn crate::store::Store,
+    previous: &StoredResponse,
+    through: Option<&str>,
+) -> Result<Vec<Value>, ApiError> {
+    if let Some(through) = through {
+        let path = store
+            .message_path(through)
+            .await
+            .map_err(|e| store_error(&e))?;
+        return Ok(path.into_iter().map(|message| message.content).collect());
+    }
+    let input = &previous.request.input;
+    let mut messages: Vec<Value> = input
         .get("messages")
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
-    if previous.shape.instructions.is_some() && !messages.is_empty() {
+    let instructions_inside = input.get(LEADING).is_none() && previous.shape.instructions.is_some();
+    if instructions_inside && !messages.is_empty() {
         messages.remove(0);
     }
-    if let Some(event) = &previous.terminal
-        && event.event_type == REQUEST_COMPLETED
-    {
-        let text = event
-            .data
-            .get("output")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let answer = ClientCall::assistant_message(text, &client_calls(&event.data));
-        messages.push(answer);
-    }
-    messages
+    Ok(messages)
 }
 
 #[utoipa::path(post, path = "/v1/responses", tag = "v1", security(("client_key" = [])),
@@ -708,11 +730,17 @@ pub async fn create_response(
     // Responses tools are flat: `{type: "function", name, ...}`.
     let tools = client_functions(request.tools.as_ref(), None)?;
     let store = state.runtime.store();
+    let leading: Vec<Value> = request
+        .instructions
+        .as_deref()
+        .map(|instructions| json!({ "role": "system", "content": instructions }))
+        .into_iter()
+        .collect();
+    // The turn's own messages: what continues the chain (the previous answer, or a copy of
+    // the whole chain), then the input.
     let mut messages = Vec::new();
-    if let Some(instructions) = request.instructions.as_deref() {
-        messages.push(json!({ "role": "system", "content": instructions }));
-    }
     let mut session = session_id(&headers, request.user.as_deref(), &caller.identity)?;
+    let mut chain = None;
     if let Some(previous_id) = &request.previous_response_id {
         let Some(previous) = stored_request(store.as_ref(), &caller, previous_id).await? else {
             return Err(response_not_found(
@@ -720,9 +748,35 @@ pub async fn create_response(
                 Some("previous_response_id"),
             ));
         };
-        messages.extend(chain_context(&previous));
         // A chain is one session unless the client groups it otherwise.
-        session.get_or_insert(previous.request.session_id);
+        let session = session.get_or_insert_with(|| previous.request.session_id.clone());
+        let answer = previous_answer(&previous);
+        let through = previous
+            .request
+            .input
+            .get(TRANSCRIPT_THROUGH)
+            .and_then(Value::as_str);
+        chain = Some(match through {
+            // The session holds the chain's transcript: the turn names where it ends and
+            // stores only what is new, so a long chain is stored once, not once a turn.
+            Some(through) if *session == previous.request.session_id => {
+                let answer_message = answer
+                    .as_ref()
+                    .and_then(|(_, message_id)| message_id.clone());
+                messages.extend(answer.map(|(answer, _)| answer));
+                Chain::Continued {
+                    through: through.to_owned(),
+                    answer_message,
+                }
+            }
+            // Another session (or a response stored before chains were held in the session)
+            // starts from a copy of the whole chain.
+            _ => {
+                messages = copied_chain(store.as_ref(), &previous, through).await?;
+                messages.extend(answer.map(|(answer, _)| answer));
+                Chain::Copied
+            }
+        });
     }
     match &request.input {
         Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
@@ -735,9 +789,11 @@ pub async fn create_response(
             .param("input"));
         }
     }
-    if !messages
-        .iter()
-        .any(|m| m.get("role").and_then(Value::as_str) != Some("system"))
+    let continued = matches!(chain, Some(Chain::Continued { .. }));
+    if !continued
+        && !messages
+            .iter()
+            .any(|m| m.get("role").and_then(Value::as_str) != Some("system"))
     {
         return Err(v1_error(
             ErrorCode::InvalidParameter,
@@ -777,7 +833,10 @@ pub async fn create_response(
         &caller,
         V1Submission {
             agent: request.model.clone(),
+            leading,
             messages,
+            chain,
+            chainable: shape.store,
             tools,
             options: options(&request),
             metadata: v1_metadata(request.metadata, request.user.as_deref()),

@@ -23,7 +23,7 @@ use super::views::{
     EventPage, EventsQuery, Json, RequestView, SessionView, request_view, session_view, store_error,
 };
 use crate::error::{ApiError, ErrorCode};
-use crate::runtime::{AwaitedView, Following, NewRequest, Protocol, RuntimeError};
+use crate::runtime::{AwaitedView, Following, History, NewRequest, Protocol, RuntimeError};
 
 /// `POST /runtime/requests` body.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -106,7 +106,9 @@ pub async fn create_request(
         agent_id: body.agent_id,
         session_id: body.session_id,
         owner: caller.identity.clone(),
-        with_history: true,
+        history: History::SessionLeaf,
+        leading: Vec::new(),
+        chainable: false,
         messages,
         new_messages,
         options: Map::new(),

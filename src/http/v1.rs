@@ -26,7 +26,7 @@ use crate::runtime::events::{
     TOOL_DIRECT_STARTED, is_terminal, output_delta_text,
 };
 use crate::runtime::{
-    ApprovalWatch, ClientTurn, Following, NewRequest, Protocol, Submitted, Watched,
+    ApprovalWatch, ClientTurn, Following, History, NewRequest, Protocol, Submitted, Watched,
 };
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, CompiledWorkspace, wire_name};
@@ -295,7 +295,10 @@ pub async fn chat_completions(
         &caller,
         V1Submission {
             agent: request.model.clone(),
+            leading: Vec::new(),
             messages: request.messages,
+            chain: None,
+            chainable: false,
             tools,
             options,
             metadata: v1_metadata(request.metadata, request.user.as_deref()),
@@ -407,7 +410,14 @@ fn client_function(index: usize, function: &Value) -> Result<ClientFunction, Api
 /// with it.
 pub(super) struct V1Submission {
     pub agent: String,
+    /// Messages before any history (a Responses turn's instructions).
+    pub leading: Vec<Value>,
+    /// The turn's own messages, after the chain's stored transcript if it continues one.
     pub messages: Vec<Value>,
+    /// The stored chain a Responses turn continues, if any.
+    pub chain: Option<Chain>,
+    /// A later turn may continue from this one (a stored response).
+    pub chainable: bool,
     pub tools: Vec<ClientFunction>,
     pub options: Map<String, Value>,
     pub metadata: Value,
@@ -415,6 +425,19 @@ pub(super) struct V1Submission {
     pub surface: Option<Value>,
     /// Answered as an SSE stream: the request's events are stored as they come.
     pub stream: bool,
+}
+
+/// How a Responses turn continues a stored chain.
+pub(super) enum Chain {
+    /// From the session's path through `through`, where the previous response's transcript
+    /// ends: the turn's messages start with the previous answer, if it completed, and
+    /// `answer_message`, when known, is the session message holding that answer.
+    Continued {
+        through: String,
+        answer_message: Option<String>,
+    },
+    /// From a copy of the whole chain at the start of the turn's messages.
+    Copied,
 }
 
 /// A submitted `/v1` call, followed.
@@ -455,17 +478,49 @@ pub(super) async fn submit(
                 .param(format!("tools[{}]", error.index))
         })?;
     }
-    let (messages, results) = state
+    let answer = match &submission.chain {
+        Some(Chain::Continued {
+            answer_message: Some(message_id),
+            ..
+        }) => submission
+            .messages
+            .first()
+            .map(|answer| (answer.clone(), message_id.clone())),
+        _ => None,
+    };
+    let (mut messages, results) = state
         .runtime
         .continue_client_turns(&caller.identity, submission.messages)
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
-    // The turn new to the session: everything after the last assistant message.
-    let new_messages = messages
-        .iter()
-        .rev()
-        .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
-        .count();
+    // The turn new to the session: a chained turn's whole own transcript (a later turn
+    // continues from it), else everything after the last assistant message.
+    let whole = match &submission.chain {
+        Some(Chain::Continued { .. }) => true,
+        Some(Chain::Copied) => submission.chainable,
+        None => false,
+    };
+    let history = match submission.chain {
+        // The previous answer, as stored, is where the turn continues from, unless the
+        // stored turns of its calls stand in for it.
+        Some(Chain::Continued { through, .. }) => match answer {
+            Some((answer, message_id)) if messages.first() == Some(&answer) => {
+                messages.remove(0);
+                History::Through(message_id)
+            }
+            _ => History::Through(through),
+        },
+        _ => History::Stateless,
+    };
+    let new_messages = if whole {
+        messages.len()
+    } else {
+        messages
+            .iter()
+            .rev()
+            .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
+            .count()
+    };
     let workflow_requested = workflow.is_some();
     let (submitted, events) = state
         .runtime
@@ -474,7 +529,9 @@ pub(super) async fn submit(
                 agent_id: workflow.is_none().then_some(submission.agent),
                 session_id: submission.session_id,
                 owner: caller.identity.clone(),
-                with_history: false,
+                history,
+                leading: submission.leading,
+                chainable: submission.chainable,
                 messages,
                 new_messages,
                 options: submission.options,

@@ -59,28 +59,44 @@ pub type EventStream =
 /// The key of a stored request input naming the session message its history runs through.
 const HISTORY_THROUGH: &str = "historyThrough";
 
+/// The key of a stored request input naming the session message its whole transcript (its
+/// history, then its own messages) ends at: where a later request may continue from it.
+pub const TRANSCRIPT_THROUGH: &str = "transcriptThrough";
+
+/// The key of a stored request input holding the messages its transcript starts with, before
+/// any history: they are the request's own and never stored in the session (a Responses
+/// turn's `instructions`).
+pub const LEADING: &str = "leading";
+
 /// What a follower of a request is told when the store refused the request's first write
 /// (the journal's log has the store's own error).
 const REQUEST_NOT_STORED: &str =
     "the store refused to store this request, so it was not run to its end here";
 
-/// Where a request's run starts: the messages (the session's history path through the
-/// message the input names, if any, then the input's own messages), and the message the
-/// run's answer hangs under (the request's own last message, else the history's end).
+/// Where a request's run starts: the messages (its leading messages, the session's history
+/// path through the message the input names, if any, then the input's own messages), and the
+/// message the run's answer hangs under (the request's own last message, else the history's
+/// end).
 async fn request_start(
     store: &dyn Store,
     request: &RequestRecord,
 ) -> Result<(Vec<Value>, Option<String>), StoreError> {
     let through = request.input.get(HISTORY_THROUGH).and_then(Value::as_str);
-    let mut messages: Vec<Value> = match through {
-        Some(through) => store
-            .message_path(through)
-            .await?
-            .into_iter()
-            .map(|m| m.content)
-            .collect(),
-        None => Vec::new(),
-    };
+    let mut messages: Vec<Value> = request
+        .input
+        .get(LEADING)
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    if let Some(through) = through {
+        messages.extend(
+            store
+                .message_path(through)
+                .await?
+                .into_iter()
+                .map(|m| m.content),
+        );
+    }
     if let Some(own) = request.input.get("messages").and_then(Value::as_array) {
         messages.extend(own.iter().cloned());
     }
@@ -168,9 +184,15 @@ pub struct NewRequest {
     pub workflow: Option<String>,
     /// `None`: a new session.
     pub session_id: Option<String>,
-    /// Prepend the session's stored history to `messages` (the native API's behaviour; `/v1`
-    /// is stateless and sends the whole transcript).
-    pub with_history: bool,
+    /// What the request's transcript continues from in the session.
+    pub history: History,
+    /// Messages the transcript starts with, before any history (a Responses turn's
+    /// instructions): stored with the request, never in the session.
+    pub leading: Vec<Value>,
+    /// A later request may continue from this one's transcript (a stored Responses turn):
+    /// when all its messages are stored in the session, its input names where they end
+    /// ([`TRANSCRIPT_THROUGH`]).
+    pub chainable: bool,
     /// The client key identity submitting it (SPEC section 4, ownership): it owns the
     /// request and, when new, the session.
     pub owner: String,
@@ -190,6 +212,19 @@ pub struct NewRequest {
     /// Surface-specific data stored with the request's input (`/v1/responses`: the
     /// response's own fields), under `input.surface`.
     pub surface: Option<Value>,
+}
+
+/// What a request's transcript continues from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum History {
+    /// Nothing: the request brings its whole transcript (`/v1/chat/completions` is
+    /// stateless).
+    Stateless,
+    /// The session's newest leaf (the native API): the session must exist.
+    SessionLeaf,
+    /// The path through this message (a Responses chain: where the previous response's
+    /// transcript ends). Whoever names it has checked it is the caller's.
+    Through(String),
 }
 
 /// What `submit` accepted.
@@ -488,7 +523,7 @@ impl Runtime {
                 Some(session) if session.owner != request.owner => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                None if request.with_history => {
+                None if request.history == History::SessionLeaf => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
                 session => existing = session,
@@ -521,16 +556,20 @@ impl Runtime {
         }
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
-        let leaf = match existing.as_ref().filter(|_| request.with_history) {
-            Some(session) => session_leaf(inner.store.as_ref(), session).await?,
-            None => None,
+        let leaf = match (&request.history, existing.as_ref()) {
+            (History::SessionLeaf, Some(session)) => {
+                session_leaf(inner.store.as_ref(), session).await?
+            }
+            (History::Through(through), _) => Some(through.clone()),
+            _ => None,
         };
         let history = match &leaf {
             Some(leaf) => inner.store.message_path(leaf).await?,
             None => Vec::new(),
         };
         let mut parent_id = leaf;
-        let mut messages: Vec<Value> = history.into_iter().map(|m| m.content).collect();
+        let mut messages = request.leading.clone();
+        messages.extend(history.into_iter().map(|m| m.content));
         messages.extend(request.messages.iter().cloned());
 
         let request_id = new_id("req");
@@ -552,13 +591,29 @@ impl Runtime {
         })];
         // The input is what the request brought; history the session holds already is named
         // by its last message, never copied (a long session would store it again per turn).
-        let mut input = match (&parent_id, request.with_history) {
-            (Some(through), true) => {
+        let mut input = match &parent_id {
+            Some(through) => {
                 json!({ "messages": request.messages, "options": request.options,
                 HISTORY_THROUGH: through })
             }
-            _ => json!({ "messages": messages, "options": request.options }),
+            None => json!({ "messages": request.messages, "options": request.options }),
         };
+        if !request.leading.is_empty() {
+            input[LEADING] = Value::Array(request.leading);
+        }
+        // The ids of the messages stored in the session, known before the input names the
+        // last of them.
+        let first_new = request.messages.len().saturating_sub(request.new_messages);
+        let stored_ids: Vec<String> = request.messages[first_new..]
+            .iter()
+            .map(|_| new_id("msg"))
+            .collect();
+        if request.chainable && first_new == 0 {
+            let end = stored_ids.last().or(parent_id.as_ref());
+            if let Some(end) = end {
+                input[TRANSCRIPT_THROUGH] = Value::String(end.clone());
+            }
+        }
         request.client.store_in(&mut input);
         if let Some(workflow) = workflow {
             input["workflow"] = Value::String(workflow.name.clone());
@@ -582,9 +637,7 @@ impl Runtime {
             created_at: now,
             updated_at: now,
         }));
-        let first_new = request.messages.len().saturating_sub(request.new_messages);
-        for message in &request.messages[first_new..] {
-            let id = new_id("msg");
+        for (message, id) in request.messages[first_new..].iter().zip(stored_ids) {
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: id.clone(),
                 session_id: session_id.clone(),

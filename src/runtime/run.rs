@@ -24,8 +24,8 @@ use super::events::{
     TOOL_CLIENT_COMPLETED, USAGE_RECORDED, output_delta,
 };
 use super::{
-    Inventory, Journal, JournalError, NewRequest, Protocol, Runtime, RuntimeError, Submitted,
-    narration, new_id,
+    History, Inventory, Journal, JournalError, NewRequest, Protocol, Runtime, RuntimeError,
+    Submitted, narration, new_id,
 };
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
@@ -686,7 +686,9 @@ impl RunHost for RunEvents {
                 agent_id: Some(agent.to_owned()),
                 session_id: None,
                 owner: self.owner.clone(),
-                with_history: false,
+                history: History::Stateless,
+                leading: Vec::new(),
+                chainable: false,
                 messages: vec![json!({ "role": "user", "content": input })],
                 new_messages: 1,
                 options: Map::new(),
@@ -1499,8 +1501,9 @@ async fn finish(
         Ok(output) => {
             let reply =
                 crate::adapters::ClientCall::assistant_message(&output.text, &output.client_calls);
+            let message_id = new_id("msg");
             ops.push(WriteOp::InsertMessage(MessageRecord {
-                id: new_id("msg"),
+                id: message_id.clone(),
                 session_id: submitted.session_id.clone(),
                 parent_id: parent_message_id,
                 request_id: Some(request_id.clone()),
@@ -1512,7 +1515,10 @@ async fn finish(
             if let Some(cost) = output.cost_usd {
                 usage["costUsd"] = json!(cost);
             }
-            let mut data = json!({ "output": output.text, "usage": usage, "finishReason": output.finish_reason });
+            // `messageId`: the session message holding the answer, where a later turn may
+            // continue from (a Responses chain does).
+            let mut data = json!({ "output": output.text, "usage": usage,
+                "finishReason": output.finish_reason, "messageId": message_id });
             if !output.client_calls.is_empty() {
                 data["clientToolCalls"] = json!(output.client_calls);
                 data["clientTurns"] = Value::Array(output.client_turns);

@@ -387,7 +387,161 @@ async fn mixed_turn(stateless: bool) {
     assert_eq!(completed["data"]["toolCallId"], json!(call_id));
     assert_eq!(completed["data"]["output"], "patched OK");
     assert_eq!(completed["data"]["requestId"], json!(first_request));
+    if stateless {
+        return;
+    }
+    // The chain goes on from the stored turns that stood in for the client's copy.
+    upstream.push([Reply::Text("You are welcome".into())]);
+    let (status, third, _) = respond(
+        &app,
+        &json!({ "model": "coder", "input": "thanks", "tools": client_tools(), "previous_response_id": second["id"] }),
+    )
+    .await;
+    assert_eq!(status, 200, "{third}");
+    let resent = &upstream.calls()[2].body["messages"];
+    let mut expected = sent.clone();
+    expected.push(json!({ "role": "assistant", "content": "Done" }));
+    expected.push(json!({ "role": "user", "content": "thanks" }));
+    assert_eq!(resent, &json!(expected));
 }
+
+/// What the model is sent on a turn continuing a chain (the coder agent's instructions, the
+/// turn's own, then `turns` as user and assistant messages).
+fn chain_transcript(instructions: &str, turns: &[&str]) -> Value {
+    let mut messages = vec![
+        json!({ "role": "system", "content": "You write code." }),
+        json!({ "role": "system", "content": instructions }),
+    ];
+    for (index, text) in turns.iter().enumerate() {
+        let role = if index % 2 == 0 { "user" } else { "assistant" };
+        messages.push(json!({ "role": role, "content": text }));
+    }
+    Value::Array(messages)
+}
+
+/// The contents of a session's history, root first.
+async fn session_history(app: &TestApp, session: &str) -> Vec<String> {
+    let (status, view) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{view}");
+    view["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            m["content"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
+
+/// A `previous_response_id` chain is held in its session: each turn stores what is new to it
+/// and names where the chain ends, and the model is sent the whole chain, each turn with only
+/// its own instructions. A first turn that replays an exchange is continued from a copy, as is
+/// a turn the client puts in another session; a chain branches from any of its responses.
+async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn_on(
+        coder_workspace(&upstream, &tools, "5s"),
+        database_url,
+        &[CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    let mut chain = vec!["q0", "a0"];
+    let answers = ["a1", "a2", "a3", "a4", "a5", "a6"];
+    let questions = ["q1", "q2", "q3", "q4", "q5", "q6"];
+    upstream.push(answers.iter().map(|a| Reply::Text((*a).into())));
+    let mut ids = Vec::new();
+    let mut session = String::new();
+    for (turn, (question, answer)) in questions.iter().zip(answers).enumerate() {
+        let instructions = format!("Rule {turn}");
+        let body = match ids.last() {
+            None => json!({ "model": "coder", "instructions": instructions, "input": [
+                { "role": "user", "content": "q0" }, { "role": "assistant", "content": "a0" },
+                { "role": "user", "content": question }] }),
+            Some(previous) => json!({ "model": "coder", "instructions": instructions,
+                "input": question, "previous_response_id": previous }),
+        };
+        let (status, response, request_id) = respond(&app, &body).await;
+        assert_eq!(status, 200, "turn {turn}: {response}");
+        assert_eq!(response["output"][0]["content"][0]["text"], answer);
+        chain.push(question);
+        assert_eq!(
+            upstream.calls()[turn].body["messages"],
+            chain_transcript(&instructions, &chain),
+            "turn {turn}"
+        );
+        chain.push(answer);
+        ids.push(response["id"].as_str().unwrap().to_owned());
+        let (_, view) = app
+            .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
+            .await;
+        let this_session = view["sessionId"].as_str().unwrap().to_owned();
+        if turn > 0 {
+            assert_eq!(this_session, session, "a chain is one session");
+        }
+        session = this_session;
+    }
+    // From the second turn on the session holds the whole chain, stored once: the copy the
+    // second turn began from, then each turn's question and answer.
+    assert_eq!(session_history(&app, &session).await, chain);
+    let (_, view) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    let stored = view["messages"].as_array().unwrap().len();
+    assert_eq!(stored, 2 + 6 + 2 * 4, "{view:#}");
+
+    // A branch from the fourth response sees the chain to there only.
+    upstream.push([Reply::Text("ab".into())]);
+    let (status, branch, _) = respond(
+        &app,
+        &json!({ "model": "coder", "instructions": "Rule b", "input": "qb", "previous_response_id": ids[3] }),
+    )
+    .await;
+    assert_eq!(status, 200, "{branch}");
+    let mut branched = chain[..2 + 2 * 4].to_vec();
+    branched.push("qb");
+    assert_eq!(
+        upstream.calls()[6].body["messages"],
+        chain_transcript("Rule b", &branched)
+    );
+
+    // Continued in another session, the chain starts there from a copy, and goes on from it.
+    upstream.push([Reply::Text("ax".into()), Reply::Text("ay".into())]);
+    let other = "chain-elsewhere";
+    let response = app
+        .http
+        .post(app.url("/v1/responses"))
+        .bearer_auth(CLIENT_KEY)
+        .header("x-stable-harness-session-id", other)
+        .json(&json!({ "model": "coder", "instructions": "Rule x", "input": "qx", "previous_response_id": ids[5] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let moved: Value = response.json().await.unwrap();
+    let (status, _, _) = respond(
+        &app,
+        &json!({ "model": "coder", "instructions": "Rule y", "input": "qy", "previous_response_id": moved["id"] }),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let mut elsewhere = chain.clone();
+    elsewhere.extend(["qx", "ax", "qy"]);
+    assert_eq!(
+        upstream.calls()[8].body["messages"],
+        chain_transcript("Rule y", &elsewhere)
+    );
+    elsewhere.push("ay");
+    assert_eq!(session_history(&app, other).await, elsewhere);
+}
+
+on_both_stores!(a_chain_is_held_in_its_session);
 
 #[tokio::test]
 async fn a_mixed_turn_continues_with_previous_response_id() {
