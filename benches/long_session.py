@@ -8,7 +8,7 @@ Usage: long_session.py [--turns 400] [--every 50] [--bytes 500]
 What a turn costs as its conversation grows, and what the store keeps for it. Each build
 starts on a fresh store, with large_input.py's loopback upstream (a 7-word answer, sent at
 once), and holds one conversation of `--turns` turns, each a user message of `--bytes`
-bytes, one at a time:
+bytes of made-up words (no two turns alike), one at a time:
 
 - `responses`: each turn continues the one before by `previous_response_id` (the Agents
   SDK's stateful way): the server holds the conversation;
@@ -20,12 +20,14 @@ bytes, one at a time:
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
 system, from `/proc`) and of it the embedded store's reader threads', and the bytes the store
 holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
-largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh pass.
+largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh and
+seventy-eighth passes.
 """
 
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -65,6 +67,22 @@ def store_bytes(root, database_url):
 READER = "sqlite-reader"
 
 
+def turn_texts(size):
+    """Each turn's message: `size` bytes of made-up words, different every turn (a store that
+    compresses, PostgreSQL's, is not handed text it shrinks to nothing), the same every run."""
+    rng = random.Random(16)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choice(letters[:12 + length]) for _ in range(length))
+             for length in (rng.randint(2, 9) for _ in range(4096))]
+    turn = 0
+    while True:
+        turn += 1
+        text = f"{turn:>9}"
+        while len(text) < size:
+            text += " " + rng.choice(words)
+        yield text[:size]
+
+
 def one_build(binary, root, args):
     server, connection, database = start_server(binary, root, args.database_url)
     try:
@@ -79,7 +97,7 @@ def one_build(binary, root, args):
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
             return time.perf_counter() - started, json.loads(answer)
 
-        filler = "x" * max(args.bytes - 10, 0)
+        texts = turn_texts(args.bytes)
         transcript = []
         previous = None
         session = None
@@ -88,7 +106,7 @@ def one_build(binary, root, args):
         read_before = thread_cpu_seconds(server.pid, READER)
         rows = []
         for turn in range(1, args.turns + 1):
-            text = f"{turn:>9} {filler}"
+            text = next(texts)
             if args.surface == "responses":
                 body = {"model": "assistant", "input": text}
                 if previous:

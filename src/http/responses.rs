@@ -8,7 +8,9 @@
 //! with the request's input, so a stored response lives and is pruned with its request, and
 //! its output is read back from the request's terminal event. `previous_response_id`
 //! continues from the whole stored chain: the previous request's transcript (without its
-//! instructions) and its output, function calls included.
+//! instructions) and its output, function calls included. The chain is held in the session:
+//! a turn stores what it brings under the message where the chain ends (the previous answer)
+//! and is run on the session's path through it, so a chain is stored once, not once a turn.
 
 use std::sync::Arc;
 
