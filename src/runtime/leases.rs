@@ -175,7 +175,8 @@ impl Runtime {
         let Some(request) = store.request(&run.request_id).await? else {
             return Ok(false);
         };
-        let (input, parent_message_id) = request_start(store.as_ref(), &request).await?;
+        let (input, parent_message_id) =
+            request_start(store.as_ref(), &self.inner.histories, &request).await?;
         // A workflow node's run: its agent and input come from its place in the workflow.
         let node = run
             .state

@@ -14,6 +14,7 @@ mod clock;
 pub mod events;
 pub use client_turns::{ClientResult, ClientTurn};
 mod fanout;
+mod history;
 mod hub;
 mod journal;
 mod leases;
@@ -79,6 +80,7 @@ const REQUEST_NOT_STORED: &str =
 /// end).
 async fn request_start(
     store: &dyn Store,
+    histories: &history::Histories,
     request: &RequestRecord,
 ) -> Result<(Vec<Value>, Option<String>), StoreError> {
     let through = request.input.get(HISTORY_THROUGH).and_then(Value::as_str);
@@ -89,13 +91,7 @@ async fn request_start(
         .cloned()
         .unwrap_or_default();
     if let Some(through) = through {
-        messages.extend(
-            store
-                .message_path(through)
-                .await?
-                .into_iter()
-                .map(|m| m.content),
-        );
+        messages.extend(histories.path(store, &request.session_id, through).await?);
     }
     if let Some(own) = request.input.get("messages").and_then(Value::as_array) {
         messages.extend(own.iter().cloned());
@@ -328,6 +324,8 @@ struct Inner {
     retrying: tokio::sync::Mutex<()>,
     /// Held by a reload: one at a time.
     reloading: tokio::sync::Mutex<()>,
+    /// The newest history path of recently continued sessions.
+    histories: history::Histories,
 }
 
 /// How long shutdown waits for handed-over runs to stop before giving their leases back.
@@ -409,6 +407,7 @@ impl Runtime {
                 )),
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
+                histories: history::Histories::default(),
                 slots,
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
                 spend: crate::spend::Spend::new(Arc::clone(&store)),
@@ -564,12 +563,17 @@ impl Runtime {
             _ => None,
         };
         let history = match &leaf {
-            Some(leaf) => inner.store.message_path(leaf).await?,
+            Some(leaf) => {
+                inner
+                    .histories
+                    .path(inner.store.as_ref(), &session_id, leaf)
+                    .await?
+            }
             None => Vec::new(),
         };
         let mut parent_id = leaf;
         let mut messages = request.leading.clone();
-        messages.extend(history.into_iter().map(|m| m.content));
+        messages.extend(history);
         messages.extend(request.messages.iter().cloned());
 
         let request_id = new_id("req");

@@ -136,7 +136,8 @@ impl Runtime {
                 running: workspace.runtime.limits.max_concurrent_runs,
             })?;
         let previous = self.latest_run(request_id).await?;
-        let (messages, parent_message_id) = request_start(inner.store.as_ref(), &request).await?;
+        let (messages, parent_message_id) =
+            request_start(inner.store.as_ref(), &inner.histories, &request).await?;
         let now = Utc::now();
         let run_id = new_id("run");
         let attempt = previous.attempt.saturating_add(1);

@@ -400,7 +400,16 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError>;
     /// The path from the root of a message tree to `leaf`, root first: a session's history.
     /// It crosses into the session a fork branched from.
-    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError>;
+    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
+        Ok(self.message_path_below(leaf, None).await?.messages)
+    }
+    /// The path to `leaf` as [`Store::message_path`], or only its part below `known` when the
+    /// path passes through it (whoever asks holds the path to `known` already).
+    async fn message_path_below(
+        &self,
+        leaf: &str,
+        known: Option<&str>,
+    ) -> Result<PathBelow, StoreError>;
     /// Sessions newest first.
     async fn sessions(
         &self,
@@ -681,6 +690,15 @@ pub(crate) fn counts_in_order(sessions: &[String], counted: Vec<(String, i64)>) 
         .collect()
 }
 
+/// A message path read by [`Store::message_path_below`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PathBelow {
+    /// Root first; below the known message when `below_known`.
+    pub messages: Vec<MessageRecord>,
+    /// The path passed through the known message: `messages` are what comes after it.
+    pub below_known: bool,
+}
+
 /// A message path ([`Store::message_path`]) walked up from its leaf one session at a time:
 /// a session's messages are read newest first in pages (by the session's index: several
 /// times faster than a recursive read stepping through parents), and the path taken through
@@ -704,6 +722,10 @@ pub(crate) struct PathWalk {
     /// The next read's size, and the most a read takes.
     page: i64,
     most: i64,
+    /// Where the walk stops short of the root (the path above it is known to whoever asks),
+    /// and whether it did.
+    known: Option<String>,
+    reached_known: bool,
 }
 
 /// Where a session's next page starts: its session, the time and the id of the oldest
@@ -728,19 +750,23 @@ pub(crate) enum PathRead<'a> {
 }
 
 impl PathWalk {
-    pub(crate) fn from_leaf(leaf: &str) -> Self {
-        Self::in_pages_of(leaf, 64, 1024)
+    /// The walk up from `leaf`, to the root or to `known` if the path passes through it.
+    pub(crate) fn from_leaf(leaf: &str, known: Option<&str>) -> Self {
+        Self::in_pages_of(leaf, known, 64, 1024)
     }
 
-    fn in_pages_of(leaf: &str, page: i64, most: i64) -> Self {
+    fn in_pages_of(leaf: &str, known: Option<&str>, page: i64, most: i64) -> Self {
+        let reached_known = known == Some(leaf);
         Self {
             path: Vec::new(),
-            next: Some(leaf.to_owned()),
+            next: (!reached_known).then(|| leaf.to_owned()),
             loaded: crate::ids::IdMap::default(),
             older_than: None,
             sessions_read: std::collections::HashSet::new(),
             page,
             most,
+            known: known.map(str::to_owned),
+            reached_known,
         }
     }
 
@@ -797,15 +823,22 @@ impl PathWalk {
             };
             self.next = message.parent_id.clone();
             self.path.push(message);
+            if self.next.is_some() && self.next == self.known {
+                self.next = None;
+                self.reached_known = true;
+            }
         }
         // Once the session is read whole (`older_than` is `None`), a parent not in it is in
         // another: the next read is that parent's session.
     }
 
-    /// The path, root first.
-    pub(crate) fn into_path(mut self) -> Vec<MessageRecord> {
+    /// The path, root first (below the known message if the walk reached it).
+    pub(crate) fn into_path(mut self) -> PathBelow {
         self.path.reverse();
-        self.path
+        PathBelow {
+            messages: self.path,
+            below_known: self.reached_known,
+        }
     }
 }
 
@@ -866,7 +899,7 @@ pub fn redact_url(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{MessageRecord, PathRead, PathWalk, lane_of, redact_url};
+    use super::{MessageRecord, PathBelow, PathRead, PathWalk, lane_of, redact_url};
 
     #[test]
     fn a_url_loses_its_password_wherever_it_is() {
@@ -917,7 +950,18 @@ mod tests {
     /// The ids of the path a walk makes in pages of `page`, reading from `table` as the
     /// stores' statements do, and how many reads it made.
     fn walked(leaf: &str, table: &[MessageRecord], page: i64) -> (Vec<String>, usize) {
-        let mut walk = PathWalk::in_pages_of(leaf, page, page);
+        let (path, reads) = walked_below(leaf, None, table, page);
+        (path.messages.into_iter().map(|m| m.id).collect(), reads)
+    }
+
+    /// The path a walk to `known` makes (as [`walked`]).
+    fn walked_below(
+        leaf: &str,
+        known: Option<&str>,
+        table: &[MessageRecord],
+        page: i64,
+    ) -> (PathBelow, usize) {
+        let mut walk = PathWalk::in_pages_of(leaf, known, page, page);
         let mut reads = 0;
         while let Some(read) = walk.next_read() {
             reads += 1;
@@ -950,8 +994,7 @@ mod tests {
             rows.truncate(usize::try_from(walk.page()).unwrap());
             walk.walk(rows);
         }
-        let ids = walk.into_path().into_iter().map(|m| m.id).collect();
-        (ids, reads)
+        (walk.into_path(), reads)
     }
 
     #[test]
@@ -1002,7 +1045,7 @@ mod tests {
         assert!(reads >= 110 / 7, "{reads} reads");
         // The pages a walk reads grow: a short history of a session of many branches costs
         // one small read, a long one a few.
-        let mut walk = PathWalk::from_leaf("c099");
+        let mut walk = PathWalk::from_leaf("c099", None);
         let mut sizes = Vec::new();
         while walk.next_read().is_some() {
             sizes.push(walk.page());
@@ -1026,5 +1069,35 @@ mod tests {
             message("q1", "q", Some("p1")),
         ];
         assert_eq!(walked("p1", &across, 1000).0, ids(&["q1", "p1"]));
+    }
+
+    #[test]
+    fn a_walk_to_a_known_message_stops_below_it_and_else_goes_to_the_root() {
+        let table = vec![
+            message("a1", "a", None),
+            message("a2", "a", Some("a1")),
+            message("a3", "a", Some("a2")),
+            message("a2-sibling", "a", Some("a1")),
+            message("b1", "b", Some("a2")),
+            message("b2", "b", Some("b1")),
+        ];
+        let below = |leaf: &str, known: &str, page: i64| {
+            let (path, reads) = walked_below(leaf, Some(known), &table, page);
+            let ids: Vec<String> = path.messages.into_iter().map(|m| m.id).collect();
+            (ids, path.below_known, reads)
+        };
+        for page in [1, 2, 1000] {
+            assert_eq!(below("a3", "a1", page).0, ["a2", "a3"]);
+            assert!(below("a3", "a1", page).1);
+            // Across a fork, and the leaf itself known: nothing below it, nothing read.
+            assert_eq!(below("b2", "a2", page).0, ["b1", "b2"]);
+            assert_eq!(below("a3", "a3", page), (Vec::new(), true, 0));
+            // A known message off the path: the whole path, as if none were known.
+            assert_eq!(below("a3", "a2-sibling", page).0, ["a1", "a2", "a3"]);
+            assert!(!below("a3", "a2-sibling", page).1);
+        }
+        // Reached in the first page, the walk reads no further.
+        assert_eq!(below("b2", "b1", 1000).2, 1);
+        assert_eq!(walked("b2", &table, 1000).1, 2);
     }
 }

@@ -49,10 +49,10 @@ use super::postgres_spend::{
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathRead, PathWalk, PruneCounts,
-    PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord, RunStatus,
-    SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats, ToolCallRecord,
-    WriteOp, redact_url,
+    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathBelow, PathRead, PathWalk,
+    PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord,
+    RunStatus, SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats,
+    ToolCallRecord, WriteOp, redact_url,
 };
 use crate::ids::IdMap;
 use crate::time::TimeText;
@@ -1608,8 +1608,12 @@ impl Store for PostgresStore {
         Ok(row.map(|row| row.try_get("id")).transpose()?)
     }
 
-    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let mut walk = PathWalk::from_leaf(leaf);
+    async fn message_path_below(
+        &self,
+        leaf: &str,
+        known: Option<&str>,
+    ) -> Result<PathBelow, StoreError> {
+        let mut walk = PathWalk::from_leaf(leaf, known);
         while let Some(next) = walk.next_read() {
             let page = walk.page();
             // A page of a session's messages, newest first by the session's index

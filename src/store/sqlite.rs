@@ -34,10 +34,10 @@ use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathRead, PathWalk,
-    PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord,
-    RunStatus, SessionFilter, SessionRecord, Store, StoreError, StoreStats, ToolCallRecord,
-    WriteOp,
+    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathBelow, PathRead,
+    PathWalk, PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord,
+    RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreError, StoreStats,
+    ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -1207,8 +1207,12 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {
-        let mut walk = PathWalk::from_leaf(leaf);
+    async fn message_path_below(
+        &self,
+        leaf: &str,
+        known: Option<&str>,
+    ) -> Result<PathBelow, StoreError> {
+        let mut walk = PathWalk::from_leaf(leaf, known);
         self.reader
             .step(move |connection| {
                 // One snapshot for the path's reads, as one statement would see.

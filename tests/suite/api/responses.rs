@@ -443,6 +443,7 @@ async fn session_history(app: &TestApp, session: &str) -> Vec<String> {
 /// its own instructions. A first turn that replays an exchange is continued from a copy, as is
 /// a turn the client puts in another session; a chain branches from any of its responses.
 async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
+    let embedded = database_url.is_none();
     let upstream = MockUpstream::start().await;
     let tools = ToolServer::start().await;
     let app = TestApp::spawn_on(
@@ -452,13 +453,16 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
         &[ADMIN_KEY],
     )
     .await;
+    // Twenty turns: past the length from which the runtime keeps a session's newest path in
+    // memory (32 messages), so that later turns read only what is below it.
+    const TURNS: usize = 20;
+    let questions: Vec<String> = (1..=TURNS).map(|n| format!("q{n}")).collect();
+    let answers: Vec<String> = (1..=TURNS).map(|n| format!("a{n}")).collect();
     let mut chain = vec!["q0", "a0"];
-    let answers = ["a1", "a2", "a3", "a4", "a5", "a6"];
-    let questions = ["q1", "q2", "q3", "q4", "q5", "q6"];
-    upstream.push(answers.iter().map(|a| Reply::Text((*a).into())));
+    upstream.push(answers.iter().map(|a| Reply::Text(a.clone())));
     let mut ids = Vec::new();
     let mut session = String::new();
-    for (turn, (question, answer)) in questions.iter().zip(answers).enumerate() {
+    for (turn, (question, answer)) in questions.iter().zip(&answers).enumerate() {
         let instructions = format!("Rule {turn}");
         let body = match ids.last() {
             None => json!({ "model": "coder", "instructions": instructions, "input": [
@@ -469,14 +473,14 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
         };
         let (status, response, request_id) = respond(&app, &body).await;
         assert_eq!(status, 200, "turn {turn}: {response}");
-        assert_eq!(response["output"][0]["content"][0]["text"], answer);
-        chain.push(question);
+        assert_eq!(response["output"][0]["content"][0]["text"], json!(answer));
+        chain.push(question.as_str());
         assert_eq!(
             upstream.calls()[turn].body["messages"],
             chain_transcript(&instructions, &chain),
             "turn {turn}"
         );
-        chain.push(answer);
+        chain.push(answer.as_str());
         ids.push(response["id"].as_str().unwrap().to_owned());
         let (_, view) = app
             .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
@@ -494,21 +498,67 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
         .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
         .await;
     let stored = view["messages"].as_array().unwrap().len();
-    assert_eq!(stored, 2 + 6 + 2 * 4, "{view:#}");
+    assert_eq!(stored, 2 + 6 + 2 * (TURNS - 2), "{view:#}");
+    if embedded {
+        // A chained turn's stored input: its own message and instructions, and where the
+        // chain it continues ends, never the chain.
+        let rows = crate::helpers::store_rows(
+            &crate::helpers::store_path(app.workspace.path()),
+            &format!(
+                "SELECT input FROM requests WHERE id = 'req_{}'",
+                ids[TURNS - 1].trim_start_matches("resp_")
+            ),
+        );
+        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            input["messages"],
+            json!([{ "role": "user", "content": "q20" }]),
+            "{input}"
+        );
+        assert_eq!(
+            input["leading"],
+            json!([{ "role": "system", "content": "Rule 19" }])
+        );
+        assert!(input["historyThrough"].is_string(), "{input}");
+        assert!(input["transcriptThrough"].is_string(), "{input}");
+    }
 
-    // A branch from the fourth response sees the chain to there only.
-    upstream.push([Reply::Text("ab".into())]);
-    let (status, branch, _) = respond(
+    // A branch from the fourth response sees the chain to there only, and so does the turn
+    // after it; the chain's own next turn sees the chain.
+    upstream.push([
+        Reply::Text("ab".into()),
+        Reply::Text("ac".into()),
+        Reply::Text("a21".into()),
+    ]);
+    let mut branched = chain[..2 + 2 * 4].to_vec();
+    let mut previous = ids[3].clone();
+    for (question, answer) in [("qb", "ab"), ("qc", "ac")] {
+        let (status, branch, _) = respond(
+            &app,
+            &json!({ "model": "coder", "instructions": "Rule b", "input": question, "previous_response_id": previous }),
+        )
+        .await;
+        assert_eq!(status, 200, "{branch}");
+        branched.push(question);
+        let call = upstream.calls().len() - 1;
+        assert_eq!(
+            upstream.calls()[call].body["messages"],
+            chain_transcript("Rule b", &branched)
+        );
+        branched.push(answer);
+        previous = branch["id"].as_str().unwrap().to_owned();
+    }
+    let (status, _, _) = respond(
         &app,
-        &json!({ "model": "coder", "instructions": "Rule b", "input": "qb", "previous_response_id": ids[3] }),
+        &json!({ "model": "coder", "instructions": "Rule 21", "input": "q21", "previous_response_id": ids[TURNS - 1] }),
     )
     .await;
-    assert_eq!(status, 200, "{branch}");
-    let mut branched = chain[..2 + 2 * 4].to_vec();
-    branched.push("qb");
+    assert_eq!(status, 200);
+    let mut main_line = chain.clone();
+    main_line.push("q21");
     assert_eq!(
-        upstream.calls()[6].body["messages"],
-        chain_transcript("Rule b", &branched)
+        upstream.calls().last().unwrap().body["messages"],
+        chain_transcript("Rule 21", &main_line)
     );
 
     // Continued in another session, the chain starts there from a copy, and goes on from it.
@@ -519,7 +569,7 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
         .post(app.url("/v1/responses"))
         .bearer_auth(CLIENT_KEY)
         .header("x-stable-harness-session-id", other)
-        .json(&json!({ "model": "coder", "instructions": "Rule x", "input": "qx", "previous_response_id": ids[5] }))
+        .json(&json!({ "model": "coder", "instructions": "Rule x", "input": "qx", "previous_response_id": ids[TURNS - 1] }))
         .send()
         .await
         .unwrap();
@@ -534,7 +584,7 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
     let mut elsewhere = chain.clone();
     elsewhere.extend(["qx", "ax", "qy"]);
     assert_eq!(
-        upstream.calls()[8].body["messages"],
+        upstream.calls().last().unwrap().body["messages"],
         chain_transcript("Rule y", &elsewhere)
     );
     elsewhere.push("ay");
