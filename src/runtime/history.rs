@@ -17,6 +17,9 @@ use crate::store::{Store, StoreError};
 
 /// The most the kept paths hold, by their estimated size in memory.
 const BUDGET_BYTES: usize = 16 << 20;
+/// The most one path may hold: a longer one is read whole each time, so that two sessions'
+/// paths at least fit.
+const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
 /// The most sessions whose paths are kept.
 const MOST_PATHS: usize = 1024;
 /// Shorter paths are read whole each time: a few rows, cheaper than keeping them.
@@ -57,25 +60,44 @@ impl Histories {
         let known = kept.as_ref().map(|(id, _, _)| id.as_str());
         let read = store.message_path_below(through, known).await?;
         let below: Vec<Value> = read.messages.into_iter().map(|m| m.content).collect();
-        let (messages, bytes) = match kept {
-            Some((_, prefix, prefix_bytes)) if read.below_known => {
+        let below_bytes = below.iter().map(estimated_bytes).sum::<usize>();
+        let (mut messages, bytes) = match kept {
+            Some((known, prefix, prefix_bytes)) if read.below_known => {
                 if below.is_empty() {
                     // The kept path itself: nothing to keep anew.
                     return Ok(prefix.as_ref().clone());
                 }
-                let mut messages = Vec::with_capacity(prefix.len() + below.len());
-                messages.extend(prefix.iter().cloned());
-                (messages, prefix_bytes)
+                // The kept path is extended into the new one: taken out, and when no other
+                // turn holds it, extended where it is instead of copied.
+                self.forget(session, &known);
+                let messages = Arc::try_unwrap(prefix).unwrap_or_else(|shared| (*shared).clone());
+                (messages, prefix_bytes.saturating_add(below_bytes))
             }
-            _ => (Vec::with_capacity(below.len()), 0),
+            _ => (Vec::new(), below_bytes),
         };
-        let bytes = bytes.saturating_add(below.iter().map(estimated_bytes).sum::<usize>());
-        let mut messages = messages;
         messages.extend(below);
-        if messages.len() >= LEAST_KEPT && bytes <= BUDGET_BYTES / 4 {
-            self.keep(session, through, Arc::new(messages.clone()), bytes);
+        if messages.len() < LEAST_KEPT || bytes > MOST_BYTES_A_PATH {
+            return Ok(messages);
         }
-        Ok(messages)
+        let kept = Arc::new(messages);
+        self.keep(session, through, Arc::clone(&kept), bytes);
+        Ok((*kept).clone())
+    }
+
+    /// Takes out the path kept for `session` if it is still the one through `known`.
+    fn forget(&self, session: &str, known: &str) {
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if kept
+            .paths
+            .get(session)
+            .is_some_and(|path| path.through == known)
+            && let Some(gone) = kept.paths.remove(session)
+        {
+            kept.bytes = kept.bytes.saturating_sub(gone.bytes);
+        }
     }
 
     /// The path kept for `session`: where it ends, its messages and their estimated size.
