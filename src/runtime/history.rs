@@ -114,6 +114,8 @@ impl Histories {
     }
 
     fn keep(&self, session: &str, through: &str, messages: Arc<Vec<Value>>, bytes: usize) {
+        // Paths let go of are freed after the lock (declared first, dropped last).
+        let mut gone = Vec::new();
         let mut kept = self
             .kept
             .lock()
@@ -122,6 +124,7 @@ impl Histories {
         let used = kept.clock;
         if let Some(old) = kept.paths.remove(session) {
             kept.bytes = kept.bytes.saturating_sub(old.bytes);
+            gone.push(old);
         }
         while !kept.paths.is_empty()
             && (kept.paths.len() >= MOST_PATHS || kept.bytes.saturating_add(bytes) > BUDGET_BYTES)
@@ -134,8 +137,9 @@ impl Histories {
             else {
                 break;
             };
-            if let Some(gone) = kept.paths.remove(&oldest) {
-                kept.bytes = kept.bytes.saturating_sub(gone.bytes);
+            if let Some(evicted) = kept.paths.remove(&oldest) {
+                kept.bytes = kept.bytes.saturating_sub(evicted.bytes);
+                gone.push(evicted);
             }
         }
         kept.bytes = kept.bytes.saturating_add(bytes);
