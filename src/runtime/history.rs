@@ -84,12 +84,17 @@ impl Histories {
         Ok((*kept).clone())
     }
 
+    /// The kept paths, locked (a panic elsewhere while it was held left nothing half-done:
+    /// each change is whole before the lock is let go).
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.kept
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     /// Takes out the path kept for `session` if it is still the one through `known`.
     fn forget(&self, session: &str, known: &str) {
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut kept = self.lock();
         if kept
             .paths
             .get(session)
@@ -102,10 +107,7 @@ impl Histories {
 
     /// The path kept for `session`: where it ends, its messages and their estimated size.
     fn kept_path(&self, session: &str) -> Option<(String, Arc<Vec<Value>>, usize)> {
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut kept = self.lock();
         kept.clock += 1;
         let now = kept.clock;
         let path = kept.paths.get_mut(session)?;
@@ -116,10 +118,7 @@ impl Histories {
     fn keep(&self, session: &str, through: &str, messages: Arc<Vec<Value>>, bytes: usize) {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
-        let mut kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut kept = self.lock();
         kept.clock += 1;
         let used = kept.clock;
         if let Some(old) = kept.paths.remove(session) {
@@ -157,20 +156,14 @@ impl Histories {
     /// The paths kept and their estimated size (for tests).
     #[cfg(test)]
     fn held(&self) -> (usize, usize) {
-        let kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let kept = self.lock();
         (kept.paths.len(), kept.bytes)
     }
 }
 
 impl std::fmt::Debug for Histories {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kept = self
-            .kept
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let kept = self.lock();
         f.debug_struct("Histories")
             .field("paths", &kept.paths.len())
             .field("bytes", &kept.bytes)

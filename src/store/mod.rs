@@ -947,6 +947,18 @@ mod tests {
         }
     }
 
+    /// A session `a` with a branch, and `b` forked from it at `a2`.
+    fn forked_table() -> Vec<MessageRecord> {
+        vec![
+            message("a1", "a", None),
+            message("a2", "a", Some("a1")),
+            message("a3", "a", Some("a2")),
+            message("a2-sibling", "a", Some("a1")),
+            message("b1", "b", Some("a2")),
+            message("b2", "b", Some("b1")),
+        ]
+    }
+
     /// The ids of the path a walk makes in pages of `page`, reading from `table` as the
     /// stores' statements do, and how many reads it made.
     fn walked(leaf: &str, table: &[MessageRecord], page: i64) -> (Vec<String>, usize) {
@@ -999,14 +1011,7 @@ mod tests {
 
     #[test]
     fn a_path_is_walked_root_first_across_a_fork_and_pages_and_ends_at_a_loop() {
-        let mut table = vec![
-            message("a1", "a", None),
-            message("a2", "a", Some("a1")),
-            message("a3", "a", Some("a2")),
-            message("a2-sibling", "a", Some("a1")),
-            message("b1", "b", Some("a2")),
-            message("b2", "b", Some("b1")),
-        ];
+        let mut table = forked_table();
         let ids = |ids: &[&str]| ids.iter().map(|id| (*id).to_owned()).collect::<Vec<_>>();
         for page in [1, 2, 3, 1000] {
             assert_eq!(walked("a3", &table, page).0, ids(&["a1", "a2", "a3"]));
@@ -1073,14 +1078,7 @@ mod tests {
 
     #[test]
     fn a_walk_to_a_known_message_stops_below_it_and_else_goes_to_the_root() {
-        let table = vec![
-            message("a1", "a", None),
-            message("a2", "a", Some("a1")),
-            message("a3", "a", Some("a2")),
-            message("a2-sibling", "a", Some("a1")),
-            message("b1", "b", Some("a2")),
-            message("b2", "b", Some("b1")),
-        ];
+        let table = forked_table();
         let below = |leaf: &str, known: &str, page: i64| {
             let (path, reads) = walked_below(leaf, Some(known), &table, page);
             let ids: Vec<String> = path.messages.into_iter().map(|m| m.id).collect();

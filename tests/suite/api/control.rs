@@ -349,84 +349,32 @@ async fn parked_runs_leave_admission_to_new_requests(store: Option<String>) {
     assert!(id.is_string());
 }
 
+/// An upstream that answers "re: " and the last message it was sent.
+async fn echoing_upstream() -> MockUpstream {
+    let upstream = MockUpstream::start().await;
+    upstream.set_responder(super::upstream::Responder::new(|body| {
+        let last = body["messages"].as_array().and_then(|m| m.last()).cloned();
+        let said = last.map(|m| m["content"].as_str().unwrap_or("").to_owned());
+        Reply::Text(format!("re: {}", said.unwrap_or_default()))
+    }));
+    upstream
+}
+
+/// What the upstream's last call was sent, its system messages left out.
+fn last_heard(upstream: &MockUpstream) -> Vec<String> {
+    upstream.calls().last().unwrap().body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 on_both_stores!(sessions_are_trees_and_fork_at_any_message);
 
-on_both_stores!(a_long_session_hears_its_whole_history_on_every_branch);
-/// Turn after turn of one session, past the length from which the runtime keeps its newest
-/// history path in memory (32 messages): each turn hears the whole history, as does a fork
-/// taken far back, the session's own next turn after the fork's, and the fork's after that.
-async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<String>) {
-    let upstream = MockUpstream::start().await;
-    upstream.set_responder(super::upstream::Responder::new(|body| {
-        let last = body["messages"].as_array().and_then(|m| m.last()).cloned();
-        let said = last.map(|m| m["content"].as_str().unwrap_or("").to_owned());
-        Reply::Text(format!("re: {}", said.unwrap_or_default()))
-    }));
-    let app = spawn(api_workspace(&upstream, ""), store).await;
-    let turn = async |session: Option<&str>, text: &str| -> (String, Vec<String>) {
-        let mut body = json!({ "input": { "text": text }, "wait": true });
-        if let Some(session) = session {
-            body["sessionId"] = json!(session);
-        }
-        let (status, view) = app.post("/runtime/requests", CLIENT_KEY, &body).await;
-        assert_eq!(status, 200, "{view}");
-        let heard = upstream.calls().last().unwrap().body["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["role"] != "system")
-            .map(|m| m["content"].as_str().unwrap().to_owned())
-            .collect();
-        (view["sessionId"].as_str().unwrap().to_owned(), heard)
-    };
-    let mut said: Vec<String> = Vec::new();
-    let mut session: Option<String> = None;
-    for n in 0..25 {
-        let text = format!("turn {n}");
-        let (id, heard) = turn(session.as_deref(), &text).await;
-        said.push(text.clone());
-        assert_eq!(heard, said, "turn {n}");
-        said.push(format!("re: {text}"));
-        session = Some(id);
-    }
-    let session = session.unwrap();
-    // A fork after the fifth answer, two turns on it, then the session's own next turn.
-    let (_, tree) = app
-        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
-        .await;
-    let fork_at = tree["history"][9]["messageId"].clone();
-    assert_eq!(tree["history"][9]["content"]["content"], "re: turn 4");
-    let (status, forked) = app
-        .post(
-            &format!("/runtime/sessions/{session}/fork"),
-            CLIENT_KEY,
-            &json!({ "atMessageId": fork_at }),
-        )
-        .await;
-    assert_eq!(status, 201, "{forked}");
-    let branch = forked["sessionId"].as_str().unwrap().to_owned();
-    let mut forked_said = said[..10].to_vec();
-    for text in ["fork a", "fork b"] {
-        let (_, heard) = turn(Some(&branch), text).await;
-        forked_said.push(text.to_owned());
-        assert_eq!(heard, forked_said);
-        forked_said.push(format!("re: {text}"));
-    }
-    let (_, heard) = turn(Some(&session), "turn 25").await;
-    said.push("turn 25".to_owned());
-    assert_eq!(heard, said);
-    // And the fork goes on from its own leaf.
-    let (_, heard) = turn(Some(&branch), "fork c").await;
-    forked_said.push("fork c".to_owned());
-    assert_eq!(heard, forked_said);
-}
 async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
-    let upstream = MockUpstream::start().await;
-    upstream.set_responder(super::upstream::Responder::new(|body| {
-        let last = body["messages"].as_array().and_then(|m| m.last()).cloned();
-        let said = last.map(|m| m["content"].as_str().unwrap_or("").to_owned());
-        Reply::Text(format!("re: {}", said.unwrap_or_default()))
-    }));
+    let upstream = echoing_upstream().await;
     let app = spawn(api_workspace(&upstream, ""), store).await;
     let turn = async |session: Option<&str>, text: &str| -> Value {
         let mut body = json!({ "input": { "text": text }, "wait": true });
@@ -473,13 +421,7 @@ async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
     assert_eq!(forked["headMessageId"], fork_at);
     assert_eq!(forked["history"].as_array().unwrap().len(), 2);
     turn(Some(&branch), "three").await;
-    let heard: Vec<String> = upstream.calls().last().unwrap().body["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|m| m["role"] != "system")
-        .map(|m| m["content"].as_str().unwrap().to_owned())
-        .collect();
+    let heard = last_heard(&upstream);
     assert_eq!(heard, ["one", "re: one", "three"]);
     let (_, branch_tree) = app
         .get(&format!("/runtime/sessions/{branch}"), CLIENT_KEY)
@@ -533,6 +475,65 @@ async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
     let (status, error) = app.get("/admin/sessions?cursor=%01", ADMIN_KEY).await;
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["param"], "cursor");
+}
+
+on_both_stores!(a_long_session_hears_its_whole_history_on_every_branch);
+/// Turn after turn of one session, past the length from which the runtime keeps its newest
+/// history path in memory (32 messages): each turn hears the whole history, as does a fork
+/// taken far back, the session's own next turn after the fork's, and the fork's after that.
+async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<String>) {
+    let upstream = echoing_upstream().await;
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let turn = async |session: Option<&str>, text: &str| -> (String, Vec<String>) {
+        let mut body = json!({ "input": { "text": text }, "wait": true });
+        if let Some(session) = session {
+            body["sessionId"] = json!(session);
+        }
+        let (status, view) = app.post("/runtime/requests", CLIENT_KEY, &body).await;
+        assert_eq!(status, 200, "{view}");
+        let heard = last_heard(&upstream);
+        (view["sessionId"].as_str().unwrap().to_owned(), heard)
+    };
+    let mut said: Vec<String> = Vec::new();
+    let mut session: Option<String> = None;
+    for n in 0..25 {
+        let text = format!("turn {n}");
+        let (id, heard) = turn(session.as_deref(), &text).await;
+        said.push(text.clone());
+        assert_eq!(heard, said, "turn {n}");
+        said.push(format!("re: {text}"));
+        session = Some(id);
+    }
+    let session = session.unwrap();
+    // A fork after the fifth answer, two turns on it, then the session's own next turn.
+    let (_, tree) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    let fork_at = tree["history"][9]["messageId"].clone();
+    assert_eq!(tree["history"][9]["content"]["content"], "re: turn 4");
+    let (status, forked) = app
+        .post(
+            &format!("/runtime/sessions/{session}/fork"),
+            CLIENT_KEY,
+            &json!({ "atMessageId": fork_at }),
+        )
+        .await;
+    assert_eq!(status, 201, "{forked}");
+    let branch = forked["sessionId"].as_str().unwrap().to_owned();
+    let mut forked_said = said[..10].to_vec();
+    for text in ["fork a", "fork b"] {
+        let (_, heard) = turn(Some(&branch), text).await;
+        forked_said.push(text.to_owned());
+        assert_eq!(heard, forked_said);
+        forked_said.push(format!("re: {text}"));
+    }
+    let (_, heard) = turn(Some(&session), "turn 25").await;
+    said.push("turn 25".to_owned());
+    assert_eq!(heard, said);
+    // And the fork goes on from its own leaf.
+    let (_, heard) = turn(Some(&branch), "fork c").await;
+    forked_said.push("fork c".to_owned());
+    assert_eq!(heard, forked_said);
 }
 
 on_both_stores!(session_pages_reach_sessions_whose_ids_clients_chose);
