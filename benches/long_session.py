@@ -18,8 +18,8 @@ bytes of made-up words (no two turns alike), one at a time:
   conversation's `sessionId`: the server holds it as a session's message tree.
 
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
-system, from `/proc`) and of it the embedded store's reader threads', and the bytes the store
-holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
+system, from `/proc`) and of it the embedded store's reader threads', the server's resident
+memory, and the bytes the store holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
 largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh and
 seventy-eighth passes.
 """
@@ -67,6 +67,14 @@ def store_bytes(root, database_url):
 READER = "sqlite-reader"
 
 
+def rss_mib(pid):
+    """The server's resident memory (`VmRSS`), in MiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def turn_texts(size):
     """Each turn's message: `size` bytes of made-up words, different every turn (a store that
     compresses, PostgreSQL's, is not handed text it shrinks to nothing), the same every run."""
@@ -98,31 +106,35 @@ def one_build(binary, root, args):
             return time.perf_counter() - started, json.loads(answer)
 
         texts = turn_texts(args.bytes)
-        transcript = []
-        previous = None
-        session = None
+        # Each conversation's state: its transcript (chat), its last response (responses),
+        # its session (session); turns go to the conversations in turn.
+        transcripts = [[] for _ in range(args.conversations)]
+        previous = [None] * args.conversations
+        sessions = [None] * args.conversations
         latencies = []
         before = cpu_seconds(server.pid)
         read_before = thread_cpu_seconds(server.pid, READER)
         rows = []
         for turn in range(1, args.turns + 1):
             text = next(texts)
+            one = (turn - 1) % args.conversations
             if args.surface == "responses":
                 body = {"model": "assistant", "input": text}
-                if previous:
-                    body["previous_response_id"] = previous
+                if previous[one]:
+                    body["previous_response_id"] = previous[one]
                 took, answer = post("/v1/responses", body)
-                previous = answer["id"]
+                previous[one] = answer["id"]
             elif args.surface == "chat":
+                transcript = transcripts[one]
                 transcript.append({"role": "user", "content": text})
                 took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": transcript})
                 transcript.append(answer["choices"][0]["message"])
             else:
                 body = {"input": {"messages": [{"role": "user", "content": text}]}, "wait": True}
-                if session:
-                    body["sessionId"] = session
+                if sessions[one]:
+                    body["sessionId"] = sessions[one]
                 took, answer = post("/runtime/requests", body)
-                session = answer["sessionId"]
+                sessions[one] = answer["sessionId"]
                 if answer.get("status") != "completed":
                     raise SystemExit(f"{binary}: turn {turn} ended {answer.get('status')}")
             latencies.append(took)
@@ -135,7 +147,8 @@ def one_build(binary, root, args):
                              (after - before) / len(latencies) * 1000, held))
                 print(f"  turns {turn - args.every + 1}-{turn}: p50 {rows[-1][1]:.3f} ms, "
                       f"CPU {rows[-1][2]:.3f} ms/turn (readers {read / len(latencies) * 1000:.3f}), "
-                      f"store {held[0] / 1e6:.1f} MB" + (f" (WAL {held[1] / 1e6:.1f} MB)" if not database else ""),
+                      f"store {held[0] / 1e6:.1f} MB" + (f" (WAL {held[1] / 1e6:.1f} MB)" if not database else "")
+                      + f", RSS {rss_mib(server.pid):.1f} MiB",
                       flush=True)
                 latencies = []
                 before = cpu_seconds(server.pid)
@@ -150,6 +163,8 @@ def main():
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--bytes", type=int, default=500)
+    parser.add_argument("--conversations", type=int, default=1,
+                        help="hold this many conversations, their turns one after another in turn")
     parser.add_argument("--surface", choices=["responses", "chat", "session"], default="responses")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
@@ -160,7 +175,8 @@ def main():
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", False, False)
     try:
         for binary in args.binaries:
-            print(f"{binary}, {args.surface}, {args.turns} turns of {args.bytes} bytes:", flush=True)
+            print(f"{binary}, {args.surface}, {args.turns} turns of {args.bytes} bytes"
+                  f" in {args.conversations} conversation(s):", flush=True)
             one_build(binary, root, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)

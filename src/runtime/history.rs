@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -24,11 +25,25 @@ const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
 const MOST_PATHS: usize = 1024;
 /// Shorter paths are read whole each time: a few rows, cheaper than keeping them.
 const LEAST_KEPT: usize = 32;
+/// How long a kept path must have gone unused before a session not kept may take its place.
+/// More conversations going on at once than the budget holds would otherwise take each
+/// other's places turn after turn, each turn reading its whole history and copying it once
+/// more to keep it: the conversations kept stay kept while they go on.
+const IDLE_BEFORE_REPLACED: Duration = Duration::from_secs(30);
 
 /// The kept paths, by session; the least recently used go first when a bound is reached.
-#[derive(Default)]
 pub(crate) struct Histories {
     kept: Mutex<Kept>,
+    idle_before_replaced: Duration,
+}
+
+impl Default for Histories {
+    fn default() -> Self {
+        Self {
+            kept: Mutex::default(),
+            idle_before_replaced: IDLE_BEFORE_REPLACED,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -43,7 +58,9 @@ struct KeptPath {
     through: String,
     messages: Arc<Vec<Value>>,
     bytes: usize,
+    /// When it was last used, in order and in time.
     used: u64,
+    used_at: Instant,
 }
 
 impl Histories {
@@ -61,6 +78,7 @@ impl Histories {
         let read = store.message_path_below(through, known).await?;
         let below: Vec<Value> = read.messages.into_iter().map(|m| m.content).collect();
         let below_bytes = below.iter().map(estimated_bytes).sum::<usize>();
+        let was_kept = kept.is_some();
         let (mut messages, bytes) = match kept {
             Some((known, prefix, prefix_bytes)) if read.below_known => {
                 if below.is_empty() {
@@ -79,9 +97,10 @@ impl Histories {
         if messages.len() < LEAST_KEPT || bytes > MOST_BYTES_A_PATH {
             return Ok(messages);
         }
-        let kept = Arc::new(messages);
-        self.keep(session, through, Arc::clone(&kept), bytes);
-        Ok((*kept).clone())
+        match self.keep(session, through, Arc::new(messages), bytes, was_kept) {
+            Ok(kept) => Ok((*kept).clone()),
+            Err(refused) => Ok(Arc::try_unwrap(refused).unwrap_or_else(|shared| (*shared).clone())),
+        }
     }
 
     /// The kept paths, locked (a panic elsewhere while it was held left nothing half-done:
@@ -112,13 +131,28 @@ impl Histories {
         let now = kept.clock;
         let path = kept.paths.get_mut(session)?;
         path.used = now;
+        path.used_at = Instant::now();
         Some((path.through.clone(), Arc::clone(&path.messages), path.bytes))
     }
 
-    fn keep(&self, session: &str, through: &str, messages: Arc<Vec<Value>>, bytes: usize) {
+    /// Keeps `messages` as the path of `session`, the least recently used paths making room;
+    /// a session not kept before takes only the room of paths idle for
+    /// [`IDLE_BEFORE_REPLACED`], else it is refused and its messages handed back. What is
+    /// kept is handed back too, shared.
+    fn keep(
+        &self,
+        session: &str,
+        through: &str,
+        messages: Arc<Vec<Value>>,
+        bytes: usize,
+        was_kept: bool,
+    ) -> Result<Arc<Vec<Value>>, Arc<Vec<Value>>> {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
         let mut kept = self.lock();
+        if !was_kept && !kept.room_for(session, bytes, self.idle_before_replaced) {
+            return Err(messages);
+        }
         kept.clock += 1;
         let used = kept.clock;
         if let Some(old) = kept.paths.remove(session) {
@@ -146,11 +180,13 @@ impl Histories {
             session.to_owned(),
             KeptPath {
                 through: through.to_owned(),
-                messages,
+                messages: Arc::clone(&messages),
                 bytes,
                 used,
+                used_at: Instant::now(),
             },
         );
+        Ok(messages)
     }
 
     /// The paths kept and their estimated size (for tests).
@@ -158,6 +194,43 @@ impl Histories {
     fn held(&self) -> (usize, usize) {
         let kept = self.lock();
         (kept.paths.len(), kept.bytes)
+    }
+}
+
+impl Kept {
+    /// Whether a path of `bytes` for `session` fits, once the least recently used paths
+    /// idle for at least `idle` (and its own) make room.
+    fn room_for(&self, session: &str, bytes: usize, idle: Duration) -> bool {
+        let own = self.paths.get(session).map_or(0, |path| path.bytes);
+        let mut paths = self
+            .paths
+            .len()
+            .saturating_sub(usize::from(self.paths.contains_key(session)));
+        let mut held = self.bytes.saturating_sub(own);
+        let fits = |paths: usize, held: usize| {
+            paths < MOST_PATHS && held.saturating_add(bytes) <= BUDGET_BYTES
+        };
+        if fits(paths, held) {
+            return true;
+        }
+        let mut oldest: Vec<&KeptPath> = self
+            .paths
+            .iter()
+            .filter(|(id, _)| id.as_str() != session)
+            .map(|(_, path)| path)
+            .collect();
+        oldest.sort_unstable_by_key(|path| path.used);
+        for path in oldest {
+            if path.used_at.elapsed() < idle {
+                return false;
+            }
+            paths = paths.saturating_sub(1);
+            held = held.saturating_sub(path.bytes);
+            if fits(paths, held) {
+                return true;
+            }
+        }
+        false
     }
 }
 
@@ -192,17 +265,30 @@ fn estimated_bytes(value: &Value) -> usize {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use serde_json::json;
 
     use super::{BUDGET_BYTES, Histories, MOST_PATHS, estimated_bytes};
 
+    /// Kept paths that any other session may replace at once.
+    fn replaced_at_once() -> Histories {
+        Histories {
+            idle_before_replaced: Duration::ZERO,
+            ..Histories::default()
+        }
+    }
+
     #[test]
     fn kept_paths_stay_within_their_bounds_and_the_least_recently_used_go_first() {
-        let histories = Histories::default();
+        let histories = replaced_at_once();
         let path = Arc::new(vec![json!({ "role": "user", "content": "hi" })]);
         for n in 0..MOST_PATHS + 10 {
-            histories.keep(&format!("ses_{n}"), "msg", Arc::clone(&path), 100);
+            assert!(
+                histories
+                    .keep(&format!("ses_{n}"), "msg", Arc::clone(&path), 100, false)
+                    .is_ok()
+            );
             if n == MOST_PATHS - 1 {
                 // Used since: it outlives the others kept before it.
                 assert!(histories.kept_path("ses_0").is_some());
@@ -216,8 +302,16 @@ mod tests {
         );
         // By size: a path as large as half the budget evicts until it fits.
         let large = BUDGET_BYTES / 2;
-        histories.keep("large_1", "msg", Arc::clone(&path), large);
-        histories.keep("large_2", "msg", Arc::clone(&path), large);
+        assert!(
+            histories
+                .keep("large_1", "msg", Arc::clone(&path), large, false)
+                .is_ok()
+        );
+        assert!(
+            histories
+                .keep("large_2", "msg", Arc::clone(&path), large, false)
+                .is_ok()
+        );
         let (paths, bytes) = histories.held();
         assert!(bytes <= BUDGET_BYTES, "{bytes}");
         assert!(paths < MOST_PATHS, "{paths}");
@@ -225,12 +319,46 @@ mod tests {
             histories.kept_path("large_1").is_some() && histories.kept_path("large_2").is_some()
         );
         // A session's path kept again replaces its own.
-        histories.keep("large_2", "msg_2", Arc::clone(&path), 10);
+        assert!(
+            histories
+                .keep("large_2", "msg_2", Arc::clone(&path), 10, false)
+                .is_ok()
+        );
         assert_eq!(
             histories.kept_path("large_2").map(|kept| kept.0),
             Some("msg_2".into())
         );
         assert!(histories.held().1 <= large + 10 + paths * 100);
+    }
+
+    #[test]
+    fn a_session_not_kept_takes_no_place_of_a_path_in_use_and_a_kept_one_grows() {
+        let histories = Histories::default();
+        let path = Arc::new(vec![json!({ "role": "user", "content": "hi" })]);
+        let half = BUDGET_BYTES / 2;
+        assert!(
+            histories
+                .keep("a", "msg", Arc::clone(&path), half, false)
+                .is_ok()
+        );
+        assert!(
+            histories
+                .keep("b", "msg", Arc::clone(&path), half, false)
+                .is_ok()
+        );
+        // Full of paths in use: a third session is refused, and handed its messages back.
+        let refused = histories.keep("c", "msg", Arc::clone(&path), 10, false);
+        assert!(refused.is_err());
+        assert!(histories.kept_path("c").is_none());
+        assert_eq!(histories.held(), (2, BUDGET_BYTES));
+        // A session kept grows, the least recently used making room.
+        assert!(
+            histories
+                .keep("b", "msg_2", Arc::clone(&path), half + 10, true)
+                .is_ok()
+        );
+        assert!(histories.kept_path("a").is_none());
+        assert_eq!(histories.held(), (1, half + 10));
     }
 
     #[test]
