@@ -493,24 +493,21 @@ pub(super) async fn submit(
         .continue_client_turns(&caller.identity, submission.messages)
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
-    // The turn new to the session: a chained turn's whole own transcript (a later turn
-    // continues from it), else everything after the last assistant message.
-    let whole = match &submission.chain {
-        Some(Chain::Continued { .. }) => true,
-        Some(Chain::Copied) => submission.chainable,
-        None => false,
-    };
-    let history = match submission.chain {
+    // Where the turn continues from, and whether all of it is new to the session: a chained
+    // turn's whole own transcript is (a later turn continues from it); else only what
+    // follows the last assistant message.
+    let (history, whole) = match submission.chain {
         // The previous answer, as stored, is where the turn continues from, unless the
         // stored turns of its calls stand in for it.
         Some(Chain::Continued { through, .. }) => match answer {
             Some((answer, message_id)) if messages.first() == Some(&answer) => {
                 messages.remove(0);
-                History::Through(message_id)
+                (History::Through(message_id), true)
             }
-            _ => History::Through(through),
+            _ => (History::Through(through), true),
         },
-        _ => History::Stateless,
+        Some(Chain::Copied) => (History::Stateless, submission.chainable),
+        None => (History::Stateless, false),
     };
     let new_messages = if whole {
         messages.len()

@@ -76,12 +76,10 @@ impl Histories {
         let kept = self.kept_path(session);
         let known = kept.as_ref().map(|(id, _, _)| id.as_str());
         let read = store.message_path_below(through, known).await?;
-        let below: Vec<Value> = read.messages.into_iter().map(|m| m.content).collect();
-        let below_bytes = below.iter().map(estimated_bytes).sum::<usize>();
         let was_kept = kept.is_some();
-        let (mut messages, bytes) = match kept {
+        let (mut messages, prefix_bytes) = match kept {
             Some((known, prefix, prefix_bytes)) if read.below_known => {
-                if below.is_empty() {
+                if read.messages.is_empty() {
                     // The kept path itself: nothing to keep anew.
                     return Ok(prefix.as_ref().clone());
                 }
@@ -89,12 +87,21 @@ impl Histories {
                 // turn holds it, extended where it is instead of copied.
                 self.forget(session, &known);
                 let messages = Arc::try_unwrap(prefix).unwrap_or_else(|shared| (*shared).clone());
-                (messages, prefix_bytes.saturating_add(below_bytes))
+                (messages, prefix_bytes)
             }
-            _ => (Vec::new(), below_bytes),
+            _ => (Vec::new(), 0),
         };
-        messages.extend(below);
-        if messages.len() < LEAST_KEPT || bytes > MOST_BYTES_A_PATH {
+        let below_from = messages.len();
+        messages.extend(read.messages.into_iter().map(|m| m.content));
+        if messages.len() < LEAST_KEPT {
+            return Ok(messages);
+        }
+        // Sized only when it may be kept: a short history is not.
+        let bytes = messages[below_from..]
+            .iter()
+            .map(estimated_bytes)
+            .fold(prefix_bytes, usize::saturating_add);
+        if bytes > MOST_BYTES_A_PATH {
             return Ok(messages);
         }
         match self.keep(session, through, Arc::new(messages), bytes, was_kept) {
