@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::store::{Store, StoreError};
 
@@ -73,6 +73,18 @@ impl Histories {
         session: &str,
         through: &str,
     ) -> Result<Vec<Value>, StoreError> {
+        let path = self.shared_path(store, session, through).await?;
+        Ok(Arc::try_unwrap(path).unwrap_or_else(|shared| (*shared).clone()))
+    }
+
+    /// [`Histories::path`], shared with what is kept instead of copied: for whoever only
+    /// reads it (a chat turn compares its transcript with it).
+    pub(crate) async fn shared_path(
+        &self,
+        store: &dyn Store,
+        session: &str,
+        through: &str,
+    ) -> Result<Arc<Vec<Value>>, StoreError> {
         let kept = self.kept_path(session);
         let known = kept.as_ref().map(|(id, _, _)| id.as_str());
         let read = store.message_path_below(through, known).await?;
@@ -81,7 +93,7 @@ impl Histories {
             Some((known, prefix, prefix_bytes)) if read.below_known => {
                 if read.messages.is_empty() {
                     // The kept path itself: nothing to keep anew.
-                    return Ok(prefix.as_ref().clone());
+                    return Ok(prefix);
                 }
                 // The kept path is extended into the new one: taken out, and when no other
                 // turn holds it, extended where it is instead of copied.
@@ -94,7 +106,7 @@ impl Histories {
         let below_from = messages.len();
         messages.extend(read.messages.into_iter().map(|m| m.content));
         if messages.len() < LEAST_KEPT {
-            return Ok(messages);
+            return Ok(Arc::new(messages));
         }
         // Sized only when it may be kept: a short history is not.
         let bytes = messages[below_from..]
@@ -102,12 +114,11 @@ impl Histories {
             .map(estimated_bytes)
             .fold(prefix_bytes, usize::saturating_add);
         if bytes > MOST_BYTES_A_PATH {
-            return Ok(messages);
+            return Ok(Arc::new(messages));
         }
-        match self.keep(session, through, Arc::new(messages), bytes, was_kept) {
-            Ok(kept) => Ok((*kept).clone()),
-            Err(refused) => Ok(Arc::try_unwrap(refused).unwrap_or_else(|shared| (*shared).clone())),
-        }
+        Ok(self
+            .keep(session, through, Arc::new(messages), bytes, was_kept)
+            .unwrap_or_else(|refused| refused))
     }
 
     /// The kept paths, locked (a panic elsewhere while it was held left nothing half-done:
@@ -251,6 +262,43 @@ impl std::fmt::Debug for Histories {
     }
 }
 
+/// How many of the first messages a client sent are the path's first messages, as a chat
+/// client sends back what it was answered: a member set to `null` counts as absent, and so do
+/// an empty `content` (an answer of calls alone is stored with `""` and answered with `null`)
+/// and an empty `tool_calls`. Nothing else is passed over: a message stored redacted, or
+/// changed by the client in any other way, ends the match.
+pub(crate) fn matching_prefix(path: &[Value], sent: &[Value]) -> usize {
+    path.iter()
+        .zip(sent)
+        .take_while(|(stored, sent)| same_message(stored, sent))
+        .count()
+}
+
+fn same_message(stored: &Value, sent: &Value) -> bool {
+    if stored == sent {
+        return true;
+    }
+    match (stored.as_object(), sent.as_object()) {
+        (Some(stored), Some(sent)) => members_within(stored, sent) && members_within(sent, stored),
+        _ => false,
+    }
+}
+
+/// Whether every member of `one` that says anything is in `other`, the same.
+fn members_within(one: &Map<String, Value>, other: &Map<String, Value>) -> bool {
+    one.iter()
+        .all(|(key, value)| says_nothing(key, value) || other.get(key) == Some(value))
+}
+
+fn says_nothing(key: &str, value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::String(text) => key == "content" && text.is_empty(),
+        Value::Array(items) => key == "tool_calls" && items.is_empty(),
+        _ => false,
+    }
+}
+
 /// A message's size in memory, estimated from above: its text, and for each value the
 /// allocation that holds it (an object's map node holds eleven entries however few it has).
 fn estimated_bytes(value: &Value) -> usize {
@@ -276,7 +324,7 @@ mod tests {
 
     use serde_json::json;
 
-    use super::{BUDGET_BYTES, Histories, MOST_PATHS, estimated_bytes};
+    use super::{BUDGET_BYTES, Histories, MOST_PATHS, estimated_bytes, matching_prefix};
 
     /// Kept paths that any other session may replace at once.
     fn replaced_at_once() -> Histories {
@@ -366,6 +414,43 @@ mod tests {
         );
         assert!(histories.kept_path("a").is_none());
         assert_eq!(histories.held(), (1, half + 10));
+    }
+
+    #[test]
+    fn a_sent_transcript_matches_a_path_as_far_as_its_messages_say_the_same() {
+        let path = [
+            json!({ "role": "system", "content": "Be brief." }),
+            json!({ "role": "user", "content": "hi" }),
+            json!({ "role": "assistant", "content": "", "tool_calls": [{ "id": "call_1" }] }),
+            json!({ "role": "tool", "tool_call_id": "call_1", "content": "42" }),
+            json!({ "role": "assistant", "content": "hello" }),
+        ];
+        // As an OpenAI SDK sends back what it was answered: `null`s, and no `""` content.
+        let mut sent = vec![
+            path[0].clone(),
+            path[1].clone(),
+            json!({ "role": "assistant", "content": null, "refusal": null, "tool_calls": [{ "id": "call_1" }] }),
+            path[3].clone(),
+            json!({ "role": "assistant", "content": "hello", "refusal": null, "tool_calls": [] }),
+            json!({ "role": "user", "content": "again" }),
+        ];
+        assert_eq!(matching_prefix(&path, &sent), 5);
+        assert_eq!(
+            matching_prefix(&path, &sent[..2]),
+            2,
+            "a shorter transcript"
+        );
+        // Anything said otherwise ends the match: a changed text, a member more or less.
+        sent[4]["content"] = json!("hello!");
+        assert_eq!(matching_prefix(&path, &sent), 4);
+        sent[3]["name"] = json!("lookup");
+        assert_eq!(matching_prefix(&path, &sent), 3);
+        sent[2]["tool_calls"] = json!([]);
+        assert_eq!(matching_prefix(&path, &sent), 2);
+        sent[1] = json!({ "role": "user", "content": [{ "type": "text", "text": "hi" }] });
+        assert_eq!(matching_prefix(&path, &sent), 1);
+        assert_eq!(matching_prefix(&[], &sent), 0);
+        assert_eq!(matching_prefix(&path, &[json!("hi")]), 0);
     }
 
     #[test]

@@ -118,6 +118,36 @@ async fn session_leaf(
     Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
 }
 
+/// Where a session's newest path and a client's transcript part ([`History::SessionPrefix`]):
+/// the last message they share, if any, and how many they share. Only a match ending before
+/// the path's end reads the path's ids (the kept path holds contents alone).
+async fn matching_path(
+    store: &dyn Store,
+    histories: &history::Histories,
+    session: &SessionRecord,
+    sent: &[Value],
+) -> Result<(Option<String>, usize), StoreError> {
+    let Some(leaf) = session_leaf(store, session).await? else {
+        return Ok((None, 0));
+    };
+    let path = histories.shared_path(store, &session.id, &leaf).await?;
+    let matched = history::matching_prefix(&path, sent);
+    let through = if matched == 0 {
+        None
+    } else if matched == path.len() {
+        Some(leaf)
+    } else {
+        store
+            .message_path(&leaf)
+            .await?
+            .into_iter()
+            .nth(matched - 1)
+            .map(|message| message.id)
+    };
+    let shared = if through.is_some() { matched } else { 0 };
+    Ok((through, shared))
+}
+
 /// The session a request's model calls are charged to: a subagent's request (which only the
 /// runtime submits, protocol `agent`) is charged to its parent's; any other to its own.
 /// Client metadata never chooses it.
@@ -221,6 +251,13 @@ pub enum History {
     /// The path through this message (a Responses chain: where the previous response's
     /// transcript ends). Whoever names it has checked it is the caller's.
     Through(String),
+    /// The session's newest path as far as the request's messages begin with it
+    /// ([`history::matching_prefix`]): a `/v1` client in a session sends its whole transcript
+    /// each turn, and what the session holds already is named, not stored again. The rest
+    /// of the messages are the request's own, stored under where the match ends (a branch
+    /// where the client's transcript leaves the path). The run is sent the messages as the
+    /// client sent them.
+    SessionPrefix,
 }
 
 /// What `submit` accepted.
@@ -478,7 +515,7 @@ impl Runtime {
 
     async fn submit_inner(
         &self,
-        request: NewRequest,
+        mut request: NewRequest,
         follow: Option<Following>,
         await_view: bool,
     ) -> Result<(Submitted, Option<Subscription>, Option<AwaitedView>), RuntimeError> {
@@ -555,26 +592,33 @@ impl Runtime {
         }
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
-        let leaf = match (&request.history, existing.as_ref()) {
-            (History::SessionLeaf, Some(session)) => {
-                session_leaf(inner.store.as_ref(), session).await?
+        let store = inner.store.as_ref();
+        let (leaf, history, own_from) = match (&request.history, existing.as_ref()) {
+            (History::SessionLeaf, Some(session)) => match session_leaf(store, session).await? {
+                Some(leaf) => {
+                    let history = inner.histories.path(store, &session_id, &leaf).await?;
+                    (Some(leaf), history, 0)
+                }
+                None => (None, Vec::new(), 0),
+            },
+            (History::Through(through), _) => {
+                let history = inner.histories.path(store, &session_id, through).await?;
+                (Some(through.clone()), history, 0)
             }
-            (History::Through(through), _) => Some(through.clone()),
-            _ => None,
-        };
-        let history = match &leaf {
-            Some(leaf) => {
-                inner
-                    .histories
-                    .path(inner.store.as_ref(), &session_id, leaf)
-                    .await?
+            (History::SessionPrefix, Some(session)) => {
+                let (through, matched) =
+                    matching_path(store, &inner.histories, session, &request.messages).await?;
+                (through, Vec::new(), matched)
             }
-            None => Vec::new(),
+            _ => (None, Vec::new(), 0),
         };
+        // The request's own messages; those before them are the history the session holds.
+        let own = request.messages.split_off(own_from);
         let mut parent_id = leaf;
         let mut messages = request.leading.clone();
         messages.extend(history);
-        messages.extend(request.messages.iter().cloned());
+        messages.append(&mut request.messages);
+        messages.extend(own.iter().cloned());
 
         let request_id = new_id("req");
         let run_id = new_id("run");
@@ -597,21 +641,17 @@ impl Runtime {
         // by its last message, never copied (a long session would store it again per turn).
         let mut input = match &parent_id {
             Some(through) => {
-                json!({ "messages": request.messages, "options": request.options,
-                HISTORY_THROUGH: through })
+                json!({ "messages": own, "options": request.options, HISTORY_THROUGH: through })
             }
-            None => json!({ "messages": request.messages, "options": request.options }),
+            None => json!({ "messages": own, "options": request.options }),
         };
         if !request.leading.is_empty() {
             input[LEADING] = Value::Array(request.leading);
         }
         // The ids of the messages stored in the session, known before the input names the
         // last of them.
-        let first_new = request.messages.len().saturating_sub(request.new_messages);
-        let stored_ids: Vec<String> = request.messages[first_new..]
-            .iter()
-            .map(|_| new_id("msg"))
-            .collect();
+        let first_new = own.len().saturating_sub(request.new_messages);
+        let stored_ids: Vec<String> = own[first_new..].iter().map(|_| new_id("msg")).collect();
         if request.chainable && first_new == 0 {
             let end = stored_ids.last().or(parent_id.as_ref());
             if let Some(end) = end {
@@ -641,7 +681,7 @@ impl Runtime {
             created_at: now,
             updated_at: now,
         }));
-        for (message, id) in request.messages[first_new..].iter().zip(stored_ids) {
+        for (message, id) in own[first_new..].iter().zip(stored_ids) {
             ops.push(WriteOp::InsertMessage(MessageRecord {
                 id: id.clone(),
                 session_id: session_id.clone(),

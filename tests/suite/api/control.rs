@@ -536,6 +536,134 @@ async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<St
     assert_eq!(heard, forked_said);
 }
 
+on_both_stores!(a_chat_in_a_session_is_stored_once_and_branches_where_the_client_changes_it);
+/// A Chat Completions client in a session sends its whole transcript every turn: the model
+/// hears it as sent, and the session stores each message once, as one path (the answers as
+/// the OpenAI SDK sends them back, `refusal: null` included). A turn sent again stores only its
+/// new answer; a transcript changed far back branches where it changes; a `/runtime` request
+/// on the session continues the whole conversation.
+async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_changes_it(
+    store: Option<String>,
+) {
+    const SESSION: &str = "a-chat-of-many-turns";
+    let embedded = store.is_none();
+    let upstream = echoing_upstream().await;
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let chat = async |transcript: &[Value]| -> (Value, String) {
+        let response = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .header("x-stable-harness-session-id", SESSION)
+            .json(&json!({ "model": "assistant", "messages": transcript }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let request_id = super::request_id_header(&response);
+        let answer: Value = response.json().await.unwrap();
+        let heard = last_heard(&upstream);
+        let sent: Vec<String> = transcript
+            .iter()
+            .map(|m| m["content"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(heard, sent, "the model hears the transcript as sent");
+        (answer["choices"][0]["message"].clone(), request_id)
+    };
+    let contents = |messages: &Value| -> Vec<String> {
+        messages
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["content"]["content"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let session_view = async || {
+        let (status, view) = app
+            .get(&format!("/runtime/sessions/{SESSION}"), CLIENT_KEY)
+            .await;
+        assert_eq!(status, 200, "{view}");
+        view
+    };
+    // Twenty turns: past the length from which the runtime keeps a session's newest path in
+    // memory (32 messages).
+    const TURNS: usize = 20;
+    let mut transcript: Vec<Value> = Vec::new();
+    let mut last_request = String::new();
+    for n in 1..=TURNS {
+        transcript.push(json!({ "role": "user", "content": format!("q{n}") }));
+        let (answer, request_id) = chat(&transcript).await;
+        assert_eq!(answer["refusal"], Value::Null);
+        assert_eq!(answer["content"], format!("re: q{n}"));
+        transcript.push(answer);
+        last_request = request_id;
+    }
+    let said: Vec<String> = transcript
+        .iter()
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect();
+    let view = session_view().await;
+    assert_eq!(contents(&view["history"]), said);
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        2 * TURNS,
+        "each message stored once: {view:#}"
+    );
+    if embedded {
+        // The last turn's stored input: its own message, and where the session's path it
+        // continues ends; never the transcript.
+        let rows = crate::helpers::store_rows(
+            &crate::helpers::store_path(app.workspace.path()),
+            &format!("SELECT input FROM requests WHERE id = '{last_request}'"),
+        );
+        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            input["messages"],
+            json!([{ "role": "user", "content": format!("q{TURNS}") }]),
+            "{input}"
+        );
+        assert!(input["historyThrough"].is_string(), "{input}");
+    }
+
+    // The last turn sent again: only its new answer is stored, beside the first.
+    chat(&transcript[..transcript.len() - 1]).await;
+    let view = session_view().await;
+    assert_eq!(view["messages"].as_array().unwrap().len(), 2 * TURNS + 1);
+    let history = contents(&view["history"]);
+    assert_eq!(history[..2 * TURNS - 1], said[..2 * TURNS - 1]);
+    assert_eq!(history.len(), 2 * TURNS);
+
+    // A transcript changed at its second answer branches there: the changed answer, the
+    // new question and its answer are stored, and the session's history is the branch.
+    let mut changed = transcript[..3].to_vec();
+    changed.push(json!({ "role": "assistant", "content": "an answer of the client's" }));
+    changed.push(json!({ "role": "user", "content": "q3'" }));
+    chat(&changed).await;
+    let view = session_view().await;
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        2 * TURNS + 1 + 3
+    );
+    let mut branch: Vec<String> = changed
+        .iter()
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect();
+    branch.push("re: q3'".to_owned());
+    assert_eq!(contents(&view["history"]), branch);
+
+    // A `/runtime` request on the session continues the whole branch.
+    let (status, done) = app
+        .post(
+            "/runtime/requests",
+            CLIENT_KEY,
+            &json!({ "sessionId": SESSION, "input": { "text": "and now?" }, "wait": true }),
+        )
+        .await;
+    assert_eq!(status, 200, "{done}");
+    branch.push("and now?".to_owned());
+    assert_eq!(last_heard(&upstream), branch);
+}
+
 on_both_stores!(session_pages_reach_sessions_whose_ids_clients_chose);
 async fn session_pages_reach_sessions_whose_ids_clients_chose(store: Option<String>) {
     let upstream = MockUpstream::start().await;
