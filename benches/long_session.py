@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A conversation that grows turn by turn, against one or more server builds in turn.
 
-Usage: long_session.py [--turns 400] [--every 50] [--bytes 500]
-                       [--surface responses|chat|session] [--database-url postgres://...]
+Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
+                       [--surface responses|chat|session] [--in-session]
+                       [--database-url postgres://...]
                        BINARY [BINARY...]
 
 What a turn costs as its conversation grows, and what the store keeps for it. Each build
@@ -13,15 +14,17 @@ bytes of made-up words (no two turns alike), one at a time:
 - `responses`: each turn continues the one before by `previous_response_id` (the Agents
   SDK's stateful way): the server holds the conversation;
 - `chat`: each turn posts the whole transcript to `/v1/chat/completions` (the client holds
-  it, as a stateless client does);
+  it, as a stateless client does), with `--in-session` naming the conversation's session
+  (`x-stable-harness-session-id`), as a client grouping its requests does, and sending each
+  answer back as the OpenAI SDK does (`refusal: null` included);
 - `session`: each turn posts its message alone to `/runtime/requests` with `wait` and the
   conversation's `sessionId`: the server holds it as a session's message tree.
 
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
 system, from `/proc`) and of it the embedded store's reader threads', the server's resident
 memory, and the bytes the store holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
-largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh and
-seventy-eighth passes.
+largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh to
+seventy-ninth passes.
 """
 
 import argparse
@@ -96,9 +99,10 @@ def one_build(binary, root, args):
     try:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
 
-        def post(path, body):
+        def post(path, body, session=None):
             started = time.perf_counter()
-            connection.request("POST", path, json.dumps(body).encode(), headers)
+            sent = dict(headers, **({"x-stable-harness-session-id": session} if session else {}))
+            connection.request("POST", path, json.dumps(body).encode(), sent)
             response = connection.getresponse()
             answer = response.read()
             if response.status != 200:
@@ -127,7 +131,8 @@ def one_build(binary, root, args):
             elif args.surface == "chat":
                 transcript = transcripts[one]
                 transcript.append({"role": "user", "content": text})
-                took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": transcript})
+                took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": transcript},
+                                    f"conversation-{one}" if args.in_session else None)
                 transcript.append(answer["choices"][0]["message"])
             else:
                 body = {"input": {"messages": [{"role": "user", "content": text}]}, "wait": True}
@@ -166,6 +171,8 @@ def main():
     parser.add_argument("--conversations", type=int, default=1,
                         help="hold this many conversations, their turns one after another in turn")
     parser.add_argument("--surface", choices=["responses", "chat", "session"], default="responses")
+    parser.add_argument("--in-session", action="store_true",
+                        help="chat: name each conversation's session (x-stable-harness-session-id)")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
@@ -175,7 +182,8 @@ def main():
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", False, False)
     try:
         for binary in args.binaries:
-            print(f"{binary}, {args.surface}, {args.turns} turns of {args.bytes} bytes"
+            print(f"{binary}, {args.surface}{' in session' if args.in_session else ''},"
+                  f" {args.turns} turns of {args.bytes} bytes"
                   f" in {args.conversations} conversation(s):", flush=True)
             one_build(binary, root, args)
     finally:

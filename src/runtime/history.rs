@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::store::{Store, StoreError};
 
@@ -278,16 +278,19 @@ fn same_message(stored: &Value, sent: &Value) -> bool {
     if stored == sent {
         return true;
     }
-    match (stored.as_object(), sent.as_object()) {
-        (Some(stored), Some(sent)) => members_within(stored, sent) && members_within(sent, stored),
-        _ => false,
-    }
-}
-
-/// Whether every member of `one` that says anything is in `other`, the same.
-fn members_within(one: &Map<String, Value>, other: &Map<String, Value>) -> bool {
-    one.iter()
-        .all(|(key, value)| says_nothing(key, value) || other.get(key) == Some(value))
+    let (Some(stored), Some(sent)) = (stored.as_object(), sent.as_object()) else {
+        return false;
+    };
+    // Every member that says anything is in the other, the same: each compared once.
+    stored
+        .iter()
+        .all(|(key, value)| says_nothing(key, value) || sent.get(key) == Some(value))
+        && sent.iter().all(|(key, value)| {
+            says_nothing(key, value)
+                || stored
+                    .get(key)
+                    .is_some_and(|stored| !says_nothing(key, stored))
+        })
 }
 
 fn says_nothing(key: &str, value: &Value) -> bool {

@@ -438,6 +438,48 @@ async fn session_history(app: &TestApp, session: &str) -> Vec<String> {
         .collect()
 }
 
+/// A client that keeps its own transcript (no `previous_response_id`, the whole input each
+/// turn, the answers sent back as output items) in a session named by `user`: each message is
+/// stored once, and the model hears the input as sent, with each turn's own instructions.
+#[tokio::test]
+async fn a_transcript_sent_whole_into_a_session_is_stored_once() {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn(coder_workspace(&upstream, &tools, "5s")).await;
+    upstream.push((1..=3).map(|n| Reply::Text(format!("a{n}"))));
+    let mut input: Vec<Value> = Vec::new();
+    let mut said = Vec::new();
+    let mut session = String::new();
+    for n in 1..=3 {
+        input.push(json!({ "role": "user", "content": format!("q{n}") }));
+        said.push(format!("q{n}"));
+        let instructions = format!("Rule {n}");
+        let (status, response, request_id) = respond(
+            &app,
+            &json!({ "model": "coder", "user": "ada", "store": false,
+                "instructions": instructions, "input": input }),
+        )
+        .await;
+        assert_eq!(status, 200, "{response}");
+        let turns: Vec<&str> = said.iter().map(String::as_str).collect();
+        assert_eq!(
+            upstream.calls()[n - 1].body["messages"],
+            chain_transcript(&instructions, &turns)
+        );
+        input.push(response["output"][0].clone());
+        said.push(format!("a{n}"));
+        let (_, view) = app
+            .get(&format!("/runtime/requests/{request_id}"), CLIENT_KEY)
+            .await;
+        session = view["sessionId"].as_str().unwrap().to_owned();
+    }
+    assert_eq!(session_history(&app, &session).await, said);
+    let (_, view) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    assert_eq!(view["messages"].as_array().unwrap().len(), 6, "{view:#}");
+}
+
 /// A `previous_response_id` chain is held in its session: each turn stores what is new to it
 /// and names where the chain ends, and the model is sent the whole chain, each turn with only
 /// its own instructions. A first turn that replays an exchange is continued from a copy, as is
