@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::store::{Store, StoreError};
+use crate::store::{PathBelow, Store, StoreError};
 
 /// The most the kept paths hold, by their estimated size in memory.
 const BUDGET_BYTES: usize = 16 << 20;
@@ -88,12 +88,41 @@ impl Histories {
         let kept = self.kept_path(session);
         let known = kept.as_ref().map(|(id, _, _)| id.as_str());
         let read = store.message_path_below(through, known).await?;
+        Ok(self.joined(session, through, kept, read))
+    }
+
+    /// The path through the session's head (its next turn's history), shared as
+    /// [`Histories::shared_path`], and the head; `None` when the session holds no message.
+    /// The head and what is below the kept path are one read.
+    pub(crate) async fn session_path(
+        &self,
+        store: &dyn Store,
+        session: &str,
+    ) -> Result<Option<(String, Arc<Vec<Value>>)>, StoreError> {
+        let kept = self.kept_path(session);
+        let known = kept.as_ref().map(|(id, _, _)| id.as_str());
+        let Some((head, read)) = store.session_path_below(session, known).await? else {
+            return Ok(None);
+        };
+        let path = self.joined(session, &head, kept, read);
+        Ok(Some((head, path)))
+    }
+
+    /// The path through `through`: `read` below the `kept` path when it passes through it,
+    /// else `read` alone; kept for the session's next turn when it may be.
+    fn joined(
+        &self,
+        session: &str,
+        through: &str,
+        kept: Option<(String, Arc<Vec<Value>>, usize)>,
+        read: PathBelow,
+    ) -> Arc<Vec<Value>> {
         let was_kept = kept.is_some();
         let (mut messages, prefix_bytes) = match kept {
             Some((known, prefix, prefix_bytes)) if read.below_known => {
                 if read.messages.is_empty() {
                     // The kept path itself: nothing to keep anew.
-                    return Ok(prefix);
+                    return prefix;
                 }
                 // The kept path is extended into the new one: taken out, and when no other
                 // turn holds it, extended where it is instead of copied.
@@ -106,7 +135,7 @@ impl Histories {
         let below_from = messages.len();
         messages.extend(read.messages.into_iter().map(|m| m.content));
         if messages.len() < LEAST_KEPT {
-            return Ok(Arc::new(messages));
+            return Arc::new(messages);
         }
         // Sized only when it may be kept: a short history is not.
         let bytes = messages[below_from..]
@@ -114,11 +143,10 @@ impl Histories {
             .map(estimated_bytes)
             .fold(prefix_bytes, usize::saturating_add);
         if bytes > MOST_BYTES_A_PATH {
-            return Ok(Arc::new(messages));
+            return Arc::new(messages);
         }
-        Ok(self
-            .keep(session, through, Arc::new(messages), bytes, was_kept)
-            .unwrap_or_else(|refused| refused))
+        self.keep(session, through, Arc::new(messages), bytes, was_kept)
+            .unwrap_or_else(|refused| refused)
     }
 
     /// The kept paths, locked (a panic elsewhere while it was held left nothing half-done:

@@ -118,19 +118,45 @@ async fn session_leaf(
     Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
 }
 
+/// The history a session's next request continues, shared, and where it ends: the path
+/// through its newest leaf, or for a fork with none of its own yet, through the message it
+/// was forked at; `None` for a session with no history.
+async fn session_history(
+    store: &dyn Store,
+    histories: &history::Histories,
+    session: &SessionRecord,
+) -> Result<Option<(String, Arc<Vec<Value>>)>, StoreError> {
+    if let Some(found) = histories.session_path(store, &session.id).await? {
+        return Ok(Some(found));
+    }
+    match steering::forked_from(session) {
+        Some((_, message)) => {
+            let path = histories.shared_path(store, &session.id, message).await?;
+            Ok(Some((message.to_owned(), path)))
+        }
+        None => Ok(None),
+    }
+}
+
 /// Where a session's newest path and a client's transcript part ([`History::SessionPrefix`]):
-/// the last message they share, if any, and how many they share. Only a match ending before
-/// the path's end reads the path's ids (the kept path holds contents alone).
+/// the last message they share, if any, and how many they share. A transcript with no
+/// answer in it is a conversation's first turn, never matched (nor read for). Only a match
+/// ending before the path's end reads the path's ids (the kept path holds contents alone).
 async fn matching_path(
     store: &dyn Store,
     histories: &history::Histories,
     session: &SessionRecord,
     sent: &[Value],
 ) -> Result<(Option<String>, usize), StoreError> {
-    let Some(leaf) = session_leaf(store, session).await? else {
+    let answered = sent
+        .iter()
+        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
+    if !answered {
+        return Ok((None, 0));
+    }
+    let Some((leaf, path)) = session_history(store, histories, session).await? else {
         return Ok((None, 0));
     };
-    let path = histories.shared_path(store, &session.id, &leaf).await?;
     let matched = history::matching_prefix(&path, sent);
     let through = if matched == 0 {
         None
@@ -594,13 +620,16 @@ impl Runtime {
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let store = inner.store.as_ref();
         let (leaf, history, own_from) = match (&request.history, existing.as_ref()) {
-            (History::SessionLeaf, Some(session)) => match session_leaf(store, session).await? {
-                Some(leaf) => {
-                    let history = inner.histories.path(store, &session_id, &leaf).await?;
-                    (Some(leaf), history, 0)
+            (History::SessionLeaf, Some(session)) => {
+                match session_history(store, &inner.histories, session).await? {
+                    Some((leaf, history)) => {
+                        let history =
+                            Arc::try_unwrap(history).unwrap_or_else(|kept| (*kept).clone());
+                        (Some(leaf), history, 0)
+                    }
+                    None => (None, Vec::new(), 0),
                 }
-                None => (None, Vec::new(), 0),
-            },
+            }
             (History::Through(through), _) => {
                 let history = inner.histories.path(store, &session_id, through).await?;
                 (Some(through.clone()), history, 0)

@@ -410,6 +410,20 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         leaf: &str,
         known: Option<&str>,
     ) -> Result<PathBelow, StoreError>;
+    /// The session's head ([`Store::session_head`]) and the path to it, as
+    /// [`Store::message_path_below`] reads it; `None` when the session holds no message. One
+    /// read where the store can (the embedded store: one hop to a reader, one snapshot).
+    async fn session_path_below(
+        &self,
+        session_id: &str,
+        known: Option<&str>,
+    ) -> Result<Option<(String, PathBelow)>, StoreError> {
+        let Some(head) = self.session_head(session_id).await? else {
+            return Ok(None);
+        };
+        let path = self.message_path_below(&head, known).await?;
+        Ok(Some((head, path)))
+    }
     /// Sessions newest first.
     async fn sessions(
         &self,

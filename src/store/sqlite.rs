@@ -579,6 +579,32 @@ const OLDER_OF_SESSION: &str = "SELECT * FROM messages
      WHERE session_id = ?1 AND (created_at, id) < (?2, ?3)
      ORDER BY created_at DESC, id DESC LIMIT CAST(?4 AS INTEGER)";
 
+/// Walks a message path through `read`'s snapshot, page after page.
+fn walk_path(
+    read: &rusqlite::Transaction<'_>,
+    mut walk: PathWalk,
+) -> Result<PathBelow, StoreError> {
+    while let Some(next) = walk.next_read() {
+        let page = walk.page();
+        let messages = match next {
+            PathRead::SessionOf { message } => {
+                path_page(read, NEWEST_OF_SESSION_OF, (message, page))
+            }
+            PathRead::Older {
+                session,
+                created_at,
+                id,
+            } => {
+                let time = stored_time::text(created_at);
+                let params = (session, time.as_str(), id, page);
+                path_page(read, OLDER_OF_SESSION, params)
+            }
+        }?;
+        walk.walk(messages);
+    }
+    Ok(walk.into_path())
+}
+
 /// The messages a page of a message path's walk reads (`sql`, one of the two above).
 fn path_page(
     connection: &rusqlite::Connection,
@@ -1212,30 +1238,39 @@ impl Store for SqliteStore {
         leaf: &str,
         known: Option<&str>,
     ) -> Result<PathBelow, StoreError> {
-        let mut walk = PathWalk::from_leaf(leaf, known);
+        let walk = PathWalk::from_leaf(leaf, known);
         self.reader
             .step(move |connection| {
                 // One snapshot for the path's reads, as one statement would see.
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                while let Some(next) = walk.next_read() {
-                    let page = walk.page();
-                    let messages = match next {
-                        PathRead::SessionOf { message } => {
-                            path_page(&read, NEWEST_OF_SESSION_OF, (message, page))
-                        }
-                        PathRead::Older {
-                            session,
-                            created_at,
-                            id,
-                        } => {
-                            let time = stored_time::text(created_at);
-                            let params = (session, time.as_str(), id, page);
-                            path_page(&read, OLDER_OF_SESSION, params)
-                        }
-                    }?;
-                    walk.walk(messages);
-                }
-                Ok(walk.into_path())
+                walk_path(&read, walk)
+            })
+            .await
+    }
+
+    async fn session_path_below(
+        &self,
+        session_id: &str,
+        known: Option<&str>,
+    ) -> Result<Option<(String, PathBelow)>, StoreError> {
+        let session_id = session_id.to_owned();
+        let known = known.map(str::to_owned);
+        self.reader
+            .step(move |connection| {
+                let read = connection.unchecked_transaction().map_err(reader_error)?;
+                let head: Option<String> = read
+                    .prepare_cached(SESSION_HEAD)
+                    .and_then(|mut statement| {
+                        statement
+                            .query_row((session_id.as_str(),), |row| row.get(0))
+                            .optional()
+                    })
+                    .map_err(reader_error)?;
+                let Some(head) = head else {
+                    return Ok(None);
+                };
+                let path = walk_path(&read, PathWalk::from_leaf(&head, known.as_deref()))?;
+                Ok(Some((head, path)))
             })
             .await
     }

@@ -862,6 +862,40 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
         .map(|m| m.id)
         .collect();
     assert_eq!(path, ["msg_1", "msg_3", "msg_5"]);
+    // The head and its path in one read, or only what is below a known message of it.
+    let below = |known: Option<&'static str>| {
+        let store = Arc::clone(&store);
+        async move {
+            let (head, path) = store
+                .session_path_below("ses_a", known)
+                .await
+                .unwrap()
+                .unwrap();
+            let ids: Vec<String> = path.messages.into_iter().map(|m| m.id).collect();
+            (head, ids, path.below_known)
+        }
+    };
+    assert_eq!(below(None).await, ("msg_5".to_owned(), path.clone(), false));
+    assert_eq!(
+        below(Some("msg_1")).await,
+        (
+            "msg_5".to_owned(),
+            vec!["msg_3".to_owned(), "msg_5".to_owned()],
+            true
+        )
+    );
+    assert_eq!(
+        below(Some("msg_2")).await.1,
+        path,
+        "a known message off the path"
+    );
+    assert!(
+        store
+            .session_path_below("ses_none", None)
+            .await
+            .unwrap()
+            .is_none()
+    );
     // A parent that does not exist is refused.
     assert!(
         store
