@@ -63,6 +63,14 @@ struct KeptPath {
     used_at: Instant,
 }
 
+/// A kept path as a turn takes it: where it ends, its messages and their estimated size.
+pub(crate) type KeptPrefix = (String, Arc<Vec<Value>>, usize);
+
+/// Where a kept path ends: the message a read of what is below it stops at.
+pub(crate) fn known(kept: &Option<KeptPrefix>) -> Option<&str> {
+    kept.as_ref().map(|(through, _, _)| through.as_str())
+}
+
 impl Histories {
     /// The contents of the path through `through`, root first: the part below the path kept
     /// for `session` read from the store, when the path passes through it, else all of it.
@@ -86,35 +94,18 @@ impl Histories {
         through: &str,
     ) -> Result<Arc<Vec<Value>>, StoreError> {
         let kept = self.kept_path(session);
-        let known = kept.as_ref().map(|(id, _, _)| id.as_str());
-        let read = store.message_path_below(through, known).await?;
+        let read = store.message_path_below(through, known(&kept)).await?;
         Ok(self.joined(session, through, kept, read))
     }
 
-    /// The path through the session's head (its next turn's history), shared as
-    /// [`Histories::shared_path`], and the head; `None` when the session holds no message.
-    /// The head and what is below the kept path are one read.
-    pub(crate) async fn session_path(
-        &self,
-        store: &dyn Store,
-        session: &str,
-    ) -> Result<Option<(String, Arc<Vec<Value>>)>, StoreError> {
-        let kept = self.kept_path(session);
-        let known = kept.as_ref().map(|(id, _, _)| id.as_str());
-        let Some((head, read)) = store.session_path_below(session, known).await? else {
-            return Ok(None);
-        };
-        let path = self.joined(session, &head, kept, read);
-        Ok(Some((head, path)))
-    }
-
-    /// The path through `through`: `read` below the `kept` path when it passes through it,
-    /// else `read` alone; kept for the session's next turn when it may be.
-    fn joined(
+    /// The path through `through`: `read` below the `kept` path ([`Histories::kept_path`]
+    /// before the read) when it passes through it, else `read` alone; kept for the session's
+    /// next turn when it may be.
+    pub(crate) fn joined(
         &self,
         session: &str,
         through: &str,
-        kept: Option<(String, Arc<Vec<Value>>, usize)>,
+        kept: Option<KeptPrefix>,
         read: PathBelow,
     ) -> Arc<Vec<Value>> {
         let was_kept = kept.is_some();
@@ -171,7 +162,7 @@ impl Histories {
     }
 
     /// The path kept for `session`: where it ends, its messages and their estimated size.
-    fn kept_path(&self, session: &str) -> Option<(String, Arc<Vec<Value>>, usize)> {
+    pub(crate) fn kept_path(&self, session: &str) -> Option<KeptPrefix> {
         let mut kept = self.lock();
         kept.clock += 1;
         let now = kept.clock;

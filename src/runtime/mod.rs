@@ -118,45 +118,64 @@ async fn session_leaf(
     Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
 }
 
-/// The history a session's next request continues, shared, and where it ends: the path
-/// through its newest leaf, or for a fork with none of its own yet, through the message it
-/// was forked at; `None` for a session with no history.
-async fn session_history(
+/// A session a request names, and when the request continues its history, that history and
+/// where it ends (shared): the path through its newest leaf, read with the session in one
+/// read, or for a fork with none of its own yet, through the message it was forked at. Only
+/// the owner's session's history is taken (and kept).
+async fn session_read(
     store: &dyn Store,
     histories: &history::Histories,
-    session: &SessionRecord,
-) -> Result<Option<(String, Arc<Vec<Value>>)>, StoreError> {
-    if let Some(found) = histories.session_path(store, &session.id).await? {
-        return Ok(Some(found));
+    session_id: &str,
+    owner: &str,
+    with_history: bool,
+) -> Result<(Option<SessionRecord>, SessionHistory), StoreError> {
+    if !with_history {
+        return Ok((store.session(session_id).await?, None));
     }
-    match steering::forked_from(session) {
-        Some((_, message)) => {
-            let path = histories.shared_path(store, &session.id, message).await?;
-            Ok(Some((message.to_owned(), path)))
+    let kept = histories.kept_path(session_id);
+    let Some((session, read)) = store
+        .session_and_path(session_id, history::known(&kept))
+        .await?
+    else {
+        return Ok((None, None));
+    };
+    if session.owner != owner {
+        return Ok((Some(session), None));
+    }
+    let history = match (read, steering::forked_from(&session)) {
+        (Some((head, read)), _) => Some((
+            head.clone(),
+            histories.joined(session_id, &head, kept, read),
+        )),
+        (None, Some((_, message))) => {
+            let path = histories.shared_path(store, session_id, message).await?;
+            Some((message.to_owned(), path))
         }
-        None => Ok(None),
-    }
+        (None, None) => None,
+    };
+    Ok((Some(session), history))
 }
 
-/// Where a session's newest path and a client's transcript part ([`History::SessionPrefix`]):
-/// the last message they share, if any, and how many they share. A transcript with no
-/// answer in it is a conversation's first turn, never matched (nor read for). Only a match
-/// ending before the path's end reads the path's ids (the kept path holds contents alone).
+/// A session's history as a request continues it: where it ends, and its messages.
+type SessionHistory = Option<(String, Arc<Vec<Value>>)>;
+
+/// Whether a transcript holds an answer: one that does not is a conversation's first turn,
+/// never matched with a session's history (nor read for).
+fn answered(sent: &[Value]) -> bool {
+    sent.iter()
+        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+}
+
+/// Where a session's history (`path`, through `leaf`) and a client's transcript part
+/// ([`History::SessionPrefix`]): the last message they share, if any, and how many they
+/// share. Only a match ending before the path's end reads the path's ids (the kept path
+/// holds contents alone).
 async fn matching_path(
     store: &dyn Store,
-    histories: &history::Histories,
-    session: &SessionRecord,
+    leaf: String,
+    path: &[Value],
     sent: &[Value],
 ) -> Result<(Option<String>, usize), StoreError> {
-    let answered = sent
-        .iter()
-        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
-    if !answered {
-        return Ok((None, 0));
-    }
-    let Some((leaf, path)) = session_history(store, histories, session).await? else {
-        return Ok((None, 0));
-    };
     let matched = history::matching_prefix(&path, sent);
     let through = if matched == 0 {
         None
@@ -579,16 +598,22 @@ impl Runtime {
         }
         // A session belongs to whoever created it: to anyone else it does not exist. Only a
         // surface that continues a stored history needs it to exist already.
-        let mut existing = None;
+        let with_history = match request.history {
+            History::SessionLeaf => true,
+            History::SessionPrefix => answered(&request.messages),
+            History::Stateless | History::Through(_) => false,
+        };
+        let mut session_history = None;
         if let Some(id) = &request.session_id {
-            match inner.store.session(id).await? {
-                Some(session) if session.owner != request.owner => {
+            let store = inner.store.as_ref();
+            match session_read(store, &inner.histories, id, &request.owner, with_history).await? {
+                (Some(session), _) if session.owner != request.owner => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                None if request.history == History::SessionLeaf => {
+                (None, _) if request.history == History::SessionLeaf => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                session => existing = session,
+                (_, history) => session_history = history,
             }
         }
         let permit = Arc::clone(&inner.admission)
@@ -619,24 +644,18 @@ impl Runtime {
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let store = inner.store.as_ref();
-        let (leaf, history, own_from) = match (&request.history, existing.as_ref()) {
-            (History::SessionLeaf, Some(session)) => {
-                match session_history(store, &inner.histories, session).await? {
-                    Some((leaf, history)) => {
-                        let history =
-                            Arc::try_unwrap(history).unwrap_or_else(|kept| (*kept).clone());
-                        (Some(leaf), history, 0)
-                    }
-                    None => (None, Vec::new(), 0),
-                }
+        let (leaf, history, own_from) = match (&request.history, session_history) {
+            (History::SessionLeaf, Some((leaf, history))) => {
+                let history = Arc::try_unwrap(history).unwrap_or_else(|kept| (*kept).clone());
+                (Some(leaf), history, 0)
             }
             (History::Through(through), _) => {
                 let history = inner.histories.path(store, &session_id, through).await?;
                 (Some(through.clone()), history, 0)
             }
-            (History::SessionPrefix, Some(session)) => {
+            (History::SessionPrefix, Some((leaf, path))) => {
                 let (through, matched) =
-                    matching_path(store, &inner.histories, session, &request.messages).await?;
+                    matching_path(store, leaf, &path, &request.messages).await?;
                 (through, Vec::new(), matched)
             }
             _ => (None, Vec::new(), 0),

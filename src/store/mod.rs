@@ -424,6 +424,19 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         let path = self.message_path_below(&head, known).await?;
         Ok(Some((head, path)))
     }
+    /// The session, and with it (one read where the store can) what
+    /// [`Store::session_path_below`] reads: for a request that continues the session.
+    async fn session_and_path(
+        &self,
+        session_id: &str,
+        known: Option<&str>,
+    ) -> Result<Option<(SessionRecord, Option<(String, PathBelow)>)>, StoreError> {
+        let Some(session) = self.session(session_id).await? else {
+            return Ok(None);
+        };
+        let path = self.session_path_below(session_id, known).await?;
+        Ok(Some((session, path)))
+    }
     /// Sessions newest first.
     async fn sessions(
         &self,

@@ -579,6 +579,28 @@ const OLDER_OF_SESSION: &str = "SELECT * FROM messages
      WHERE session_id = ?1 AND (created_at, id) < (?2, ?3)
      ORDER BY created_at DESC, id DESC LIMIT CAST(?4 AS INTEGER)";
 
+/// A session's head and the path to it (below `known` when it passes through it), read in
+/// `read`'s snapshot; `None` when the session holds no message.
+fn head_and_path(
+    read: &rusqlite::Transaction<'_>,
+    session_id: &str,
+    known: Option<&str>,
+) -> Result<Option<(String, PathBelow)>, StoreError> {
+    let head: Option<String> = read
+        .prepare_cached(SESSION_HEAD)
+        .and_then(|mut statement| {
+            statement
+                .query_row((session_id,), |row| row.get(0))
+                .optional()
+        })
+        .map_err(reader_error)?;
+    let Some(head) = head else {
+        return Ok(None);
+    };
+    let path = walk_path(read, PathWalk::from_leaf(&head, known))?;
+    Ok(Some((head, path)))
+}
+
 /// Walks a message path through `read`'s snapshot, page after page.
 fn walk_path(
     read: &rusqlite::Transaction<'_>,
@@ -1258,19 +1280,35 @@ impl Store for SqliteStore {
         self.reader
             .step(move |connection| {
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let head: Option<String> = read
-                    .prepare_cached(SESSION_HEAD)
-                    .and_then(|mut statement| {
-                        statement
-                            .query_row((session_id.as_str(),), |row| row.get(0))
-                            .optional()
-                    })
-                    .map_err(reader_error)?;
-                let Some(head) = head else {
-                    return Ok(None);
+                head_and_path(&read, &session_id, known.as_deref())
+            })
+            .await
+    }
+
+    async fn session_and_path(
+        &self,
+        session_id: &str,
+        known: Option<&str>,
+    ) -> Result<Option<(SessionRecord, Option<(String, PathBelow)>)>, StoreError> {
+        let session_id = session_id.to_owned();
+        let known = known.map(str::to_owned);
+        self.reader
+            .step(move |connection| {
+                let read = connection.unchecked_transaction().map_err(reader_error)?;
+                let session = {
+                    let mut statement = read
+                        .prepare_cached("SELECT * FROM sessions WHERE id = ?1")
+                        .map_err(reader_error)?;
+                    let mut rows = statement
+                        .query((session_id.as_str(),))
+                        .map_err(reader_error)?;
+                    match rows.next().map_err(reader_error)? {
+                        Some(row) => session_from_row(row)?,
+                        None => return Ok(None),
+                    }
                 };
-                let path = walk_path(&read, PathWalk::from_leaf(&head, known.as_deref()))?;
-                Ok(Some((head, path)))
+                let path = head_and_path(&read, &session_id, known.as_deref())?;
+                Ok(Some((session, path)))
             })
             .await
     }

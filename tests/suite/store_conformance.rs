@@ -896,6 +896,24 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
             .unwrap()
             .is_none()
     );
+    // With the session, in the same read.
+    let (session, read) = store
+        .session_and_path("ses_a", Some("msg_3"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(session.id, "ses_a");
+    let (head, read) = read.unwrap();
+    assert_eq!(head, "msg_5");
+    assert_eq!(read.messages.len(), 1);
+    assert!(read.below_known);
+    assert!(
+        store
+            .session_and_path("ses_none", None)
+            .await
+            .unwrap()
+            .is_none()
+    );
     // A parent that does not exist is refused.
     assert!(
         store
