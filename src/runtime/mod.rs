@@ -176,7 +176,7 @@ async fn matching_path(
     path: &[Value],
     sent: &[Value],
 ) -> Result<(Option<String>, usize), StoreError> {
-    let matched = history::matching_prefix(&path, sent);
+    let matched = history::matching_prefix(path, sent);
     let through = if matched == 0 {
         None
     } else if matched == path.len() {
@@ -603,9 +603,9 @@ impl Runtime {
             History::SessionPrefix => answered(&request.messages),
             History::Stateless | History::Through(_) => false,
         };
+        let store = inner.store.as_ref();
         let mut session_history = None;
         if let Some(id) = &request.session_id {
-            let store = inner.store.as_ref();
             match session_read(store, &inner.histories, id, &request.owner, with_history).await? {
                 (Some(session), _) if session.owner != request.owner => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
@@ -643,7 +643,6 @@ impl Runtime {
         }
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
-        let store = inner.store.as_ref();
         let (leaf, history, own_from) = match (&request.history, session_history) {
             (History::SessionLeaf, Some((leaf, history))) => {
                 let history = Arc::try_unwrap(history).unwrap_or_else(|kept| (*kept).clone());
