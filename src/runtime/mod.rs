@@ -162,35 +162,61 @@ type SessionHistory = Option<(String, Arc<Vec<Value>>)>;
 /// Whether a transcript holds an answer: one that does not is a conversation's first turn,
 /// never matched with a session's history (nor read for).
 fn answered(sent: &[Value]) -> bool {
-    sent.iter()
-        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+    sent.iter().any(is_answer)
 }
+
+fn is_answer(message: &Value) -> bool {
+    message.get("role").and_then(Value::as_str) == Some("assistant")
+}
+
+/// How many of a session's leaves besides its newest a transcript that leaves the newest
+/// path is matched against too: two conversations taking turns in one session (one `user`,
+/// two chats open) each find their own path, not the other's.
+const OTHER_LEAVES_MATCHED: u32 = 1;
 
 /// Where a session's history (`path`, through `leaf`) and a client's transcript part
 /// ([`History::SessionPrefix`]): the last message they share, if any, and how many they
-/// share. Only a match ending before the path's end reads the path's ids (the kept path
-/// holds contents alone).
+/// share. A transcript that leaves the path before its last answer is matched against the
+/// session's next newest leaf too, and the longer match taken. Only a match ending short of
+/// a path's end reads that path's ids (the kept path holds contents alone).
 async fn matching_path(
     store: &dyn Store,
+    session_id: &str,
     leaf: String,
     path: &[Value],
     sent: &[Value],
 ) -> Result<(Option<String>, usize), StoreError> {
     let matched = history::matching_prefix(path, sent);
-    let through = if matched == 0 {
-        None
-    } else if matched == path.len() {
-        Some(leaf)
-    } else {
-        store
-            .message_path(&leaf)
-            .await?
-            .into_iter()
-            .nth(matched - 1)
-            .map(|message| message.id)
-    };
-    let shared = if through.is_some() { matched } else { 0 };
-    Ok((through, shared))
+    if matched == path.len() {
+        return Ok((Some(leaf).filter(|_| matched > 0), matched));
+    }
+    // The longest match so far, and the message it ends at.
+    let mut best = None;
+    if matched > 0 {
+        let read = store.message_path(&leaf).await?;
+        best = read
+            .get(matched - 1)
+            .map(|message| (matched, message.id.clone()));
+    }
+    let last_answer = sent.iter().rposition(is_answer);
+    if last_answer.is_some_and(|answer| matched <= answer) {
+        let leaves = store
+            .session_leaves(session_id, 1 + OTHER_LEAVES_MATCHED)
+            .await?;
+        for other in leaves.into_iter().filter(|other| *other != leaf) {
+            let read = store.message_path(&other).await?;
+            let shared = history::matching_prefix(read.iter().map(|m| &m.content), sent);
+            let longer = shared > best.as_ref().map_or(0, |(longest, _)| *longest);
+            let last = shared.checked_sub(1).and_then(|last| read.get(last));
+            if let Some(message) = last.filter(|_| longer) {
+                best = Some((shared, message.id.clone()));
+            }
+        }
+    }
+    Ok(match best {
+        Some((shared, through)) => (Some(through), shared),
+        None => (None, 0),
+    })
 }
 
 /// The session a request's model calls are charged to: a subagent's request (which only the
@@ -654,7 +680,7 @@ impl Runtime {
             }
             (History::SessionPrefix, Some((leaf, path))) => {
                 let (through, matched) =
-                    matching_path(store, leaf, &path, &request.messages).await?;
+                    matching_path(store, &session_id, leaf, &path, &request.messages).await?;
                 (through, Vec::new(), matched)
             }
             _ => (None, Vec::new(), 0),

@@ -664,6 +664,48 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
     assert_eq!(last_heard(&upstream), branch);
 }
 
+on_both_stores!(two_chats_taking_turns_in_one_session_are_each_stored_once);
+/// One `user` with two chats open: each turn's transcript leaves the session's newest path
+/// (the other chat's) and is matched against the session's next leaf, its own chat's, so
+/// each message is still stored once.
+async fn two_chats_taking_turns_in_one_session_are_each_stored_once(store: Option<String>) {
+    let upstream = echoing_upstream().await;
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let mut chats: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
+    for round in 1..=3 {
+        for (name, chat) in ["a", "b"].iter().zip(chats.iter_mut()) {
+            chat.push(json!({ "role": "user", "content": format!("{name}{round}") }));
+            let (status, answer) = app
+                .post(
+                    "/v1/chat/completions",
+                    CLIENT_KEY,
+                    &json!({ "model": "assistant", "user": "ada", "messages": chat }),
+                )
+                .await;
+            assert_eq!(status, 200, "{answer}");
+            let sent: Vec<String> = chat
+                .iter()
+                .map(|m| m["content"].as_str().unwrap().to_owned())
+                .collect();
+            assert_eq!(last_heard(&upstream), sent);
+            chat.push(answer["choices"][0]["message"].clone());
+        }
+    }
+    let session = format!("user:{}:ada", stable_harness::http::fingerprint(CLIENT_KEY));
+    let (status, view) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["messages"].as_array().unwrap().len(), 12, "{view:#}");
+    let history: Vec<&str> = view["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(history, ["b1", "re: b1", "b2", "re: b2", "b3", "re: b3"]);
+}
+
 on_both_stores!(session_pages_reach_sessions_whose_ids_clients_chose);
 async fn session_pages_reach_sessions_whose_ids_clients_chose(store: Option<String>) {
     let upstream = MockUpstream::start().await;
