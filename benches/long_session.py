@@ -2,7 +2,8 @@
 """A conversation that grows turn by turn, against one or more server builds in turn.
 
 Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
-                       [--surface responses|chat|session] [--in-session]
+                       [--surface responses|chat|session] [--in-session [each|one]]
+                       [--instructions-each-turn]
                        [--database-url postgres://...]
                        BINARY [BINARY...]
 
@@ -15,8 +16,11 @@ bytes of made-up words (no two turns alike), one at a time:
   SDK's stateful way): the server holds the conversation;
 - `chat`: each turn posts the whole transcript to `/v1/chat/completions` (the client holds
   it, as a stateless client does), with `--in-session` naming the conversation's session
-  (`x-stable-harness-session-id`), as a client grouping its requests does, and sending each
-  answer back as the OpenAI SDK does (`refusal: null` included);
+  (`x-stable-harness-session-id`), as a client grouping its requests does, or with
+  `--in-session one` one session for all the conversations (as one `user` with several chats
+  open), and sending each answer back as the OpenAI SDK does (`refusal: null` included);
+  `--instructions-each-turn` starts each turn's transcript with a system message of its own
+  (an app writing the time into its instructions);
 - `session`: each turn posts its message alone to `/runtime/requests` with `wait` and the
   conversation's `sessionId`: the server holds it as a session's message tree.
 
@@ -131,8 +135,11 @@ def one_build(binary, root, args):
             elif args.surface == "chat":
                 transcript = transcripts[one]
                 transcript.append({"role": "user", "content": text})
-                took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": transcript},
-                                    f"conversation-{one}" if args.in_session else None)
+                sent = ([{"role": "system", "content": f"Now: turn {turn}."}] if args.instructions_each_turn
+                        else []) + transcript
+                took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": sent},
+                                    (args.in_session == "one" and "conversations")
+                                    or (args.in_session == "each" and f"conversation-{one}") or None)
                 transcript.append(answer["choices"][0]["message"])
             else:
                 body = {"input": {"messages": [{"role": "user", "content": text}]}, "wait": True}
@@ -171,8 +178,11 @@ def main():
     parser.add_argument("--conversations", type=int, default=1,
                         help="hold this many conversations, their turns one after another in turn")
     parser.add_argument("--surface", choices=["responses", "chat", "session"], default="responses")
-    parser.add_argument("--in-session", action="store_true",
-                        help="chat: name each conversation's session (x-stable-harness-session-id)")
+    parser.add_argument("--in-session", nargs="?", const="each", choices=["each", "one"],
+                        help="chat: name each conversation's session (x-stable-harness-session-id),"
+                             " or with `one` one session for them all")
+    parser.add_argument("--instructions-each-turn", action="store_true",
+                        help="chat: start each turn's transcript with a system message of its own")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
@@ -182,7 +192,8 @@ def main():
     root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", False, False)
     try:
         for binary in args.binaries:
-            print(f"{binary}, {args.surface}{' in session' if args.in_session else ''},"
+            print(f"{binary}, {args.surface}"
+                  f"{' in ' + args.in_session + ' session' if args.in_session else ''},"
                   f" {args.turns} turns of {args.bytes} bytes"
                   f" in {args.conversations} conversation(s):", flush=True)
             one_build(binary, root, args)

@@ -494,9 +494,9 @@ pub(super) async fn submit(
         .await
         .map_err(|error| ApiError::from(error).on_openai_surface())?;
     // Where the turn continues from, and whether all of it is new to the session: a chained
-    // turn's whole own transcript is (a later turn continues from it), as is what follows
-    // the session's path in a transcript sent whole into a session; else (no session named)
-    // only what follows the last assistant message.
+    // turn's whole own transcript is (a later turn continues from it); else only what
+    // follows the last assistant message (a transcript sent whole into a session is new to it
+    // after where it matches the session's path: the runtime decides).
     let (history, whole) = match submission.chain {
         // The previous answer, as stored, is where the turn continues from, unless the
         // stored turns of its calls stand in for it.
@@ -508,7 +508,7 @@ pub(super) async fn submit(
             _ => (History::Through(through), true),
         },
         Some(Chain::Copied) => (History::Stateless, submission.chainable),
-        None if submission.session_id.is_some() => (History::SessionPrefix, true),
+        None if submission.session_id.is_some() => (History::SessionPrefix, false),
         None => (History::Stateless, false),
     };
     let new_messages = if whole {

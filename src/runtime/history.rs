@@ -286,11 +286,8 @@ impl std::fmt::Debug for Histories {
 /// an empty `content` (an answer of calls alone is stored with `""` and answered with `null`)
 /// and an empty `tool_calls`. Nothing else is passed over: a message stored redacted, or
 /// changed by the client in any other way, ends the match.
-pub(crate) fn matching_prefix<'a>(
-    path: impl IntoIterator<Item = &'a Value>,
-    sent: &[Value],
-) -> usize {
-    path.into_iter()
+pub(crate) fn matching_prefix(path: &[Value], sent: &[Value]) -> usize {
+    path.iter()
         .zip(sent)
         .take_while(|(stored, sent)| same_message(stored, sent))
         .count()

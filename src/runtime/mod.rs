@@ -162,61 +162,46 @@ type SessionHistory = Option<(String, Arc<Vec<Value>>)>;
 /// Whether a transcript holds an answer: one that does not is a conversation's first turn,
 /// never matched with a session's history (nor read for).
 fn answered(sent: &[Value]) -> bool {
-    sent.iter().any(is_answer)
+    sent.iter()
+        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
 }
-
-fn is_answer(message: &Value) -> bool {
-    message.get("role").and_then(Value::as_str) == Some("assistant")
-}
-
-/// How many of a session's leaves besides its newest a transcript that leaves the newest
-/// path is matched against too: two conversations taking turns in one session (one `user`,
-/// two chats open) each find their own path, not the other's.
-const OTHER_LEAVES_MATCHED: u32 = 1;
 
 /// Where a session's history (`path`, through `leaf`) and a client's transcript part
-/// ([`History::SessionPrefix`]): the last message they share, if any, and how many they
-/// share. A transcript that leaves the path before its last answer is matched against the
-/// session's next newest leaf too, and the longer match taken. Only a match ending short of
-/// a path's end reads that path's ids (the kept path holds contents alone).
+/// ([`History::SessionPrefix`]): the last message they share and how many they share, or
+/// `None` when they share nothing. Only a match ending short of the path's end reads the
+/// path's ids (the kept path holds contents alone).
 async fn matching_path(
     store: &dyn Store,
-    session_id: &str,
     leaf: String,
     path: &[Value],
     sent: &[Value],
-) -> Result<(Option<String>, usize), StoreError> {
+) -> Result<Option<(String, usize)>, StoreError> {
     let matched = history::matching_prefix(path, sent);
+    if matched == 0 {
+        return Ok(None);
+    }
     if matched == path.len() {
-        return Ok((Some(leaf).filter(|_| matched > 0), matched));
+        return Ok(Some((leaf, matched)));
     }
-    // The longest match so far, and the message it ends at.
-    let mut best = None;
-    if matched > 0 {
-        let read = store.message_path(&leaf).await?;
-        best = read
-            .get(matched - 1)
-            .map(|message| (matched, message.id.clone()));
-    }
-    let last_answer = sent.iter().rposition(is_answer);
-    if last_answer.is_some_and(|answer| matched <= answer) {
-        let leaves = store
-            .session_leaves(session_id, 1 + OTHER_LEAVES_MATCHED)
-            .await?;
-        for other in leaves.into_iter().filter(|other| *other != leaf) {
-            let read = store.message_path(&other).await?;
-            let shared = history::matching_prefix(read.iter().map(|m| &m.content), sent);
-            let longer = shared > best.as_ref().map_or(0, |(longest, _)| *longest);
-            let last = shared.checked_sub(1).and_then(|last| read.get(last));
-            if let Some(message) = last.filter(|_| longer) {
-                best = Some((shared, message.id.clone()));
-            }
-        }
-    }
-    Ok(match best {
-        Some((shared, through)) => (Some(through), shared),
-        None => (None, 0),
-    })
+    let read = store.message_path(&leaf).await?;
+    Ok(read
+        .get(matched - 1)
+        .map(|message| (message.id.clone(), matched)))
+}
+
+/// How many of a transcript's first messages are system or developer messages: a client
+/// in a session that writes its instructions anew each turn (the time, what it retrieved)
+/// still continues the session's path; they are the request's own (`leading`), never in the
+/// session, as a Responses turn's `instructions` are.
+fn leading_instructions(sent: &[Value]) -> usize {
+    sent.iter()
+        .take_while(|m| {
+            matches!(
+                m.get("role").and_then(Value::as_str),
+                Some("system" | "developer")
+            )
+        })
+        .count()
 }
 
 /// The session a request's model calls are charged to: a subagent's request (which only the
@@ -322,12 +307,14 @@ pub enum History {
     /// The path through this message (a Responses chain: where the previous response's
     /// transcript ends). Whoever names it has checked it is the caller's.
     Through(String),
-    /// The session's newest path as far as the request's messages begin with it
+    /// The session's newest path as far as the request's messages (after their leading
+    /// system and developer messages, the request's own `leading`) begin with it
     /// ([`history::matching_prefix`]): a `/v1` client in a session sends its whole transcript
     /// each turn, and what the session holds already is named, not stored again. The rest
     /// of the messages are the request's own, stored under where the match ends (a branch
-    /// where the client's transcript leaves the path). The run is sent the messages as the
-    /// client sent them.
+    /// where the client's transcript leaves the path); a transcript that shares nothing with
+    /// the path is stored as [`History::Stateless`] stores it. The run is sent the messages
+    /// as the client sent them.
     SessionPrefix,
 }
 
@@ -624,6 +611,12 @@ impl Runtime {
         }
         // A session belongs to whoever created it: to anyone else it does not exist. Only a
         // surface that continues a stored history needs it to exist already.
+        if request.history == History::SessionPrefix {
+            let instructions = leading_instructions(&request.messages);
+            request
+                .leading
+                .extend(request.messages.drain(..instructions));
+        }
         let with_history = match request.history {
             History::SessionLeaf => true,
             History::SessionPrefix => answered(&request.messages),
@@ -679,9 +672,10 @@ impl Runtime {
                 (Some(through.clone()), history, 0)
             }
             (History::SessionPrefix, Some((leaf, path))) => {
-                let (through, matched) =
-                    matching_path(store, &session_id, leaf, &path, &request.messages).await?;
-                (through, Vec::new(), matched)
+                match matching_path(store, leaf, &path, &request.messages).await? {
+                    Some((through, matched)) => (Some(through), Vec::new(), matched),
+                    None => (None, Vec::new(), 0),
+                }
             }
             _ => (None, Vec::new(), 0),
         };
@@ -723,7 +717,14 @@ impl Runtime {
         }
         // The ids of the messages stored in the session, known before the input names the
         // last of them.
-        let first_new = own.len().saturating_sub(request.new_messages);
+        // A transcript matched with the session's path is new to it after the match; one that
+        // shares nothing with it is stored as a chat with no session is (the session holds
+        // only its last turn, from a new root), never twice.
+        let first_new = if request.history == History::SessionPrefix && parent_id.is_some() {
+            0
+        } else {
+            own.len().saturating_sub(request.new_messages)
+        };
         let stored_ids: Vec<String> = own[first_new..].iter().map(|_| new_id("msg")).collect();
         if request.chainable && first_new == 0 {
             let end = stored_ids.last().or(parent_id.as_ref());

@@ -397,12 +397,7 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// The newest leaf of a session (a message with no child in it): the one its next request
     /// continues from. Asked as a leaf, not as the newest message, since instances' clocks
     /// may disagree and a child could be stamped before its parent.
-    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.session_leaves(session_id, 1).await?.pop())
-    }
-    /// A session's newest `most` leaves, newest first (the first is its head): where its
-    /// branches end.
-    async fn session_leaves(&self, session_id: &str, most: u32) -> Result<Vec<String>, StoreError>;
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError>;
     /// The path from the root of a message tree to `leaf`, root first: a session's history.
     /// It crosses into the session a fork branched from.
     async fn message_path(&self, leaf: &str) -> Result<Vec<MessageRecord>, StoreError> {

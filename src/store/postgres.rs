@@ -1591,24 +1591,21 @@ impl Store for PostgresStore {
         row.as_ref().map(message_from_row).transpose()
     }
 
-    async fn session_leaves(&self, session_id: &str, most: u32) -> Result<Vec<String>, StoreError> {
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         let session_id = text(session_id);
-        let rows = self
+        let row = self
             .on_reader_backend(|| {
                 sqlx::query(
                     "SELECT id FROM messages m WHERE session_id = $1
                        AND NOT EXISTS (SELECT 1 FROM messages c
                                         WHERE c.parent_id = m.id AND c.session_id = m.session_id)
-                     ORDER BY created_at DESC, id DESC LIMIT $2",
+                     ORDER BY created_at DESC, id DESC LIMIT 1",
                 )
                 .bind(&session_id)
-                .bind(i64::from(most))
             })
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|row| row.try_get("id"))
-            .collect::<Result<_, _>>()?)
+            .await?
+            .pop();
+        Ok(row.map(|row| row.try_get("id")).transpose()?)
     }
 
     async fn message_path_below(

@@ -586,9 +586,14 @@ fn head_and_path(
     session_id: &str,
     known: Option<&str>,
 ) -> Result<Option<(String, PathBelow)>, StoreError> {
-    let head = first_row(read, SESSION_LEAVES, (session_id, 1), |row| {
-        row.get::<_, String>(0).map_err(reader_error)
-    })?;
+    let head: Option<String> = read
+        .prepare_cached(SESSION_HEAD)
+        .and_then(|mut statement| {
+            statement
+                .query_row((session_id,), |row| row.get(0))
+                .optional()
+        })
+        .map_err(reader_error)?;
     let Some(head) = head else {
         return Ok(None);
     };
@@ -901,14 +906,12 @@ macro_rules! event_rows {
 const LAST_EVENT_ROW: &str = event_rows!("e.request_id = ?1", " ORDER BY e.seq DESC LIMIT 1");
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
-/// A session by id.
-const SESSION: &str = "SELECT * FROM sessions WHERE id = ?1";
-/// A session's newest `?2` messages with no children (their children are found through
+/// A session's newest message with no children (its children are found through
 /// `messages_by_parent`, which leaves out messages with no parent: migration 0013).
-const SESSION_LEAVES: &str = "SELECT id FROM messages m WHERE session_id = ?1
+const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
        AND NOT EXISTS (SELECT 1 FROM messages c
                         WHERE c.parent_id = m.id AND c.session_id = m.session_id)
-     ORDER BY created_at DESC, id DESC LIMIT CAST(?2 AS INTEGER)";
+     ORDER BY created_at DESC, id DESC LIMIT 1";
 /// A run's events after `?2`, within its request's key range: events have no index by run.
 /// A row holds one run's events, so the run is a condition on rows.
 const EVENTS_OF_RUN: &str =
@@ -1216,7 +1219,11 @@ impl Store for SqliteStore {
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         self.reader
-            .one(SESSION, (id.to_owned(),), |row| session_from_row(row))
+            .one(
+                "SELECT * FROM sessions WHERE id = ?1",
+                (id.to_owned(),),
+                |row| session_from_row(row),
+            )
             .await
     }
 
@@ -1240,9 +1247,9 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn session_leaves(&self, session_id: &str, most: u32) -> Result<Vec<String>, StoreError> {
+    async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         self.reader
-            .all(SESSION_LEAVES, (session_id.to_owned(), most), |row| {
+            .one(SESSION_HEAD, (session_id.to_owned(),), |row| {
                 row.get(0).map_err(reader_error)
             })
             .await
@@ -1288,11 +1295,17 @@ impl Store for SqliteStore {
         self.reader
             .step(move |connection| {
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let session = first_row(&read, SESSION, (session_id.as_str(),), |row| {
-                    session_from_row(row)
-                })?;
-                let Some(session) = session else {
-                    return Ok(None);
+                let session = {
+                    let mut statement = read
+                        .prepare_cached("SELECT * FROM sessions WHERE id = ?1")
+                        .map_err(reader_error)?;
+                    let mut rows = statement
+                        .query((session_id.as_str(),))
+                        .map_err(reader_error)?;
+                    match rows.next().map_err(reader_error)? {
+                        Some(row) => session_from_row(row)?,
+                        None => return Ok(None),
+                    }
                 };
                 let path = head_and_path(&read, &session_id, known.as_deref())?;
                 Ok(Some((session, path)))
@@ -2064,7 +2077,7 @@ mod tests {
                 "SEARCH s USING INDEX sqlite_autoindex_sessions_1 (id=?)",
             ),
             (EVENTS_OF_REQUEST.to_owned(), "events_by_request"),
-            (SESSION_LEAVES.to_owned(), "messages_by_parent"),
+            (SESSION_HEAD.to_owned(), "messages_by_parent"),
             (CLAIM_RUNS.to_owned(), "runs_live"),
             (RELEASE_LEASES.to_owned(), "runs_live"),
         ];

@@ -549,13 +549,20 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
     let embedded = store.is_none();
     let upstream = echoing_upstream().await;
     let app = spawn(api_workspace(&upstream, ""), store).await;
+    // The client writes its instructions anew each turn (the time, say): they are the turn's
+    // own, never in the session, and the model hears them as sent.
+    let turns = std::cell::Cell::new(0);
     let chat = async |transcript: &[Value]| -> (Value, String) {
+        turns.set(turns.get() + 1);
+        let now = json!({ "role": "system", "content": format!("Now: turn {}", turns.get()) });
+        let mut sent = vec![now.clone()];
+        sent.extend(transcript.iter().cloned());
         let response = app
             .http
             .post(app.url("/v1/chat/completions"))
             .bearer_auth(CLIENT_KEY)
             .header("x-stable-harness-session-id", SESSION)
-            .json(&json!({ "model": "assistant", "messages": transcript }))
+            .json(&json!({ "model": "assistant", "messages": sent }))
             .send()
             .await
             .unwrap();
@@ -563,11 +570,13 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
         let request_id = super::request_id_header(&response);
         let answer: Value = response.json().await.unwrap();
         let heard = last_heard(&upstream);
-        let sent: Vec<String> = transcript
+        let said: Vec<String> = transcript
             .iter()
             .map(|m| m["content"].as_str().unwrap().to_owned())
             .collect();
-        assert_eq!(heard, sent, "the model hears the transcript as sent");
+        assert_eq!(heard, said, "the model hears the transcript as sent");
+        let call = upstream.calls().last().unwrap().body["messages"].clone();
+        assert!(call.as_array().unwrap().contains(&now), "{call}");
         (answer["choices"][0]["message"].clone(), request_id)
     };
     let contents = |messages: &Value| -> Vec<String> {
@@ -622,6 +631,10 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
             json!([{ "role": "user", "content": format!("q{TURNS}") }]),
             "{input}"
         );
+        assert_eq!(
+            input["leading"],
+            json!([{ "role": "system", "content": format!("Now: turn {TURNS}") }])
+        );
         assert!(input["historyThrough"].is_string(), "{input}");
     }
 
@@ -664,25 +677,30 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
     assert_eq!(last_heard(&upstream), branch);
 }
 
-on_both_stores!(two_chats_taking_turns_in_one_session_are_each_stored_once);
-/// One `user` with two chats open: each turn's transcript leaves the session's newest path
-/// (the other chat's) and is matched against the session's next leaf, its own chat's, so
-/// each message is still stored once.
-async fn two_chats_taking_turns_in_one_session_are_each_stored_once(store: Option<String>) {
+on_both_stores!(two_chats_taking_turns_in_one_session_are_stored_as_without_one);
+/// One `user` with two chats open: each turn's transcript shares nothing with the session's
+/// newest path (the other chat's), so it is stored as a chat with no session is, once: whole
+/// with its request, its new message and answer in the session. Never twice.
+async fn two_chats_taking_turns_in_one_session_are_stored_as_without_one(store: Option<String>) {
+    let embedded = store.is_none();
     let upstream = echoing_upstream().await;
     let app = spawn(api_workspace(&upstream, ""), store).await;
     let mut chats: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
+    let mut last_request = String::new();
     for round in 1..=3 {
         for (name, chat) in ["a", "b"].iter().zip(chats.iter_mut()) {
             chat.push(json!({ "role": "user", "content": format!("{name}{round}") }));
-            let (status, answer) = app
-                .post(
-                    "/v1/chat/completions",
-                    CLIENT_KEY,
-                    &json!({ "model": "assistant", "user": "ada", "messages": chat }),
-                )
-                .await;
-            assert_eq!(status, 200, "{answer}");
+            let response = app
+                .http
+                .post(app.url("/v1/chat/completions"))
+                .bearer_auth(CLIENT_KEY)
+                .json(&json!({ "model": "assistant", "user": "ada", "messages": chat }))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            last_request = super::request_id_header(&response);
+            let answer: Value = response.json().await.unwrap();
             let sent: Vec<String> = chat
                 .iter()
                 .map(|m| m["content"].as_str().unwrap().to_owned())
@@ -697,13 +715,15 @@ async fn two_chats_taking_turns_in_one_session_are_each_stored_once(store: Optio
         .await;
     assert_eq!(status, 200, "{view}");
     assert_eq!(view["messages"].as_array().unwrap().len(), 12, "{view:#}");
-    let history: Vec<&str> = view["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["content"]["content"].as_str().unwrap())
-        .collect();
-    assert_eq!(history, ["b1", "re: b1", "b2", "re: b2", "b3", "re: b3"]);
+    if embedded {
+        let rows = crate::helpers::store_rows(
+            &crate::helpers::store_path(app.workspace.path()),
+            &format!("SELECT input FROM requests WHERE id = '{last_request}'"),
+        );
+        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
+        assert_eq!(input["messages"].as_array().unwrap().len(), 5, "{input}");
+        assert!(input.get("historyThrough").is_none(), "{input}");
+    }
 }
 
 on_both_stores!(session_pages_reach_sessions_whose_ids_clients_chose);
