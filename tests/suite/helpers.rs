@@ -192,6 +192,16 @@ pub fn store_path(root: &Path) -> PathBuf {
     root.join(".stable-harness").join("state.db")
 }
 
+/// The input the SQLite store at `db` holds for request `request_id`, parsed.
+pub fn stored_input(db: &Path, request_id: &str) -> serde_json::Value {
+    let rows = store_rows(
+        db,
+        &format!("SELECT input FROM requests WHERE id = '{request_id}'"),
+    );
+    let input = rows[0]["input"].as_str().unwrap();
+    serde_json::from_str(input).unwrap_or_else(|e| panic!("{input}: {e}"))
+}
+
 /// The rows `sql` selects from the SQLite store at `db`, opened read-only (a live server's
 /// store may be read too): each row as a JSON object by column name.
 pub fn store_rows(db: &Path, sql: &str) -> Vec<serde_json::Map<String, serde_json::Value>> {

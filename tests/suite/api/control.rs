@@ -621,11 +621,10 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
     if embedded {
         // The last turn's stored input: its own message, and where the session's path it
         // continues ends; never the transcript.
-        let rows = crate::helpers::store_rows(
+        let input = crate::helpers::stored_input(
             &crate::helpers::store_path(app.workspace.path()),
-            &format!("SELECT input FROM requests WHERE id = '{last_request}'"),
+            &last_request,
         );
-        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
         assert_eq!(
             input["messages"],
             json!([{ "role": "user", "content": format!("q{TURNS}") }]),
@@ -716,11 +715,10 @@ async fn two_chats_taking_turns_in_one_session_are_stored_as_without_one(store: 
     assert_eq!(status, 200, "{view}");
     assert_eq!(view["messages"].as_array().unwrap().len(), 12, "{view:#}");
     if embedded {
-        let rows = crate::helpers::store_rows(
+        let input = crate::helpers::stored_input(
             &crate::helpers::store_path(app.workspace.path()),
-            &format!("SELECT input FROM requests WHERE id = '{last_request}'"),
+            &last_request,
         );
-        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
         assert_eq!(input["messages"].as_array().unwrap().len(), 5, "{input}");
         assert!(input.get("historyThrough").is_none(), "{input}");
     }

@@ -296,15 +296,7 @@ async fn a_session_turn_stores_only_its_own_messages_and_resumes_with_the_whole_
 
     // The turn's stored input is its own message, naming the history it continues.
     let db = crate::helpers::store_path(workspace.path());
-    let input: serde_json::Value = serde_json::from_str(
-        crate::helpers::store_rows(
-            &db,
-            &format!("SELECT input FROM requests WHERE id = '{request_id}'"),
-        )[0]["input"]
-            .as_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let input = crate::helpers::stored_input(&db, &request_id);
     assert_eq!(
         input["messages"],
         json!([{ "role": "user", "content": "two" }]),

@@ -544,14 +544,10 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
     if embedded {
         // A chained turn's stored input: its own message and instructions, and where the
         // chain it continues ends, never the chain.
-        let rows = crate::helpers::store_rows(
+        let input = crate::helpers::stored_input(
             &crate::helpers::store_path(app.workspace.path()),
-            &format!(
-                "SELECT input FROM requests WHERE id = 'req_{}'",
-                ids[TURNS - 1].trim_start_matches("resp_")
-            ),
+            &format!("req_{}", ids[TURNS - 1].trim_start_matches("resp_")),
         );
-        let input: Value = serde_json::from_str(rows[0]["input"].as_str().unwrap()).unwrap();
         assert_eq!(
             input["messages"],
             json!([{ "role": "user", "content": "q20" }]),

@@ -975,11 +975,7 @@ async fn secrets_never_reach_the_store_wherever_they_appear() {
         leaks.join("\n")
     );
     // What is not a secret survives, and redaction left its mark where secrets were.
-    let input = &store_rows(
-        &db,
-        &format!("SELECT input FROM requests WHERE id = '{v1_request}'"),
-    )[0]["input"];
-    let input: Value = serde_json::from_str(input.as_str().unwrap()).unwrap();
+    let input = crate::helpers::stored_input(&db, &v1_request);
     assert_eq!(input["options"]["max_tokens"], 77, "{input}");
     assert_eq!(
         input["messages"][0]["content"], "my key is [redacted]",
