@@ -286,6 +286,15 @@ pub async fn chat_completions(
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
     let named_events = wants_named_events(&headers);
+    // In a session, the transcript's leading system and developer messages are the call's own
+    // (as a Responses call's `instructions` are), never in the session: a client that writes
+    // its instructions anew each turn (the time, what it retrieved) still continues the
+    // session's path.
+    let mut messages = request.messages;
+    let leading = match session_id {
+        Some(_) => messages.drain(..leading_instructions(&messages)).collect(),
+        None => Vec::new(),
+    };
     let Followed {
         submitted,
         events,
@@ -295,8 +304,8 @@ pub async fn chat_completions(
         &caller,
         V1Submission {
             agent: request.model.clone(),
-            leading: Vec::new(),
-            messages: request.messages,
+            leading,
+            messages,
             chain: None,
             chainable: false,
             tools,
@@ -333,6 +342,19 @@ pub async fn chat_completions(
         answered.unwrap_or_else(IntoResponse::into_response),
         &submitted,
     ))
+}
+
+/// How many of a transcript's first messages are system or developer messages.
+fn leading_instructions(messages: &[Value]) -> usize {
+    messages
+        .iter()
+        .take_while(|m| {
+            matches!(
+                m.get("role").and_then(Value::as_str),
+                Some("system" | "developer")
+            )
+        })
+        .count()
 }
 
 /// Whether the client asked for the named progress events (`x-stable-harness-events: true`).

@@ -189,21 +189,6 @@ async fn matching_path(
         .map(|message| (message.id.clone(), matched)))
 }
 
-/// How many of a transcript's first messages are system or developer messages: a client
-/// in a session that writes its instructions anew each turn (the time, what it retrieved)
-/// still continues the session's path; they are the request's own (`leading`), never in the
-/// session, as a Responses turn's `instructions` are.
-fn leading_instructions(sent: &[Value]) -> usize {
-    sent.iter()
-        .take_while(|m| {
-            matches!(
-                m.get("role").and_then(Value::as_str),
-                Some("system" | "developer")
-            )
-        })
-        .count()
-}
-
 /// The session a request's model calls are charged to: a subagent's request (which only the
 /// runtime submits, protocol `agent`) is charged to its parent's; any other to its own.
 /// Client metadata never chooses it.
@@ -307,8 +292,7 @@ pub enum History {
     /// The path through this message (a Responses chain: where the previous response's
     /// transcript ends). Whoever names it has checked it is the caller's.
     Through(String),
-    /// The session's newest path as far as the request's messages (after their leading
-    /// system and developer messages, the request's own `leading`) begin with it
+    /// The session's newest path as far as the request's messages begin with it
     /// ([`history::matching_prefix`]): a `/v1` client in a session sends its whole transcript
     /// each turn, and what the session holds already is named, not stored again. The rest
     /// of the messages are the request's own, stored under where the match ends (a branch
@@ -611,12 +595,6 @@ impl Runtime {
         }
         // A session belongs to whoever created it: to anyone else it does not exist. Only a
         // surface that continues a stored history needs it to exist already.
-        if request.history == History::SessionPrefix {
-            let instructions = leading_instructions(&request.messages);
-            request
-                .leading
-                .extend(request.messages.drain(..instructions));
-        }
         let with_history = match request.history {
             History::SessionLeaf => true,
             History::SessionPrefix => answered(&request.messages),
