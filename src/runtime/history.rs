@@ -82,7 +82,7 @@ impl Histories {
         through: &str,
     ) -> Result<Vec<Value>, StoreError> {
         let path = self.shared_path(store, session, through).await?;
-        Ok(Arc::try_unwrap(path).unwrap_or_else(|shared| (*shared).clone()))
+        Ok(Arc::unwrap_or_clone(path))
     }
 
     /// [`Histories::path`], shared with what is kept instead of copied: for whoever only
@@ -118,7 +118,7 @@ impl Histories {
                 // The kept path is extended into the new one: taken out, and when no other
                 // turn holds it, extended where it is instead of copied.
                 self.forget(session, &known);
-                let messages = Arc::try_unwrap(prefix).unwrap_or_else(|shared| (*shared).clone());
+                let messages = Arc::unwrap_or_clone(prefix);
                 (messages, prefix_bytes)
             }
             _ => (Vec::new(), 0),

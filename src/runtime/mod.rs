@@ -106,18 +106,6 @@ async fn request_start(
     Ok((messages, own_last.or_else(|| through.map(str::to_owned))))
 }
 
-/// The message a session's next request continues from: its newest message, or for a fork
-/// with none of its own yet, the message it was forked at.
-async fn session_leaf(
-    store: &dyn Store,
-    session: &SessionRecord,
-) -> Result<Option<String>, StoreError> {
-    if let Some(head) = store.session_head(&session.id).await? {
-        return Ok(Some(head));
-    }
-    Ok(steering::forked_from(session).map(|(_, message)| message.to_owned()))
-}
-
 /// A session a request names, and when the request continues its history, that history and
 /// where it ends (shared): the path through its newest leaf, read with the session in one
 /// read, or for a fork with none of its own yet, through the message it was forked at. Only
@@ -142,16 +130,18 @@ async fn session_read(
     if session.owner != owner {
         return Ok((Some(session), None));
     }
-    let history = match (read, steering::forked_from(&session)) {
-        (Some((head, read)), _) => Some((
-            head.clone(),
-            histories.joined(session_id, &head, kept, read),
-        )),
-        (None, Some((_, message))) => {
-            let path = histories.shared_path(store, session_id, message).await?;
-            Some((message.to_owned(), path))
+    let history = match read {
+        Some((head, read)) => {
+            let path = histories.joined(session_id, &head, kept, read);
+            Some((head, path))
         }
-        (None, None) => None,
+        None => match steering::forked_from(&session) {
+            Some((_, message)) => {
+                let path = histories.shared_path(store, session_id, message).await?;
+                Some((message.to_owned(), path))
+            }
+            None => None,
+        },
     };
     Ok((Some(session), history))
 }
@@ -642,7 +632,7 @@ impl Runtime {
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let (leaf, history, own_from) = match (&request.history, session_history) {
             (History::SessionLeaf, Some((leaf, history))) => {
-                let history = Arc::try_unwrap(history).unwrap_or_else(|kept| (*kept).clone());
+                let history = Arc::unwrap_or_clone(history);
                 (Some(leaf), history, 0)
             }
             (History::Through(through), _) => {

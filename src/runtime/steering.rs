@@ -282,13 +282,18 @@ impl Runtime {
         }
     }
 
-    /// The history a session's next request continues: the path from its newest leaf.
+    /// The history a session's next request continues: the path from its newest leaf, or for
+    /// a fork with none of its own yet, from the message it was forked at.
     pub async fn session_history(
         &self,
         session: &SessionRecord,
     ) -> Result<Vec<crate::store::MessageRecord>, RuntimeError> {
-        match super::session_leaf(self.inner.store.as_ref(), session).await? {
-            Some(leaf) => Ok(self.inner.store.message_path(&leaf).await?),
+        let store = self.inner.store.as_ref();
+        if let Some((_, path)) = store.session_path_below(&session.id, None).await? {
+            return Ok(path.messages);
+        }
+        match forked_from(session) {
+            Some((_, message)) => Ok(store.message_path(message).await?),
             None => Ok(Vec::new()),
         }
     }

@@ -586,14 +586,9 @@ fn head_and_path(
     session_id: &str,
     known: Option<&str>,
 ) -> Result<Option<(String, PathBelow)>, StoreError> {
-    let head: Option<String> = read
-        .prepare_cached(SESSION_HEAD)
-        .and_then(|mut statement| {
-            statement
-                .query_row((session_id,), |row| row.get(0))
-                .optional()
-        })
-        .map_err(reader_error)?;
+    let head = first_row(read, SESSION_HEAD, (session_id,), |row| {
+        row.get::<_, String>(0).map_err(reader_error)
+    })?;
     let Some(head) = head else {
         return Ok(None);
     };
@@ -906,6 +901,8 @@ macro_rules! event_rows {
 const LAST_EVENT_ROW: &str = event_rows!("e.request_id = ?1", " ORDER BY e.seq DESC LIMIT 1");
 /// A request's events after `?2` (`events_by_request`).
 const EVENTS_OF_REQUEST: &str = event_select!("e.request_id = ?1");
+/// A session by id.
+const SESSION: &str = "SELECT * FROM sessions WHERE id = ?1";
 /// A session's newest message with no children (its children are found through
 /// `messages_by_parent`, which leaves out messages with no parent: migration 0013).
 const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
@@ -1219,11 +1216,7 @@ impl Store for SqliteStore {
 
     async fn session(&self, id: &str) -> Result<Option<SessionRecord>, StoreError> {
         self.reader
-            .one(
-                "SELECT * FROM sessions WHERE id = ?1",
-                (id.to_owned(),),
-                |row| session_from_row(row),
-            )
+            .one(SESSION, (id.to_owned(),), |row| session_from_row(row))
             .await
     }
 
@@ -1295,17 +1288,11 @@ impl Store for SqliteStore {
         self.reader
             .step(move |connection| {
                 let read = connection.unchecked_transaction().map_err(reader_error)?;
-                let session = {
-                    let mut statement = read
-                        .prepare_cached("SELECT * FROM sessions WHERE id = ?1")
-                        .map_err(reader_error)?;
-                    let mut rows = statement
-                        .query((session_id.as_str(),))
-                        .map_err(reader_error)?;
-                    match rows.next().map_err(reader_error)? {
-                        Some(row) => session_from_row(row)?,
-                        None => return Ok(None),
-                    }
+                let session = first_row(&read, SESSION, (session_id.as_str(),), |row| {
+                    session_from_row(row)
+                })?;
+                let Some(session) = session else {
+                    return Ok(None);
                 };
                 let path = head_and_path(&read, &session_id, known.as_deref())?;
                 Ok(Some((session, path)))
