@@ -97,12 +97,8 @@ async fn request_start(
         messages.extend(own.iter().cloned());
     }
     let own_last = store
-        .messages(&request.session_id)
-        .await?
-        .into_iter()
-        .rev()
-        .find(|m| m.request_id.as_deref() == Some(request.id.as_str()) && m.role != "assistant")
-        .map(|m| m.id);
+        .request_last_message(&request.session_id, &request.id, request.created_at)
+        .await?;
     Ok((messages, own_last.or_else(|| through.map(str::to_owned))))
 }
 

@@ -394,6 +394,16 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
     /// The messages of a session, oldest first.
     async fn messages(&self, session_id: &str) -> Result<Vec<MessageRecord>, StoreError>;
     async fn message(&self, id: &str) -> Result<Option<MessageRecord>, StoreError>;
+    /// The newest message request `request_id` brought into session `session_id` (an
+    /// assistant message is its answer, not its own): where its answer hangs. Its messages are
+    /// stamped when it was (`since`), so only what the session took on since is read, not the
+    /// whole session.
+    async fn request_last_message(
+        &self,
+        session_id: &str,
+        request_id: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Option<String>, StoreError>;
     /// The newest leaf of a session (a message with no child in it): the one its next request
     /// continues from. Asked as a leaf, not as the newest message, since instances' clocks
     /// may disagree and a child could be stamped before its parent.

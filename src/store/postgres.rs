@@ -1591,6 +1591,27 @@ impl Store for PostgresStore {
         row.as_ref().map(message_from_row).transpose()
     }
 
+    async fn request_last_message(
+        &self,
+        session_id: &str,
+        request_id: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Option<String>, StoreError> {
+        // A range of the session's index from the request's stamp on, newest first.
+        let row = sqlx::query(
+            "SELECT id FROM messages
+              WHERE session_id = $1 AND created_at >= $2 AND request_id = $3
+                AND role <> 'assistant'
+              ORDER BY created_at DESC, id DESC LIMIT 1",
+        )
+        .bind(text(session_id))
+        .bind(since)
+        .bind(text(request_id))
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|row| row.try_get("id")).transpose()?)
+    }
+
     async fn session_head(&self, session_id: &str) -> Result<Option<String>, StoreError> {
         let session_id = text(session_id);
         let row = self

@@ -909,6 +909,11 @@ const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
        AND NOT EXISTS (SELECT 1 FROM messages c
                         WHERE c.parent_id = m.id AND c.session_id = m.session_id)
      ORDER BY created_at DESC, id DESC LIMIT 1";
+/// The newest message of request `?3` in session `?1` that is not its answer: a range of the
+/// session's index from the request's stamp `?2` on, newest first.
+const REQUEST_LAST_MESSAGE: &str = "SELECT id FROM messages
+     WHERE session_id = ?1 AND created_at >= ?2 AND request_id = ?3 AND role <> 'assistant'
+     ORDER BY created_at DESC, id DESC LIMIT 1";
 /// A run's events after `?2`, within its request's key range: events have no index by run.
 /// A row holds one run's events, so the run is a condition on rows.
 const EVENTS_OF_RUN: &str =
@@ -1237,6 +1242,24 @@ impl Store for SqliteStore {
                 (id.to_owned(),),
                 |row| message_from_row(row),
             )
+            .await
+    }
+
+    async fn request_last_message(
+        &self,
+        session_id: &str,
+        request_id: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Option<String>, StoreError> {
+        let args = (
+            session_id.to_owned(),
+            stored_time::text(&since),
+            request_id.to_owned(),
+        );
+        self.reader
+            .one(REQUEST_LAST_MESSAGE, args, |row| {
+                row.get(0).map_err(reader_error)
+            })
             .await
     }
 

@@ -92,6 +92,7 @@ conformance!(
     pages_and_filters_list_requests_newest_first,
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
+    a_requests_last_message_is_its_newest_own_one_not_its_answer,
     a_long_history_is_read_root_first_and_whole,
     tool_call_records_count_executions_and_keep_results,
     client_calls_are_found_by_id_for_their_owner_and_completed_once,
@@ -921,6 +922,72 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
             .await
             .is_err()
     );
+}
+
+async fn a_requests_last_message_is_its_newest_own_one_not_its_answer(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Completed).await;
+    store
+        .apply(&[request(
+            "req_b",
+            "ses_a",
+            "alice",
+            RunStatus::Completed,
+            Age::seconds(5),
+        )])
+        .await
+        .unwrap();
+    let at = store.request("req_a").await.unwrap().unwrap().created_at;
+    let since_b = store.request("req_b").await.unwrap().unwrap().created_at;
+    let message = |id: &str, request: &str, role: &str, offset: i64| {
+        WriteOp::InsertMessage(MessageRecord {
+            id: id.into(),
+            session_id: "ses_a".into(),
+            parent_id: None,
+            request_id: Some(request.into()),
+            role: role.into(),
+            content: json!({ "role": role, "content": id }),
+            created_at: at + Age::seconds(offset),
+        })
+    };
+    store
+        .apply(&[
+            // An earlier turn's, another request's.
+            message("msg_1", "req_b", "user", -2),
+            message("msg_2", "req_b", "assistant", -1),
+            // The request's own two, stamped with it, then its answer.
+            message("msg_3", "req_a", "user", 0),
+            message("msg_4", "req_a", "tool", 0),
+            message("msg_5", "req_a", "assistant", 1),
+            // A later turn's.
+            message("msg_6", "req_b", "user", 2),
+            message("msg_7", "req_b", "assistant", 3),
+        ])
+        .await
+        .unwrap();
+    let last = |session: &'static str, request: &'static str, since| {
+        let store = Arc::clone(&store);
+        async move {
+            store
+                .request_last_message(session, request, since)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(last("ses_a", "req_a", at).await.as_deref(), Some("msg_4"));
+    assert_eq!(
+        last("ses_a", "req_b", since_b).await.as_deref(),
+        Some("msg_6")
+    );
+    // Only what came since the stamp is looked at.
+    assert_eq!(
+        last("ses_a", "req_b", at - Age::seconds(1))
+            .await
+            .as_deref(),
+        Some("msg_6")
+    );
+    assert_eq!(last("ses_a", "req_b", at + Age::seconds(3)).await, None);
+    assert_eq!(last("ses_a", "req_none", since_b).await, None);
+    assert_eq!(last("ses_none", "req_a", since_b).await, None);
 }
 
 async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {

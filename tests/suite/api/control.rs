@@ -298,6 +298,56 @@ async fn retry_starts_the_next_attempt_and_continues_the_seq(store: Option<Strin
     assert_eq!(error["error"]["code"], "request_not_retryable");
 }
 
+on_both_stores!(a_retried_turn_in_a_session_answers_under_its_own_message);
+async fn a_retried_turn_in_a_session_answers_under_its_own_message(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.push([
+        Reply::Text("re: one".into()),
+        Reply::StatusBody {
+            status: 400,
+            body: r#"{"error":{"message":"bad request"}}"#.into(),
+        },
+    ]);
+    upstream.set_default(Reply::Text("re: two".into()));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let first = submit(&app, json!({ "input": { "text": "one" } })).await;
+    let first = app.wait_until_done(&first).await;
+    let session = first["sessionId"].as_str().unwrap().to_owned();
+    let second = submit(
+        &app,
+        json!({ "sessionId": session, "input": { "text": "two" } }),
+    )
+    .await;
+    assert_eq!(app.wait_until_done(&second).await["status"], "failed");
+
+    let retry = format!("/admin/requests/{second}/retry");
+    let (status, retried) = app.post(&retry, ADMIN_KEY, &json!({})).await;
+    assert_eq!(status, 202, "{retried}");
+    let done = app.wait_until_done(&second).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    // The retry was sent the history and the turn's own message, and its answer hangs under
+    // that message (found among what the session took on since the turn), not beside it.
+    assert_eq!(
+        last_heard(&upstream),
+        ["one", "re: one", "two"],
+        "what the retry was sent"
+    );
+    let (status, tree) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{tree}");
+    let messages = tree["messages"].as_array().unwrap();
+    let texts: Vec<&str> = messages
+        .iter()
+        .map(|m| m["content"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["one", "re: one", "two", "re: two"]);
+    for pair in messages.windows(2) {
+        assert_eq!(pair[1]["parentId"], pair[0]["messageId"], "{tree}");
+    }
+    assert_eq!(tree["headMessageId"], messages[3]["messageId"]);
+}
+
 on_both_stores!(parked_runs_leave_admission_to_new_requests);
 async fn parked_runs_leave_admission_to_new_requests(store: Option<String>) {
     let upstream = MockUpstream::start().await;
