@@ -54,6 +54,10 @@ import threading
 import time
 
 
+# A message starting with this is refused by the upstream (400).
+REFUSED = "[refused]"
+
+
 class Upstream(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # Words in an answer (`--chunks`), each a chunk of the stream.
@@ -69,6 +73,16 @@ class Upstream(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = asked["messages"][-1].get("content")
+        if isinstance(last, str) and last.startswith(REFUSED):
+            # Refused as a bad request: the run fails, and is not tried again by itself.
+            body = b'{"error":{"message":"refused","type":"invalid_request_error"}}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         tools = asked.get("tools") or []
         if tools and asked["messages"][-1]["role"] != "tool":
             # A tool the request offers, called before any answer.

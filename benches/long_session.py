@@ -3,7 +3,7 @@
 
 Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
                        [--surface responses|chat|session] [--in-session [each|one]]
-                       [--instructions-each-turn]
+                       [--instructions-each-turn] [--retries K]
                        [--database-url postgres://...]
                        BINARY [BINARY...]
 
@@ -22,13 +22,16 @@ bytes of made-up words (no two turns alike), one at a time:
   `--instructions-each-turn` starts each turn's transcript with a system message of its own
   (an app writing the time into its instructions);
 - `session`: each turn posts its message alone to `/runtime/requests` with `wait` and the
-  conversation's `sessionId`: the server holds it as a session's message tree.
+  conversation's `sessionId`: the server holds it as a session's message tree; with
+  `--retries K`, every `--every` turns one more turn the upstream refuses, retried K times
+  by an operator (`POST /admin/requests/{id}/retry`), as a run recovered after a crash
+  starts: from what the store holds of it.
 
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
 system, from `/proc`) and of it the embedded store's reader threads', the server's resident
 memory, and the bytes the store holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
 largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh to
-seventy-ninth passes.
+eightieth passes.
 """
 
 import argparse
@@ -41,8 +44,8 @@ import subprocess
 import threading
 import time
 
-from large_input import (ADMIN_KEY, ThreadingServer, Upstream, cpu_seconds, start_server, stat_cpu_seconds,
-                         stop_server, workspace)
+from large_input import (ADMIN_KEY, REFUSED, ThreadingServer, Upstream, cpu_seconds, start_server,
+                         stat_cpu_seconds, stop_server, workspace)
 
 
 def thread_cpu_seconds(pid, name):
@@ -103,15 +106,40 @@ def one_build(binary, root, args):
     try:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_KEY}"}
 
-        def post(path, body, session=None):
+        def call(method, path, body=None, session=None, expect=200):
             started = time.perf_counter()
             sent = dict(headers, **({"x-stable-harness-session-id": session} if session else {}))
-            connection.request("POST", path, json.dumps(body).encode(), sent)
+            connection.request(method, path, body if body is None else json.dumps(body).encode(), sent)
             response = connection.getresponse()
             answer = response.read()
-            if response.status != 200:
+            if response.status != expect:
                 raise SystemExit(f"{binary}: {response.status} {answer[:300]!r}")
             return time.perf_counter() - started, json.loads(answer)
+
+        def post(path, body, session=None):
+            return call("POST", path, body, session)
+
+        def retried(session, text):
+            """A turn the upstream refuses, then retried `--retries` times by an operator: the
+            retry's own latency (it answers once the run's start is read from the store) and
+            the server's CPU a retry, its failing run included."""
+            _, failed = post("/runtime/requests", {
+                "input": {"messages": [{"role": "user", "content": f"{REFUSED} {text}"}]},
+                "sessionId": session, "wait": True})
+            if failed["status"] != "failed":
+                raise SystemExit(f"{binary}: a refused turn ended {failed['status']}")
+            request = failed["requestId"]
+            took = []
+            cpu_before = cpu_seconds(server.pid)
+            for attempt in range(2, args.retries + 2):
+                took.append(call("POST", f"/admin/requests/{request}/retry", {}, expect=202)[0])
+                while True:
+                    view = call("GET", f"/admin/requests/{request}")[1]
+                    if len(view["runs"]) >= attempt and view["status"] == "failed":
+                        break
+                    time.sleep(0.001)
+            return (statistics.median(took) * 1000,
+                    (cpu_seconds(server.pid) - cpu_before) / args.retries * 1000)
 
         texts = turn_texts(args.bytes)
         # Each conversation's state: its transcript (chat), its last response (responses),
@@ -162,6 +190,10 @@ def one_build(binary, root, args):
                       f"store {held[0] / 1e6:.1f} MB" + (f" (WAL {held[1] / 1e6:.1f} MB)" if not database else "")
                       + f", RSS {rss_mib(server.pid):.1f} MiB",
                       flush=True)
+                if args.retries:
+                    retry_p50, retry_cpu = retried(sessions[one], next(texts))
+                    print(f"    a retry: p50 {retry_p50:.3f} ms, CPU {retry_cpu:.3f} ms (its run's included)",
+                          flush=True)
                 latencies = []
                 before = cpu_seconds(server.pid)
                 read_before = thread_cpu_seconds(server.pid, READER)
@@ -183,9 +215,14 @@ def main():
                              " or with `one` one session for them all")
     parser.add_argument("--instructions-each-turn", action="store_true",
                         help="chat: start each turn's transcript with a system message of its own")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="session: every `--every` turns, a turn the upstream refuses, then"
+                             " retried this many times by an operator")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
+    if args.retries and args.surface != "session":
+        parser.error("--retries needs --surface session")
 
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
