@@ -3,7 +3,7 @@
 
 Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
                        [--surface responses|chat|session] [--in-session [each|one]]
-                       [--instructions-each-turn] [--retries K]
+                       [--instructions-each-turn] [--instructions BYTES] [--retries K]
                        [--database-url postgres://...]
                        BINARY [BINARY...]
 
@@ -13,7 +13,9 @@ once), and holds one conversation of `--turns` turns, each a user message of `--
 bytes of made-up words (no two turns alike), one at a time:
 
 - `responses`: each turn continues the one before by `previous_response_id` (the Agents
-  SDK's stateful way): the server holds the conversation;
+  SDK's stateful way): the server holds the conversation; with `--instructions BYTES`,
+  each turn sends the same `instructions` of that size, as an Agents SDK agent sends its
+  own;
 - `chat`: each turn posts the whole transcript to `/v1/chat/completions` (the client holds
   it, as a stateless client does), with `--in-session` naming the conversation's session
   (`x-stable-harness-session-id`), as a client grouping its requests does, or with
@@ -142,6 +144,8 @@ def one_build(binary, root, args):
                     (cpu_seconds(server.pid) - cpu_before) / args.retries * 1000)
 
         texts = turn_texts(args.bytes)
+        # The same instructions every turn, as an Agents SDK agent sends its own.
+        instructions = next(turn_texts(args.instructions)) if args.instructions else None
         # Each conversation's state: its transcript (chat), its last response (responses),
         # its session (session); turns go to the conversations in turn.
         transcripts = [[] for _ in range(args.conversations)]
@@ -156,6 +160,8 @@ def one_build(binary, root, args):
             one = (turn - 1) % args.conversations
             if args.surface == "responses":
                 body = {"model": "assistant", "input": text}
+                if instructions:
+                    body["instructions"] = instructions
                 if previous[one]:
                     body["previous_response_id"] = previous[one]
                 took, answer = post("/v1/responses", body)
@@ -215,6 +221,8 @@ def main():
                              " or with `one` one session for them all")
     parser.add_argument("--instructions-each-turn", action="store_true",
                         help="chat: start each turn's transcript with a system message of its own")
+    parser.add_argument("--instructions", type=int, default=0, metavar="BYTES",
+                        help="responses: send `instructions` of this many bytes every turn, the same each turn")
     parser.add_argument("--retries", type=int, default=0,
                         help="session: every `--every` turns, a turn the upstream refuses, then"
                              " retried this many times by an operator")
@@ -223,6 +231,8 @@ def main():
     args = parser.parse_args()
     if args.retries and args.surface != "session":
         parser.error("--retries needs --surface session")
+    if args.instructions and args.surface != "responses":
+        parser.error("--instructions needs --surface responses")
 
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()

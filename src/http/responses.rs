@@ -100,7 +100,9 @@ impl Shape {
     /// What is stored with the request (`input.surface`): the API, the time, and each other
     /// field only where it differs from the default [`Shape::from_request`] gives a field
     /// that is absent. A common response stores two keys instead of nine, each one fewer
-    /// to build, redact, write and keep (docs/profiling.md, the fiftieth pass).
+    /// to build, redact, write and keep (docs/profiling.md, the fiftieth pass). The
+    /// instructions are not among them: the request's `leading` system message holds them,
+    /// which its run is sent (an agent's instructions, sent every turn, were stored twice).
     fn to_stored(&self) -> Value {
         let mut stored = Map::new();
         stored.insert("api".to_owned(), SURFACE.into());
@@ -108,9 +110,6 @@ impl Shape {
         let mut keep = |key: &str, value: Value| {
             stored.insert(key.to_owned(), value);
         };
-        if let Some(instructions) = &self.instructions {
-            keep("instructions", instructions.as_str().into());
-        }
         if self
             .metadata
             .as_object()
@@ -146,8 +145,10 @@ impl Shape {
                 .and_then(Value::as_i64)
                 .unwrap_or_else(|| request.created_at.timestamp()),
             model: request.agent_id.clone(),
+            // Read from the surface's fields for a response stored before they left them.
             instructions: stored
                 .get("instructions")
+                .or_else(|| leading_instructions(&request.input))
                 .and_then(Value::as_str)
                 .map(str::to_owned),
             metadata: stored.get("metadata").cloned().unwrap_or(json!({})),
@@ -686,6 +687,16 @@ fn previous_answer(previous: &StoredResponse) -> Option<(Value, Option<String>)>
     Some((answer, message_id))
 }
 
+/// The instructions of a stored response: its request's `leading` system message (a
+/// Responses request leads with nothing else).
+fn leading_instructions(input: &Value) -> Option<&Value> {
+    let [message] = input.get(LEADING)?.as_array()?.as_slice() else {
+        return None;
+    };
+    (message.get("role")? == "system").then_some(())?;
+    message.get("content")
+}
+
 /// A copy of the transcript a chain continues from, without the previous request's
 /// instructions: the session's path to where it ends, or for a response stored before chains
 /// were held in the session, the transcript its input holds (instructions first).
@@ -1212,12 +1223,28 @@ mod tests {
             json!({ "api": "responses", "createdAt": 1_764_547_200 }),
             "a field at its default is not stored"
         );
+        assert!(
+            a_shape().to_stored().get("instructions").is_none(),
+            "instructions are the request's leading message, not stored twice"
+        );
         for shape in [defaults, a_shape(), changed, nulls] {
             let mut request = crate::store::test_records::request("req_1", "ses_1");
             request.agent_id = shape.model.clone();
             request.input = json!({ "messages": [], "surface": shape.to_stored() });
+            if let Some(instructions) = &shape.instructions {
+                request.input[LEADING] = json!([{ "role": "system", "content": instructions }]);
+            }
             assert_eq!(Shape::from_request(&request), Some(shape));
         }
+        // A response stored with its instructions among the surface's fields (before they
+        // left them), its transcript holding them first, reads them from there.
+        let mut request = crate::store::test_records::request("req_1", "ses_1");
+        request.agent_id = "coder".into();
+        let mut surface = a_shape().to_stored();
+        surface["instructions"] = json!("Be brief.");
+        request.input = json!({ "messages": [{ "role": "system", "content": "Be brief." }],
+            "surface": surface });
+        assert_eq!(Shape::from_request(&request), Some(a_shape()));
     }
 
     /// The response object's text, byte for byte as serde's derived serializer wrote it

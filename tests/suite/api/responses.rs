@@ -143,6 +143,7 @@ async fn stored_and_chained(database_url: Option<String>) {
     assert_eq!(status, 200, "{fetched}");
     assert_eq!(fetched["output"], first["output"]);
     assert_eq!(fetched["status"], "completed");
+    assert_eq!(fetched["instructions"], "Be brief");
     let (status, other) = app
         .get(&format!("/v1/responses/{id}"), OTHER_CLIENT_KEY)
         .await;
@@ -556,6 +557,10 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
         assert_eq!(
             input["leading"],
             json!([{ "role": "system", "content": "Rule 19" }])
+        );
+        assert!(
+            input["surface"].get("instructions").is_none(),
+            "instructions stored once: {input}"
         );
         assert!(input["historyThrough"].is_string(), "{input}");
         assert!(input["transcriptThrough"].is_string(), "{input}");
