@@ -332,20 +332,31 @@ async fn a_retried_turn_in_a_session_answers_under_its_own_message(store: Option
         ["one", "re: one", "two"],
         "what the retry was sent"
     );
+    one_path(&app, &session, &["one", "re: one", "two", "re: two"]).await;
+}
+
+/// A session's tree read over HTTP, asserted to be one path of messages saying `texts`, root
+/// first, its head the last; its messages.
+async fn one_path(app: &TestApp, session: &str, texts: &[&str]) -> Vec<Value> {
     let (status, tree) = app
         .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
         .await;
     assert_eq!(status, 200, "{tree}");
     let messages = tree["messages"].as_array().unwrap();
-    let texts: Vec<&str> = messages
+    let said: Vec<&str> = messages
         .iter()
         .map(|m| m["content"]["content"].as_str().unwrap())
         .collect();
-    assert_eq!(texts, ["one", "re: one", "two", "re: two"]);
+    assert_eq!(said, texts);
+    assert!(messages[0]["parentId"].is_null(), "{tree}");
     for pair in messages.windows(2) {
         assert_eq!(pair[1]["parentId"], pair[0]["messageId"], "{tree}");
     }
-    assert_eq!(tree["headMessageId"], messages[3]["messageId"]);
+    assert_eq!(
+        tree["headMessageId"],
+        messages[messages.len() - 1]["messageId"]
+    );
+    messages.clone()
 }
 
 on_both_stores!(parked_runs_leave_admission_to_new_requests);
@@ -439,21 +450,7 @@ async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
     let session = first["sessionId"].as_str().unwrap().to_owned();
     turn(Some(&session), "two").await;
 
-    let (status, tree) = app
-        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
-        .await;
-    assert_eq!(status, 200, "{tree}");
-    let messages = tree["messages"].as_array().unwrap();
-    let texts: Vec<&str> = messages
-        .iter()
-        .map(|m| m["content"]["content"].as_str().unwrap())
-        .collect();
-    assert_eq!(texts, ["one", "re: one", "two", "re: two"]);
-    assert!(messages[0]["parentId"].is_null());
-    for pair in messages.windows(2) {
-        assert_eq!(pair[1]["parentId"], pair[0]["messageId"], "{tree}");
-    }
-    assert_eq!(tree["headMessageId"], messages[3]["messageId"]);
+    let messages = one_path(&app, &session, &["one", "re: one", "two", "re: two"]).await;
     let (status, _) = app
         .get(&format!("/runtime/sessions/{session}"), OTHER_CLIENT_KEY)
         .await;
