@@ -11,6 +11,7 @@ mod remote;
 mod retry;
 mod scripted;
 mod sse;
+mod transcript;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub use openai::{ModelProbe, OpenAiAdapter, probe};
 pub use remote::{PHASE_PROGRESS, PROTOCOL as AGENT_PROTOCOL, RemoteAdapter};
 pub use retry::backoff_delay;
 pub use scripted::ScriptedAdapter;
+pub use transcript::Transcript;
 
 /// Where an adapter reports what happens; the runtime stores and streams it.
 #[async_trait::async_trait]
@@ -45,7 +47,7 @@ pub trait EventSink: Send + Sync {
     /// record commits before it runs), and a run resumed after a crash starts from the last
     /// checkpoint that committed, with the results its calls recorded. `Err`: the run cannot
     /// go on.
-    async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError>;
+    async fn checkpoint(&self, messages: &Transcript) -> Result<(), AdapterError>;
     /// Whether someone is shown the run's events as they come (a stream). While nobody is,
     /// an adapter may gather a streamed answer's text into fewer output deltas: the same
     /// text, in the same order, in fewer events.
@@ -124,9 +126,9 @@ pub struct AdapterContext<'a> {
     pub workspace: &'a CompiledWorkspace,
     pub agent: &'a AgentConfig,
     /// OpenAI-style messages (`{"role", "content", ...}`), system instructions not included.
-    /// The adapter's own: one that extends the transcript takes it instead of copying it (a
-    /// long session's history is most of a run's memory).
-    pub messages: Vec<Value>,
+    /// The adapter's own: one that extends the transcript takes it instead of copying it; a
+    /// long session's history, most of it, is shared, never copied ([`Transcript`]).
+    pub messages: Transcript,
     /// Where the run's own messages start in `messages`: earlier ones came from the client
     /// (tool calls in them are history, never run), later ones from an earlier life of this
     /// run (a resumed run finishes their unanswered calls).
@@ -374,9 +376,8 @@ impl Adapters {
 }
 
 /// The text of the last user message (string content, or the text parts of a content array).
-pub fn last_user_text(messages: &[Value]) -> String {
+pub fn last_user_text<'a>(messages: impl DoubleEndedIterator<Item = &'a Value>) -> String {
     messages
-        .iter()
         .rev()
         .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
         .map(message_text)

@@ -456,7 +456,7 @@ impl OpenAiAdapter {
 
 /// One model call's input: the transcript so far and the functions offered.
 struct TurnRequest<'a> {
-    messages: &'a [Value],
+    messages: &'a super::Transcript,
     functions: &'a [Value],
     /// Bytes of text the run may still produce (`limits.maxOutputBytes`).
     output_budget: usize,
@@ -753,7 +753,11 @@ impl RuntimeAdapter for OpenAiAdapter {
         let mut rounds = 0;
         loop {
             // Calls of the run's last turn without results (a resumed run) are finished first.
-            let pending = unanswered_calls(&messages, context.own_from, &names);
+            let pending = unanswered_calls(
+                &messages.tail_from(context.own_from),
+                context.own_from,
+                &names,
+            );
             if !pending.is_empty() {
                 if rounds >= context.agent.max_iterations {
                     return Err(AdapterError::new(
@@ -793,10 +797,7 @@ impl RuntimeAdapter for OpenAiAdapter {
                     // The client runs these; its next call brings their results (and the
                     // server calls' results are in the stored turn).
                     output.client_calls = client_calls;
-                    output.client_turns = messages
-                        .get(context.own_from..)
-                        .unwrap_or_default()
-                        .to_vec();
+                    output.client_turns = messages.tail_from(context.own_from).into_owned();
                     output.finish_reason = "tool_calls".to_owned();
                     return Ok(output);
                 }
@@ -862,20 +863,22 @@ fn call_key(turn: usize, position: usize) -> String {
 }
 
 /// The tool calls of the run's last assistant message that have no tool message yet (the
-/// calls of a turn a crash interrupted). Calls in the client's own transcript never run.
-fn unanswered_calls(messages: &[Value], own_from: usize, names: &FunctionNames) -> Vec<ToolCall> {
-    let Some(turn) = messages
+/// calls of a turn a crash interrupted), among `own`: the run's own messages, from
+/// `own_from` in the transcript on. Calls in the client's own transcript never run.
+fn unanswered_calls(own: &[Value], own_from: usize, names: &FunctionNames) -> Vec<ToolCall> {
+    let Some(at) = own
         .iter()
         .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
-        .filter(|turn| *turn >= own_from)
     else {
         return Vec::new();
     };
-    let answered: Vec<&str> = messages[turn + 1..]
+    // The key counts from the transcript's start, as every checkpoint of the run does.
+    let turn = own_from.saturating_add(at);
+    let answered: Vec<&str> = own[at + 1..]
         .iter()
         .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
         .collect();
-    messages[turn]
+    own[at]
         .get("tool_calls")
         .and_then(Value::as_array)
         .map(|calls| {
@@ -922,7 +925,10 @@ fn request_body(
         .map(|instructions| json!({ "role": "system", "content": instructions }));
     // What memory recalled comes after the agent's own instructions, in its own block.
     let memory = crate::memory::context_message(context.memory);
-    let messages = system.iter().chain(memory.iter()).chain(request.messages);
+    let messages = system
+        .iter()
+        .chain(memory.iter())
+        .chain(request.messages.iter());
     let fields = request_fields(context, request, model, streaming);
     // Sized for the messages' text, most of a long conversation's body, so that the buffer
     // is not grown and copied a doubling at a time.

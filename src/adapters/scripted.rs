@@ -15,7 +15,7 @@ pub struct ScriptedAdapter;
 #[async_trait::async_trait]
 impl RuntimeAdapter for ScriptedAdapter {
     async fn run(&self, context: AdapterContext<'_>) -> Result<RuntimeOutput, AdapterError> {
-        let input = last_user_text(&context.messages);
+        let input = last_user_text(context.messages.iter());
         let mut text = String::new();
         for (index, step) in context.agent.script.iter().enumerate() {
             if context.cancel.is_cancelled() {

@@ -72,21 +72,9 @@ pub(crate) fn known(kept: &Option<KeptPrefix>) -> Option<&str> {
 }
 
 impl Histories {
-    /// The contents of the path through `through`, root first: the part below the path kept
-    /// for `session` read from the store, when the path passes through it, else all of it.
-    /// The result is kept for the session's next turn.
-    pub(crate) async fn path(
-        &self,
-        store: &dyn Store,
-        session: &str,
-        through: &str,
-    ) -> Result<Vec<Value>, StoreError> {
-        let path = self.shared_path(store, session, through).await?;
-        Ok(Arc::unwrap_or_clone(path))
-    }
-
-    /// [`Histories::path`], shared with what is kept instead of copied: for whoever only
-    /// reads it (a chat turn compares its transcript with it).
+    /// The contents of the path through `through`, root first, shared with what is kept: the
+    /// part below the path kept for `session` read from the store, when the path passes
+    /// through it, else all of it. The result is kept for the session's next turn.
     pub(crate) async fn shared_path(
         &self,
         store: &dyn Store,

@@ -200,7 +200,7 @@ impl Runtime {
             .and_then(|state| state.get("messages"))
             .and_then(Value::as_array)
         {
-            Some(checkpoint) => checkpoint.clone(),
+            Some(checkpoint) => checkpoint.clone().into(),
             None => input,
         };
         let options = request

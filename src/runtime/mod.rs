@@ -36,7 +36,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::adapters::Adapters;
+use crate::adapters::{Adapters, Transcript};
 use crate::gateway::{ApprovalWaiters, ToolGateway};
 use crate::ids::IdMap;
 use crate::redact::Redactor;
@@ -75,27 +75,32 @@ const REQUEST_NOT_STORED: &str =
     "the store refused to store this request, so it was not run to its end here";
 
 /// Where a request's run starts: the messages (its leading messages, the session's history
-/// path through the message the input names, if any, then the input's own messages), and the
-/// message the run's answer hangs under (the request's own last message, else the history's
-/// end).
+/// path through the message the input names, if any, shared with the kept path, then the
+/// input's own messages), and the message the run's answer hangs under (the request's own
+/// last message, else the history's end).
 async fn request_start(
     store: &dyn Store,
     histories: &history::Histories,
     request: &RequestRecord,
-) -> Result<(Vec<Value>, Option<String>), StoreError> {
+) -> Result<(Transcript, Option<String>), StoreError> {
     let through = request.input.get(HISTORY_THROUGH).and_then(Value::as_str);
-    let mut messages: Vec<Value> = request
-        .input
-        .get(LEADING)
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    if let Some(through) = through {
-        messages.extend(histories.path(store, &request.session_id, through).await?);
-    }
-    if let Some(own) = request.input.get("messages").and_then(Value::as_array) {
-        messages.extend(own.iter().cloned());
-    }
+    let listed = |key: &str| {
+        request
+            .input
+            .get(key)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let history = match through {
+        Some(through) => {
+            histories
+                .shared_path(store, &request.session_id, through)
+                .await?
+        }
+        None => Arc::default(),
+    };
+    let messages = Transcript::new(listed(LEADING), history, listed("messages"));
     let own_last = store
         .request_last_message(&request.session_id, &request.id, request.created_at)
         .await?;
@@ -627,29 +632,30 @@ impl Runtime {
         // The history is the path from the session's newest leaf (a new session has none):
         // a concurrent turn of the same session is a sibling branch, never part of it.
         let (leaf, history, own_from) = match (&request.history, session_history) {
-            (History::SessionLeaf, Some((leaf, history))) => {
-                let history = Arc::unwrap_or_clone(history);
-                (Some(leaf), history, 0)
-            }
+            // The history is shared with the path kept for the session's next turn, not
+            // copied for the run (docs/profiling.md, the eightieth pass).
+            (History::SessionLeaf, Some((leaf, history))) => (Some(leaf), history, 0),
             (History::Through(through), _) => {
-                let history = inner.histories.path(store, &session_id, through).await?;
+                let history = inner
+                    .histories
+                    .shared_path(store, &session_id, through)
+                    .await?;
                 (Some(through.clone()), history, 0)
             }
             (History::SessionPrefix, Some((leaf, path))) => {
                 match matching_path(store, leaf, &path, &request.messages).await? {
-                    Some((through, matched)) => (Some(through), Vec::new(), matched),
-                    None => (None, Vec::new(), 0),
+                    Some((through, matched)) => (Some(through), Arc::default(), matched),
+                    None => (None, Arc::default(), 0),
                 }
             }
-            _ => (None, Vec::new(), 0),
+            _ => (None, Arc::default(), 0),
         };
         // The request's own messages; those before them are the history the session holds.
         let own = request.messages.split_off(own_from);
         let mut parent_id = leaf;
-        let mut messages = request.leading.clone();
-        messages.extend(history);
-        messages.append(&mut request.messages);
-        messages.extend(own.iter().cloned());
+        let mut rest = std::mem::take(&mut request.messages);
+        rest.extend(own.iter().cloned());
+        let messages = Transcript::new(request.leading.clone(), history, rest);
 
         let request_id = new_id("req");
         let run_id = new_id("run");
@@ -745,13 +751,13 @@ impl Runtime {
                     node: workflow.entry.clone(),
                     step: 1,
                     last_output: None,
-                    original: messages,
+                    original: messages.into_vec(),
                 };
                 let input = match entry {
                     Some(entry) if workflow::node_agent(entry).is_some() => job.input(entry),
                     _ => Vec::new(),
                 };
-                (Some(job), input)
+                (Some(job), Transcript::from(input))
             }
         };
         let run_agent = match entry.and_then(workflow::node_agent) {

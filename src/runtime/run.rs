@@ -29,7 +29,7 @@ use super::{
 };
 use crate::adapters::{
     AdapterContext, AdapterError, EventSink, FailureKind, RuntimeOutput, ToolCall, ToolInvoker,
-    ToolResult, ToolSpec,
+    ToolResult, ToolSpec, Transcript,
 };
 use crate::gateway::{RunHost, RunScope, ToolGateway};
 use crate::store::{
@@ -40,7 +40,7 @@ use crate::workspace::{AgentConfig, NarrationConfig, wire_name};
 
 pub(super) struct RunJob {
     pub submitted: Submitted,
-    pub messages: Vec<Value>,
+    pub messages: Transcript,
     /// Where the run's own messages start (see [`AdapterContext::own_from`]).
     pub own_from: usize,
     pub options: Map<String, Value>,
@@ -186,7 +186,7 @@ impl RunEvents {
 
     /// `read-before-plan`: searches the agent's namespaces with the last user message.
     /// A provider that fails is reported and the run goes on without its records.
-    async fn recall(&self, messages: &[Value]) -> Vec<crate::memory::Recalled> {
+    async fn recall(&self, messages: &Transcript) -> Vec<crate::memory::Recalled> {
         let Some(memory) = self.agent_memory().filter(|memory| memory.agent.recall) else {
             return Vec::new();
         };
@@ -198,7 +198,7 @@ impl RunEvents {
                 "namespaces": namespaces.iter().map(|n| &n.name).collect::<Vec<_>>() }),
         )
         .await;
-        let query = crate::adapters::last_user_text(messages);
+        let query = crate::adapters::last_user_text(messages.iter());
         let mut recalled = Vec::new();
         for found in memory.recall(&context, namespaces, &query).await {
             match found.found {
@@ -403,7 +403,7 @@ impl EventSink for RunEvents {
         self.record(ADAPTER_EVENT, output_delta(text)).await;
     }
 
-    async fn checkpoint(&self, messages: &[Value]) -> Result<(), AdapterError> {
+    async fn checkpoint(&self, messages: &Transcript) -> Result<(), AdapterError> {
         // A workflow node's checkpoint keeps its place in the workflow.
         let state = match &self.node {
             Some(job) => job.state(messages),
@@ -1139,7 +1139,7 @@ async fn finish_node(
                 let own_from = messages.len();
                 runtime.start_run(RunJob {
                     submitted: next_submitted,
-                    messages,
+                    messages: messages.into(),
                     own_from,
                     options: Map::new(),
                     client: super::ClientTurn::default(),
@@ -1287,7 +1287,7 @@ struct AdapterRun<'a> {
     agent: &'a AgentConfig,
     resumed: bool,
     attempt: i64,
-    messages: Vec<Value>,
+    messages: Transcript,
     own_from: usize,
     options: &'a Map<String, Value>,
     client: &'a super::ClientTurn,

@@ -38,7 +38,7 @@ pub struct NodeJob {
 
 impl NodeJob {
     /// The checkpoint of a node run: its place, and its conversation.
-    pub fn state(&self, messages: &[Value]) -> Value {
+    pub fn state<M: serde::Serialize + ?Sized>(&self, messages: &M) -> Value {
         json!({
             "workflow": { "id": self.workflow, "node": self.node, "step": self.step,
                 "lastOutput": self.last_output, "original": self.original },
