@@ -17,13 +17,14 @@ use serde_json::Value;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Transcript {
     leading: Vec<Value>,
-    history: Arc<Vec<Value>>,
+    /// `None` for a request that continues no history (most): nothing allocated for it.
+    history: Option<Arc<Vec<Value>>>,
     rest: Vec<Value>,
 }
 
 impl Transcript {
-    /// `leading`, the shared `history` and `rest`, in that order.
-    pub fn new(leading: Vec<Value>, history: Arc<Vec<Value>>, rest: Vec<Value>) -> Self {
+    /// `leading`, the shared `history` (if any) and `rest`, in that order.
+    pub fn new(leading: Vec<Value>, history: Option<Arc<Vec<Value>>>, rest: Vec<Value>) -> Self {
         Self {
             leading,
             history,
@@ -32,7 +33,11 @@ impl Transcript {
     }
 
     pub fn len(&self) -> usize {
-        self.leading.len() + self.history.len() + self.rest.len()
+        self.leading.len() + self.history_len() + self.rest.len()
+    }
+
+    fn history_len(&self) -> usize {
+        self.history.as_ref().map_or(0, |history| history.len())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -43,7 +48,7 @@ impl Transcript {
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Value> + Clone + '_ {
         self.leading
             .iter()
-            .chain(self.history.iter())
+            .chain(self.history.iter().flat_map(|history| history.iter()))
             .chain(self.rest.iter())
     }
 
@@ -55,7 +60,7 @@ impl Transcript {
     /// The messages from `index` on (none past the end): borrowed when they all follow the
     /// shared history, as a run's own messages always do; else copied.
     pub fn tail_from(&self, index: usize) -> Cow<'_, [Value]> {
-        let before_rest = self.leading.len() + self.history.len();
+        let before_rest = self.leading.len() + self.history_len();
         match index.checked_sub(before_rest) {
             Some(at) => Cow::Borrowed(self.rest.get(at..).unwrap_or_default()),
             None => Cow::Owned(self.iter().skip(index).cloned().collect()),
@@ -66,9 +71,8 @@ impl Transcript {
     /// it).
     pub fn into_vec(self) -> Vec<Value> {
         let mut messages = self.leading;
-        match Arc::try_unwrap(self.history) {
-            Ok(history) => messages.extend(history),
-            Err(shared) => messages.extend(shared.iter().cloned()),
+        if let Some(history) = self.history {
+            messages.extend(Arc::unwrap_or_clone(history));
         }
         messages.extend(self.rest);
         messages
@@ -115,7 +119,7 @@ mod tests {
         let history = Arc::new(vec![message("h1"), message("h2")]);
         let mut transcript = Transcript::new(
             vec![message("lead")],
-            Arc::clone(&history),
+            Some(Arc::clone(&history)),
             vec![message("own")],
         );
         transcript.push(message("added"));
@@ -128,8 +132,9 @@ mod tests {
                 .and_then(|m| m["content"].as_str()),
             Some("added")
         );
+        let shared = transcript.history.as_ref();
         assert!(
-            Arc::ptr_eq(&history, &transcript.history),
+            shared.is_some_and(|shared| Arc::ptr_eq(&history, shared)),
             "shared, not copied"
         );
         let whole: Vec<Value> = transcript.iter().cloned().collect();

@@ -148,7 +148,7 @@ impl Shape {
             // Read from the surface's fields for a response stored before they left them.
             instructions: stored
                 .get("instructions")
-                .or_else(|| leading_instructions(&request.input))
+                .or_else(|| stored_instructions(&request.input))
                 .and_then(Value::as_str)
                 .map(str::to_owned),
             metadata: stored.get("metadata").cloned().unwrap_or(json!({})),
@@ -689,7 +689,7 @@ fn previous_answer(previous: &StoredResponse) -> Option<(Value, Option<String>)>
 
 /// The instructions of a stored response: its request's `leading` system message (a
 /// Responses request leads with nothing else).
-fn leading_instructions(input: &Value) -> Option<&Value> {
+fn stored_instructions(input: &Value) -> Option<&Value> {
     let [message] = input.get(LEADING)?.as_array()?.as_slice() else {
         return None;
     };

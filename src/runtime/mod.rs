@@ -93,12 +93,12 @@ async fn request_start(
             .unwrap_or_default()
     };
     let history = match through {
-        Some(through) => {
+        Some(through) => Some(
             histories
                 .shared_path(store, &request.session_id, through)
-                .await?
-        }
-        None => Arc::default(),
+                .await?,
+        ),
+        None => None,
     };
     let messages = Transcript::new(listed(LEADING), history, listed("messages"));
     let own_last = store
@@ -634,21 +634,21 @@ impl Runtime {
         let (leaf, history, own_from) = match (&request.history, session_history) {
             // The history is shared with the path kept for the session's next turn, not
             // copied for the run (docs/profiling.md, the eightieth pass).
-            (History::SessionLeaf, Some((leaf, history))) => (Some(leaf), history, 0),
+            (History::SessionLeaf, Some((leaf, history))) => (Some(leaf), Some(history), 0),
             (History::Through(through), _) => {
                 let history = inner
                     .histories
                     .shared_path(store, &session_id, through)
                     .await?;
-                (Some(through.clone()), history, 0)
+                (Some(through.clone()), Some(history), 0)
             }
             (History::SessionPrefix, Some((leaf, path))) => {
                 match matching_path(store, leaf, &path, &request.messages).await? {
-                    Some((through, matched)) => (Some(through), Arc::default(), matched),
-                    None => (None, Arc::default(), 0),
+                    Some((through, matched)) => (Some(through), None, matched),
+                    None => (None, None, 0),
                 }
             }
-            _ => (None, Arc::default(), 0),
+            _ => (None, None, 0),
         };
         // The request's own messages; those before them are the history the session holds.
         let own = request.messages.split_off(own_from);
