@@ -4,7 +4,7 @@
 Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
                        [--surface responses|chat|session] [--in-session [each|one]]
                        [--instructions-each-turn] [--instructions BYTES] [--retries K]
-                       [--database-url postgres://...]
+                       [--tools] [--database-url postgres://...]
                        BINARY [BINARY...]
 
 What a turn costs as its conversation grows, and what the store keeps for it. Each build
@@ -29,11 +29,15 @@ bytes of made-up words (no two turns alike), one at a time:
   by an operator (`POST /admin/requests/{id}/retry`), as a run recovered after a crash
   starts: from what the store holds of it.
 
+With `--tools` the agent has a tool (the builtin `clock.now`) and the upstream calls it once
+a turn before it answers: each turn is two model calls, a tool call and the run's two
+checkpoints (its transcript before the tool runs and after), and adds four messages.
+
 Every `--every` turns it prints the turns' median latency, the server's CPU a turn (user and
 system, from `/proc`) and of it the embedded store's reader threads', the server's resident
 memory, and the bytes the store holds: the embedded store's database file (its WAL apart, whose file keeps the size of its
 largest stretch) or the PostgreSQL database's size. docs/profiling.md, the seventy-seventh to
-eightieth passes.
+eighty-first passes.
 """
 
 import argparse
@@ -226,6 +230,8 @@ def main():
     parser.add_argument("--retries", type=int, default=0,
                         help="session: every `--every` turns, a turn the upstream refuses, then"
                              " retried this many times by an operator")
+    parser.add_argument("--tools", action="store_true",
+                        help="the agent has a tool the upstream calls once a turn before it answers")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
@@ -236,7 +242,7 @@ def main():
 
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", False, False)
+    root = workspace(f"http://127.0.0.1:{upstream.server_port}/v1", args.tools, False)
     try:
         for binary in args.binaries:
             print(f"{binary}, {args.surface}"

@@ -46,8 +46,9 @@ pub trait EventSink: Send + Sync {
     /// was lost: a model turn's tools never run before the turn is stored (a call's `started`
     /// record commits before it runs), and a run resumed after a crash starts from the last
     /// checkpoint that committed, with the results its calls recorded. `Err`: the run cannot
-    /// go on.
-    async fn checkpoint(&self, messages: &Transcript) -> Result<(), AdapterError>;
+    /// go on. `own_from` is [`AdapterContext::own_from`]: the messages before it are the
+    /// run's input, which its request holds already, and only those after it are stored.
+    async fn checkpoint(&self, messages: &Transcript, own_from: usize) -> Result<(), AdapterError>;
     /// Whether someone is shown the run's events as they come (a stream). While nobody is,
     /// an adapter may gather a streamed answer's text into fewer output deltas: the same
     /// text, in the same order, in fewer events.

@@ -792,7 +792,10 @@ impl RuntimeAdapter for OpenAiAdapter {
                         messages.push(json!({ "role": "tool", "tool_call_id": call.id, "content": result.to_model_text() }));
                     }
                 }
-                context.events.checkpoint(&messages).await?;
+                context
+                    .events
+                    .checkpoint(&messages, context.own_from)
+                    .await?;
                 if !client_calls.is_empty() {
                     // The client runs these; its next call brings their results (and the
                     // server calls' results are in the stored turn).
@@ -834,7 +837,10 @@ impl RuntimeAdapter for OpenAiAdapter {
             });
             messages.push(assistant);
             // The turn is stored before any of its tools runs.
-            context.events.checkpoint(&messages).await?;
+            context
+                .events
+                .checkpoint(&messages, context.own_from)
+                .await?;
         }
     }
 }

@@ -194,15 +194,7 @@ impl Runtime {
             (Some(_), None) => (request.agent_id.clone(), 0),
             (None, _) => (request.agent_id.clone(), input.len()),
         };
-        let messages = match run
-            .state
-            .as_ref()
-            .and_then(|state| state.get("messages"))
-            .and_then(Value::as_array)
-        {
-            Some(checkpoint) => checkpoint.clone().into(),
-            None => input,
-        };
+        let messages = run::resumed_transcript(input, run.state.as_ref());
         let options = request
             .input
             .get("options")

@@ -403,11 +403,12 @@ impl EventSink for RunEvents {
         self.record(ADAPTER_EVENT, output_delta(text)).await;
     }
 
-    async fn checkpoint(&self, messages: &Transcript) -> Result<(), AdapterError> {
-        // A workflow node's checkpoint keeps its place in the workflow.
+    async fn checkpoint(&self, messages: &Transcript, own_from: usize) -> Result<(), AdapterError> {
+        // A workflow node's checkpoint keeps its place in the workflow, and its conversation
+        // (built from that place, not read again from the request).
         let state = match &self.node {
             Some(job) => job.state(messages),
-            None => json!({ "messages": messages }),
+            None => checkpoint_state(messages, own_from),
         };
         // Queued, not awaited: it commits with the run's next write that commits at the
         // latest, and every way a turn's tool runs first commits a record of the call (its
@@ -1282,6 +1283,56 @@ async fn run_tool_node(
     }
 }
 
+/// The key of a run's checkpoint holding the messages the run added after its input.
+const CHECKPOINT_ADDED: &str = "added";
+/// The key of a run's checkpoint holding how many messages its input had: where the added
+/// ones start.
+const CHECKPOINT_OWN_FROM: &str = "ownFrom";
+
+/// The checkpoint of a run that is no workflow node's: the messages it added after its input
+/// (`own_from` on), and where they start. The input itself — the request's leading messages,
+/// the session's history through the message the request names, its own messages — is the
+/// request's, read again when the run resumes ([`super::request_start`]). A checkpoint of the
+/// whole transcript stored the session's history again at every model turn and every tool
+/// round of a long session's run: O(history) written twice a round (docs/profiling.md, the
+/// eighty-first pass).
+fn checkpoint_state(messages: &Transcript, own_from: usize) -> Value {
+    json!({ CHECKPOINT_OWN_FROM: own_from, CHECKPOINT_ADDED: &*messages.tail_from(own_from) })
+}
+
+/// The transcript a resumed run goes on from: its `input` (as [`super::request_start`] read
+/// it) followed by what its checkpoint `state` says it added; a checkpoint of the whole
+/// transcript (a workflow node's, or any run's as builds before the eighty-first pass stored
+/// it) as it is. Without a checkpoint, or with one whose input had another length than `input` (the
+/// store keeps a path as it was, so nothing here wrote such a checkpoint), the run starts
+/// over from its input, as a run that crashed before its first checkpoint does.
+pub(super) fn resumed_transcript(input: Transcript, state: Option<&Value>) -> Transcript {
+    let Some(state) = state else {
+        return input;
+    };
+    if let Some(whole) = state.get("messages").and_then(Value::as_array) {
+        return whole.clone().into();
+    }
+    let added = state.get(CHECKPOINT_ADDED).and_then(Value::as_array);
+    let from = state.get(CHECKPOINT_OWN_FROM).and_then(Value::as_u64);
+    match (added, from) {
+        (Some(added), Some(from)) if usize::try_from(from).ok() == Some(input.len()) => {
+            let mut messages = input;
+            for message in added {
+                messages.push(message.clone());
+            }
+            messages
+        }
+        _ => {
+            tracing::warn!(
+                input = input.len(),
+                "a run's checkpoint does not follow its input as the store holds it; the run starts over from its input"
+            );
+            input
+        }
+    }
+}
+
 /// What a run gives its adapter.
 struct AdapterRun<'a> {
     agent: &'a AgentConfig,
@@ -1623,5 +1674,58 @@ async fn finish(
             status = status.as_str(),
             "the end of a run could not be committed; it resumes when its lease is claimed again"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::{Value, json};
+
+    use super::{Transcript, checkpoint_state, resumed_transcript};
+
+    fn said(text: &str) -> Value {
+        json!({ "role": "user", "content": text })
+    }
+
+    /// A run's input as `request_start` reads it: a leading message, a shared history, the
+    /// request's own message.
+    fn input() -> Transcript {
+        Transcript::new(
+            vec![said("lead")],
+            Some(Arc::new(vec![said("h1"), said("h2")])),
+            vec![said("own")],
+        )
+    }
+
+    /// A checkpoint holds what the run added after its input, not the input (the history
+    /// least of all); resumed, the input read again and what was added are the transcript
+    /// the run had. A whole transcript (a workflow node's) is taken as it is; a checkpoint
+    /// that does not follow the input is not glued to it.
+    #[test]
+    fn a_checkpoint_holds_what_the_run_added_and_resumes_after_its_input() {
+        let mut running = input();
+        let own_from = running.len();
+        running
+            .push(json!({ "role": "assistant", "content": null, "tool_calls": [{ "id": "c1" }] }));
+        running.push(json!({ "role": "tool", "tool_call_id": "c1", "content": "42" }));
+        let state = checkpoint_state(&running, own_from);
+        assert_eq!(state["ownFrom"], 4);
+        assert_eq!(state["added"].as_array().map(Vec::len), Some(2), "{state}");
+        assert!(!state.to_string().contains("h1"), "no history: {state}");
+
+        let resumed = resumed_transcript(input(), Some(&state));
+        assert_eq!(resumed, running);
+        assert_eq!(resumed_transcript(input(), None), input());
+        let whole = json!({ "messages": [said("a"), said("b")] });
+        assert_eq!(
+            resumed_transcript(input(), Some(&whole)),
+            Transcript::from(vec![said("a"), said("b")])
+        );
+        let elsewhere = json!({ "ownFrom": 3, "added": [said("x")] });
+        assert_eq!(resumed_transcript(input(), Some(&elsewhere)), input());
+        let broken = json!({ "ownFrom": 4 });
+        assert_eq!(resumed_transcript(input(), Some(&broken)), input());
     }
 }

@@ -319,6 +319,111 @@ async fn a_session_turn_stores_only_its_own_messages_and_resumes_with_the_whole_
     terminate(&mut second);
 }
 
+/// A session's turn parked on an approval, its checkpoint taken: the checkpoint holds what
+/// the run added (the model's call), not the session's history again; after a kill -9 the run
+/// resumes from its input read again and that, and the model sees the whole conversation.
+#[tokio::test]
+async fn a_checkpoint_stores_what_the_run_added_and_a_resumed_run_has_the_whole_history() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    let tools = super::tools::ToolServer::start().await;
+    upstream.push([
+        Reply::Text("first answer".into()),
+        Reply::call("payments_refund", r#"{"amount":40}"#),
+        Reply::Text("refund done after the crash".into()),
+    ]);
+    let workspace = super::tools::tools_workspace(&upstream, &tools, "");
+    let http = reqwest::Client::new();
+    let (mut first, base) = start_server(workspace.path());
+    let submit = |body: serde_json::Value| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            http.post(format!("{base}/runtime/requests"))
+                .bearer_auth(CLIENT_KEY)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let opening =
+        submit(json!({ "agentId": "clerk", "input": { "text": "hello" }, "wait": true })).await;
+    assert_eq!(opening["output"], "first answer", "{opening}");
+    let session = opening["sessionId"].as_str().unwrap();
+    let accepted =
+        submit(json!({ "agentId": "clerk", "sessionId": session, "input": { "text": "refund" } }))
+            .await;
+    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let approval = super::pending_approval_at(&http, &base).await;
+    first.kill().unwrap();
+    let _ = first.wait();
+
+    let db = crate::helpers::store_path(workspace.path());
+    let rows = crate::helpers::store_rows(
+        &db,
+        &format!("SELECT state FROM runs WHERE request_id = '{request_id}'"),
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(rows[0]["state"].as_str().unwrap()).unwrap();
+    // Its input: the history (two messages) and its own message.
+    assert_eq!(state["ownFrom"], 3, "{state}");
+    let added = state["added"].as_array().unwrap();
+    assert_eq!(added.len(), 1, "{state}");
+    assert_eq!(
+        added[0]["tool_calls"][0]["function"]["name"],
+        "payments_refund"
+    );
+    assert!(!state.to_string().contains("first answer"), "{state}");
+
+    let (mut second, base) = start_server(workspace.path());
+    let again = super::pending_approval_at(&http, &base).await;
+    assert_eq!(again["id"], approval["id"]);
+    let decided = http
+        .post(format!(
+            "{base}/admin/approvals/{}/approve",
+            approval["id"].as_str().unwrap()
+        ))
+        .bearer_auth(ADMIN_KEY)
+        .json(&json!({ "reason": "after restart" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(decided.status(), 200);
+    let view = super::wait_until_done_at(&http, &base, &request_id).await;
+    assert_eq!(view["output"], "refund done after the crash", "{view}");
+    assert_eq!(tools.count("/refund"), 1, "the tool ran exactly once");
+    let calls = upstream.calls();
+    assert_eq!(calls.len(), 3, "the model was not asked again for the call");
+    let roles: Vec<(&str, &str)> = calls[2].body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap(),
+                m["content"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        roles[..3],
+        [
+            ("user", "hello"),
+            ("assistant", "first answer"),
+            ("user", "refund")
+        ],
+        "{roles:?}"
+    );
+    assert_eq!(roles[3].0, "assistant");
+    assert_eq!(roles[4].0, "tool");
+    assert_eq!(roles.len(), 5, "{roles:?}");
+    terminate(&mut second);
+}
+
 #[tokio::test]
 async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the_tool_once() {
     stable_harness::app::install_crypto_provider();
