@@ -7,6 +7,11 @@
 //! of the whole conversation again: a turn's history costs what the turn added, not what the
 //! conversation holds (docs/profiling.md, the seventy-eighth pass). Several instances keep
 //! their own; none can be stale, since what a path holds never changes.
+//!
+//! A session may hold several conversations at once (one `user` with two chats open, each
+//! client sending its whole transcript): each is a branch of the session's message tree, and
+//! a few branches of a session are kept, so that a transcript that leaves the session's
+//! newest path is matched with the branch it continues (the eighty-first pass).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,8 +26,10 @@ const BUDGET_BYTES: usize = 16 << 20;
 /// The most one path may hold: a longer one is read whole each time, so that two sessions'
 /// paths at least fit.
 const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
-/// The most sessions whose paths are kept.
+/// The most paths kept, all sessions' branches together.
 const MOST_PATHS: usize = 1024;
+/// The most branches of one session kept: its conversations going on at once.
+const MOST_BRANCHES: usize = 4;
 /// Shorter paths are read whole each time: a few rows, cheaper than keeping them.
 const LEAST_KEPT: usize = 32;
 /// How long a kept path must have gone unused before a session not kept may take its place.
@@ -48,7 +55,10 @@ impl Default for Histories {
 
 #[derive(Default)]
 struct Kept {
-    paths: HashMap<String, KeptPath>,
+    /// By session: its branches, at most [`MOST_BRANCHES`].
+    paths: HashMap<String, Vec<KeptPath>>,
+    /// The branches kept, all sessions' together, and their estimated size.
+    count: usize,
     bytes: usize,
     clock: u64,
 }
@@ -136,28 +146,38 @@ impl Histories {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Takes out the path kept for `session` if it is still the one through `known`.
+    /// Takes out the branch of `session` through `known`, if it is still kept.
     fn forget(&self, session: &str, known: &str) {
         let mut kept = self.lock();
-        if kept
-            .paths
-            .get(session)
-            .is_some_and(|path| path.through == known)
-            && let Some(gone) = kept.paths.remove(session)
-        {
-            kept.bytes = kept.bytes.saturating_sub(gone.bytes);
-        }
+        drop(kept.remove(session, |path| path.through == known));
     }
 
-    /// The path kept for `session`: where it ends, its messages and their estimated size.
+    /// The branch of `session` used last (its newest path, as a turn that continues the
+    /// session's newest leaf reads it): where it ends, its messages and their estimated size.
     pub(crate) fn kept_path(&self, session: &str) -> Option<KeptPrefix> {
-        let mut kept = self.lock();
-        kept.clock += 1;
-        let now = kept.clock;
-        let path = kept.paths.get_mut(session)?;
-        path.used = now;
-        path.used_at = Instant::now();
-        Some((path.through.clone(), Arc::clone(&path.messages), path.bytes))
+        self.lock().take_branch(session, |branches| {
+            branches
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, path)| path.used)
+                .map(|(at, _)| at)
+        })
+    }
+
+    /// The longest branch of `session` that `sent` starts with whole ([`matching_prefix`]):
+    /// the conversation a client's transcript continues, when it is one of those kept.
+    pub(crate) fn kept_branch_under(&self, session: &str, sent: &[Value]) -> Option<KeptPrefix> {
+        self.lock().take_branch(session, |branches| {
+            branches
+                .iter()
+                .enumerate()
+                .filter(|(_, path)| {
+                    !path.messages.is_empty()
+                        && matching_prefix(&path.messages, sent) == path.messages.len()
+                })
+                .max_by_key(|(_, path)| path.messages.len())
+                .map(|(at, _)| at)
+        })
     }
 
     /// Keeps `messages` as the path of `session`, the least recently used paths making room;
@@ -175,42 +195,37 @@ impl Histories {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
         let mut kept = self.lock();
-        if !was_kept && !kept.room_for(session, bytes, self.idle_before_replaced) {
+        if !was_kept && !kept.room_for(session, through, bytes, self.idle_before_replaced) {
             return Err(messages);
         }
         kept.clock += 1;
         let used = kept.clock;
-        if let Some(old) = kept.paths.remove(session) {
-            kept.bytes = kept.bytes.saturating_sub(old.bytes);
-            gone.push(old);
+        // The same path kept before, and the session's least recently used branch when it
+        // has as many as it may keep, make room first.
+        gone.extend(kept.remove(session, |path| path.through == through));
+        if kept.paths.get(session).map_or(0, Vec::len) >= MOST_BRANCHES {
+            gone.extend(kept.remove_oldest(Some(session)));
         }
-        while !kept.paths.is_empty()
-            && (kept.paths.len() >= MOST_PATHS || kept.bytes.saturating_add(bytes) > BUDGET_BYTES)
+        while kept.count > 0
+            && (kept.count >= MOST_PATHS || kept.bytes.saturating_add(bytes) > BUDGET_BYTES)
         {
-            let Some(oldest) = kept
-                .paths
-                .iter()
-                .min_by_key(|(_, path)| path.used)
-                .map(|(session, _)| session.clone())
-            else {
-                break;
-            };
-            if let Some(evicted) = kept.paths.remove(&oldest) {
-                kept.bytes = kept.bytes.saturating_sub(evicted.bytes);
-                gone.push(evicted);
+            match kept.remove_oldest(None) {
+                Some(evicted) => gone.push(evicted),
+                None => break,
             }
         }
         kept.bytes = kept.bytes.saturating_add(bytes);
-        kept.paths.insert(
-            session.to_owned(),
-            KeptPath {
+        kept.count += 1;
+        kept.paths
+            .entry(session.to_owned())
+            .or_default()
+            .push(KeptPath {
                 through: through.to_owned(),
                 messages: Arc::clone(&messages),
                 bytes,
                 used,
                 used_at: Instant::now(),
-            },
-        );
+            });
         Ok(messages)
     }
 
@@ -218,20 +233,70 @@ impl Histories {
     #[cfg(test)]
     fn held(&self) -> (usize, usize) {
         let kept = self.lock();
-        (kept.paths.len(), kept.bytes)
+        (kept.count, kept.bytes)
     }
 }
 
 impl Kept {
-    /// Whether a path of `bytes` for `session` fits, once the least recently used paths
-    /// idle for at least `idle` (and its own) make room.
-    fn room_for(&self, session: &str, bytes: usize, idle: Duration) -> bool {
-        let own = self.paths.get(session).map_or(0, |path| path.bytes);
-        let mut paths = self
+    /// The branch of `session` that `pick` picks among its branches, marked used: where it
+    /// ends, its messages and their estimated size.
+    fn take_branch(
+        &mut self,
+        session: &str,
+        pick: impl FnOnce(&[KeptPath]) -> Option<usize>,
+    ) -> Option<KeptPrefix> {
+        self.clock += 1;
+        let now = self.clock;
+        let branches = self.paths.get_mut(session)?;
+        let at = pick(branches)?;
+        let path = branches.get_mut(at)?;
+        path.used = now;
+        path.used_at = Instant::now();
+        Some((path.through.clone(), Arc::clone(&path.messages), path.bytes))
+    }
+
+    /// Takes out the first branch of `session` that `which` says, if any.
+    fn remove(&mut self, session: &str, which: impl Fn(&KeptPath) -> bool) -> Option<KeptPath> {
+        let branches = self.paths.get_mut(session)?;
+        let at = branches.iter().position(which)?;
+        let gone = branches.swap_remove(at);
+        if branches.is_empty() {
+            self.paths.remove(session);
+        }
+        self.count = self.count.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(gone.bytes);
+        Some(gone)
+    }
+
+    /// Takes out the least recently used branch of `session`, or of all sessions.
+    fn remove_oldest(&mut self, session: Option<&str>) -> Option<KeptPath> {
+        let (owner, used) = self
             .paths
-            .len()
-            .saturating_sub(usize::from(self.paths.contains_key(session)));
-        let mut held = self.bytes.saturating_sub(own);
+            .iter()
+            .filter(|(id, _)| session.is_none_or(|session| session == id.as_str()))
+            .flat_map(|(id, branches)| branches.iter().map(move |path| (id, path.used)))
+            .min_by_key(|(_, used)| *used)
+            .map(|(id, used)| (id.clone(), used))?;
+        self.remove(&owner, |path| path.used == used)
+    }
+
+    /// Whether a path of `bytes` through `through` for `session` fits, once the branch of the
+    /// session it replaces, its least recently used branch if it keeps as many as it may, and
+    /// the least recently used branches of others idle for at least `idle` make room.
+    fn room_for(&self, session: &str, through: &str, bytes: usize, idle: Duration) -> bool {
+        let own = self.paths.get(session).map_or(&[][..], Vec::as_slice);
+        let replaced = own.iter().find(|path| path.through == through);
+        let oldest_own = (own.len() >= MOST_BRANCHES)
+            .then(|| own.iter().min_by_key(|path| path.used))
+            .flatten();
+        let freed = match (replaced, oldest_own) {
+            (Some(replaced), _) => Some(replaced),
+            (None, oldest) => oldest,
+        };
+        let mut paths = self.count.saturating_sub(usize::from(freed.is_some()));
+        let mut held = self
+            .bytes
+            .saturating_sub(freed.map_or(0, |path| path.bytes));
         let fits = |paths: usize, held: usize| {
             paths < MOST_PATHS && held.saturating_add(bytes) <= BUDGET_BYTES
         };
@@ -242,7 +307,7 @@ impl Kept {
             .paths
             .iter()
             .filter(|(id, _)| id.as_str() != session)
-            .map(|(_, path)| path)
+            .flat_map(|(_, branches)| branches)
             .collect();
         oldest.sort_unstable_by_key(|path| path.used);
         for path in oldest {
@@ -263,7 +328,7 @@ impl std::fmt::Debug for Histories {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kept = self.lock();
         f.debug_struct("Histories")
-            .field("paths", &kept.paths.len())
+            .field("paths", &kept.count)
             .field("bytes", &kept.bytes)
             .finish()
     }
@@ -281,7 +346,8 @@ pub(crate) fn matching_prefix(path: &[Value], sent: &[Value]) -> usize {
         .count()
 }
 
-fn same_message(stored: &Value, sent: &Value) -> bool {
+/// Whether `sent` says what `stored` says, as [`matching_prefix`] compares them.
+pub(crate) fn same_message(stored: &Value, sent: &Value) -> bool {
     if stored == sent {
         return true;
     }
@@ -334,7 +400,9 @@ mod tests {
 
     use serde_json::json;
 
-    use super::{BUDGET_BYTES, Histories, MOST_PATHS, estimated_bytes, matching_prefix};
+    use super::{
+        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, estimated_bytes, known, matching_prefix,
+    };
 
     /// Kept paths that any other session may replace at once.
     fn replaced_at_once() -> Histories {
@@ -424,6 +492,52 @@ mod tests {
         );
         assert!(histories.kept_path("a").is_none());
         assert_eq!(histories.held(), (1, half + 10));
+    }
+
+    /// A session keeps a few branches: the one used last is its newest path, a transcript
+    /// is matched with the longest it starts with whole, the same path kept again replaces
+    /// its own, and past the most a session keeps its least recently used branch goes.
+    #[test]
+    fn a_session_keeps_a_few_branches_and_a_transcript_finds_the_one_it_continues() {
+        let histories = Histories::default();
+        let said = |text: &str| json!({ "role": "user", "content": text });
+        let path = |texts: &[&str]| Arc::new(texts.iter().map(|t| said(t)).collect::<Vec<_>>());
+        let keep = |through: &str, texts: &[&str]| {
+            assert!(
+                histories
+                    .keep("s", through, path(texts), 100, false)
+                    .is_ok()
+            );
+        };
+        keep("a2", &["a1", "a2"]);
+        keep("b3", &["b1", "b2", "b3"]);
+        keep("a1", &["a1"]);
+        assert_eq!(histories.held(), (3, 300));
+        assert_eq!(known(&histories.kept_path("s")), Some("a1"), "used last");
+        let sent = [said("a1"), said("a2"), said("a3")];
+        let under = histories.kept_branch_under("s", &sent);
+        assert_eq!(
+            known(&under),
+            Some("a2"),
+            "the longest it starts with whole"
+        );
+        assert_eq!(known(&histories.kept_path("s")), Some("a2"));
+        assert!(histories.kept_branch_under("s", &[said("c1")]).is_none());
+        assert!(histories.kept_branch_under("t", &sent).is_none());
+        keep("a2", &["a1", "a2"]);
+        assert_eq!(histories.held(), (3, 300), "kept again, not twice");
+        keep("c1", &["c1"]);
+        keep("d1", &["d1"]);
+        let (branches, _) = histories.held();
+        assert_eq!(branches, MOST_BRANCHES);
+        assert!(
+            histories
+                .kept_branch_under("s", &[said("b1"), said("b2"), said("b3")])
+                .is_none(),
+            "the least recently used went"
+        );
+        histories.forget("s", "a2");
+        assert_eq!(histories.held().0, MOST_BRANCHES - 1);
     }
 
     #[test]

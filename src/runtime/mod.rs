@@ -157,27 +157,78 @@ fn answered(sent: &[Value]) -> bool {
         .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
 }
 
+/// How many of a session's newest answers are looked at for the one a client's transcript
+/// that leaves the session's newest path holds last (its conversation's newest turn).
+const ANSWERS_LOOKED_AT: u32 = 32;
+/// How many of those that say what that answer says have their path read.
+const BRANCHES_TRIED: usize = 2;
+
 /// Where a session's history (`path`, through `leaf`) and a client's transcript part
 /// ([`History::SessionPrefix`]): the last message they share and how many they share, or
-/// `None` when they share nothing. Only a match ending short of the path's end reads the
-/// path's ids (the kept path holds contents alone).
+/// `None` when they share nothing. A transcript that leaves the newest path may continue
+/// another of the session's conversations ([`other_branch`]); failing that, only a match
+/// ending short of the path's end reads the path's ids (the kept path holds contents alone).
 async fn matching_path(
     store: &dyn Store,
-    leaf: String,
-    path: &[Value],
+    histories: &history::Histories,
+    session_id: &str,
+    (leaf, path): (String, Arc<Vec<Value>>),
     sent: &[Value],
 ) -> Result<Option<(String, usize)>, StoreError> {
-    let matched = history::matching_prefix(path, sent);
+    let matched = history::matching_prefix(&path, sent);
+    if matched > 0 && matched == path.len() {
+        return Ok(Some((leaf, matched)));
+    }
+    if let Some(other) = other_branch(store, histories, session_id, sent, matched).await? {
+        return Ok(Some(other));
+    }
     if matched == 0 {
         return Ok(None);
-    }
-    if matched == path.len() {
-        return Ok(Some((leaf, matched)));
     }
     let read = store.message_path(&leaf).await?;
     Ok(read
         .get(matched - 1)
         .map(|message| (message.id.clone(), matched)))
+}
+
+/// The branch of the session a client's transcript continues when it leaves the session's
+/// newest path after `matched` messages: one `user` with two chats open sends each chat's
+/// transcript in turn, and each is a branch of the session's tree. Found by the transcript's
+/// newest answer among the session's newest answers, and taken when the path through it is
+/// the transcript's start, whole (the path read below a kept branch the transcript starts
+/// with, and kept for the conversation's next turn). Without it each turn of such a
+/// conversation was stored whole, as without a session: storage growing with the square of
+/// its turns (docs/profiling.md, the eighty-first pass).
+async fn other_branch(
+    store: &dyn Store,
+    histories: &history::Histories,
+    session_id: &str,
+    sent: &[Value],
+    matched: usize,
+) -> Result<Option<(String, usize)>, StoreError> {
+    let is_answer = |m: &Value| m.get("role").and_then(Value::as_str) == Some("assistant");
+    let Some(answer_at) = sent.iter().rposition(is_answer) else {
+        return Ok(None);
+    };
+    // An answer the newest path holds: the transcript changed something after it.
+    if answer_at < matched {
+        return Ok(None);
+    }
+    let answers = store.newest_answers(session_id, ANSWERS_LOOKED_AT).await?;
+    let alike = answers
+        .iter()
+        .filter(|answer| history::same_message(&answer.content, &sent[answer_at]));
+    for answer in alike.take(BRANCHES_TRIED) {
+        let kept = histories.kept_branch_under(session_id, sent);
+        let read = store
+            .message_path_below(&answer.id, history::known(&kept))
+            .await?;
+        let path = histories.joined(session_id, &answer.id, kept, read);
+        if path.len() == answer_at + 1 && history::matching_prefix(&path, sent) == path.len() {
+            return Ok(Some((answer.id.clone(), path.len())));
+        }
+    }
+    Ok(None)
 }
 
 /// The session a request's model calls are charged to: a subagent's request (which only the
@@ -642,8 +693,11 @@ impl Runtime {
                     .await?;
                 (Some(through.clone()), Some(history), 0)
             }
-            (History::SessionPrefix, Some((leaf, path))) => {
-                match matching_path(store, leaf, &path, &request.messages).await? {
+            (History::SessionPrefix, Some(newest)) => {
+                let histories = &inner.histories;
+                match matching_path(store, histories, &session_id, newest, &request.messages)
+                    .await?
+                {
                     Some((through, matched)) => (Some(through), None, matched),
                     None => (None, None, 0),
                 }

@@ -404,6 +404,14 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         request_id: &str,
         since: DateTime<Utc>,
     ) -> Result<Option<String>, StoreError>;
+    /// The newest answers (`assistant` messages) of session `session_id`, newest first, at
+    /// most `limit`, by the session's index: where a client's transcript that leaves the
+    /// session's newest path may continue another of the session's conversations.
+    async fn newest_answers(
+        &self,
+        session_id: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, StoreError>;
     /// The newest leaf of a session (a message with no child in it): the one its next request
     /// continues from. Asked as a leaf, not as the newest message, since instances' clocks
     /// may disagree and a child could be stamped before its parent.

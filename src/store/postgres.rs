@@ -1591,6 +1591,25 @@ impl Store for PostgresStore {
         row.as_ref().map(message_from_row).transpose()
     }
 
+    async fn newest_answers(
+        &self,
+        session_id: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, StoreError> {
+        let session = text(session_id);
+        let rows = self
+            .on_reader_backend(|| {
+                sqlx::query(
+                    "SELECT * FROM messages WHERE session_id = $1 AND role = 'assistant'
+                      ORDER BY created_at DESC, id DESC LIMIT $2",
+                )
+                .bind(&session)
+                .bind(i64::from(limit))
+            })
+            .await?;
+        rows.iter().map(message_from_row).collect()
+    }
+
     async fn request_last_message(
         &self,
         session_id: &str,

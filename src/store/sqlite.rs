@@ -914,6 +914,9 @@ const SESSION_HEAD: &str = "SELECT id FROM messages m WHERE session_id = ?1
 const REQUEST_LAST_MESSAGE: &str = "SELECT id FROM messages
      WHERE session_id = ?1 AND created_at >= ?2 AND request_id = ?3 AND role <> 'assistant'
      ORDER BY created_at DESC, id DESC LIMIT 1";
+/// A session's newest answers, by the session's index (`messages_by_session`).
+const NEWEST_ANSWERS: &str = "SELECT * FROM messages WHERE session_id = ?1 AND role = 'assistant'
+     ORDER BY created_at DESC, id DESC LIMIT CAST(?2 AS INTEGER)";
 /// A run's events after `?2`, within its request's key range: events have no index by run.
 /// A row holds one run's events, so the run is a condition on rows.
 const EVENTS_OF_RUN: &str =
@@ -1260,6 +1263,20 @@ impl Store for SqliteStore {
             .one(REQUEST_LAST_MESSAGE, args, |row| {
                 row.get(0).map_err(reader_error)
             })
+            .await
+    }
+
+    async fn newest_answers(
+        &self,
+        session_id: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, StoreError> {
+        self.reader
+            .all(
+                NEWEST_ANSWERS,
+                (session_id.to_owned(), i64::from(limit)),
+                |row| message_from_row(row),
+            )
             .await
     }
 

@@ -93,6 +93,7 @@ conformance!(
     an_approval_is_decided_once_under_concurrent_deciders,
     messages_form_a_tree_read_in_order,
     a_requests_last_message_is_its_newest_own_one_not_its_answer,
+    a_sessions_newest_answers_come_newest_first_and_alone,
     a_long_history_is_read_root_first_and_whole,
     tool_call_records_count_executions_and_keep_results,
     client_calls_are_found_by_id_for_their_owner_and_completed_once,
@@ -988,6 +989,48 @@ async fn a_requests_last_message_is_its_newest_own_one_not_its_answer(store: Arc
     assert_eq!(last("ses_a", "req_b", at + Age::seconds(3)).await, None);
     assert_eq!(last("ses_a", "req_none", since_b).await, None);
     assert_eq!(last("ses_none", "req_a", since_b).await, None);
+}
+
+async fn a_sessions_newest_answers_come_newest_first_and_alone(store: Arc<dyn Store>) {
+    seed(&store, "a", RunStatus::Completed).await;
+    seed(&store, "b", RunStatus::Completed).await;
+    let at = store.request("req_a").await.unwrap().unwrap().created_at;
+    let message = |id: &str, session: &str, role: &str, offset: i64| {
+        WriteOp::InsertMessage(MessageRecord {
+            id: id.into(),
+            session_id: session.into(),
+            parent_id: None,
+            request_id: None,
+            role: role.into(),
+            content: json!({ "role": role, "content": id }),
+            created_at: at + Age::seconds(offset),
+        })
+    };
+    store
+        .apply(&[
+            message("msg_1", "ses_a", "user", 0),
+            message("msg_2", "ses_a", "assistant", 1),
+            message("msg_3", "ses_a", "user", 2),
+            // Stamped alike: the id orders them.
+            message("msg_4", "ses_a", "assistant", 3),
+            message("msg_5", "ses_a", "assistant", 3),
+            message("msg_6", "ses_a", "tool", 4),
+            message("msg_7", "ses_b", "assistant", 5),
+        ])
+        .await
+        .unwrap();
+    let ids = |limit: u32, session: &'static str| {
+        let store = Arc::clone(&store);
+        async move {
+            let answers = store.newest_answers(session, limit).await.unwrap();
+            answers.into_iter().map(|m| m.id).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(ids(10, "ses_a").await, ["msg_5", "msg_4", "msg_2"]);
+    assert_eq!(ids(2, "ses_a").await, ["msg_5", "msg_4"]);
+    assert_eq!(ids(10, "ses_b").await, ["msg_7"]);
+    assert!(ids(10, "ses_none").await.is_empty());
+    assert!(ids(0, "ses_a").await.is_empty());
 }
 
 async fn a_long_history_is_read_root_first_and_whole(store: Arc<dyn Store>) {

@@ -723,17 +723,22 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
     assert_eq!(last_heard(&upstream), branch);
 }
 
-on_both_stores!(two_chats_taking_turns_in_one_session_are_stored_as_without_one);
-/// One `user` with two chats open: each turn's transcript shares nothing with the session's
-/// newest path (the other chat's), so it is stored as a chat with no session is, once: whole
-/// with its request, its new message and answer in the session. Never twice.
-async fn two_chats_taking_turns_in_one_session_are_stored_as_without_one(store: Option<String>) {
+on_both_stores!(two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once);
+/// One `user` with two chats open: each turn's transcript leaves the session's newest path
+/// (the other chat's), and continues its own chat's branch: each turn stores its new message
+/// and answer, and its request only its own message and where its history ends, never the
+/// transcript again. Past the length from which the runtime keeps a path in memory (32
+/// messages), each chat's branch is kept beside the other's.
+async fn two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once(
+    store: Option<String>,
+) {
+    const ROUNDS: usize = 20;
     let embedded = store.is_none();
     let upstream = echoing_upstream().await;
     let app = spawn(api_workspace(&upstream, ""), store).await;
     let mut chats: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
     let mut last_request = String::new();
-    for round in 1..=3 {
+    for round in 1..=ROUNDS {
         for (name, chat) in ["a", "b"].iter().zip(chats.iter_mut()) {
             chat.push(json!({ "role": "user", "content": format!("{name}{round}") }));
             let response = app
@@ -752,6 +757,7 @@ async fn two_chats_taking_turns_in_one_session_are_stored_as_without_one(store: 
                 .map(|m| m["content"].as_str().unwrap().to_owned())
                 .collect();
             assert_eq!(last_heard(&upstream), sent);
+            // As the OpenAI SDK sends an answer back: `refusal: null` and all.
             chat.push(answer["choices"][0]["message"].clone());
         }
     }
@@ -760,14 +766,34 @@ async fn two_chats_taking_turns_in_one_session_are_stored_as_without_one(store: 
         .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
         .await;
     assert_eq!(status, 200, "{view}");
-    assert_eq!(view["messages"].as_array().unwrap().len(), 12, "{view:#}");
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        4 * ROUNDS,
+        "each message stored once: {view:#}"
+    );
+    // The session's newest path is the chat that spoke last, whole.
+    let history: Vec<&str> = view["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"]["content"].as_str().unwrap())
+        .collect();
+    let said: Vec<&str> = chats[1]
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(history, said);
     if embedded {
         let input = crate::helpers::stored_input(
             &crate::helpers::store_path(app.workspace.path()),
             &last_request,
         );
-        assert_eq!(input["messages"].as_array().unwrap().len(), 5, "{input}");
-        assert!(input.get("historyThrough").is_none(), "{input}");
+        assert_eq!(
+            input["messages"],
+            json!([{ "role": "user", "content": format!("b{ROUNDS}") }]),
+            "{input}"
+        );
+        assert!(input["historyThrough"].is_string(), "{input}");
     }
 }
 
