@@ -160,8 +160,9 @@ fn answered(sent: &[Value]) -> bool {
 /// How many of a session's newest answers are looked at for the one a client's transcript
 /// that leaves the session's newest path holds last (its conversation's newest turn).
 const ANSWERS_LOOKED_AT: u32 = 32;
-/// How many of those that say what that answer says have their path read.
-const BRANCHES_TRIED: usize = 2;
+/// How many of those that say what that answer says have their path read (answers alike,
+/// "Done.", are each read until one's path is the transcript's).
+const BRANCHES_TRIED: usize = 4;
 
 /// Where a session's history (`path`, through `leaf`) and a client's transcript part
 /// ([`History::SessionPrefix`]): the last message they share and how many they share, or
@@ -194,9 +195,9 @@ async fn matching_path(
 /// The branch of the session a client's transcript continues when it leaves the session's
 /// newest path after `matched` messages: one `user` with two chats open sends each chat's
 /// transcript in turn, and each is a branch of the session's tree. Found by the transcript's
-/// newest answer among the session's newest answers, and taken when the path through it is
-/// the transcript's start, whole (the path read below a kept branch the transcript starts
-/// with, and kept for the conversation's next turn). Without it each turn of such a
+/// newest answer: at the end of a branch kept, or else among the session's newest answers,
+/// taken when the path through it is the transcript's start, whole (the path read below a
+/// kept branch the transcript starts with, and kept for the conversation's next turn). Without it each turn of such a
 /// conversation was stored whole, as without a session: storage growing with the square of
 /// its turns (docs/profiling.md, the eighty-first pass).
 async fn other_branch(
@@ -213,6 +214,13 @@ async fn other_branch(
     // An answer the newest path holds: the transcript changed something after it.
     if answer_at < matched {
         return Ok(None);
+    }
+    // A branch kept through that answer: a conversation whose turn was the session's newest
+    // when another's came (that read extended its path). Nothing to read.
+    if let Some((through, path, _)) = histories.kept_branch_under(session_id, sent)
+        && path.len() == answer_at + 1
+    {
+        return Ok(Some((through, path.len())));
     }
     let answers = store.newest_answers(session_id, ANSWERS_LOOKED_AT).await?;
     let alike = answers
