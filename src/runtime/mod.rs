@@ -197,9 +197,9 @@ async fn matching_path(
 /// transcript in turn, and each is a branch of the session's tree. Found by the transcript's
 /// newest answer: at the end of a branch kept, or else among the session's newest answers,
 /// taken when the path through it is the transcript's start, whole (the path read below a
-/// kept branch the transcript starts with, and kept for the conversation's next turn). Without it each turn of such a
-/// conversation was stored whole, as without a session: storage growing with the square of
-/// its turns (docs/profiling.md, the eighty-first pass).
+/// kept branch the transcript starts with, and kept for the conversation's next turn).
+/// Without it each turn of such a conversation was stored whole, as without a session:
+/// storage growing with the square of its turns (docs/profiling.md, the eighty-first pass).
 async fn other_branch(
     store: &dyn Store,
     histories: &history::Histories,

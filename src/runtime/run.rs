@@ -1303,9 +1303,9 @@ fn checkpoint_state(messages: &Transcript, own_from: usize) -> Value {
 /// The transcript a resumed run goes on from: its `input` (as [`super::request_start`] read
 /// it) followed by what its checkpoint `state` says it added; a checkpoint of the whole
 /// transcript (a workflow node's, or any run's as builds before the eighty-first pass stored
-/// it) as it is. Without a checkpoint, or with one whose input had another length than `input` (the
-/// store keeps a path as it was, so nothing here wrote such a checkpoint), the run starts
-/// over from its input, as a run that crashed before its first checkpoint does.
+/// it) as it is. Without a checkpoint, or with one whose input had another length than
+/// `input` (the store keeps a path as it was, so nothing here wrote such a checkpoint), the
+/// run starts over from its input, as a run that crashed before its first checkpoint does.
 pub(super) fn resumed_transcript(input: Transcript, state: Option<&Value>) -> Transcript {
     let Some(state) = state else {
         return input;
