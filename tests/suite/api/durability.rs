@@ -324,6 +324,25 @@ async fn a_session_turn_stores_only_its_own_messages_and_resumes_with_the_whole_
 /// resumes from its input read again and that, and the model sees the whole conversation.
 #[tokio::test]
 async fn a_checkpoint_stores_what_the_run_added_and_a_resumed_run_has_the_whole_history() {
+    a_parked_session_turn_resumes_after_kill_9(Surface::Runtime).await;
+}
+
+/// The same for a chat client in a session, which sends its whole transcript: the turn's
+/// input is where the session's path it matched ends and its own message, and resumed, the
+/// run has the transcript the client sent.
+#[tokio::test]
+async fn a_chat_turn_parked_in_a_session_resumes_with_the_transcript_it_was_sent() {
+    a_parked_session_turn_resumes_after_kill_9(Surface::Chat).await;
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Surface {
+    Runtime,
+    Chat,
+}
+
+async fn a_parked_session_turn_resumes_after_kill_9(surface: Surface) {
+    const SESSION: &str = "a-parked-conversation";
     stable_harness::app::install_crypto_provider();
     let upstream = MockUpstream::start().await;
     let tools = super::tools::ToolServer::start().await;
@@ -335,33 +354,52 @@ async fn a_checkpoint_stores_what_the_run_added_and_a_resumed_run_has_the_whole_
     let workspace = super::tools::tools_workspace(&upstream, &tools, "");
     let http = reqwest::Client::new();
     let (mut first, base) = start_server(workspace.path());
-    let submit = |body: serde_json::Value| {
+    // One turn of the conversation, on the surface: awaited, its answer as the client holds
+    // it, and its session (a `/runtime` session is the one its first turn made).
+    let turn = |transcript: Vec<serde_json::Value>, session: Option<String>| {
         let (http, base) = (http.clone(), base.clone());
         async move {
-            http.post(format!("{base}/runtime/requests"))
-                .bearer_auth(CLIENT_KEY)
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json::<serde_json::Value>()
-                .await
-                .unwrap()
+            let call = match surface {
+                Surface::Runtime => http.post(format!("{base}/runtime/requests")).json(&json!({
+                    "agentId": "clerk", "sessionId": session, "wait": true,
+                    "input": { "messages": transcript.last().into_iter().collect::<Vec<_>>() },
+                })),
+                Surface::Chat => http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .header("x-stable-harness-session-id", SESSION)
+                    .json(&json!({ "model": "clerk", "messages": transcript })),
+            };
+            let answer: serde_json::Value =
+                call.bearer_auth(CLIENT_KEY).send().await?.json().await?;
+            Ok::<_, reqwest::Error>(match surface {
+                Surface::Runtime => (
+                    json!({ "role": "assistant", "content": answer["output"] }),
+                    answer["sessionId"].as_str().map(str::to_owned),
+                ),
+                Surface::Chat => (answer["choices"][0]["message"].clone(), None),
+            })
         }
     };
-    let opening =
-        submit(json!({ "agentId": "clerk", "input": { "text": "hello" }, "wait": true })).await;
-    assert_eq!(opening["output"], "first answer", "{opening}");
-    let session = opening["sessionId"].as_str().unwrap();
-    let accepted =
-        submit(json!({ "agentId": "clerk", "sessionId": session, "input": { "text": "refund" } }))
-            .await;
-    let request_id = accepted["requestId"].as_str().unwrap().to_owned();
+    let mut transcript = vec![json!({ "role": "user", "content": "hello" })];
+    let (answer, session) = turn(transcript.clone(), None).await.unwrap();
+    assert_eq!(answer["content"], "first answer", "{answer}");
+    transcript.push(answer);
+    transcript.push(json!({ "role": "user", "content": "refund" }));
+    // The second turn waits on an approval; the server dies under it.
+    let parked = tokio::spawn(turn(transcript, session));
     let approval = super::pending_approval_at(&http, &base).await;
+    let request_id = approval["requestId"].as_str().unwrap().to_owned();
     first.kill().unwrap();
     let _ = first.wait();
+    assert!(parked.await.unwrap().is_err(), "the server died under it");
 
     let db = crate::helpers::store_path(workspace.path());
+    let input = crate::helpers::stored_input(&db, &request_id);
+    assert_eq!(
+        input["messages"],
+        json!([{ "role": "user", "content": "refund" }]),
+        "{input}"
+    );
     let rows = crate::helpers::store_rows(
         &db,
         &format!("SELECT state FROM runs WHERE request_id = '{request_id}'"),
