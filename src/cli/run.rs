@@ -70,6 +70,7 @@ pub async fn run(args: RunArgs) -> u8 {
     }
     let submitted = match runtime
         .submit(NewRequest {
+            leading_held_by: None,
             agent_id: args.agent.clone(),
             session_id: args.session.clone(),
             owner: CLI_OWNER.to_owned(),

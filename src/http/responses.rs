@@ -608,9 +608,13 @@ fn options(request: &CreateResponseRequest) -> Map<String, Value> {
 /// A stored request behind a response id that `caller` may see, with its terminal event if
 /// it ended.
 struct StoredResponse {
+    /// Its input's leading messages (its instructions) read in where it names the request
+    /// holding them ([`crate::runtime::LEADING_OF`]).
     request: RequestRecord,
     shape: Shape,
     terminal: Option<EventRecord>,
+    /// The request whose input holds its leading messages, if it has any.
+    leading_held_by: Option<String>,
 }
 
 /// The stored request behind a response id, if `caller` may see it, read with its last event
@@ -623,7 +627,7 @@ async fn stored_request(
     let Some(request_id) = request_id_of(id) else {
         return Ok(None);
     };
-    let Some((request, last)) = store
+    let Some((mut request, last)) = store
         .request_and_last_event(&request_id)
         .await
         .map_err(|e| store_error(&e))?
@@ -633,6 +637,12 @@ async fn stored_request(
     if request.owner != caller.identity {
         return Ok(None);
     }
+    let (leading, leading_held_by) = crate::runtime::stored_leading(store, &request)
+        .await
+        .map_err(|e| store_error(&e))?;
+    if request.input.get(LEADING).is_none() && !leading.is_empty() {
+        request.input[LEADING] = Value::Array(leading);
+    }
     let Some(shape) = Shape::from_request(&request).filter(|shape| shape.store) else {
         return Ok(None);
     };
@@ -640,6 +650,7 @@ async fn stored_request(
         terminal: last.filter(|event| is_terminal(&event.event_type)),
         request,
         shape,
+        leading_held_by,
     }))
 }
 
@@ -777,9 +788,18 @@ pub async fn create_response(
                     .as_ref()
                     .and_then(|(_, message_id)| message_id.clone());
                 messages.extend(answer.map(|(answer, _)| answer));
+                // Instructions the same as the previous turn's are named, not stored again.
+                let same_leading = !leading.is_empty()
+                    && previous
+                        .request
+                        .input
+                        .get(LEADING)
+                        .and_then(Value::as_array)
+                        == Some(&leading);
                 Chain::Continued {
                     through: through.to_owned(),
                     answer_message,
+                    leading_held_by: previous.leading_held_by.clone().filter(|_| same_leading),
                 }
             }
             // Another session (or a response stored before chains were held in the session)

@@ -103,6 +103,7 @@ pub async fn create_request(
     }
     let new_messages = messages.len();
     let request = NewRequest {
+        leading_held_by: None,
         agent_id: body.agent_id,
         session_id: body.session_id,
         owner: caller.identity.clone(),

@@ -454,9 +454,12 @@ pub(super) enum Chain {
     /// From the session's path through `through`, where the previous response's transcript
     /// ends: the turn's messages start with the previous answer, if it completed, and
     /// `answer_message`, when known, is the session message holding that answer.
+    /// `leading_held_by`: the request holding the turn's leading messages (its
+    /// instructions) when they are the previous turn's ([`NewRequest::leading_held_by`]).
     Continued {
         through: String,
         answer_message: Option<String>,
+        leading_held_by: Option<String>,
     },
     /// From a copy of the whole chain at the start of the turn's messages.
     Copied,
@@ -519,16 +522,24 @@ pub(super) async fn submit(
     // turn's whole own transcript is (a later turn continues from it); else only what
     // follows the last assistant message (a transcript sent whole into a session is new to it
     // after where it matches the session's path: the runtime decides).
+    let mut leading_held_by = None;
     let (history, whole) = match submission.chain {
         // The previous answer, as stored, is where the turn continues from, unless the
         // stored turns of its calls stand in for it.
-        Some(Chain::Continued { through, .. }) => match answer {
-            Some((answer, message_id)) if messages.first() == Some(&answer) => {
-                messages.remove(0);
-                (History::Through(message_id), true)
+        Some(Chain::Continued {
+            through,
+            leading_held_by: held_by,
+            ..
+        }) => {
+            leading_held_by = held_by;
+            match answer {
+                Some((answer, message_id)) if messages.first() == Some(&answer) => {
+                    messages.remove(0);
+                    (History::Through(message_id), true)
+                }
+                _ => (History::Through(through), true),
             }
-            _ => (History::Through(through), true),
-        },
+        }
         Some(Chain::Copied) => (History::Stateless, submission.chainable),
         None if submission.session_id.is_some() => (History::SessionPrefix, false),
         None => (History::Stateless, false),
@@ -552,6 +563,7 @@ pub(super) async fn submit(
                 owner: caller.identity.clone(),
                 history,
                 leading: submission.leading,
+                leading_held_by,
                 chainable: submission.chainable,
                 messages,
                 new_messages,

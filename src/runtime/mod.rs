@@ -69,6 +69,12 @@ pub const TRANSCRIPT_THROUGH: &str = "transcriptThrough";
 /// turn's `instructions`).
 pub const LEADING: &str = "leading";
 
+/// The key of a stored request input naming, instead of holding them, the request in its
+/// session whose input holds its leading messages ([`LEADING`]), the same as its own: a
+/// Responses chain's turn sending the instructions of the turn before stores them once for
+/// the chain, not once a turn (docs/profiling.md, the eighty-first pass).
+pub const LEADING_OF: &str = "leadingOf";
+
 /// What a follower of a request is told when the store refused the request's first write
 /// (the journal's log has the store's own error).
 const REQUEST_NOT_STORED: &str =
@@ -100,11 +106,40 @@ async fn request_start(
         ),
         None => None,
     };
-    let messages = Transcript::new(listed(LEADING), history, listed("messages"));
+    let (leading, _) = stored_leading(store, request).await?;
+    let messages = Transcript::new(leading, history, listed("messages"));
     let own_last = store
         .request_last_message(&request.session_id, &request.id, request.created_at)
         .await?;
     Ok((messages, own_last.or_else(|| through.map(str::to_owned))))
+}
+
+/// A stored request's leading messages ([`LEADING`]) and the request whose input holds them:
+/// its own, or those of the request its input names ([`LEADING_OF`]), which the server names
+/// only in the request's own session (pruned with it, never apart). A named request that is
+/// not there (nothing this server writes) gives none, with a warning in the log.
+pub async fn stored_leading(
+    store: &dyn Store,
+    request: &RequestRecord,
+) -> Result<(Vec<Value>, Option<String>), StoreError> {
+    if let Some(leading) = request.input.get(LEADING).and_then(Value::as_array) {
+        return Ok((leading.clone(), Some(request.id.clone())));
+    }
+    let Some(holder) = request.input.get(LEADING_OF).and_then(Value::as_str) else {
+        return Ok((Vec::new(), None));
+    };
+    let held = store
+        .request(holder)
+        .await?
+        .filter(|held| held.session_id == request.session_id)
+        .and_then(|held| held.input.get(LEADING).and_then(Value::as_array).cloned());
+    Ok(match held {
+        Some(leading) => (leading, Some(holder.to_owned())),
+        None => {
+            tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not in its session");
+            (Vec::new(), None)
+        }
+    })
 }
 
 /// A session a request names, and when the request continues its history, that history and
@@ -306,6 +341,10 @@ pub struct NewRequest {
     /// Messages the transcript starts with, before any history (a Responses turn's
     /// instructions): stored with the request, never in the session.
     pub leading: Vec<Value>,
+    /// A request of the same session whose input holds `leading` already, the same messages
+    /// (a Responses chain's turn before, or the one it names): the input names it instead
+    /// of holding them again ([`LEADING_OF`]).
+    pub leading_held_by: Option<String>,
     /// A later request may continue from this one's transcript (a stored Responses turn):
     /// when all its messages are stored in the session, its input names where they end
     /// ([`TRANSCRIPT_THROUGH`]).
@@ -744,8 +783,10 @@ impl Runtime {
             }
             None => json!({ "messages": own, "options": request.options }),
         };
-        if !request.leading.is_empty() {
-            input[LEADING] = Value::Array(request.leading);
+        match request.leading_held_by {
+            _ if request.leading.is_empty() => {}
+            Some(holder) => input[LEADING_OF] = Value::String(holder),
+            None => input[LEADING] = Value::Array(request.leading),
         }
         // The ids of the messages stored in the session, known before the input names the
         // last of them.

@@ -684,6 +684,7 @@ impl RunHost for RunEvents {
         let child = self
             .runtime
             .submit(NewRequest {
+                leading_held_by: None,
                 agent_id: Some(agent.to_owned()),
                 session_id: None,
                 owner: self.owner.clone(),

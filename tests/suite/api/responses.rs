@@ -636,6 +636,112 @@ async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
 
 on_both_stores!(a_chain_is_held_in_its_session);
 
+on_both_stores!(a_chains_instructions_the_same_each_turn_are_stored_once);
+
+/// An agent sends its own instructions every turn of a chain: a turn whose instructions are
+/// the previous turn's names the turn that stores them instead of storing them again, and the
+/// model, the response object and a retry each see them whole; changed instructions are
+/// stored anew and named from there on.
+async fn a_chains_instructions_the_same_each_turn_are_stored_once(database_url: Option<String>) {
+    let embedded = database_url.is_none();
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn_on(
+        coder_workspace(&upstream, &tools, "5s"),
+        database_url,
+        &[CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B", "Rule B"];
+    // The sixth turn's first run fails; an operator retries it.
+    upstream.push((1..=5).map(|n| Reply::Text(format!("a{n}"))));
+    upstream.push([Reply::StatusBody {
+        status: 400,
+        body: r#"{"error":{"message":"bad request"}}"#.into(),
+    }]);
+    upstream.set_default(Reply::Text("a6".into()));
+    let mut chain: Vec<String> = Vec::new();
+    let mut ids: Vec<String> = Vec::new();
+    let mut requests: Vec<String> = Vec::new();
+    for (turn, rule) in rules.iter().enumerate() {
+        let question = format!("q{}", turn + 1);
+        let mut body = json!({ "model": "coder", "instructions": rule, "input": question });
+        if let Some(previous) = ids.last() {
+            body["previous_response_id"] = json!(previous);
+        }
+        let (status, response, request_id) = respond(&app, &body).await;
+        let refused = turn == rules.len() - 1;
+        assert_eq!(
+            status,
+            if refused { 502 } else { 200 },
+            "turn {turn}: {response}"
+        );
+        chain.push(question);
+        let heard: Vec<&str> = chain.iter().map(String::as_str).collect();
+        assert_eq!(
+            upstream.calls()[turn].body["messages"],
+            chain_transcript(rule, &heard),
+            "turn {turn}"
+        );
+        chain.push(format!("a{}", turn + 1));
+        ids.push(format!("resp_{}", request_id.trim_start_matches("req_")));
+        requests.push(request_id);
+    }
+    // Each response shows its own instructions.
+    for (id, rule) in ids[..ids.len() - 1].iter().zip(rules) {
+        let (status, fetched) = app.get(&format!("/v1/responses/{id}"), CLIENT_KEY).await;
+        assert_eq!(status, 200, "{fetched}");
+        assert_eq!(fetched["instructions"], rule, "{fetched}");
+    }
+    if embedded {
+        let db = crate::helpers::store_path(app.workspace.path());
+        let inputs: Vec<Value> = requests
+            .iter()
+            .map(|id| crate::helpers::stored_input(&db, id))
+            .collect();
+        let held = |index: usize| json!([{ "role": "system", "content": rules[index] }]);
+        for (turn, input) in inputs.iter().enumerate() {
+            let holder = if turn < 3 { 0 } else { 3 };
+            if turn == holder {
+                assert_eq!(input["leading"], held(turn), "turn {turn}: {input}");
+                assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
+            } else {
+                assert_eq!(input["leadingOf"], json!(requests[holder]), "turn {turn}");
+                assert!(input.get("leading").is_none(), "turn {turn}: {input}");
+            }
+        }
+    }
+    // The sixth turn failed (the model refused it); retried, it is sent its instructions.
+    let failed = &requests[5];
+    let view = app.wait_until_done(failed).await;
+    assert_eq!(view["status"], "failed", "{view}");
+    let (status, retried) = app
+        .post(
+            &format!("/admin/requests/{failed}/retry"),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 202, "{retried}");
+    let done = app.wait_until_done(failed).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let heard: Vec<&str> = chain[..chain.len() - 1]
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        upstream.calls().last().unwrap().body["messages"],
+        chain_transcript("Rule B", &heard)
+    );
+    let retried = &ids[ids.len() - 1];
+    let (status, fetched) = app
+        .get(&format!("/v1/responses/{retried}"), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{fetched}");
+    assert_eq!(fetched["instructions"], "Rule B", "{fetched}");
+}
+
 #[tokio::test]
 async fn a_mixed_turn_continues_with_previous_response_id() {
     mixed_turn(false).await;
