@@ -608,13 +608,17 @@ fn options(request: &CreateResponseRequest) -> Map<String, Value> {
 /// A stored request behind a response id that `caller` may see, with its terminal event if
 /// it ended.
 struct StoredResponse {
-    /// Its input's leading messages (its instructions) read in where it names the request
-    /// holding them ([`crate::runtime::LEADING_OF`]).
     request: RequestRecord,
     shape: Shape,
     terminal: Option<EventRecord>,
-    /// The request whose input holds its leading messages, if it has any.
-    leading_held_by: Option<String>,
+}
+
+/// What of a stored response is read: its instructions too (the response object), or not
+/// (a turn continuing it, which compares its own with the digest its input keeps).
+#[derive(Clone, Copy, PartialEq)]
+enum Instructions {
+    Read,
+    Unread,
 }
 
 /// The stored request behind a response id, if `caller` may see it, read with its last event
@@ -623,6 +627,7 @@ async fn stored_request(
     store: &dyn Store,
     caller: &Caller,
     id: &str,
+    instructions: Instructions,
 ) -> Result<Option<StoredResponse>, ApiError> {
     let Some(request_id) = request_id_of(id) else {
         return Ok(None);
@@ -637,11 +642,14 @@ async fn stored_request(
     if request.owner != caller.identity {
         return Ok(None);
     }
-    let (leading, leading_held_by) = crate::runtime::stored_leading(store, &request)
-        .await
-        .map_err(|e| store_error(&e))?;
-    if request.input.get(LEADING).is_none() && !leading.is_empty() {
-        request.input[LEADING] = Value::Array(leading);
+    // Instructions held by the request the input names are read in.
+    if instructions == Instructions::Read && request.input.get(LEADING).is_none() {
+        let (leading, _) = crate::runtime::stored_leading(store, &request)
+            .await
+            .map_err(|e| store_error(&e))?;
+        if !leading.is_empty() {
+            request.input[LEADING] = Value::Array(leading);
+        }
     }
     let Some(shape) = Shape::from_request(&request).filter(|shape| shape.store) else {
         return Ok(None);
@@ -650,7 +658,6 @@ async fn stored_request(
         terminal: last.filter(|event| is_terminal(&event.event_type)),
         request,
         shape,
-        leading_held_by,
     }))
 }
 
@@ -766,7 +773,8 @@ pub async fn create_response(
     let mut session = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let mut chain = None;
     if let Some(previous_id) = &request.previous_response_id {
-        let Some(previous) = stored_request(store.as_ref(), &caller, previous_id).await? else {
+        let read = stored_request(store.as_ref(), &caller, previous_id, Instructions::Unread);
+        let Some(previous) = read.await? else {
             return Err(response_not_found(
                 previous_id,
                 Some("previous_response_id"),
@@ -788,18 +796,12 @@ pub async fn create_response(
                     .as_ref()
                     .and_then(|(_, message_id)| message_id.clone());
                 messages.extend(answer.map(|(answer, _)| answer));
-                // Instructions the same as the previous turn's are named, not stored again.
-                let same_leading = !leading.is_empty()
-                    && previous
-                        .request
-                        .input
-                        .get(LEADING)
-                        .and_then(Value::as_array)
-                        == Some(&leading);
                 Chain::Continued {
                     through: through.to_owned(),
                     answer_message,
-                    leading_held_by: previous.leading_held_by.clone().filter(|_| same_leading),
+                    // Instructions the same as the previous turn's are named, not stored
+                    // again.
+                    leading_held_by: crate::runtime::held_leading(&previous.request, &leading),
                 }
             }
             // Another session (or a response stored before chains were held in the session)
@@ -903,7 +905,8 @@ pub async fn get_response(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let store = state.runtime.store();
-    let Some(stored) = stored_request(store.as_ref(), &caller, &id).await? else {
+    let Some(stored) = stored_request(store.as_ref(), &caller, &id, Instructions::Read).await?
+    else {
         return Err(response_not_found(&id, None));
     };
     Ok(JsonText(stored.shape.object_text(&stored_outcome(&stored))).into_response())

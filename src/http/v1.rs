@@ -459,7 +459,7 @@ pub(super) enum Chain {
     Continued {
         through: String,
         answer_message: Option<String>,
-        leading_held_by: Option<String>,
+        leading_held_by: Option<crate::runtime::HeldLeading>,
     },
     /// From a copy of the whole chain at the start of the turn's messages.
     Copied,

@@ -75,6 +75,50 @@ pub const LEADING: &str = "leading";
 /// the chain, not once a turn (docs/profiling.md, the eighty-first pass).
 pub const LEADING_OF: &str = "leadingOf";
 
+/// The key of a stored request input holding, beside [`LEADING_OF`], the SHA-256 of the
+/// leading messages it names: a later turn compares its own with it, reading nothing.
+const LEADING_DIGEST: &str = "leadingDigest";
+
+/// Where a request's leading messages are held already ([`LEADING_OF`]): the request whose
+/// input holds them, and their digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLeading {
+    pub request: String,
+    pub digest: String,
+}
+
+/// The SHA-256 of leading messages as their JSON text, in hex.
+fn leading_digest(leading: &[Value]) -> String {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_string(leading).unwrap_or_default();
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+/// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the
+/// turn before, in the same session) leads with: `previous` itself when its input holds
+/// them, else the request it names, when their digests agree. Nothing is read.
+pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldLeading> {
+    if leading.is_empty() {
+        return None;
+    }
+    if let Some(theirs) = previous.input.get(LEADING).and_then(Value::as_array) {
+        return (theirs.as_slice() == leading).then(|| HeldLeading {
+            request: previous.id.clone(),
+            digest: leading_digest(leading),
+        });
+    }
+    let holder = previous.input.get(LEADING_OF)?.as_str()?;
+    let theirs = previous.input.get(LEADING_DIGEST)?.as_str()?;
+    let digest = leading_digest(leading);
+    (digest == theirs).then(|| HeldLeading {
+        request: holder.to_owned(),
+        digest,
+    })
+}
+
 /// What a follower of a request is told when the store refused the request's first write
 /// (the journal's log has the store's own error).
 const REQUEST_NOT_STORED: &str =
@@ -342,9 +386,9 @@ pub struct NewRequest {
     /// instructions): stored with the request, never in the session.
     pub leading: Vec<Value>,
     /// A request of the same session whose input holds `leading` already, the same messages
-    /// (a Responses chain's turn before, or the one it names): the input names it instead
-    /// of holding them again ([`LEADING_OF`]).
-    pub leading_held_by: Option<String>,
+    /// (a Responses chain's turn before, or the one it names, [`held_leading`]): the input
+    /// names it instead of holding them again ([`LEADING_OF`]).
+    pub leading_held_by: Option<HeldLeading>,
     /// A later request may continue from this one's transcript (a stored Responses turn):
     /// when all its messages are stored in the session, its input names where they end
     /// ([`TRANSCRIPT_THROUGH`]).
@@ -785,7 +829,10 @@ impl Runtime {
         };
         match request.leading_held_by {
             _ if request.leading.is_empty() => {}
-            Some(holder) => input[LEADING_OF] = Value::String(holder),
+            Some(held) => {
+                input[LEADING_OF] = Value::String(held.request);
+                input[LEADING_DIGEST] = Value::String(held.digest);
+            }
             None => input[LEADING] = Value::Array(request.leading),
         }
         // The ids of the messages stored in the session, known before the input names the
@@ -1341,5 +1388,44 @@ struct ReleaseOnDrop {
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         self.hub.release(&self.request_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{HeldLeading, LEADING, LEADING_DIGEST, LEADING_OF, held_leading, leading_digest};
+    use crate::store::test_records::request;
+
+    /// A turn's leading messages are held by the turn before when its input holds the same,
+    /// or by the request that one names when their digests agree; anything else is its own.
+    #[test]
+    fn leading_messages_are_held_by_the_turn_before_or_the_request_it_names() {
+        let rules = vec![json!({ "role": "system", "content": "Be brief." })];
+        let other = vec![json!({ "role": "system", "content": "Be long." })];
+        let mut holder = request("req_1", "ses_1");
+        holder.input = json!({ LEADING: rules });
+        let held = held_leading(&holder, &rules);
+        assert_eq!(
+            held,
+            Some(HeldLeading {
+                request: "req_1".into(),
+                digest: leading_digest(&rules),
+            })
+        );
+        assert_eq!(held_leading(&holder, &other), None);
+        assert_eq!(held_leading(&holder, &[]), None);
+
+        let mut naming = request("req_2", "ses_1");
+        naming.input = json!({ LEADING_OF: "req_1", LEADING_DIGEST: leading_digest(&rules) });
+        assert_eq!(
+            held_leading(&naming, &rules).map(|h| h.request),
+            Some("req_1".into())
+        );
+        assert_eq!(held_leading(&naming, &other), None);
+        assert_eq!(held_leading(&request("req_3", "ses_1"), &rules), None);
+        assert_ne!(leading_digest(&rules), leading_digest(&other));
+        assert_eq!(leading_digest(&rules).len(), 64);
     }
 }

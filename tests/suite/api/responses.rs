@@ -709,6 +709,14 @@ async fn a_chains_instructions_the_same_each_turn_are_stored_once(database_url: 
             } else {
                 assert_eq!(input["leadingOf"], json!(requests[holder]), "turn {turn}");
                 assert!(input.get("leading").is_none(), "turn {turn}: {input}");
+                // With their digest, which the next turn compares its own with.
+                let digest = input["leadingDigest"].as_str().unwrap_or_default();
+                assert_eq!(digest.len(), 64, "turn {turn}: {input}");
+                assert_eq!(
+                    input["leadingDigest"],
+                    inputs[holder + 1]["leadingDigest"],
+                    "turn {turn}"
+                );
             }
         }
     }
