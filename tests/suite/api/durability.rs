@@ -335,6 +335,31 @@ async fn a_chat_turn_parked_in_a_session_resumes_with_the_transcript_it_was_sent
     a_parked_session_turn_resumes_after_kill_9(Surface::Chat).await;
 }
 
+/// After a restart: the approval pending before the crash is pending again, the same one,
+/// and an operator approves it.
+async fn approve_again_after_restart(
+    http: &reqwest::Client,
+    base: &str,
+    approval: &serde_json::Value,
+) {
+    let again = super::pending_approval_at(http, base).await;
+    assert_eq!(
+        again["id"], approval["id"],
+        "the same approval survived the crash"
+    );
+    let decided = http
+        .post(format!(
+            "{base}/admin/approvals/{}/approve",
+            approval["id"].as_str().unwrap()
+        ))
+        .bearer_auth(ADMIN_KEY)
+        .json(&json!({ "reason": "after restart" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(decided.status(), 200);
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Surface {
     Runtime,
@@ -417,19 +442,7 @@ async fn a_parked_session_turn_resumes_after_kill_9(surface: Surface) {
     assert!(!state.to_string().contains("first answer"), "{state}");
 
     let (mut second, base) = start_server(workspace.path());
-    let again = super::pending_approval_at(&http, &base).await;
-    assert_eq!(again["id"], approval["id"]);
-    let decided = http
-        .post(format!(
-            "{base}/admin/approvals/{}/approve",
-            approval["id"].as_str().unwrap()
-        ))
-        .bearer_auth(ADMIN_KEY)
-        .json(&json!({ "reason": "after restart" }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(decided.status(), 200);
+    approve_again_after_restart(&http, &base, &approval).await;
     let view = super::wait_until_done_at(&http, &base, &request_id).await;
     assert_eq!(view["output"], "refund done after the crash", "{view}");
     assert_eq!(tools.count("/refund"), 1, "the tool ran exactly once");
@@ -490,22 +503,7 @@ async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the
     let _ = first.wait();
 
     let (mut second, base) = start_server(workspace.path());
-    let again = super::pending_approval_at(&http, &base).await;
-    assert_eq!(
-        again["id"], approval["id"],
-        "the same approval survived the crash"
-    );
-    let decided = http
-        .post(format!(
-            "{base}/admin/approvals/{}/approve",
-            approval["id"].as_str().unwrap()
-        ))
-        .bearer_auth(ADMIN_KEY)
-        .json(&json!({ "reason": "after restart" }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(decided.status(), 200);
+    approve_again_after_restart(&http, &base, &approval).await;
     let view = super::wait_until_done_at(&http, &base, &request_id).await;
     assert_eq!(view["status"], "completed", "{view}");
     assert_eq!(view["output"], "refund done after the crash");

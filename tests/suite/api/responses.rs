@@ -91,6 +91,21 @@ fn roles(call: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The coder agent's app on the store at `database_url` (the embedded one without), with
+/// its upstream and its tools' server.
+async fn coder_app_on(database_url: Option<String>) -> (MockUpstream, ToolServer, TestApp) {
+    let upstream = MockUpstream::start().await;
+    let tools = ToolServer::start().await;
+    let app = TestApp::spawn_on(
+        coder_workspace(&upstream, &tools, "5s"),
+        database_url,
+        &[CLIENT_KEY],
+        &[ADMIN_KEY],
+    )
+    .await;
+    (upstream, tools, app)
+}
+
 async fn stored_and_chained(database_url: Option<String>) {
     let upstream = MockUpstream::start().await;
     let tools = ToolServer::start().await;
@@ -487,15 +502,7 @@ async fn a_transcript_sent_whole_into_a_session_is_stored_once() {
 /// a turn the client puts in another session; a chain branches from any of its responses.
 async fn a_chain_is_held_in_its_session(database_url: Option<String>) {
     let embedded = database_url.is_none();
-    let upstream = MockUpstream::start().await;
-    let tools = ToolServer::start().await;
-    let app = TestApp::spawn_on(
-        coder_workspace(&upstream, &tools, "5s"),
-        database_url,
-        &[CLIENT_KEY],
-        &[ADMIN_KEY],
-    )
-    .await;
+    let (upstream, _tools, app) = coder_app_on(database_url).await;
     // Twenty turns: past the length from which the runtime keeps a session's newest path in
     // memory (32 messages), so that later turns read only what is below it.
     const TURNS: usize = 20;
@@ -644,15 +651,7 @@ on_both_stores!(a_chains_instructions_the_same_each_turn_are_stored_once);
 /// stored anew and named from there on.
 async fn a_chains_instructions_the_same_each_turn_are_stored_once(database_url: Option<String>) {
     let embedded = database_url.is_none();
-    let upstream = MockUpstream::start().await;
-    let tools = ToolServer::start().await;
-    let app = TestApp::spawn_on(
-        coder_workspace(&upstream, &tools, "5s"),
-        database_url,
-        &[CLIENT_KEY],
-        &[ADMIN_KEY],
-    )
-    .await;
+    let (upstream, _tools, app) = coder_app_on(database_url).await;
     let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B", "Rule B"];
     // The sixth turn's first run fails; an operator retries it.
     upstream.push((1..=5).map(|n| Reply::Text(format!("a{n}"))));
