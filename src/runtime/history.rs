@@ -106,7 +106,8 @@ impl Histories {
         kept: Option<KeptPrefix>,
         read: PathBelow,
     ) -> Arc<Vec<Value>> {
-        let was_kept = kept.is_some();
+        // Only a kept path extended takes its own place; a new branch must find room.
+        let was_kept = kept.is_some() && read.below_known;
         let (mut messages, prefix_bytes) = match kept {
             Some((known, prefix, prefix_bytes)) if read.below_known => {
                 if read.messages.is_empty() {
@@ -152,32 +153,36 @@ impl Histories {
         drop(kept.remove(session, |path| path.through == known));
     }
 
-    /// The branch of `session` used last (its newest path, as a turn that continues the
-    /// session's newest leaf reads it): where it ends, its messages and their estimated size.
+    /// The branch of `session` used last (most often its newest path, which a turn
+    /// continuing the session's newest leaf reads below): where it ends, its messages and
+    /// their estimated size.
     pub(crate) fn kept_path(&self, session: &str) -> Option<KeptPrefix> {
         self.lock().take_branch(session, |branches| {
             branches
                 .iter()
-                .enumerate()
-                .max_by_key(|(_, path)| path.used)
-                .map(|(at, _)| at)
+                .max_by_key(|path| path.used)
+                .map(|path| path.through.clone())
         })
     }
 
     /// The longest branch of `session` that `sent` starts with whole ([`matching_prefix`]):
-    /// the conversation a client's transcript continues, when it is one of those kept.
+    /// the conversation a client's transcript continues, when it is one of those kept. The
+    /// branches are compared outside the lock, which every session's turns share.
     pub(crate) fn kept_branch_under(&self, session: &str, sent: &[Value]) -> Option<KeptPrefix> {
-        self.lock().take_branch(session, |branches| {
-            branches
-                .iter()
-                .enumerate()
-                .filter(|(_, path)| {
-                    !path.messages.is_empty()
-                        && matching_prefix(&path.messages, sent) == path.messages.len()
-                })
-                .max_by_key(|(_, path)| path.messages.len())
-                .map(|(at, _)| at)
-        })
+        let branches: Vec<(String, Arc<Vec<Value>>)> = self
+            .lock()
+            .paths
+            .get(session)?
+            .iter()
+            .map(|path| (path.through.clone(), Arc::clone(&path.messages)))
+            .collect();
+        let (through, _) = branches
+            .into_iter()
+            .filter(|(_, messages)| {
+                !messages.is_empty() && matching_prefix(messages, sent) == messages.len()
+            })
+            .max_by_key(|(_, messages)| messages.len())?;
+        self.lock().take_branch(session, |_| Some(through))
     }
 
     /// Keeps `messages` as the path of `session`, the least recently used paths making room;
@@ -238,18 +243,18 @@ impl Histories {
 }
 
 impl Kept {
-    /// The branch of `session` that `pick` picks among its branches, marked used: where it
-    /// ends, its messages and their estimated size.
+    /// The branch of `session` through the message `pick` names among its branches, marked
+    /// used: where it ends, its messages and their estimated size.
     fn take_branch(
         &mut self,
         session: &str,
-        pick: impl FnOnce(&[KeptPath]) -> Option<usize>,
+        pick: impl FnOnce(&[KeptPath]) -> Option<String>,
     ) -> Option<KeptPrefix> {
         self.clock += 1;
         let now = self.clock;
         let branches = self.paths.get_mut(session)?;
-        let at = pick(branches)?;
-        let path = branches.get_mut(at)?;
+        let through = pick(branches)?;
+        let path = branches.iter_mut().find(|path| path.through == through)?;
         path.used = now;
         path.used_at = Instant::now();
         Some((path.through.clone(), Arc::clone(&path.messages), path.bytes))
@@ -346,6 +351,22 @@ pub(crate) fn matching_prefix(path: &[Value], sent: &[Value]) -> usize {
         .count()
 }
 
+/// Whether the path a read gives ([`Histories::joined`]: `read` below `kept` when it passes
+/// through it, else `read` alone) is `sent`, message for message, `kept` being a branch that
+/// `sent` starts with ([`Histories::kept_branch_under`]).
+pub(crate) fn read_path_is(kept: &Option<KeptPrefix>, read: &PathBelow, sent: &[Value]) -> bool {
+    let prefix: &[Value] = match kept {
+        Some((_, prefix, _)) if read.below_known => prefix,
+        _ => &[],
+    };
+    prefix.len().saturating_add(read.messages.len()) == sent.len()
+        && read
+            .messages
+            .iter()
+            .zip(&sent[prefix.len()..])
+            .all(|(stored, sent)| same_message(&stored.content, sent))
+}
+
 /// Whether `sent` says what `stored` says, as [`matching_prefix`] compares them.
 pub(crate) fn same_message(stored: &Value, sent: &Value) -> bool {
     if stored == sent {
@@ -401,7 +422,8 @@ mod tests {
     use serde_json::json;
 
     use super::{
-        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, estimated_bytes, known, matching_prefix,
+        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, estimated_bytes, known,
+        matching_prefix, read_path_is,
     };
 
     /// Kept paths that any other session may replace at once.
@@ -538,6 +560,52 @@ mod tests {
         );
         histories.forget("s", "a2");
         assert_eq!(histories.held().0, MOST_BRANCHES - 1);
+    }
+
+    /// A path read is the transcript's start when the kept branch it was read below (if it
+    /// passed through it) and what was read are the transcript, message for message.
+    #[test]
+    fn a_path_read_below_a_kept_branch_is_the_transcript_only_when_all_of_it_says_the_same() {
+        let said = |text: &str| json!({ "role": "user", "content": text });
+        let record = |text: &str| crate::store::MessageRecord {
+            id: format!("msg_{text}"),
+            session_id: "s".into(),
+            parent_id: None,
+            request_id: None,
+            role: "user".into(),
+            content: said(text),
+            created_at: chrono::Utc::now(),
+        };
+        let read = |texts: &[&str], below_known: bool| PathBelow {
+            messages: texts.iter().map(|t| record(t)).collect(),
+            below_known,
+        };
+        let kept = Some((
+            "msg_a2".to_owned(),
+            Arc::new(vec![said("a1"), said("a2")]),
+            100,
+        ));
+        let sent = [said("a1"), said("a2"), said("a3"), said("a4")];
+        assert!(read_path_is(&kept, &read(&["a3", "a4"], true), &sent));
+        assert!(!read_path_is(&kept, &read(&["a3", "b4"], true), &sent));
+        assert!(!read_path_is(&kept, &read(&["a3"], true), &sent));
+        assert!(!read_path_is(
+            &kept,
+            &read(&["a3", "a4", "a5"], true),
+            &sent
+        ));
+        // Not below the kept branch: what was read is the whole path.
+        assert!(read_path_is(
+            &kept,
+            &read(&["a1", "a2", "a3", "a4"], false),
+            &sent
+        ));
+        assert!(!read_path_is(&kept, &read(&["a3", "a4"], false), &sent));
+        assert!(read_path_is(
+            &None,
+            &read(&["a1", "a2", "a3", "a4"], true),
+            &sent
+        ));
     }
 
     #[test]

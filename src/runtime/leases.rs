@@ -194,7 +194,13 @@ impl Runtime {
             (Some(_), None) => (request.agent_id.clone(), 0),
             (None, _) => (request.agent_id.clone(), input.len()),
         };
-        let messages = run::resumed_transcript(input, run.state.as_ref());
+        let (messages, cannot_resume) = match run::resumed_transcript(input, run.state.as_ref()) {
+            Ok(messages) => (messages, None),
+            Err(reason) => {
+                tracing::error!(request_id = %request.id, run_id = %run.id, %reason, "a run cannot resume");
+                (crate::adapters::Transcript::default(), Some(reason))
+            }
+        };
         let options = request
             .input
             .get("options")
@@ -226,6 +232,7 @@ impl Runtime {
             resumed: true,
             attempt: run.attempt,
             cancel_by: run.cancel_requested_by.clone(),
+            cannot_resume,
             permit,
             slot: None,
         });

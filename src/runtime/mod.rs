@@ -306,12 +306,27 @@ async fn other_branch(
         .iter()
         .filter(|answer| history::same_message(&answer.content, &sent[answer_at]));
     for answer in alike.take(BRANCHES_TRIED) {
+        // An answer alike in another conversation is passed over by the message before it
+        // (one read by id) before its path is walked.
+        let before = match (&answer.parent_id, answer_at.checked_sub(1)) {
+            (None, None) => true,
+            (Some(parent), Some(at)) => store
+                .message(parent)
+                .await?
+                .is_some_and(|parent| history::same_message(&parent.content, &sent[at])),
+            _ => false,
+        };
+        if !before {
+            continue;
+        }
         let kept = histories.kept_branch_under(session_id, sent);
         let read = store
             .message_path_below(&answer.id, history::known(&kept))
             .await?;
-        let path = histories.joined(session_id, &answer.id, kept, read);
-        if path.len() == answer_at + 1 && history::matching_prefix(&path, sent) == path.len() {
+        // Kept only when it is the transcript's start: an answer passed over leaves the
+        // kept branches as they were.
+        if history::read_path_is(&kept, &read, &sent[..=answer_at]) {
+            let path = histories.joined(session_id, &answer.id, kept, read);
             return Ok(Some((answer.id.clone(), path.len())));
         }
     }
@@ -536,7 +551,7 @@ struct Inner {
     retrying: tokio::sync::Mutex<()>,
     /// Held by a reload: one at a time.
     reloading: tokio::sync::Mutex<()>,
-    /// The newest history path of recently continued sessions.
+    /// The newest history paths of recently continued sessions (up to four branches of one).
     histories: history::Histories,
 }
 
@@ -994,6 +1009,7 @@ impl Runtime {
             resumed: false,
             attempt: 1,
             cancel_by: None,
+            cannot_resume: None,
             permit: Some(permit),
             slot,
         });

@@ -61,6 +61,9 @@ pub(super) struct RunJob {
     pub attempt: i64,
     /// Who cancelled the run before it started here (claimed only to be ended).
     pub cancel_by: Option<String>,
+    /// Why a resumed run cannot go on ([`resumed_transcript`]): it fails with this, running
+    /// nothing.
+    pub cannot_resume: Option<String>,
     /// Counts the run against admission until it ends or parks (`None`: a run claimed only
     /// to be ended counts against nothing).
     pub permit: Option<OwnedSemaphorePermit>,
@@ -873,6 +876,7 @@ pub(super) async fn execute(
         resumed,
         attempt,
         cancel_by: _,
+        cannot_resume,
         permit,
         slot,
     } = job;
@@ -963,7 +967,9 @@ pub(super) async fn execute(
         )
         .with_key_labels(events.key_labels.clone())
     };
-    let result = if let Some((workflow, step, tool)) = tool_node {
+    let result = if let Some(reason) = cannot_resume {
+        Err(AdapterError::new(FailureKind::Unsupported, reason))
+    } else if let Some((workflow, step, tool)) = tool_node {
         let caller = super::workflow::NodeJob::tool_caller(workflow, tool);
         let scope = scope(&caller);
         let arguments = node
@@ -1153,6 +1159,7 @@ async fn finish_node(
                     resumed: false,
                     attempt: i64::from(job.step) + 1,
                     cancel_by: None,
+                    cannot_resume: None,
                     permit: None,
                     slot: None,
                 });
@@ -1304,15 +1311,19 @@ fn checkpoint_state(messages: &Transcript, own_from: usize) -> Value {
 /// The transcript a resumed run goes on from: its `input` (as [`super::request_start`] read
 /// it) followed by what its checkpoint `state` says it added; a checkpoint of the whole
 /// transcript (a workflow node's, or any run's as builds before the eighty-first pass stored
-/// it) as it is. Without a checkpoint, or with one whose input had another length than
-/// `input` (the store keeps a path as it was, so nothing here wrote such a checkpoint), the
-/// run starts over from its input, as a run that crashed before its first checkpoint does.
-pub(super) fn resumed_transcript(input: Transcript, state: Option<&Value>) -> Transcript {
+/// it) as it is; without a checkpoint, its input. `Err` says why it cannot go on: a
+/// checkpoint whose input had another length than `input` (the store keeps a path as it
+/// was, so nothing this server writes does that) would put its calls in other places, where
+/// the results recorded for the calls that were there would answer them.
+pub(super) fn resumed_transcript(
+    input: Transcript,
+    state: Option<&Value>,
+) -> Result<Transcript, String> {
     let Some(state) = state else {
-        return input;
+        return Ok(input);
     };
     if let Some(whole) = state.get("messages").and_then(Value::as_array) {
-        return whole.clone().into();
+        return Ok(whole.clone().into());
     }
     let added = state.get(CHECKPOINT_ADDED).and_then(Value::as_array);
     let from = state.get(CHECKPOINT_OWN_FROM).and_then(Value::as_u64);
@@ -1322,15 +1333,12 @@ pub(super) fn resumed_transcript(input: Transcript, state: Option<&Value>) -> Tr
             for message in added {
                 messages.push(message.clone());
             }
-            messages
+            Ok(messages)
         }
-        _ => {
-            tracing::warn!(
-                input = input.len(),
-                "a run's checkpoint does not follow its input as the store holds it; the run starts over from its input"
-            );
-            input
-        }
+        _ => Err(format!(
+            "the run's checkpoint does not follow its input as the store holds it ({} messages), so its run cannot resume",
+            input.len()
+        )),
     }
 }
 
@@ -1703,7 +1711,7 @@ mod tests {
     /// A checkpoint holds what the run added after its input, not the input (the history
     /// least of all); resumed, the input read again and what was added are the transcript
     /// the run had. A whole transcript (a workflow node's) is taken as it is; a checkpoint
-    /// that does not follow the input is not glued to it.
+    /// that does not follow the input is refused.
     #[test]
     fn a_checkpoint_holds_what_the_run_added_and_resumes_after_its_input() {
         let mut running = input();
@@ -1717,16 +1725,17 @@ mod tests {
         assert!(!state.to_string().contains("h1"), "no history: {state}");
 
         let resumed = resumed_transcript(input(), Some(&state));
-        assert_eq!(resumed, running);
-        assert_eq!(resumed_transcript(input(), None), input());
+        assert_eq!(resumed, Ok(running));
+        assert_eq!(resumed_transcript(input(), None), Ok(input()));
         let whole = json!({ "messages": [said("a"), said("b")] });
         assert_eq!(
             resumed_transcript(input(), Some(&whole)),
-            Transcript::from(vec![said("a"), said("b")])
+            Ok(Transcript::from(vec![said("a"), said("b")]))
         );
+        // Its calls would be in other places: the run cannot resume.
         let elsewhere = json!({ "ownFrom": 3, "added": [said("x")] });
-        assert_eq!(resumed_transcript(input(), Some(&elsewhere)), input());
+        assert!(resumed_transcript(input(), Some(&elsewhere)).is_err());
         let broken = json!({ "ownFrom": 4 });
-        assert_eq!(resumed_transcript(input(), Some(&broken)), input());
+        assert!(resumed_transcript(input(), Some(&broken)).is_err());
     }
 }

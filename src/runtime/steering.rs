@@ -203,6 +203,7 @@ impl Runtime {
             resumed: false,
             attempt,
             cancel_by: None,
+            cannot_resume: None,
             permit: Some(permit),
             slot: None,
         });

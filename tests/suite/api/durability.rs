@@ -324,7 +324,15 @@ async fn a_session_turn_stores_only_its_own_messages_and_resumes_with_the_whole_
 /// resumes from its input read again and that, and the model sees the whole conversation.
 #[tokio::test]
 async fn a_checkpoint_stores_what_the_run_added_and_a_resumed_run_has_the_whole_history() {
-    a_parked_session_turn_resumes_after_kill_9(Surface::Runtime).await;
+    a_parked_session_turn_resumes_after_kill_9(Surface::Runtime, Checkpoint::AsStored).await;
+}
+
+/// A checkpoint that does not follow its input (its input counted otherwise, as nothing this
+/// server writes) fails its run after the restart, saying so, and runs nothing: started
+/// over, the model's new calls would take the places, and the recorded results, of others.
+#[tokio::test]
+async fn a_checkpoint_that_does_not_follow_its_input_fails_its_run_and_runs_nothing() {
+    a_parked_session_turn_resumes_after_kill_9(Surface::Runtime, Checkpoint::Misplaced).await;
 }
 
 /// The same for a chat client in a session, which sends its whole transcript: the turn's
@@ -332,7 +340,7 @@ async fn a_checkpoint_stores_what_the_run_added_and_a_resumed_run_has_the_whole_
 /// run has the transcript the client sent.
 #[tokio::test]
 async fn a_chat_turn_parked_in_a_session_resumes_with_the_transcript_it_was_sent() {
-    a_parked_session_turn_resumes_after_kill_9(Surface::Chat).await;
+    a_parked_session_turn_resumes_after_kill_9(Surface::Chat, Checkpoint::AsStored).await;
 }
 
 /// After a restart: the approval pending before the crash is pending again, the same one,
@@ -366,7 +374,15 @@ enum Surface {
     Chat,
 }
 
-async fn a_parked_session_turn_resumes_after_kill_9(surface: Surface) {
+/// The parked run's checkpoint as the restart finds it.
+#[derive(Clone, Copy, PartialEq)]
+enum Checkpoint {
+    AsStored,
+    /// Its input counted as two messages more than the store gives.
+    Misplaced,
+}
+
+async fn a_parked_session_turn_resumes_after_kill_9(surface: Surface, checkpoint: Checkpoint) {
     const SESSION: &str = "a-parked-conversation";
     stable_harness::app::install_crypto_provider();
     let upstream = MockUpstream::start().await;
@@ -440,6 +456,25 @@ async fn a_parked_session_turn_resumes_after_kill_9(surface: Surface) {
         "payments_refund"
     );
     assert!(!state.to_string().contains("first answer"), "{state}");
+    if checkpoint == Checkpoint::Misplaced {
+        let db = rusqlite::Connection::open(&db).unwrap();
+        let moved = db
+            .execute(
+                "UPDATE runs SET state = json_set(state, '$.ownFrom', 5) WHERE request_id = ?1",
+                [&request_id],
+            )
+            .unwrap();
+        assert_eq!(moved, 1);
+        let (mut second, base) = start_server(workspace.path());
+        let view = super::wait_until_done_at(&http, &base, &request_id).await;
+        assert_eq!(view["status"], "failed", "{view}");
+        let error = view["error"].to_string();
+        assert!(error.contains("cannot resume"), "{view}");
+        assert_eq!(tools.count("/refund"), 0, "nothing ran");
+        assert_eq!(upstream.calls().len(), 2, "the model was not asked again");
+        terminate(&mut second);
+        return;
+    }
 
     let (mut second, base) = start_server(workspace.path());
     approve_again_after_restart(&http, &base, &approval).await;
