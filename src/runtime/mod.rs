@@ -239,8 +239,9 @@ fn answered(sent: &[Value]) -> bool {
 /// How many of a session's newest answers are looked at for the one a client's transcript
 /// that leaves the session's newest path holds last (its conversation's newest turn).
 const ANSWERS_LOOKED_AT: u32 = 32;
-/// How many of those that say what that answer says have their path read (answers alike,
-/// "Done.", are each read until one's path is the transcript's).
+/// How many of those that say what that answer says, and follow what the transcript says
+/// before it, have their path read (answers alike, "Done.", are each looked at until one's
+/// path is the transcript's).
 const BRANCHES_TRIED: usize = 4;
 
 /// Where a session's history (`path`, through `leaf`) and a client's transcript part
@@ -305,7 +306,11 @@ async fn other_branch(
     let alike = answers
         .iter()
         .filter(|answer| history::same_message(&answer.content, &sent[answer_at]));
-    for answer in alike.take(BRANCHES_TRIED) {
+    let mut walked = 0;
+    for answer in alike {
+        if walked == BRANCHES_TRIED {
+            break;
+        }
         // An answer alike in another conversation is passed over by the message before it
         // (one read by id) before its path is walked.
         let before = match (&answer.parent_id, answer_at.checked_sub(1)) {
@@ -319,6 +324,7 @@ async fn other_branch(
         if !before {
             continue;
         }
+        walked += 1;
         let kept = histories.kept_branch_under(session_id, sent);
         let read = store
             .message_path_below(&answer.id, history::known(&kept))

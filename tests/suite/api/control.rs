@@ -732,33 +732,60 @@ on_both_stores!(two_chats_taking_turns_in_one_session_are_each_a_branch_stored_o
 async fn two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once(
     store: Option<String>,
 ) {
-    const ROUNDS: usize = 20;
+    chats_taking_turns_in_one_session(store, 2, 20, None).await;
+}
+
+on_both_stores!(five_chats_answered_alike_in_one_session_are_each_a_branch_stored_once);
+/// Five chats in one session, every answer the same words: the branch each turn continues is
+/// found among answers alike by the message before its answer, more chats than a session
+/// keeps branches of.
+async fn five_chats_answered_alike_in_one_session_are_each_a_branch_stored_once(
+    store: Option<String>,
+) {
+    chats_taking_turns_in_one_session(store, 5, 4, Some("Done.")).await;
+}
+
+/// `chats` chats taking turns in one session (`user`), `rounds` turns each, each answer
+/// `answer` (else an echo of the question): each message is stored once, the session's
+/// history is the chat that spoke last, and the last turn's input is its own message.
+async fn chats_taking_turns_in_one_session(
+    store: Option<String>,
+    chats: usize,
+    rounds: usize,
+    answer: Option<&str>,
+) {
     let embedded = store.is_none();
     let upstream = echoing_upstream().await;
+    if let Some(answer) = answer {
+        let answer = answer.to_owned();
+        upstream.set_responder(super::upstream::Responder::new(move |_| {
+            Reply::Text(answer.clone())
+        }));
+    }
     let app = spawn(api_workspace(&upstream, ""), store).await;
-    let mut chats: [Vec<Value>; 2] = [Vec::new(), Vec::new()];
+    let mut transcripts: Vec<Vec<Value>> = vec![Vec::new(); chats];
     let mut last_request = String::new();
-    for round in 1..=ROUNDS {
-        for (name, chat) in ["a", "b"].iter().zip(chats.iter_mut()) {
-            chat.push(json!({ "role": "user", "content": format!("{name}{round}") }));
+    for round in 1..=rounds {
+        for (chat, transcript) in transcripts.iter_mut().enumerate() {
+            transcript.push(json!({ "role": "user", "content": format!("c{chat}q{round}") }));
             let response = app
                 .http
                 .post(app.url("/v1/chat/completions"))
                 .bearer_auth(CLIENT_KEY)
-                .json(&json!({ "model": "assistant", "user": "ada", "messages": chat }))
+                .json(&json!({ "model": "assistant", "user": "ada", "messages": transcript }))
                 .send()
                 .await
                 .unwrap();
             assert_eq!(response.status(), 200);
             last_request = super::request_id_header(&response);
             let answer: Value = response.json().await.unwrap();
-            let sent: Vec<String> = chat
+            let sent: Vec<String> = transcript
                 .iter()
                 .map(|m| m["content"].as_str().unwrap().to_owned())
                 .collect();
             assert_eq!(last_heard(&upstream), sent);
             // As the OpenAI SDK sends an answer back: `refusal: null` and all.
-            chat.push(answer["choices"][0]["message"].clone());
+            transcript.push(answer["choices"][0]["message"].clone());
         }
     }
     let session = format!("user:{}:ada", stable_harness::http::fingerprint(CLIENT_KEY));
@@ -768,7 +795,7 @@ async fn two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once(
     assert_eq!(status, 200, "{view}");
     assert_eq!(
         view["messages"].as_array().unwrap().len(),
-        4 * ROUNDS,
+        2 * chats * rounds,
         "each message stored once: {view:#}"
     );
     // The session's newest path is the chat that spoke last, whole.
@@ -778,7 +805,7 @@ async fn two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once(
         .iter()
         .map(|m| m["content"]["content"].as_str().unwrap())
         .collect();
-    let said: Vec<&str> = chats[1]
+    let said: Vec<&str> = transcripts[chats - 1]
         .iter()
         .map(|m| m["content"].as_str().unwrap())
         .collect();
@@ -790,7 +817,7 @@ async fn two_chats_taking_turns_in_one_session_are_each_a_branch_stored_once(
         );
         assert_eq!(
             input["messages"],
-            json!([{ "role": "user", "content": format!("b{ROUNDS}") }]),
+            json!([{ "role": "user", "content": format!("c{}q{rounds}", chats - 1) }]),
             "{input}"
         );
         assert!(input["historyThrough"].is_string(), "{input}");
