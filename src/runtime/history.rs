@@ -28,8 +28,9 @@ const BUDGET_BYTES: usize = 16 << 20;
 const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
 /// The most paths kept, all sessions' branches together.
 const MOST_PATHS: usize = 1024;
-/// The most branches of one session kept: its conversations going on at once.
-const MOST_BRANCHES: usize = 4;
+/// The most branches of one session kept: its conversations going on at once (one more
+/// than the conversations taking turns, since a turn's read keeps the newest path as well).
+const MOST_BRANCHES: usize = 8;
 /// Shorter paths are read whole each time: a few rows, cheaper than keeping them.
 const LEAST_KEPT: usize = 32;
 /// How long a kept path must have gone unused before a session not kept may take its place.
@@ -548,8 +549,9 @@ mod tests {
         assert!(histories.kept_branch_under("t", &sent).is_none());
         keep("a2", &["a1", "a2"]);
         assert_eq!(histories.held(), (3, 300), "kept again, not twice");
-        keep("c1", &["c1"]);
-        keep("d1", &["d1"]);
+        for n in 0..MOST_BRANCHES - 2 {
+            keep(&format!("c{n}"), &["c"]);
+        }
         let (branches, _) = histories.held();
         assert_eq!(branches, MOST_BRANCHES);
         assert!(

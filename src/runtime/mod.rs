@@ -557,7 +557,7 @@ struct Inner {
     retrying: tokio::sync::Mutex<()>,
     /// Held by a reload: one at a time.
     reloading: tokio::sync::Mutex<()>,
-    /// The newest history paths of recently continued sessions (up to four branches of one).
+    /// The newest history paths of recently continued sessions (up to eight branches of one).
     histories: history::Histories,
 }
 
