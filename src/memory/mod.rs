@@ -176,7 +176,8 @@ pub fn search_words(text: &str) -> Vec<String> {
     words
 }
 
-fn sha256_hex(text: &str) -> String {
+/// The SHA-256 of `text`, in hex.
+pub(crate) fn sha256_hex(text: &str) -> String {
     let digest = Sha256::digest(text.as_bytes());
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -168,7 +168,7 @@ impl Runtime {
     /// (or its input), with its events continuing the request's sequence.
     pub(super) async fn resume_run(
         &self,
-        run: RunRecord,
+        mut run: RunRecord,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<bool, RuntimeError> {
         let store = &self.inner.store;
@@ -194,7 +194,7 @@ impl Runtime {
             (Some(_), None) => (request.agent_id.clone(), 0),
             (None, _) => (request.agent_id.clone(), input.len()),
         };
-        let (messages, cannot_resume) = match run::resumed_transcript(input, run.state.as_ref()) {
+        let (messages, cannot_resume) = match run::resumed_transcript(input, run.state.take()) {
             Ok(messages) => (messages, None),
             Err(reason) => {
                 tracing::error!(request_id = %request.id, run_id = %run.id, %reason, "a run cannot resume");

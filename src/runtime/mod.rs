@@ -89,12 +89,7 @@ pub struct HeldLeading {
 
 /// The SHA-256 of leading messages as their JSON text, in hex.
 fn leading_digest(leading: &[Value]) -> String {
-    use sha2::{Digest, Sha256};
-    let text = serde_json::to_string(leading).unwrap_or_default();
-    Sha256::digest(text.as_bytes())
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    crate::memory::sha256_hex(&serde_json::to_string(leading).unwrap_or_default())
 }
 
 /// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the
@@ -295,12 +290,15 @@ async fn other_branch(
     if answer_at < matched {
         return Ok(None);
     }
+    // The longest kept branch the transcript starts with: each path read below it, and a
+    // candidate passed over leaves the kept branches as they were, so it serves them all.
+    let kept = histories.kept_branch_under(session_id, sent);
     // A branch kept through that answer: a conversation whose turn was the session's newest
     // when another's came (that read extended its path). Nothing to read.
-    if let Some((through, path, _)) = histories.kept_branch_under(session_id, sent)
+    if let Some((through, path, _)) = &kept
         && path.len() == answer_at + 1
     {
-        return Ok(Some((through, path.len())));
+        return Ok(Some((through.clone(), path.len())));
     }
     let answers = store.newest_answers(session_id, ANSWERS_LOOKED_AT).await?;
     let alike = answers
@@ -325,7 +323,6 @@ async fn other_branch(
             continue;
         }
         walked += 1;
-        let kept = histories.kept_branch_under(session_id, sent);
         let read = store
             .message_path_below(&answer.id, history::known(&kept))
             .await?;

@@ -1317,21 +1317,24 @@ fn checkpoint_state(messages: &Transcript, own_from: usize) -> Value {
 /// the results recorded for the calls that were there would answer them.
 pub(super) fn resumed_transcript(
     input: Transcript,
-    state: Option<&Value>,
+    state: Option<Value>,
 ) -> Result<Transcript, String> {
-    let Some(state) = state else {
-        return Ok(input);
+    let mut state = match state {
+        None => return Ok(input),
+        Some(Value::Object(state)) => state,
+        Some(_) => Default::default(),
     };
-    if let Some(whole) = state.get("messages").and_then(Value::as_array) {
-        return Ok(whole.clone().into());
+    if let Some(Value::Array(whole)) = state.remove("messages") {
+        return Ok(whole.into());
     }
-    let added = state.get(CHECKPOINT_ADDED).and_then(Value::as_array);
     let from = state.get(CHECKPOINT_OWN_FROM).and_then(Value::as_u64);
-    match (added, from) {
-        (Some(added), Some(from)) if usize::try_from(from).ok() == Some(input.len()) => {
+    match (state.remove(CHECKPOINT_ADDED), from) {
+        (Some(Value::Array(added)), Some(from))
+            if usize::try_from(from).ok() == Some(input.len()) =>
+        {
             let mut messages = input;
             for message in added {
-                messages.push(message.clone());
+                messages.push(message);
             }
             Ok(messages)
         }
@@ -1724,18 +1727,18 @@ mod tests {
         assert_eq!(state["added"].as_array().map(Vec::len), Some(2), "{state}");
         assert!(!state.to_string().contains("h1"), "no history: {state}");
 
-        let resumed = resumed_transcript(input(), Some(&state));
+        let resumed = resumed_transcript(input(), Some(state));
         assert_eq!(resumed, Ok(running));
         assert_eq!(resumed_transcript(input(), None), Ok(input()));
         let whole = json!({ "messages": [said("a"), said("b")] });
         assert_eq!(
-            resumed_transcript(input(), Some(&whole)),
+            resumed_transcript(input(), Some(whole)),
             Ok(Transcript::from(vec![said("a"), said("b")]))
         );
         // Its calls would be in other places: the run cannot resume.
         let elsewhere = json!({ "ownFrom": 3, "added": [said("x")] });
-        assert!(resumed_transcript(input(), Some(&elsewhere)).is_err());
+        assert!(resumed_transcript(input(), Some(elsewhere)).is_err());
         let broken = json!({ "ownFrom": 4 });
-        assert!(resumed_transcript(input(), Some(&broken)).is_err());
+        assert!(resumed_transcript(input(), Some(broken)).is_err());
     }
 }
