@@ -931,24 +931,14 @@ fn request_body(
         .map(|instructions| json!({ "role": "system", "content": instructions }));
     // What memory recalled comes after the agent's own instructions, in its own block.
     let memory = crate::memory::context_message(context.memory);
-    let messages = system
-        .iter()
-        .chain(memory.iter())
-        .chain(request.messages.iter());
+    let first: Vec<&Value> = system.iter().chain(memory.iter()).collect();
     let fields = request_fields(context, request, model, streaming);
     // Sized for the messages' text, most of a long conversation's body, so that the buffer
     // is not grown and copied a doubling at a time.
-    let text: usize = messages
-        .clone()
-        .map(|message| {
-            message
-                .get("content")
-                .and_then(Value::as_str)
-                .map_or(0, str::len)
-                .saturating_add(64)
-        })
-        .fold(1024, usize::saturating_add);
-    write_request(&fields, messages, request.functions, text).into_bytes()
+    let text = super::transcript::estimated_text_bytes(first.iter().copied())
+        .saturating_add(request.messages.estimated_text_bytes())
+        .saturating_add(1024);
+    write_request(&fields, first, request.messages, request.functions, text).into_bytes()
 }
 
 /// The upstream request's fields but its `messages` and its `tools` (when the turn offers
@@ -1003,9 +993,10 @@ fn request_fields(
 /// built. The transcript and the tools are written from the run's own values: the
 /// transcript, as long as the conversation, was copied whole into a map for every model
 /// call, then written and dropped (docs/profiling.md, the fiftieth pass).
-fn write_request<'a>(
+fn write_request(
     fields: &Map<String, Value>,
-    messages: impl Iterator<Item = &'a Value>,
+    first: Vec<&Value>,
+    messages: &super::Transcript,
     functions: &[Value],
     capacity: usize,
 ) -> String {
@@ -1024,15 +1015,11 @@ fn write_request<'a>(
     }
     // A map's keys in its order (`request_fields` left neither key in `fields`).
     entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let mut messages = Some(messages);
+    let mut first = Some(first);
     let mut out = String::with_capacity(capacity);
     crate::json::write_object(&mut out, entries, |out, entry| match entry {
         Entry::Field(value) => crate::json::write(out, value),
-        Entry::Messages => crate::json::write_array(
-            out,
-            messages.take().into_iter().flatten(),
-            crate::json::write,
-        ),
+        Entry::Messages => messages.write_array(out, first.take().into_iter().flatten()),
         Entry::Tools => crate::json::write_array(out, functions, crate::json::write),
     });
     out
@@ -1167,9 +1154,12 @@ fn transport_error(model: &ModelConfig, error: &impl CallFailure) -> AdapterErro
 /// `retry-after` in seconds (the HTTP-date form is rare for APIs and falls back to backoff).
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use proptest::prelude::*;
     use serde_json::{Value, json};
 
+    use super::super::{SharedHistory, Transcript};
     use super::{
         MAX_FUNCTION_NAME_BYTES, MAX_TOOL_CALLS_PER_TURN, MAX_TURN_ARGUMENT_BYTES,
         StreamedCallError, StreamedCalls, write_request,
@@ -1185,6 +1175,13 @@ mod tests {
             json!({ "role": "system", "content": "Be brief." }),
             json!({ "role": "user", "content": "hé \"x\"\n\u{1}" }),
         ];
+        // The system message first, the user's in a shared history: its text written by the
+        // first request and reused by the others.
+        let transcript = Transcript::new(
+            Vec::new(),
+            Some(Arc::new(SharedHistory::from(messages[1..].to_vec()))),
+            Vec::new(),
+        );
         let functions =
             [json!({ "type": "function", "function": { "name": "f", "parameters": {} } })];
         let field_sets = [
@@ -1205,7 +1202,7 @@ mod tests {
                 }
                 let expected = serde_json::to_string(&map).expect("a map serializes");
                 assert_eq!(
-                    write_request(&fields, messages.iter(), offered, 16),
+                    write_request(&fields, vec![&messages[0]], &transcript, offered, 16),
                     expected
                 );
             }
@@ -1215,7 +1212,7 @@ mod tests {
         let mut map = configured.clone();
         map.insert("messages".into(), messages.to_vec().into());
         assert_eq!(
-            write_request(&configured, messages.iter(), &[], 16),
+            write_request(&configured, vec![&messages[0]], &transcript, &[], 16),
             serde_json::to_string(&map).expect("a map serializes")
         );
     }

@@ -7,8 +7,14 @@
 //! the eightieth pass). Here the history is shared, never changed: what comes before it
 //! (a request's leading system messages) and what follows it (the request's own messages,
 //! then what the run adds) are the transcript's own.
+//!
+//! The shared history carries its JSON text too, written by the first model call that sends
+//! it and extended by later ones: the next turn of the conversation writes only what it
+//! added, not the whole history again (at 5,000 messages, writing it was ~30% of the
+//! server's CPU a turn: docs/profiling.md, the eighty-second pass).
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
 
 use serde::ser::{Serialize, Serializer};
 use serde_json::Value;
@@ -18,13 +24,13 @@ use serde_json::Value;
 pub struct Transcript {
     leading: Vec<Value>,
     /// `None` for a request that continues no history (most): nothing allocated for it.
-    history: Option<Arc<Vec<Value>>>,
+    history: Option<Arc<SharedHistory>>,
     rest: Vec<Value>,
 }
 
 impl Transcript {
     /// `leading`, the shared `history` (if any) and `rest`, in that order.
-    pub fn new(leading: Vec<Value>, history: Option<Arc<Vec<Value>>>, rest: Vec<Value>) -> Self {
+    pub fn new(leading: Vec<Value>, history: Option<Arc<SharedHistory>>, rest: Vec<Value>) -> Self {
         Self {
             leading,
             history,
@@ -72,7 +78,7 @@ impl Transcript {
     pub fn into_vec(self) -> Vec<Value> {
         let mut messages = self.leading;
         if let Some(history) = self.history {
-            messages.extend(Arc::unwrap_or_clone(history));
+            messages.extend(Arc::unwrap_or_clone(history).messages);
         }
         messages.extend(self.rest);
         messages
@@ -84,6 +90,147 @@ impl From<Vec<Value>> for Transcript {
         Self {
             rest: messages,
             ..Self::default()
+        }
+    }
+}
+
+impl Transcript {
+    /// The JSON array of `first`, then the messages: what serializing them gives, the
+    /// shared history's part written from its text ([`SharedHistory::write_items`]).
+    pub fn write_array<'a>(&'a self, out: &mut String, first: impl IntoIterator<Item = &'a Value>) {
+        // A comma before every item but the first.
+        fn separated(out: &mut String, empty: &mut bool) {
+            if !std::mem::replace(empty, false) {
+                out.push(',');
+            }
+        }
+        let mut empty = true;
+        out.push('[');
+        for message in first.into_iter().chain(&self.leading) {
+            separated(out, &mut empty);
+            crate::json::write(out, message);
+        }
+        if let Some(history) = self.history.as_ref().filter(|history| !history.is_empty()) {
+            separated(out, &mut empty);
+            history.write_items(out);
+        }
+        for message in &self.rest {
+            separated(out, &mut empty);
+            crate::json::write(out, message);
+        }
+        out.push(']');
+    }
+
+    /// The bytes the messages' JSON text takes, estimated from their contents: what a
+    /// buffer writing them is sized for.
+    pub fn estimated_text_bytes(&self) -> usize {
+        let history = self.history.as_ref().map_or(0, |history| {
+            history
+                .written_bytes()
+                .unwrap_or_else(|| estimated_text_bytes(history.iter()))
+        });
+        estimated_text_bytes(&self.leading)
+            .saturating_add(history)
+            .saturating_add(estimated_text_bytes(&self.rest))
+    }
+}
+
+/// The bytes `messages`' JSON text takes, estimated from their `content`.
+pub(super) fn estimated_text_bytes<'a>(messages: impl IntoIterator<Item = &'a Value>) -> usize {
+    messages
+        .into_iter()
+        .map(|message| {
+            message
+                .get("content")
+                .and_then(Value::as_str)
+                .map_or(0, str::len)
+                .saturating_add(64)
+        })
+        .fold(0, usize::saturating_add)
+}
+
+/// A history shared by the runs that continue it and the kept paths (`runtime::history`):
+/// its messages, never changed once shared, and the JSON text of as many of them as a model
+/// call has written. The history of a conversation's next turn is this one extended
+/// ([`SharedHistory::extend`]), its text with it: only the added messages are written.
+#[derive(Debug, Default)]
+pub struct SharedHistory {
+    messages: Vec<Value>,
+    written: Mutex<WrittenText>,
+}
+
+/// The JSON text of a history's first `messages` messages, comma-separated, no brackets.
+#[derive(Debug, Default, Clone)]
+struct WrittenText {
+    text: String,
+    messages: usize,
+}
+
+impl SharedHistory {
+    /// Adds messages at the end; the text written so far stays the text of the messages it
+    /// was written from.
+    pub fn extend(&mut self, messages: impl IntoIterator<Item = Value>) {
+        self.messages.extend(messages);
+    }
+
+    /// The written text, locked (a panic elsewhere while it was held left it whole: it is
+    /// extended a message at a time, the count after the text).
+    fn text(&self) -> std::sync::MutexGuard<'_, WrittenText> {
+        self.written
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Writes the messages as JSON array items, comma-separated: their text written before,
+    /// and the messages after it written now and added to it, once.
+    fn write_items(&self, out: &mut String) {
+        let mut written = self.text();
+        let unwritten = self.messages.get(written.messages..).unwrap_or_default();
+        for message in unwritten {
+            if !written.text.is_empty() {
+                written.text.push(',');
+            }
+            crate::json::write(&mut written.text, message);
+            written.messages += 1;
+        }
+        out.push_str(&written.text);
+    }
+
+    /// The length of the whole history's text, when it has all been written.
+    fn written_bytes(&self) -> Option<usize> {
+        let written = self.text();
+        (written.messages == self.messages.len()).then_some(written.text.len())
+    }
+}
+
+impl Clone for SharedHistory {
+    fn clone(&self) -> Self {
+        Self {
+            messages: self.messages.clone(),
+            written: Mutex::new(self.text().clone()),
+        }
+    }
+}
+
+impl PartialEq for SharedHistory {
+    fn eq(&self, other: &Self) -> bool {
+        self.messages == other.messages
+    }
+}
+
+impl Deref for SharedHistory {
+    type Target = [Value];
+
+    fn deref(&self) -> &[Value] {
+        &self.messages
+    }
+}
+
+impl From<Vec<Value>> for SharedHistory {
+    fn from(messages: Vec<Value>) -> Self {
+        Self {
+            messages,
+            written: Mutex::default(),
         }
     }
 }
@@ -116,7 +263,7 @@ mod tests {
     /// as the `Vec` it stands for.
     #[test]
     fn a_transcript_reads_as_its_parts_in_order_sharing_its_history() {
-        let history = Arc::new(vec![message("h1"), message("h2")]);
+        let history = Arc::new(SharedHistory::from(vec![message("h1"), message("h2")]));
         let mut transcript = Transcript::new(
             vec![message("lead")],
             Some(Arc::clone(&history)),
@@ -157,5 +304,57 @@ mod tests {
         assert_eq!(transcript.into_vec(), whole);
         assert!(Transcript::from(Vec::new()).is_empty());
         assert_eq!(said(&Transcript::from(vec![message("a")])), ["a"]);
+    }
+
+    fn written(transcript: &Transcript, first: &[Value]) -> String {
+        let mut out = String::new();
+        transcript.write_array(&mut out, first);
+        out
+    }
+
+    /// The messages are written as serializing them writes them, whichever parts are empty;
+    /// the shared history's text is written once and extended with what is added to it, a
+    /// copy of it carrying it along.
+    #[test]
+    fn a_transcript_is_written_as_its_messages_serialize_its_history_text_once() {
+        let odd = json!({ "role": "assistant", "content": "q\"\\ \n\u{1} é", "refusal": null });
+        let lead = vec![json!({ "role": "system", "content": "s" })];
+        for first in [vec![], vec![message("first")]] {
+            for leading in [vec![], lead.clone()] {
+                for history in [vec![], vec![message("h1"), odd.clone()]] {
+                    for rest in [vec![], vec![message("own")]] {
+                        let shared = Arc::new(SharedHistory::from(history.clone()));
+                        let transcript =
+                            Transcript::new(leading.clone(), Some(shared), rest.clone());
+                        let all: Vec<&Value> = first.iter().chain(transcript.iter()).collect();
+                        let expected = serde_json::to_string(&all).unwrap();
+                        assert_eq!(written(&transcript, &first), expected);
+                        assert_eq!(written(&transcript, &first), expected, "from its text");
+                    }
+                }
+            }
+        }
+
+        let mut history = SharedHistory::from(vec![message("h1"), odd.clone()]);
+        let transcript = Transcript::new(Vec::new(), Some(Arc::new(history.clone())), Vec::new());
+        written(&transcript, &[]);
+        let Some(shared) = transcript.history else {
+            panic!("a shared history")
+        };
+        assert_eq!(
+            shared.written_bytes(),
+            Some(serde_json::to_string(&*shared.messages).unwrap().len() - 2)
+        );
+        // The next turn's history: this one, its text carried by a copy, then extended.
+        history = (*shared).clone();
+        history.extend([message("h3")]);
+        assert_eq!(
+            history.text().messages,
+            2,
+            "the copy carries the text written"
+        );
+        let next = Transcript::new(Vec::new(), Some(Arc::new(history)), vec![message("own")]);
+        let expected = serde_json::to_string(&next.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(written(&next, &[]), expected);
     }
 }

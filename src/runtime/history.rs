@@ -19,10 +19,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::adapters::SharedHistory;
 use crate::store::{PathBelow, Store, StoreError};
 
-/// The most the kept paths hold, by their estimated size in memory.
-const BUDGET_BYTES: usize = 16 << 20;
+/// The most the kept paths hold, by their estimated size in memory, their messages' JSON
+/// text included (a third of it: 16 MiB held the messages alone before their text was kept).
+const BUDGET_BYTES: usize = 24 << 20;
 /// The most one path may hold: a longer one is read whole each time, so that two sessions'
 /// paths at least fit.
 const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
@@ -67,7 +69,7 @@ struct Kept {
 struct KeptPath {
     /// The message the path goes through (its last).
     through: String,
-    messages: Arc<Vec<Value>>,
+    messages: Arc<SharedHistory>,
     bytes: usize,
     /// When it was last used, in order and in time.
     used: u64,
@@ -75,7 +77,7 @@ struct KeptPath {
 }
 
 /// A kept path as a turn takes it: where it ends, its messages and their estimated size.
-pub(crate) type KeptPrefix = (String, Arc<Vec<Value>>, usize);
+pub(crate) type KeptPrefix = (String, Arc<SharedHistory>, usize);
 
 /// Where a kept path ends: the message a read of what is below it stops at.
 pub(crate) fn known(kept: &Option<KeptPrefix>) -> Option<&str> {
@@ -91,7 +93,7 @@ impl Histories {
         store: &dyn Store,
         session: &str,
         through: &str,
-    ) -> Result<Arc<Vec<Value>>, StoreError> {
+    ) -> Result<Arc<SharedHistory>, StoreError> {
         let kept = self.kept_path(session);
         let read = store.message_path_below(through, known(&kept)).await?;
         Ok(self.joined(session, through, kept, read))
@@ -106,7 +108,7 @@ impl Histories {
         through: &str,
         kept: Option<KeptPrefix>,
         read: PathBelow,
-    ) -> Arc<Vec<Value>> {
+    ) -> Arc<SharedHistory> {
         // Only a kept path extended takes its own place; a new branch must find room.
         let was_kept = kept.is_some() && read.below_known;
         let (mut messages, prefix_bytes) = match kept {
@@ -121,7 +123,7 @@ impl Histories {
                 let messages = Arc::unwrap_or_clone(prefix);
                 (messages, prefix_bytes)
             }
-            _ => (Vec::new(), 0),
+            _ => (SharedHistory::default(), 0),
         };
         let below_from = messages.len();
         messages.extend(read.messages.into_iter().map(|m| m.content));
@@ -131,7 +133,7 @@ impl Histories {
         // Sized only when it may be kept: a short history is not.
         let bytes = messages[below_from..]
             .iter()
-            .map(estimated_bytes)
+            .map(kept_bytes)
             .fold(prefix_bytes, usize::saturating_add);
         if bytes > MOST_BYTES_A_PATH {
             return Arc::new(messages);
@@ -170,7 +172,7 @@ impl Histories {
     /// the conversation a client's transcript continues, when it is one of those kept. The
     /// branches are compared outside the lock, which every session's turns share.
     pub(crate) fn kept_branch_under(&self, session: &str, sent: &[Value]) -> Option<KeptPrefix> {
-        let branches: Vec<(String, Arc<Vec<Value>>)> = self
+        let branches: Vec<(String, Arc<SharedHistory>)> = self
             .lock()
             .paths
             .get(session)?
@@ -194,10 +196,10 @@ impl Histories {
         &self,
         session: &str,
         through: &str,
-        messages: Arc<Vec<Value>>,
+        messages: Arc<SharedHistory>,
         bytes: usize,
         was_kept: bool,
-    ) -> Result<Arc<Vec<Value>>, Arc<Vec<Value>>> {
+    ) -> Result<Arc<SharedHistory>, Arc<SharedHistory>> {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
         let mut kept = self.lock();
@@ -397,6 +399,26 @@ fn says_nothing(key: &str, value: &Value) -> bool {
     }
 }
 
+/// A kept message's size in memory, estimated from above: the message, and its JSON text
+/// once a model call has written it ([`SharedHistory`]).
+fn kept_bytes(value: &Value) -> usize {
+    estimated_bytes(value).saturating_add(text_bytes(value))
+}
+
+/// A value's JSON text, estimated: its strings' length (escapes, rare in a conversation's
+/// text, apart) and punctuation; a number or a literal at most 24 bytes.
+fn text_bytes(value: &Value) -> usize {
+    match value {
+        Value::String(text) => text.len().saturating_add(2),
+        Value::Array(items) => items.iter().map(text_bytes).fold(2, usize::saturating_add),
+        Value::Object(fields) => fields
+            .iter()
+            .map(|(key, value)| key.len() + 4 + text_bytes(value))
+            .fold(2, usize::saturating_add),
+        _ => 24,
+    }
+}
+
 /// A message's size in memory, estimated from above: its text, and for each value the
 /// allocation that holds it (an object's map node holds eleven entries however few it has).
 fn estimated_bytes(value: &Value) -> usize {
@@ -423,8 +445,8 @@ mod tests {
     use serde_json::json;
 
     use super::{
-        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, estimated_bytes, known,
-        matching_prefix, read_path_is,
+        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
+        estimated_bytes, known, matching_prefix, read_path_is,
     };
 
     /// Kept paths that any other session may replace at once.
@@ -438,7 +460,9 @@ mod tests {
     #[test]
     fn kept_paths_stay_within_their_bounds_and_the_least_recently_used_go_first() {
         let histories = replaced_at_once();
-        let path = Arc::new(vec![json!({ "role": "user", "content": "hi" })]);
+        let path = Arc::new(SharedHistory::from(vec![
+            json!({ "role": "user", "content": "hi" }),
+        ]));
         for n in 0..MOST_PATHS + 10 {
             assert!(
                 histories
@@ -490,7 +514,9 @@ mod tests {
     #[test]
     fn a_session_not_kept_takes_no_place_of_a_path_in_use_and_a_kept_one_grows() {
         let histories = Histories::default();
-        let path = Arc::new(vec![json!({ "role": "user", "content": "hi" })]);
+        let path = Arc::new(SharedHistory::from(vec![
+            json!({ "role": "user", "content": "hi" }),
+        ]));
         let half = BUDGET_BYTES / 2;
         assert!(
             histories
@@ -524,7 +550,11 @@ mod tests {
     fn a_session_keeps_a_few_branches_and_a_transcript_finds_the_one_it_continues() {
         let histories = Histories::default();
         let said = |text: &str| json!({ "role": "user", "content": text });
-        let path = |texts: &[&str]| Arc::new(texts.iter().map(|t| said(t)).collect::<Vec<_>>());
+        let path = |texts: &[&str]| {
+            Arc::new(SharedHistory::from(
+                texts.iter().map(|t| said(t)).collect::<Vec<_>>(),
+            ))
+        };
         let keep = |through: &str, texts: &[&str]| {
             assert!(
                 histories
@@ -584,7 +614,7 @@ mod tests {
         };
         let kept = Some((
             "msg_a2".to_owned(),
-            Arc::new(vec![said("a1"), said("a2")]),
+            Arc::new(SharedHistory::from(vec![said("a1"), said("a2")])),
             100,
         ));
         let sent = [said("a1"), said("a2"), said("a3"), said("a4")];

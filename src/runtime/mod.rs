@@ -222,7 +222,7 @@ async fn session_read(
 }
 
 /// A session's history as a request continues it: where it ends, and its messages.
-type SessionHistory = Option<(String, Arc<Vec<Value>>)>;
+type SessionHistory = Option<(String, Arc<crate::adapters::SharedHistory>)>;
 
 /// Whether a transcript holds an answer: one that does not is a conversation's first turn,
 /// never matched with a session's history (nor read for).
@@ -248,7 +248,7 @@ async fn matching_path(
     store: &dyn Store,
     histories: &history::Histories,
     session_id: &str,
-    (leaf, path): (String, Arc<Vec<Value>>),
+    (leaf, path): (String, Arc<crate::adapters::SharedHistory>),
     sent: &[Value],
 ) -> Result<Option<(String, usize)>, StoreError> {
     let matched = history::matching_prefix(&path, sent);

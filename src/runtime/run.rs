@@ -1706,7 +1706,10 @@ mod tests {
     fn input() -> Transcript {
         Transcript::new(
             vec![said("lead")],
-            Some(Arc::new(vec![said("h1"), said("h2")])),
+            Some(Arc::new(crate::adapters::SharedHistory::from(vec![
+                said("h1"),
+                said("h2"),
+            ]))),
             vec![said("own")],
         )
     }

@@ -526,8 +526,10 @@ async fn sessions_are_trees_and_fork_at_any_message(store: Option<String>) {
 
 on_both_stores!(a_long_session_hears_its_whole_history_on_every_branch);
 /// Turn after turn of one session, past the length from which the runtime keeps its newest
-/// history path in memory (32 messages): each turn hears the whole history, as does a fork
-/// taken far back, the session's own next turn after the fork's, and the fork's after that.
+/// history path in memory (32 messages) and the text a model call wrote of it: each turn
+/// hears the whole history, every message as the session holds it (text that JSON escapes
+/// included), as does a fork taken far back, the session's own next turn after the fork's,
+/// and the fork's after that.
 async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<String>) {
     let upstream = echoing_upstream().await;
     let app = spawn(api_workspace(&upstream, ""), store).await;
@@ -544,7 +546,11 @@ async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<St
     let mut said: Vec<String> = Vec::new();
     let mut session: Option<String> = None;
     for n in 0..25 {
-        let text = format!("turn {n}");
+        let text = if n % 3 == 0 {
+            format!("turn {n}: \"quoted\", a \\ and\na line, é, \u{7}")
+        } else {
+            format!("turn {n}")
+        };
         let (id, heard) = turn(session.as_deref(), &text).await;
         said.push(text.clone());
         assert_eq!(heard, said, "turn {n}");
@@ -552,6 +558,22 @@ async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<St
         session = Some(id);
     }
     let session = session.unwrap();
+    // The last call heard each message as the session holds it, whole.
+    let (_, tree) = app
+        .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+        .await;
+    let held: Vec<Value> = tree["history"].as_array().unwrap()[..48]
+        .iter()
+        .map(|message| message["content"].clone())
+        .collect();
+    let heard: Vec<Value> = upstream.calls().last().unwrap().body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .cloned()
+        .collect();
+    assert_eq!(heard[..48], held[..]);
     // A fork after the fifth answer, two turns on it, then the session's own next turn.
     let (_, tree) = app
         .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
