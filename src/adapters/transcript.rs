@@ -124,11 +124,10 @@ impl Transcript {
     /// The bytes the messages' JSON text takes, estimated from their contents: what a
     /// buffer writing them is sized for.
     pub fn estimated_text_bytes(&self) -> usize {
-        let history = self.history.as_ref().map_or(0, |history| {
-            history
-                .written_bytes()
-                .unwrap_or_else(|| estimated_text_bytes(history.iter()))
-        });
+        let history = self
+            .history
+            .as_ref()
+            .map_or(0, |history| history.estimated_text_bytes());
         estimated_text_bytes(&self.leading)
             .saturating_add(history)
             .saturating_add(estimated_text_bytes(&self.rest))
@@ -196,10 +195,11 @@ impl SharedHistory {
         out.push_str(&written.text);
     }
 
-    /// The length of the whole history's text, when it has all been written.
-    fn written_bytes(&self) -> Option<usize> {
+    /// The bytes the messages' text takes: as written, and estimated for those not yet.
+    fn estimated_text_bytes(&self) -> usize {
         let written = self.text();
-        (written.messages == self.messages.len()).then_some(written.text.len())
+        let unwritten = self.messages.get(written.messages..).unwrap_or_default();
+        estimated_text_bytes(unwritten).saturating_add(written.text.len())
     }
 }
 
@@ -335,18 +335,20 @@ mod tests {
             }
         }
 
-        let mut history = SharedHistory::from(vec![message("h1"), odd.clone()]);
-        let transcript = Transcript::new(Vec::new(), Some(Arc::new(history.clone())), Vec::new());
+        let transcript = Transcript::new(
+            Vec::new(),
+            Some(Arc::new(SharedHistory::from(vec![message("h1"), odd]))),
+            Vec::new(),
+        );
         written(&transcript, &[]);
         let Some(shared) = transcript.history else {
             panic!("a shared history")
         };
-        assert_eq!(
-            shared.written_bytes(),
-            Some(serde_json::to_string(&*shared.messages).unwrap().len() - 2)
-        );
+        let text = serde_json::to_string(&*shared.messages).unwrap();
+        assert_eq!(shared.text().text, text[1..text.len() - 1]);
+        assert_eq!(shared.estimated_text_bytes(), text.len() - 2);
         // The next turn's history: this one, its text carried by a copy, then extended.
-        history = (*shared).clone();
+        let mut history = (*shared).clone();
         history.extend([message("h3")]);
         assert_eq!(
             history.text().messages,
