@@ -125,6 +125,14 @@ fn describe() {
         "stable_harness_approvals_pending",
         "Approvals waiting on a decision (read from the store when scraped)"
     );
+    describe_gauge!(
+        "stable_harness_kept_histories",
+        "Session history paths kept in memory (read when scraped)"
+    );
+    describe_gauge!(
+        "stable_harness_kept_history_bytes",
+        "Estimated memory of the session history paths kept, within limits.keptHistoryBytes (read when scraped)"
+    );
     describe_counter!(
         "stable_harness_events_appended_total",
         "Events committed to the store, by type"
@@ -397,6 +405,12 @@ pub fn run_ended(agent: &str, status: &str, took: Duration) {
         || histogram!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
         |handle| handle.record(took.as_secs_f64()),
     );
+}
+
+/// The session history paths kept in memory and their estimated size, now.
+pub fn kept_histories(paths: usize, bytes: usize) {
+    gauge!("stable_harness_kept_histories").set(paths as f64);
+    gauge!("stable_harness_kept_history_bytes").set(bytes as f64);
 }
 
 /// The approvals pending, as the store counts them now.

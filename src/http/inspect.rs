@@ -204,6 +204,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl axum::response::Into
         Ok(count) => crate::metrics::approvals_pending(count),
         Err(error) => tracing::debug!(%error, "could not count pending approvals for /metrics"),
     }
+    let (paths, bytes) = state.runtime.kept_histories();
+    crate::metrics::kept_histories(paths, bytes);
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -22,12 +22,11 @@ use serde_json::Value;
 use crate::adapters::SharedHistory;
 use crate::store::{PathBelow, Store, StoreError};
 
-/// The most the kept paths hold, by their estimated size in memory, their messages' JSON
-/// text included (a third of it: 16 MiB held the messages alone before their text was kept).
-const BUDGET_BYTES: usize = 24 << 20;
-/// The most one path may hold: a longer one is read whole each time, so that two sessions'
-/// paths at least fit.
-const MOST_BYTES_A_PATH: usize = BUDGET_BYTES / 2;
+/// The most the kept paths hold by default (`limits.keptHistoryBytes`), by their estimated
+/// size in memory, their messages' JSON text included (a third of it: 16 MiB held the
+/// messages alone before their text was kept). One path may hold half of it at most: a
+/// longer one is read whole each time, so that two sessions' paths at least fit.
+pub const DEFAULT_BUDGET_BYTES: u64 = 24 << 20;
 /// The most paths kept, all sessions' branches together.
 const MOST_PATHS: usize = 1024;
 /// The most branches of one session kept: its conversations going on at once (one more
@@ -44,15 +43,14 @@ const IDLE_BEFORE_REPLACED: Duration = Duration::from_secs(30);
 /// The kept paths, by session; the least recently used go first when a bound is reached.
 pub(crate) struct Histories {
     kept: Mutex<Kept>,
+    /// The most the kept paths hold, by their estimated size.
+    budget_bytes: usize,
     idle_before_replaced: Duration,
 }
 
 impl Default for Histories {
     fn default() -> Self {
-        Self {
-            kept: Mutex::default(),
-            idle_before_replaced: IDLE_BEFORE_REPLACED,
-        }
+        Self::within(DEFAULT_BUDGET_BYTES)
     }
 }
 
@@ -85,6 +83,15 @@ pub(crate) fn known(kept: &Option<KeptPrefix>) -> Option<&str> {
 }
 
 impl Histories {
+    /// Kept paths holding at most `budget_bytes`, by their estimated size.
+    pub(crate) fn within(budget_bytes: u64) -> Self {
+        Self {
+            kept: Mutex::default(),
+            budget_bytes: usize::try_from(budget_bytes).unwrap_or(usize::MAX),
+            idle_before_replaced: IDLE_BEFORE_REPLACED,
+        }
+    }
+
     /// The contents of the path through `through`, root first, shared with what is kept: the
     /// part below the path kept for `session` read from the store, when the path passes
     /// through it, else all of it. The result is kept for the session's next turn.
@@ -135,7 +142,7 @@ impl Histories {
             .iter()
             .map(kept_bytes)
             .fold(prefix_bytes, usize::saturating_add);
-        if bytes > MOST_BYTES_A_PATH {
+        if bytes > self.budget_bytes / 2 {
             return Arc::new(messages);
         }
         self.keep(session, through, Arc::new(messages), bytes, was_kept)
@@ -203,7 +210,12 @@ impl Histories {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
         let mut kept = self.lock();
-        if !was_kept && !kept.room_for(session, through, bytes, self.idle_before_replaced) {
+        let room = Room {
+            bytes,
+            budget: self.budget_bytes,
+            idle: self.idle_before_replaced,
+        };
+        if !was_kept && !kept.room_for(session, through, &room) {
             return Err(messages);
         }
         kept.clock += 1;
@@ -215,7 +227,7 @@ impl Histories {
             gone.extend(kept.remove_oldest(Some(session)));
         }
         while kept.count > 0
-            && (kept.count >= MOST_PATHS || kept.bytes.saturating_add(bytes) > BUDGET_BYTES)
+            && (kept.count >= MOST_PATHS || kept.bytes.saturating_add(bytes) > self.budget_bytes)
         {
             match kept.remove_oldest(None) {
                 Some(evicted) => gone.push(evicted),
@@ -237,9 +249,8 @@ impl Histories {
         Ok(messages)
     }
 
-    /// The paths kept and their estimated size (for tests).
-    #[cfg(test)]
-    fn held(&self) -> (usize, usize) {
+    /// The paths kept and their estimated size.
+    pub(crate) fn held(&self) -> (usize, usize) {
         let kept = self.lock();
         (kept.count, kept.bytes)
     }
@@ -288,10 +299,15 @@ impl Kept {
         self.remove(&owner, |path| path.used == used)
     }
 
-    /// Whether a path of `bytes` through `through` for `session` fits, once the branch of the
-    /// session it replaces, its least recently used branch if it keeps as many as it may, and
-    /// the least recently used branches of others idle for at least `idle` make room.
-    fn room_for(&self, session: &str, through: &str, bytes: usize, idle: Duration) -> bool {
+    /// Whether a path through `through` for `session` fits within the budget, once the
+    /// branch of the session it replaces, its least recently used branch if it keeps as many
+    /// as it may, and the least recently used branches of others idle long enough make room.
+    fn room_for(&self, session: &str, through: &str, room: &Room) -> bool {
+        let &Room {
+            bytes,
+            budget,
+            idle,
+        } = room;
         let own = self.paths.get(session).map_or(&[][..], Vec::as_slice);
         let replaced = own.iter().find(|path| path.through == through);
         let oldest_own = (own.len() >= MOST_BRANCHES)
@@ -305,9 +321,8 @@ impl Kept {
         let mut held = self
             .bytes
             .saturating_sub(freed.map_or(0, |path| path.bytes));
-        let fits = |paths: usize, held: usize| {
-            paths < MOST_PATHS && held.saturating_add(bytes) <= BUDGET_BYTES
-        };
+        let fits =
+            |paths: usize, held: usize| paths < MOST_PATHS && held.saturating_add(bytes) <= budget;
         if fits(paths, held) {
             return true;
         }
@@ -330,6 +345,14 @@ impl Kept {
         }
         false
     }
+}
+
+/// What a path to be kept asks room for: its estimated size, within the budget, taking only
+/// the places of paths idle for `idle`.
+struct Room {
+    bytes: usize,
+    budget: usize,
+    idle: Duration,
 }
 
 impl std::fmt::Debug for Histories {
@@ -445,7 +468,7 @@ mod tests {
     use serde_json::json;
 
     use super::{
-        BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
+        DEFAULT_BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
         estimated_bytes, known, matching_prefix, read_path_is,
     };
 
@@ -456,6 +479,8 @@ mod tests {
             ..Histories::default()
         }
     }
+
+    const BUDGET_BYTES: usize = DEFAULT_BUDGET_BYTES as usize;
 
     #[test]
     fn kept_paths_stay_within_their_bounds_and_the_least_recently_used_go_first() {

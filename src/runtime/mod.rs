@@ -46,6 +46,7 @@ use crate::store::{
 };
 use crate::workspace::CompiledWorkspace;
 
+pub use history::DEFAULT_BUDGET_BYTES as DEFAULT_KEPT_HISTORY_BYTES;
 pub use hub::{AwaitedView, EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
@@ -637,7 +638,7 @@ impl Runtime {
                 )),
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
-                histories: history::Histories::default(),
+                histories: history::Histories::within(workspace.runtime.limits.kept_history_bytes),
                 slots,
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
                 spend: crate::spend::Spend::new(Arc::clone(&store)),
@@ -693,6 +694,11 @@ impl Runtime {
     /// Budgets and rate limits (the admin API reads their state).
     pub fn spend(&self) -> &crate::spend::Spend {
         &self.inner.spend
+    }
+
+    /// The session history paths kept in memory and their estimated size (for `/metrics`).
+    pub fn kept_histories(&self) -> (usize, usize) {
+        self.inner.histories.held()
     }
 
     /// Whether the store accepts writes (for `/readyz`).

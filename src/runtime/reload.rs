@@ -84,6 +84,10 @@ fn restart_only(workspace: &CompiledWorkspace) -> Vec<(&'static str, String)> {
             runtime.limits.max_parked_runs.to_string(),
         ),
         (
+            "limits.keptHistoryBytes",
+            runtime.limits.kept_history_bytes.to_string(),
+        ),
+        (
             "recovery.resumeOnStart",
             runtime.recovery.resume_on_start.to_string(),
         ),

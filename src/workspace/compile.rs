@@ -1132,6 +1132,12 @@ impl Compiler<'_> {
                 1 << 20,
                 "maxOutputBytes",
             ),
+            kept_history_bytes: self.byte_size(
+                origin,
+                &spec.limits.kept_history_bytes,
+                crate::runtime::DEFAULT_KEPT_HISTORY_BYTES,
+                "keptHistoryBytes",
+            ),
         };
         let governance = self.governance(origin, &spec.governance, inventory);
         let recovery = self.recovery(origin, &spec.recovery);

@@ -149,6 +149,7 @@ fn runtime_json(workspace: &CompiledWorkspace) -> Value {
             "maxRequestBytes": runtime.limits.max_request_bytes,
             "maxConcurrentRuns": runtime.limits.max_concurrent_runs,
             "maxOutputBytes": runtime.limits.max_output_bytes,
+            "keptHistoryBytes": runtime.limits.kept_history_bytes,
         },
         "budgets": runtime.budgets.iter().map(|budget| json!({
             "name": budget.name,

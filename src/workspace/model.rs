@@ -126,6 +126,9 @@ pub struct LimitsConfig {
     pub max_parked_runs: u32,
     /// Longest output text of a run (`limits.maxOutputBytes`, default 1MiB).
     pub max_output_bytes: u64,
+    /// Memory for the kept histories of recently continued sessions, estimated
+    /// (`limits.keptHistoryBytes`, default 24MiB).
+    pub kept_history_bytes: u64,
 }
 
 #[derive(Debug, Clone)]

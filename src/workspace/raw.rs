@@ -263,6 +263,11 @@ pub struct LimitsSpec {
     /// Longest output text a run may produce (default 1MiB).
     #[serde(default)]
     pub max_output_bytes: Option<Located<ByteSizeText>>,
+    /// Memory for the newest histories of recently continued sessions, by their estimated
+    /// size (default 24MiB): a turn of a kept conversation reads from the store only what
+    /// the turn before added. One conversation's history may take half of it at most.
+    #[serde(default)]
+    pub kept_history_bytes: Option<Located<ByteSizeText>>,
 }
 
 /// A policy outcome.

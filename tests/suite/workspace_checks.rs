@@ -596,12 +596,12 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
-        name: "output caps are byte sizes",
+        name: "output caps and the kept histories' memory are byte sizes",
         files: &[
             (
                 RUNTIME,
                 Some(
-                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  limits: { maxOutputBytes: 0 }\n  mcpServers:\n    - { name: docs, url: \"http://127.0.0.1:9/mcp\" }\n",
+                    "apiVersion: stable-harness/v1\nkind: Runtime\nmetadata: { name: test }\nspec:\n  limits: { maxOutputBytes: 0, keptHistoryBytes: 0 }\n  mcpServers:\n    - { name: docs, url: \"http://127.0.0.1:9/mcp\" }\n",
                 ),
             ),
             (
@@ -614,6 +614,7 @@ const CASES: &[Case] = &[
         expected: &[
             "config/catalogs/tools.yaml:6:68: `maxOutputBytes`: invalid size `2 pages`: unknown unit `pages` (use B, KB, MB, GB, KiB, MiB or GiB)",
             "config/runtime/workspace.yaml:5:29: `maxOutputBytes` must be greater than zero",
+            "config/runtime/workspace.yaml:5:50: `keptHistoryBytes` must be greater than zero",
         ],
     },
     Case {

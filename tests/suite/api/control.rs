@@ -1171,15 +1171,13 @@ async fn a_reload_swaps_a_valid_workspace_and_refuses_anything_else(store: Optio
     let original = std::fs::read_to_string(&runtime_yaml).unwrap();
     app.workspace.write(
         "config/runtime/workspace.yaml",
-        format!("{original}  limits: {{ maxConcurrentRuns: 3 }}\n"),
+        format!("{original}  limits: {{ maxConcurrentRuns: 3, keptHistoryBytes: 64MiB }}\n"),
     );
     let (status, error) = app.post(reload, ADMIN_KEY, &json!({})).await;
     assert_eq!(status, 422, "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
     assert!(
-        error["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("limits.maxConcurrentRuns"),
+        message.contains("limits.maxConcurrentRuns") && message.contains("limits.keptHistoryBytes"),
         "{error}"
     );
     app.workspace.write(

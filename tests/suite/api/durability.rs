@@ -550,3 +550,68 @@ async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the
     );
     terminate(&mut second);
 }
+
+/// A session of `turns` turns of `bytes`-byte messages on `/runtime`, each hearing its whole
+/// history; then what `/metrics` says the server keeps of it: the paths and their estimated
+/// size.
+async fn kept_after_a_session(base: &str, turns: usize, bytes: usize) -> (f64, f64) {
+    let http = reqwest::Client::new();
+    let mut session: Option<String> = None;
+    for n in 0..turns {
+        let mut body = json!({ "input": { "text": format!("{n:>bytes$}") }, "wait": true });
+        if let Some(session) = &session {
+            body["sessionId"] = json!(session);
+        }
+        let response = super::send_post(
+            &http,
+            &format!("{base}/runtime/requests"),
+            CLIENT_KEY,
+            &body,
+        )
+        .await;
+        assert_eq!(response.status(), 200);
+        let view: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(view["status"], "completed", "{view}");
+        session = view["sessionId"].as_str().map(str::to_owned);
+    }
+    let metrics = super::metrics_text(&http, &format!("{base}/metrics")).await;
+    (
+        super::metric_sample(&metrics, "stable_harness_kept_histories"),
+        super::metric_sample(&metrics, "stable_harness_kept_history_bytes"),
+    )
+}
+
+/// `limits.keptHistoryBytes` bounds the histories a server keeps in memory: a session whose
+/// history outgrows half of it is not kept (each turn reads it whole, and hears it whole),
+/// where the default keeps it; `/metrics` shows both.
+#[tokio::test]
+async fn the_kept_histories_stay_within_their_configured_memory() {
+    stable_harness::app::install_crypto_provider();
+    let upstream = MockUpstream::start().await;
+    upstream.set_responder(super::upstream::Responder::new(|body| {
+        let heard = body["messages"].as_array().map_or(0, Vec::len);
+        Reply::Text(format!("heard {heard}"))
+    }));
+    // 24 turns of 1,000 bytes: 48 messages, ~100 KB estimated once the path is kept.
+    for (limits, kept) in [
+        ("  limits: { keptHistoryBytes: 64KiB }\n", false),
+        ("", true),
+    ] {
+        let workspace = api_workspace(&upstream, limits);
+        let (mut server, base) = start_server(workspace.path());
+        let (paths, bytes) = kept_after_a_session(&base, 24, 1_000).await;
+        // Every turn heard the whole session: its instructions, the history and its own.
+        let last = upstream.calls().last().unwrap().body["messages"]
+            .as_array()
+            .unwrap()
+            .len();
+        assert_eq!(last, 1 + 2 * 23 + 1, "{limits}");
+        if kept {
+            assert_eq!(paths, 1.0);
+            assert!(bytes > 64.0 * 1024.0, "{bytes}");
+        } else {
+            assert_eq!((paths, bytes), (0.0, 0.0), "{limits}");
+        }
+        terminate(&mut server);
+    }
+}
