@@ -129,6 +129,10 @@ fn describe() {
         "stable_harness_kept_histories",
         "Session history paths kept in memory (read when scraped)"
     );
+    describe_counter!(
+        "stable_harness_histories_not_kept_total",
+        "Session history paths read and not kept in memory, by why (too_long, no_room): their next turn reads them whole"
+    );
     describe_gauge!(
         "stable_harness_kept_history_bytes",
         "Estimated memory of the session history paths kept, within limits.keptHistoryBytes (read when scraped)"
@@ -405,6 +409,13 @@ pub fn run_ended(agent: &str, status: &str, took: Duration) {
         || histogram!(NAME, "agent" => agent.to_owned(), "status" => status.to_owned()),
         |handle| handle.record(took.as_secs_f64()),
     );
+}
+
+/// A session's history path that was read and not kept: `too_long` (past half of
+/// `limits.keptHistoryBytes`) or `no_room` (the kept paths all in use). Its next turn reads
+/// it whole again.
+pub fn history_not_kept(why: &'static str) {
+    counter!("stable_harness_histories_not_kept_total", "why" => why).increment(1);
 }
 
 /// The session history paths kept in memory and their estimated size, now.

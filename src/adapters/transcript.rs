@@ -9,9 +9,10 @@
 //! then what the run adds) are the transcript's own.
 //!
 //! The shared history carries its JSON text too, written by the first model call that sends
-//! it and extended by later ones: the next turn of the conversation writes only what it
-//! added, not the whole history again (at 5,000 messages, writing it was ~30% of the
-//! server's CPU a turn: docs/profiling.md, the eighty-second pass).
+//! it and extended by later ones: the next turn of the conversation serializes only what it
+//! added, not the whole history again, though the model is sent all of it (at 5,000
+//! messages, serializing it was ~30% of the server's CPU a turn: docs/profiling.md, the
+//! eighty-second pass).
 use std::borrow::Cow;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
@@ -152,7 +153,7 @@ pub(super) fn estimated_text_bytes<'a>(messages: impl IntoIterator<Item = &'a Va
 /// its messages, never changed once shared, and the JSON text of as many of them as a model
 /// call has written. The history of a conversation's next turn is this one extended
 /// ([`SharedHistory::extend`]), its text with it: only the added messages are written.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct SharedHistory {
     messages: Vec<Value>,
     written: Mutex<WrittenText>,
@@ -172,12 +173,16 @@ impl SharedHistory {
         self.messages.extend(messages);
     }
 
-    /// The written text, locked (a panic elsewhere while it was held left it whole: it is
-    /// extended a message at a time, the count after the text).
+    /// The written text, locked. A panic while it was held (a failed allocation while a
+    /// message was written) may have left part of a message in it: then it starts over
+    /// empty, to be written again from the first message.
     fn text(&self) -> std::sync::MutexGuard<'_, WrittenText> {
-        self.written
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.written.lock().unwrap_or_else(|poisoned| {
+            let mut text = poisoned.into_inner();
+            *text = WrittenText::default();
+            self.written.clear_poison();
+            text
+        })
     }
 
     /// Writes the messages as JSON array items, comma-separated: their text written before,
@@ -186,7 +191,7 @@ impl SharedHistory {
         let mut written = self.text();
         let unwritten = self.messages.get(written.messages..).unwrap_or_default();
         for message in unwritten {
-            if !written.text.is_empty() {
+            if written.messages > 0 {
                 written.text.push(',');
             }
             crate::json::write(&mut written.text, message);
@@ -195,11 +200,29 @@ impl SharedHistory {
         out.push_str(&written.text);
     }
 
+    /// How many of the first messages the text holds (for tests).
+    #[cfg(test)]
+    pub(crate) fn written_messages(&self) -> usize {
+        self.text().messages
+    }
+
     /// The bytes the messages' text takes: as written, and estimated for those not yet.
     fn estimated_text_bytes(&self) -> usize {
         let written = self.text();
         let unwritten = self.messages.get(written.messages..).unwrap_or_default();
         estimated_text_bytes(unwritten).saturating_add(written.text.len())
+    }
+}
+
+/// The messages' count and the text's length: the messages themselves may be megabytes.
+impl std::fmt::Debug for SharedHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let written = self.text();
+        f.debug_struct("SharedHistory")
+            .field("messages", &self.messages.len())
+            .field("written_messages", &written.messages)
+            .field("written_bytes", &written.text.len())
+            .finish()
     }
 }
 

@@ -143,10 +143,14 @@ impl Histories {
             .map(kept_bytes)
             .fold(prefix_bytes, usize::saturating_add);
         if bytes > self.budget_bytes / 2 {
+            crate::metrics::history_not_kept("too_long");
             return Arc::new(messages);
         }
         self.keep(session, through, Arc::new(messages), bytes, was_kept)
-            .unwrap_or_else(|refused| refused)
+            .unwrap_or_else(|refused| {
+                crate::metrics::history_not_kept("no_room");
+                refused
+            })
     }
 
     /// The kept paths, locked (a panic elsewhere while it was held left nothing half-done:
@@ -210,12 +214,8 @@ impl Histories {
         // Paths let go of are freed after the lock (declared first, dropped last).
         let mut gone = Vec::new();
         let mut kept = self.lock();
-        let room = Room {
-            bytes,
-            budget: self.budget_bytes,
-            idle: self.idle_before_replaced,
-        };
-        if !was_kept && !kept.room_for(session, through, &room) {
+        let (budget, idle) = (self.budget_bytes, self.idle_before_replaced);
+        if !was_kept && !kept.room_for(session, through, bytes, budget, idle) {
             return Err(messages);
         }
         kept.clock += 1;
@@ -299,15 +299,18 @@ impl Kept {
         self.remove(&owner, |path| path.used == used)
     }
 
-    /// Whether a path through `through` for `session` fits within the budget, once the
-    /// branch of the session it replaces, its least recently used branch if it keeps as many
-    /// as it may, and the least recently used branches of others idle long enough make room.
-    fn room_for(&self, session: &str, through: &str, room: &Room) -> bool {
-        let &Room {
-            bytes,
-            budget,
-            idle,
-        } = room;
+    /// Whether a path of `bytes` through `through` for `session` fits within `budget`, once
+    /// the branch of the session it replaces, its least recently used branch if it keeps as
+    /// many as it may, and the least recently used branches of others idle for at least
+    /// `idle` make room.
+    fn room_for(
+        &self,
+        session: &str,
+        through: &str,
+        bytes: usize,
+        budget: usize,
+        idle: Duration,
+    ) -> bool {
         let own = self.paths.get(session).map_or(&[][..], Vec::as_slice);
         let replaced = own.iter().find(|path| path.through == through);
         let oldest_own = (own.len() >= MOST_BRANCHES)
@@ -345,14 +348,6 @@ impl Kept {
         }
         false
     }
-}
-
-/// What a path to be kept asks room for: its estimated size, within the budget, taking only
-/// the places of paths idle for `idle`.
-struct Room {
-    bytes: usize,
-    budget: usize,
-    idle: Duration,
 }
 
 impl std::fmt::Debug for Histories {
@@ -422,8 +417,9 @@ fn says_nothing(key: &str, value: &Value) -> bool {
     }
 }
 
-/// A kept message's size in memory, estimated from above: the message, and its JSON text
-/// once a model call has written it ([`SharedHistory`]).
+/// A kept message's size in memory, estimated: the message from above, and its JSON text
+/// once a model call has written it ([`SharedHistory`]), as long as its strings (the text's
+/// buffer may hold as much again while it grows).
 fn kept_bytes(value: &Value) -> usize {
     estimated_bytes(value).saturating_add(text_bytes(value))
 }
@@ -465,7 +461,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::{
         DEFAULT_BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
@@ -617,6 +613,50 @@ mod tests {
         );
         histories.forget("s", "a2");
         assert_eq!(histories.held().0, MOST_BRANCHES - 1);
+    }
+
+    /// The text a model call wrote of a kept path goes on with it: the next turn's path, read
+    /// below it, holds the text of the messages it had, and only what was read is written
+    /// anew; a path too long for the budget is not kept, its text with it.
+    #[test]
+    fn a_kept_paths_text_goes_on_with_it_and_a_path_past_half_the_budget_is_not_kept() {
+        let record = |n: usize| crate::store::MessageRecord {
+            id: format!("msg_{n}"),
+            session_id: "s".into(),
+            parent_id: None,
+            request_id: None,
+            role: "user".into(),
+            content: json!({ "role": "user", "content": format!("message {n}") }),
+            created_at: chrono::Utc::now(),
+        };
+        let read = |from: usize, to: usize, below_known: bool| PathBelow {
+            messages: (from..to).map(record).collect(),
+            below_known,
+        };
+        let histories = Histories::default();
+        let first = histories.joined("s", "msg_39", None, read(0, 40, false));
+        let transcript = crate::adapters::Transcript::new(Vec::new(), Some(first), Vec::new());
+        transcript.write_array(&mut String::new(), []);
+        drop(transcript);
+        let kept = histories.kept_path("s");
+        assert!(
+            kept.as_ref()
+                .is_some_and(|(_, path, _)| path.written_messages() == 40)
+        );
+        let next = histories.joined("s", "msg_41", kept, read(40, 42, true));
+        assert_eq!((next.len(), next.written_messages()), (42, 40));
+        let mut written = String::new();
+        crate::adapters::Transcript::new(Vec::new(), Some(Arc::clone(&next)), Vec::new())
+            .write_array(&mut written, []);
+        let all: Vec<Value> = (0..42).map(|n| record(n).content).collect();
+        assert_eq!(written, serde_json::to_string(&all).unwrap());
+        assert_eq!(histories.held().0, 1);
+
+        // Within a budget of 4 KiB, 40 messages (~1.4 KB each, estimated) are not kept.
+        let small = Histories::within(4 << 10);
+        drop(small.joined("s", "msg_39", None, read(0, 40, false)));
+        assert_eq!(small.held(), (0, 0));
+        assert!(small.kept_path("s").is_none());
     }
 
     /// A path read is the transcript's start when the kept branch it was read below (if it

@@ -554,7 +554,7 @@ async fn kill_9_while_an_approval_is_pending_then_approve_after_restart_runs_the
 /// A session of `turns` turns of `bytes`-byte messages on `/runtime`, each hearing its whole
 /// history; then what `/metrics` says the server keeps of it: the paths and their estimated
 /// size.
-async fn kept_after_a_session(base: &str, turns: usize, bytes: usize) -> (f64, f64) {
+async fn kept_after_a_session(base: &str, turns: usize, bytes: usize) -> (f64, f64, f64) {
     let http = reqwest::Client::new();
     let mut session: Option<String> = None;
     for n in 0..turns {
@@ -578,12 +578,16 @@ async fn kept_after_a_session(base: &str, turns: usize, bytes: usize) -> (f64, f
     (
         super::metric_sample(&metrics, "stable_harness_kept_histories"),
         super::metric_sample(&metrics, "stable_harness_kept_history_bytes"),
+        super::metric_sample(
+            &metrics,
+            "stable_harness_histories_not_kept_total{why=\"too_long\"}",
+        ),
     )
 }
 
 /// `limits.keptHistoryBytes` bounds the histories a server keeps in memory: a session whose
 /// history outgrows half of it is not kept (each turn reads it whole, and hears it whole),
-/// where the default keeps it; `/metrics` shows both.
+/// where the default keeps it; `/metrics` shows both, and counts the paths not kept.
 #[tokio::test]
 async fn the_kept_histories_stay_within_their_configured_memory() {
     stable_harness::app::install_crypto_provider();
@@ -592,25 +596,28 @@ async fn the_kept_histories_stay_within_their_configured_memory() {
         let heard = body["messages"].as_array().map_or(0, Vec::len);
         Reply::Text(format!("heard {heard}"))
     }));
-    // 24 turns of 1,000 bytes: 48 messages, ~100 KB estimated once the path is kept.
+    // 40 turns of 1,000 bytes: 80 messages, ~140 KB estimated once the path is kept, where
+    // 64 KiB keeps a path of 32 KiB at most.
     for (limits, kept) in [
         ("  limits: { keptHistoryBytes: 64KiB }\n", false),
         ("", true),
     ] {
         let workspace = api_workspace(&upstream, limits);
         let (mut server, base) = start_server(workspace.path());
-        let (paths, bytes) = kept_after_a_session(&base, 24, 1_000).await;
+        let (paths, bytes, too_long) = kept_after_a_session(&base, 40, 1_000).await;
         // Every turn heard the whole session: its instructions, the history and its own.
         let last = upstream.calls().last().unwrap().body["messages"]
             .as_array()
             .unwrap()
             .len();
-        assert_eq!(last, 1 + 2 * 23 + 1, "{limits}");
+        assert_eq!(last, 1 + 2 * 39 + 1, "{limits}");
         if kept {
-            assert_eq!(paths, 1.0);
+            assert_eq!((paths, too_long), (1.0, 0.0));
             assert!(bytes > 64.0 * 1024.0, "{bytes}");
         } else {
             assert_eq!((paths, bytes), (0.0, 0.0), "{limits}");
+            // Each turn from the sixteenth on (32 messages and more) read a path too long.
+            assert!(too_long >= 20.0, "{too_long}");
         }
         terminate(&mut server);
     }
