@@ -79,7 +79,11 @@ impl Transcript {
     pub fn into_vec(self) -> Vec<Value> {
         let mut messages = self.leading;
         if let Some(history) = self.history {
-            messages.extend(Arc::unwrap_or_clone(history).messages);
+            // Held elsewhere (kept), only the messages are copied, not the text beside them.
+            match Arc::try_unwrap(history) {
+                Ok(history) => messages.extend(history.messages),
+                Err(shared) => messages.extend_from_slice(&shared.messages),
+            }
         }
         messages.extend(self.rest);
         messages
