@@ -15,7 +15,8 @@ bytes of made-up words (no two turns alike), one at a time:
 - `responses`: each turn continues the one before by `previous_response_id` (the Agents
   SDK's stateful way): the server holds the conversation; with `--instructions BYTES`,
   each turn sends the same `instructions` of that size, as an Agents SDK agent sends its
-  own;
+  own (with `--surface chat`, the same system message of that size leads each turn's
+  transcript, as a chat app's prompt does);
 - `chat`: each turn posts the whole transcript to `/v1/chat/completions` (the client holds
   it, as a stateless client does), with `--in-session` naming the conversation's session
   (`x-stable-harness-session-id`), as a client grouping its requests does, or with
@@ -173,8 +174,9 @@ def one_build(binary, root, args):
             elif args.surface == "chat":
                 transcript = transcripts[one]
                 transcript.append({"role": "user", "content": text})
-                sent = ([{"role": "system", "content": f"Now: turn {turn}."}] if args.instructions_each_turn
-                        else []) + transcript
+                leading = ([{"role": "system", "content": f"Now: turn {turn}."}] if args.instructions_each_turn
+                           else [{"role": "system", "content": instructions}] if instructions else [])
+                sent = leading + transcript
                 took, answer = post("/v1/chat/completions", {"model": "assistant", "messages": sent},
                                     (args.in_session == "one" and "conversations")
                                     or (args.in_session == "each" and f"conversation-{one}") or None)
@@ -226,7 +228,7 @@ def main():
     parser.add_argument("--instructions-each-turn", action="store_true",
                         help="chat: start each turn's transcript with a system message of its own")
     parser.add_argument("--instructions", type=int, default=0, metavar="BYTES",
-                        help="responses: send `instructions` of this many bytes every turn, the same each turn")
+                        help="responses and chat: send instructions of this many bytes every turn, the same each turn")
     parser.add_argument("--retries", type=int, default=0,
                         help="session: every `--every` turns, a turn the upstream refuses, then"
                              " retried this many times by an operator")
@@ -237,8 +239,10 @@ def main():
     args = parser.parse_args()
     if args.retries and args.surface != "session":
         parser.error("--retries needs --surface session")
-    if args.instructions and args.surface != "responses":
-        parser.error("--instructions needs --surface responses")
+    if args.instructions and args.surface not in ("responses", "chat"):
+        parser.error("--instructions needs --surface responses or chat")
+    if args.instructions and args.instructions_each_turn:
+        parser.error("--instructions and --instructions-each-turn are two kinds of leading message: one of them")
 
     upstream = ThreadingServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()

@@ -160,6 +160,8 @@ pub(super) fn estimated_text_bytes<'a>(messages: impl IntoIterator<Item = &'a Va
 #[derive(Default)]
 pub struct SharedHistory {
     messages: Vec<Value>,
+    /// The request that stored the last message, when the history was read from the store.
+    last_request: Option<String>,
     written: Mutex<WrittenText>,
 }
 
@@ -175,6 +177,16 @@ impl SharedHistory {
     /// was written from.
     pub fn extend(&mut self, messages: impl IntoIterator<Item = Value>) {
         self.messages.extend(messages);
+    }
+
+    /// The request that stored the last message (as read from the store), if known.
+    pub fn last_request(&self) -> Option<&str> {
+        self.last_request.as_deref()
+    }
+
+    /// Names the request that stored the last message, once messages read are added.
+    pub fn set_last_request(&mut self, request: Option<String>) {
+        self.last_request = request;
     }
 
     /// The written text, locked. A panic while it was held (a failed allocation while a
@@ -234,6 +246,7 @@ impl Clone for SharedHistory {
     fn clone(&self) -> Self {
         Self {
             messages: self.messages.clone(),
+            last_request: self.last_request.clone(),
             written: Mutex::new(self.text().clone()),
         }
     }
@@ -257,6 +270,7 @@ impl From<Vec<Value>> for SharedHistory {
     fn from(messages: Vec<Value>) -> Self {
         Self {
             messages,
+            last_request: None,
             written: Mutex::default(),
         }
     }

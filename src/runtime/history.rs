@@ -133,6 +133,9 @@ impl Histories {
             _ => (SharedHistory::default(), 0),
         };
         let below_from = messages.len();
+        if let Some(last) = read.messages.last() {
+            messages.set_last_request(last.request_id.clone());
+        }
         messages.extend(read.messages.into_iter().map(|m| m.content));
         if messages.len() < LEAST_KEPT {
             return Arc::new(messages);

@@ -115,6 +115,25 @@ pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldL
     })
 }
 
+/// Where `leading` is held already when it is what request `previous` of session `session`
+/// leads with ([`held_leading`]): one read of that request, none when there is nothing to
+/// name.
+async fn leading_held_before(
+    store: &dyn Store,
+    previous: &str,
+    session: &str,
+    leading: &[Value],
+) -> Result<Option<HeldLeading>, StoreError> {
+    if leading.is_empty() {
+        return Ok(None);
+    }
+    Ok(store
+        .request(previous)
+        .await?
+        .filter(|previous| previous.session_id == session)
+        .and_then(|previous| held_leading(&previous, leading)))
+}
+
 /// What a follower of a request is told when the store refused the request's first write
 /// (the journal's log has the store's own error).
 const REQUEST_NOT_STORED: &str =
@@ -810,10 +829,25 @@ impl Runtime {
             }
             (History::SessionPrefix, Some(newest)) => {
                 let histories = &inner.histories;
+                let (leaf, path) = (newest.0.clone(), Arc::clone(&newest.1));
                 match matching_path(store, histories, &session_id, newest, &request.messages)
                     .await?
                 {
-                    Some((through, matched)) => (Some(through), None, matched),
+                    Some((through, matched)) => {
+                        // A transcript continuing from the newest path's end is the next
+                        // turn of the request that stored its last message: its leading
+                        // messages, when they are that turn's, are named, not stored again.
+                        if through == leaf
+                            && matched == path.len()
+                            && request.leading_held_by.is_none()
+                            && let Some(previous) = path.last_request()
+                        {
+                            request.leading_held_by =
+                                leading_held_before(store, previous, &session_id, &request.leading)
+                                    .await?;
+                        }
+                        (Some(through), None, matched)
+                    }
                     None => (None, None, 0),
                 }
             }

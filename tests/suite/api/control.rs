@@ -605,6 +605,108 @@ async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<St
     assert_eq!(heard, forked_said);
 }
 
+on_both_stores!(a_chats_instructions_the_same_each_turn_are_stored_once);
+/// A Chat Completions client in a session sends the same system message every turn: a turn
+/// whose leading messages are the previous turn's names the turn that stores them instead of
+/// storing them again; the model hears them every turn and a retried turn is sent them;
+/// changed instructions are stored anew and named from there on.
+async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<String>) {
+    const SESSION: &str = "a-chat-with-its-rules";
+    let embedded = store.is_none();
+    let upstream = MockUpstream::start().await;
+    // The sixth turn's first run fails; an operator retries it.
+    upstream.push((1..=5).map(|n| Reply::Text(format!("a{n}"))));
+    upstream.push([Reply::StatusBody {
+        status: 400,
+        body: r#"{"error":{"message":"bad request"}}"#.into(),
+    }]);
+    upstream.set_default(Reply::Text("a6".into()));
+    let app = spawn(api_workspace(&upstream, ""), store).await;
+    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B", "Rule B"];
+    let rule_message = |rule: &str| json!({ "role": "system", "content": rule });
+    let mut transcript: Vec<Value> = Vec::new();
+    let mut requests: Vec<String> = Vec::new();
+    for (turn, rule) in rules.iter().enumerate() {
+        transcript.push(json!({ "role": "user", "content": format!("q{}", turn + 1) }));
+        let mut sent = vec![rule_message(rule)];
+        sent.extend(transcript.iter().cloned());
+        let response = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .header("x-stable-harness-session-id", SESSION)
+            .json(&json!({ "model": "assistant", "messages": sent }))
+            .send()
+            .await
+            .unwrap();
+        let refused = turn == rules.len() - 1;
+        assert_eq!(response.status(), if refused { 502 } else { 200 });
+        requests.push(super::request_id_header(&response));
+        let heard = &upstream.calls()[turn].body["messages"];
+        assert_eq!(heard[1], rule_message(rule), "turn {turn}: {heard}");
+        assert_eq!(heard.as_array().unwrap()[2..], sent[1..], "turn {turn}");
+        if !refused {
+            let answer: Value = response.json().await.unwrap();
+            transcript.push(answer["choices"][0]["message"].clone());
+        }
+    }
+    if embedded {
+        let db = crate::helpers::store_path(app.workspace.path());
+        let inputs: Vec<Value> = requests
+            .iter()
+            .map(|id| crate::helpers::stored_input(&db, id))
+            .collect();
+        for (turn, input) in inputs.iter().enumerate() {
+            let holder = if turn < 3 { 0 } else { 3 };
+            if turn == holder {
+                assert_eq!(
+                    input["leading"],
+                    json!([rule_message(rules[turn])]),
+                    "turn {turn}"
+                );
+                assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
+            } else {
+                assert_eq!(
+                    input["leadingOf"],
+                    json!(requests[holder]),
+                    "turn {turn}: {input}"
+                );
+                assert!(input.get("leading").is_none(), "turn {turn}: {input}");
+                assert_eq!(
+                    input["leadingDigest"].as_str().unwrap_or_default().len(),
+                    64
+                );
+            }
+        }
+    }
+    // The sixth turn failed (the model refused it); retried, it is sent its instructions.
+    let failed = &requests[5];
+    assert_eq!(app.wait_until_done(failed).await["status"], "failed");
+    let (status, retried) = app
+        .post(
+            &format!("/admin/requests/{failed}/retry"),
+            ADMIN_KEY,
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 202, "{retried}");
+    assert_eq!(app.wait_until_done(failed).await["status"], "completed");
+    let heard = upstream.calls().last().unwrap().body["messages"].clone();
+    assert_eq!(heard[1], rule_message("Rule B"), "{heard}");
+    // The conversation as the session holds it (the client's `refusal: null` left out).
+    let said = |messages: &[Value]| -> Vec<(Value, Value)> {
+        messages
+            .iter()
+            .map(|m| (m["role"].clone(), m["content"].clone()))
+            .collect()
+    };
+    assert_eq!(
+        said(&heard.as_array().unwrap()[2..]),
+        said(&transcript),
+        "{heard}"
+    );
+}
+
 on_both_stores!(a_chat_in_a_session_is_stored_once_and_branches_where_the_client_changes_it);
 /// A Chat Completions client in a session sends its whole transcript every turn: the model
 /// hears it as sent, and the session stores each message once, as one path (the answers as
