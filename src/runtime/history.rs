@@ -620,14 +620,15 @@ mod tests {
 
     /// The text a model call wrote of a kept path goes on with it: the next turn's path, read
     /// below it, holds the text of the messages it had, and only what was read is written
-    /// anew; a path too long for the budget is not kept, its text with it.
+    /// anew, and names the request that stored its last message; a path too long for the
+    /// budget is not kept, its text with it.
     #[test]
     fn a_kept_paths_text_goes_on_with_it_and_a_path_past_half_the_budget_is_not_kept() {
         let record = |n: usize| crate::store::MessageRecord {
             id: format!("msg_{n}"),
             session_id: "s".into(),
             parent_id: None,
-            request_id: None,
+            request_id: Some(format!("req_{}", n / 2)),
             role: "user".into(),
             content: json!({ "role": "user", "content": format!("message {n}") }),
             created_at: chrono::Utc::now(),
@@ -648,6 +649,11 @@ mod tests {
         );
         let next = histories.joined("s", "msg_41", kept, read(40, 42, true));
         assert_eq!((next.len(), next.written_messages()), (42, 40));
+        // And the request that stored its last message, from the read.
+        assert_eq!(next.last_request(), Some("req_20"));
+        let again = histories.kept_path("s");
+        let same = histories.joined("s", "msg_41", again, read(42, 42, true));
+        assert_eq!(same.last_request(), Some("req_20"), "the kept path itself");
         let mut written = String::new();
         crate::adapters::Transcript::new(Vec::new(), Some(Arc::clone(&next)), Vec::new())
             .write_array(&mut written, []);

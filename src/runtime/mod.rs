@@ -842,9 +842,18 @@ impl Runtime {
                             && request.leading_held_by.is_none()
                             && let Some(previous) = path.last_request()
                         {
-                            request.leading_held_by =
-                                leading_held_before(store, previous, &session_id, &request.leading)
-                                    .await?;
+                            // A failed read only stores them again.
+                            request.leading_held_by = leading_held_before(
+                                store,
+                                previous,
+                                &session_id,
+                                &request.leading,
+                            )
+                            .await
+                            .unwrap_or_else(|error| {
+                                tracing::warn!(%error, previous, "could not read the request a turn's leading messages may be held by");
+                                None
+                            });
                         }
                         (Some(through), None, matched)
                     }

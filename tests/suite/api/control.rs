@@ -614,15 +614,19 @@ async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<S
     const SESSION: &str = "a-chat-with-its-rules";
     let embedded = store.is_none();
     let upstream = MockUpstream::start().await;
-    // The sixth turn's first run fails; an operator retries it.
-    upstream.push((1..=5).map(|n| Reply::Text(format!("a{n}"))));
+    // Twenty turns, past the length from which the session's newest path is kept in memory
+    // (32 messages); the last turn's first run fails, and an operator retries it.
+    const TURNS: usize = 20;
+    upstream.push((1..TURNS).map(|n| Reply::Text(format!("a{n}"))));
     upstream.push([Reply::StatusBody {
         status: 400,
         body: r#"{"error":{"message":"bad request"}}"#.into(),
     }]);
-    upstream.set_default(Reply::Text("a6".into()));
+    upstream.set_default(Reply::Text(format!("a{TURNS}")));
     let app = spawn(api_workspace(&upstream, ""), store).await;
-    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B", "Rule B"];
+    let rules: Vec<&str> = (0..TURNS)
+        .map(|turn| if turn < TURNS / 2 { "Rule A" } else { "Rule B" })
+        .collect();
     let rule_message = |rule: &str| json!({ "role": "system", "content": rule });
     let mut transcript: Vec<Value> = Vec::new();
     let mut requests: Vec<String> = Vec::new();
@@ -657,7 +661,7 @@ async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<S
             .map(|id| crate::helpers::stored_input(&db, id))
             .collect();
         for (turn, input) in inputs.iter().enumerate() {
-            let holder = if turn < 3 { 0 } else { 3 };
+            let holder = if turn < TURNS / 2 { 0 } else { TURNS / 2 };
             if turn == holder {
                 assert_eq!(
                     input["leading"],
@@ -679,8 +683,8 @@ async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<S
             }
         }
     }
-    // The sixth turn failed (the model refused it); retried, it is sent its instructions.
-    let failed = &requests[5];
+    // The last turn failed (the model refused it); retried, it is sent its instructions.
+    let failed = &requests[TURNS - 1];
     assert_eq!(app.wait_until_done(failed).await["status"], "failed");
     let (status, retried) = app
         .post(
