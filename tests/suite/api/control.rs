@@ -605,6 +605,18 @@ async fn a_long_session_hears_its_whole_history_on_every_branch(store: Option<St
     assert_eq!(heard, forked_said);
 }
 
+/// `messages` posted to `/v1/chat/completions` for the assistant, in `session`.
+async fn chat_in_session(app: &TestApp, session: &str, messages: &[Value]) -> reqwest::Response {
+    app.http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(CLIENT_KEY)
+        .header("x-stable-harness-session-id", session)
+        .json(&json!({ "model": "assistant", "messages": messages }))
+        .send()
+        .await
+        .unwrap()
+}
+
 on_both_stores!(a_chats_instructions_the_same_each_turn_are_stored_once);
 /// A Chat Completions client in a session sends the same system message every turn: a turn
 /// whose leading messages are the previous turn's names the turn that stores them instead of
@@ -634,15 +646,7 @@ async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<S
         transcript.push(json!({ "role": "user", "content": format!("q{}", turn + 1) }));
         let mut sent = vec![rule_message(rule)];
         sent.extend(transcript.iter().cloned());
-        let response = app
-            .http
-            .post(app.url("/v1/chat/completions"))
-            .bearer_auth(CLIENT_KEY)
-            .header("x-stable-harness-session-id", SESSION)
-            .json(&json!({ "model": "assistant", "messages": sent }))
-            .send()
-            .await
-            .unwrap();
+        let response = chat_in_session(&app, SESSION, &sent).await;
         let refused = turn == rules.len() - 1;
         assert_eq!(response.status(), if refused { 502 } else { 200 });
         requests.push(super::request_id_header(&response));
@@ -655,46 +659,10 @@ async fn a_chats_instructions_the_same_each_turn_are_stored_once(store: Option<S
         }
     }
     if embedded {
-        let db = crate::helpers::store_path(app.workspace.path());
-        let inputs: Vec<Value> = requests
-            .iter()
-            .map(|id| crate::helpers::stored_input(&db, id))
-            .collect();
-        for (turn, input) in inputs.iter().enumerate() {
-            let holder = if turn < TURNS / 2 { 0 } else { TURNS / 2 };
-            if turn == holder {
-                assert_eq!(
-                    input["leading"],
-                    json!([rule_message(rules[turn])]),
-                    "turn {turn}"
-                );
-                assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
-            } else {
-                assert_eq!(
-                    input["leadingOf"],
-                    json!(requests[holder]),
-                    "turn {turn}: {input}"
-                );
-                assert!(input.get("leading").is_none(), "turn {turn}: {input}");
-                assert_eq!(
-                    input["leadingDigest"].as_str().unwrap_or_default().len(),
-                    64
-                );
-            }
-        }
+        app.assert_leading_held(&requests, &rules);
     }
     // The last turn failed (the model refused it); retried, it is sent its instructions.
-    let failed = &requests[TURNS - 1];
-    assert_eq!(app.wait_until_done(failed).await["status"], "failed");
-    let (status, retried) = app
-        .post(
-            &format!("/admin/requests/{failed}/retry"),
-            ADMIN_KEY,
-            &json!({}),
-        )
-        .await;
-    assert_eq!(status, 202, "{retried}");
-    assert_eq!(app.wait_until_done(failed).await["status"], "completed");
+    app.retried_to_completion(&requests[TURNS - 1]).await;
     let heard = upstream.calls().last().unwrap().body["messages"].clone();
     assert_eq!(heard[1], rule_message("Rule B"), "{heard}");
     // The conversation as the session holds it (the client's `refusal: null` left out).
@@ -732,15 +700,7 @@ async fn a_chat_in_a_session_is_stored_once_and_branches_where_the_client_change
         let now = json!({ "role": "system", "content": format!("Now: turn {}", turns.get()) });
         let mut sent = vec![now.clone()];
         sent.extend(transcript.iter().cloned());
-        let response = app
-            .http
-            .post(app.url("/v1/chat/completions"))
-            .bearer_auth(CLIENT_KEY)
-            .header("x-stable-harness-session-id", SESSION)
-            .json(&json!({ "model": "assistant", "messages": sent }))
-            .send()
-            .await
-            .unwrap();
+        let response = chat_in_session(&app, SESSION, &sent).await;
         assert_eq!(response.status(), 200);
         let request_id = super::request_id_header(&response);
         let answer: Value = response.json().await.unwrap();

@@ -255,6 +255,46 @@ impl TestApp {
         wait_until_done_at(&self.http, &self.base, request_id).await
     }
 
+    /// On the embedded store, how `requests` (turns of one session, in order) hold their
+    /// leading messages, a system message of `rules[turn]` each: the first turn of each rule
+    /// holds them (`leading`), the others name it (`leadingOf`) with their digest, the same
+    /// for all that name it.
+    pub fn assert_leading_held(&self, requests: &[String], rules: &[&str]) {
+        let db = crate::helpers::store_path(self.workspace.path());
+        let inputs: Vec<Value> = requests
+            .iter()
+            .map(|id| crate::helpers::stored_input(&db, id))
+            .collect();
+        for (turn, input) in inputs.iter().enumerate() {
+            let holder = rules.iter().position(|rule| *rule == rules[turn]).unwrap();
+            if turn == holder {
+                let held = json!([{ "role": "system", "content": rules[turn] }]);
+                assert_eq!(input["leading"], held, "turn {turn}: {input}");
+                assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
+            } else {
+                assert_eq!(input["leadingOf"], json!(requests[holder]), "turn {turn}");
+                assert!(input.get("leading").is_none(), "turn {turn}: {input}");
+                // With their digest, which the next turn compares its own with.
+                let digest = input["leadingDigest"].as_str().unwrap_or_default();
+                assert_eq!(digest.len(), 64, "turn {turn}: {input}");
+                let first_naming = &inputs[holder + 1]["leadingDigest"];
+                assert_eq!(&input["leadingDigest"], first_naming, "turn {turn}");
+            }
+        }
+    }
+
+    /// Waits for `request_id` to fail, has an operator retry it, and waits for it to
+    /// complete.
+    pub async fn retried_to_completion(&self, request_id: &str) {
+        let view = self.wait_until_done(request_id).await;
+        assert_eq!(view["status"], "failed", "{view}");
+        let retry = format!("/admin/requests/{request_id}/retry");
+        let (status, retried) = self.post(&retry, ADMIN_KEY, &json!({})).await;
+        assert_eq!(status, 202, "{retried}");
+        let done = self.wait_until_done(request_id).await;
+        assert_eq!(done["status"], "completed", "{done}");
+    }
+
     /// Polls the admin API until an approval is pending; returns it.
     pub async fn pending_approval(&self) -> Value {
         pending_approval_at(&self.http, &self.base).await

@@ -694,45 +694,10 @@ async fn a_chains_instructions_the_same_each_turn_are_stored_once(database_url: 
         assert_eq!(fetched["instructions"], rule, "{fetched}");
     }
     if embedded {
-        let db = crate::helpers::store_path(app.workspace.path());
-        let inputs: Vec<Value> = requests
-            .iter()
-            .map(|id| crate::helpers::stored_input(&db, id))
-            .collect();
-        let held = |index: usize| json!([{ "role": "system", "content": rules[index] }]);
-        for (turn, input) in inputs.iter().enumerate() {
-            let holder = if turn < 3 { 0 } else { 3 };
-            if turn == holder {
-                assert_eq!(input["leading"], held(turn), "turn {turn}: {input}");
-                assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
-            } else {
-                assert_eq!(input["leadingOf"], json!(requests[holder]), "turn {turn}");
-                assert!(input.get("leading").is_none(), "turn {turn}: {input}");
-                // With their digest, which the next turn compares its own with.
-                let digest = input["leadingDigest"].as_str().unwrap_or_default();
-                assert_eq!(digest.len(), 64, "turn {turn}: {input}");
-                assert_eq!(
-                    input["leadingDigest"],
-                    inputs[holder + 1]["leadingDigest"],
-                    "turn {turn}"
-                );
-            }
-        }
+        app.assert_leading_held(&requests, &rules);
     }
     // The sixth turn failed (the model refused it); retried, it is sent its instructions.
-    let failed = &requests[5];
-    let view = app.wait_until_done(failed).await;
-    assert_eq!(view["status"], "failed", "{view}");
-    let (status, retried) = app
-        .post(
-            &format!("/admin/requests/{failed}/retry"),
-            ADMIN_KEY,
-            &json!({}),
-        )
-        .await;
-    assert_eq!(status, 202, "{retried}");
-    let done = app.wait_until_done(failed).await;
-    assert_eq!(done["status"], "completed", "{done}");
+    app.retried_to_completion(&requests[5]).await;
     let heard: Vec<&str> = chain[..chain.len() - 1]
         .iter()
         .map(String::as_str)
