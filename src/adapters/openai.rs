@@ -931,11 +931,11 @@ fn request_body(
         .map(|instructions| json!({ "role": "system", "content": instructions }));
     // What memory recalled comes after the agent's own instructions, in its own block.
     let memory = crate::memory::context_message(context.memory);
-    let first: Vec<&Value> = system.iter().chain(memory.iter()).collect();
+    let first = system.iter().chain(memory.iter());
     let fields = request_fields(context, request, model, streaming);
     // Sized for the messages' text, most of a long conversation's body, so that the buffer
     // is not grown and copied a doubling at a time.
-    let text = super::transcript::estimated_text_bytes(first.iter().copied())
+    let text = super::transcript::estimated_text_bytes(first.clone())
         .saturating_add(request.messages.estimated_text_bytes())
         .saturating_add(1024);
     write_request(&fields, first, request.messages, request.functions, text).into_bytes()
@@ -993,10 +993,10 @@ fn request_fields(
 /// built. The transcript and the tools are written from the run's own values: the
 /// transcript, as long as the conversation, was copied whole into a map for every model
 /// call, then written and dropped (docs/profiling.md, the fiftieth pass).
-fn write_request(
+fn write_request<'a>(
     fields: &Map<String, Value>,
-    first: Vec<&Value>,
-    messages: &super::Transcript,
+    first: impl IntoIterator<Item = &'a Value>,
+    messages: &'a super::Transcript,
     functions: &[Value],
     capacity: usize,
 ) -> String {

@@ -189,16 +189,9 @@ impl SharedHistory {
         self.last_request = request;
     }
 
-    /// The written text, locked. A panic while it was held (a failed allocation while a
-    /// message was written) may have left part of a message in it: then it starts over
-    /// empty, to be written again from the first message.
+    /// The written text, locked.
     fn text(&self) -> std::sync::MutexGuard<'_, WrittenText> {
-        self.written.lock().unwrap_or_else(|poisoned| {
-            let mut text = poisoned.into_inner();
-            *text = WrittenText::default();
-            self.written.clear_poison();
-            text
-        })
+        crate::threads::locked(&self.written)
     }
 
     /// Writes the messages as JSON array items, comma-separated: their text written before,

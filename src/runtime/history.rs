@@ -26,7 +26,7 @@ use crate::store::{PathBelow, Store, StoreError};
 /// size in memory, their messages' JSON text included (a third of it: 16 MiB held the
 /// messages alone before their text was kept). One path may hold half of it at most: a
 /// longer one is read whole each time, so that two sessions' paths at least fit.
-pub const DEFAULT_BUDGET_BYTES: u64 = 24 << 20;
+pub const DEFAULT_KEPT_HISTORY_BYTES: u64 = 24 << 20;
 /// The most paths kept, all sessions' branches together.
 const MOST_PATHS: usize = 1024;
 /// The most branches of one session kept: its conversations going on at once (one more
@@ -50,7 +50,7 @@ pub(crate) struct Histories {
 
 impl Default for Histories {
     fn default() -> Self {
-        Self::within(DEFAULT_BUDGET_BYTES)
+        Self::within(DEFAULT_KEPT_HISTORY_BYTES)
     }
 }
 
@@ -467,7 +467,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::{
-        DEFAULT_BUDGET_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
+        DEFAULT_KEPT_HISTORY_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
         estimated_bytes, known, matching_prefix, read_path_is,
     };
 
@@ -479,7 +479,7 @@ mod tests {
         }
     }
 
-    const BUDGET_BYTES: usize = DEFAULT_BUDGET_BYTES as usize;
+    const BUDGET_BYTES: usize = DEFAULT_KEPT_HISTORY_BYTES as usize;
 
     #[test]
     fn kept_paths_stay_within_their_bounds_and_the_least_recently_used_go_first() {

@@ -46,7 +46,7 @@ use crate::store::{
 };
 use crate::workspace::CompiledWorkspace;
 
-pub use history::DEFAULT_BUDGET_BYTES as DEFAULT_KEPT_HISTORY_BYTES;
+pub use history::DEFAULT_KEPT_HISTORY_BYTES;
 pub use hub::{AwaitedView, EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
@@ -90,7 +90,9 @@ pub struct HeldLeading {
 
 /// The SHA-256 of leading messages as their JSON text, in hex.
 fn leading_digest(leading: &[Value]) -> String {
-    crate::memory::sha256_hex(&serde_json::to_string(leading).unwrap_or_default())
+    let mut text = String::new();
+    crate::json::write_array(&mut text, leading, crate::json::write);
+    crate::memory::sha256_hex(&text)
 }
 
 /// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the
@@ -149,14 +151,6 @@ async fn request_start(
     request: &RequestRecord,
 ) -> Result<(Transcript, Option<String>), StoreError> {
     let through = request.input.get(HISTORY_THROUGH).and_then(Value::as_str);
-    let listed = |key: &str| {
-        request
-            .input
-            .get(key)
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default()
-    };
     let history = match through {
         Some(through) => Some(
             histories
@@ -165,40 +159,43 @@ async fn request_start(
         ),
         None => None,
     };
-    let (leading, _) = stored_leading(store, request).await?;
-    let messages = Transcript::new(leading, history, listed("messages"));
+    let own = request
+        .input
+        .get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let leading = stored_leading(store, request).await?;
+    let messages = Transcript::new(leading, history, own);
     let own_last = store
         .request_last_message(&request.session_id, &request.id, request.created_at)
         .await?;
     Ok((messages, own_last.or_else(|| through.map(str::to_owned))))
 }
 
-/// A stored request's leading messages ([`LEADING`]) and the request whose input holds them:
-/// its own, or those of the request its input names ([`LEADING_OF`]), which the server names
-/// only in the request's own session (pruned with it, never apart). A named request that is
-/// not there (nothing this server writes) gives none, with a warning in the log.
+/// A stored request's leading messages ([`LEADING`]): its own, or those of the request its
+/// input names ([`LEADING_OF`]), which the server names only in the request's own session
+/// (pruned with it, never apart). A named request that is not there (nothing this server
+/// writes) gives none, with a warning in the log.
 pub async fn stored_leading(
     store: &dyn Store,
     request: &RequestRecord,
-) -> Result<(Vec<Value>, Option<String>), StoreError> {
+) -> Result<Vec<Value>, StoreError> {
     if let Some(leading) = request.input.get(LEADING).and_then(Value::as_array) {
-        return Ok((leading.clone(), Some(request.id.clone())));
+        return Ok(leading.clone());
     }
     let Some(holder) = request.input.get(LEADING_OF).and_then(Value::as_str) else {
-        return Ok((Vec::new(), None));
+        return Ok(Vec::new());
     };
     let held = store
         .request(holder)
         .await?
         .filter(|held| held.session_id == request.session_id)
         .and_then(|held| held.input.get(LEADING).and_then(Value::as_array).cloned());
-    Ok(match held {
-        Some(leading) => (leading, Some(holder.to_owned())),
-        None => {
-            tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not in its session");
-            (Vec::new(), None)
-        }
-    })
+    Ok(held.unwrap_or_else(|| {
+        tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not in its session");
+        Vec::new()
+    }))
 }
 
 /// A session a request names, and when the request continues its history, that history and
@@ -247,8 +244,12 @@ type SessionHistory = Option<(String, Arc<crate::adapters::SharedHistory>)>;
 /// Whether a transcript holds an answer: one that does not is a conversation's first turn,
 /// never matched with a session's history (nor read for).
 fn answered(sent: &[Value]) -> bool {
-    sent.iter()
-        .any(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+    sent.iter().any(is_answer)
+}
+
+/// Whether a message is a model's answer (`assistant`).
+fn is_answer(message: &Value) -> bool {
+    message.get("role").and_then(Value::as_str) == Some("assistant")
 }
 
 /// How many of a session's newest answers are looked at for the one a client's transcript
@@ -302,7 +303,6 @@ async fn other_branch(
     sent: &[Value],
     matched: usize,
 ) -> Result<Option<(String, usize)>, StoreError> {
-    let is_answer = |m: &Value| m.get("role").and_then(Value::as_str) == Some("assistant");
     let Some(answer_at) = sent.iter().rposition(is_answer) else {
         return Ok(None);
     };
@@ -839,7 +839,6 @@ impl Runtime {
                         // messages, when they are that turn's, are named, not stored again.
                         if through == leaf
                             && matched == path.len()
-                            && request.leading_held_by.is_none()
                             && let Some(previous) = path.last_request()
                         {
                             // A failed read only stores them again.
@@ -1495,5 +1494,9 @@ mod tests {
         assert_eq!(held_leading(&request("req_3", "ses_1"), &rules), None);
         assert_ne!(leading_digest(&rules), leading_digest(&other));
         assert_eq!(leading_digest(&rules).len(), 64);
+        // The digest of the messages' text as serde writes it, as earlier builds stored it.
+        let odd = vec![json!({ "role": "system", "content": "q\"\\ \n\u{1} é", "n": 1.5 })];
+        let text = serde_json::to_string(&odd).unwrap();
+        assert_eq!(leading_digest(&odd), crate::memory::sha256_hex(&text));
     }
 }

@@ -170,6 +170,26 @@ fn run(id: &str, request: &str, status: RunStatus) -> WriteOp {
     })
 }
 
+/// A message of `session` saying its own id, as `role`: stored under `parent`, by `request`.
+fn message_op(
+    id: &str,
+    session: &str,
+    parent: Option<&str>,
+    request: Option<&str>,
+    role: &str,
+    created_at: chrono::DateTime<Utc>,
+) -> WriteOp {
+    WriteOp::InsertMessage(MessageRecord {
+        id: id.into(),
+        session_id: session.into(),
+        parent_id: parent.map(str::to_owned),
+        request_id: request.map(str::to_owned),
+        role: role.into(),
+        content: json!({ "role": role, "content": id }),
+        created_at,
+    })
+}
+
 fn event(request: &str, run: &str, seq: i64) -> WriteOp {
     WriteOp::AppendEvent(EventRecord {
         id: stable_harness::runtime::new_id("evt"),
@@ -809,15 +829,14 @@ async fn messages_form_a_tree_read_in_order(store: Arc<dyn Store>) {
     seed(&store, "a", RunStatus::Completed).await;
     let now = Utc::now();
     let message = |id: &str, parent: Option<&str>, offset: i64| {
-        WriteOp::InsertMessage(MessageRecord {
-            id: id.into(),
-            session_id: "ses_a".into(),
-            parent_id: parent.map(str::to_owned),
-            request_id: Some("req_a".into()),
-            role: "user".into(),
-            content: json!({ "role": "user", "content": id }),
-            created_at: now + Age::milliseconds(offset),
-        })
+        message_op(
+            id,
+            "ses_a",
+            parent,
+            Some("req_a"),
+            "user",
+            now + Age::milliseconds(offset),
+        )
     };
     // A fork: two children of the same message.
     store
@@ -940,15 +959,14 @@ async fn a_requests_last_message_is_its_newest_own_one_not_its_answer(store: Arc
     let at = store.request("req_a").await.unwrap().unwrap().created_at;
     let since_b = store.request("req_b").await.unwrap().unwrap().created_at;
     let message = |id: &str, request: &str, role: &str, offset: i64| {
-        WriteOp::InsertMessage(MessageRecord {
-            id: id.into(),
-            session_id: "ses_a".into(),
-            parent_id: None,
-            request_id: Some(request.into()),
-            role: role.into(),
-            content: json!({ "role": role, "content": id }),
-            created_at: at + Age::seconds(offset),
-        })
+        message_op(
+            id,
+            "ses_a",
+            None,
+            Some(request),
+            role,
+            at + Age::seconds(offset),
+        )
     };
     store
         .apply(&[
@@ -996,15 +1014,7 @@ async fn a_sessions_newest_answers_come_newest_first_and_alone(store: Arc<dyn St
     seed(&store, "b", RunStatus::Completed).await;
     let at = store.request("req_a").await.unwrap().unwrap().created_at;
     let message = |id: &str, session: &str, role: &str, offset: i64| {
-        WriteOp::InsertMessage(MessageRecord {
-            id: id.into(),
-            session_id: session.into(),
-            parent_id: None,
-            request_id: None,
-            role: role.into(),
-            content: json!({ "role": role, "content": id }),
-            created_at: at + Age::seconds(offset),
-        })
+        message_op(id, session, None, None, role, at + Age::seconds(offset))
     };
     store
         .apply(&[
