@@ -46,8 +46,7 @@ fn digest(key: &str) -> [u8; 32] {
 /// The identity of an unnamed key: `key-` and the first 12 hex digits of its SHA-256.
 pub fn fingerprint(key: &str) -> String {
     let digest = digest(key);
-    let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
-    format!("key-{hex}")
+    format!("key-{}", crate::text::hex(&digest[..6]))
 }
 
 impl KeySet {

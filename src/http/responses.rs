@@ -731,11 +731,9 @@ async fn copied_chain(
         return Ok(path.into_iter().map(|message| message.content).collect());
     }
     let input = &previous.request.input;
-    let mut messages: Vec<Value> = input
-        .get("messages")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
+    let mut messages = crate::runtime::stored_messages(store, &previous.request)
+        .await
+        .map_err(|e| store_error(&e))?;
     let instructions_inside = input.get(LEADING).is_none() && previous.shape.instructions.is_some();
     if instructions_inside && !messages.is_empty() {
         messages.remove(0);

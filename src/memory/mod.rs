@@ -178,8 +178,7 @@ pub fn search_words(text: &str) -> Vec<String> {
 
 /// The SHA-256 of `text`, in hex.
 pub(crate) fn sha256_hex(text: &str) -> String {
-    let digest = Sha256::digest(text.as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    crate::text::hex(&Sha256::digest(text.as_bytes()))
 }
 
 /// Exact duplicates share it: the content with surrounding space trimmed.

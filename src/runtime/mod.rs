@@ -20,6 +20,7 @@ mod journal;
 mod leases;
 mod maintenance;
 mod memory_admin;
+mod named_transcripts;
 mod narration;
 mod reload;
 mod run;
@@ -51,6 +52,7 @@ pub use hub::{AwaitedView, EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
 pub use memory_admin::{ImportReport, MemoryAdminError};
+pub use named_transcripts::stored_messages;
 pub use reload::{ReloadError, Reloaded};
 pub use watch::{ApprovalWatch, Watched};
 
@@ -159,12 +161,7 @@ async fn request_start(
         ),
         None => None,
     };
-    let own = request
-        .input
-        .get("messages")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
+    let own = named_transcripts::stored_messages(store, request).await?;
     let leading = stored_leading(store, request).await?;
     let messages = Transcript::new(leading, history, own);
     let own_last = store
@@ -796,6 +793,7 @@ impl Runtime {
             })?;
 
         let now = Utc::now();
+        let fresh_session = request.session_id.is_none();
         let session_id = request.session_id.unwrap_or_else(|| new_id("ses"));
         let charge_session =
             charge_session(request.protocol.as_str(), &request.metadata, &session_id);
@@ -887,12 +885,25 @@ impl Runtime {
         })];
         // The input is what the request brought; history the session holds already is named
         // by its last message, never copied (a long session would store it again per turn).
+        // A conversation with no session names the request holding its transcript's first
+        // messages when an earlier turn stored them (docs/profiling.md, the eighty-third
+        // pass).
+        let named = match (&request.history, fresh_session) {
+            (History::Stateless, true) => {
+                Some(named_transcripts::named(store, &request.owner, &agent_id, &own).await)
+            }
+            _ => None,
+        };
         let mut input = match &parent_id {
             Some(through) => {
                 json!({ "messages": own, "options": request.options, HISTORY_THROUGH: through })
             }
-            None => json!({ "messages": own, "options": request.options }),
+            None => json!({ "options": request.options }),
         };
+        if parent_id.is_none() {
+            let held = named.as_ref().map_or(0, |named| named.store_in(&mut input));
+            input["messages"] = json!(&own[held..]);
+        }
         match request.leading_held_by {
             _ if request.leading.is_empty() => {}
             Some(held) => {

@@ -71,6 +71,47 @@ impl RequestInput {
     }
 }
 
+/// The member of a request's input holding the digest of the transcript it brought (its
+/// `messages`, whole), where a later turn of a chat with no session finds it by
+/// ([`Store::input_holder`]). It and [`PREFIX_OF`], [`PREFIX_LEN`] are repeated in columns
+/// (the embedded store) or indexed (PostgreSQL), so a lookup or a prune reads no input.
+pub const INPUT_DIGEST: &str = "inputDigest";
+/// The member of a request's input naming the request whose input holds, whole, the first
+/// messages of its transcript ([`PREFIX_LEN`] of them): its own `messages` are the rest.
+pub const PREFIX_OF: &str = "prefixOf";
+/// How many of its transcript's first messages a request names ([`PREFIX_OF`]).
+pub const PREFIX_LEN: &str = "prefixLen";
+
+/// What a request's input says of where its transcript is held ([`INPUT_DIGEST`],
+/// [`PREFIX_OF`], [`PREFIX_LEN`]), as the embedded store writes it beside the input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NamedInput<'a> {
+    pub input_digest: Option<&'a str>,
+    pub prefix_of: Option<&'a str>,
+    pub prefix_len: Option<i64>,
+}
+
+impl<'a> NamedInput<'a> {
+    pub fn of(input: &'a serde_json::Value) -> Self {
+        Self {
+            input_digest: input.get(INPUT_DIGEST).and_then(serde_json::Value::as_str),
+            prefix_of: input.get(PREFIX_OF).and_then(serde_json::Value::as_str),
+            prefix_len: input.get(PREFIX_LEN).and_then(serde_json::Value::as_i64),
+        }
+    }
+}
+
+/// The newest request whose transcript had a digest a later turn looked up
+/// ([`Store::input_holder`]), and where its first messages are held, if another request
+/// holds them ([`PREFIX_OF`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputHolder {
+    pub request_id: String,
+    pub session_id: String,
+    pub prefix_of: Option<String>,
+    pub prefix_len: Option<i64>,
+}
+
 /// A request as its view shows it (see [`Store::request_in_full`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestInFull {
@@ -490,6 +531,15 @@ pub trait Store: MemoryStore + SpendStore + Send + Sync + 'static {
         result: &serde_json::Value,
         at: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, StoreError>;
+    /// The newest request of `owner` and `agent` whose input's transcript has `digest`
+    /// ([`INPUT_DIGEST`]), read from the index alone: a chat turn with no session looks up
+    /// the request its transcript continues.
+    async fn input_holder(
+        &self,
+        owner: &str,
+        agent: &str,
+        digest: &str,
+    ) -> Result<Option<InputHolder>, StoreError>;
     /// Cheap liveness check for `/readyz`.
     async fn ping(&self) -> Result<(), StoreError>;
 

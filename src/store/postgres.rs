@@ -49,9 +49,9 @@ use super::postgres_spend::{
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathBelow, PathRead, PathWalk,
-    PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord, RunRecord,
-    RunStatus, SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats,
+    InputHolder, Lease, MaintenanceRecord, MessageRecord, Page, PageRequest, PathBelow, PathRead,
+    PathWalk, PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord,
+    RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreChange, StoreError, StoreStats,
     ToolCallRecord, WriteOp, redact_url,
 };
 use crate::ids::IdMap;
@@ -481,6 +481,15 @@ const EVENT_SELECT: &str =
             e.at, e.data, e.more
      FROM events e JOIN requests r ON r.id = e.request_id";
 
+/// [`Store::input_holder`]'s read, through the digest's index (migration 0016). Only the
+/// holder's own members are read from its input: a request holding its transcript whole is
+/// read whole, once a turn, as a turn with no session read it before.
+const INPUT_HOLDER: &str = "SELECT id, session_id, input ->> 'prefixOf' AS prefix_of,
+        (input ->> 'prefixLen')::bigint AS prefix_len
+     FROM requests WHERE input ? 'inputDigest' AND input ->> 'inputDigest' = $1
+        AND owner = $2 AND agent_id = $3
+     ORDER BY id DESC LIMIT 1";
+
 /// The sessions a prune may remove; the same conditions as the embedded store's
 /// (`$1`: per-agent cutoffs, a JSON object; `$2`: everyone else's or NULL; `$3`: minKeep;
 /// `$4`: after this id (`after`); `$5`: limit; `$6`: only among these ids (`among`)).
@@ -505,7 +514,9 @@ WHERE {conditions}
         OR r.id IN (SELECT id FROM kept)
         OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
-                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
+                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))
+        OR EXISTS (SELECT 1 FROM requests n WHERE n.input ? 'prefixOf'
+                   AND n.input ->> 'prefixOf' = r.id COLLATE \"default\" AND n.session_id <> s.id)))
 ORDER BY s.id LIMIT $5"
     )
 }
@@ -1821,6 +1832,33 @@ impl Store for PostgresStore {
         .await?
         .rows_affected();
         Ok(changed == 1)
+    }
+
+    async fn input_holder(
+        &self,
+        owner: &str,
+        agent: &str,
+        digest: &str,
+    ) -> Result<Option<InputHolder>, StoreError> {
+        let (digest, owner, agent) = (text(digest), text(owner), text(agent));
+        let row = self
+            .on_reader_backend(|| {
+                sqlx::query(INPUT_HOLDER)
+                    .bind(&digest)
+                    .bind(&owner)
+                    .bind(&agent)
+            })
+            .await?
+            .pop();
+        row.map(|row| {
+            Ok(InputHolder {
+                request_id: row.try_get("id")?,
+                session_id: row.try_get("session_id")?,
+                prefix_of: row.try_get("prefix_of")?,
+                prefix_len: row.try_get("prefix_len")?,
+            })
+        })
+        .transpose()
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -34,10 +34,10 @@ use super::sqlite_writer::{Leases, Prepared, SqliteWriter};
 use super::stored_time;
 use super::{
     ApprovalKind, ApprovalRecord, ApprovalStatus, ArchiveRows, ClientCallRecord, EventRecord,
-    Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest, PathBelow, PathRead,
-    PathWalk, PruneCounts, PruneFilter, RequestFilter, RequestInFull, RequestInput, RequestRecord,
-    RunRecord, RunStatus, SessionFilter, SessionRecord, Store, StoreError, StoreStats,
-    ToolCallRecord, WriteOp,
+    InputHolder, Lease, MaintenanceRecord, MessageRecord, OpenOptions, Page, PageRequest,
+    PathBelow, PathRead, PathWalk, PruneCounts, PruneFilter, RequestFilter, RequestInFull,
+    RequestInput, RequestRecord, RunRecord, RunStatus, SessionFilter, SessionRecord, Store,
+    StoreError, StoreStats, ToolCallRecord, WriteOp,
 };
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -437,7 +437,8 @@ WHERE {conditions}
         OR r.id IN kept
         OR EXISTS (SELECT 1 FROM approvals a WHERE a.request_id = r.id AND a.status = 'pending')
         OR EXISTS (SELECT 1 FROM runs u WHERE u.request_id = r.id
-                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))))
+                   AND u.status NOT IN ('completed', 'failed', 'cancelled'))
+        OR EXISTS (SELECT 1 FROM requests n WHERE n.prefix_of = r.id AND n.session_id <> s.id)))
 ORDER BY s.id LIMIT CAST(?5 AS INTEGER)"#
     )
 }
@@ -643,6 +644,9 @@ fn path_page(
 /// statements of a request's view, read on the writer's connection
 /// ([`Store::request_in_full`]), the approvals' shared with the reader pool.
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
+/// [`Store::input_holder`]'s read: the digest's index and the row's own columns, no input.
+const INPUT_HOLDER: &str = "SELECT id, session_id, prefix_of, prefix_len FROM requests
+     WHERE input_digest = ?1 AND owner = ?2 AND agent_id = ?3 ORDER BY id DESC LIMIT 1";
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 /// A request as its view shows it: every column but `input`, which can be large (the whole
 /// transcript) and which no view shows ([`RequestInFull`]).
@@ -1471,6 +1475,25 @@ impl Store for SqliteStore {
                         stored_time::text(&at)
                     ])?;
                 Ok(changed == 1)
+            })
+            .await
+    }
+
+    async fn input_holder(
+        &self,
+        owner: &str,
+        agent: &str,
+        digest: &str,
+    ) -> Result<Option<InputHolder>, StoreError> {
+        let params = (digest.to_owned(), owner.to_owned(), agent.to_owned());
+        self.reader
+            .one(INPUT_HOLDER, params, |row| {
+                Ok(InputHolder {
+                    request_id: row.text("id")?,
+                    session_id: row.text("session_id")?,
+                    prefix_of: row.opt_text("prefix_of")?,
+                    prefix_len: column(row, "prefix_len")?,
+                })
             })
             .await
     }

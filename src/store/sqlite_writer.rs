@@ -867,9 +867,11 @@ fn write_ops<'o>(
                 let row = folds
                     .take_request(index)
                     .unwrap_or_else(|| RequestRow::inserted(request));
+                let named = super::NamedInput::of(&request.input);
                 prepared.get(
 "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
-                     metadata, created_at, updated_at, owner) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                     metadata, created_at, updated_at, owner, input_digest, prefix_of, prefix_len)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
 )?
                 .execute(params![
                     request.id,
@@ -884,7 +886,10 @@ fn write_ops<'o>(
                     to_text(&request.metadata),
                     stored_time::text(&request.created_at),
                     stored_time::text(&row.updated_at),
-                    request.owner
+                    request.owner,
+                    named.input_digest,
+                    named.prefix_of,
+                    named.prefix_len
                 ])?;
             }
             WriteOp::UpdateRequest {

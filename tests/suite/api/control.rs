@@ -1375,3 +1375,115 @@ async fn metrics_move_as_requests_run() {
             .contains("swagger")
     );
 }
+
+/// The input a request's row holds, on the store at `database` (`None`: the app's embedded
+/// one).
+fn stored_input_of(app: &TestApp, database: Option<&str>, request_id: &str) -> Value {
+    match database {
+        None => {
+            let db = crate::helpers::store_path(app.workspace.path());
+            crate::helpers::stored_input(&db, request_id)
+        }
+        Some(url) => {
+            let sql = format!("SELECT input::text FROM requests WHERE id = '{request_id}'");
+            let text = crate::pg::psql(url, &sql);
+            serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{text}: {e}"))
+        }
+    }
+}
+
+on_both_stores!(a_chat_with_no_session_is_stored_once_not_once_a_turn);
+/// A Chat Completions client with no session sends its whole transcript every turn, each
+/// turn a request (and a session) of its own: the model hears the transcript as sent, and a
+/// turn continuing an earlier one names the request holding its first messages whole and
+/// stores only the rest, never naming a request that names another. Another key's client
+/// sending the same transcript names nothing of the first key's. A turn the model refused,
+/// retried by an operator, is sent its whole transcript.
+async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<String>) {
+    const TURNS: usize = 24;
+    let upstream = MockUpstream::start().await;
+    upstream.push((1..TURNS).map(|n| Reply::Text(format!("a{n}"))));
+    upstream.push([Reply::StatusBody {
+        status: 400,
+        body: r#"{"error":{"message":"bad request"}}"#.into(),
+    }]);
+    upstream.set_default(Reply::Text(format!("a{TURNS}")));
+    let app = spawn(api_workspace(&upstream, ""), store.clone()).await;
+    let mut sent = vec![json!({ "role": "system", "content": "Be brief." })];
+    let mut turns: Vec<(String, Vec<Value>)> = Vec::new();
+    for turn in 0..TURNS {
+        sent.push(json!({ "role": "user", "content": format!("q{}", turn + 1) }));
+        let (response, request_id) = app
+            .chat(&json!({ "model": "assistant", "messages": sent }))
+            .await;
+        let refused = turn == TURNS - 1;
+        assert_eq!(response.status(), if refused { 502 } else { 200 });
+        let heard = &upstream.calls()[turn].body["messages"];
+        assert_eq!(heard.as_array().unwrap()[1..], sent[..], "turn {turn}");
+        turns.push((request_id, sent.clone()));
+        if !refused {
+            let answer: Value = response.json().await.unwrap();
+            sent.push(answer["choices"][0]["message"].clone());
+        }
+    }
+    // Another key's client sends the first key's transcript as it stood at turn 10.
+    let theirs = app
+        .http
+        .post(app.url("/v1/chat/completions"))
+        .bearer_auth(OTHER_CLIENT_KEY)
+        .json(&json!({ "model": "assistant", "messages": turns[9].1 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(theirs.status(), 200);
+    let theirs = super::request_id_header(&theirs);
+
+    let inputs: Vec<Value> = turns
+        .iter()
+        .map(|(id, _)| stored_input_of(&app, store.as_deref(), id))
+        .collect();
+    let (mut stored, mut whole) = (0, 0);
+    for (turn, ((_, transcript), input)) in turns.iter().zip(&inputs).enumerate() {
+        let own = input["messages"].as_array().unwrap();
+        assert_eq!(
+            input["inputDigest"].as_str().map(str::len),
+            Some(64),
+            "{input}"
+        );
+        stored += own.len();
+        whole += transcript.len();
+        let Some(holder) = input["prefixOf"].as_str() else {
+            assert_eq!(own, transcript, "turn {turn} holds its transcript whole");
+            continue;
+        };
+        let at = turns.iter().position(|(id, _)| id == holder).unwrap();
+        assert!(at < turn, "turn {turn} names a later turn");
+        assert!(inputs[at].get("prefixOf").is_none(), "a holder names none");
+        let held = input["prefixLen"].as_u64().unwrap() as usize;
+        assert_eq!(turns[at].1.len(), held, "turn {turn}");
+        assert_eq!(own[..], transcript[held..], "turn {turn}");
+    }
+    assert!(inputs[0].get("prefixOf").is_none());
+    let naming = inputs
+        .iter()
+        .filter(|i| i.get("prefixOf").is_some())
+        .count();
+    assert!(
+        naming >= TURNS * 3 / 4,
+        "{naming} of {TURNS} turns name a holder"
+    );
+    assert!(
+        stored * 2 < whole,
+        "{stored} messages stored of {whole} sent"
+    );
+    let theirs = stored_input_of(&app, store.as_deref(), &theirs);
+    assert!(theirs.get("prefixOf").is_none(), "{theirs}");
+    assert_eq!(theirs["messages"].as_array().unwrap(), &turns[9].1);
+
+    // The refused turn, retried, is sent its whole transcript, read back through its holder.
+    let (last, transcript) = turns.last().unwrap();
+    assert!(inputs[TURNS - 1].get("prefixOf").is_some());
+    app.retried_to_completion(last).await;
+    let heard = upstream.calls().last().unwrap().body["messages"].clone();
+    assert_eq!(heard.as_array().unwrap()[1..], transcript[..], "{heard}");
+}

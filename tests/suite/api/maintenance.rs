@@ -568,3 +568,55 @@ async fn store_prune_on_the_command_line_reports_then_removes_and_defers_to_a_ru
     );
     assert_eq!(left[0]["n"], 1);
 }
+
+on_both_stores!(a_request_a_later_turn_names_is_pruned_after_that_turn);
+/// Retention and a chat with no session: a turn naming the request that holds its
+/// transcript's first messages keeps that request (and its session) past its window until
+/// the turn itself is pruned; the turns between them go, and the conversation goes on,
+/// the model hearing it whole.
+async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<String>) {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("ok".into()));
+    let retention = "  store:\n    retention: { requests: 1s, minKeep: 0, every: 1h }\n";
+    let app = super::control::spawn(api_workspace(&upstream, retention), store).await;
+    let mut sent: Vec<Value> = Vec::new();
+    let mut turns: Vec<String> = Vec::new();
+    let exists = async |app: &TestApp, id: &str| {
+        let (status, _) = app.get(&format!("/admin/requests/{id}"), ADMIN_KEY).await;
+        assert!(status == 200 || status == 404, "{status}");
+        status == 200
+    };
+    let prune = async |app: &TestApp| {
+        let (status, report) = app.post("/admin/store/prune", ADMIN_KEY, &json!({})).await;
+        assert_eq!(status, 200, "{report}");
+    };
+    for turn in 1..=6 {
+        if turn == 5 {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            prune(&app).await;
+            // The first turn holds what the fifth names, so it stays; turns 2-4 name it
+            // and go.
+            assert!(exists(&app, &turns[0]).await);
+            for id in &turns[1..] {
+                assert!(!exists(&app, id).await, "{id} outlived its window");
+            }
+        }
+        sent.push(json!({ "role": "user", "content": format!("q{turn}") }));
+        let (response, id) = app
+            .chat(&json!({ "model": "assistant", "messages": sent }))
+            .await;
+        assert_eq!(response.status(), 200);
+        let heard = upstream.calls().last().unwrap().body["messages"].clone();
+        assert_eq!(heard.as_array().unwrap()[1..], sent[..], "turn {turn}");
+        let answer: Value = response.json().await.unwrap();
+        sent.push(answer["choices"][0]["message"].clone());
+        turns.push(id);
+    }
+    // Past every window, the naming turns go, and then what they named.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    prune(&app).await;
+    prune(&app).await;
+    for id in &turns {
+        assert!(!exists(&app, id).await, "{id} outlived its window");
+    }
+}

@@ -1,0 +1,14 @@
+-- Performance (issue 16): a chat with no session sends its whole transcript every turn, and
+-- each turn's request stored it whole: 114 MB after 600 turns of 500 bytes. A turn whose
+-- transcript continues an earlier request's (the same key's and agent's, found by the
+-- digest of that request's messages) names the request that holds its first messages
+-- whole, and stores only the rest (`prefixOf`, `prefixLen` in its input; `inputDigest`,
+-- the digest of its own transcript, for the next turn to find it by). The columns repeat
+-- those members of the input so that the lookup and the prune read no input; the runtime
+-- writes them with the row.
+ALTER TABLE requests ADD COLUMN input_digest TEXT;
+ALTER TABLE requests ADD COLUMN prefix_of TEXT;
+ALTER TABLE requests ADD COLUMN prefix_len INTEGER;
+CREATE INDEX requests_by_input_digest ON requests(input_digest) WHERE input_digest IS NOT NULL;
+-- A prune keeps a session while a request of another session names one of its requests.
+CREATE INDEX requests_by_prefix_of ON requests(prefix_of) WHERE prefix_of IS NOT NULL;

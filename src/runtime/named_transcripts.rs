@@ -1,0 +1,194 @@
+//! A conversation with no session, stored once rather than once a turn. A chat client sends
+//! its whole transcript every turn; without a session each turn's request held it whole,
+//! so a conversation's storage grew with the square of its length (114 MB after 600 turns
+//! of 500 bytes). A turn whose transcript continues an earlier request's — the same key's
+//! and agent's, found by the digest of that request's messages ([`INPUT_DIGEST`]) — names
+//! the request holding its first messages whole ([`PREFIX_OF`], [`PREFIX_LEN`]) and stores
+//! the rest. Nothing else changes: the turn keeps its own session, its budgets and its
+//! memory; the model is sent the transcript as the client sent it.
+//!
+//! What a name may reach: a request of the same key and agent, holding its messages whole
+//! (a name never names a request that names another, so reading one back is one read). A
+//! turn names the holder only while what it adds is short beside what the holder holds
+//! ([`names_holder`]); past that it holds its transcript whole and later turns name it.
+//! The prune keeps a session while a request of another session names one of its
+//! requests.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::store::{INPUT_DIGEST, PREFIX_LEN, PREFIX_OF, RequestRecord, Store, StoreError};
+
+/// How a turn with no session stores its transcript: its digest (for the next turn to find
+/// it by) and, when an earlier request holds its first messages, that request and how many.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedTranscript {
+    pub digest: String,
+    pub prefix: Option<(String, usize)>,
+}
+
+impl NamedTranscript {
+    /// The stored input's members for this transcript, and how many of its first messages
+    /// the input does not hold.
+    pub fn store_in(&self, input: &mut Value) -> usize {
+        input[INPUT_DIGEST] = Value::String(self.digest.clone());
+        match &self.prefix {
+            Some((holder, len)) => {
+                input[PREFIX_OF] = Value::String(holder.clone());
+                input[PREFIX_LEN] = Value::from(*len);
+                *len
+            }
+            None => 0,
+        }
+    }
+}
+
+/// Whether a turn of `total` messages names the request holding its first `held`, or holds
+/// them all itself. Each turn naming a holder stores what it adds since the holder; each
+/// holder stores everything. With at most ~2·√held added, a conversation of n turns stores
+/// O(n^1.5) messages, not O(n²), and a run's start reads the holder and the turn alone.
+fn names_holder(held: usize, total: usize) -> bool {
+    held > 0 && held <= total && total - held <= 8 + 2 * held.isqrt()
+}
+
+/// The SHA-256 of `messages` as their JSON text (the crate's writer, as
+/// `crate::json::write_array` writes them), in hex, and of their first `before` messages,
+/// from one pass over the text.
+fn digests(messages: &[Value], before: Option<usize>) -> (String, Option<String>) {
+    let mut hasher = Sha256::new();
+    let mut text = String::new();
+    let mut first = None;
+    let finished =
+        |hasher: &Sha256| crate::text::hex(&hasher.clone().chain_update(b"]").finalize());
+    hasher.update(b"[");
+    for (index, message) in messages.iter().enumerate() {
+        if Some(index) == before {
+            first = Some(finished(&hasher));
+        }
+        if index > 0 {
+            hasher.update(b",");
+        }
+        text.clear();
+        crate::json::write(&mut text, message);
+        hasher.update(text.as_bytes());
+    }
+    if before == Some(messages.len()) {
+        first = Some(finished(&hasher));
+    }
+    (finished(&hasher), first)
+}
+
+/// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
+/// transcript): the request it continues is the one whose messages are this transcript's
+/// before its newest answer, looked up by their digest (one indexed read). A failed read
+/// only stores the transcript whole.
+pub async fn named(
+    store: &dyn Store,
+    owner: &str,
+    agent: &str,
+    messages: &[Value],
+) -> NamedTranscript {
+    let newest_answer = messages
+        .iter()
+        .rposition(super::is_answer)
+        .filter(|at| *at > 0);
+    let (digest, before) = digests(messages, newest_answer);
+    let (Some(continued), Some(before)) = (newest_answer, before) else {
+        return NamedTranscript {
+            digest,
+            prefix: None,
+        };
+    };
+    let holder = match store.input_holder(owner, agent, &before).await {
+        Ok(holder) => holder,
+        Err(error) => {
+            tracing::warn!(%error, "could not look up the request a transcript continues; stored whole");
+            None
+        }
+    };
+    let prefix = holder
+        .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
+            // It holds its transcript whole: all of it is this one's first messages.
+            (None, _) => Some((previous.request_id, continued)),
+            (Some(holder), Some(len)) => Some((holder, usize::try_from(len).ok()?)),
+            (Some(_), None) => None,
+        })
+        .filter(|(_, held)| *held <= continued && names_holder(*held, messages.len()));
+    NamedTranscript { digest, prefix }
+}
+
+/// A stored request's messages: those its input holds, after the first ones of the request
+/// it names ([`PREFIX_OF`]), which must be the same key's and agent's and hold them; a
+/// request that names what is not there (nothing this server writes: the prune keeps a
+/// named request's session) fails its read rather than give a run another transcript.
+pub async fn stored_messages(
+    store: &dyn Store,
+    request: &RequestRecord,
+) -> Result<Vec<Value>, StoreError> {
+    let own = request.input.get("messages").and_then(Value::as_array);
+    let Some(holder) = request.input.get(PREFIX_OF).and_then(Value::as_str) else {
+        return Ok(own.cloned().unwrap_or_default());
+    };
+    let len = request.input.get(PREFIX_LEN).and_then(Value::as_u64);
+    let held = store
+        .request(holder)
+        .await?
+        .filter(|held| held.owner == request.owner && held.agent_id == request.agent_id);
+    let first = held.as_ref().and_then(|held| {
+        let messages = held.input.get("messages")?.as_array()?;
+        messages.get(..usize::try_from(len?).ok()?)
+    });
+    let Some(first) = first else {
+        return Err(StoreError::Corrupt(format!(
+            "request {} names request {holder} for the first messages of its transcript, and that request does not hold them",
+            request.id
+        )));
+    };
+    let mut messages = Vec::with_capacity(first.len() + own.map_or(0, Vec::len));
+    messages.extend_from_slice(first);
+    messages.extend(own.into_iter().flatten().cloned());
+    Ok(messages)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{digests, names_holder};
+
+    /// One pass gives the digest of the whole transcript and of its first messages, each
+    /// the SHA-256 of the same text the crate's array writer writes.
+    #[test]
+    fn digests_are_those_of_the_written_arrays() {
+        let messages = vec![
+            json!({ "role": "system", "content": "Be brief." }),
+            json!({ "role": "user", "content": "Hi \"there\"" }),
+            json!({ "role": "assistant", "content": "Hello." }),
+            json!({ "role": "user", "content": "Again" }),
+        ];
+        let of = |items: &[serde_json::Value]| {
+            let mut text = String::new();
+            crate::json::write_array(&mut text, items, crate::json::write);
+            crate::memory::sha256_hex(&text)
+        };
+        for before in 0..=messages.len() {
+            let (whole, first) = digests(&messages, Some(before));
+            assert_eq!(whole, of(&messages));
+            assert_eq!(first, Some(of(&messages[..before])));
+        }
+        assert_eq!(digests(&messages, None).1, None);
+        assert_ne!(of(&messages[..2]), of(&messages[..3]));
+    }
+
+    /// A turn names its holder while what it adds is short beside what is held, and never
+    /// names one that holds nothing or more than the turn has.
+    #[test]
+    fn a_turn_names_its_holder_while_it_adds_little() {
+        assert!(names_holder(2, 12));
+        assert!(!names_holder(2, 13));
+        assert!(names_holder(400, 448));
+        assert!(!names_holder(400, 449));
+        assert!(!names_holder(0, 3));
+        assert!(!names_holder(5, 4));
+    }
+}
