@@ -731,7 +731,7 @@ async fn copied_chain(
         return Ok(path.into_iter().map(|message| message.content).collect());
     }
     let input = &previous.request.input;
-    let mut messages = crate::runtime::stored_messages(store, &previous.request)
+    let mut messages = crate::store::named_input::stored_messages(store, &previous.request)
         .await
         .map_err(|e| store_error(&e))?;
     let instructions_inside = input.get(LEADING).is_none() && previous.shape.instructions.is_some();

@@ -52,7 +52,6 @@ pub use hub::{AwaitedView, EventHub, Streamed};
 pub use journal::{Journal, JournalError};
 pub use maintenance::retention_policy;
 pub use memory_admin::{ImportReport, MemoryAdminError};
-pub use named_transcripts::stored_messages;
 pub use reload::{ReloadError, Reloaded};
 pub use watch::{ApprovalWatch, Watched};
 
@@ -161,7 +160,7 @@ async fn request_start(
         ),
         None => None,
     };
-    let own = named_transcripts::stored_messages(store, request).await?;
+    let own = crate::store::named_input::stored_messages(store, request).await?;
     let leading = stored_leading(store, request).await?;
     let messages = Transcript::new(leading, history, own);
     let own_last = store

@@ -10,20 +10,27 @@
 //! What a name may reach: a request of the same key and agent, holding its messages whole
 //! (a name never names a request that names another, so reading one back is one read). A
 //! turn names the holder only while what it adds is short beside what the holder holds
-//! ([`names_holder`]); past that it holds its transcript whole and later turns name it.
-//! The prune keeps a session while a request of another session names one of its
-//! requests.
+//! ([`names_holder`]); past that it holds its transcript whole and later turns name it. A
+//! transcript under [`NAMED_FROM_BYTES`] is stored whole, as before. The prune keeps a
+//! session while a request of another session names one of its requests.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::store::{INPUT_DIGEST, PREFIX_LEN, PREFIX_OF, RequestRecord, Store, StoreError};
+use crate::store::{INPUT_DIGEST, PREFIX_LEN, PREFIX_OF, Store};
 
-/// How a turn with no session stores its transcript: its digest (for the next turn to find
-/// it by) and, when an earlier request holds its first messages, that request and how many.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A transcript's text shorter than this is stored whole, with no digest: naming saves
+/// nothing there, and the digest's index entry, at a random place in its b-tree, would
+/// cost every short chat request a page more of the store's log (docs/profiling.md, the
+/// eighty-third pass). A conversation crosses it within its first turns.
+pub const NAMED_FROM_BYTES: usize = 4_096;
+
+/// How a turn with no session stores its transcript: its digest, when the next turn may
+/// find it by it, and, when an earlier request holds its first messages, that request and
+/// how many.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NamedTranscript {
-    pub digest: String,
+    pub digest: Option<String>,
     pub prefix: Option<(String, usize)>,
 }
 
@@ -31,7 +38,9 @@ impl NamedTranscript {
     /// The stored input's members for this transcript, and how many of its first messages
     /// the input does not hold.
     pub fn store_in(&self, input: &mut Value) -> usize {
-        input[INPUT_DIGEST] = Value::String(self.digest.clone());
+        if let Some(digest) = &self.digest {
+            input[INPUT_DIGEST] = Value::String(digest.clone());
+        }
         match &self.prefix {
             Some((holder, len)) => {
                 input[PREFIX_OF] = Value::String(holder.clone());
@@ -51,37 +60,50 @@ fn names_holder(held: usize, total: usize) -> bool {
     held > 0 && held <= total && total - held <= 8 + 2 * held.isqrt()
 }
 
-/// The SHA-256 of `messages` as their JSON text (the crate's writer, as
-/// `crate::json::write_array` writes them), in hex, and of their first `before` messages,
-/// from one pass over the text.
-fn digests(messages: &[Value], before: Option<usize>) -> (String, Option<String>) {
+/// A JSON text's SHA-256 in hex, and its length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TextDigest {
+    hex: String,
+    bytes: usize,
+}
+
+/// The digest of `messages` as their JSON text (the crate's writer, as
+/// `crate::json::write_array` writes them), and of their first `before` messages, from one
+/// pass over the text.
+fn digests(messages: &[Value], before: Option<usize>) -> (TextDigest, Option<TextDigest>) {
     let mut hasher = Sha256::new();
     let mut text = String::new();
+    let mut bytes = 1;
     let mut first = None;
-    let finished =
-        |hasher: &Sha256| crate::text::hex(&hasher.clone().chain_update(b"]").finalize());
+    let finished = |hasher: &Sha256, bytes: usize| TextDigest {
+        hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
+        bytes: bytes + 1,
+    };
     hasher.update(b"[");
     for (index, message) in messages.iter().enumerate() {
         if Some(index) == before {
-            first = Some(finished(&hasher));
+            first = Some(finished(&hasher, bytes));
         }
         if index > 0 {
             hasher.update(b",");
+            bytes += 1;
         }
         text.clear();
         crate::json::write(&mut text, message);
         hasher.update(text.as_bytes());
+        bytes += text.len();
     }
     if before == Some(messages.len()) {
-        first = Some(finished(&hasher));
+        first = Some(finished(&hasher, bytes));
     }
-    (finished(&hasher), first)
+    (finished(&hasher, bytes), first)
 }
 
 /// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
 /// transcript): the request it continues is the one whose messages are this transcript's
-/// before its newest answer, looked up by their digest (one indexed read). A failed read
-/// only stores the transcript whole.
+/// before its newest answer, looked up by their digest (one indexed read) when they are
+/// long enough to have one ([`NAMED_FROM_BYTES`]). A failed read only stores the transcript
+/// whole.
 pub async fn named(
     store: &dyn Store,
     owner: &str,
@@ -92,21 +114,25 @@ pub async fn named(
         .iter()
         .rposition(super::is_answer)
         .filter(|at| *at > 0);
-    let (digest, before) = digests(messages, newest_answer);
-    let (Some(continued), Some(before)) = (newest_answer, before) else {
-        return NamedTranscript {
-            digest,
-            prefix: None,
-        };
+    let (whole, before) = digests(messages, newest_answer);
+    let mut named = NamedTranscript {
+        digest: (whole.bytes >= NAMED_FROM_BYTES).then_some(whole.hex),
+        prefix: None,
     };
-    let holder = match store.input_holder(owner, agent, &before).await {
+    let (Some(continued), Some(before)) = (newest_answer, before) else {
+        return named;
+    };
+    if before.bytes < NAMED_FROM_BYTES {
+        return named;
+    }
+    let holder = match store.input_holder(owner, agent, &before.hex).await {
         Ok(holder) => holder,
         Err(error) => {
             tracing::warn!(%error, "could not look up the request a transcript continues; stored whole");
             None
         }
     };
-    let prefix = holder
+    named.prefix = holder
         .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
             // It holds its transcript whole: all of it is this one's first messages.
             (None, _) => Some((previous.request_id, continued)),
@@ -114,50 +140,17 @@ pub async fn named(
             (Some(_), None) => None,
         })
         .filter(|(_, held)| *held <= continued && names_holder(*held, messages.len()));
-    NamedTranscript { digest, prefix }
-}
-
-/// A stored request's messages: those its input holds, after the first ones of the request
-/// it names ([`PREFIX_OF`]), which must be the same key's and agent's and hold them; a
-/// request that names what is not there (nothing this server writes: the prune keeps a
-/// named request's session) fails its read rather than give a run another transcript.
-pub async fn stored_messages(
-    store: &dyn Store,
-    request: &RequestRecord,
-) -> Result<Vec<Value>, StoreError> {
-    let own = request.input.get("messages").and_then(Value::as_array);
-    let Some(holder) = request.input.get(PREFIX_OF).and_then(Value::as_str) else {
-        return Ok(own.cloned().unwrap_or_default());
-    };
-    let len = request.input.get(PREFIX_LEN).and_then(Value::as_u64);
-    let held = store
-        .request(holder)
-        .await?
-        .filter(|held| held.owner == request.owner && held.agent_id == request.agent_id);
-    let first = held.as_ref().and_then(|held| {
-        let messages = held.input.get("messages")?.as_array()?;
-        messages.get(..usize::try_from(len?).ok()?)
-    });
-    let Some(first) = first else {
-        return Err(StoreError::Corrupt(format!(
-            "request {} names request {holder} for the first messages of its transcript, and that request does not hold them",
-            request.id
-        )));
-    };
-    let mut messages = Vec::with_capacity(first.len() + own.map_or(0, Vec::len));
-    messages.extend_from_slice(first);
-    messages.extend(own.into_iter().flatten().cloned());
-    Ok(messages)
+    named
 }
 
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
-    use super::{digests, names_holder};
+    use super::{TextDigest, digests, names_holder};
 
     /// One pass gives the digest of the whole transcript and of its first messages, each
-    /// the SHA-256 of the same text the crate's array writer writes.
+    /// the SHA-256 and the length of the same text the crate's array writer writes.
     #[test]
     fn digests_are_those_of_the_written_arrays() {
         let messages = vec![
@@ -169,7 +162,10 @@ mod tests {
         let of = |items: &[serde_json::Value]| {
             let mut text = String::new();
             crate::json::write_array(&mut text, items, crate::json::write);
-            crate::memory::sha256_hex(&text)
+            TextDigest {
+                hex: crate::memory::sha256_hex(&text),
+                bytes: text.len(),
+            }
         };
         for before in 0..=messages.len() {
             let (whole, first) = digests(&messages, Some(before));

@@ -29,6 +29,7 @@ mod conditions;
 mod event_rows;
 mod folds;
 mod model;
+pub mod named_input;
 mod postgres;
 mod postgres_memory;
 mod postgres_spend;
@@ -50,6 +51,7 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 pub use model::*;
+pub use named_input::{INPUT_DIGEST, InputHolder, NamedInput, PREFIX_LEN, PREFIX_OF};
 
 /// Whether a read of requests reads each one's `input`: the whole transcript it brought,
 /// its largest column by far once a conversation grows. An export needs it; no view shows
@@ -69,47 +71,6 @@ impl RequestInput {
             RequestInput::Skipped => request_columns_but_input!(),
         }
     }
-}
-
-/// The member of a request's input holding the digest of the transcript it brought (its
-/// `messages`, whole), where a later turn of a chat with no session finds it by
-/// ([`Store::input_holder`]). It and [`PREFIX_OF`], [`PREFIX_LEN`] are repeated in columns
-/// (the embedded store) or indexed (PostgreSQL), so a lookup or a prune reads no input.
-pub const INPUT_DIGEST: &str = "inputDigest";
-/// The member of a request's input naming the request whose input holds, whole, the first
-/// messages of its transcript ([`PREFIX_LEN`] of them): its own `messages` are the rest.
-pub const PREFIX_OF: &str = "prefixOf";
-/// How many of its transcript's first messages a request names ([`PREFIX_OF`]).
-pub const PREFIX_LEN: &str = "prefixLen";
-
-/// What a request's input says of where its transcript is held ([`INPUT_DIGEST`],
-/// [`PREFIX_OF`], [`PREFIX_LEN`]), as the embedded store writes it beside the input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct NamedInput<'a> {
-    pub input_digest: Option<&'a str>,
-    pub prefix_of: Option<&'a str>,
-    pub prefix_len: Option<i64>,
-}
-
-impl<'a> NamedInput<'a> {
-    pub fn of(input: &'a serde_json::Value) -> Self {
-        Self {
-            input_digest: input.get(INPUT_DIGEST).and_then(serde_json::Value::as_str),
-            prefix_of: input.get(PREFIX_OF).and_then(serde_json::Value::as_str),
-            prefix_len: input.get(PREFIX_LEN).and_then(serde_json::Value::as_i64),
-        }
-    }
-}
-
-/// The newest request whose transcript had a digest a later turn looked up
-/// ([`Store::input_holder`]), and where its first messages are held, if another request
-/// holds them ([`PREFIX_OF`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InputHolder {
-    pub request_id: String,
-    pub session_id: String,
-    pub prefix_of: Option<String>,
-    pub prefix_len: Option<i64>,
 }
 
 /// A request as its view shows it (see [`Store::request_in_full`]).

@@ -18,8 +18,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{
-    ApprovalRecord, ArchiveRows, EventRecord, MaintenanceRecord, MessageRecord, PruneCounts,
-    PruneFilter, RequestRecord, RunRecord, SessionRecord, Store, StoreError, ToolCallRecord,
+    ApprovalRecord, ArchiveRows, EventRecord, MaintenanceRecord, MessageRecord, NamedInput,
+    PREFIX_LEN, PREFIX_OF, PruneCounts, PruneFilter, RequestRecord, RunRecord, SessionRecord,
+    Store, StoreError, ToolCallRecord, named_input,
 };
 
 /// Sessions removed per transaction.
@@ -206,9 +207,11 @@ async fn write_archive(
             .map_err(archive_error)?,
     );
     let requests = store.requests_per_session(sessions).await?;
+    let mut last_holder = None;
     let mut line = Vec::new();
     for group in groups(sessions, &requests, ARCHIVE_REQUESTS) {
-        let rows = store.archive_rows(group).await?;
+        let mut rows = store.archive_rows(group).await?;
+        with_whole_transcripts(store, &mut rows.requests, &mut last_holder).await?;
         for session in archived_sessions(group, &rows) {
             line.clear();
             serde_json::to_writer(&mut line, &session)
@@ -221,6 +224,37 @@ async fn write_archive(
         .into_inner()
         .map_err(|error| archive_error(error.into_error()))?;
     out.sync_all().map_err(archive_error)
+}
+
+/// Each request that names another's for its transcript's first messages ([`PREFIX_OF`])
+/// given its whole transcript, so that an archive's line stands alone. The named request is
+/// still in the store (a prune keeps it while a request of another session names it); the
+/// last one read is kept for the next request that names it (a conversation's turns name
+/// the same one), never more than one, whatever their size.
+async fn with_whole_transcripts(
+    store: &dyn Store,
+    requests: &mut [RequestRecord],
+    last_holder: &mut Option<(String, Option<RequestRecord>)>,
+) -> Result<(), StoreError> {
+    for request in requests {
+        let Some(holder) = NamedInput::of(&request.input).prefix_of.map(str::to_owned) else {
+            continue;
+        };
+        let held = match last_holder {
+            Some((id, held)) if *id == holder => held,
+            _ => {
+                let read = store.request(&holder).await?;
+                &mut last_holder.insert((holder, read)).1
+            }
+        };
+        let messages = named_input::joined_messages(request, held.as_ref())?;
+        if let Some(input) = request.input.as_object_mut() {
+            input.remove(PREFIX_OF);
+            input.remove(PREFIX_LEN);
+            input.insert("messages".into(), Value::Array(messages));
+        }
+    }
+    Ok(())
 }
 
 /// Requests an archive holds in memory at once, unless one session has more.

@@ -114,6 +114,7 @@ conformance!(
     updates_in_the_batch_that_inserts_leave_what_separate_transactions_leave,
     a_batch_of_many_submits_writes_what_one_op_at_a_time_writes,
     an_archive_reads_each_table_once_for_many_sessions_and_finds_what_single_reads_find,
+    a_transcripts_holder_is_found_by_its_digest_and_kept_while_named,
 );
 
 fn session(id: &str, owner: &str, age: Age) -> WriteOp {
@@ -1378,6 +1379,118 @@ async fn pruning_takes_idle_sessions_whole_and_judges_again_before_deleting(stor
     );
     assert!(store.request("req_live").await.unwrap().is_some());
     assert!(store.events("req_old1", 0, 10).await.unwrap().is_empty());
+}
+
+/// A request of `owner` in its own session, two hours old, whose input is `input`.
+fn request_with_input(id: &str, owner: &str, input: serde_json::Value) -> [WriteOp; 2] {
+    let session_id = format!("ses_{id}");
+    let WriteOp::InsertRequest(mut record) =
+        request(id, &session_id, owner, RunStatus::Completed, Age::hours(2))
+    else {
+        unreachable!("request() inserts a request")
+    };
+    record.input = input;
+    [
+        session(&session_id, owner, Age::hours(2)),
+        WriteOp::InsertRequest(record),
+    ]
+}
+
+/// A chat turn with no session finds the request its transcript continues by the digest of
+/// that request's messages, among its own key's and agent's requests alone, the newest
+/// first, with where that request's first messages are held. A request named by a request
+/// of another session is kept by the prune until that one is gone.
+async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store: Arc<dyn Store>) {
+    let hi = json!([{ "role": "user", "content": "hi" }]);
+    let more =
+        json!([{ "role": "assistant", "content": "hello" }, { "role": "user", "content": "more" }]);
+    for ops in [
+        request_with_input(
+            "req_1",
+            "ada",
+            json!({ "messages": hi, "inputDigest": "d1" }),
+        ),
+        request_with_input(
+            "req_2",
+            "ada",
+            json!({ "messages": more, "inputDigest": "d2", "prefixOf": "req_1", "prefixLen": 1 }),
+        ),
+        // The same transcript: another key's, and another agent's (`billing`).
+        request_with_input(
+            "req_3",
+            "bob",
+            json!({ "messages": hi, "inputDigest": "d1" }),
+        ),
+        request_with_input(
+            "req_4b",
+            "ada",
+            json!({ "messages": hi, "inputDigest": "d1" }),
+        ),
+    ] {
+        store.apply(&ops).await.unwrap();
+    }
+    let found = async |owner: &str, agent: &str, digest: &str| {
+        let holder = store.input_holder(owner, agent, digest).await.unwrap();
+        holder.map(|h| (h.request_id, h.session_id, h.prefix_of, h.prefix_len))
+    };
+    let whole = |id: &str| Some((id.to_owned(), format!("ses_{id}"), None, None));
+    assert_eq!(found("ada", "assistant", "d1").await, whole("req_1"));
+    assert_eq!(
+        found("ada", "assistant", "d2").await,
+        Some((
+            "req_2".into(),
+            "ses_req_2".into(),
+            Some("req_1".into()),
+            Some(1)
+        ))
+    );
+    assert_eq!(found("bob", "assistant", "d1").await, whole("req_3"));
+    assert_eq!(found("ada", "billing", "d1").await, whole("req_4b"));
+    assert_eq!(found("carol", "assistant", "d1").await, None);
+    assert_eq!(found("ada", "assistant", "d3").await, None);
+    // The newest of those alike.
+    store
+        .apply(&request_with_input(
+            "req_5",
+            "ada",
+            json!({ "messages": hi, "inputDigest": "d1" }),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(found("ada", "assistant", "d1").await, whole("req_5"));
+    // Read back whole through what it names.
+    let second = store.request("req_2").await.unwrap().unwrap();
+    let messages = stable_harness::store::named_input::stored_messages(store.as_ref(), &second)
+        .await
+        .unwrap();
+    assert_eq!(json!(messages), json!([hi[0], more[0], more[1]]));
+
+    // All past the window: req_1's session stays while req_2 names it.
+    let policy = stable_harness::store::retention::RetentionPolicy {
+        default_window: Some(std::time::Duration::from_secs(3_600)),
+        ..Default::default()
+    };
+    let filter = policy.filter(Utc::now());
+    let listed = store.prunable_sessions(&filter, None, 10).await.unwrap();
+    assert_eq!(
+        listed,
+        ["ses_req_2", "ses_req_3", "ses_req_4b", "ses_req_5"]
+    );
+    store.delete_sessions(&filter, &listed).await.unwrap();
+    let listed = store.prunable_sessions(&filter, None, 10).await.unwrap();
+    assert_eq!(listed, ["ses_req_1"]);
+    // Judged again when deleting: a request naming it meanwhile keeps it.
+    store
+        .apply(&request_with_input(
+            "req_6",
+            "ada",
+            json!({ "messages": [], "inputDigest": "d6", "prefixOf": "req_1", "prefixLen": 1 }),
+        ))
+        .await
+        .unwrap();
+    let removed = store.delete_sessions(&filter, &listed).await.unwrap();
+    assert_eq!(removed.sessions, 0);
+    assert!(store.request("req_1").await.unwrap().is_some());
 }
 
 /// A second attempt of `req_a` (`run_id`, queued) and a pending approval `apr_0` on it.

@@ -1395,10 +1395,10 @@ fn stored_input_of(app: &TestApp, database: Option<&str>, request_id: &str) -> V
 on_both_stores!(a_chat_with_no_session_is_stored_once_not_once_a_turn);
 /// A Chat Completions client with no session sends its whole transcript every turn, each
 /// turn a request (and a session) of its own: the model hears the transcript as sent, and a
-/// turn continuing an earlier one names the request holding its first messages whole and
-/// stores only the rest, never naming a request that names another. Another key's client
-/// sending the same transcript names nothing of the first key's. A turn the model refused,
-/// retried by an operator, is sent its whole transcript.
+/// turn continuing an earlier one (past 4 KiB) names the request holding its first messages
+/// whole and stores only the rest, never naming a request that names another. Another
+/// key's client sending the same transcript names nothing of the first key's. A turn the
+/// model refused, retried by an operator, is sent its whole transcript.
 async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<String>) {
     const TURNS: usize = 24;
     let upstream = MockUpstream::start().await;
@@ -1412,7 +1412,8 @@ async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<Str
     let mut sent = vec![json!({ "role": "system", "content": "Be brief." })];
     let mut turns: Vec<(String, Vec<Value>)> = Vec::new();
     for turn in 0..TURNS {
-        sent.push(json!({ "role": "user", "content": format!("q{}", turn + 1) }));
+        let question = format!("q{} {}", turn + 1, "x".repeat(1_000));
+        sent.push(json!({ "role": "user", "content": question }));
         let (response, request_id) = app
             .chat(&json!({ "model": "assistant", "messages": sent }))
             .await;
@@ -1445,11 +1446,15 @@ async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<Str
     let (mut stored, mut whole) = (0, 0);
     for (turn, ((_, transcript), input)) in turns.iter().zip(&inputs).enumerate() {
         let own = input["messages"].as_array().unwrap();
+        // A short transcript (under 4 KiB) is stored whole, with no digest to be found by.
+        let long = serde_json::to_string(transcript).unwrap().len() >= 4_096;
+        let digest = input.get("inputDigest").and_then(Value::as_str);
         assert_eq!(
-            input["inputDigest"].as_str().map(str::len),
-            Some(64),
-            "{input}"
+            digest.map(str::len),
+            long.then_some(64),
+            "turn {turn}: {input}"
         );
+
         stored += own.len();
         whole += transcript.len();
         let Some(holder) = input["prefixOf"].as_str() else {
@@ -1469,7 +1474,7 @@ async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<Str
         .filter(|i| i.get("prefixOf").is_some())
         .count();
     assert!(
-        naming >= TURNS * 3 / 4,
+        naming >= TURNS * 2 / 3,
         "{naming} of {TURNS} turns name a holder"
     );
     assert!(

@@ -3,7 +3,7 @@
 //! taken under load opens as a store with every request acknowledged before it; a full store
 //! answers 503, loses nothing, and recovers by itself once there is room.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -569,18 +569,36 @@ async fn store_prune_on_the_command_line_reports_then_removes_and_defers_to_a_ru
     assert_eq!(left[0]["n"], 1);
 }
 
+/// Every request the archive holds (its files under the workspace's `archive/`), as stored.
+fn archived_requests(app: &TestApp) -> Vec<Value> {
+    let mut requests = Vec::new();
+    for entry in std::fs::read_dir(app.workspace.path().join("archive")).unwrap() {
+        for line in std::fs::read_to_string(entry.unwrap().path())
+            .unwrap()
+            .lines()
+        {
+            let session: Value = serde_json::from_str(line).unwrap();
+            for request in session["requests"].as_array().unwrap() {
+                requests.push(request["request"].clone());
+            }
+        }
+    }
+    requests
+}
+
 on_both_stores!(a_request_a_later_turn_names_is_pruned_after_that_turn);
 /// Retention and a chat with no session: a turn naming the request that holds its
 /// transcript's first messages keeps that request (and its session) past its window until
-/// the turn itself is pruned; the turns between them go, and the conversation goes on,
-/// the model hearing it whole.
+/// the turn itself is pruned; the turns between them go, each archived with its whole
+/// transcript, and the conversation goes on, the model hearing it whole.
 async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<String>) {
     let upstream = MockUpstream::start().await;
     upstream.set_default(Reply::Text("ok".into()));
-    let retention = "  store:\n    retention: { requests: 1s, minKeep: 0, every: 1h }\n";
+    let retention = "  store:\n    retention: { requests: 1s, minKeep: 0, every: 1h, archive: { dir: archive } }\n";
     let app = super::control::spawn(api_workspace(&upstream, retention), store).await;
     let mut sent: Vec<Value> = Vec::new();
     let mut turns: Vec<String> = Vec::new();
+    let mut transcripts: BTreeMap<String, Vec<Value>> = BTreeMap::new();
     let exists = async |app: &TestApp, id: &str| {
         let (status, _) = app.get(&format!("/admin/requests/{id}"), ADMIN_KEY).await;
         assert!(status == 200 || status == 404, "{status}");
@@ -601,7 +619,10 @@ async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<St
                 assert!(!exists(&app, id).await, "{id} outlived its window");
             }
         }
-        sent.push(json!({ "role": "user", "content": format!("q{turn}") }));
+        // Long enough (5 KB) for the first turn to be named by those after it.
+        let question = format!("q{turn} {}", "x".repeat(5_000));
+        sent.push(json!({ "role": "user", "content": question }));
+
         let (response, id) = app
             .chat(&json!({ "model": "assistant", "messages": sent }))
             .await;
@@ -609,8 +630,19 @@ async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<St
         let heard = upstream.calls().last().unwrap().body["messages"].clone();
         assert_eq!(heard.as_array().unwrap()[1..], sent[..], "turn {turn}");
         let answer: Value = response.json().await.unwrap();
+        transcripts.insert(id.clone(), sent.clone());
         sent.push(answer["choices"][0]["message"].clone());
         turns.push(id);
+    }
+    // Turns 2-4 were archived, each with the transcript it was sent (the named first
+    // messages written in, no name left).
+    let archived = archived_requests(&app);
+    assert_eq!(archived.len(), 3, "{archived:?}");
+    for request in &archived {
+        let id = request["id"].as_str().unwrap();
+        assert!(turns[1..4].iter().any(|turn| turn == id), "{id}");
+        assert!(request["input"].get("prefixOf").is_none(), "{request}");
+        assert_eq!(request["input"]["messages"], json!(transcripts[id]), "{id}");
     }
     // Past every window, the naming turns go, and then what they named.
     tokio::time::sleep(Duration::from_millis(1_500)).await;

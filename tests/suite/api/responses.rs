@@ -319,7 +319,9 @@ async fn mixed_turn(stateless: bool) {
         ]),
         Reply::Text("Done".into()),
     ]);
-    let first_input = json!([{ "role": "user", "content": "fix it" }]);
+    // With the file to fix (5 KB): a transcript long enough to be named by the next turn.
+    let fix_it = format!("fix it: {}", "line\n".repeat(1_000));
+    let first_input = json!([{ "role": "user", "content": fix_it }]);
     let (status, first, first_request) = respond(
         &app,
         &json!({ "model": "coder", "input": first_input, "tools": client_tools(), "store": !stateless }),
@@ -404,6 +406,11 @@ async fn mixed_turn(stateless: bool) {
     assert_eq!(completed["data"]["output"], "patched OK");
     assert_eq!(completed["data"]["requestId"], json!(first_request));
     if stateless {
+        // The input sent whole again is stored as what it adds to the first turn's, named.
+        let db = crate::helpers::store_path(app.workspace.path());
+        let stored = crate::helpers::stored_input(&db, &second_request);
+        assert_eq!(stored["prefixOf"], json!(first_request), "{stored}");
+        assert_eq!(stored["prefixLen"], 1, "{stored}");
         return;
     }
     // The chain goes on from the stored turns that stood in for the client's copy.
