@@ -8,7 +8,9 @@
 --
 -- Building them reads every request's input once and holds the table's writes until the
 -- migration commits.
-CREATE INDEX requests_by_input_digest ON requests ((input ->> 'inputDigest'))
+-- The newest of one key's and agent's requests with a digest is the index's last entry for
+-- them, however many others (another key's sending the same) share the digest.
+CREATE INDEX requests_by_input_digest ON requests ((input ->> 'inputDigest'), owner, agent_id, id)
     WHERE input ? 'inputDigest';
 -- A prune keeps a session while a request of another session names one of its requests.
 CREATE INDEX requests_by_prefix_of ON requests ((input ->> 'prefixOf'))

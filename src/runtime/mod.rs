@@ -889,7 +889,13 @@ impl Runtime {
         // pass).
         let named = match (&request.history, fresh_session) {
             (History::Stateless, true) => {
-                Some(named_transcripts::named(store, &request.owner, &agent_id, &own).await)
+                let window = workspace
+                    .agents
+                    .get(&agent_id)
+                    .and_then(|agent| agent.retention)
+                    .or(workspace.runtime.retention.requests);
+                let owner = &request.owner;
+                Some(named_transcripts::named(store, owner, &agent_id, window, &own).await)
             }
             _ => None,
         };

@@ -14,6 +14,7 @@
 //! transcript under [`NAMED_FROM_BYTES`] is stored whole, as before. The prune keeps a
 //! session while a request of another session names one of its requests.
 
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -99,15 +100,33 @@ fn digests(messages: &[Value], before: Option<usize>) -> (TextDigest, Option<Tex
     (finished(&hasher, bytes), first)
 }
 
+/// Whether a request last written at `updated_at` may be named (or the request it names, which
+/// it keeps from the prune) under a retention `window`: while younger than half of it, so no
+/// prune can take it before the turn naming it is stored and keeps it in turn (the lookup
+/// and the turn's write are not one transaction). Without a window nothing is pruned.
+fn safe_from_the_prune(
+    updated_at: DateTime<Utc>,
+    window: Option<std::time::Duration>,
+    now: DateTime<Utc>,
+) -> bool {
+    let Some(window) = window else {
+        return true;
+    };
+    let half = chrono::Duration::from_std(window / 2).unwrap_or(chrono::Duration::MAX);
+    now.signed_duration_since(updated_at) < half
+}
+
 /// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
 /// transcript): the request it continues is the one whose messages are this transcript's
 /// before its newest answer, looked up by their digest (one indexed read) when they are
-/// long enough to have one ([`NAMED_FROM_BYTES`]). A failed read only stores the transcript
-/// whole.
+/// long enough to have one ([`NAMED_FROM_BYTES`]), and named (or what it names) while
+/// [`safe_from_the_prune`] under the agent's retention `window`. A failed read only stores
+/// the transcript whole.
 pub async fn named(
     store: &dyn Store,
     owner: &str,
     agent: &str,
+    window: Option<std::time::Duration>,
     messages: &[Value],
 ) -> NamedTranscript {
     let newest_answer = messages
@@ -132,7 +151,9 @@ pub async fn named(
             None
         }
     };
+    let now = Utc::now();
     named.prefix = holder
+        .filter(|previous| safe_from_the_prune(previous.updated_at, window, now))
         .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
             // It holds its transcript whole: all of it is this one's first messages.
             (None, _) => Some((previous.request_id, continued)),
@@ -147,7 +168,7 @@ pub async fn named(
 mod tests {
     use serde_json::json;
 
-    use super::{TextDigest, digests, names_holder};
+    use super::{TextDigest, digests, names_holder, safe_from_the_prune};
 
     /// One pass gives the digest of the whole transcript and of its first messages, each
     /// the SHA-256 and the length of the same text the crate's array writer writes.
@@ -186,5 +207,22 @@ mod tests {
         assert!(!names_holder(400, 449));
         assert!(!names_holder(0, 3));
         assert!(!names_holder(5, 4));
+    }
+
+    /// A request is named only while younger than half its retention window (so no prune
+    /// takes it before the naming turn is stored), and always without a window.
+    #[test]
+    fn a_request_is_named_while_far_from_the_prune() {
+        let now = chrono::Utc::now();
+        let day = std::time::Duration::from_secs(86_400);
+        let aged = |hours: i64| now - chrono::Duration::hours(hours);
+        assert!(safe_from_the_prune(aged(11), Some(day), now));
+        assert!(!safe_from_the_prune(aged(13), Some(day), now));
+        assert!(safe_from_the_prune(aged(24 * 365), None, now));
+        assert!(safe_from_the_prune(
+            aged(1),
+            Some(std::time::Duration::MAX),
+            now
+        ));
     }
 }

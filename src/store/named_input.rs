@@ -43,12 +43,12 @@ impl<'a> NamedInput<'a> {
 }
 
 /// The newest request whose transcript had a digest a later turn looked up
-/// ([`Store::input_holder`]), and where its first messages are held, if another request
-/// holds them ([`PREFIX_OF`]).
+/// ([`Store::input_holder`]), when it was last written (how near the prune it is), and where
+/// its first messages are held, if another request holds them ([`PREFIX_OF`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InputHolder {
     pub request_id: String,
-    pub session_id: String,
+    pub updated_at: chrono::DateTime<chrono::Utc>,
     pub prefix_of: Option<String>,
     pub prefix_len: Option<i64>,
 }
@@ -80,9 +80,13 @@ pub fn joined_messages(
     let Some(holder_id) = named.prefix_of else {
         return Ok(own.cloned().unwrap_or_default());
     };
+    // A holder names none: a read back is this one read.
     let first = holder
         .filter(|held| {
-            held.id == holder_id && held.owner == request.owner && held.agent_id == request.agent_id
+            held.id == holder_id
+                && held.owner == request.owner
+                && held.agent_id == request.agent_id
+                && held.input.get(PREFIX_OF).is_none()
         })
         .and_then(|held| {
             let messages = held.input.get("messages")?.as_array()?;

@@ -230,7 +230,9 @@ async fn write_archive(
 /// given its whole transcript, so that an archive's line stands alone. The named request is
 /// still in the store (a prune keeps it while a request of another session names it); the
 /// last one read is kept for the next request that names it (a conversation's turns name
-/// the same one), never more than one, whatever their size.
+/// the same one), never more than one, whatever their size. One that is not there (an
+/// instance from before the prune kept it took it) leaves the request archived as stored,
+/// with a warning: the pass goes on.
 async fn with_whole_transcripts(
     store: &dyn Store,
     requests: &mut [RequestRecord],
@@ -247,7 +249,13 @@ async fn with_whole_transcripts(
                 &mut last_holder.insert((holder, read)).1
             }
         };
-        let messages = named_input::joined_messages(request, held.as_ref())?;
+        let messages = match named_input::joined_messages(request, held.as_ref()) {
+            Ok(messages) => messages,
+            Err(error) => {
+                tracing::warn!(request_id = %request.id, %error, "archived as stored");
+                continue;
+            }
+        };
         if let Some(input) = request.input.as_object_mut() {
             input.remove(PREFIX_OF);
             input.remove(PREFIX_LEN);
@@ -500,5 +508,58 @@ mod tests {
         assert!(store.session("ses_old").await.unwrap().is_some());
         assert!(store.request("req_1").await.unwrap().is_some());
         assert!(store.session("ses_gone").await.unwrap().is_none());
+    }
+
+    /// A pruned request naming another for its transcript's first messages is archived with
+    /// its whole transcript; one whose named request is gone (an older instance's prune took
+    /// it) is archived as stored, and the pass goes on.
+    #[tokio::test]
+    async fn an_archive_writes_a_named_transcript_whole_or_as_stored_when_its_holder_is_gone() {
+        let (dir, store) = SqliteStore::in_temporary_folder().await;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let holder_input = json!({ "messages": [{ "role": "user", "content": "hi" }] });
+        let naming = |holder: &str| {
+            json!({ "messages": [{ "role": "user", "content": "more" }],
+                    "prefixOf": holder, "prefixLen": 1 })
+        };
+        for (session, request, input) in [
+            ("ses_1", "req_1", holder_input),
+            ("ses_2", "req_2", naming("req_1")),
+            ("ses_3", "req_3", naming("req_gone")),
+        ] {
+            let mut ops =
+                session_and_request(session, request, RunStatus::Completed, Age::hours(2));
+            if let WriteOp::InsertRequest(record) = &mut ops[1] {
+                record.input = input;
+            }
+            store.apply(&ops).await.unwrap();
+        }
+        let policy = RetentionPolicy {
+            default_window: Some(Duration::from_secs(3_600)),
+            min_keep: 0,
+            archive_dir: Some(dir.path().join("archive")),
+            ..RetentionPolicy::default()
+        };
+        let report = prune(store.as_ref(), &policy, false).await.unwrap();
+        // ses_1 stays while req_2 was there when it was listed.
+        assert_eq!(report.removed.sessions, 2, "{report:?}");
+        let file = report.archive_file.unwrap();
+        let mut archived = BTreeMap::new();
+        for line in std::fs::read_to_string(file).unwrap().lines() {
+            let session: Value = serde_json::from_str(line).unwrap();
+            let request = &session["requests"][0]["request"];
+            archived.insert(
+                request["id"].as_str().unwrap().to_owned(),
+                request["input"].clone(),
+            );
+        }
+        assert_eq!(
+            archived["req_2"],
+            json!({ "messages": [{ "role": "user", "content": "hi" }, { "role": "user", "content": "more" }] })
+        );
+        assert_eq!(archived["req_3"], naming("req_gone"));
+        // The next pass takes what req_2 named.
+        let report = prune(store.as_ref(), &policy, false).await.unwrap();
+        assert_eq!(report.removed.sessions, 1, "{report:?}");
     }
 }

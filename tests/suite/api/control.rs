@@ -1378,7 +1378,7 @@ async fn metrics_move_as_requests_run() {
 
 /// The input a request's row holds, on the store at `database` (`None`: the app's embedded
 /// one).
-fn stored_input_of(app: &TestApp, database: Option<&str>, request_id: &str) -> Value {
+pub(super) fn stored_input_of(app: &TestApp, database: Option<&str>, request_id: &str) -> Value {
     match database {
         None => {
             let db = crate::helpers::store_path(app.workspace.path());

@@ -590,12 +590,14 @@ on_both_stores!(a_request_a_later_turn_names_is_pruned_after_that_turn);
 /// Retention and a chat with no session: a turn naming the request that holds its
 /// transcript's first messages keeps that request (and its session) past its window until
 /// the turn itself is pruned; the turns between them go, each archived with its whole
-/// transcript, and the conversation goes on, the model hearing it whole.
+/// transcript, and the conversation goes on, the model hearing it whole. A request older
+/// than half its window is not named (a prune could take it before the naming turn is
+/// stored).
 async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<String>) {
     let upstream = MockUpstream::start().await;
     upstream.set_default(Reply::Text("ok".into()));
-    let retention = "  store:\n    retention: { requests: 1s, minKeep: 0, every: 1h, archive: { dir: archive } }\n";
-    let app = super::control::spawn(api_workspace(&upstream, retention), store).await;
+    let retention = "  store:\n    retention: { requests: 4s, minKeep: 0, every: 1h, archive: { dir: archive } }\n";
+    let app = super::control::spawn(api_workspace(&upstream, retention), store.clone()).await;
     let mut sent: Vec<Value> = Vec::new();
     let mut turns: Vec<String> = Vec::new();
     let mut transcripts: BTreeMap<String, Vec<Value>> = BTreeMap::new();
@@ -608,32 +610,42 @@ async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<St
         let (status, report) = app.post("/admin/store/prune", ADMIN_KEY, &json!({})).await;
         assert_eq!(status, 200, "{report}");
     };
-    for turn in 1..=6 {
-        if turn == 5 {
-            tokio::time::sleep(Duration::from_millis(1_500)).await;
-            prune(&app).await;
-            // The first turn holds what the fifth names, so it stays; turns 2-4 name it
-            // and go.
-            assert!(exists(&app, &turns[0]).await);
-            for id in &turns[1..] {
-                assert!(!exists(&app, id).await, "{id} outlived its window");
-            }
-        }
+    let mut turn = async |n: usize| {
         // Long enough (5 KB) for the first turn to be named by those after it.
-        let question = format!("q{turn} {}", "x".repeat(5_000));
+        let question = format!("q{n} {}", "x".repeat(5_000));
         sent.push(json!({ "role": "user", "content": question }));
-
         let (response, id) = app
             .chat(&json!({ "model": "assistant", "messages": sent }))
             .await;
         assert_eq!(response.status(), 200);
         let heard = upstream.calls().last().unwrap().body["messages"].clone();
-        assert_eq!(heard.as_array().unwrap()[1..], sent[..], "turn {turn}");
+        assert_eq!(heard.as_array().unwrap()[1..], sent[..], "turn {n}");
         let answer: Value = response.json().await.unwrap();
         transcripts.insert(id.clone(), sent.clone());
         sent.push(answer["choices"][0]["message"].clone());
-        turns.push(id);
+        id
+    };
+    // The first turn holds its transcript; the next four name it, the fifth well inside
+    // the first half of the window.
+    for n in 1..=4 {
+        turns.push(turn(n).await);
     }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    turns.push(turn(5).await);
+    // Turns 2-4 pass their window; the fifth keeps the first.
+    tokio::time::sleep(Duration::from_millis(3_700)).await;
+    prune(&app).await;
+    assert!(exists(&app, &turns[0]).await);
+    for id in &turns[1..4] {
+        assert!(!exists(&app, id).await, "{id} outlived its window");
+    }
+    assert!(exists(&app, &turns[4]).await);
+    // Past half its window, the fifth is not named: the sixth holds its transcript whole.
+    turns.push(turn(6).await);
+    let transcripts = transcripts;
+    let stored = |id: &str| super::control::stored_input_of(&app, store.as_deref(), id);
+    assert_eq!(stored(&turns[4])["prefixOf"], json!(turns[0]));
+    assert!(stored(&turns[5]).get("prefixOf").is_none());
     // Turns 2-4 were archived, each with the transcript it was sent (the named first
     // messages written in, no name left).
     let archived = archived_requests(&app);
@@ -645,7 +657,7 @@ async fn a_request_a_later_turn_names_is_pruned_after_that_turn(store: Option<St
         assert_eq!(request["input"]["messages"], json!(transcripts[id]), "{id}");
     }
     // Past every window, the naming turns go, and then what they named.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    tokio::time::sleep(Duration::from_millis(4_200)).await;
     prune(&app).await;
     prune(&app).await;
     for id in &turns {
