@@ -10,8 +10,11 @@ ALTER TABLE requests ADD COLUMN input_digest TEXT;
 ALTER TABLE requests ADD COLUMN prefix_of TEXT;
 ALTER TABLE requests ADD COLUMN prefix_len INTEGER;
 -- The newest of one key's and agent's requests with a digest is the index's last entry for
--- them, however many others (another key's sending the same) share the digest.
-CREATE INDEX requests_by_input_digest ON requests(input_digest, owner, agent_id, id)
+-- them, however many others (another key's sending the same) share the digest. The entry
+-- holds what the lookup reads: the row's own columns come after its input, which SQLite
+-- reaches only through the input's overflow pages (a megabyte's 250 of them, each read).
+CREATE INDEX requests_by_input_digest
+    ON requests(input_digest, owner, agent_id, id, updated_at, prefix_of, prefix_len)
     WHERE input_digest IS NOT NULL;
 -- A prune keeps a session while a request of another session names one of its requests.
 CREATE INDEX requests_by_prefix_of ON requests(prefix_of) WHERE prefix_of IS NOT NULL;
