@@ -1,4 +1,4 @@
-//! A conversation with no session, stored once rather than once a turn. A chat client sends
+//! A conversation with no session, no longer stored whole every turn. A chat client sends
 //! its whole transcript every turn; without a session each turn's request held it whole,
 //! so a conversation's storage grew with the square of its length (114 MB after 600 turns
 //! of 500 bytes). A turn whose transcript continues an earlier request's — the same key's

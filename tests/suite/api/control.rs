@@ -1392,14 +1392,14 @@ pub(super) fn stored_input_of(app: &TestApp, database: Option<&str>, request_id:
     }
 }
 
-on_both_stores!(a_chat_with_no_session_is_stored_once_not_once_a_turn);
+on_both_stores!(a_chat_with_no_session_names_what_an_earlier_turn_holds);
 /// A Chat Completions client with no session sends its whole transcript every turn, each
 /// turn a request (and a session) of its own: the model hears the transcript as sent, and a
 /// turn continuing an earlier one (past 4 KiB) names the request holding its first messages
 /// whole and stores only the rest, never naming a request that names another. Another
 /// key's client sending the same transcript names nothing of the first key's. A turn the
 /// model refused, retried by an operator, is sent its whole transcript.
-async fn a_chat_with_no_session_is_stored_once_not_once_a_turn(store: Option<String>) {
+async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<String>) {
     const TURNS: usize = 24;
     let upstream = MockUpstream::start().await;
     upstream.push((1..TURNS).map(|n| Reply::Text(format!("a{n}"))));
