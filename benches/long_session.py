@@ -4,7 +4,7 @@
 Usage: long_session.py [--turns 400] [--every 50] [--bytes 500] [--conversations 1]
                        [--surface responses|chat|session] [--in-session [each|one]]
                        [--instructions-each-turn] [--instructions BYTES] [--retries K]
-                       [--tools] [--database-url postgres://...]
+                       [--tools] [--whole-input] [--database-url postgres://...]
                        BINARY [BINARY...]
 
 What a turn costs as its conversation grows, and what the store keeps for it. Each build
@@ -163,7 +163,17 @@ def one_build(binary, root, args):
         for turn in range(1, args.turns + 1):
             text = next(texts)
             one = (turn - 1) % args.conversations
-            if args.surface == "responses":
+            if args.surface == "responses" and args.whole_input:
+                # The whole conversation as input items every turn, the answers' output items
+                # among them, and no `previous_response_id`: the Agents SDK's loop.
+                items = transcripts[one]
+                items.append({"role": "user", "content": text})
+                body = {"model": "assistant", "input": items}
+                if instructions:
+                    body["instructions"] = instructions
+                took, answer = post("/v1/responses", body)
+                items.extend(answer["output"])
+            elif args.surface == "responses":
                 body = {"model": "assistant", "input": text}
                 if instructions:
                     body["instructions"] = instructions
@@ -234,6 +244,9 @@ def main():
                              " retried this many times by an operator")
     parser.add_argument("--tools", action="store_true",
                         help="the agent has a tool the upstream calls once a turn before it answers")
+    parser.add_argument("--whole-input", action="store_true",
+                        help="responses: send the whole conversation as input items every turn, "
+                             "no previous_response_id (the Agents SDK's loop)")
     parser.add_argument("--database-url")
     parser.add_argument("binaries", nargs="+")
     args = parser.parse_args()
