@@ -28,7 +28,7 @@ pub use openai::{ModelProbe, OpenAiAdapter, probe};
 pub use remote::{PHASE_PROGRESS, PROTOCOL as AGENT_PROTOCOL, RemoteAdapter};
 pub use retry::backoff_delay;
 pub use scripted::ScriptedAdapter;
-pub use transcript::{SharedHistory, Transcript};
+pub use transcript::{SharedHistory, Transcript, estimated_text_bytes};
 
 /// Where an adapter reports what happens; the runtime stores and streams it.
 #[async_trait::async_trait]

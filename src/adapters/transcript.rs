@@ -140,7 +140,7 @@ impl Transcript {
 }
 
 /// The bytes `messages`' JSON text takes, estimated from their `content`.
-pub(super) fn estimated_text_bytes<'a>(messages: impl IntoIterator<Item = &'a Value>) -> usize {
+pub fn estimated_text_bytes<'a>(messages: impl IntoIterator<Item = &'a Value>) -> usize {
     messages
         .into_iter()
         .map(|message| {
@@ -173,6 +173,21 @@ struct WrittenText {
 }
 
 impl SharedHistory {
+    /// `messages` with their JSON text written already: `text` is what writing them as
+    /// array items gives (comma-separated, no brackets), as a turn with no session writes it
+    /// for its digest (`runtime::named_transcripts`).
+    pub fn written(messages: Vec<Value>, text: String) -> Self {
+        let count = messages.len();
+        Self {
+            messages,
+            last_request: None,
+            written: Mutex::new(WrittenText {
+                text,
+                messages: count,
+            }),
+        }
+    }
+
     /// Adds messages at the end; the text written so far stays the text of the messages it
     /// was written from.
     pub fn extend(&mut self, messages: impl IntoIterator<Item = Value>) {

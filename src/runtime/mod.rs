@@ -37,7 +37,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::adapters::{Adapters, Transcript};
+use crate::adapters::{Adapters, SharedHistory, Transcript};
 use crate::gateway::{ApprovalWaiters, ToolGateway};
 use crate::ids::IdMap;
 use crate::redact::Redactor;
@@ -235,7 +235,7 @@ async fn session_read(
 }
 
 /// A session's history as a request continues it: where it ends, and its messages.
-type SessionHistory = Option<(String, Arc<crate::adapters::SharedHistory>)>;
+type SessionHistory = Option<(String, Arc<SharedHistory>)>;
 
 /// Whether a transcript holds an answer: one that does not is a conversation's first turn,
 /// never matched with a session's history (nor read for).
@@ -265,7 +265,7 @@ async fn matching_path(
     store: &dyn Store,
     histories: &history::Histories,
     session_id: &str,
-    (leaf, path): (String, Arc<crate::adapters::SharedHistory>),
+    (leaf, path): (String, Arc<SharedHistory>),
     sent: &[Value],
 ) -> Result<Option<(String, usize)>, StoreError> {
     let matched = history::matching_prefix(&path, sent);
@@ -859,11 +859,47 @@ impl Runtime {
             _ => (None, None, 0),
         };
         // The request's own messages; those before them are the history the session holds.
-        let own = request.messages.split_off(own_from);
+        let mut own = request.messages.split_off(own_from);
+        // A conversation with no session names the request holding its transcript's first
+        // messages when an earlier turn stored them (docs/profiling.md, the eighty-third
+        // pass).
+        let mut named = match (&request.history, fresh_session) {
+            (History::Stateless, true) => {
+                let window = workspace
+                    .agents
+                    .get(&agent_id)
+                    .and_then(|agent| agent.retention)
+                    .or(workspace.runtime.retention.requests);
+                let owner = &request.owner;
+                Some(named_transcripts::named(store, owner, &agent_id, window, &own).await)
+            }
+            _ => None,
+        };
         let mut parent_id = leaf;
         let mut rest = std::mem::take(&mut request.messages);
-        rest.extend(own.iter().cloned());
-        let messages = Transcript::new(request.leading.clone(), history, rest);
+        // A conversation with no session had its transcript's text written for its digest:
+        // the run shares the messages with it, and the model call writes that text into its
+        // request, neither copied nor serialized again.
+        let written = match named.as_mut() {
+            Some(named) if history.is_none() && rest.is_empty() => {
+                let text = std::mem::take(&mut named.text);
+                Some(Arc::new(SharedHistory::written(
+                    std::mem::take(&mut own),
+                    text,
+                )))
+            }
+            _ => None,
+        };
+        let messages = match &written {
+            Some(written) => {
+                Transcript::new(request.leading.clone(), Some(Arc::clone(written)), rest)
+            }
+            None => {
+                rest.extend(own.iter().cloned());
+                Transcript::new(request.leading.clone(), history, rest)
+            }
+        };
+        let own: &[Value] = written.as_deref().map_or(&own, |written| written);
 
         let request_id = new_id("req");
         let run_id = new_id("run");
@@ -884,21 +920,6 @@ impl Runtime {
         })];
         // The input is what the request brought; history the session holds already is named
         // by its last message, never copied (a long session would store it again per turn).
-        // A conversation with no session names the request holding its transcript's first
-        // messages when an earlier turn stored them (docs/profiling.md, the eighty-third
-        // pass).
-        let named = match (&request.history, fresh_session) {
-            (History::Stateless, true) => {
-                let window = workspace
-                    .agents
-                    .get(&agent_id)
-                    .and_then(|agent| agent.retention)
-                    .or(workspace.runtime.retention.requests);
-                let owner = &request.owner;
-                Some(named_transcripts::named(store, owner, &agent_id, window, &own).await)
-            }
-            _ => None,
-        };
         let mut input = match &parent_id {
             Some(through) => {
                 json!({ "messages": own, "options": request.options, HISTORY_THROUGH: through })

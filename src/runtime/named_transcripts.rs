@@ -28,11 +28,14 @@ pub const NAMED_FROM_BYTES: usize = 4_096;
 
 /// How a turn with no session stores its transcript: its digest, when the next turn may
 /// find it by it, and, when an earlier request holds its first messages, that request and
-/// how many.
+/// how many; and the transcript's JSON text, written for the digest, which the model call
+/// writes into its request rather than serializing the messages again.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NamedTranscript {
     pub digest: Option<String>,
     pub prefix: Option<(String, usize)>,
+    /// The messages' JSON text, comma-separated, without the array's brackets.
+    pub text: String,
 }
 
 impl NamedTranscript {
@@ -70,34 +73,34 @@ struct TextDigest {
 
 /// The digest of `messages` as their JSON text (the crate's writer, as
 /// `crate::json::write_array` writes them), and of their first `before` messages, from one
-/// pass over the text.
-fn digests(messages: &[Value], before: Option<usize>) -> (TextDigest, Option<TextDigest>) {
+/// pass over the text, which is written into `text` (comma-separated, no brackets).
+fn digests(
+    messages: &[Value],
+    before: Option<usize>,
+    text: &mut String,
+) -> (TextDigest, Option<TextDigest>) {
     let mut hasher = Sha256::new();
-    let mut text = String::new();
-    let mut bytes = 1;
     let mut first = None;
-    let finished = |hasher: &Sha256, bytes: usize| TextDigest {
+    let finished = |hasher: &Sha256, text: &str| TextDigest {
         hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
-        bytes: bytes + 1,
+        bytes: text.len() + 2,
     };
     hasher.update(b"[");
     for (index, message) in messages.iter().enumerate() {
         if Some(index) == before {
-            first = Some(finished(&hasher, bytes));
+            first = Some(finished(&hasher, text));
         }
+        let start = text.len();
         if index > 0 {
-            hasher.update(b",");
-            bytes += 1;
+            text.push(',');
         }
-        text.clear();
-        crate::json::write(&mut text, message);
-        hasher.update(text.as_bytes());
-        bytes += text.len();
+        crate::json::write(text, message);
+        hasher.update(&text.as_bytes()[start..]);
     }
     if before == Some(messages.len()) {
-        first = Some(finished(&hasher, bytes));
+        first = Some(finished(&hasher, text));
     }
-    (finished(&hasher, bytes), first)
+    (finished(&hasher, text), first)
 }
 
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
@@ -133,10 +136,12 @@ pub async fn named(
         .iter()
         .rposition(super::is_answer)
         .filter(|at| *at > 0);
-    let (whole, before) = digests(messages, newest_answer);
+    let mut text = String::with_capacity(crate::adapters::estimated_text_bytes(messages));
+    let (whole, before) = digests(messages, newest_answer, &mut text);
     let mut named = NamedTranscript {
         digest: (whole.bytes >= NAMED_FROM_BYTES).then_some(whole.hex),
         prefix: None,
+        text,
     };
     let (Some(continued), Some(before)) = (newest_answer, before) else {
         return named;
@@ -189,11 +194,16 @@ mod tests {
             }
         };
         for before in 0..=messages.len() {
-            let (whole, first) = digests(&messages, Some(before));
+            let mut text = String::new();
+            let (whole, first) = digests(&messages, Some(before), &mut text);
             assert_eq!(whole, of(&messages));
             assert_eq!(first, Some(of(&messages[..before])));
+            // The text is the array's items.
+            let mut array = String::new();
+            crate::json::write_array(&mut array, &messages, crate::json::write);
+            assert_eq!(format!("[{text}]"), array);
         }
-        assert_eq!(digests(&messages, None).1, None);
+        assert_eq!(digests(&messages, None, &mut String::new()).1, None);
         assert_ne!(of(&messages[..2]), of(&messages[..3]));
     }
 
