@@ -91,9 +91,7 @@ pub struct HeldLeading {
 
 /// The SHA-256 of leading messages as their JSON text, in hex.
 fn leading_digest(leading: &[Value]) -> String {
-    let mut text = String::new();
-    crate::json::write_array(&mut text, leading, crate::json::write);
-    crate::memory::sha256_hex(&text)
+    named_transcripts::digest_of(leading)
 }
 
 /// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the

@@ -103,6 +103,12 @@ fn digests(
     (finished(&hasher, text), first)
 }
 
+/// The digest of `messages` as their JSON text, in hex: the one way this crate writes a
+/// digest of messages (a transcript's here, a request's leading messages').
+pub(super) fn digest_of(messages: &[Value]) -> String {
+    digests(messages, None, &mut String::new()).0.hex
+}
+
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
 /// it keeps from the prune) under a retention `window`: while younger than half of it, so no
 /// prune can take it before the turn naming it is stored and keeps it in turn (the lookup

@@ -15,7 +15,8 @@ use super::{RequestRecord, Store, StoreError};
 /// The member of a request's input holding the digest of the transcript it brought (its
 /// `messages`, whole), where a later turn of a chat with no session finds it by
 /// ([`Store::input_holder`]). It and [`PREFIX_OF`], [`PREFIX_LEN`] are repeated in columns
-/// (the embedded store) or indexed (PostgreSQL), so a lookup or a prune reads no input.
+/// (the embedded store) or indexed (PostgreSQL), so a lookup or a prune finds its rows
+/// without reading any input.
 pub const INPUT_DIGEST: &str = "inputDigest";
 /// The member of a request's input naming the request whose input holds, whole, the first
 /// messages of its transcript ([`PREFIX_LEN`] of them): its own `messages` are the rest.
