@@ -173,9 +173,10 @@ struct WrittenText {
 }
 
 impl SharedHistory {
-    /// `messages` with their JSON text written already: `text` is what writing them as
+    /// `messages` with their JSON text written already: `text` must be what writing them as
     /// array items gives (comma-separated, no brackets), as a turn with no session writes it
-    /// for its digest (`runtime::named_transcripts`).
+    /// for its digest (`runtime::named_transcripts`, tested there); a model call sends it as
+    /// it is.
     pub fn written(messages: Vec<Value>, text: String) -> Self {
         let count = messages.len();
         Self {

@@ -877,27 +877,27 @@ impl Runtime {
         let mut rest = std::mem::take(&mut request.messages);
         // A conversation with no session had its transcript's text written for its digest:
         // the run shares the messages with it, and the model call writes that text into its
-        // request, neither copied nor serialized again.
-        let written = match named.as_mut() {
+        // request, neither copied nor serialized again. (Such a request continues no history
+        // and brings no messages before its own, so the text is the whole transcript's but
+        // the leading messages; the guard keeps it so.)
+        let own_shared = match named.as_mut() {
             Some(named) if history.is_none() && rest.is_empty() => {
                 let text = std::mem::take(&mut named.text);
-                Some(Arc::new(SharedHistory::written(
-                    std::mem::take(&mut own),
-                    text,
-                )))
+                let own = std::mem::take(&mut own);
+                Some(Arc::new(SharedHistory::written(own, text)))
             }
             _ => None,
         };
-        let messages = match &written {
-            Some(written) => {
-                Transcript::new(request.leading.clone(), Some(Arc::clone(written)), rest)
+        let messages = match &own_shared {
+            Some(shared) => {
+                Transcript::new(request.leading.clone(), Some(Arc::clone(shared)), rest)
             }
             None => {
                 rest.extend(own.iter().cloned());
                 Transcript::new(request.leading.clone(), history, rest)
             }
         };
-        let own: &[Value] = written.as_deref().map_or(&own, |written| written);
+        let own: &[Value] = own_shared.as_deref().map_or(&own, |shared| shared);
 
         let request_id = new_id("req");
         let run_id = new_id("run");

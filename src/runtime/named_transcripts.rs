@@ -73,12 +73,13 @@ struct TextDigest {
 
 /// The digest of `messages` as their JSON text (the crate's writer, as
 /// `crate::json::write_array` writes them), and of their first `before` messages, from one
-/// pass over the text, which is written into `text` (comma-separated, no brackets).
+/// pass over the text, which is written into `text` (empty: comma-separated, no brackets).
 fn digests(
     messages: &[Value],
     before: Option<usize>,
     text: &mut String,
 ) -> (TextDigest, Option<TextDigest>) {
+    debug_assert!(text.is_empty(), "the text's length is the digest's");
     let mut hasher = Sha256::new();
     let mut first = None;
     let finished = |hasher: &Sha256, text: &str| TextDigest {
