@@ -16,6 +16,9 @@ import pytest
 
 CLIENT_KEY = "sdk-client-key"
 ADMIN_KEY = "sdk-admin-key"
+# Where the server started by `base_url` keeps its embedded store, once it is started.
+SERVER = {}
+
 
 
 class Upstream:
@@ -193,9 +196,19 @@ def base_url(upstream):
                     pass
             time.sleep(0.05)
         assert base, "the server did not start"
+        SERVER["store"] = f"{work}/ws/.stable-harness/state.db"
         yield base
         server.terminate()
         server.wait(timeout=10)
+
+
+def stored_input(request_id):
+    """The input the server's embedded store holds for a request, read-only while it serves."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{SERVER['store']}?mode=ro", uri=True) as db:
+        (text,) = db.execute("SELECT input FROM requests WHERE id = ?", (request_id,)).fetchone()
+    return json.loads(text)
 
 
 def admin(base_url, method, path, body=None):

@@ -9,7 +9,7 @@ import openai
 import pytest
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from conftest import ADMIN_KEY, CLIENT_KEY, calls_reply, text_reply
+from conftest import ADMIN_KEY, CLIENT_KEY, admin, calls_reply, stored_input, text_reply
 
 set_tracing_disabled(True)
 
@@ -106,6 +106,43 @@ def test_agents_sdk_with_a_client_function_tool(base_url, upstream):
     assert ran == ["UTC"]
     assert result.final_output == "It is noon."
     assert upstream.requests[-1]["messages"][-1]["content"] == "12:00 in UTC"
+
+
+def test_agents_sdk_loop_is_stored_as_what_each_call_adds(base_url, upstream):
+    """The Agents SDK's loop sends its whole input to every model call, with no
+    `previous_response_id`: once the transcript is 4 KiB long, the second call names the
+    first (which holds the transcript whole) and stores only what the loop added."""
+    ran = []
+
+    @function_tool
+    def read_file(path: str) -> str:
+        """A file from the client's machine."""
+        ran.append(path)
+        return "line\n" * 200
+
+    upstream.push(calls_reply(("read_file", '{"path": "main.rs"}')), text_reply("It prints lines."))
+    agent = Agent(
+        name="helper", instructions="Answer.", tools=[read_file],
+        model=OpenAIResponsesModel("coder", agent_client(base_url)),
+    )
+    question = "What does this do? " + "context " * 600
+
+    def listed():
+        return [request["requestId"] for request in admin(base_url, "GET", "/admin/requests?limit=100")["data"]]
+
+    before = set(listed())
+    result = asyncio.run(Runner.run(agent, question))
+    assert ran == ["main.rs"]
+    assert result.final_output == "It prints lines."
+    # The listing is newest first.
+    second, first = [request for request in listed() if request not in before]
+    held, naming = stored_input(first), stored_input(second)
+    assert "prefixOf" not in held and len(held["inputDigest"]) == 64
+    assert naming["prefixOf"] == first
+    assert naming["prefixLen"] == len(held["messages"])
+    # The model heard the whole transcript on the second call, the file's text last.
+    assert upstream.requests[-1]["messages"][-1]["content"] == "line\n" * 200
+    assert question in json.dumps(upstream.requests[-1]["messages"])
 
 
 def refusals_counted(base_url):
