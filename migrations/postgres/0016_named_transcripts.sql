@@ -6,8 +6,8 @@
 -- for the next turn to find it by). The indexes are on those members of the input, so the
 -- batch function writes requests as before.
 --
--- Building them reads every request's input once and holds the table's writes until the
--- migration commits.
+-- Building them reads every request's input, once for each, and holds the table's writes
+-- until the migration commits.
 -- The newest of one key's and agent's requests with a digest is the index's last entry for
 -- them, however many others (another key's sending the same) share the digest.
 CREATE INDEX requests_by_input_digest ON requests ((input ->> 'inputDigest'), owner, agent_id, id)

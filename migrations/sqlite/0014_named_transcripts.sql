@@ -12,7 +12,7 @@ ALTER TABLE requests ADD COLUMN prefix_len INTEGER;
 -- The newest of one key's and agent's requests with a digest is the index's last entry for
 -- them, however many others (another key's sending the same) share the digest. The entry
 -- holds what the lookup reads: the row's own columns come after its input, which SQLite
--- reaches only through the input's overflow pages (a megabyte's 250 of them, each read).
+-- reaches only through the input's overflow pages (a megabyte's ~500 of them, each read).
 CREATE INDEX requests_by_input_digest
     ON requests(input_digest, owner, agent_id, id, updated_at, prefix_of, prefix_len)
     WHERE input_digest IS NOT NULL;
