@@ -76,16 +76,28 @@ pub fn write_str_or_null(out: &mut String, text: Option<&str>) {
 pub fn write_array<T>(
     out: &mut String,
     items: impl IntoIterator<Item = T>,
-    mut write: impl FnMut(&mut String, T),
+    write: impl FnMut(&mut String, T),
 ) {
     out.push('[');
+    write_items(out, 0, items, write);
+    out.push(']');
+}
+
+/// `items` as JSON array items, comma-separated, each written by `write`, after the `before`
+/// items `out` holds already: an array written in parts (a shared history's text, extended
+/// turn by turn).
+pub fn write_items<T>(
+    out: &mut String,
+    before: usize,
+    items: impl IntoIterator<Item = T>,
+    mut write: impl FnMut(&mut String, T),
+) {
     for (index, item) in items.into_iter().enumerate() {
-        if index > 0 {
+        if before > 0 || index > 0 {
             out.push(',');
         }
         write(out, item);
     }
-    out.push(']');
 }
 
 /// `entries` as a JSON object, keys in the order given, each value written by `write`: how

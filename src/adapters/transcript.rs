@@ -177,7 +177,7 @@ impl SharedHistory {
     /// array items gives (comma-separated, no brackets), as a turn with no session writes it
     /// for its digest (`runtime::named_transcripts`, tested there); a model call sends it as
     /// it is.
-    pub fn written(messages: Vec<Value>, text: String) -> Self {
+    pub(crate) fn written(messages: Vec<Value>, text: String) -> Self {
         let count = messages.len();
         Self {
             messages,
@@ -214,15 +214,11 @@ impl SharedHistory {
     /// and the messages after it written now and added to it, once.
     fn write_items(&self, out: &mut String) {
         let mut written = self.text();
-        let unwritten = self.messages.get(written.messages..).unwrap_or_default();
-        for message in unwritten {
-            if written.messages > 0 {
-                written.text.push(',');
-            }
-            crate::json::write(&mut written.text, message);
-            written.messages += 1;
-        }
-        out.push_str(&written.text);
+        let WrittenText { text, messages } = &mut *written;
+        let unwritten = self.messages.get(*messages..).unwrap_or_default();
+        crate::json::write_items(text, *messages, unwritten, crate::json::write);
+        *messages += unwritten.len();
+        out.push_str(text);
     }
 
     /// How many of the first messages the text holds (for tests).

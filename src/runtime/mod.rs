@@ -860,34 +860,23 @@ impl Runtime {
         let mut own = request.messages.split_off(own_from);
         // A conversation with no session names the request holding its transcript's first
         // messages when an earlier turn stored them (docs/profiling.md, the eighty-third
-        // pass).
-        let mut named = match (&request.history, fresh_session) {
+        // pass), and its run shares the messages with their text, written once.
+        let (named, own_shared) = match (&request.history, fresh_session) {
             (History::Stateless, true) => {
                 let window = workspace
                     .agents
                     .get(&agent_id)
                     .and_then(|agent| agent.retention)
                     .or(workspace.runtime.retention.requests);
-                let owner = &request.owner;
-                Some(named_transcripts::named(store, owner, &agent_id, window, &own).await)
+                let (owner, own) = (&request.owner, std::mem::take(&mut own));
+                let (named, shared) =
+                    named_transcripts::named(store, owner, &agent_id, window, own).await;
+                (Some(named), Some(shared))
             }
-            _ => None,
+            _ => (None, None),
         };
         let mut parent_id = leaf;
         let mut rest = std::mem::take(&mut request.messages);
-        // A conversation with no session had its transcript's text written for its digest:
-        // the run shares the messages with it, and the model call writes that text into its
-        // request, neither copied nor serialized again. (Such a request continues no history
-        // and brings no messages before its own, so the text is the whole transcript's but
-        // the leading messages; the guard keeps it so.)
-        let own_shared = match named.as_mut() {
-            Some(named) if history.is_none() && rest.is_empty() => {
-                let text = std::mem::take(&mut named.text);
-                let own = std::mem::take(&mut own);
-                Some(Arc::new(SharedHistory::written(own, text)))
-            }
-            _ => None,
-        };
         let messages = match &own_shared {
             Some(shared) => {
                 Transcript::new(request.leading.clone(), Some(Arc::clone(shared)), rest)

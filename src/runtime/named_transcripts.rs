@@ -18,24 +18,24 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::store::{INPUT_DIGEST, PREFIX_LEN, PREFIX_OF, Store};
+use std::sync::Arc;
+
+use crate::adapters::SharedHistory;
+use crate::store::{INPUT_DIGEST, InputHolder, PREFIX_LEN, PREFIX_OF, Store};
 
 /// A transcript's text shorter than this is stored whole, with no digest: naming saves
 /// nothing there, and the digest's index entry, at a random place in its b-tree, would
 /// cost every short chat request a page more of the store's log (docs/profiling.md, the
 /// eighty-third pass). A conversation crosses it within its first turns.
-pub const NAMED_FROM_BYTES: usize = 4_096;
+const NAMED_FROM_BYTES: usize = 4_096;
 
 /// How a turn with no session stores its transcript: its digest, when the next turn may
 /// find it by it, and, when an earlier request holds its first messages, that request and
-/// how many; and the transcript's JSON text, written for the digest, which the model call
-/// writes into its request rather than serializing the messages again.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// how many.
+#[derive(Debug)]
 pub struct NamedTranscript {
     pub digest: Option<String>,
     pub prefix: Option<(String, usize)>,
-    /// The messages' JSON text, comma-separated, without the array's brackets.
-    pub text: String,
 }
 
 impl NamedTranscript {
@@ -71,43 +71,41 @@ struct TextDigest {
     bytes: usize,
 }
 
-/// The digest of `messages` as their JSON text (the crate's writer, as
-/// `crate::json::write_array` writes them), and of their first `before` messages, from one
-/// pass over the text, which is written into `text` (empty: comma-separated, no brackets).
-fn digests(
-    messages: &[Value],
-    before: Option<usize>,
-    text: &mut String,
-) -> (TextDigest, Option<TextDigest>) {
-    debug_assert!(text.is_empty(), "the text's length is the digest's");
-    let mut hasher = Sha256::new();
-    let mut first = None;
-    let finished = |hasher: &Sha256, text: &str| TextDigest {
+/// `messages` as JSON array items (the crate's writer, comma-separated, no brackets: what
+/// `crate::json::write_array` writes between them), and where the items of the first
+/// `before` messages end.
+fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<usize>) {
+    let before = before.filter(|at| *at <= messages.len());
+    let mut text = String::with_capacity(crate::adapters::estimated_text_bytes(messages));
+    let split = before.unwrap_or(0);
+    let (first, rest) = messages.split_at(split);
+    crate::json::write_items(&mut text, 0, first, crate::json::write);
+    let before_end = before.map(|_| text.len());
+    crate::json::write_items(&mut text, split, rest, crate::json::write);
+    (text, before_end)
+}
+
+/// The digest of the JSON array of `items` ([`written_items`]), and of the array of its
+/// first items, up to `before_end`, from one pass over the text.
+fn digests(items: &str, before_end: Option<usize>) -> (TextDigest, Option<TextDigest>) {
+    let finished = |hasher: &Sha256, items: usize| TextDigest {
         hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
-        bytes: text.len() + 2,
+        bytes: items + 2,
     };
+    let mut hasher = Sha256::new();
     hasher.update(b"[");
-    for (index, message) in messages.iter().enumerate() {
-        if Some(index) == before {
-            first = Some(finished(&hasher, text));
-        }
-        let start = text.len();
-        if index > 0 {
-            text.push(',');
-        }
-        crate::json::write(text, message);
-        hasher.update(&text.as_bytes()[start..]);
-    }
-    if before == Some(messages.len()) {
-        first = Some(finished(&hasher, text));
-    }
-    (finished(&hasher, text), first)
+    let first = before_end.map(|end| {
+        hasher.update(&items.as_bytes()[..end]);
+        finished(&hasher, end)
+    });
+    hasher.update(&items.as_bytes()[before_end.unwrap_or(0)..]);
+    (finished(&hasher, items.len()), first)
 }
 
 /// The digest of `messages` as their JSON text, in hex: the one way this crate writes a
 /// digest of messages (a transcript's here, a request's leading messages').
 pub(super) fn digest_of(messages: &[Value]) -> String {
-    digests(messages, None, &mut String::new()).0.hex
+    digests(&written_items(messages, None).0, None).0.hex
 }
 
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
@@ -127,63 +125,78 @@ fn safe_from_the_prune(
 }
 
 /// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
-/// transcript): the request it continues is the one whose messages are this transcript's
-/// before its newest answer, looked up by their digest (one indexed read) when they are
-/// long enough to have one ([`NAMED_FROM_BYTES`]), and named (or what it names) while
-/// [`safe_from_the_prune`] under the agent's retention `window`. A failed read only stores
-/// the transcript whole.
+/// transcript), and the messages shared with their JSON text, written once here for the
+/// digest and for the model call, which writes it into its request rather than serializing
+/// the messages again. The request it continues is the one whose messages are this
+/// transcript's before its newest answer, looked up by their digest (one indexed read) when
+/// they are long enough to have one ([`NAMED_FROM_BYTES`]). A failed read only stores the
+/// transcript whole.
 pub async fn named(
     store: &dyn Store,
     owner: &str,
     agent: &str,
     window: Option<std::time::Duration>,
-    messages: &[Value],
-) -> NamedTranscript {
+    messages: Vec<Value>,
+) -> (NamedTranscript, Arc<SharedHistory>) {
     let newest_answer = messages
         .iter()
         .rposition(super::is_answer)
         .filter(|at| *at > 0);
-    let mut text = String::with_capacity(crate::adapters::estimated_text_bytes(messages));
-    let (whole, before) = digests(messages, newest_answer, &mut text);
+    let (text, before_end) = written_items(&messages, newest_answer);
     let mut named = NamedTranscript {
-        digest: (whole.bytes >= NAMED_FROM_BYTES).then_some(whole.hex),
+        digest: None,
         prefix: None,
-        text,
     };
-    let (Some(continued), Some(before)) = (newest_answer, before) else {
-        return named;
-    };
-    if before.bytes < NAMED_FROM_BYTES {
-        return named;
+    // Nothing shorter has a digest or is looked up (what comes before the newest answer is
+    // shorter still): a short request, the common one, hashes nothing.
+    if text.len() + 2 >= NAMED_FROM_BYTES {
+        let (whole, before) = digests(&text, before_end);
+        named.digest = Some(whole.hex);
+        if let (Some(continued), Some(before)) = (newest_answer, before)
+            && before.bytes >= NAMED_FROM_BYTES
+        {
+            let total = messages.len();
+            let found = held_before(store, owner, agent, &before.hex).await;
+            named.prefix = found
+                .filter(|previous| safe_from_the_prune(previous.updated_at, window, Utc::now()))
+                .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
+                    // It holds its transcript whole: all of it is this one's first messages.
+                    (None, _) => Some((previous.request_id, continued)),
+                    (Some(holder), Some(len)) => Some((holder, usize::try_from(len).ok()?)),
+                    (Some(_), None) => None,
+                })
+                .filter(|(_, held)| *held <= continued && names_holder(*held, total));
+        }
     }
-    let holder = match store.input_holder(owner, agent, &before.hex).await {
-        Ok(holder) => holder,
-        Err(error) => {
+    (named, Arc::new(SharedHistory::written(messages, text)))
+}
+
+/// The newest request of `owner` and `agent` whose transcript has `digest`; none when the
+/// read fails (the turn is then stored whole).
+async fn held_before(
+    store: &dyn Store,
+    owner: &str,
+    agent: &str,
+    digest: &str,
+) -> Option<InputHolder> {
+    store
+        .input_holder(owner, agent, digest)
+        .await
+        .unwrap_or_else(|error| {
             tracing::warn!(%error, "could not look up the request a transcript continues; stored whole");
             None
-        }
-    };
-    let now = Utc::now();
-    named.prefix = holder
-        .filter(|previous| safe_from_the_prune(previous.updated_at, window, now))
-        .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
-            // It holds its transcript whole: all of it is this one's first messages.
-            (None, _) => Some((previous.request_id, continued)),
-            (Some(holder), Some(len)) => Some((holder, usize::try_from(len).ok()?)),
-            (Some(_), None) => None,
         })
-        .filter(|(_, held)| *held <= continued && names_holder(*held, messages.len()));
-    named
 }
 
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
-    use super::{TextDigest, digests, names_holder, safe_from_the_prune};
+    use super::{TextDigest, digests, names_holder, safe_from_the_prune, written_items};
 
     /// One pass gives the digest of the whole transcript and of its first messages, each
-    /// the SHA-256 and the length of the same text the crate's array writer writes.
+    /// the SHA-256 and the length of the same text the crate's array writer writes, from
+    /// the items written once.
     #[test]
     fn digests_are_those_of_the_written_arrays() {
         let messages = vec![
@@ -201,8 +214,8 @@ mod tests {
             }
         };
         for before in 0..=messages.len() {
-            let mut text = String::new();
-            let (whole, first) = digests(&messages, Some(before), &mut text);
+            let (text, before_end) = written_items(&messages, Some(before));
+            let (whole, first) = digests(&text, before_end);
             assert_eq!(whole, of(&messages));
             assert_eq!(first, Some(of(&messages[..before])));
             // The text is the array's items.
@@ -210,7 +223,7 @@ mod tests {
             crate::json::write_array(&mut array, &messages, crate::json::write);
             assert_eq!(format!("[{text}]"), array);
         }
-        assert_eq!(digests(&messages, None, &mut String::new()).1, None);
+        assert_eq!(digests(&written_items(&messages, None).0, None).1, None);
         assert_ne!(of(&messages[..2]), of(&messages[..3]));
     }
 

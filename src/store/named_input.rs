@@ -26,7 +26,7 @@ pub const PREFIX_LEN: &str = "prefixLen";
 
 /// What a request's input says of where its transcript is held ([`INPUT_DIGEST`],
 /// [`PREFIX_OF`], [`PREFIX_LEN`]), as the embedded store writes it beside the input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug)]
 pub struct NamedInput<'a> {
     pub input_digest: Option<&'a str>,
     pub prefix_of: Option<&'a str>,
@@ -46,7 +46,7 @@ impl<'a> NamedInput<'a> {
 /// The newest request whose transcript had a digest a later turn looked up
 /// ([`Store::input_holder`]), when it was last written (how near the prune it is), and where
 /// its first messages are held, if another request holds them ([`PREFIX_OF`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct InputHolder {
     pub request_id: String,
     pub updated_at: chrono::DateTime<chrono::Utc>,
