@@ -644,7 +644,7 @@ async fn stored_request(
     }
     // Instructions held by the request the input names are read in.
     if instructions == Instructions::Read && request.input.get(LEADING).is_none() {
-        let leading = crate::runtime::stored_leading(store, &request)
+        let leading = crate::runtime::stored_leading(store, &request, None)
             .await
             .map_err(|e| store_error(&e))?;
         if !leading.is_empty() {

@@ -42,8 +42,8 @@ use crate::gateway::{ApprovalWaiters, ToolGateway};
 use crate::ids::IdMap;
 use crate::redact::Redactor;
 use crate::store::{
-    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, RequestRecord,
-    RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp,
+    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, NamedInput,
+    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp, named_input,
 };
 use crate::workspace::CompiledWorkspace;
 
@@ -66,20 +66,9 @@ const HISTORY_THROUGH: &str = "historyThrough";
 /// history, then its own messages) ends at: where a later request may continue from it.
 pub const TRANSCRIPT_THROUGH: &str = "transcriptThrough";
 
-/// The key of a stored request input holding the messages its transcript starts with, before
-/// any history: they are the request's own and never stored in the session (a Responses
-/// turn's `instructions`).
-pub const LEADING: &str = "leading";
-
-/// The key of a stored request input naming, instead of holding them, the request in its
-/// session whose input holds its leading messages ([`LEADING`]), the same as its own: a
-/// Responses chain's turn sending the instructions of the turn before stores them once for
-/// the chain, not once a turn (docs/profiling.md, the eighty-first pass).
-pub const LEADING_OF: &str = "leadingOf";
-
-/// The key of a stored request input holding, beside [`LEADING_OF`], the SHA-256 of the
-/// leading messages it names: a later turn compares its own with it, reading nothing.
-const LEADING_DIGEST: &str = "leadingDigest";
+/// The members of a stored request's input for its leading messages (a Responses turn's
+/// instructions): held, named, and their digest.
+pub use crate::store::named_input::{LEADING, LEADING_DIGEST, LEADING_OF};
 
 /// Where a request's leading messages are held already ([`LEADING_OF`]): the request whose
 /// input holds them, and their digest.
@@ -96,7 +85,8 @@ fn leading_digest(leading: &[Value]) -> String {
 
 /// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the
 /// turn before, in the same session) leads with: `previous` itself when its input holds
-/// them, else the request it names, when their digests agree. Nothing is read.
+/// them, else the request it names in its session, when their digests agree. Nothing is
+/// read.
 pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldLeading> {
     if leading.is_empty() {
         return None;
@@ -106,6 +96,11 @@ pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldL
             request: previous.id.clone(),
             digest: leading_digest(leading),
         });
+    }
+    // One that names another session's request (the one holding its first messages) is
+    // not followed: nothing would keep that request from the prune for this session.
+    if previous.input.get(crate::store::PREFIX_OF).is_some() {
+        return None;
     }
     let holder = previous.input.get(LEADING_OF)?.as_str()?;
     let theirs = previous.input.get(LEADING_DIGEST)?.as_str()?;
@@ -158,8 +153,13 @@ async fn request_start(
         ),
         None => None,
     };
-    let own = crate::store::named_input::stored_messages(store, request).await?;
-    let leading = stored_leading(store, request).await?;
+    // The request holding its first messages, read once: it may hold its leading ones too.
+    let holder = match NamedInput::of(&request.input).prefix_of {
+        Some(holder) => store.request(holder).await?,
+        None => None,
+    };
+    let own = crate::store::named_input::joined_messages(request, holder.as_ref())?;
+    let leading = stored_leading(store, request, holder.as_ref()).await?;
     let messages = Transcript::new(leading, history, own);
     let own_last = store
         .request_last_message(&request.session_id, &request.id, request.created_at)
@@ -169,11 +169,14 @@ async fn request_start(
 
 /// A stored request's leading messages ([`LEADING`]): its own, or those of the request its
 /// input names ([`LEADING_OF`]), which the server names only in the request's own session
-/// (pruned with it, never apart). A named request that is not there (nothing this server
-/// writes) gives none, with a warning in the log.
+/// (pruned with it, never apart) or, with no session, where its first messages are held
+/// (kept by the prune while named, [`named_input::leading_held_by`]). `read` is a request
+/// the caller read already, which may be that one. A named request that is not there
+/// (nothing this server writes) gives none, with a warning in the log.
 pub async fn stored_leading(
     store: &dyn Store,
     request: &RequestRecord,
+    read: Option<&RequestRecord>,
 ) -> Result<Vec<Value>, StoreError> {
     if let Some(leading) = request.input.get(LEADING).and_then(Value::as_array) {
         return Ok(leading.clone());
@@ -181,13 +184,23 @@ pub async fn stored_leading(
     let Some(holder) = request.input.get(LEADING_OF).and_then(Value::as_str) else {
         return Ok(Vec::new());
     };
-    let held = store
-        .request(holder)
-        .await?
-        .filter(|held| held.session_id == request.session_id)
-        .and_then(|held| held.input.get(LEADING).and_then(Value::as_array).cloned());
-    Ok(held.unwrap_or_else(|| {
-        tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not in its session");
+    let fetched;
+    let held = match read.filter(|read| read.id == holder) {
+        Some(read) => Some(read),
+        None => {
+            fetched = store.request(holder).await?;
+            fetched.as_ref()
+        }
+    };
+    let leading = held.and_then(|held| {
+        if held.session_id == request.session_id {
+            held.input.get(LEADING).and_then(Value::as_array)
+        } else {
+            named_input::leading_held_by(request, held)
+        }
+    });
+    Ok(leading.cloned().unwrap_or_else(|| {
+        tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not where it may be named");
         Vec::new()
     }))
 }
@@ -869,8 +882,12 @@ impl Runtime {
                     .and_then(|agent| agent.retention)
                     .or(workspace.runtime.retention.requests);
                 let (owner, own) = (&request.owner, std::mem::take(&mut own));
+                let leading = &request.leading;
                 let (named, shared) =
-                    named_transcripts::named(store, owner, &agent_id, window, own).await;
+                    named_transcripts::named(store, owner, &agent_id, window, leading, own).await;
+                // Its leading messages are named where its first messages are, when the same
+                // (the eighty-fourth pass).
+                request.leading_held_by = named.held_leading();
                 (Some(named), Some(shared))
             }
             _ => (None, None),
@@ -1490,7 +1507,8 @@ mod tests {
     use crate::store::test_records::request;
 
     /// A turn's leading messages are held by the turn before when its input holds the same,
-    /// or by the request that one names when their digests agree; anything else is its own.
+    /// or by the request that one names in its session when their digests agree; anything
+    /// else is its own.
     #[test]
     fn leading_messages_are_held_by_the_turn_before_or_the_request_it_names() {
         let rules = vec![json!({ "role": "system", "content": "Be brief." })];
@@ -1516,6 +1534,10 @@ mod tests {
         );
         assert_eq!(held_leading(&naming, &other), None);
         assert_eq!(held_leading(&request("req_3", "ses_1"), &rules), None);
+        // A turn with no session naming them where its first messages are (another
+        // session's request) is not followed: nothing would keep that one for this session.
+        naming.input[crate::store::PREFIX_OF] = json!("req_1");
+        assert_eq!(held_leading(&naming, &rules), None);
         assert_ne!(leading_digest(&rules), leading_digest(&other));
         assert_eq!(leading_digest(&rules).len(), 64);
         // The digest of the messages' text as serde writes it, as earlier builds stored it.

@@ -13,6 +13,13 @@
 //! ([`names_holder`]); past that it holds its transcript whole and later turns name it. A
 //! transcript under [`NAMED_FROM_BYTES`] is stored whole, as before. The prune keeps a
 //! session while a request of another session names one of its requests.
+//!
+//! A turn's leading messages (a Responses turn's instructions, sent with every call of the
+//! Agents SDK's loop) are named the same way, only where its first messages are: a holder
+//! keeps their digest beside them ([`LEADING_DIGEST`]), a turn naming the holder's names
+//! them too when its own have that digest, and the lookup reads the digest from the index
+//! as it reads the rest. A turn whose instructions differ from the holder's (instructions
+//! that change each turn) holds its own; its transcript is named all the same.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -20,8 +27,9 @@ use sha2::{Digest, Sha256};
 
 use std::sync::Arc;
 
+use super::HeldLeading;
 use crate::adapters::SharedHistory;
-use crate::store::{INPUT_DIGEST, InputHolder, PREFIX_LEN, PREFIX_OF, Store};
+use crate::store::{INPUT_DIGEST, InputHolder, LEADING_DIGEST, PREFIX_LEN, PREFIX_OF, Store};
 
 /// A transcript's text shorter than this is stored whole, with no digest: naming saves
 /// nothing there, and the digest's index entry, at a random place in its b-tree, would
@@ -31,16 +39,20 @@ const NAMED_FROM_BYTES: usize = 4_096;
 
 /// How a turn with no session stores its transcript: its digest, when the next turn may
 /// find it by it, and, when an earlier request holds its first messages, that request and
-/// how many.
+/// how many; the digest of its leading messages, when it has any and a digest, and whether
+/// that request holds them too.
 #[derive(Debug)]
 pub struct NamedTranscript {
     pub digest: Option<String>,
     pub prefix: Option<(String, usize)>,
+    leading_digest: Option<String>,
+    names_leading: bool,
 }
 
 impl NamedTranscript {
     /// The stored input's members for this transcript, and how many of its first messages
-    /// the input does not hold.
+    /// the input does not hold. A holder keeps its leading messages' digest beside them,
+    /// for the turns naming it to compare their own with.
     pub fn store_in(&self, input: &mut Value) -> usize {
         if let Some(digest) = &self.digest {
             input[INPUT_DIGEST] = Value::String(digest.clone());
@@ -51,8 +63,23 @@ impl NamedTranscript {
                 input[PREFIX_LEN] = Value::from(*len);
                 *len
             }
-            None => 0,
+            None => {
+                if let Some(digest) = &self.leading_digest {
+                    input[LEADING_DIGEST] = Value::String(digest.clone());
+                }
+                0
+            }
         }
+    }
+
+    /// The request holding this turn's leading messages, when it is the one holding its
+    /// first messages and they are the same ([`super::LEADING_OF`]).
+    pub fn held_leading(&self) -> Option<HeldLeading> {
+        let (holder, _) = self.prefix.as_ref().filter(|_| self.names_leading)?;
+        Some(HeldLeading {
+            request: holder.clone(),
+            digest: self.leading_digest.clone()?,
+        })
     }
 }
 
@@ -125,17 +152,18 @@ fn safe_from_the_prune(
 }
 
 /// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
-/// transcript), and the messages shared with their JSON text, written once here for the
-/// digest and for the model call, which writes it into its request rather than serializing
-/// the messages again. The request it continues is the one whose messages are this
-/// transcript's before its newest answer, looked up by their digest (one indexed read) when
-/// they are long enough to have one ([`NAMED_FROM_BYTES`]). A failed read only stores the
-/// transcript whole.
+/// transcript after its `leading` messages), and the messages shared with their JSON text,
+/// written once here for the digest and for the model call, which writes it into its
+/// request rather than serializing the messages again. The request it continues is the one
+/// whose messages are this transcript's before its newest answer, looked up by their
+/// digest (one indexed read) when they are long enough to have one ([`NAMED_FROM_BYTES`]).
+/// A failed read only stores the transcript whole.
 pub async fn named(
     store: &dyn Store,
     owner: &str,
     agent: &str,
     window: Option<std::time::Duration>,
+    leading: &[Value],
     messages: Vec<Value>,
 ) -> (NamedTranscript, Arc<SharedHistory>) {
     let newest_answer = messages
@@ -146,19 +174,28 @@ pub async fn named(
     let mut named = NamedTranscript {
         digest: None,
         prefix: None,
+        leading_digest: None,
+        names_leading: false,
     };
     // Nothing shorter has a digest or is looked up (what comes before the newest answer is
     // shorter still): a short request, the common one, hashes nothing.
     if text.len() + 2 >= NAMED_FROM_BYTES {
         let (whole, before) = digests(&text, before_end);
         named.digest = Some(whole.hex);
+        named.leading_digest = (!leading.is_empty()).then(|| digest_of(leading));
         if let (Some(continued), Some(before)) = (newest_answer, before)
             && before.bytes >= NAMED_FROM_BYTES
         {
             let total = messages.len();
-            let found = held_before(store, owner, agent, &before.hex).await;
+            let found = held_before(store, owner, agent, &before.hex)
+                .await
+                .filter(|previous| safe_from_the_prune(previous.updated_at, window, Utc::now()));
+            // The digest it keeps is of what the request holding its first messages leads
+            // with (a holder's own, or the one it names too): ours, when they agree.
+            let same_leading = found.as_ref().is_some_and(|previous| {
+                named.leading_digest.is_some() && previous.leading_digest == named.leading_digest
+            });
             named.prefix = found
-                .filter(|previous| safe_from_the_prune(previous.updated_at, window, Utc::now()))
                 .and_then(|previous| match (previous.prefix_of, previous.prefix_len) {
                     // It holds its transcript whole: all of it is this one's first messages.
                     (None, _) => Some((previous.request_id, continued)),
@@ -166,6 +203,7 @@ pub async fn named(
                     (Some(_), None) => None,
                 })
                 .filter(|(_, held)| *held <= continued && names_holder(*held, total));
+            named.names_leading = same_leading && named.prefix.is_some();
         }
     }
     (named, Arc::new(SharedHistory::written(messages, text)))

@@ -51,7 +51,10 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 pub use model::*;
-pub use named_input::{INPUT_DIGEST, InputHolder, NamedInput, PREFIX_LEN, PREFIX_OF};
+pub use named_input::{
+    INPUT_DIGEST, InputHolder, LEADING, LEADING_DIGEST, LEADING_OF, NamedInput, PREFIX_LEN,
+    PREFIX_OF,
+};
 
 /// Whether a read of requests reads each one's `input`: the whole transcript it brought,
 /// its largest column by far once a conversation grows. An export needs it; no view shows

@@ -485,7 +485,7 @@ const EVENT_SELECT: &str =
 /// members are read from the found request's input, which PostgreSQL decompresses whole to
 /// read them: a few hundred microseconds for a holder of a megabyte, once a turn.
 const INPUT_HOLDER: &str = "SELECT id, updated_at, input ->> 'prefixOf' AS prefix_of,
-        (input ->> 'prefixLen')::bigint AS prefix_len
+        (input ->> 'prefixLen')::bigint AS prefix_len, input ->> 'leadingDigest' AS leading_digest
      FROM requests WHERE input ? 'inputDigest' AND input ->> 'inputDigest' = $1
         AND owner = $2 AND agent_id = $3
      ORDER BY id DESC LIMIT 1";
@@ -1856,6 +1856,7 @@ impl Store for PostgresStore {
                 updated_at: row.try_get("updated_at")?,
                 prefix_of: row.try_get("prefix_of")?,
                 prefix_len: row.try_get("prefix_len")?,
+                leading_digest: row.try_get("leading_digest")?,
             })
         })
         .transpose()

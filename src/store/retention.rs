@@ -18,9 +18,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::{
-    ApprovalRecord, ArchiveRows, EventRecord, MaintenanceRecord, MessageRecord, NamedInput,
-    PREFIX_LEN, PREFIX_OF, PruneCounts, PruneFilter, RequestRecord, RunRecord, SessionRecord,
-    Store, StoreError, ToolCallRecord, named_input,
+    ApprovalRecord, ArchiveRows, EventRecord, LEADING, LEADING_OF, MaintenanceRecord,
+    MessageRecord, NamedInput, PREFIX_LEN, PREFIX_OF, PruneCounts, PruneFilter, RequestRecord,
+    RunRecord, SessionRecord, Store, StoreError, ToolCallRecord, named_input,
 };
 
 /// Sessions removed per transaction.
@@ -227,7 +227,8 @@ async fn write_archive(
 }
 
 /// Each request that names another's for its transcript's first messages ([`PREFIX_OF`])
-/// given its whole transcript, so that an archive's line stands alone. The named request is
+/// given its whole transcript (and its leading messages, when it names them there), so that
+/// an archive's line stands alone. The named request is
 /// still in the store (a prune keeps it while a request of another session names it); the
 /// last one read is kept for the next request that names it (a conversation's turns name
 /// the same one), never more than one, whatever their size. One that is not there (an
@@ -256,10 +257,19 @@ async fn with_whole_transcripts(
                 continue;
             }
         };
+        // Its leading messages too, when it names them there.
+        let leading = held
+            .as_ref()
+            .and_then(|held| named_input::leading_held_by(request, held))
+            .cloned();
         if let Some(input) = request.input.as_object_mut() {
             input.remove(PREFIX_OF);
             input.remove(PREFIX_LEN);
             input.insert("messages".into(), Value::Array(messages));
+            if let Some(leading) = leading {
+                input.remove(LEADING_OF);
+                input.insert(LEADING.into(), Value::Array(leading));
+            }
         }
     }
     Ok(())
@@ -510,17 +520,20 @@ mod tests {
         assert!(store.session("ses_gone").await.unwrap().is_none());
     }
 
-    /// A pruned request naming another for its transcript's first messages is archived with
-    /// its whole transcript; one whose named request is gone (an older instance's prune took
-    /// it) is archived as stored, and the pass goes on.
+    /// A pruned request naming another for its transcript's first messages (and its leading
+    /// messages) is archived with its whole transcript and its leading messages; one whose
+    /// named request is gone (an older instance's prune took it) is archived as stored, and
+    /// the pass goes on.
     #[tokio::test]
     async fn an_archive_writes_a_named_transcript_whole_or_as_stored_when_its_holder_is_gone() {
         let (dir, store) = SqliteStore::in_temporary_folder().await;
         let store: Arc<dyn Store> = Arc::new(store);
-        let holder_input = json!({ "messages": [{ "role": "user", "content": "hi" }] });
+        let rules = json!([{ "role": "system", "content": "Be brief." }]);
+        let holder_input = json!({ "messages": [{ "role": "user", "content": "hi" }],
+            "inputDigest": "d1", "leading": rules, "leadingDigest": "l1" });
         let naming = |holder: &str| {
             json!({ "messages": [{ "role": "user", "content": "more" }],
-                    "prefixOf": holder, "prefixLen": 1 })
+                    "prefixOf": holder, "prefixLen": 1, "leadingOf": holder, "leadingDigest": "l1" })
         };
         for (session, request, input) in [
             ("ses_1", "req_1", holder_input),
@@ -555,7 +568,8 @@ mod tests {
         }
         assert_eq!(
             archived["req_2"],
-            json!({ "messages": [{ "role": "user", "content": "hi" }, { "role": "user", "content": "more" }] })
+            json!({ "messages": [{ "role": "user", "content": "hi" }, { "role": "user", "content": "more" }],
+                    "leading": rules, "leadingDigest": "l1" })
         );
         assert_eq!(archived["req_3"], naming("req_gone"));
         // The next pass takes what req_2 named.

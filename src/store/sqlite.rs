@@ -645,7 +645,8 @@ fn path_page(
 /// ([`Store::request_in_full`]), the approvals' shared with the reader pool.
 const REQUEST_BY_ID: &str = "SELECT * FROM requests WHERE id = ?1";
 /// [`Store::input_holder`]'s read: the digest's index and the row's own columns, no input.
-const INPUT_HOLDER: &str = "SELECT id, updated_at, prefix_of, prefix_len FROM requests
+const INPUT_HOLDER: &str =
+    "SELECT id, updated_at, prefix_of, prefix_len, leading_digest FROM requests
      WHERE input_digest = ?1 AND owner = ?2 AND agent_id = ?3 ORDER BY id DESC LIMIT 1";
 const RUNS_OF_REQUEST: &str = "SELECT * FROM runs WHERE request_id = ?1 ORDER BY attempt";
 /// A request as its view shows it: every column but `input`, which can be large (the whole
@@ -1493,6 +1494,7 @@ impl Store for SqliteStore {
                     updated_at: row.time("updated_at")?,
                     prefix_of: row.opt_text("prefix_of")?,
                     prefix_len: column(row, "prefix_len")?,
+                    leading_digest: row.opt_text("leading_digest")?,
                 })
             })
             .await

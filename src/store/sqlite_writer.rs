@@ -870,8 +870,10 @@ fn write_ops<'o>(
                 let named = super::NamedInput::of(&request.input);
                 prepared.get(
 "INSERT INTO requests (id, session_id, agent_id, protocol, status, input, output, error, usage,
-                     metadata, created_at, updated_at, owner, input_digest, prefix_of, prefix_len)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                     metadata, created_at, updated_at, owner, input_digest, prefix_of, prefix_len,
+                     leading_digest)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+                     ?17)",
 )?
                 .execute(params![
                     request.id,
@@ -889,7 +891,8 @@ fn write_ops<'o>(
                     request.owner,
                     named.input_digest,
                     named.prefix_of,
-                    named.prefix_len
+                    named.prefix_len,
+                    named.leading_digest
                 ])?;
             }
             WriteOp::UpdateRequest {

@@ -109,9 +109,10 @@ def test_agents_sdk_with_a_client_function_tool(base_url, upstream):
 
 
 def test_agents_sdk_loop_is_stored_as_what_each_call_adds(base_url, upstream):
-    """The Agents SDK's loop sends its whole input to every model call, with no
-    `previous_response_id`: once the transcript is 4 KiB long, the second call names the
-    first (which holds the transcript whole) and stores only what the loop added."""
+    """The Agents SDK's loop sends its instructions and its whole input to every model
+    call, with no `previous_response_id`: once the transcript is 4 KiB long, the second
+    call names the first (which holds the transcript and the instructions whole) and stores
+    only what the loop added."""
     ran = []
 
     @function_tool
@@ -140,7 +141,13 @@ def test_agents_sdk_loop_is_stored_as_what_each_call_adds(base_url, upstream):
     assert "prefixOf" not in held and len(held["inputDigest"]) == 64
     assert naming["prefixOf"] == first
     assert naming["prefixLen"] == len(held["messages"])
-    # The model heard the whole transcript on the second call, the file's text last.
+    # The instructions, sent with each call, held by the first and named by the second.
+    assert held["leading"] == [{"role": "system", "content": "Answer."}]
+    assert naming["leadingOf"] == first and "leading" not in naming
+    assert naming["leadingDigest"] == held["leadingDigest"]
+    # The model heard the instructions and the whole transcript on the second call, the
+    # file's text last.
+    assert {"role": "system", "content": "Answer."} in upstream.requests[-1]["messages"]
     assert upstream.requests[-1]["messages"][-1]["content"] == "line\n" * 200
     assert question in json.dumps(upstream.requests[-1]["messages"])
 

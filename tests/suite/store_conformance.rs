@@ -1398,22 +1398,25 @@ fn request_with_input(id: &str, owner: &str, input: serde_json::Value) -> [Write
 
 /// A chat turn with no session finds the request its transcript continues by the digest of
 /// that request's messages, among its own key's and agent's requests alone, the newest
-/// first, with where that request's first messages are held. A request named by a request
-/// of another session is kept by the prune until that one is gone.
+/// first, with where that request's first messages are held and the digest of the leading
+/// messages held there for it. A request named by a request of another session is kept by
+/// the prune until that one is gone.
 async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store: Arc<dyn Store>) {
     let hi = json!([{ "role": "user", "content": "hi" }]);
+    let rules = json!([{ "role": "system", "content": "Be brief." }]);
     let more =
         json!([{ "role": "assistant", "content": "hello" }, { "role": "user", "content": "more" }]);
     for ops in [
         request_with_input(
             "req_1",
             "ada",
-            json!({ "messages": hi, "inputDigest": "d1" }),
+            json!({ "messages": hi, "inputDigest": "d1", "leading": rules, "leadingDigest": "l1" }),
         ),
         request_with_input(
             "req_2",
             "ada",
-            json!({ "messages": more, "inputDigest": "d2", "prefixOf": "req_1", "prefixLen": 1 }),
+            json!({ "messages": more, "inputDigest": "d2", "prefixOf": "req_1", "prefixLen": 1,
+                    "leadingOf": "req_1", "leadingDigest": "l1" }),
         ),
         // The same transcript: another key's, and another agent's (`billing`).
         request_with_input(
@@ -1435,14 +1438,18 @@ async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store:
         holder.map(|h| {
             let age = Utc::now() - h.updated_at;
             assert!(age > Age::minutes(119) && age < Age::minutes(121), "{age}");
-            (h.request_id, h.prefix_of, h.prefix_len)
+            (h.request_id, h.prefix_of, h.prefix_len, h.leading_digest)
         })
     };
-    let whole = |id: &str| Some((id.to_owned(), None, None));
-    assert_eq!(found("ada", "assistant", "d1").await, whole("req_1"));
+    let whole = |id: &str| Some((id.to_owned(), None, None, None));
+    let leading = Some("l1".to_owned());
+    assert_eq!(
+        found("ada", "assistant", "d1").await,
+        Some(("req_1".into(), None, None, leading.clone()))
+    );
     assert_eq!(
         found("ada", "assistant", "d2").await,
-        Some(("req_2".into(), Some("req_1".into()), Some(1)))
+        Some(("req_2".into(), Some("req_1".into()), Some(1), leading))
     );
     assert_eq!(found("bob", "assistant", "d1").await, whole("req_3"));
     assert_eq!(found("ada", "billing", "d1").await, whole("req_4b"));
@@ -1453,7 +1460,7 @@ async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store:
         .apply(&request_with_input(
             "req_5",
             "ada",
-            json!({ "messages": hi, "inputDigest": "d1" }),
+            json!({ "messages": hi, "inputDigest": "d1", "leading": rules }),
         ))
         .await
         .unwrap();
@@ -1464,6 +1471,15 @@ async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store:
         .await
         .unwrap();
     assert_eq!(json!(messages), json!([hi[0], more[0], more[1]]));
+    // Its leading messages held there for it, the digest the same; not by another holder.
+    let first = store.request("req_1").await.unwrap().unwrap();
+    let held = stable_harness::store::named_input::leading_held_by(&second, &first);
+    assert_eq!(held.map(|held| json!(held)), Some(rules.clone()));
+    let other = store.request("req_5").await.unwrap().unwrap();
+    assert_eq!(
+        stable_harness::store::named_input::leading_held_by(&second, &other),
+        None
+    );
 
     // All past the window: req_1's session stays while req_2 names it.
     let policy = stable_harness::store::retention::RetentionPolicy {

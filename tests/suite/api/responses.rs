@@ -721,6 +721,110 @@ async fn a_chains_instructions_the_same_each_turn_are_stored_once(database_url: 
     assert_eq!(fetched["instructions"], "Rule B", "{fetched}");
 }
 
+on_both_stores!(an_agent_loops_instructions_are_named_where_its_transcript_is);
+
+/// An agent's loop with no `previous_response_id` (the Agents SDK's) sends its instructions
+/// and its whole input every call: a turn naming the request that holds its transcript's
+/// first messages names its instructions there too when they are the same, and holds its
+/// own when they differ. The model and the response object see them whole each turn; a
+/// chain continued from a naming turn holds them in its own session.
+async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
+    database_url: Option<String>,
+) {
+    let (upstream, _tools, app) = coder_app_on(database_url.clone()).await;
+    upstream.set_default(Reply::Text("ok".into()));
+    // Long enough (5 KB) for the first turn to be named by those after it.
+    let first = format!("q1 {}", "x".repeat(5_000));
+    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B"];
+    let mut said: Vec<String> = Vec::new();
+    let (mut ids, mut requests) = (Vec::new(), Vec::new());
+    for (turn, rule) in rules.iter().enumerate() {
+        said.push(if turn == 0 {
+            first.clone()
+        } else {
+            format!("q{}", turn + 1)
+        });
+        let input: Vec<Value> = said
+            .iter()
+            .enumerate()
+            .map(|(at, text)| {
+                let role = if at % 2 == 0 { "user" } else { "assistant" };
+                json!({ "role": role, "content": text })
+            })
+            .collect();
+        let body = json!({ "model": "coder", "instructions": rule, "input": input });
+        let (status, response, request_id) = respond(&app, &body).await;
+        assert_eq!(status, 200, "turn {turn}: {response}");
+        let heard: Vec<&str> = said.iter().map(String::as_str).collect();
+        assert_eq!(
+            upstream.calls()[turn].body["messages"],
+            chain_transcript(rule, &heard),
+            "turn {turn}"
+        );
+        said.push("ok".into());
+        ids.push(response["id"].as_str().unwrap().to_owned());
+        requests.push(request_id);
+    }
+    for (id, rule) in ids.iter().zip(rules) {
+        let (status, fetched) = app.get(&format!("/v1/responses/{id}"), CLIENT_KEY).await;
+        assert_eq!(status, 200, "{fetched}");
+        assert_eq!(fetched["instructions"], rule, "{fetched}");
+    }
+    let stored = |id: &str| super::control::stored_input_of(&app, database_url.as_deref(), id);
+    let holder = stored(&requests[0]);
+    assert_eq!(
+        holder["leading"],
+        json!([{ "role": "system", "content": "Rule A" }])
+    );
+    let digest = holder["leadingDigest"].as_str().unwrap_or_default();
+    assert_eq!(digest.len(), 64, "{holder}");
+    for (turn, rule) in rules.iter().enumerate().skip(1) {
+        let input = stored(&requests[turn]);
+        assert_eq!(
+            input["prefixOf"],
+            json!(requests[0]),
+            "turn {turn}: {input}"
+        );
+        if *rule == "Rule A" {
+            assert_eq!(
+                input["leadingOf"],
+                json!(requests[0]),
+                "turn {turn}: {input}"
+            );
+            assert_eq!(
+                input["leadingDigest"],
+                json!(digest),
+                "turn {turn}: {input}"
+            );
+            assert!(input.get("leading").is_none(), "turn {turn}: {input}");
+        } else {
+            // Its own, held: the holder leads with others.
+            let held = json!([{ "role": "system", "content": rule }]);
+            assert_eq!(input["leading"], held, "turn {turn}: {input}");
+            assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
+            assert!(input.get("leadingDigest").is_none(), "turn {turn}: {input}");
+        }
+    }
+    // A chain from the third turn: its session's turn holds the instructions itself.
+    let body = json!({ "model": "coder", "instructions": "Rule A", "input": "q-chain",
+        "previous_response_id": ids[2] });
+    let (status, response, chained) = respond(&app, &body).await;
+    assert_eq!(status, 200, "{response}");
+    let mut heard: Vec<&str> = said[..6].iter().map(String::as_str).collect();
+    heard.push("q-chain");
+    assert_eq!(
+        upstream.calls().last().unwrap().body["messages"],
+        chain_transcript("Rule A", &heard)
+    );
+    let input = stored(&chained);
+    assert_eq!(
+        input["leading"],
+        json!([{ "role": "system", "content": "Rule A" }]),
+        "{input}"
+    );
+    assert!(input.get("leadingOf").is_none(), "{input}");
+}
+
 #[tokio::test]
 async fn a_mixed_turn_continues_with_previous_response_id() {
     mixed_turn(false).await;
