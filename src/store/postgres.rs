@@ -483,12 +483,15 @@ const EVENT_SELECT: &str =
 
 /// [`Store::input_holder`]'s read, through the digest's index (migration 0016). The naming
 /// members are read from the found request's input, which PostgreSQL decompresses whole to
-/// read them: a few hundred microseconds for a holder of a megabyte, once a turn.
-const INPUT_HOLDER: &str = "SELECT id, updated_at, input ->> 'prefixOf' AS prefix_of,
-        (input ->> 'prefixLen')::bigint AS prefix_len, input ->> 'leadingDigest' AS leading_digest
-     FROM requests WHERE input ? 'inputDigest' AND input ->> 'inputDigest' = $1
-        AND owner = $2 AND agent_id = $3
-     ORDER BY id DESC LIMIT 1";
+/// read them (a few hundred microseconds for a holder of a megabyte, once a turn), and
+/// again for each reference to it: the inner query's one, without its messages, is the
+/// outer's three.
+const INPUT_HOLDER: &str = "SELECT id, updated_at, named ->> 'prefixOf' AS prefix_of,
+        (named ->> 'prefixLen')::bigint AS prefix_len, named ->> 'leadingDigest' AS leading_digest
+     FROM (SELECT id, updated_at, input - 'messages' AS named FROM requests
+           WHERE input ? 'inputDigest' AND input ->> 'inputDigest' = $1
+               AND owner = $2 AND agent_id = $3
+           ORDER BY id DESC LIMIT 1) found";
 
 /// The sessions a prune may remove; the same conditions as the embedded store's
 /// (`$1`: per-agent cutoffs, a JSON object; `$2`: everyone else's or NULL; `$3`: minKeep;
