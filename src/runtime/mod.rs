@@ -43,7 +43,8 @@ use crate::ids::IdMap;
 use crate::redact::Redactor;
 use crate::store::{
     ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, NamedInput,
-    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp, named_input,
+    PREFIX_OF, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp,
+    named_input,
 };
 use crate::workspace::CompiledWorkspace;
 
@@ -85,8 +86,9 @@ fn leading_digest(leading: &[Value]) -> String {
 
 /// Where `leading` (a turn's own, non-empty) is held already when it is what `previous` (the
 /// turn before, in the same session) leads with: `previous` itself when its input holds
-/// them, else the request it names in its session, when their digests agree. Nothing is
-/// read.
+/// them, else the request it names in its session, when their digests agree; never the
+/// request of another session that a turn with no session names ([`PREFIX_OF`]). Nothing
+/// is read.
 pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldLeading> {
     if leading.is_empty() {
         return None;
@@ -99,7 +101,7 @@ pub fn held_leading(previous: &RequestRecord, leading: &[Value]) -> Option<HeldL
     }
     // One that names another session's request (the one holding its first messages) is
     // not followed: nothing would keep that request from the prune for this session.
-    if previous.input.get(crate::store::PREFIX_OF).is_some() {
+    if previous.input.get(PREFIX_OF).is_some() {
         return None;
     }
     let holder = previous.input.get(LEADING_OF)?.as_str()?;
@@ -170,9 +172,10 @@ async fn request_start(
 /// A stored request's leading messages ([`LEADING`]): its own, or those of the request its
 /// input names ([`LEADING_OF`]), which the server names only in the request's own session
 /// (pruned with it, never apart) or, with no session, where its first messages are held
-/// (kept by the prune while named, [`named_input::leading_held_by`]). `read` is a request
-/// the caller read already, which may be that one. A named request that is not there
-/// (nothing this server writes) gives none, with a warning in the log.
+/// (kept by the prune while named): there a request that does not hold them fails the read
+/// ([`named_input::joined_leading`]). `read` is a request the caller read already, which
+/// may be the one named. A request of its session named and not there (nothing this
+/// server writes) gives none, with a warning in the log.
 pub async fn stored_leading(
     store: &dyn Store,
     request: &RequestRecord,
@@ -192,15 +195,14 @@ pub async fn stored_leading(
             fetched.as_ref()
         }
     };
-    let leading = held.and_then(|held| {
-        if held.session_id == request.session_id {
-            held.input.get(LEADING).and_then(Value::as_array)
-        } else {
-            named_input::leading_held_by(request, held)
-        }
-    });
+    if named_input::names_leading_with_prefix(request) {
+        return named_input::joined_leading(request, held).cloned();
+    }
+    let leading = held
+        .filter(|held| held.session_id == request.session_id)
+        .and_then(|held| held.input.get(LEADING).and_then(Value::as_array));
     Ok(leading.cloned().unwrap_or_else(|| {
-        tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not where it may be named");
+        tracing::warn!(request_id = %request.id, holder, "the request holding a request's leading messages is not in its session");
         Vec::new()
     }))
 }
@@ -430,9 +432,11 @@ pub struct NewRequest {
     /// Messages the transcript starts with, before any history (a Responses turn's
     /// instructions): stored with the request, never in the session.
     pub leading: Vec<Value>,
-    /// A request of the same session whose input holds `leading` already, the same messages
-    /// (a Responses chain's turn before, or the one it names, [`held_leading`]): the input
-    /// names it instead of holding them again ([`LEADING_OF`]).
+    /// A request whose input holds `leading` already, the same messages: of the same
+    /// session (a Responses chain's turn before, or the one it names, [`held_leading`]), or
+    /// with no session the one holding the transcript's first messages, which the runtime
+    /// sets (`NamedTranscript::held_leading`). The input names it instead of holding them
+    /// again ([`LEADING_OF`]).
     pub leading_held_by: Option<HeldLeading>,
     /// A later request may continue from this one's transcript (a stored Responses turn):
     /// when all its messages are stored in the session, its input names where they end

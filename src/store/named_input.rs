@@ -8,7 +8,7 @@
 //! is the same key's and agent's, and is never removed while a request of another session
 //! names it (the prune's condition), so a read back is one read and always finds it. A
 //! turn's leading messages (a Responses turn's instructions) are named across sessions
-//! only where its first messages are ([`leading_held_by`]), so the same condition keeps
+//! only where its first messages are ([`joined_leading`]), so the same condition keeps
 //! them.
 
 use serde_json::Value;
@@ -29,15 +29,14 @@ pub const LEADING_OF: &str = "leadingOf";
 /// The member of a request's input holding the SHA-256 of its leading messages, where a
 /// later turn compares its own with them, reading nothing: beside [`LEADING_OF`], and
 /// beside [`LEADING`] in a request a later turn with no session may name for them (one
-/// with an [`INPUT_DIGEST`] that names no other, [`leading_held_by`]).
+/// with an [`INPUT_DIGEST`] that names no other, [`joined_leading`]).
 pub const LEADING_DIGEST: &str = "leadingDigest";
 
 /// The member of a request's input holding the digest of the transcript it brought (its
 /// `messages`, whole), where a later turn of a chat with no session finds it by
 /// ([`Store::input_holder`]). It, [`PREFIX_OF`], [`PREFIX_LEN`] and [`LEADING_DIGEST`] are
-/// repeated in columns
-/// (the embedded store) or indexed (PostgreSQL), so a lookup or a prune finds its rows
-/// without reading any input.
+/// repeated in columns on the embedded store, where the lookup and the prune read no
+/// input; PostgreSQL indexes the first two and the lookup reads the found row's input.
 pub const INPUT_DIGEST: &str = "inputDigest";
 /// The member of a request's input naming the request whose input holds, whole, the first
 /// messages of its transcript ([`PREFIX_LEN`] of them): its own `messages` are the rest.
@@ -112,14 +111,8 @@ pub fn joined_messages(
     let Some(holder_id) = named.prefix_of else {
         return Ok(own.cloned().unwrap_or_default());
     };
-    // A holder names none: a read back is this one read.
     let first = holder
-        .filter(|held| {
-            held.id == holder_id
-                && held.owner == request.owner
-                && held.agent_id == request.agent_id
-                && held.input.get(PREFIX_OF).is_none()
-        })
+        .filter(|held| holds_for(held, request, holder_id))
         .and_then(|held| {
             let messages = held.input.get("messages")?.as_array()?;
             messages.get(..usize::try_from(named.prefix_len?).ok()?)
@@ -136,22 +129,98 @@ pub fn joined_messages(
     Ok(messages)
 }
 
-/// The leading messages of `request` that `holder` holds for it, when `request` names them
-/// across sessions ([`LEADING_OF`] naming its [`PREFIX_OF`]): the same key's and agent's
-/// request, naming none, holding them with the digest `request` keeps. `None` when
-/// `request` names none so, or `holder` is not the one or does not hold them.
-pub fn leading_held_by<'h>(
-    request: &RequestRecord,
-    holder: &'h RequestRecord,
-) -> Option<&'h Vec<Value>> {
-    let input = &request.input;
-    let named = input.get(LEADING_OF).and_then(Value::as_str)?;
-    (NamedInput::of(input).prefix_of == Some(named)
-        && holder.id == named
+/// Whether `holder` is the request `id` that `request` names and may hold what it names
+/// (its first messages, its leading ones): the same key's and agent's, naming none itself,
+/// so that a read back is this one read.
+fn holds_for(holder: &RequestRecord, request: &RequestRecord, id: &str) -> bool {
+    holder.id == id
         && holder.owner == request.owner
         && holder.agent_id == request.agent_id
         && holder.input.get(PREFIX_OF).is_none()
-        && holder.input.get(LEADING_DIGEST).is_some()
-        && holder.input.get(LEADING_DIGEST) == input.get(LEADING_DIGEST))
-    .then(|| holder.input.get(LEADING)?.as_array())?
+}
+
+/// Whether `request` names its leading messages ([`LEADING_OF`]) where its first messages
+/// are held ([`PREFIX_OF`]): the one name of a leading request that may cross sessions.
+pub fn names_leading_with_prefix(request: &RequestRecord) -> bool {
+    let input = &request.input;
+    input.get(LEADING_OF).is_some() && input.get(LEADING_OF) == input.get(PREFIX_OF)
+}
+
+/// The leading messages of `request`, which names them where its first messages are held
+/// ([`names_leading_with_prefix`]), given that request (`holder`, read by the caller;
+/// `None` when it is not there): it must hold them, with the digest `request` keeps. A
+/// request naming what is not there (nothing this server writes) fails its read, as
+/// [`joined_messages`] does, rather than give a run or a response no instructions.
+pub fn joined_leading<'h>(
+    request: &RequestRecord,
+    holder: Option<&'h RequestRecord>,
+) -> Result<&'h Vec<Value>, StoreError> {
+    let input = &request.input;
+    let named = input
+        .get(LEADING_OF)
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let digest = input
+        .get(LEADING_DIGEST)
+        .filter(|digest| digest.is_string());
+    holder
+        .filter(|held| {
+            holds_for(held, request, named)
+                && digest.is_some()
+                && held.input.get(LEADING_DIGEST) == digest
+        })
+        .and_then(|held| held.input.get(LEADING)?.as_array())
+        .ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "request {} names request {named} for its leading messages, and that request does not hold them",
+                request.id
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{
+        LEADING, LEADING_DIGEST, LEADING_OF, PREFIX_LEN, PREFIX_OF, joined_leading,
+        names_leading_with_prefix,
+    };
+    use crate::store::test_records::request;
+
+    /// Leading messages named across sessions are read only from the request holding the
+    /// first messages, of the same key and agent, naming none, with the same digest; any
+    /// other is a failed read, never a run with no instructions.
+    #[test]
+    fn leading_messages_named_with_the_prefix_are_read_only_from_their_holder() {
+        let rules = json!([{ "role": "system", "content": "Be brief." }]);
+        let mut holder = request("req_1", "ses_1");
+        holder.input = json!({ "messages": [], LEADING: rules, LEADING_DIGEST: "l1" });
+        let mut naming = request("req_2", "ses_2");
+        naming.input = json!({ "messages": [], PREFIX_OF: "req_1", PREFIX_LEN: 0,
+            LEADING_OF: "req_1", LEADING_DIGEST: "l1" });
+        assert!(names_leading_with_prefix(&naming));
+        let read = |holder: &crate::store::RequestRecord| {
+            joined_leading(&naming, Some(holder)).ok().cloned()
+        };
+        assert_eq!(read(&holder).map(serde_json::Value::Array), Some(rules));
+        assert!(joined_leading(&naming, None).is_err());
+        let altered: [fn(&mut crate::store::RequestRecord); 5] = [
+            |held| held.input[LEADING_DIGEST] = json!("l2"),
+            |held| held.owner = "another key".into(),
+            |held| held.agent_id = "another agent".into(),
+            |held| held.input[PREFIX_OF] = json!("req_0"),
+            |held| held.id = "req_3".into(),
+        ];
+        for alter in altered {
+            let mut other = holder.clone();
+            alter(&mut other);
+            assert_eq!(read(&other), None, "{other:?}");
+        }
+        // Named in its session (a chain's turn), or nothing named: not this rule.
+        naming.input[LEADING_OF] = json!("req_0");
+        assert!(!names_leading_with_prefix(&naming));
+        naming.input.as_object_mut().unwrap().remove(LEADING_OF);
+        assert!(!names_leading_with_prefix(&naming));
+    }
 }

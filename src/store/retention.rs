@@ -258,10 +258,17 @@ async fn with_whole_transcripts(
             }
         };
         // Its leading messages too, when it names them there.
-        let leading = held
-            .as_ref()
-            .and_then(|held| named_input::leading_held_by(request, held))
-            .cloned();
+        let leading = if named_input::names_leading_with_prefix(request) {
+            match named_input::joined_leading(request, held.as_ref()) {
+                Ok(leading) => Some(leading.clone()),
+                Err(error) => {
+                    tracing::warn!(request_id = %request.id, %error, "archived naming its leading messages");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         if let Some(input) = request.input.as_object_mut() {
             input.remove(PREFIX_OF);
             input.remove(PREFIX_LEN);

@@ -2132,6 +2132,11 @@ mod tests {
             (SESSION_HEAD.to_owned(), "messages_by_parent"),
             (CLAIM_RUNS.to_owned(), "runs_live"),
             (RELEASE_LEASES.to_owned(), "runs_live"),
+            // The lookup reads the index alone: a row's own columns come after its input.
+            (
+                INPUT_HOLDER.to_owned(),
+                "USING COVERING INDEX requests_by_input_digest",
+            ),
         ];
         for (sql, index) in reads {
             let found = plan(&store, &sql).await;

@@ -1471,15 +1471,13 @@ async fn a_transcripts_holder_is_found_by_its_digest_and_kept_while_named(store:
         .await
         .unwrap();
     assert_eq!(json!(messages), json!([hi[0], more[0], more[1]]));
-    // Its leading messages held there for it, the digest the same; not by another holder.
+    // Its leading messages held there for it, the digest the same; not by another.
     let first = store.request("req_1").await.unwrap().unwrap();
-    let held = stable_harness::store::named_input::leading_held_by(&second, &first);
-    assert_eq!(held.map(|held| json!(held)), Some(rules.clone()));
+    let held = stable_harness::store::named_input::joined_leading(&second, Some(&first));
+    assert_eq!(held.ok().map(|held| json!(held)), Some(rules.clone()));
     let other = store.request("req_5").await.unwrap().unwrap();
-    assert_eq!(
-        stable_harness::store::named_input::leading_held_by(&second, &other),
-        None
-    );
+    let held = stable_harness::store::named_input::joined_leading(&second, Some(&other));
+    assert!(held.is_err());
 
     // All past the window: req_1's session stays while req_2 names it.
     let policy = stable_harness::store::retention::RetentionPolicy {

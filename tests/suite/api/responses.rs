@@ -726,16 +726,23 @@ on_both_stores!(an_agent_loops_instructions_are_named_where_its_transcript_is);
 /// An agent's loop with no `previous_response_id` (the Agents SDK's) sends its instructions
 /// and its whole input every call: a turn naming the request that holds its transcript's
 /// first messages names its instructions there too when they are the same, and holds its
-/// own when they differ. The model and the response object see them whole each turn; a
-/// chain continued from a naming turn holds them in its own session.
+/// own when they differ (and after, until a turn holds the transcript again). The model,
+/// a retry and the response object see them whole each turn; a turn continuing a naming
+/// turn's session, or its chain, holds them in its own session.
 async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
     database_url: Option<String>,
 ) {
     let (upstream, _tools, app) = coder_app_on(database_url.clone()).await;
+    // The third turn's first run fails; an operator retries it.
+    upstream.push([Reply::Text("ok".into()), Reply::Text("ok".into())]);
+    upstream.push([Reply::StatusBody {
+        status: 400,
+        body: r#"{"error":{"message":"bad request"}}"#.into(),
+    }]);
     upstream.set_default(Reply::Text("ok".into()));
     // Long enough (5 KB) for the first turn to be named by those after it.
     let first = format!("q1 {}", "x".repeat(5_000));
-    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B"];
+    let rules = ["Rule A", "Rule A", "Rule A", "Rule B", "Rule B", "Rule A"];
     let mut said: Vec<String> = Vec::new();
     let (mut ids, mut requests) = (Vec::new(), Vec::new());
     for (turn, rule) in rules.iter().enumerate() {
@@ -754,15 +761,21 @@ async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
             .collect();
         let body = json!({ "model": "coder", "instructions": rule, "input": input });
         let (status, response, request_id) = respond(&app, &body).await;
-        assert_eq!(status, 200, "turn {turn}: {response}");
+        if turn == 2 {
+            assert_eq!(status, 502, "turn {turn}: {response}");
+            // Retried, its run starts from the store: the instructions read where named.
+            app.retried_to_completion(&request_id).await;
+        } else {
+            assert_eq!(status, 200, "turn {turn}: {response}");
+        }
         let heard: Vec<&str> = said.iter().map(String::as_str).collect();
         assert_eq!(
-            upstream.calls()[turn].body["messages"],
+            upstream.calls().last().unwrap().body["messages"],
             chain_transcript(rule, &heard),
             "turn {turn}"
         );
         said.push("ok".into());
-        ids.push(response["id"].as_str().unwrap().to_owned());
+        ids.push(format!("resp_{}", request_id.trim_start_matches("req_")));
         requests.push(request_id);
     }
     for (id, rule) in ids.iter().zip(rules) {
@@ -771,11 +784,16 @@ async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
         assert_eq!(fetched["instructions"], rule, "{fetched}");
     }
     let stored = |id: &str| super::control::stored_input_of(&app, database_url.as_deref(), id);
+    let holds = |input: &Value, rule: &str| {
+        assert_eq!(
+            input["leading"],
+            json!([{ "role": "system", "content": rule }]),
+            "{input}"
+        );
+        assert!(input.get("leadingOf").is_none(), "{input}");
+    };
     let holder = stored(&requests[0]);
-    assert_eq!(
-        holder["leading"],
-        json!([{ "role": "system", "content": "Rule A" }])
-    );
+    holds(&holder, "Rule A");
     let digest = holder["leadingDigest"].as_str().unwrap_or_default();
     assert_eq!(digest.len(), 64, "{holder}");
     for (turn, rule) in rules.iter().enumerate().skip(1) {
@@ -785,7 +803,7 @@ async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
             json!(requests[0]),
             "turn {turn}: {input}"
         );
-        if *rule == "Rule A" {
+        if turn < 3 {
             assert_eq!(
                 input["leadingOf"],
                 json!(requests[0]),
@@ -798,31 +816,46 @@ async fn an_agent_loops_instructions_are_named_where_its_transcript_is(
             );
             assert!(input.get("leading").is_none(), "turn {turn}: {input}");
         } else {
-            // Its own, held: the holder leads with others.
-            let held = json!([{ "role": "system", "content": rule }]);
-            assert_eq!(input["leading"], held, "turn {turn}: {input}");
-            assert!(input.get("leadingOf").is_none(), "turn {turn}: {input}");
+            // Its own, held: the holder's differ, or (the last) the turn it continues
+            // held its own, which says nothing of the holder's.
+            holds(&input, rule);
             assert!(input.get("leadingDigest").is_none(), "turn {turn}: {input}");
         }
     }
-    // A chain from the third turn: its session's turn holds the instructions itself.
+    // A turn in a naming turn's session, continuing what that session holds: it holds its
+    // instructions, never naming another session's request for them.
+    let (status, view) = app
+        .get(&format!("/runtime/requests/{}", requests[1]), CLIENT_KEY)
+        .await;
+    assert_eq!(status, 200, "{view}");
+    let session = view["sessionId"].as_str().unwrap().to_owned();
+    let input = json!([{ "role": "user", "content": "q2" }, { "role": "assistant", "content": "ok" },
+        { "role": "user", "content": "q-session" }]);
+    let response = app
+        .http
+        .post(app.url("/v1/responses"))
+        .bearer_auth(CLIENT_KEY)
+        .header("x-stable-harness-session-id", &session)
+        .json(&json!({ "model": "coder", "instructions": "Rule A", "input": input }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let in_session: Value = response.json().await.unwrap();
+    let in_session = in_session["id"].as_str().unwrap().replace("resp_", "req_");
+    holds(&stored(&in_session), "Rule A");
+    // A chain from the second turn: the same.
     let body = json!({ "model": "coder", "instructions": "Rule A", "input": "q-chain",
-        "previous_response_id": ids[2] });
+        "previous_response_id": ids[1] });
     let (status, response, chained) = respond(&app, &body).await;
     assert_eq!(status, 200, "{response}");
-    let mut heard: Vec<&str> = said[..6].iter().map(String::as_str).collect();
+    let mut heard: Vec<&str> = said[..4].iter().map(String::as_str).collect();
     heard.push("q-chain");
     assert_eq!(
         upstream.calls().last().unwrap().body["messages"],
         chain_transcript("Rule A", &heard)
     );
-    let input = stored(&chained);
-    assert_eq!(
-        input["leading"],
-        json!([{ "role": "system", "content": "Rule A" }]),
-        "{input}"
-    );
-    assert!(input.get("leadingOf").is_none(), "{input}");
+    holds(&stored(&chained), "Rule A");
 }
 
 #[tokio::test]
