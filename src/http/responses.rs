@@ -411,10 +411,10 @@ fn usage(usage: Option<&Value>) -> ResponseUsage {
     }
 }
 
-/// The text of a content that is a string or a list of parts.
-fn parts_text(content: &Value) -> String {
+/// The text of a content that is a string or a list of parts, taken from it.
+fn parts_text(content: Value) -> String {
     match content {
-        Value::String(text) => text.clone(),
+        Value::String(text) => text,
         Value::Array(parts) => parts
             .iter()
             .filter_map(|part| part.get("text").and_then(Value::as_str))
@@ -424,34 +424,54 @@ fn parts_text(content: &Value) -> String {
     }
 }
 
-/// A user or system message's content in Chat Completions parts (text and images).
-fn chat_content(content: &Value) -> Value {
+/// A user or system message's content in Chat Completions parts (text and images), taken
+/// from it.
+fn chat_content(content: Value) -> Value {
     let Value::Array(parts) = content else {
-        return content.clone();
+        return content;
     };
     let parts: Vec<Value> = parts
-        .iter()
-        .filter_map(|part| match part.get("type").and_then(Value::as_str) {
+        .into_iter()
+        .filter_map(|mut part| match part.get("type").and_then(Value::as_str) {
             Some("input_text" | "output_text" | "text") => {
-                Some(json!({ "type": "text", "text": part.get("text").and_then(Value::as_str).unwrap_or("") }))
+                let text = match part.get_mut("text").map(Value::take) {
+                    Some(Value::String(text)) => text,
+                    _ => String::new(),
+                };
+                Some(json!({ "type": "text", "text": text }))
             }
-            Some("input_image") => part
-                .get("image_url")
-                .and_then(Value::as_str)
-                .map(|url| json!({ "type": "image_url", "image_url": { "url": url, "detail": part.get("detail").cloned().unwrap_or(json!("auto")) } })),
+            Some("input_image") => {
+                let detail = part.get_mut("detail").map(Value::take).unwrap_or(json!("auto"));
+                match part.get_mut("image_url").map(Value::take) {
+                    Some(url @ Value::String(_)) => {
+                        Some(json!({ "type": "image_url", "image_url": { "url": url, "detail": detail } }))
+                    }
+                    _ => None,
+                }
+            }
             _ => None,
         })
         .collect();
     Value::Array(parts)
 }
 
+/// A string member taken from an input item; `None` when it is absent or not a string.
+fn take_text(item: &mut Value, key: &str) -> Option<String> {
+    match item.get_mut(key).map(Value::take) {
+        Some(Value::String(text)) => Some(text),
+        _ => None,
+    }
+}
+
 /// Turns Responses input items into a Chat Completions transcript, appended to `messages`.
 /// A `function_call` joins the assistant message just before it (the turn it belongs to); a
 /// `function_call_output` must answer a call made earlier in the context. `reasoning` and
-/// unknown item types are ignored.
-fn append_items(messages: &mut Vec<Value>, items: &[Value], field: &str) -> Result<(), ApiError> {
-    for (index, item) in items.iter().enumerate() {
-        let at = format!("{field}[{index}]");
+/// unknown item types are ignored. The items' texts are moved into the messages, not copied:
+/// an agent's loop sends its whole conversation every call.
+fn append_items(messages: &mut Vec<Value>, items: Vec<Value>, field: &str) -> Result<(), ApiError> {
+    messages.reserve(items.len());
+    for (index, mut item) in items.into_iter().enumerate() {
+        let at = || format!("{field}[{index}]");
         let kind = item
             .get("type")
             .and_then(Value::as_str)
@@ -459,23 +479,27 @@ fn append_items(messages: &mut Vec<Value>, items: &[Value], field: &str) -> Resu
         match kind {
             Some("message") => {
                 let role = match item.get("role").and_then(Value::as_str) {
-                    Some("developer") => "system",
-                    Some(role @ ("user" | "assistant" | "system")) => role,
+                    Some("developer" | "system") => "system",
+                    Some("user") => "user",
+                    Some("assistant") => "assistant",
                     _ => {
                         return Err(v1_error(
                             ErrorCode::InvalidMessage,
-                            format!("{at}.role must be one of user, assistant, system, developer"),
+                            format!(
+                                "{}.role must be one of user, assistant, system, developer",
+                                at()
+                            ),
                         )
-                        .param(format!("{at}.role")));
+                        .param(format!("{}.role", at())));
                     }
                 };
-                let content = item.get("content").unwrap_or(&Value::Null);
+                let content = item.get_mut("content").map_or(Value::Null, Value::take);
                 if !matches!(content, Value::String(_) | Value::Array(_)) {
                     return Err(v1_error(
                         ErrorCode::InvalidMessage,
-                        format!("{at}.content must be a string or a list of parts"),
+                        format!("{}.content must be a string or a list of parts", at()),
                     )
-                    .param(format!("{at}.content")));
+                    .param(format!("{}.content", at())));
                 }
                 let content = if role == "assistant" {
                     Value::String(parts_text(content))
@@ -486,17 +510,17 @@ fn append_items(messages: &mut Vec<Value>, items: &[Value], field: &str) -> Resu
             }
             Some("function_call") => {
                 let (Some(call_id), Some(name)) = (
-                    item.get("call_id").and_then(Value::as_str),
-                    item.get("name").and_then(Value::as_str),
+                    take_text(&mut item, "call_id"),
+                    take_text(&mut item, "name"),
                 ) else {
                     return Err(v1_error(
                         ErrorCode::InvalidParameter,
-                        format!("{at}: a function_call needs `call_id` and `name`"),
+                        format!("{}: a function_call needs `call_id` and `name`", at()),
                     )
-                    .param(at));
+                    .param(at()));
                 };
-                let arguments = match item.get("arguments") {
-                    Some(Value::String(text)) => text.clone(),
+                let arguments = match item.get_mut("arguments").map(Value::take) {
+                    Some(Value::String(text)) => text,
                     None | Some(Value::Null) => "{}".to_owned(),
                     Some(other) => other.to_string(),
                 };
@@ -520,24 +544,28 @@ fn append_items(messages: &mut Vec<Value>, items: &[Value], field: &str) -> Resu
                 }
             }
             Some("function_call_output") => {
-                let call_id = item.get("call_id").and_then(Value::as_str).unwrap_or("");
+                let call_id = take_text(&mut item, "call_id").unwrap_or_default();
                 let called = messages.iter().rev().any(|m| {
                     m.get("tool_calls")
                         .and_then(Value::as_array)
                         .is_some_and(|calls| {
-                            calls
-                                .iter()
-                                .any(|c| c.get("id").and_then(Value::as_str) == Some(call_id))
+                            calls.iter().any(|c| {
+                                c.get("id").and_then(Value::as_str) == Some(call_id.as_str())
+                            })
                         })
                 });
                 if !called {
                     return Err(v1_error(
                         ErrorCode::InvalidParameter,
-                        format!("{at}: no function call with call_id `{call_id}` is in the input or the stored chain"),
+                        format!("{}: no function call with call_id `{call_id}` is in the input or the stored chain", at()),
                     )
-                    .param(format!("{at}.call_id")));
+                    .param(format!("{}.call_id", at())));
                 }
-                let output = item.get("output").map(parts_text).unwrap_or_default();
+                let output = item
+                    .get_mut("output")
+                    .map(Value::take)
+                    .map(parts_text)
+                    .unwrap_or_default();
                 messages
                     .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
             }
@@ -754,7 +782,7 @@ pub async fn create_response(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    V1Json(request): V1Json<CreateResponseRequest>,
+    V1Json(mut request): V1Json<CreateResponseRequest>,
 ) -> Result<Response, ApiError> {
     // Responses tools are flat: `{type: "function", name, ...}`.
     let tools = client_functions(request.tools.as_ref(), None)?;
@@ -811,7 +839,7 @@ pub async fn create_response(
             }
         });
     }
-    match &request.input {
+    match std::mem::take(&mut request.input) {
         Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
         Value::Array(items) => append_items(&mut messages, items, "input")?,
         _ => {
@@ -1184,6 +1212,62 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Frame; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Input items become a Chat Completions transcript: roles mapped, parts converted
+    /// (text and images; others dropped), an assistant's parts joined into its text, a
+    /// function call joining the assistant message before it with its arguments as text,
+    /// its output's parts joined, reasoning passed over.
+    #[test]
+    fn input_items_become_chat_messages() {
+        let items = json!([
+            { "type": "message", "role": "developer", "content": "Be brief." },
+            { "role": "user", "content": [
+                { "type": "input_text", "text": "Look:" },
+                { "type": "input_image", "image_url": "https://example.com/a.png", "detail": "low" },
+                { "type": "input_image", "image_url": "https://example.com/b.png" },
+                { "type": "input_file", "file_id": "f_1" },
+            ] },
+            { "type": "reasoning", "summary": [] },
+            { "id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+              "content": [{ "type": "output_text", "text": "Let me ", "annotations": [] },
+                          { "type": "output_text", "text": "check.", "annotations": [] }] },
+            { "type": "function_call", "call_id": "call_1", "name": "read", "arguments": { "path": "a" } },
+            { "type": "function_call_output", "call_id": "call_1",
+              "output": [{ "type": "input_text", "text": "line" }] },
+        ]);
+        let Value::Array(items) = items else {
+            unreachable!("an array")
+        };
+        let mut messages = Vec::new();
+        append_items(&mut messages, items, "input").unwrap();
+        assert_eq!(
+            Value::Array(messages),
+            json!([
+                { "role": "system", "content": "Be brief." },
+                { "role": "user", "content": [
+                    { "type": "text", "text": "Look:" },
+                    { "type": "image_url", "image_url": { "url": "https://example.com/a.png", "detail": "low" } },
+                    { "type": "image_url", "image_url": { "url": "https://example.com/b.png", "detail": "auto" } },
+                ] },
+                { "role": "assistant", "content": "Let me check.", "tool_calls": [
+                    { "id": "call_1", "type": "function",
+                      "function": { "name": "read", "arguments": r#"{"path":"a"}"# } },
+                ] },
+                { "role": "tool", "tool_call_id": "call_1", "content": "line" },
+            ])
+        );
+        // A bad item names itself.
+        let mut messages = Vec::new();
+        let error = append_items(
+            &mut messages,
+            vec![
+                json!({ "role": "user" }),
+                json!({ "role": "tool", "content": "x" }),
+            ],
+            "input",
+        );
+        assert!(error.is_err());
+    }
 
     /// The `data:` lines of a stream made of `events`, parsed.
     async fn printed(events: Vec<Frame>) -> Vec<Value> {
