@@ -2199,6 +2199,58 @@ mod tests {
         pool
     }
 
+    /// A store from before migration 0015 opens with its transcripts' holders found as before
+    /// by their digest, with no digest of leading messages (a turn naming one holds its own
+    /// instructions), and one written after has it.
+    #[tokio::test]
+    async fn transcripts_held_before_their_leading_digest_are_found_without_one() {
+        let dir = tempfile::tempdir().expect("a folder");
+        let path = dir.path().join("state.db");
+        let old = database_at(&path, Some(14)).await;
+        sqlx::raw_sql(
+            "INSERT INTO sessions (id, agent_id, owner, created_at, updated_at)
+                 VALUES ('ses_1', 'a', 'o', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
+             INSERT INTO requests (id, session_id, agent_id, protocol, status, input, owner,
+                                   input_digest, created_at, updated_at)
+                 VALUES ('req_1', 'ses_1', 'a', 'responses', 'completed',
+                         '{\"messages\":[],\"inputDigest\":\"d1\",\"leading\":[]}', 'o', 'd1',
+                         '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');",
+        )
+        .execute(&old)
+        .await
+        .expect("rows of the old schema");
+        old.close().await;
+
+        let store = SqliteStore::open_file(&path)
+            .await
+            .expect("the store, migrated");
+        let found = store.input_holder("o", "a", "d1").await.expect("a lookup");
+        let found = found.map(|holder| (holder.request_id, holder.leading_digest));
+        assert_eq!(found, Some(("req_1".to_owned(), None)));
+        let mut request = crate::store::test_records::request("req_2", "ses_2");
+        (request.owner, request.agent_id) = ("o".into(), "a".into());
+        request.input =
+            serde_json::json!({ "messages": [], "inputDigest": "d2", "leadingDigest": "l2" });
+        let session = SessionRecord {
+            id: "ses_2".into(),
+            agent_id: "a".into(),
+            owner: "o".into(),
+            metadata: serde_json::json!({}),
+            created_at: request.created_at,
+            updated_at: request.created_at,
+        };
+        store
+            .apply(&[
+                WriteOp::TouchSession(session),
+                WriteOp::InsertRequest(request),
+            ])
+            .await
+            .expect("a request written");
+        let found = store.input_holder("o", "a", "d2").await.expect("a lookup");
+        let found = found.and_then(|holder| holder.leading_digest);
+        assert_eq!(found.as_deref(), Some("l2"));
+    }
+
     /// A store from before migration 0010 (events in a `WITHOUT ROWID` table) opens with its
     /// events intact and in order, and its rebuilt table still refuses a number taken twice.
     #[tokio::test]
