@@ -119,6 +119,14 @@ fn read_failed() -> ApiError {
 
 /// Parses JSON, naming the field at fault.
 pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // The path to a field is tracked only in a second pass over a body the first refused:
+    // tracking it costs an allocation for every member of every object (an agent's
+    // transcript has thousands), and nearly every body parses. The first pass is the
+    // stricter (it also refuses text after the value), so what it takes the second would
+    // take the same, and what it refuses the second judges as it always has.
+    if let Ok(value) = serde_json::from_slice(bytes) {
+        return Ok(value);
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     match serde_path_to_error::deserialize::<_, T>(&mut deserializer) {
         Ok(value) => Ok(value),
