@@ -2199,15 +2199,30 @@ mod tests {
         pool
     }
 
+    /// A store as an older release left it, migrated up to `version` and holding `rows`
+    /// (SQL of that schema), opened by this one (which migrates it); its folder with it.
+    async fn migrated_from(version: i64, rows: &'static str) -> (tempfile::TempDir, SqliteStore) {
+        let dir = tempfile::tempdir().expect("a folder");
+        let path = dir.path().join("state.db");
+        let old = database_at(&path, Some(version)).await;
+        sqlx::raw_sql(rows)
+            .execute(&old)
+            .await
+            .expect("rows of the old schema");
+        old.close().await;
+        let store = SqliteStore::open_file(&path)
+            .await
+            .expect("the store, migrated");
+        (dir, store)
+    }
+
     /// A store from before migration 0015 opens with its transcripts' holders found as before
     /// by their digest, with no digest of leading messages (a turn naming one holds its own
     /// instructions), and one written after has it.
     #[tokio::test]
     async fn transcripts_held_before_their_leading_digest_are_found_without_one() {
-        let dir = tempfile::tempdir().expect("a folder");
-        let path = dir.path().join("state.db");
-        let old = database_at(&path, Some(14)).await;
-        sqlx::raw_sql(
+        let (_dir, store) = migrated_from(
+            14,
             "INSERT INTO sessions (id, agent_id, owner, created_at, updated_at)
                  VALUES ('ses_1', 'a', 'o', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
              INSERT INTO requests (id, session_id, agent_id, protocol, status, input, owner,
@@ -2216,14 +2231,7 @@ mod tests {
                          '{\"messages\":[],\"inputDigest\":\"d1\",\"leading\":[]}', 'o', 'd1',
                          '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');",
         )
-        .execute(&old)
-        .await
-        .expect("rows of the old schema");
-        old.close().await;
-
-        let store = SqliteStore::open_file(&path)
-            .await
-            .expect("the store, migrated");
+        .await;
         let found = store.input_holder("o", "a", "d1").await.expect("a lookup");
         let found = found.map(|holder| (holder.request_id, holder.leading_digest));
         assert_eq!(found, Some(("req_1".to_owned(), None)));
@@ -2255,11 +2263,9 @@ mod tests {
     /// events intact and in order, and its rebuilt table still refuses a number taken twice.
     #[tokio::test]
     async fn events_stored_before_their_table_was_rebuilt_survive_it() {
-        let dir = tempfile::tempdir().expect("a folder");
-        let path = dir.path().join("state.db");
-        let old = database_at(&path, Some(9)).await;
         // Inserted out of order: the rebuild must keep them by number, not by arrival.
-        sqlx::raw_sql(
+        let (dir, store) = migrated_from(
+            9,
             "INSERT INTO sessions (id, agent_id, created_at, updated_at)
                  VALUES ('ses_1', 'support', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
              INSERT INTO requests (id, session_id, agent_id, protocol, status, input, created_at, updated_at)
@@ -2270,14 +2276,7 @@ mod tests {
                  ('req_1', 1, 'evt_1', 'run_1', 'runtime.request.started', '2026-01-01T00:00:01Z', '{\"n\":1}'),
                  ('req_1', 2, 'evt_2', 'run_1', 'runtime.progress.narration', '2026-01-01T00:00:02Z', '{\"n\":2}');",
         )
-        .execute(&old)
-        .await
-        .expect("rows of the old schema");
-        old.close().await;
-
-        let store = SqliteStore::open_file(&path)
-            .await
-            .expect("the store, migrated");
+        .await;
         let events = store.events("req_1", 0, 10).await.expect("its events");
         let found: Vec<(i64, &str, &str, Value)> = events
             .iter()
@@ -2297,7 +2296,7 @@ mod tests {
         );
         drop(store);
 
-        let raw = database_at(&path, None).await;
+        let raw = database_at(&dir.path().join("state.db"), None).await;
         let taken = sqlx::query(
             "INSERT INTO events (request_id, seq, id, run_id, type, at, data)
              VALUES ('req_1', 2, 'evt_x', 'run_1', 'runtime.progress.narration', '2026-01-01T00:00:04Z', '{}')",
@@ -2314,10 +2313,8 @@ mod tests {
     #[tokio::test]
     async fn charges_and_heads_stored_before_their_indexes_changed_survive_it() {
         use super::super::spend::SpendStore;
-        let dir = tempfile::tempdir().expect("a folder");
-        let path = dir.path().join("state.db");
-        let old = database_at(&path, Some(12)).await;
-        sqlx::raw_sql(
+        let (_dir, store) = migrated_from(
+            12,
             "INSERT INTO sessions (id, agent_id, created_at, updated_at)
                  VALUES ('ses_1', 'support', '2026-01-01T00:00:00Z', '2026-01-01T00:00:00Z');
              INSERT INTO messages (id, session_id, parent_id, role, content, created_at) VALUES
@@ -2332,14 +2329,7 @@ mod tests {
                  ('use_2', '2026-01-01T00:00:03Z', 'req_1', 'run_1', 'key', 'support', 'ses_1',
                   'main', 'model', 5, 6, NULL, 1);",
         )
-        .execute(&old)
-        .await
-        .expect("rows of the old schema");
-        old.close().await;
-
-        let store = SqliteStore::open_file(&path)
-            .await
-            .expect("the store, migrated");
+        .await;
         // msg_2 and msg_3 have no children; msg_2 is the newer.
         assert_eq!(
             store
