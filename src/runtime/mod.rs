@@ -42,9 +42,8 @@ use crate::gateway::{ApprovalWaiters, ToolGateway};
 use crate::ids::IdMap;
 use crate::redact::Redactor;
 use crate::store::{
-    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, NamedInput,
-    PREFIX_OF, RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp,
-    named_input,
+    ApprovalDecision, ApprovalRecord, ApprovalStatus, EventRecord, MessageRecord, PREFIX_OF,
+    RequestRecord, RunRecord, RunStatus, SessionRecord, Store, StoreError, WriteOp, named_input,
 };
 use crate::workspace::CompiledWorkspace;
 
@@ -156,11 +155,8 @@ async fn request_start(
         None => None,
     };
     // The request holding its first messages, read once: it may hold its leading ones too.
-    let holder = match NamedInput::of(&request.input).prefix_of {
-        Some(holder) => store.request(holder).await?,
-        None => None,
-    };
-    let own = crate::store::named_input::joined_messages(request, holder.as_ref())?;
+    let holder = named_input::holder_of(store, request).await?;
+    let own = named_input::joined_messages(request, holder.as_ref())?;
     let leading = stored_leading(store, request, holder.as_ref()).await?;
     let messages = Transcript::new(leading, history, own);
     let own_last = store

@@ -90,11 +90,19 @@ pub async fn stored_messages(
     store: &dyn Store,
     request: &RequestRecord,
 ) -> Result<Vec<Value>, StoreError> {
-    let holder = match NamedInput::of(&request.input).prefix_of {
-        Some(holder) => store.request(holder).await?,
-        None => None,
-    };
-    joined_messages(request, holder.as_ref())
+    joined_messages(request, holder_of(store, request).await?.as_ref())
+}
+
+/// The request `request` names for its transcript's first messages ([`PREFIX_OF`]), read;
+/// `None` when it names none or that one is not there.
+pub async fn holder_of(
+    store: &dyn Store,
+    request: &RequestRecord,
+) -> Result<Option<RequestRecord>, StoreError> {
+    match NamedInput::of(&request.input).prefix_of {
+        Some(holder) => store.request(holder).await,
+        None => Ok(None),
+    }
 }
 
 /// `request`'s messages given the request its input names (`holder`, read by the caller;

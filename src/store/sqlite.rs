@@ -2235,18 +2235,11 @@ mod tests {
         let found = store.input_holder("o", "a", "d1").await.expect("a lookup");
         let found = found.map(|holder| (holder.request_id, holder.leading_digest));
         assert_eq!(found, Some(("req_1".to_owned(), None)));
+        // Of owner `o` and agent `a`, as the rows above.
         let mut request = crate::store::test_records::request("req_2", "ses_2");
-        (request.owner, request.agent_id) = ("o".into(), "a".into());
         request.input =
             serde_json::json!({ "messages": [], "inputDigest": "d2", "leadingDigest": "l2" });
-        let session = SessionRecord {
-            id: "ses_2".into(),
-            agent_id: "a".into(),
-            owner: "o".into(),
-            metadata: serde_json::json!({}),
-            created_at: request.created_at,
-            updated_at: request.created_at,
-        };
+        let session = crate::store::test_records::session("ses_2");
         store
             .apply(&[
                 WriteOp::TouchSession(session),
