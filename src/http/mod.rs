@@ -15,6 +15,7 @@ mod inspect;
 mod memory;
 mod messages;
 pub mod openapi;
+mod response_input;
 mod responses;
 mod runtime_api;
 pub mod shards;

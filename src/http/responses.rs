@@ -25,6 +25,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
+use super::response_input::{ResponseInput, append_items};
 use super::sse::{self, Frame};
 use super::v1::{
     Chain, V1Submission, client_calls, client_functions, completed_event, delta_text,
@@ -56,7 +57,7 @@ pub struct CreateResponseRequest {
     /// `reasoning`).
     #[serde(default)]
     #[schema(value_type = Object)]
-    pub input: Value,
+    pub input: ResponseInput,
     /// A system message for this call only (not carried along a chain).
     #[serde(default)]
     pub instructions: Option<String>,
@@ -411,171 +412,6 @@ fn usage(usage: Option<&Value>) -> ResponseUsage {
     }
 }
 
-/// The text of a content that is a string or a list of parts, taken from it.
-fn parts_text(content: Value) -> String {
-    match content {
-        Value::String(text) => text,
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|part| part.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(""),
-        _ => String::new(),
-    }
-}
-
-/// A user or system message's content in Chat Completions parts (text and images), taken
-/// from it.
-fn chat_content(content: Value) -> Value {
-    let Value::Array(parts) = content else {
-        return content;
-    };
-    let parts: Vec<Value> = parts
-        .into_iter()
-        .filter_map(|mut part| match part.get("type").and_then(Value::as_str) {
-            Some("input_text" | "output_text" | "text") => {
-                let text = match part.get_mut("text").map(Value::take) {
-                    Some(Value::String(text)) => text,
-                    _ => String::new(),
-                };
-                Some(json!({ "type": "text", "text": text }))
-            }
-            Some("input_image") => {
-                let detail = part.get_mut("detail").map(Value::take).unwrap_or(json!("auto"));
-                match part.get_mut("image_url").map(Value::take) {
-                    Some(url @ Value::String(_)) => {
-                        Some(json!({ "type": "image_url", "image_url": { "url": url, "detail": detail } }))
-                    }
-                    _ => None,
-                }
-            }
-            _ => None,
-        })
-        .collect();
-    Value::Array(parts)
-}
-
-/// A string member taken from an input item; `None` when it is absent or not a string.
-fn take_text(item: &mut Value, key: &str) -> Option<String> {
-    match item.get_mut(key).map(Value::take) {
-        Some(Value::String(text)) => Some(text),
-        _ => None,
-    }
-}
-
-/// Turns Responses input items into a Chat Completions transcript, appended to `messages`.
-/// A `function_call` joins the assistant message just before it (the turn it belongs to); a
-/// `function_call_output` must answer a call made earlier in the context. `reasoning` and
-/// unknown item types are ignored. The items' texts are moved into the messages, not copied:
-/// an agent's loop sends its whole conversation every call.
-fn append_items(messages: &mut Vec<Value>, items: Vec<Value>, field: &str) -> Result<(), ApiError> {
-    messages.reserve(items.len());
-    for (index, mut item) in items.into_iter().enumerate() {
-        let at = || format!("{field}[{index}]");
-        let kind = item
-            .get("type")
-            .and_then(Value::as_str)
-            .or_else(|| item.get("role").map(|_| "message"));
-        match kind {
-            Some("message") => {
-                let role = match item.get("role").and_then(Value::as_str) {
-                    Some("developer" | "system") => "system",
-                    Some("user") => "user",
-                    Some("assistant") => "assistant",
-                    _ => {
-                        return Err(v1_error(
-                            ErrorCode::InvalidMessage,
-                            format!(
-                                "{}.role must be one of user, assistant, system, developer",
-                                at()
-                            ),
-                        )
-                        .param(format!("{}.role", at())));
-                    }
-                };
-                let content = item.get_mut("content").map_or(Value::Null, Value::take);
-                if !matches!(content, Value::String(_) | Value::Array(_)) {
-                    return Err(v1_error(
-                        ErrorCode::InvalidMessage,
-                        format!("{}.content must be a string or a list of parts", at()),
-                    )
-                    .param(format!("{}.content", at())));
-                }
-                let content = if role == "assistant" {
-                    Value::String(parts_text(content))
-                } else {
-                    chat_content(content)
-                };
-                messages.push(json!({ "role": role, "content": content }));
-            }
-            Some("function_call") => {
-                let (Some(call_id), Some(name)) = (
-                    take_text(&mut item, "call_id"),
-                    take_text(&mut item, "name"),
-                ) else {
-                    return Err(v1_error(
-                        ErrorCode::InvalidParameter,
-                        format!("{}: a function_call needs `call_id` and `name`", at()),
-                    )
-                    .param(at()));
-                };
-                let arguments = match item.get_mut("arguments").map(Value::take) {
-                    Some(Value::String(text)) => text,
-                    None | Some(Value::Null) => "{}".to_owned(),
-                    Some(other) => other.to_string(),
-                };
-                let call = json!({ "id": call_id, "type": "function", "function": { "name": name, "arguments": arguments } });
-                match messages.last_mut() {
-                    Some(last) if last.get("role").and_then(Value::as_str) == Some("assistant") => {
-                        if let Some(calls) =
-                            last.get_mut("tool_calls").and_then(Value::as_array_mut)
-                        {
-                            calls.push(call);
-                        } else {
-                            last["tool_calls"] = json!([call]);
-                            if last["content"].as_str() == Some("") {
-                                last["content"] = Value::Null;
-                            }
-                        }
-                    }
-                    _ => messages.push(
-                        json!({ "role": "assistant", "content": null, "tool_calls": [call] }),
-                    ),
-                }
-            }
-            Some("function_call_output") => {
-                let call_id = take_text(&mut item, "call_id").unwrap_or_default();
-                let called = messages.iter().rev().any(|m| {
-                    m.get("tool_calls")
-                        .and_then(Value::as_array)
-                        .is_some_and(|calls| {
-                            calls.iter().any(|c| {
-                                c.get("id").and_then(Value::as_str) == Some(call_id.as_str())
-                            })
-                        })
-                });
-                if !called {
-                    return Err(v1_error(
-                        ErrorCode::InvalidParameter,
-                        format!("{}: no function call with call_id `{call_id}` is in the input or the stored chain", at()),
-                    )
-                    .param(format!("{}.call_id", at())));
-                }
-                let output = item
-                    .get_mut("output")
-                    .map(Value::take)
-                    .map(parts_text)
-                    .unwrap_or_default();
-                messages
-                    .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
-            }
-            // `reasoning`, `item_reference` and item types this surface does not know.
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 /// Every function call of the transcript must have its output before the model is asked
 /// again (OpenAI refuses it too; the upstream would, as a 502).
 fn check_calls_answered(messages: &[Value]) -> Result<(), ApiError> {
@@ -840,9 +676,9 @@ pub async fn create_response(
         });
     }
     match std::mem::take(&mut request.input) {
-        Value::String(text) => messages.push(json!({ "role": "user", "content": text })),
-        Value::Array(items) => append_items(&mut messages, items, "input")?,
-        _ => {
+        ResponseInput::Text(text) => messages.push(json!({ "role": "user", "content": text })),
+        ResponseInput::Items(items) => append_items(&mut messages, items, "input")?,
+        ResponseInput::Other => {
             return Err(v1_error(
                 ErrorCode::InvalidParameter,
                 "`input` must be a string or a list of items",
@@ -1212,62 +1048,6 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Frame; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Input items become a Chat Completions transcript: roles mapped, parts converted
-    /// (text and images; others dropped), an assistant's parts joined into its text, a
-    /// function call joining the assistant message before it with its arguments as text,
-    /// its output's parts joined, reasoning passed over.
-    #[test]
-    fn input_items_become_chat_messages() {
-        let items = json!([
-            { "type": "message", "role": "developer", "content": "Be brief." },
-            { "role": "user", "content": [
-                { "type": "input_text", "text": "Look:" },
-                { "type": "input_image", "image_url": "https://example.com/a.png", "detail": "low" },
-                { "type": "input_image", "image_url": "https://example.com/b.png" },
-                { "type": "input_file", "file_id": "f_1" },
-            ] },
-            { "type": "reasoning", "summary": [] },
-            { "id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-              "content": [{ "type": "output_text", "text": "Let me ", "annotations": [] },
-                          { "type": "output_text", "text": "check.", "annotations": [] }] },
-            { "type": "function_call", "call_id": "call_1", "name": "read", "arguments": { "path": "a" } },
-            { "type": "function_call_output", "call_id": "call_1",
-              "output": [{ "type": "input_text", "text": "line" }] },
-        ]);
-        let Value::Array(items) = items else {
-            unreachable!("an array")
-        };
-        let mut messages = Vec::new();
-        append_items(&mut messages, items, "input").unwrap();
-        assert_eq!(
-            Value::Array(messages),
-            json!([
-                { "role": "system", "content": "Be brief." },
-                { "role": "user", "content": [
-                    { "type": "text", "text": "Look:" },
-                    { "type": "image_url", "image_url": { "url": "https://example.com/a.png", "detail": "low" } },
-                    { "type": "image_url", "image_url": { "url": "https://example.com/b.png", "detail": "auto" } },
-                ] },
-                { "role": "assistant", "content": "Let me check.", "tool_calls": [
-                    { "id": "call_1", "type": "function",
-                      "function": { "name": "read", "arguments": r#"{"path":"a"}"# } },
-                ] },
-                { "role": "tool", "tool_call_id": "call_1", "content": "line" },
-            ])
-        );
-        // A bad item names itself.
-        let mut messages = Vec::new();
-        let error = append_items(
-            &mut messages,
-            vec![
-                json!({ "role": "user" }),
-                json!({ "role": "tool", "content": "x" }),
-            ],
-            "input",
-        );
-        assert!(error.is_err());
-    }
 
     /// The `data:` lines of a stream made of `events`, parsed.
     async fn printed(events: Vec<Frame>) -> Vec<Value> {

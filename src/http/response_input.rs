@@ -1,0 +1,606 @@
+//! A Responses call's `input`: parsed straight into the members its conversion reads, then
+//! turned into a Chat Completions transcript.
+//!
+//! An agent's loop sends its whole conversation as input items every call. Parsed into a
+//! JSON tree, each item was a map with a key string and a node per member (every `id`,
+//! `status`, `annotations` and `logprobs` built and dropped), then copied into a chat
+//! message: most of a long loop's CPU (docs/profiling.md, the eighty-fifth pass). Here an
+//! item is parsed into the members the conversion reads (its type, role, texts and call
+//! fields); the others are skipped as they are read, never built.
+//!
+//! Parsing never judges an item: a member of an unexpected type is read as
+//! [`Member::Other`], and the conversion refuses it naming the item, as it did when the
+//! input was a tree. A member given twice keeps its last value, as a JSON tree keeps it.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::{Value, json};
+
+use super::v1::v1_error;
+use crate::error::{ApiError, ErrorCode};
+
+/// `input`: a string, a list of items, or anything else (absent, null, a number, an object),
+/// which the conversion refuses.
+#[derive(Debug, Default)]
+pub enum ResponseInput {
+    Text(String),
+    Items(Vec<InputItem>),
+    #[default]
+    Other,
+}
+
+/// A member of an item or of a part, as far as the conversion reads it: a string, a list of
+/// `P`, or something else. A member read only as text is a `Member<IgnoredAny>`, its list's
+/// elements skipped.
+#[derive(Debug, Default, PartialEq)]
+pub enum Member<P> {
+    #[default]
+    Absent,
+    Text(String),
+    List(Vec<P>),
+    /// Present but neither: null, a boolean, a number or an object.
+    Other,
+}
+
+/// A member read only as text.
+type Text = Member<IgnoredAny>;
+
+impl<P> Member<P> {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Member::Text(text) => Some(text),
+            _ => None,
+        }
+    }
+
+    fn into_text(self) -> Option<String> {
+        match self {
+            Member::Text(text) => Some(text),
+            _ => None,
+        }
+    }
+
+    fn is_present(&self) -> bool {
+        !matches!(self, Member::Absent)
+    }
+}
+
+/// One input item: a message, a `function_call`, a `function_call_output`, or an item the
+/// conversion passes over (`reasoning`, an unknown type, or no object at all).
+#[derive(Debug, Default)]
+pub struct InputItem {
+    kind: Text,
+    role: Text,
+    content: Member<Part>,
+    call_id: Text,
+    name: Text,
+    /// Any JSON value, present (null included) or not.
+    arguments: Option<Value>,
+    output: Member<Part>,
+}
+
+/// A part of a message's content or of a call's output.
+#[derive(Debug, Default, PartialEq)]
+pub struct Part {
+    kind: Text,
+    text: Text,
+    image_url: Text,
+    /// Any JSON value, present (null included) or not.
+    detail: Option<Value>,
+}
+
+/// The members an item or a part is read for; every other key's value is skipped.
+enum Key {
+    Type,
+    Role,
+    Content,
+    CallId,
+    Name,
+    Arguments,
+    Output,
+    Text,
+    ImageUrl,
+    Detail,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a member's name")
+            }
+            fn visit_str<E: serde::de::Error>(self, key: &str) -> Result<Key, E> {
+                Ok(match key {
+                    "type" => Key::Type,
+                    "role" => Key::Role,
+                    "content" => Key::Content,
+                    "call_id" => Key::CallId,
+                    "name" => Key::Name,
+                    "arguments" => Key::Arguments,
+                    "output" => Key::Output,
+                    "text" => Key::Text,
+                    "image_url" => Key::ImageUrl,
+                    "detail" => Key::Detail,
+                    _ => Key::Other,
+                })
+            }
+        }
+        deserializer.deserialize_identifier(KeyVisitor)
+    }
+}
+
+/// The visitor methods of a value that is neither a string, a list nor an object, each
+/// giving `$other`: what a visitor reading any JSON value makes of the rest.
+macro_rules! scalars_give {
+    ($other:expr) => {
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($other)
+        }
+        fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($other)
+        }
+        fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($other)
+        }
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($other)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok($other)
+        }
+    };
+}
+
+/// Reads a list's elements as `T`.
+fn read_list<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(mut seq: A) -> Result<Vec<T>, A::Error> {
+    let mut list = Vec::new();
+    while let Some(element) = seq.next_element()? {
+        list.push(element);
+    }
+    Ok(list)
+}
+
+/// Skips an object's members.
+fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
+    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    Ok(())
+}
+
+impl<'de, P: Deserialize<'de>> Deserialize<'de> for Member<P> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MemberVisitor<P>(std::marker::PhantomData<P>);
+        impl<'de, P: Deserialize<'de>> Visitor<'de> for MemberVisitor<P> {
+            type Value = Member<P>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+            scalars_give!(Member::Other);
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Member<P>, E> {
+                Ok(Member::Text(text.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<Member<P>, E> {
+                Ok(Member::Text(text))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Member<P>, A::Error> {
+                read_list(seq).map(Member::List)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Member<P>, A::Error> {
+                skip_map(map).map(|()| Member::Other)
+            }
+        }
+        deserializer.deserialize_any(MemberVisitor(std::marker::PhantomData))
+    }
+}
+
+/// The visitor of an item or a part: an object's members are read by [`Key`] into its
+/// fields (`$read` says where each goes); any other value is an item of no fields.
+macro_rules! object_visitor {
+    ($visitor:ident, $target:ty, $expecting:literal, |$object:ident, $map:ident, $key:ident| $read:expr) => {
+        struct $visitor;
+        impl<'de> Visitor<'de> for $visitor {
+            type Value = $target;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str($expecting)
+            }
+            scalars_give!(<$target>::default());
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<$target, E> {
+                Ok(<$target>::default())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$target, A::Error> {
+                read_list::<IgnoredAny, A>(seq).map(|_| <$target>::default())
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut $map: A) -> Result<$target, A::Error> {
+                let mut $object = <$target>::default();
+                while let Some($key) = $map.next_key::<Key>()? {
+                    $read;
+                }
+                Ok($object)
+            }
+        }
+    };
+}
+
+object_visitor!(ItemVisitor, InputItem, "an input item", |item, map, key| match key {
+    Key::Type => item.kind = map.next_value()?,
+    Key::Role => item.role = map.next_value()?,
+    Key::Content => item.content = map.next_value()?,
+    Key::CallId => item.call_id = map.next_value()?,
+    Key::Name => item.name = map.next_value()?,
+    Key::Arguments => item.arguments = Some(map.next_value()?),
+    Key::Output => item.output = map.next_value()?,
+    _ => {
+        map.next_value::<IgnoredAny>()?;
+    }
+});
+
+object_visitor!(PartVisitor, Part, "a content part", |part, map, key| match key {
+    Key::Type => part.kind = map.next_value()?,
+    Key::Text => part.text = map.next_value()?,
+    Key::ImageUrl => part.image_url = map.next_value()?,
+    Key::Detail => part.detail = Some(map.next_value()?),
+    _ => {
+        map.next_value::<IgnoredAny>()?;
+    }
+});
+
+impl<'de> Deserialize<'de> for InputItem {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ItemVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for Part {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PartVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for ResponseInput {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct InputVisitor;
+        impl<'de> Visitor<'de> for InputVisitor {
+            type Value = ResponseInput;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or a list of items")
+            }
+            scalars_give!(ResponseInput::Other);
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<ResponseInput, E> {
+                Ok(ResponseInput::Text(text.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<ResponseInput, E> {
+                Ok(ResponseInput::Text(text))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<ResponseInput, A::Error> {
+                read_list(seq).map(ResponseInput::Items)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ResponseInput, A::Error> {
+                skip_map(map).map(|()| ResponseInput::Other)
+            }
+        }
+        deserializer.deserialize_any(InputVisitor)
+    }
+}
+
+/// The text of a content or an output that is a string or a list of parts (its parts'
+/// texts, joined), taken from it; empty for anything else.
+fn parts_text(content: Member<Part>) -> String {
+    match content {
+        Member::Text(text) => text,
+        Member::List(parts) => parts
+            .into_iter()
+            .filter_map(|part| part.text.into_text())
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+/// A user or system message's parts in Chat Completions parts (text and images); parts of
+/// another type are left out.
+fn chat_parts(parts: Vec<Part>) -> Value {
+    let parts = parts
+        .into_iter()
+        .filter_map(|part| match part.kind.as_str() {
+            Some("input_text" | "output_text" | "text") => {
+                let text = part.text.into_text().unwrap_or_default();
+                Some(json!({ "type": "text", "text": text }))
+            }
+            Some("input_image") => {
+                let detail = part.detail.unwrap_or_else(|| json!("auto"));
+                let url = part.image_url.into_text()?;
+                Some(json!({ "type": "image_url", "image_url": { "url": url, "detail": detail } }))
+            }
+            _ => None,
+        })
+        .collect();
+    Value::Array(parts)
+}
+
+/// The ids of the function calls among `messages`.
+fn call_ids(messages: &[Value]) -> HashSet<String> {
+    messages
+        .iter()
+        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|call| call.get("id").and_then(Value::as_str))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Turns Responses input items into a Chat Completions transcript, appended to `messages`.
+/// A `function_call` joins the assistant message just before it (the turn it belongs to); a
+/// `function_call_output` must answer a call made earlier in the context. `reasoning` and
+/// unknown item types are ignored. The items' texts are moved into the messages; the place
+/// of an item (`input[7]`) is written only for an error.
+pub fn append_items(
+    messages: &mut Vec<Value>,
+    items: Vec<InputItem>,
+    field: &str,
+) -> Result<(), ApiError> {
+    messages.reserve(items.len());
+    // The calls made so far, for each output to find its own in one look.
+    let mut calls_made: Option<HashSet<String>> = None;
+    for (index, item) in items.into_iter().enumerate() {
+        let at = || format!("{field}[{index}]");
+        let kind = item
+            .kind
+            .as_str()
+            .or_else(|| item.role.is_present().then_some("message"));
+        match kind {
+            Some("message") => {
+                let role = match item.role.as_str() {
+                    Some("developer" | "system") => "system",
+                    Some("user") => "user",
+                    Some("assistant") => "assistant",
+                    _ => {
+                        return Err(v1_error(
+                            ErrorCode::InvalidMessage,
+                            format!(
+                                "{}.role must be one of user, assistant, system, developer",
+                                at()
+                            ),
+                        )
+                        .param(format!("{}.role", at())));
+                    }
+                };
+                let content = match item.content {
+                    Member::Absent | Member::Other => {
+                        return Err(v1_error(
+                            ErrorCode::InvalidMessage,
+                            format!("{}.content must be a string or a list of parts", at()),
+                        )
+                        .param(format!("{}.content", at())));
+                    }
+                    content if role == "assistant" => Value::String(parts_text(content)),
+                    Member::Text(text) => Value::String(text),
+                    Member::List(parts) => chat_parts(parts),
+                };
+                messages.push(json!({ "role": role, "content": content }));
+            }
+            Some("function_call") => {
+                let (Member::Text(call_id), Member::Text(name)) = (item.call_id, item.name)
+                else {
+                    return Err(v1_error(
+                        ErrorCode::InvalidParameter,
+                        format!("{}: a function_call needs `call_id` and `name`", at()),
+                    )
+                    .param(at()));
+                };
+                let arguments = match item.arguments {
+                    Some(Value::String(text)) => text,
+                    None | Some(Value::Null) => "{}".to_owned(),
+                    Some(other) => other.to_string(),
+                };
+                if let Some(calls) = &mut calls_made {
+                    calls.insert(call_id.clone());
+                }
+                let call = json!({ "id": call_id, "type": "function", "function": { "name": name, "arguments": arguments } });
+                match messages.last_mut() {
+                    Some(last) if last.get("role").and_then(Value::as_str) == Some("assistant") => {
+                        if let Some(calls) =
+                            last.get_mut("tool_calls").and_then(Value::as_array_mut)
+                        {
+                            calls.push(call);
+                        } else {
+                            last["tool_calls"] = json!([call]);
+                            if last["content"].as_str() == Some("") {
+                                last["content"] = Value::Null;
+                            }
+                        }
+                    }
+                    _ => messages.push(
+                        json!({ "role": "assistant", "content": null, "tool_calls": [call] }),
+                    ),
+                }
+            }
+            Some("function_call_output") => {
+                let call_id = item.call_id.into_text().unwrap_or_default();
+                let calls = calls_made.get_or_insert_with(|| call_ids(messages));
+                if !calls.contains(&call_id) {
+                    return Err(v1_error(
+                        ErrorCode::InvalidParameter,
+                        format!("{}: no function call with call_id `{call_id}` is in the input or the stored chain", at()),
+                    )
+                    .param(format!("{}.call_id", at())));
+                }
+                let output = parts_text(item.output);
+                messages
+                    .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
+            }
+            // `reasoning`, `item_reference` and item types this surface does not know.
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::{InputItem, Member, ResponseInput, append_items};
+
+    fn items(input: Value) -> Vec<InputItem> {
+        match serde_json::from_value(input).expect("the input parses") {
+            ResponseInput::Items(items) => items,
+            other => panic!("not a list of items: {other:?}"),
+        }
+    }
+
+    fn converted(input: Value) -> Result<Value, Option<String>> {
+        let mut messages = Vec::new();
+        append_items(&mut messages, items(input), "input")
+            .map(|()| Value::Array(messages))
+            .map_err(|error| error.param)
+    }
+
+    /// Every kind of item the conversion reads, and what it makes of each: roles, text and
+    /// image parts, an assistant's parts joined, a call's object arguments, an output's
+    /// parts, reasoning and unknown parts passed over.
+    #[test]
+    fn input_items_become_chat_messages() {
+        let input = json!([
+            { "role": "developer", "content": "Be brief." },
+            { "type": "message", "role": "user", "content": [
+                { "type": "input_text", "text": "Look:" },
+                { "type": "input_image", "image_url": "https://example.com/a.png", "detail": "low" },
+                { "type": "input_image", "image_url": "https://example.com/b.png" },
+                { "type": "input_file", "file_id": "f_1" },
+            ] },
+            { "type": "reasoning", "summary": [] },
+            { "id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+              "content": [{ "type": "output_text", "text": "Let me ", "annotations": [] },
+                          { "type": "output_text", "text": "check.", "annotations": [] }] },
+            { "type": "function_call", "call_id": "call_1", "name": "read", "arguments": { "path": "a" } },
+            { "type": "function_call_output", "call_id": "call_1",
+              "output": [{ "type": "input_text", "text": "line" }] },
+        ]);
+        assert_eq!(
+            converted(input),
+            Ok(json!([
+                { "role": "system", "content": "Be brief." },
+                { "role": "user", "content": [
+                    { "type": "text", "text": "Look:" },
+                    { "type": "image_url", "image_url": { "url": "https://example.com/a.png", "detail": "low" } },
+                    { "type": "image_url", "image_url": { "url": "https://example.com/b.png", "detail": "auto" } },
+                ] },
+                { "role": "assistant", "content": "Let me check.", "tool_calls": [
+                    { "id": "call_1", "type": "function",
+                      "function": { "name": "read", "arguments": r#"{"path":"a"}"# } },
+                ] },
+                { "role": "tool", "tool_call_id": "call_1", "content": "line" },
+            ]))
+        );
+    }
+
+    /// What a JSON tree made of odd members, the typed read makes the same: a null `detail`
+    /// is kept, a non-string text is empty,
+    /// members of other types are refused naming the item, and items that are no objects
+    /// are passed over.
+    #[test]
+    fn odd_members_are_read_as_a_tree_read_them() {
+        assert_eq!(
+            converted(json!([
+                "not an item",
+                7,
+                { "role": "user", "content": [
+                    { "type": "input_text", "text": 5 },
+                    { "type": "input_image", "image_url": "u", "detail": null },
+                    { "type": "input_image", "image_url": { "url": "u" } },
+                    "loose text",
+                ] },
+                { "type": 3, "role": "user", "content": "typed by its role" },
+                { "type": "function_call", "call_id": "c", "name": "n" },
+                { "type": "function_call", "call_id": "d", "name": "n", "arguments": null },
+                { "type": "function_call_output", "call_id": "c", "output": { "x": 1 } },
+                { "type": "function_call_output", "call_id": "d" },
+            ])),
+            Ok(json!([
+                { "role": "user", "content": [
+                    { "type": "text", "text": "" },
+                    { "type": "image_url", "image_url": { "url": "u", "detail": null } },
+                ] },
+                { "role": "user", "content": "typed by its role" },
+                { "role": "assistant", "content": null, "tool_calls": [
+                    { "id": "c", "type": "function", "function": { "name": "n", "arguments": "{}" } },
+                    { "id": "d", "type": "function", "function": { "name": "n", "arguments": "{}" } },
+                ] },
+                { "role": "tool", "tool_call_id": "c", "content": "" },
+                { "role": "tool", "tool_call_id": "d", "content": "" },
+            ]))
+        );
+        let refused = |item: Value| converted(json!([{ "role": "user", "content": "a" }, item]));
+        assert_eq!(
+            refused(json!({ "role": null, "content": "x" })),
+            Err(Some("input[1].role".into()))
+        );
+        assert_eq!(
+            refused(json!({ "role": "tool", "content": "x" })),
+            Err(Some("input[1].role".into()))
+        );
+        assert_eq!(
+            refused(json!({ "role": "user" })),
+            Err(Some("input[1].content".into()))
+        );
+        assert_eq!(
+            refused(json!({ "role": "user", "content": null })),
+            Err(Some("input[1].content".into()))
+        );
+        assert_eq!(
+            refused(json!({ "type": "function_call", "call_id": 1, "name": "n" })),
+            Err(Some("input[1]".into()))
+        );
+        assert_eq!(
+            refused(json!({ "type": "function_call_output", "call_id": "none" })),
+            Err(Some("input[1].call_id".into()))
+        );
+    }
+
+    /// An output answers a call made before it, in the input or among the messages already
+    /// there (a stored chain's), and no call made after it.
+    #[test]
+    fn an_output_answers_a_call_made_before_it() {
+        let mut messages = vec![json!({ "role": "assistant", "content": null, "tool_calls": [
+            { "id": "stored", "type": "function", "function": { "name": "n", "arguments": "{}" } },
+        ] })];
+        let outputs = items(json!([
+            { "type": "function_call_output", "call_id": "stored", "output": "a" },
+        ]));
+        assert!(append_items(&mut messages, outputs, "input").is_ok());
+        assert_eq!(messages.len(), 2);
+        assert_eq!(
+            converted(json!([
+                { "role": "user", "content": "go" },
+                { "type": "function_call_output", "call_id": "later", "output": "a" },
+                { "type": "function_call", "call_id": "later", "name": "n" },
+            ])),
+            Err(Some("input[1].call_id".into()))
+        );
+    }
+
+    /// The input itself: text, items, or anything else.
+    #[test]
+    fn an_input_is_text_items_or_other() {
+        let read = |input: Value| serde_json::from_value::<ResponseInput>(input).unwrap();
+        assert!(matches!(read(json!("hi")), ResponseInput::Text(text) if text == "hi"));
+        assert!(matches!(read(json!([])), ResponseInput::Items(items) if items.is_empty()));
+        for other in [json!(null), json!(1), json!(true), json!({ "role": "user" })] {
+            assert!(matches!(read(other), ResponseInput::Other));
+        }
+        // Parsed from text, as a body is: escapes in a key and a value, and a member given
+        // twice keeping its last value, as a JSON tree keeps it.
+        let parsed: ResponseInput = serde_json::from_str(
+            r#"[{"rol\u0065":"user","content":"a \"quoted\" word","role":"assistant"}]"#,
+        )
+        .unwrap();
+        let ResponseInput::Items(items) = parsed else {
+            panic!("a list of items")
+        };
+        assert_eq!(items[0].role, Member::Text("assistant".into()));
+        assert_eq!(items[0].content, Member::Text("a \"quoted\" word".into()));
+    }
+}
