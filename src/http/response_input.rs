@@ -48,31 +48,21 @@ pub enum Member<P> {
 type Text = Member<IgnoredAny>;
 
 impl<P> Member<P> {
-    fn as_str(&self) -> Option<&str> {
-        match self {
-            Member::Text(text) => Some(text),
-            _ => None,
-        }
-    }
-
     fn into_text(self) -> Option<String> {
         match self {
             Member::Text(text) => Some(text),
             _ => None,
         }
     }
-
-    fn is_present(&self) -> bool {
-        !matches!(self, Member::Absent)
-    }
 }
 
 /// One input item: a message, a `function_call`, a `function_call_output`, or an item the
-/// conversion passes over (`reasoning`, an unknown type, or no object at all).
+/// conversion passes over (`reasoning`, an unknown type, or no object at all). Its type and
+/// role are read as what they name, no string kept: a long input holds thousands of items.
 #[derive(Debug, Default)]
 pub struct InputItem {
-    kind: Text,
-    role: Text,
+    kind: ItemKind,
+    role: Role,
     content: Member<Part>,
     call_id: Text,
     name: Text,
@@ -81,10 +71,87 @@ pub struct InputItem {
     output: Member<Part>,
 }
 
+/// What an item's `type` names.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+enum ItemKind {
+    /// Absent or not a string: the item is a message when it has a role.
+    #[default]
+    Unnamed,
+    Message,
+    FunctionCall,
+    FunctionCallOutput,
+    /// A type this surface passes over (`reasoning`, `item_reference`, ...).
+    Other,
+}
+
+/// A message's role, in Chat Completions' names.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+enum Role {
+    #[default]
+    Absent,
+    System,
+    User,
+    Assistant,
+    /// Present, but none of the roles a Responses message may have (or not a string).
+    Invalid,
+}
+
+/// What a part's `type` names.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+enum PartKind {
+    /// Absent, another type (`input_file`, ...), or not a string: the part is left out.
+    #[default]
+    Other,
+    Text,
+    Image,
+}
+
+/// A member read as one of a few names; `NOT_TEXT` is what a value that is no string reads
+/// as.
+trait Named: Sized {
+    const NOT_TEXT: Self;
+    fn named(text: &str) -> Self;
+}
+
+impl Named for ItemKind {
+    const NOT_TEXT: Self = ItemKind::Unnamed;
+    fn named(text: &str) -> Self {
+        match text {
+            "message" => ItemKind::Message,
+            "function_call" => ItemKind::FunctionCall,
+            "function_call_output" => ItemKind::FunctionCallOutput,
+            _ => ItemKind::Other,
+        }
+    }
+}
+
+impl Named for Role {
+    const NOT_TEXT: Self = Role::Invalid;
+    fn named(text: &str) -> Self {
+        match text {
+            "developer" | "system" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            _ => Role::Invalid,
+        }
+    }
+}
+
+impl Named for PartKind {
+    const NOT_TEXT: Self = PartKind::Other;
+    fn named(text: &str) -> Self {
+        match text {
+            "input_text" | "output_text" | "text" => PartKind::Text,
+            "input_image" => PartKind::Image,
+            _ => PartKind::Other,
+        }
+    }
+}
+
 /// A part of a message's content or of a call's output.
 #[derive(Debug, Default, PartialEq)]
 pub struct Part {
-    kind: Text,
+    kind: PartKind,
     text: Text,
     image_url: Text,
     /// Any JSON value, present (null included) or not.
@@ -197,6 +264,38 @@ impl<'de, P: Deserialize<'de>> Deserialize<'de> for Member<P> {
     }
 }
 
+/// Reads a [`Named`] member from any JSON value.
+struct NamedVisitor<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: Named> Visitor<'de> for NamedVisitor<T> {
+    type Value = T;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    scalars_give!(T::NOT_TEXT);
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<T, E> {
+        Ok(T::named(text))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
+        read_list::<IgnoredAny, A>(seq).map(|_| T::NOT_TEXT)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        skip_map(map).map(|()| T::NOT_TEXT)
+    }
+}
+
+macro_rules! deserialize_named {
+    ($($named:ty),*) => {$(
+        impl<'de> Deserialize<'de> for $named {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                deserializer.deserialize_any(NamedVisitor(std::marker::PhantomData))
+            }
+        }
+    )*};
+}
+
+deserialize_named!(ItemKind, Role, PartKind);
+
 /// The visitor of an item or a part: an object's members are read by [`Key`] into its
 /// fields (`$read` says where each goes); any other value is an item of no fields.
 macro_rules! object_visitor {
@@ -225,28 +324,38 @@ macro_rules! object_visitor {
     };
 }
 
-object_visitor!(ItemVisitor, InputItem, "an input item", |item, map, key| match key {
-    Key::Type => item.kind = map.next_value()?,
-    Key::Role => item.role = map.next_value()?,
-    Key::Content => item.content = map.next_value()?,
-    Key::CallId => item.call_id = map.next_value()?,
-    Key::Name => item.name = map.next_value()?,
-    Key::Arguments => item.arguments = Some(map.next_value()?),
-    Key::Output => item.output = map.next_value()?,
-    _ => {
-        map.next_value::<IgnoredAny>()?;
+object_visitor!(
+    ItemVisitor,
+    InputItem,
+    "an input item",
+    |item, map, key| match key {
+        Key::Type => item.kind = map.next_value()?,
+        Key::Role => item.role = map.next_value()?,
+        Key::Content => item.content = map.next_value()?,
+        Key::CallId => item.call_id = map.next_value()?,
+        Key::Name => item.name = map.next_value()?,
+        Key::Arguments => item.arguments = Some(map.next_value()?),
+        Key::Output => item.output = map.next_value()?,
+        _ => {
+            map.next_value::<IgnoredAny>()?;
+        }
     }
-});
+);
 
-object_visitor!(PartVisitor, Part, "a content part", |part, map, key| match key {
-    Key::Type => part.kind = map.next_value()?,
-    Key::Text => part.text = map.next_value()?,
-    Key::ImageUrl => part.image_url = map.next_value()?,
-    Key::Detail => part.detail = Some(map.next_value()?),
-    _ => {
-        map.next_value::<IgnoredAny>()?;
+object_visitor!(
+    PartVisitor,
+    Part,
+    "a content part",
+    |part, map, key| match key {
+        Key::Type => part.kind = map.next_value()?,
+        Key::Text => part.text = map.next_value()?,
+        Key::ImageUrl => part.image_url = map.next_value()?,
+        Key::Detail => part.detail = Some(map.next_value()?),
+        _ => {
+            map.next_value::<IgnoredAny>()?;
+        }
     }
-});
+);
 
 impl<'de> Deserialize<'de> for InputItem {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -304,17 +413,17 @@ fn parts_text(content: Member<Part>) -> String {
 fn chat_parts(parts: Vec<Part>) -> Value {
     let parts = parts
         .into_iter()
-        .filter_map(|part| match part.kind.as_str() {
-            Some("input_text" | "output_text" | "text") => {
+        .filter_map(|part| match part.kind {
+            PartKind::Text => {
                 let text = part.text.into_text().unwrap_or_default();
                 Some(json!({ "type": "text", "text": text }))
             }
-            Some("input_image") => {
+            PartKind::Image => {
                 let detail = part.detail.unwrap_or_else(|| json!("auto"));
                 let url = part.image_url.into_text()?;
                 Some(json!({ "type": "image_url", "image_url": { "url": url, "detail": detail } }))
             }
-            _ => None,
+            PartKind::Other => None,
         })
         .collect();
     Value::Array(parts)
@@ -346,17 +455,17 @@ pub fn append_items(
     let mut calls_made: Option<HashSet<String>> = None;
     for (index, item) in items.into_iter().enumerate() {
         let at = || format!("{field}[{index}]");
-        let kind = item
-            .kind
-            .as_str()
-            .or_else(|| item.role.is_present().then_some("message"));
+        let kind = match item.kind {
+            ItemKind::Unnamed if item.role != Role::Absent => ItemKind::Message,
+            kind => kind,
+        };
         match kind {
-            Some("message") => {
-                let role = match item.role.as_str() {
-                    Some("developer" | "system") => "system",
-                    Some("user") => "user",
-                    Some("assistant") => "assistant",
-                    _ => {
+            ItemKind::Message => {
+                let role = match item.role {
+                    Role::System => "system",
+                    Role::User => "user",
+                    Role::Assistant => "assistant",
+                    Role::Absent | Role::Invalid => {
                         return Err(v1_error(
                             ErrorCode::InvalidMessage,
                             format!(
@@ -381,9 +490,8 @@ pub fn append_items(
                 };
                 messages.push(json!({ "role": role, "content": content }));
             }
-            Some("function_call") => {
-                let (Member::Text(call_id), Member::Text(name)) = (item.call_id, item.name)
-                else {
+            ItemKind::FunctionCall => {
+                let (Member::Text(call_id), Member::Text(name)) = (item.call_id, item.name) else {
                     return Err(v1_error(
                         ErrorCode::InvalidParameter,
                         format!("{}: a function_call needs `call_id` and `name`", at()),
@@ -417,7 +525,7 @@ pub fn append_items(
                     ),
                 }
             }
-            Some("function_call_output") => {
+            ItemKind::FunctionCallOutput => {
                 let call_id = item.call_id.into_text().unwrap_or_default();
                 let calls = calls_made.get_or_insert_with(|| call_ids(messages));
                 if !calls.contains(&call_id) {
@@ -432,7 +540,7 @@ pub fn append_items(
                     .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
             }
             // `reasoning`, `item_reference` and item types this surface does not know.
-            _ => {}
+            ItemKind::Unnamed | ItemKind::Other => {}
         }
     }
     Ok(())
@@ -564,9 +672,11 @@ mod tests {
     /// there (a stored chain's), and no call made after it.
     #[test]
     fn an_output_answers_a_call_made_before_it() {
-        let mut messages = vec![json!({ "role": "assistant", "content": null, "tool_calls": [
+        let mut messages = vec![
+            json!({ "role": "assistant", "content": null, "tool_calls": [
             { "id": "stored", "type": "function", "function": { "name": "n", "arguments": "{}" } },
-        ] })];
+        ] }),
+        ];
         let outputs = items(json!([
             { "type": "function_call_output", "call_id": "stored", "output": "a" },
         ]));
@@ -588,7 +698,12 @@ mod tests {
         let read = |input: Value| serde_json::from_value::<ResponseInput>(input).unwrap();
         assert!(matches!(read(json!("hi")), ResponseInput::Text(text) if text == "hi"));
         assert!(matches!(read(json!([])), ResponseInput::Items(items) if items.is_empty()));
-        for other in [json!(null), json!(1), json!(true), json!({ "role": "user" })] {
+        for other in [
+            json!(null),
+            json!(1),
+            json!(true),
+            json!({ "role": "user" }),
+        ] {
             assert!(matches!(read(other), ResponseInput::Other));
         }
         // Parsed from text, as a body is: escapes in a key and a value, and a member given
@@ -600,7 +715,7 @@ mod tests {
         let ResponseInput::Items(items) = parsed else {
             panic!("a list of items")
         };
-        assert_eq!(items[0].role, Member::Text("assistant".into()));
+        assert_eq!(items[0].role, super::Role::Assistant);
         assert_eq!(items[0].content, Member::Text("a \"quoted\" word".into()));
     }
 }
