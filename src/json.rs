@@ -9,8 +9,21 @@
 //! stored, its call to the upstream): with a long conversation that was a fifth of the
 //! server's instructions (docs/profiling.md, the forty-third pass). [`to_text`] writes the
 //! same bytes as `serde_json::to_string`, finding the next byte to escape eight at a time.
+//!
+//! Building: `serde_json::json!` serializes each value it is given into a new one, a copy
+//! of every text; [`object`] moves them in.
 
 use serde_json::Value;
+
+/// An object of `members`, each value moved in, not copied as `json!` copies it.
+pub fn object<const N: usize>(members: [(&str, Value); N]) -> Value {
+    Value::Object(
+        members
+            .into_iter()
+            .map(|(key, value)| (key.to_owned(), value))
+            .collect(),
+    )
+}
 
 /// The value under `value` at `path`, a list of object keys.
 pub fn at<'a>(value: &'a Value, path: &[&str]) -> Option<&'a Value> {
@@ -243,6 +256,21 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    /// `object` builds what `json!` builds, a later member of the same key winning.
+    #[test]
+    fn an_object_holds_its_members() {
+        let text = "a text".to_owned();
+        assert_eq!(
+            object([("role", "user".into()), ("content", text.into())]),
+            json!({ "role": "user", "content": "a text" })
+        );
+        assert_eq!(
+            object([("k", 1.into()), ("k", Value::Null)]),
+            json!({ "k": null })
+        );
+        assert_eq!(object([]), json!({}));
+    }
 
     /// Text drawn from every kind of character, escaped or not.
     fn any_text() -> BoxedStrategy<String> {

@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 
 use super::v1::v1_error;
 use crate::error::{ApiError, ErrorCode};
+use crate::json::object;
 
 /// `input`: a string, a list of items, or anything else (absent, null, a number, an object),
 /// which the conversion refuses.
@@ -416,12 +417,13 @@ fn chat_parts(parts: Vec<Part>) -> Value {
         .filter_map(|part| match part.kind {
             PartKind::Text => {
                 let text = part.text.into_text().unwrap_or_default();
-                Some(json!({ "type": "text", "text": text }))
+                Some(object([("type", "text".into()), ("text", text.into())]))
             }
             PartKind::Image => {
                 let detail = part.detail.unwrap_or_else(|| json!("auto"));
                 let url = part.image_url.into_text()?;
-                Some(json!({ "type": "image_url", "image_url": { "url": url, "detail": detail } }))
+                let image = object([("url", url.into()), ("detail", detail)]);
+                Some(object([("type", "image_url".into()), ("image_url", image)]))
             }
             PartKind::Other => None,
         })
@@ -488,7 +490,7 @@ pub fn append_items(
                     Member::Text(text) => Value::String(text),
                     Member::List(parts) => chat_parts(parts),
                 };
-                messages.push(json!({ "role": role, "content": content }));
+                messages.push(object([("role", role.into()), ("content", content)]));
             }
             ItemKind::FunctionCall => {
                 let (Member::Text(call_id), Member::Text(name)) = (item.call_id, item.name) else {
@@ -506,7 +508,12 @@ pub fn append_items(
                 if let Some(calls) = &mut calls_made {
                     calls.insert(call_id.clone());
                 }
-                let call = json!({ "id": call_id, "type": "function", "function": { "name": name, "arguments": arguments } });
+                let function = object([("name", name.into()), ("arguments", arguments.into())]);
+                let call = object([
+                    ("id", call_id.into()),
+                    ("type", "function".into()),
+                    ("function", function),
+                ]);
                 match messages.last_mut() {
                     Some(last) if last.get("role").and_then(Value::as_str) == Some("assistant") => {
                         if let Some(calls) =
@@ -514,15 +521,17 @@ pub fn append_items(
                         {
                             calls.push(call);
                         } else {
-                            last["tool_calls"] = json!([call]);
+                            last["tool_calls"] = Value::Array(vec![call]);
                             if last["content"].as_str() == Some("") {
                                 last["content"] = Value::Null;
                             }
                         }
                     }
-                    _ => messages.push(
-                        json!({ "role": "assistant", "content": null, "tool_calls": [call] }),
-                    ),
+                    _ => messages.push(object([
+                        ("role", "assistant".into()),
+                        ("content", Value::Null),
+                        ("tool_calls", Value::Array(vec![call])),
+                    ])),
                 }
             }
             ItemKind::FunctionCallOutput => {
@@ -536,8 +545,11 @@ pub fn append_items(
                     .param(format!("{}.call_id", at())));
                 }
                 let output = parts_text(item.output);
-                messages
-                    .push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
+                messages.push(object([
+                    ("role", "tool".into()),
+                    ("tool_call_id", call_id.into()),
+                    ("content", output.into()),
+                ]));
             }
             // `reasoning`, `item_reference` and item types this surface does not know.
             ItemKind::Unnamed | ItemKind::Other => {}

@@ -676,7 +676,12 @@ pub async fn create_response(
         });
     }
     match std::mem::take(&mut request.input) {
-        ResponseInput::Text(text) => messages.push(json!({ "role": "user", "content": text })),
+        ResponseInput::Text(text) => {
+            messages.push(json::object([
+                ("role", "user".into()),
+                ("content", text.into()),
+            ]));
+        }
         ResponseInput::Items(items) => append_items(&mut messages, items, "input")?,
         ResponseInput::Other => {
             return Err(v1_error(

@@ -1108,6 +1108,31 @@ async fn bad_input_is_refused_with_its_param() {
             "invalid_message",
             json!("input[0].role"),
         ),
+        // Members of unexpected types are refused naming the item, as read from the body.
+        (
+            json!({ "model": "coder", "input": [{ "role": "user", "content": "x" }, { "role": null, "content": "x" }] }),
+            400,
+            "invalid_message",
+            json!("input[1].role"),
+        ),
+        (
+            json!({ "model": "coder", "input": [{ "type": "message", "role": "user", "content": { "text": "x" } }] }),
+            400,
+            "invalid_message",
+            json!("input[0].content"),
+        ),
+        (
+            json!({ "model": "coder", "input": { "role": "user", "content": "x" } }),
+            400,
+            "invalid_parameter",
+            json!("input"),
+        ),
+        (
+            json!({ "model": "coder" }),
+            400,
+            "invalid_parameter",
+            json!("input"),
+        ),
         (
             json!({ "model": "coder", "input": [{ "type": "function_call", "call_id": "c1", "name": "apply_patch", "arguments": "{}" }], "tools": [patch_tool()] }),
             400,
