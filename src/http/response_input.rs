@@ -8,14 +8,17 @@
 //! item is parsed into the members the conversion reads (its type, role, texts and call
 //! fields); the others are skipped as they are read, never built.
 //!
-//! Parsing never judges an item: a member of an unexpected type is read as
-//! [`Member::Other`], and the conversion refuses it naming the item, as it did when the
-//! input was a tree. A member given twice keeps its last value, as a JSON tree keeps it.
+//! Parsing never judges an item: a member of an unexpected type is read as such, and the
+//! conversion makes of it what it made of the tree's (a message's role or content, or a
+//! call's id or name, refused naming the item; other members passed over or taken as
+//! empty). A member given twice keeps its last value, as a JSON tree keeps it. Members not
+//! read are still parsed, and dropped at once ([`Skipped`]): a body this parse takes is one
+//! the tree's would take.
 
 use std::collections::HashSet;
 use std::fmt;
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Value, json};
 
 use super::v1::v1_error;
@@ -33,7 +36,7 @@ pub enum ResponseInput {
 }
 
 /// A member of an item or of a part, as far as the conversion reads it: a string, a list of
-/// `P`, or something else. A member read only as text is a `Member<IgnoredAny>`, its list's
+/// `P`, or something else. A member read only as text is a `Member<Skipped>`, its list's
 /// elements skipped.
 #[derive(Debug, Default, PartialEq)]
 pub enum Member<P> {
@@ -46,7 +49,7 @@ pub enum Member<P> {
 }
 
 /// A member read only as text.
-type Text = Member<IgnoredAny>;
+type Text = Member<Skipped>;
 
 impl<P> Member<P> {
     fn into_text(self) -> Option<String> {
@@ -224,6 +227,36 @@ macro_rules! scalars_give {
     };
 }
 
+/// A value read and dropped. It is parsed as a JSON tree's would be (its numbers' range,
+/// its strings' escapes and UTF-8, its depth), so that a body this parse takes is one a tree
+/// would take; serde's `IgnoredAny` checks none of them. Nothing of it is kept.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Skipped;
+
+impl<'de> Deserialize<'de> for Skipped {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SkippedVisitor;
+        impl<'de> Visitor<'de> for SkippedVisitor {
+            type Value = Skipped;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+            scalars_give!(Skipped);
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Skipped, E> {
+                Ok(Skipped)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Skipped, A::Error> {
+                while seq.next_element::<Skipped>()?.is_some() {}
+                Ok(Skipped)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Skipped, A::Error> {
+                skip_map(map).map(|()| Skipped)
+            }
+        }
+        deserializer.deserialize_any(SkippedVisitor)
+    }
+}
+
 /// Reads a list's elements as `T`.
 fn read_list<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(mut seq: A) -> Result<Vec<T>, A::Error> {
     let mut list = Vec::new();
@@ -235,7 +268,7 @@ fn read_list<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(mut seq: A) -> Result<
 
 /// Skips an object's members.
 fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
-    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    while map.next_entry::<Skipped, Skipped>()?.is_some() {}
     Ok(())
 }
 
@@ -278,7 +311,7 @@ impl<'de, T: Named> Visitor<'de> for NamedVisitor<T> {
         Ok(T::named(text))
     }
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
-        read_list::<IgnoredAny, A>(seq).map(|_| T::NOT_TEXT)
+        read_list::<Skipped, A>(seq).map(|_| T::NOT_TEXT)
     }
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
         skip_map(map).map(|()| T::NOT_TEXT)
@@ -312,7 +345,7 @@ macro_rules! object_visitor {
                 Ok(<$target>::default())
             }
             fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$target, A::Error> {
-                read_list::<IgnoredAny, A>(seq).map(|_| <$target>::default())
+                read_list::<Skipped, A>(seq).map(|_| <$target>::default())
             }
             fn visit_map<A: MapAccess<'de>>(self, mut $map: A) -> Result<$target, A::Error> {
                 let mut $object = <$target>::default();
@@ -338,7 +371,7 @@ object_visitor!(
         Key::Arguments => item.arguments = Some(map.next_value()?),
         Key::Output => item.output = map.next_value()?,
         _ => {
-            map.next_value::<IgnoredAny>()?;
+            map.next_value::<Skipped>()?;
         }
     }
 );
@@ -353,7 +386,7 @@ object_visitor!(
         Key::ImageUrl => part.image_url = map.next_value()?,
         Key::Detail => part.detail = Some(map.next_value()?),
         _ => {
-            map.next_value::<IgnoredAny>()?;
+            map.next_value::<Skipped>()?;
         }
     }
 );
@@ -564,8 +597,10 @@ mod tests {
 
     use super::{InputItem, Member, ResponseInput, append_items};
 
+    /// The items of `input`, parsed from its text as a body is.
     fn items(input: Value) -> Vec<InputItem> {
-        match serde_json::from_value(input).expect("the input parses") {
+        let text = serde_json::to_vec(&input).unwrap();
+        match serde_json::from_slice(&text).expect("the input parses") {
             ResponseInput::Items(items) => items,
             other => panic!("not a list of items: {other:?}"),
         }
@@ -729,5 +764,48 @@ mod tests {
         };
         assert_eq!(items[0].role, super::Role::Assistant);
         assert_eq!(items[0].content, Member::Text("a \"quoted\" word".into()));
+    }
+
+    /// A value the parse skips is parsed all the same: a body is refused where a JSON tree
+    /// refuses it (a number out of range, a lone surrogate, bytes that are no UTF-8, nesting
+    /// past serde_json's limit), and taken where it takes it.
+    #[test]
+    fn skipped_values_are_parsed_as_a_tree_parses_them() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let item = |skipped: &str| {
+            format!(r#"[{{"role":"user","content":"hi","id":{skipped}}},{{"type":"reasoning","summary":{skipped}}}]"#)
+                .into_bytes()
+        };
+        let mut not_utf8 = item(r#""ab""#);
+        let at = not_utf8.iter().position(|byte| *byte == b'b').unwrap();
+        not_utf8[at] = 0xFF;
+        let refused = [
+            item("1e400"),
+            item(r#""\ud800""#),
+            item(r#""\udc00x""#),
+            not_utf8,
+            item(&deep),
+            item(r#"{"k":[1,{"x":1e999}]}"#),
+        ];
+        for body in refused {
+            assert!(serde_json::from_slice::<Value>(&body).is_err());
+            assert!(
+                serde_json::from_slice::<ResponseInput>(&body).is_err(),
+                "{}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        for taken in [
+            r#"{"k":[1,{"x":null},"z",true,-2.5e3]}"#,
+            r#""\u00e9\n""#,
+            "[]",
+        ] {
+            let body = item(taken);
+            assert!(serde_json::from_slice::<Value>(&body).is_ok());
+            let ResponseInput::Items(items) = serde_json::from_slice(&body).unwrap() else {
+                panic!("a list of items")
+            };
+            assert_eq!(items.len(), 2);
+        }
     }
 }
