@@ -1054,6 +1054,34 @@ fn failed(seq: &mut Sequence, shape: &Shape, error: &ApiError) -> [Frame; 2] {
 mod tests {
     use super::*;
 
+    /// A body's input is read beside its other fields, those the struct names and those it
+    /// gathers (`rest`), as a client's echo of an answer comes: the answer's text kept, its
+    /// other members dropped.
+    #[test]
+    fn a_body_reads_its_input_beside_its_other_fields() {
+        let body = br#"{"model":"coder","temperature":0.2,"input":[
+            {"id":"msg_1","type":"message","role":"assistant","status":"completed",
+             "content":[{"type":"output_text","text":"Hi","annotations":[],"logprobs":[]}]},
+            {"role":"user","content":"again"}],"store":false,"include":["x"]}"#;
+        let request: CreateResponseRequest = super::super::extract::from_json(body).unwrap();
+        assert_eq!(request.model, "coder");
+        assert_eq!(request.store, Some(false));
+        assert_eq!(request.rest.get("temperature"), Some(&json!(0.2)));
+        assert_eq!(request.rest.get("include"), Some(&json!(["x"])));
+        let ResponseInput::Items(items) = request.input else {
+            panic!("a list of items")
+        };
+        let mut messages = Vec::new();
+        append_items(&mut messages, items, "input").unwrap();
+        assert_eq!(
+            Value::Array(messages),
+            json!([
+                { "role": "assistant", "content": "Hi" },
+                { "role": "user", "content": "again" },
+            ])
+        );
+    }
+
     /// The `data:` lines of a stream made of `events`, parsed.
     async fn printed(events: Vec<Frame>) -> Vec<Value> {
         let body = sse::response(
