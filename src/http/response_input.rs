@@ -6,7 +6,7 @@
 //! `status`, `annotations` and `logprobs` built and dropped), then copied into a chat
 //! message: most of a long loop's CPU (docs/profiling.md, the eighty-fifth pass). Here an
 //! item is parsed into the members the conversion reads (its type, role, texts and call
-//! fields); the others are skipped as they are read, never built.
+//! fields); the others are parsed and dropped as they are read, never built.
 //!
 //! Parsing never judges an item: a member of an unexpected type is read as such, and the
 //! conversion makes of it what it made of the tree's (a message's role or content, or a
@@ -37,7 +37,7 @@ pub enum ResponseInput {
 
 /// A member of an item or of a part, as far as the conversion reads it: a string, a list of
 /// `P`, or something else. A member read only as text is a `Member<Skipped>`, its list's
-/// elements skipped.
+/// elements parsed and dropped.
 #[derive(Debug, Default, PartialEq)]
 pub enum Member<P> {
     #[default]
