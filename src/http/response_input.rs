@@ -701,6 +701,18 @@ mod tests {
             refused(json!({ "role": "user" })),
             Err(Some("input[1].content".into()))
         );
+        // A message's role is judged before its content, and the first bad item is named.
+        assert_eq!(
+            refused(json!({ "role": "wizard" })),
+            Err(Some("input[1].role".into()))
+        );
+        assert_eq!(
+            converted(json!([
+                { "role": "user" },
+                { "type": "function_call_output", "call_id": "none" },
+            ])),
+            Err(Some("input[0].content".into()))
+        );
         assert_eq!(
             refused(json!({ "role": "user", "content": null })),
             Err(Some("input[1].content".into()))
