@@ -26,14 +26,8 @@ use crate::error::{ApiError, ErrorCode};
 use crate::json::object;
 
 /// `input`: a string, a list of items, or anything else (absent, null, a number, an object),
-/// which the conversion refuses.
-#[derive(Debug, Default)]
-pub enum ResponseInput {
-    Text(String),
-    Items(Vec<InputItem>),
-    #[default]
-    Other,
-}
+/// which the conversion refuses. It is read as any member is.
+pub type ResponseInput = Member<InputItem>;
 
 /// A member of an item or of a part, as far as the conversion reads it: a string, a list of
 /// `P`, or something else. A member read only as text is a `Member<Skipped>`, its list's
@@ -245,9 +239,8 @@ impl<'de> Deserialize<'de> for Skipped {
             fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Skipped, E> {
                 Ok(Skipped)
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Skipped, A::Error> {
-                while seq.next_element::<Skipped>()?.is_some() {}
-                Ok(Skipped)
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Skipped, A::Error> {
+                skip_list(seq).map(|()| Skipped)
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Skipped, A::Error> {
                 skip_map(map).map(|()| Skipped)
@@ -264,6 +257,12 @@ fn read_list<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(mut seq: A) -> Result<
         list.push(element);
     }
     Ok(list)
+}
+
+/// Parses a list's elements and drops them.
+fn skip_list<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<(), A::Error> {
+    while seq.next_element::<Skipped>()?.is_some() {}
+    Ok(())
 }
 
 /// Skips an object's members.
@@ -311,7 +310,7 @@ impl<'de, T: Named> Visitor<'de> for NamedVisitor<T> {
         Ok(T::named(text))
     }
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
-        read_list::<Skipped, A>(seq).map(|_| T::NOT_TEXT)
+        skip_list(seq).map(|()| T::NOT_TEXT)
     }
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
         skip_map(map).map(|()| T::NOT_TEXT)
@@ -345,7 +344,7 @@ macro_rules! object_visitor {
                 Ok(<$target>::default())
             }
             fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$target, A::Error> {
-                read_list::<Skipped, A>(seq).map(|_| <$target>::default())
+                skip_list(seq).map(|()| <$target>::default())
             }
             fn visit_map<A: MapAccess<'de>>(self, mut $map: A) -> Result<$target, A::Error> {
                 let mut $object = <$target>::default();
@@ -403,32 +402,6 @@ impl<'de> Deserialize<'de> for Part {
     }
 }
 
-impl<'de> Deserialize<'de> for ResponseInput {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct InputVisitor;
-        impl<'de> Visitor<'de> for InputVisitor {
-            type Value = ResponseInput;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string or a list of items")
-            }
-            scalars_give!(ResponseInput::Other);
-            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<ResponseInput, E> {
-                Ok(ResponseInput::Text(text.to_owned()))
-            }
-            fn visit_string<E: serde::de::Error>(self, text: String) -> Result<ResponseInput, E> {
-                Ok(ResponseInput::Text(text))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<ResponseInput, A::Error> {
-                read_list(seq).map(ResponseInput::Items)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ResponseInput, A::Error> {
-                skip_map(map).map(|()| ResponseInput::Other)
-            }
-        }
-        deserializer.deserialize_any(InputVisitor)
-    }
-}
-
 /// The text of a content or an output that is a string or a list of parts (its parts'
 /// texts, joined), taken from it; empty for anything else.
 fn parts_text(content: Member<Part>) -> String {
@@ -465,14 +438,29 @@ fn chat_parts(parts: Vec<Part>) -> Value {
 }
 
 /// The ids of the function calls among `messages`.
-fn call_ids(messages: &[Value]) -> HashSet<String> {
+fn call_ids(messages: &[Value]) -> impl Iterator<Item = &str> {
     messages
         .iter()
         .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
         .flatten()
         .filter_map(|call| call.get("id").and_then(Value::as_str))
-        .map(str::to_owned)
-        .collect()
+}
+
+/// Every function call of the transcript must have its output before the model is asked
+/// again (OpenAI refuses it too; the upstream would, as a 502).
+pub fn check_calls_answered(messages: &[Value]) -> Result<(), ApiError> {
+    let answered: HashSet<&str> = messages
+        .iter()
+        .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
+        .collect();
+    match call_ids(messages).find(|id| !answered.contains(id)) {
+        Some(id) => Err(v1_error(
+            ErrorCode::InvalidParameter,
+            format!("no function_call_output was given for the function call `{id}`"),
+        )
+        .param("input")),
+        None => Ok(()),
+    }
 }
 
 /// Turns Responses input items into a Chat Completions transcript, appended to `messages`.
@@ -569,7 +557,8 @@ pub fn append_items(
             }
             ItemKind::FunctionCallOutput => {
                 let call_id = item.call_id.into_text().unwrap_or_default();
-                let calls = calls_made.get_or_insert_with(|| call_ids(messages));
+                let calls = calls_made
+                    .get_or_insert_with(|| call_ids(messages).map(str::to_owned).collect());
                 if !calls.contains(&call_id) {
                     return Err(v1_error(
                         ErrorCode::InvalidParameter,
@@ -601,7 +590,7 @@ mod tests {
     fn items(input: Value) -> Vec<InputItem> {
         let text = serde_json::to_vec(&input).unwrap();
         match serde_json::from_slice(&text).expect("the input parses") {
-            ResponseInput::Items(items) => items,
+            Member::List(items) => items,
             other => panic!("not a list of items: {other:?}"),
         }
     }
@@ -755,15 +744,15 @@ mod tests {
     #[test]
     fn an_input_is_text_items_or_other() {
         let read = |input: Value| serde_json::from_value::<ResponseInput>(input).unwrap();
-        assert!(matches!(read(json!("hi")), ResponseInput::Text(text) if text == "hi"));
-        assert!(matches!(read(json!([])), ResponseInput::Items(items) if items.is_empty()));
+        assert!(matches!(read(json!("hi")), Member::Text(text) if text == "hi"));
+        assert!(matches!(read(json!([])), Member::List(items) if items.is_empty()));
         for other in [
             json!(null),
             json!(1),
             json!(true),
             json!({ "role": "user" }),
         ] {
-            assert!(matches!(read(other), ResponseInput::Other));
+            assert!(matches!(read(other), Member::Other));
         }
         // Parsed from text, as a body is: escapes in a key and a value, and a member given
         // twice keeping its last value, as a JSON tree keeps it.
@@ -771,7 +760,7 @@ mod tests {
             r#"[{"rol\u0065":"user","content":"a \"quoted\" word","role":"assistant"}]"#,
         )
         .unwrap();
-        let ResponseInput::Items(items) = parsed else {
+        let Member::List(items) = parsed else {
             panic!("a list of items")
         };
         assert_eq!(items[0].role, super::Role::Assistant);
@@ -814,7 +803,8 @@ mod tests {
         ] {
             let body = item(taken);
             assert!(serde_json::from_slice::<Value>(&body).is_ok());
-            let ResponseInput::Items(items) = serde_json::from_slice(&body).unwrap() else {
+            let Member::List(items) = serde_json::from_slice::<ResponseInput>(&body).unwrap()
+            else {
                 panic!("a list of items")
             };
             assert_eq!(items.len(), 2);

@@ -25,7 +25,7 @@ use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages;
-use super::response_input::{ResponseInput, append_items};
+use super::response_input::{Member, ResponseInput, append_items, check_calls_answered};
 use super::sse::{self, Frame};
 use super::v1::{
     Chain, V1Submission, client_calls, client_functions, completed_event, delta_text,
@@ -412,29 +412,6 @@ fn usage(usage: Option<&Value>) -> ResponseUsage {
     }
 }
 
-/// Every function call of the transcript must have its output before the model is asked
-/// again (OpenAI refuses it too; the upstream would, as a 502).
-fn check_calls_answered(messages: &[Value]) -> Result<(), ApiError> {
-    let answered: std::collections::HashSet<&str> = messages
-        .iter()
-        .filter_map(|m| m.get("tool_call_id").and_then(Value::as_str))
-        .collect();
-    let missing = messages
-        .iter()
-        .filter_map(|m| m.get("tool_calls").and_then(Value::as_array))
-        .flatten()
-        .filter_map(|call| call.get("id").and_then(Value::as_str))
-        .find(|id| !answered.contains(id));
-    match missing {
-        Some(id) => Err(v1_error(
-            ErrorCode::InvalidParameter,
-            format!("no function_call_output was given for the function call `{id}`"),
-        )
-        .param("input")),
-        None => Ok(()),
-    }
-}
-
 /// Generation options from a Responses request, in the Chat Completions names the adapter
 /// forwards.
 fn options(request: &CreateResponseRequest) -> Map<String, Value> {
@@ -676,14 +653,14 @@ pub async fn create_response(
         });
     }
     match std::mem::take(&mut request.input) {
-        ResponseInput::Text(text) => {
+        Member::Text(text) => {
             messages.push(json::object([
                 ("role", "user".into()),
                 ("content", text.into()),
             ]));
         }
-        ResponseInput::Items(items) => append_items(&mut messages, items, "input")?,
-        ResponseInput::Other => {
+        Member::List(items) => append_items(&mut messages, items, "input")?,
+        Member::Absent | Member::Other => {
             return Err(v1_error(
                 ErrorCode::InvalidParameter,
                 "`input` must be a string or a list of items",
@@ -1068,7 +1045,7 @@ mod tests {
         assert_eq!(request.store, Some(false));
         assert_eq!(request.rest.get("temperature"), Some(&json!(0.2)));
         assert_eq!(request.rest.get("include"), Some(&json!(["x"])));
-        let ResponseInput::Items(items) = request.input else {
+        let Member::List(items) = request.input else {
             panic!("a list of items")
         };
         let mut messages = Vec::new();
