@@ -165,10 +165,12 @@ pub struct SharedHistory {
     written: Mutex<WrittenText>,
 }
 
-/// The JSON text of a history's first `messages` messages, comma-separated, no brackets.
+/// The JSON text of a history's first `messages` messages, comma-separated, no brackets;
+/// shared with what keeps it past the run (`runtime::carried_digests`), copied only if the
+/// history then has more messages written.
 #[derive(Debug, Default, Clone)]
 struct WrittenText {
-    text: String,
+    text: Arc<String>,
     messages: usize,
 }
 
@@ -177,7 +179,7 @@ impl SharedHistory {
     /// array items gives (comma-separated, no brackets), as a turn with no session writes it
     /// for its digest (`runtime::named_transcripts`, tested there); a model call sends it as
     /// it is.
-    pub(crate) fn written(messages: Vec<Value>, text: String) -> Self {
+    pub(crate) fn written(messages: Vec<Value>, text: Arc<String>) -> Self {
         let count = messages.len();
         Self {
             messages,
@@ -216,8 +218,11 @@ impl SharedHistory {
         let mut written = self.text();
         let WrittenText { text, messages } = &mut *written;
         let unwritten = self.messages.get(*messages..).unwrap_or_default();
-        crate::json::write_items(text, *messages, unwritten, crate::json::write);
-        *messages += unwritten.len();
+        if !unwritten.is_empty() {
+            let text = Arc::make_mut(text);
+            crate::json::write_items(text, *messages, unwritten, crate::json::write);
+            *messages += unwritten.len();
+        }
         out.push_str(text);
     }
 
@@ -391,7 +396,7 @@ mod tests {
             panic!("a shared history")
         };
         let text = serde_json::to_string(&*shared.messages).unwrap();
-        assert_eq!(shared.text().text, text[1..text.len() - 1]);
+        assert_eq!(shared.text().text.as_str(), &text[1..text.len() - 1]);
         assert_eq!(shared.estimated_text_bytes(), text.len() - 2);
         // The next turn's history: this one, its text carried by a copy, then extended.
         let mut history = (*shared).clone();

@@ -9,6 +9,7 @@
 //! [`Runtime::stop_admitting`] refuses new requests ([`RuntimeError::ShuttingDown`]) and
 //! [`Runtime::shutdown`] waits, bounded, only for runs holding an execution slot.
 
+mod carried_digests;
 mod client_turns;
 mod clock;
 pub mod events;
@@ -583,6 +584,8 @@ struct Inner {
     reloading: tokio::sync::Mutex<()>,
     /// The newest history paths of recently continued sessions (up to eight branches of one).
     histories: history::Histories,
+    /// The digests of recent conversations with no session, for their next turns to go on.
+    carried_digests: carried_digests::CarriedDigests,
 }
 
 /// How long shutdown waits for handed-over runs to stop before giving their leases back.
@@ -665,6 +668,9 @@ impl Runtime {
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
                 histories: history::Histories::within(workspace.runtime.limits.kept_history_bytes),
+                carried_digests: carried_digests::CarriedDigests::within(
+                    workspace.runtime.limits.kept_history_bytes / 4,
+                ),
                 slots,
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
                 spend: crate::spend::Spend::new(Arc::clone(&store)),
@@ -883,8 +889,11 @@ impl Runtime {
                     .or(workspace.runtime.retention.requests);
                 let (owner, own) = (&request.owner, std::mem::take(&mut own));
                 let leading = &request.leading;
-                let (named, shared) =
-                    named_transcripts::named(store, owner, &agent_id, window, leading, own).await;
+                let carried = &inner.carried_digests;
+                let (named, shared) = named_transcripts::named(
+                    store, carried, owner, &agent_id, window, leading, own,
+                )
+                .await;
                 // Its leading messages are named where its first messages are, when the same
                 // (the eighty-fourth pass).
                 request.leading_held_by = named.held_leading();

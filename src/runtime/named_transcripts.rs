@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 use super::HeldLeading;
+use super::carried_digests::CarriedDigests;
 use crate::adapters::SharedHistory;
 use crate::store::{INPUT_DIGEST, InputHolder, LEADING_DIGEST, PREFIX_LEN, PREFIX_OF, Store};
 
@@ -113,26 +114,35 @@ fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<u
 }
 
 /// The digest of the JSON array of `items` ([`written_items`]), and of the array of its
-/// first items, up to `before_end`, from one pass over the text.
-fn digests(items: &str, before_end: Option<usize>) -> (TextDigest, Option<TextDigest>) {
+/// first items, up to `before_end`, from one pass over the text, and the hasher's state
+/// after the items (before the closing `]`), for the next turn to go on from. `carried`,
+/// when given, is the state after `[` and the first items ([`CarriedDigests::take`]): only
+/// the rest is hashed.
+fn digests(
+    items: &str,
+    before_end: Option<usize>,
+    carried: Option<Sha256>,
+) -> (TextDigest, Option<TextDigest>, Sha256) {
     let finished = |hasher: &Sha256, items: usize| TextDigest {
         hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
         bytes: items + 2,
     };
-    let mut hasher = Sha256::new();
-    hasher.update(b"[");
-    let first = before_end.map(|end| {
+    let end = before_end.unwrap_or(0);
+    let mut hasher = carried.unwrap_or_else(|| {
+        let mut hasher = Sha256::new();
+        hasher.update(b"[");
         hasher.update(&items.as_bytes()[..end]);
-        finished(&hasher, end)
+        hasher
     });
-    hasher.update(&items.as_bytes()[before_end.unwrap_or(0)..]);
-    (finished(&hasher, items.len()), first)
+    let first = before_end.map(|end| finished(&hasher, end));
+    hasher.update(&items.as_bytes()[end..]);
+    (finished(&hasher, items.len()), first, hasher)
 }
 
 /// The digest of `messages` as their JSON text, in hex: the one way this crate writes a
 /// digest of messages (a transcript's here, a request's leading messages').
 pub(super) fn digest_of(messages: &[Value]) -> String {
-    digests(&written_items(messages, None).0, None).0.hex
+    digests(&written_items(messages, None).0, None, None).0.hex
 }
 
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
@@ -157,9 +167,12 @@ fn safe_from_the_prune(
 /// request rather than serializing the messages again. The request it continues is the one
 /// whose messages are this transcript's before its newest answer, looked up by their
 /// digest (one indexed read) when they are long enough to have one ([`NAMED_FROM_BYTES`]).
-/// A failed read only stores the transcript whole.
+/// A failed read only stores the transcript whole. The digest goes on from the hasher's
+/// state `carried` kept after the turn before, when it kept one for the same first messages,
+/// and this turn's is kept for the next.
 pub async fn named(
     store: &dyn Store,
+    carried: &CarriedDigests,
     owner: &str,
     agent: &str,
     window: Option<std::time::Duration>,
@@ -179,8 +192,13 @@ pub async fn named(
     };
     // Nothing shorter has a digest or is looked up (what comes before the newest answer is
     // shorter still): a short request, the common one, hashes nothing.
+    let text = Arc::new(text);
     if text.len() + 2 >= NAMED_FROM_BYTES {
-        let (whole, before) = digests(&text, before_end);
+        let state = before_end
+            .and_then(|end| text.get(..end))
+            .and_then(|first| carried.take(owner, agent, first));
+        let (whole, before, state) = digests(&text, before_end, state);
+        carried.keep(owner, agent, Arc::clone(&text), state);
         named.digest = Some(whole.hex);
         named.leading_digest = (!leading.is_empty()).then(|| digest_of(leading));
         if let (Some(continued), Some(before)) = (newest_answer, before)
@@ -229,6 +247,7 @@ async fn held_before(
 #[cfg(test)]
 mod tests {
     use serde_json::json;
+    use sha2::Digest;
 
     use super::{TextDigest, digests, names_holder, safe_from_the_prune, written_items};
 
@@ -253,15 +272,25 @@ mod tests {
         };
         for before in 0..=messages.len() {
             let (text, before_end) = written_items(&messages, Some(before));
-            let (whole, first) = digests(&text, before_end);
+            let (whole, first, state) = digests(&text, before_end, None);
             assert_eq!(whole, of(&messages));
             assert_eq!(first, Some(of(&messages[..before])));
+            // The state after the items goes on as hashing the array from the start does.
+            let (more, _) = written_items(&messages[..1], None);
+            let joined = format!("{text},{more}");
+            let from_start = digests(&joined, Some(text.len()), None);
+            let carried = digests(&joined, Some(text.len()), Some(state));
+            assert_eq!((carried.0, carried.1), (from_start.0, from_start.1));
+            assert_eq!(carried.2.finalize(), from_start.2.finalize());
             // The text is the array's items.
             let mut array = String::new();
             crate::json::write_array(&mut array, &messages, crate::json::write);
             assert_eq!(format!("[{text}]"), array);
         }
-        assert_eq!(digests(&written_items(&messages, None).0, None).1, None);
+        assert_eq!(
+            digests(&written_items(&messages, None).0, None, None).1,
+            None
+        );
         assert_ne!(of(&messages[..2]), of(&messages[..3]));
     }
 

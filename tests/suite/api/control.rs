@@ -1392,6 +1392,13 @@ pub(super) fn stored_input_of(app: &TestApp, database: Option<&str>, request_id:
     }
 }
 
+/// The SHA-256, in hex, of messages as compact JSON text.
+fn sha256_hex(messages: &[Value]) -> String {
+    use sha2::Digest;
+    let text = serde_json::to_string(messages).unwrap();
+    format!("{:x}", sha2::Sha256::digest(text.as_bytes()))
+}
+
 on_both_stores!(a_chat_with_no_session_names_what_an_earlier_turn_holds);
 /// A Chat Completions client with no session sends its whole transcript every turn, each
 /// turn a request (and a session) of its own: the model hears the transcript as sent, and a
@@ -1454,6 +1461,11 @@ async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<S
             long.then_some(64),
             "turn {turn}: {input}"
         );
+        // The SHA-256 of the whole transcript's text, though each turn after a long one
+        // hashes only what it adds to the turn before (the hasher's state carried on).
+        if let Some(digest) = digest {
+            assert_eq!(digest, sha256_hex(transcript), "turn {turn}");
+        }
 
         stored += own.len();
         whole += transcript.len();
@@ -1483,6 +1495,8 @@ async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<S
     );
     let theirs = stored_input_of(&app, store.as_deref(), &theirs);
     assert!(theirs.get("prefixOf").is_none(), "{theirs}");
+    // Hashed whole (nothing of the first key's carried on), to the same digest.
+    assert_eq!(theirs["inputDigest"], inputs[9]["inputDigest"]);
     assert_eq!(theirs["messages"].as_array().unwrap(), &turns[9].1);
 
     // The refused turn, retried, is sent its whole transcript, read back through its holder.
