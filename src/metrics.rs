@@ -138,6 +138,18 @@ fn describe() {
         "Estimated memory of the session history paths kept, within limits.keptHistoryBytes (read when scraped)"
     );
     describe_counter!(
+        "stable_harness_transcript_digests_total",
+        "Digests of chat transcripts with no session, by how taken (carried: from the turn before's kept state, hashing only what the turn adds; whole)"
+    );
+    describe_gauge!(
+        "stable_harness_carried_digests",
+        "Conversations with no session whose transcript digest state is kept for their next turn (read when scraped)"
+    );
+    describe_gauge!(
+        "stable_harness_carried_digest_bytes",
+        "Memory of the transcript texts kept with those states, within a quarter of limits.keptHistoryBytes (read when scraped)"
+    );
+    describe_counter!(
         "stable_harness_events_appended_total",
         "Events committed to the store, by type"
     );
@@ -416,6 +428,18 @@ pub fn run_ended(agent: &str, status: &str, took: Duration) {
 /// it whole again.
 pub fn history_not_kept(why: &'static str) {
     counter!("stable_harness_histories_not_kept_total", "why" => why).increment(1);
+}
+
+/// A chat transcript's digest taken: `carried` on from the state kept after the turn before
+/// (only what the turn adds hashed), or `whole`.
+pub fn transcript_digest(how: &'static str) {
+    counter!("stable_harness_transcript_digests_total", "how" => how).increment(1);
+}
+
+/// The transcript digest states kept in memory and their texts' memory, now.
+pub fn carried_digests(count: usize, bytes: usize) {
+    gauge!("stable_harness_carried_digests").set(count as f64);
+    gauge!("stable_harness_carried_digest_bytes").set(bytes as f64);
 }
 
 /// The session history paths kept in memory and their estimated size, now.

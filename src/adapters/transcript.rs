@@ -166,8 +166,8 @@ pub struct SharedHistory {
 }
 
 /// The JSON text of a history's first `messages` messages, comma-separated, no brackets;
-/// shared with what keeps it past the run (`runtime::carried_digests`), copied only if the
-/// history then has more messages written.
+/// shared with what keeps it past the run (`runtime::carried_digests`), copied only if
+/// still shared when more messages are written.
 #[derive(Debug, Default, Clone)]
 struct WrittenText {
     text: Arc<String>,

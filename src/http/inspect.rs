@@ -206,6 +206,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl axum::response::Into
     }
     let (paths, bytes) = state.runtime.kept_histories();
     crate::metrics::kept_histories(paths, bytes);
+    let (count, bytes) = state.runtime.carried_digests();
+    crate::metrics::carried_digests(count, bytes);
     (
         [(
             axum::http::header::CONTENT_TYPE,

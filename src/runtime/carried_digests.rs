@@ -1,18 +1,21 @@
 //! The SHA-256 of a conversation's transcript carried from one turn to the next. A client
 //! with no session sends its whole transcript every turn, and each turn of a long one took
-//! the digest of all of it ([`super::named_transcripts`]): a tenth of the turn's CPU at a
-//! thousand turns (docs/profiling.md, the eighty-sixth pass). What a turn hashed is the
-//! next turn's first messages, so the hasher's state after a turn's text is kept here with
-//! that text; the next turn whose first messages are those bytes, compared whole, goes on
-//! from the state and hashes only what it adds. The digest is the same SHA-256 of the same
-//! bytes either way: a state is used only for the very text it covers, never on a match of
+//! the digest of all of it ([`super::named_transcripts`]): 8-14% of a chat turn's CPU at a
+//! thousand turns (docs/profiling.md, the eighty-sixth pass). What a turn hashed is the next
+//! turn's first messages, so the hasher's state after a turn's text is kept here with that
+//! text; the next turn whose first messages are those bytes, compared whole, goes on from
+//! the state and hashes only what it adds. The digest is the same SHA-256 of the same bytes
+//! either way: a state is used only for the very text it covers, never on a match of
 //! anything shorter (a length, a sample, a weaker hash).
 //!
-//! Kept by key and agent, most recent first out of room: at most a budget of text (a
-//! quarter of `limits.keptHistoryBytes`, the text shared with the turn's model call while it
-//! runs), one text at most half of it, and [`MOST_CARRIED`] conversations. A turn whose
-//! state is not here (evicted, another instance's, after a restart) hashes its whole text,
-//! as before.
+//! Kept by key and agent, the oldest first out of room: at most a budget of text (a quarter
+//! of `limits.keptHistoryBytes`, counted by capacity; the text is the one the turn's model
+//! call writes its request from), one text at most half of it, and [`MOST_CARRIED`]
+//! conversations. Only a transcript long enough to have a digest (4 KiB) is kept. A turn
+//! whose state is not here (evicted, another instance's, after a restart, a transcript the
+//! client changed) hashes its whole text, as before. Unlike the kept histories, a state
+//! newly kept always finds room: more long conversations at once than the budget holds (one
+//! key's or many keys') take each other's places, and their turns hash whole again.
 
 use std::sync::{Arc, Mutex};
 
@@ -98,11 +101,13 @@ impl CarriedDigests {
             return;
         }
         let pick = self.pick(owner, agent, &text);
+        // What gives way is dropped after the lock is let go: a text may be megabytes.
+        let mut gone = Vec::new();
         let mut kept = self.lock();
         // Another state for these bytes (a turn sent twice) gives way; so do the oldest,
         // until this one fits.
         if let Some(at) = kept.carried.iter().position(|carried| carried.pick == pick) {
-            kept.remove(at);
+            gone.push(kept.remove(at));
         }
         while !kept.carried.is_empty()
             && (kept.carried.len() >= MOST_CARRIED
@@ -114,7 +119,7 @@ impl CarriedDigests {
                 .enumerate()
                 .min_by_key(|(_, carried)| carried.kept_at)
                 .map_or(0, |(at, _)| at);
-            kept.remove(oldest);
+            gone.push(kept.remove(oldest));
         }
         kept.clock = kept.clock.wrapping_add(1);
         kept.bytes = kept.bytes.saturating_add(held);
@@ -125,6 +130,8 @@ impl CarriedDigests {
             state,
             kept_at,
         });
+        drop(kept);
+        drop(gone);
     }
 
     /// How many states are kept and the memory their texts hold.

@@ -733,6 +733,12 @@ impl Runtime {
         self.inner.histories.held()
     }
 
+    /// The transcript digest states kept for the next turns of conversations with no
+    /// session, and their texts' memory (for `/metrics`).
+    pub fn carried_digests(&self) -> (usize, usize) {
+        self.inner.carried_digests.held()
+    }
+
     /// Whether the store accepts writes (for `/readyz`).
     pub fn store_available(&self) -> bool {
         self.inner.journal.is_available()

@@ -114,35 +114,35 @@ fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<u
 }
 
 /// The digest of the JSON array of `items` ([`written_items`]), and of the array of its
-/// first items, up to `before_end`, from one pass over the text, and the hasher's state
-/// after the items (before the closing `]`), for the next turn to go on from. `carried`,
-/// when given, is the state after `[` and the first items ([`CarriedDigests::take`]): only
-/// the rest is hashed.
+/// first items, up to `before`'s end, from one pass over the text, and the hasher's state
+/// after the items (before the closing `]`), for the next turn to go on from. `before`'s
+/// state, when given, is the one after `[` and those first items
+/// ([`CarriedDigests::take`]): only the rest is hashed.
 fn digests(
     items: &str,
-    before_end: Option<usize>,
-    carried: Option<Sha256>,
+    before: Option<(usize, Option<Sha256>)>,
 ) -> (TextDigest, Option<TextDigest>, Sha256) {
     let finished = |hasher: &Sha256, items: usize| TextDigest {
         hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
         bytes: items + 2,
     };
-    let end = before_end.unwrap_or(0);
+    let (end, carried) = before.map_or((None, None), |(end, carried)| (Some(end), carried));
+    let start = end.unwrap_or(0);
     let mut hasher = carried.unwrap_or_else(|| {
         let mut hasher = Sha256::new();
         hasher.update(b"[");
-        hasher.update(&items.as_bytes()[..end]);
+        hasher.update(&items.as_bytes()[..start]);
         hasher
     });
-    let first = before_end.map(|end| finished(&hasher, end));
-    hasher.update(&items.as_bytes()[end..]);
+    let first = end.map(|end| finished(&hasher, end));
+    hasher.update(&items.as_bytes()[start..]);
     (finished(&hasher, items.len()), first, hasher)
 }
 
 /// The digest of `messages` as their JSON text, in hex: the one way this crate writes a
 /// digest of messages (a transcript's here, a request's leading messages').
 pub(super) fn digest_of(messages: &[Value]) -> String {
-    digests(&written_items(messages, None).0, None, None).0.hex
+    digests(&written_items(messages, None).0, None).0.hex
 }
 
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
@@ -194,10 +194,18 @@ pub async fn named(
     // shorter still): a short request, the common one, hashes nothing.
     let text = Arc::new(text);
     if text.len() + 2 >= NAMED_FROM_BYTES {
-        let state = before_end
-            .and_then(|end| text.get(..end))
-            .and_then(|first| carried.take(owner, agent, first));
-        let (whole, before, state) = digests(&text, before_end, state);
+        let before = before_end.map(|end| {
+            let state = text
+                .get(..end)
+                .and_then(|first| carried.take(owner, agent, first));
+            (end, state)
+        });
+        let how = match before {
+            Some((_, Some(_))) => "carried",
+            _ => "whole",
+        };
+        crate::metrics::transcript_digest(how);
+        let (whole, before, state) = digests(&text, before);
         carried.keep(owner, agent, Arc::clone(&text), state);
         named.digest = Some(whole.hex);
         named.leading_digest = (!leading.is_empty()).then(|| digest_of(leading));
@@ -272,14 +280,14 @@ mod tests {
         };
         for before in 0..=messages.len() {
             let (text, before_end) = written_items(&messages, Some(before));
-            let (whole, first, state) = digests(&text, before_end, None);
+            let (whole, first, state) = digests(&text, before_end.map(|end| (end, None)));
             assert_eq!(whole, of(&messages));
             assert_eq!(first, Some(of(&messages[..before])));
             // The state after the items goes on as hashing the array from the start does.
             let (more, _) = written_items(&messages[..1], None);
             let joined = format!("{text},{more}");
-            let from_start = digests(&joined, Some(text.len()), None);
-            let carried = digests(&joined, Some(text.len()), Some(state));
+            let from_start = digests(&joined, Some((text.len(), None)));
+            let carried = digests(&joined, Some((text.len(), Some(state))));
             assert_eq!((carried.0, carried.1), (from_start.0, from_start.1));
             assert_eq!(carried.2.finalize(), from_start.2.finalize());
             // The text is the array's items.
@@ -287,10 +295,7 @@ mod tests {
             crate::json::write_array(&mut array, &messages, crate::json::write);
             assert_eq!(format!("[{text}]"), array);
         }
-        assert_eq!(
-            digests(&written_items(&messages, None).0, None, None).1,
-            None
-        );
+        assert_eq!(digests(&written_items(&messages, None).0, None).1, None);
         assert_ne!(of(&messages[..2]), of(&messages[..3]));
     }
 

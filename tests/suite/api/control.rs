@@ -1416,6 +1416,9 @@ async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<S
     }]);
     upstream.set_default(Reply::Text(format!("a{TURNS}")));
     let app = spawn(api_workspace(&upstream, ""), store.clone()).await;
+    let scrape = async || super::metrics_text(&app.http, &app.url("/metrics")).await;
+    let carried = "stable_harness_transcript_digests_total{how=\"carried\"}";
+    let carried_before = super::metric_sample(&scrape().await, carried);
     let mut sent = vec![json!({ "role": "system", "content": "Be brief." })];
     let mut turns: Vec<(String, Vec<Value>)> = Vec::new();
     for turn in 0..TURNS {
@@ -1495,8 +1498,15 @@ async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<S
     );
     let theirs = stored_input_of(&app, store.as_deref(), &theirs);
     assert!(theirs.get("prefixOf").is_none(), "{theirs}");
-    // Hashed whole (nothing of the first key's carried on), to the same digest.
+    // The same bytes, the same digest, whoever sends them.
     assert_eq!(theirs["inputDigest"], inputs[9]["inputDigest"]);
+    // Each turn after the first long ones went on from the digest of the turn before (the
+    // process's counter is shared: other tests' turns only add to it).
+    let carried_after = super::metric_sample(&scrape().await, carried);
+    assert!(
+        carried_after - carried_before >= (TURNS / 2) as f64,
+        "{carried_before} -> {carried_after}"
+    );
     assert_eq!(theirs["messages"].as_array().unwrap(), &turns[9].1);
 
     // The refused turn, retried, is sent its whole transcript, read back through its holder.
