@@ -436,6 +436,12 @@ pub fn transcript_digest(how: &'static str) {
     counter!("stable_harness_transcript_digests_total", "how" => how).increment(1);
 }
 
+/// A chat turn with no session: its messages `carried` on from the turn before's (only those
+/// after them parsed), or `parsed` whole.
+pub fn chat_transcript(how: &'static str) {
+    counter!("stable_harness_chat_transcripts_total", "how" => how).increment(1);
+}
+
 /// The transcript digest states kept in memory and their texts' memory, now.
 pub fn carried_digests(count: usize, bytes: usize) {
     gauge!("stable_harness_carried_digests").set(count as f64);

@@ -197,6 +197,65 @@ impl SharedHistory {
         self.messages.extend(messages);
     }
 
+    /// Adds `messages` at the end with their text, written on after the text of those held
+    /// (copied first only if something else still shares it), and gives where the text of
+    /// the messages before `mark` ends, when `mark` is at or past the first added (none
+    /// otherwise: that text was written before).
+    pub(crate) fn append_written(
+        &mut self,
+        messages: Vec<Value>,
+        mark: Option<usize>,
+    ) -> Option<usize> {
+        let WrittenText {
+            text,
+            messages: written,
+        } = self
+            .written
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let text = Arc::make_mut(text);
+        // Any held but unwritten first, so the text covers every message before the new.
+        let unwritten = self.messages.get(*written..).unwrap_or_default();
+        crate::json::write_items(text, *written, unwritten, crate::json::write);
+        let held = self.messages.len();
+        let split = mark
+            .and_then(|mark| mark.checked_sub(held))
+            .map_or(0, |split| split.min(messages.len()));
+        let (first, rest) = messages.split_at(split);
+        crate::json::write_items(text, held, first, crate::json::write);
+        let mark_end = mark.filter(|mark| *mark >= held).map(|_| text.len());
+        crate::json::write_items(text, held + split, rest, crate::json::write);
+        self.messages.extend(messages);
+        *written = self.messages.len();
+        mark_end
+    }
+
+    /// `read` applied to the text written so far.
+    pub(crate) fn read_text<T>(&self, read: impl FnOnce(&str) -> T) -> T {
+        read(&self.text().text)
+    }
+
+    /// How many of the first messages the text holds, and its length.
+    pub(crate) fn written_len(&self) -> (usize, usize) {
+        let written = self.text();
+        (written.messages, written.text.len())
+    }
+
+    /// The messages, taken out.
+    pub(crate) fn into_messages(self) -> Vec<Value> {
+        self.messages
+    }
+
+    /// The text written so far, shared.
+    pub(crate) fn written_text(&self) -> Arc<String> {
+        Arc::clone(&self.text().text)
+    }
+
+    /// The memory the written text holds (its capacity).
+    pub(crate) fn text_capacity(&self) -> usize {
+        self.text().text.capacity()
+    }
+
     /// The request that stored the last message (as read from the store), if known.
     pub fn last_request(&self) -> Option<&str> {
         self.last_request.as_deref()
@@ -224,12 +283,6 @@ impl SharedHistory {
             *messages += unwritten.len();
         }
         out.push_str(text);
-    }
-
-    /// How many of the first messages the text holds (for tests).
-    #[cfg(test)]
-    pub(crate) fn written_messages(&self) -> usize {
-        self.text().messages
     }
 
     /// The bytes the messages' text takes: as written, and estimated for those not yet.

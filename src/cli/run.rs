@@ -78,6 +78,7 @@ pub async fn run(args: RunArgs) -> u8 {
             leading: Vec::new(),
             chainable: false,
             messages: vec![json!({ "role": "user", "content": args.message })],
+            sent: None,
             new_messages: 1,
             options: Default::default(),
             metadata: json!({}),

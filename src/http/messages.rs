@@ -13,7 +13,16 @@ pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"
 /// (`messages`, `input.messages`), so the error's `param` is e.g. `input.messages[2].role`.
 /// An assistant message may leave `content` out or null (it carries tool calls instead).
 pub fn validate_messages(messages: &[Value], prefix: &str) -> Result<(), ApiError> {
-    for (index, message) in messages.iter().enumerate() {
+    validate_messages_after(messages, prefix, 0)
+}
+
+/// [`validate_messages`] for messages that follow `before` others in the list.
+pub fn validate_messages_after(
+    messages: &[Value],
+    prefix: &str,
+    before: usize,
+) -> Result<(), ApiError> {
+    for (index, message) in (before..).zip(messages) {
         let role = message.get("role").and_then(Value::as_str);
         let Some(role) = role.filter(|role| ROLES.contains(role)) else {
             return Err(ApiError::new(

@@ -714,6 +714,7 @@ pub async fn create_response(
             agent: request.model.clone(),
             leading,
             messages,
+            sent: None,
             chain,
             chainable: shape.store,
             tools,

@@ -111,6 +111,7 @@ pub async fn create_request(
         leading: Vec::new(),
         chainable: false,
         messages,
+        sent: None,
         new_messages,
         options: Map::new(),
         metadata: body

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 use super::AppState;
 use super::auth::Caller;
 use super::extract::{ApiPath, V1Json};
-use super::messages::validate_messages;
+use super::messages::validate_messages_after;
 use super::sse::{self, Frame};
 use super::views::{Json, JsonText, run_failure, store_error};
 use crate::adapters::ClientCall;
@@ -26,7 +26,8 @@ use crate::runtime::events::{
     TOOL_DIRECT_STARTED, is_terminal, output_delta_text,
 };
 use crate::runtime::{
-    ApprovalWatch, ClientTurn, Following, History, NewRequest, Protocol, Submitted, Watched,
+    ApprovalWatch, ClientTurn, Following, History, NewRequest, Protocol, SentTranscript, Submitted,
+    Watched, names_client_calls,
 };
 use crate::store::{EventRecord, RunStatus};
 use crate::workspace::{AgentConfig, CompiledWorkspace, wire_name};
@@ -55,8 +56,10 @@ const FORWARDED_OPTIONS: &[&str] = &[
 pub struct ChatCompletionRequest {
     /// The agent id.
     pub model: String,
+    /// Kept as sent until parsed: a turn carrying on the one before parses only what it
+    /// adds ([`chat_messages`]).
     #[schema(value_type = Vec<Object>)]
-    pub messages: Vec<Value>,
+    pub messages: Box<serde_json::value::RawValue>,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
@@ -180,7 +183,8 @@ pub async fn capabilities(State(state): State<AppState>) -> Json<Value> {
     Json(json!({ "object": "list", "data": data }))
 }
 
-/// Checks what OpenAI would reject, naming the field (`param`) at fault.
+/// Checks what OpenAI would reject, naming the field (`param`) at fault: the request's own
+/// fields here, its messages as they are parsed ([`chat_messages`]).
 fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
     // The legacy function-calling fields; `tools` are client tools (see `chat_tools`).
     for field in ["functions", "function_call"] {
@@ -192,14 +196,6 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
             .param(field));
         }
     }
-    if request.messages.is_empty() {
-        return Err(v1_error(
-            ErrorCode::InvalidRequest,
-            "`messages` must contain at least one message",
-        )
-        .param("messages"));
-    }
-    validate_messages(&request.messages, "messages").map_err(ApiError::on_openai_surface)?;
     if request.n.is_some_and(|n| n != 1) {
         return Err(v1_error(ErrorCode::InvalidRequest, "only n = 1 is supported").param("n"));
     }
@@ -265,10 +261,17 @@ pub async fn chat_completions(
     headers: HeaderMap,
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
+    let (mut messages, sent) = chat_messages(
+        &state,
+        &caller.identity,
+        &request.model,
+        session_id.is_none(),
+        &request.messages,
+    )?;
     validate(&request)?;
     // Chat tools nest the function: `{type: "function", function: {name, ...}}`.
     let tools = client_functions(request.rest.get("tools"), Some("function"))?;
-    let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()
         .filter_map(|key| {
@@ -290,7 +293,6 @@ pub async fn chat_completions(
     // (as a Responses call's `instructions` are), never in the session: a client that writes
     // its instructions anew each turn (the time, what it retrieved) still continues the
     // session's path.
-    let mut messages = request.messages;
     let leading = match session_id {
         Some(_) => messages.drain(..leading_instructions(&messages)).collect(),
         None => Vec::new(),
@@ -306,6 +308,7 @@ pub async fn chat_completions(
             agent: request.model.clone(),
             leading,
             messages,
+            sent,
             chain: None,
             chainable: false,
             tools,
@@ -342,6 +345,70 @@ pub async fn chat_completions(
         answered.unwrap_or_else(IntoResponse::into_response),
         &submitted,
     ))
+}
+
+/// A chat request's messages, parsed and checked. With no session (`stateless`), the turn
+/// before of the same key and agent is carried on when the messages as sent start with its
+/// own, byte for byte: only those after them are parsed, and the first returned are those
+/// (`runtime::carried_digests`; docs/profiling.md, the eighty-seventh pass). The messages as
+/// sent are kept for the next turn, unless the transcript names calls handed to the client:
+/// the runtime completes those with the calls' stored turns, so what the run is given is
+/// not what was sent. A mismatch anywhere only parses the whole, as every turn did before.
+fn chat_messages(
+    state: &AppState,
+    owner: &str,
+    agent: &str,
+    stateless: bool,
+    sent: &serde_json::value::RawValue,
+) -> Result<(Vec<Value>, Option<SentTranscript>), ApiError> {
+    let sent = sent.get();
+    let carried = stateless
+        .then(|| state.runtime.carried_transcript(owner, agent, sent))
+        .flatten()
+        .and_then(|(end, carried)| Some((parsed_after(sent, end)?, carried)));
+    let (messages, carried) = match carried {
+        Some((messages, carried)) => (messages, Some(carried)),
+        None => {
+            let messages: Vec<Value> = super::extract::from_json(sent.as_bytes())
+                .map_err(|error| error.param("messages").on_openai_surface())?;
+            if messages.is_empty() {
+                return Err(v1_error(
+                    ErrorCode::InvalidRequest,
+                    "`messages` must contain at least one message",
+                )
+                .param("messages"));
+            }
+            (messages, None)
+        }
+    };
+    if stateless {
+        crate::metrics::chat_transcript(if carried.is_some() {
+            "carried"
+        } else {
+            "parsed"
+        });
+    }
+    let before = carried.as_ref().map_or(0, |carried| carried.history.len());
+    validate_messages_after(&messages, "messages", before).map_err(ApiError::on_openai_surface)?;
+    let sent = SentTranscript {
+        sent: sent.into(),
+        carried,
+    };
+    if !stateless || names_client_calls(&messages) {
+        return Ok((sent.take_back(messages), None));
+    }
+    Ok((messages, Some(sent)))
+}
+
+/// The messages of the JSON array `sent` after its items up to `end` (a `,` follows them),
+/// parsed.
+fn parsed_after(sent: &str, end: usize) -> Option<Vec<Value>> {
+    let after = sent.get(end..)?;
+    let rest = after.get(after.find(',')? + 1..)?;
+    let mut array = String::with_capacity(rest.len() + 1);
+    array.push('[');
+    array.push_str(rest);
+    serde_json::from_str(&array).ok()
 }
 
 /// How many of a transcript's first messages are system or developer messages.
@@ -434,8 +501,11 @@ pub(super) struct V1Submission {
     pub agent: String,
     /// Messages before any history (a Responses turn's instructions).
     pub leading: Vec<Value>,
-    /// The turn's own messages, after the chain's stored transcript if it continues one.
+    /// The turn's own messages, after the chain's stored transcript if it continues one
+    /// (after those `sent` carries on, if any).
     pub messages: Vec<Value>,
+    /// A chat turn's messages as sent, and what it carries on ([`chat_messages`]).
+    pub sent: Option<SentTranscript>,
     /// The stored chain a Responses turn continues, if any.
     pub chain: Option<Chain>,
     /// A later turn may continue from this one (a stored response).
@@ -547,8 +617,15 @@ pub(super) async fn submit(
     let new_messages = if whole {
         messages.len()
     } else {
-        messages
+        // The carried messages come before the turn's own.
+        let carried = submission
+            .sent
+            .as_ref()
+            .and_then(|sent| sent.carried.as_ref());
+        let carried = carried.map_or(&[][..], |carried| &carried.history[..]);
+        carried
             .iter()
+            .chain(&messages)
             .rev()
             .take_while(|m| m.get("role").and_then(Value::as_str) != Some("assistant"))
             .count()
@@ -566,6 +643,7 @@ pub(super) async fn submit(
                 leading_held_by,
                 chainable: submission.chainable,
                 messages,
+                sent: submission.sent,
                 new_messages,
                 options: submission.options,
                 metadata: submission.metadata,

@@ -19,7 +19,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use serde_json::Value;
 use sha2::Sha256;
+
+use crate::adapters::SharedHistory;
 
 /// The most conversations whose state is kept: looked for one by one, by a number.
 const MOST_CARRIED: usize = 256;
@@ -27,6 +30,10 @@ const MOST_CARRIED: usize = 256;
 /// How many bytes at a text's end pick out its conversation's state among the kept ones,
 /// with its length, its key and its agent (the whole text is compared before it is used).
 const TAIL_BYTES: usize = 64;
+
+/// A parsed message's memory beside its strings, estimated from above: the map node holding
+/// its members (eleven entries however few it has) and their names.
+const MESSAGE_NODE_BYTES: usize = 704;
 
 /// The hasher states kept, each with the text it has hashed.
 pub(crate) struct CarriedDigests {
@@ -38,19 +45,99 @@ pub(crate) struct CarriedDigests {
 #[derive(Default)]
 struct Kept {
     carried: Vec<Carried>,
-    /// The memory their texts hold (their capacities).
+    /// The memory they hold, estimated ([`Carried::bytes`]).
     bytes: usize,
     /// Counts the states kept: the oldest has the lowest `kept_at`.
     clock: u64,
 }
 
-/// A turn's hasher state after `[` and its text's items, and that text (shared with the
-/// turn's model call).
+/// A turn's hasher state after `[` and its text's items, and what holds that text: the text
+/// alone (shared with the turn's model call), or a chat turn's messages as sent and parsed.
 struct Carried {
     pick: u64,
-    text: Arc<String>,
+    held: Held,
     state: Sha256,
+    /// The memory `held` holds: the text's capacity; and a chat turn's sent text and its
+    /// parsed messages, estimated.
+    bytes: usize,
     kept_at: u64,
+}
+
+enum Held {
+    Text(Arc<String>),
+    /// A chat turn's messages: the JSON array as the client sent it, and as parsed, with
+    /// their text (the one the turn's model call wrote its request from). `who` is the hash
+    /// of the turn's key and agent.
+    Sent {
+        who: u64,
+        sent: Box<str>,
+        history: Arc<SharedHistory>,
+    },
+}
+
+/// What a chat turn carries on from the turn before whose messages, as sent, its own start
+/// with ([`CarriedDigests::take_sent`]): those messages parsed, with their text, and the
+/// hasher's state after `[` and that text.
+#[derive(Debug, Clone)]
+pub struct CarriedTranscript {
+    pub history: Arc<SharedHistory>,
+    pub state: Sha256,
+}
+
+/// A chat turn's messages as the client sent them (a JSON array), kept after the turn for
+/// the next to carry its transcript on from, and what this turn carries on, if anything:
+/// then the request's messages are only those after the carried ones.
+#[derive(Debug, Clone)]
+pub struct SentTranscript {
+    pub sent: Box<str>,
+    pub carried: Option<CarriedTranscript>,
+}
+
+impl SentTranscript {
+    /// The carried messages, if any, before `messages`: the whole transcript.
+    pub fn take_back(self, messages: Vec<Value>) -> Vec<Value> {
+        match self.carried {
+            Some(carried) => {
+                let mut all = Arc::try_unwrap(carried.history)
+                    .map_or_else(|shared| shared.to_vec(), SharedHistory::into_messages);
+                all.extend(messages);
+                all
+            }
+            None => messages,
+        }
+    }
+}
+
+/// Where the items of the JSON array `sent` end: before its closing `]` and any white space
+/// before it.
+fn items_end(sent: &str) -> Option<usize> {
+    let open = sent.trim_end().strip_suffix(']')?;
+    Some(open.trim_end().len())
+}
+
+/// Whether `sent` may go on from the array `before`: longer, with the same bytes just before
+/// where `before`'s items end, and a `,` after them. The whole is compared before use.
+fn may_continue(before: &str, sent: &str) -> bool {
+    let Some(end) = items_end(before) else {
+        return false;
+    };
+    let (before, sent) = (before.as_bytes(), sent.as_bytes());
+    let tail = end.saturating_sub(TAIL_BYTES)..end;
+    sent.get(tail.clone()) == before.get(tail)
+        && sent
+            .get(end..)
+            .and_then(|after| after.iter().find(|byte| !byte.is_ascii_whitespace()))
+            == Some(&b',')
+}
+
+/// A kept chat turn's memory, estimated: its sent text, its text and its parsed messages.
+fn sent_bytes(sent: &str, history: &SharedHistory) -> usize {
+    let text = history.text_capacity();
+    let parsed = history
+        .len()
+        .saturating_mul(MESSAGE_NODE_BYTES)
+        .saturating_add(text);
+    sent.len().saturating_add(text).saturating_add(parsed)
 }
 
 impl CarriedDigests {
@@ -72,35 +159,109 @@ impl CarriedDigests {
         self.picker.hash_one((owner, agent, text.len(), tail))
     }
 
+    /// The number a chat turn's key and agent are looked for by.
+    fn who(&self, owner: &str, agent: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.picker.hash_one((owner, agent))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
         crate::threads::locked(&self.kept)
+    }
+
+    /// Takes the kept entry `which` picks out.
+    fn take_where(&self, which: impl Fn(&Carried) -> bool) -> Option<Carried> {
+        let mut kept = self.lock();
+        let at = kept.carried.iter().position(which)?;
+        Some(kept.remove(at))
     }
 
     /// The state after `[` and `items`, when the turn before of the same key and agent kept
     /// it for these very bytes. It is taken: the turn keeps its own in its place.
     pub(crate) fn take(&self, owner: &str, agent: &str, items: &str) -> Option<Sha256> {
         let pick = self.pick(owner, agent, items);
-        let carried = {
-            let mut kept = self.lock();
-            let at = kept
-                .carried
-                .iter()
-                .position(|carried| carried.pick == pick)?;
-            kept.remove(at)
-        };
+        let carried = self.take_where(|carried| carried.pick == pick)?;
         // Compared outside the lock: a long text takes a while, though far less than hashing.
-        (carried.text.as_str() == items).then_some(carried.state)
+        let same = match &carried.held {
+            Held::Text(text) => text.as_str() == items,
+            Held::Sent { history, .. } => history.read_text(|text| text == items),
+        };
+        same.then_some(carried.state)
+    }
+
+    /// What the turn before of the same key and agent carries on to a chat turn whose
+    /// messages, as sent, start with that turn's, byte for byte, and go on after a `,`; and
+    /// where in `sent` those messages end. It is taken: the turn keeps its own in its place.
+    pub(crate) fn take_sent(
+        &self,
+        owner: &str,
+        agent: &str,
+        sent: &str,
+    ) -> Option<(usize, CarriedTranscript)> {
+        let who = self.who(owner, agent);
+        let carried = self.take_where(|carried| match &carried.held {
+            Held::Sent {
+                who: of,
+                sent: before,
+                ..
+            } => *of == who && may_continue(before, sent),
+            Held::Text(_) => false,
+        })?;
+        let Held::Sent {
+            sent: before,
+            history,
+            ..
+        } = carried.held
+        else {
+            return None;
+        };
+        let end = items_end(&before)?;
+        // Compared outside the lock, as in `take`.
+        (sent.as_bytes().get(..end) == before.as_bytes().get(..end)).then_some((
+            end,
+            CarriedTranscript {
+                history,
+                state: carried.state,
+            },
+        ))
     }
 
     /// Keeps `state`, after `[` and `text`, for the next turn of the conversation, making
     /// room by dropping the oldest kept; a text past half the budget is not kept. A text
     /// counts the memory it holds, its capacity.
     pub(crate) fn keep(&self, owner: &str, agent: &str, text: Arc<String>, state: Sha256) {
-        let held = text.capacity();
-        if held > self.budget_bytes / 2 {
+        let (pick, bytes) = (self.pick(owner, agent, &text), text.capacity());
+        self.insert(pick, Held::Text(text), bytes, state);
+    }
+
+    /// Keeps `state`, after `[` and the text of `history`'s messages, with those messages as
+    /// parsed and as the client sent them (`sent`), for the conversation's next chat turn to
+    /// carry on from ([`Self::take_sent`]), or for any next turn to go on hashing from
+    /// ([`Self::take`]). Past half the budget, only the state and the text are kept.
+    pub(crate) fn keep_sent(
+        &self,
+        owner: &str,
+        agent: &str,
+        sent: Box<str>,
+        history: Arc<SharedHistory>,
+        state: Sha256,
+    ) {
+        let pick = history.read_text(|text| self.pick(owner, agent, text));
+        let bytes = sent_bytes(&sent, &history);
+        if bytes > self.budget_bytes / 2 {
+            let text = history.written_text();
+            self.insert(pick, Held::Text(Arc::clone(&text)), text.capacity(), state);
             return;
         }
-        let pick = self.pick(owner, agent, &text);
+        let who = self.who(owner, agent);
+        self.insert(pick, Held::Sent { who, sent, history }, bytes, state);
+    }
+
+    /// Keeps an entry of `bytes`, picked by `pick`, unless past half the budget.
+    fn insert(&self, pick: u64, held: Held, bytes: usize, state: Sha256) {
+        if bytes > self.budget_bytes / 2 {
+            return;
+        }
         // What gives way is dropped after the lock is let go: a text may be megabytes.
         let mut gone = Vec::new();
         let mut kept = self.lock();
@@ -111,7 +272,7 @@ impl CarriedDigests {
         }
         while !kept.carried.is_empty()
             && (kept.carried.len() >= MOST_CARRIED
-                || kept.bytes.saturating_add(held) > self.budget_bytes)
+                || kept.bytes.saturating_add(bytes) > self.budget_bytes)
         {
             let oldest = kept
                 .carried
@@ -122,19 +283,20 @@ impl CarriedDigests {
             gone.push(kept.remove(oldest));
         }
         kept.clock = kept.clock.wrapping_add(1);
-        kept.bytes = kept.bytes.saturating_add(held);
+        kept.bytes = kept.bytes.saturating_add(bytes);
         let kept_at = kept.clock;
         kept.carried.push(Carried {
             pick,
-            text,
+            held,
             state,
+            bytes,
             kept_at,
         });
         drop(kept);
         drop(gone);
     }
 
-    /// How many states are kept and the memory their texts hold.
+    /// How many states are kept and the memory they hold.
     pub(crate) fn held(&self) -> (usize, usize) {
         let kept = self.lock();
         (kept.carried.len(), kept.bytes)
@@ -144,7 +306,7 @@ impl CarriedDigests {
 impl Kept {
     fn remove(&mut self, at: usize) -> Carried {
         let carried = self.carried.swap_remove(at);
-        self.bytes = self.bytes.saturating_sub(carried.text.capacity());
+        self.bytes = self.bytes.saturating_sub(carried.bytes);
         carried
     }
 }
@@ -167,6 +329,7 @@ mod tests {
     use sha2::{Digest, Sha256};
 
     use super::{CarriedDigests, MOST_CARRIED};
+    use crate::adapters::SharedHistory;
 
     fn state_after(items: &str) -> Sha256 {
         Sha256::new()
@@ -201,6 +364,69 @@ mod tests {
         let state = carried.take("k1", "agent", &text).expect("the same bytes");
         assert_eq!(state.finalize(), state_after(&text).finalize());
         assert!(carried.take("k1", "agent", &text).is_none(), "taken once");
+    }
+
+    /// A chat turn's sent messages carry on only to a turn of the same key and agent whose
+    /// own start with those very bytes and go on after a `,`, once; what it carries is the
+    /// turn before's parsed messages and state.
+    #[test]
+    fn sent_messages_carry_on_to_the_turn_continuing_their_bytes() {
+        let carried = CarriedDigests::within(1 << 24);
+        let message = |n: usize| {
+            format!(
+                "{{\"content\":\"{}{n}\",\"role\":\"user\"}}",
+                "z".repeat(300)
+            )
+        };
+        let before = format!("[{},{}]", message(1), message(2));
+        let parsed: Vec<serde_json::Value> = serde_json::from_str(&before).unwrap();
+        let keep = || {
+            let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
+            let history = SharedHistory::written(parsed.clone(), Arc::new(text.clone()));
+            carried.keep_sent(
+                "k1",
+                "agent",
+                before.clone().into(),
+                Arc::new(history),
+                state_after(&text),
+            );
+        };
+        keep();
+        assert_eq!(carried.held().0, 1);
+        let next = format!("[{},{}, {}]", message(1), message(2), message(3));
+        assert!(
+            carried.take_sent("k2", "agent", &next).is_none(),
+            "another key"
+        );
+        assert!(
+            carried.take_sent("k1", "other", &next).is_none(),
+            "another agent"
+        );
+        assert!(
+            carried.take_sent("k1", "agent", &before).is_none(),
+            "nothing after"
+        );
+        let (end, taken) = carried.take_sent("k1", "agent", &next).expect("continued");
+        assert_eq!(&next[..end], &before[..before.len() - 1]);
+        assert_eq!(taken.history[..], parsed[..]);
+        assert!(
+            carried.take_sent("k1", "agent", &next).is_none(),
+            "taken once"
+        );
+        // The same length and the same last bytes, one byte apart at the start: taken, and
+        // not given.
+        keep();
+        let changed = next.replacen("zzz", "zzy", 1);
+        assert!(
+            carried.take_sent("k1", "agent", &changed).is_none(),
+            "other bytes"
+        );
+        assert_eq!(carried.held().0, 0);
+        // A sent entry gives its state to a turn matching its text, as a text's does.
+        keep();
+        let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
+        let state = carried.take("k1", "agent", &text).expect("the same text");
+        assert_eq!(state.finalize(), state_after(&text).finalize());
     }
 
     /// The texts kept stay within the budget and the count, the oldest dropped first; a text

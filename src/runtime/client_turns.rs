@@ -102,6 +102,21 @@ fn tool_call_ids(message: &Value) -> impl Iterator<Item = &str> {
         .filter_map(|call| call.get("id").and_then(Value::as_str))
 }
 
+/// The ids of the calls handed to the client that `messages`' answers make.
+fn client_call_ids(messages: &[Value]) -> impl Iterator<Item = &str> {
+    messages
+        .iter()
+        .filter(|m| is_assistant(m))
+        .flat_map(tool_call_ids)
+        .filter(|id| id.starts_with(CLIENT_CALL_PREFIX))
+}
+
+/// Whether an answer among `messages` made a call handed to the client: a transcript
+/// [`Runtime::continue_client_turns`] may change.
+pub fn names_client_calls(messages: &[Value]) -> bool {
+    client_call_ids(messages).next().is_some()
+}
+
 fn is_assistant(message: &Value) -> bool {
     message.get("role").and_then(Value::as_str) == Some("assistant")
 }
@@ -129,11 +144,7 @@ impl Runtime {
         owner: &str,
         messages: Vec<Value>,
     ) -> Result<(Vec<Value>, Vec<ClientResult>), RuntimeError> {
-        let ids: Vec<String> = messages
-            .iter()
-            .filter(|m| is_assistant(m))
-            .flat_map(tool_call_ids)
-            .filter(|id| id.starts_with(CLIENT_CALL_PREFIX))
+        let ids: Vec<String> = client_call_ids(&messages)
             .map(str::to_owned)
             .collect::<HashSet<_>>()
             .into_iter()

@@ -645,10 +645,10 @@ mod tests {
         let kept = histories.kept_path("s");
         assert!(
             kept.as_ref()
-                .is_some_and(|(_, path, _)| path.written_messages() == 40)
+                .is_some_and(|(_, path, _)| path.written_len().0 == 40)
         );
         let next = histories.joined("s", "msg_41", kept, read(40, 42, true));
-        assert_eq!((next.len(), next.written_messages()), (42, 40));
+        assert_eq!((next.len(), next.written_len().0), (42, 40));
         // And the request that stored its last message, from the read.
         assert_eq!(next.last_request(), Some("req_20"));
         let again = histories.kept_path("s");

@@ -13,7 +13,8 @@ mod carried_digests;
 mod client_turns;
 mod clock;
 pub mod events;
-pub use client_turns::{ClientResult, ClientTurn};
+pub use carried_digests::{CarriedTranscript, SentTranscript};
+pub use client_turns::{ClientResult, ClientTurn, names_client_calls};
 mod fanout;
 mod history;
 mod hub;
@@ -442,9 +443,14 @@ pub struct NewRequest {
     /// The client key identity submitting it (SPEC section 4, ownership): it owns the
     /// request and, when new, the session.
     pub owner: String,
-    /// OpenAI-style messages.
+    /// OpenAI-style messages: with `sent` carrying on the turn before's, those after them.
     pub messages: Vec<Value>,
-    /// How many of the last `messages` are new to the session (they are stored in it).
+    /// A chat turn with no session: its messages as the client sent them, and what it
+    /// carries on from the turn before whose sent messages its own start with, parsed
+    /// (docs/profiling.md, the eighty-seventh pass).
+    pub sent: Option<SentTranscript>,
+    /// How many of the last messages (the carried ones included) are new to the session
+    /// (they are stored in it).
     pub new_messages: usize,
     /// Generation options passed to the adapter (temperature, max_tokens, ...).
     pub options: Map<String, Value>,
@@ -458,6 +464,15 @@ pub struct NewRequest {
     /// Surface-specific data stored with the request's input (`/v1/responses`: the
     /// response's own fields), under `input.surface`.
     pub surface: Option<Value>,
+}
+
+impl NewRequest {
+    /// The messages a chat turn carries on from the turn before put back before its own.
+    pub fn take_back_carried(&mut self) {
+        if let Some(sent) = self.sent.take() {
+            self.messages = sent.take_back(std::mem::take(&mut self.messages));
+        }
+    }
 }
 
 /// What a request's transcript continues from.
@@ -668,8 +683,10 @@ impl Runtime {
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
                 histories: history::Histories::within(workspace.runtime.limits.kept_history_bytes),
+                // Chat turns with no session keep their parsed messages as sessions' kept
+                // paths do: as much again as those may hold.
                 carried_digests: carried_digests::CarriedDigests::within(
-                    workspace.runtime.limits.kept_history_bytes / 4,
+                    workspace.runtime.limits.kept_history_bytes,
                 ),
                 slots,
                 inventory: std::sync::RwLock::new(Arc::new(Inventory { workspace, gateway })),
@@ -735,6 +752,17 @@ impl Runtime {
 
     /// The transcript digest states kept for the next turns of conversations with no
     /// session, and their texts' memory (for `/metrics`).
+    /// What the turn before of `owner` and `agent` carries on to a chat turn whose messages,
+    /// as sent, start with its own, and where they end in `sent` ([`carried_digests`]).
+    pub fn carried_transcript(
+        &self,
+        owner: &str,
+        agent: &str,
+        sent: &str,
+    ) -> Option<(usize, CarriedTranscript)> {
+        self.inner.carried_digests.take_sent(owner, agent, sent)
+    }
+
     pub fn carried_digests(&self) -> (usize, usize) {
         self.inner.carried_digests.held()
     }
@@ -763,6 +791,11 @@ impl Runtime {
             return Err(RuntimeError::ShuttingDown);
         }
         let workspace = self.workspace();
+        // Only a turn with no session carries messages on (as its digest does): any other
+        // takes the carried ones back among its own.
+        if request.history != History::Stateless || request.session_id.is_some() {
+            request.take_back_carried();
+        }
         // A workflow request is named by its workflow; its runs are its nodes.
         let workflow = match &request.workflow {
             Some(name) => Some(
@@ -896,8 +929,9 @@ impl Runtime {
                 let (owner, own) = (&request.owner, std::mem::take(&mut own));
                 let leading = &request.leading;
                 let carried = &inner.carried_digests;
+                let sent = request.sent.take();
                 let (named, shared) = named_transcripts::named(
-                    store, carried, owner, &agent_id, window, leading, own,
+                    store, carried, owner, &agent_id, window, leading, own, sent,
                 )
                 .await;
                 // Its leading messages are named where its first messages are, when the same

@@ -28,7 +28,7 @@ use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 use super::HeldLeading;
-use super::carried_digests::CarriedDigests;
+use super::carried_digests::{CarriedDigests, CarriedTranscript, SentTranscript};
 use crate::adapters::SharedHistory;
 use crate::store::{INPUT_DIGEST, InputHolder, LEADING_DIGEST, PREFIX_LEN, PREFIX_OF, Store};
 
@@ -102,7 +102,7 @@ struct TextDigest {
 /// `messages` as JSON array items (the crate's writer, comma-separated, no brackets: what
 /// `crate::json::write_array` writes between them), and where the items of the first
 /// `before` messages end.
-fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<usize>) {
+pub(super) fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<usize>) {
     let before = before.filter(|at| *at <= messages.len());
     let mut text = String::with_capacity(crate::adapters::estimated_text_bytes(messages));
     let split = before.unwrap_or(0);
@@ -115,34 +115,35 @@ fn written_items(messages: &[Value], before: Option<usize>) -> (String, Option<u
 
 /// The digest of the JSON array of `items` ([`written_items`]), and of the array of its
 /// first items, up to `before`'s end, from one pass over the text, and the hasher's state
-/// after the items (before the closing `]`), for the next turn to go on from. `before`'s
-/// state, when given, is the one after `[` and those first items
-/// ([`CarriedDigests::take`]): only the rest is hashed.
+/// after the items (before the closing `]`), for the next turn to go on from. `carried`,
+/// when given, is the state after `[` and the items up to its end
+/// ([`CarriedDigests::take`]): only the rest is hashed, unless it ends past `before`.
 fn digests(
     items: &str,
-    before: Option<(usize, Option<Sha256>)>,
+    carried: Option<(usize, Sha256)>,
+    before: Option<usize>,
 ) -> (TextDigest, Option<TextDigest>, Sha256) {
     let finished = |hasher: &Sha256, items: usize| TextDigest {
         hex: crate::text::hex(&hasher.clone().chain_update(b"]").finalize()),
         bytes: items + 2,
     };
-    let (end, carried) = before.map_or((None, None), |(end, carried)| (Some(end), carried));
-    let start = end.unwrap_or(0);
-    let mut hasher = carried.unwrap_or_else(|| {
-        let mut hasher = Sha256::new();
-        hasher.update(b"[");
-        hasher.update(&items.as_bytes()[..start]);
-        hasher
+    let bytes = items.as_bytes();
+    let before = before.filter(|end| *end <= bytes.len());
+    let carried = carried.filter(|(end, _)| *end <= before.unwrap_or(bytes.len()));
+    let (mut hashed, mut hasher) = carried.unwrap_or_else(|| (0, Sha256::new().chain_update(b"[")));
+    let first = before.map(|end| {
+        hasher.update(&bytes[hashed..end]);
+        hashed = end;
+        finished(&hasher, end)
     });
-    let first = end.map(|end| finished(&hasher, end));
-    hasher.update(&items.as_bytes()[start..]);
-    (finished(&hasher, items.len()), first, hasher)
+    hasher.update(&bytes[hashed..]);
+    (finished(&hasher, bytes.len()), first, hasher)
 }
 
 /// The digest of `messages` as their JSON text, in hex: the one way this crate writes a
 /// digest of messages (a transcript's here, a request's leading messages').
 pub(super) fn digest_of(messages: &[Value]) -> String {
-    digests(&written_items(messages, None).0, None).0.hex
+    digests(&written_items(messages, None).0, None, None).0.hex
 }
 
 /// Whether a request last written at `updated_at` may be named (or the request it names, which
@@ -161,15 +162,74 @@ fn safe_from_the_prune(
     now.signed_duration_since(updated_at) < half
 }
 
+/// A transcript's messages with their text written, where the newest answer is (past the
+/// first message) and where the text of the messages before it ends, and the hasher's state
+/// after `[` and its first items, carried on from the turn before, with where they end.
+struct Written {
+    history: SharedHistory,
+    newest_answer: Option<usize>,
+    before_end: Option<usize>,
+    carried: Option<(usize, Sha256)>,
+}
+
+/// Where the newest answer of `messages` is, past the first message.
+fn newest_answer(messages: &[Value]) -> Option<usize> {
+    messages
+        .iter()
+        .rposition(super::is_answer)
+        .filter(|at| *at > 0)
+}
+
+/// `messages`, after those of `continued` if it is given, with their text: written whole, or
+/// on after the carried text when the newest answer is past it (the carried messages are
+/// taken over, copied only if something else still shares them).
+fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Written {
+    let Some(CarriedTranscript { history, state }) = continued else {
+        let newest_answer = newest_answer(&messages);
+        let (text, before_end) = written_items(&messages, newest_answer);
+        return Written {
+            history: SharedHistory::written(messages, Arc::new(text)),
+            newest_answer,
+            before_end,
+            carried: None,
+        };
+    };
+    let mut history = Arc::try_unwrap(history).unwrap_or_else(|shared| (*shared).clone());
+    let held = history.len();
+    let newest = messages
+        .iter()
+        .rposition(super::is_answer)
+        .map(|at| at + held)
+        .or_else(|| history.iter().rposition(super::is_answer))
+        .filter(|at| *at > 0);
+    let (written_messages, held_end) = history.written_len();
+    // An answer among the carried messages (a turn that sent no answer since), or text not
+    // written to their end: the whole is written again.
+    if written_messages != held || newest.is_some_and(|at| at < held) {
+        let mut all = history.into_messages();
+        all.extend(messages);
+        return written(all, None);
+    }
+    let before_end = history.append_written(messages, newest);
+    Written {
+        history,
+        newest_answer: newest,
+        before_end,
+        carried: Some((held_end, state)),
+    }
+}
+
 /// How a turn with no session, of `owner` and `agent`, stores `messages` (its whole
-/// transcript after its `leading` messages), and the messages shared with their JSON text,
-/// written once here for the digest and for the model call, which writes it into its
-/// request rather than serializing the messages again. The request it continues is the one
-/// whose messages are this transcript's before its newest answer, looked up by their
-/// digest (one indexed read) when they are long enough to have one ([`NAMED_FROM_BYTES`]).
-/// A failed read only stores the transcript whole. The digest goes on from the hasher's
-/// state `carried` kept after the turn before, when it kept one for the same first messages,
-/// and this turn's is kept for the next.
+/// transcript after its `leading` messages, or the part after what it carries on from the
+/// turn before, `sent`), and the messages shared with their JSON text, written once here for
+/// the digest and for the model call, which writes it into its request rather than
+/// serializing the messages again. The request it continues is the one whose messages are
+/// this transcript's before its newest answer, looked up by their digest (one indexed read)
+/// when they are long enough to have one ([`NAMED_FROM_BYTES`]). A failed read only stores
+/// the transcript whole. The digest goes on from the hasher's state kept after the turn
+/// before, when it kept one for the same first messages, and this turn's is kept for the
+/// next, with the messages as sent and parsed for a chat turn (`sent`).
+#[allow(clippy::too_many_arguments)]
 pub async fn named(
     store: &dyn Store,
     carried: &CarriedDigests,
@@ -178,12 +238,15 @@ pub async fn named(
     window: Option<std::time::Duration>,
     leading: &[Value],
     messages: Vec<Value>,
+    sent: Option<SentTranscript>,
 ) -> (NamedTranscript, Arc<SharedHistory>) {
-    let newest_answer = messages
-        .iter()
-        .rposition(super::is_answer)
-        .filter(|at| *at > 0);
-    let (text, before_end) = written_items(&messages, newest_answer);
+    let (sent, continued) = sent.map_or((None, None), |sent| (Some(sent.sent), sent.carried));
+    let Written {
+        history,
+        newest_answer,
+        before_end,
+        carried: mut state,
+    } = written(messages, continued);
     let mut named = NamedTranscript {
         digest: None,
         prefix: None,
@@ -192,27 +255,30 @@ pub async fn named(
     };
     // Nothing shorter has a digest or is looked up (what comes before the newest answer is
     // shorter still): a short request, the common one, hashes nothing.
-    let text = Arc::new(text);
-    if text.len() + 2 >= NAMED_FROM_BYTES {
-        let before = before_end.map(|end| {
-            let state = text
-                .get(..end)
-                .and_then(|first| carried.take(owner, agent, first));
-            (end, state)
-        });
-        let how = match before {
-            Some((_, Some(_))) => "carried",
-            _ => "whole",
-        };
-        crate::metrics::transcript_digest(how);
-        let (whole, before, state) = digests(&text, before);
-        carried.keep(owner, agent, Arc::clone(&text), state);
+    let (_, text_bytes) = history.written_len();
+    let history = Arc::new(history);
+    if text_bytes + 2 >= NAMED_FROM_BYTES {
+        if state.is_none()
+            && let Some(end) = before_end
+        {
+            let taken = history.read_text(|text| {
+                text.get(..end)
+                    .and_then(|first| carried.take(owner, agent, first))
+            });
+            state = taken.map(|taken| (end, taken));
+        }
+        crate::metrics::transcript_digest(if state.is_some() { "carried" } else { "whole" });
+        let (whole, before, state) = history.read_text(|text| digests(text, state, before_end));
+        match sent {
+            Some(sent) => carried.keep_sent(owner, agent, sent, Arc::clone(&history), state),
+            None => carried.keep(owner, agent, history.written_text(), state),
+        }
         named.digest = Some(whole.hex);
         named.leading_digest = (!leading.is_empty()).then(|| digest_of(leading));
         if let (Some(continued), Some(before)) = (newest_answer, before)
             && before.bytes >= NAMED_FROM_BYTES
         {
-            let total = messages.len();
+            let total = history.len();
             let found = held_before(store, owner, agent, &before.hex)
                 .await
                 .filter(|previous| safe_from_the_prune(previous.updated_at, window, Utc::now()));
@@ -232,7 +298,7 @@ pub async fn named(
             named.names_leading = same_leading && named.prefix.is_some();
         }
     }
-    (named, Arc::new(SharedHistory::written(messages, text)))
+    (named, history)
 }
 
 /// The newest request of `owner` and `agent` whose transcript has `digest`; none when the
@@ -257,7 +323,14 @@ mod tests {
     use serde_json::json;
     use sha2::Digest;
 
-    use super::{TextDigest, digests, names_holder, safe_from_the_prune, written_items};
+    use std::sync::Arc;
+
+    use sha2::Sha256;
+
+    use super::{
+        CarriedTranscript, TextDigest, Written, digests, names_holder, safe_from_the_prune,
+        written, written_items,
+    };
 
     /// One pass gives the digest of the whole transcript and of its first messages, each
     /// the SHA-256 and the length of the same text the crate's array writer writes, from
@@ -280,14 +353,14 @@ mod tests {
         };
         for before in 0..=messages.len() {
             let (text, before_end) = written_items(&messages, Some(before));
-            let (whole, first, state) = digests(&text, before_end.map(|end| (end, None)));
+            let (whole, first, state) = digests(&text, None, before_end);
             assert_eq!(whole, of(&messages));
             assert_eq!(first, Some(of(&messages[..before])));
             // The state after the items goes on as hashing the array from the start does.
             let (more, _) = written_items(&messages[..1], None);
             let joined = format!("{text},{more}");
-            let from_start = digests(&joined, Some((text.len(), None)));
-            let carried = digests(&joined, Some((text.len(), Some(state))));
+            let from_start = digests(&joined, None, Some(text.len()));
+            let carried = digests(&joined, Some((text.len(), state)), Some(text.len()));
             assert_eq!((carried.0, carried.1), (from_start.0, from_start.1));
             assert_eq!(carried.2.finalize(), from_start.2.finalize());
             // The text is the array's items.
@@ -295,8 +368,57 @@ mod tests {
             crate::json::write_array(&mut array, &messages, crate::json::write);
             assert_eq!(format!("[{text}]"), array);
         }
-        assert_eq!(digests(&written_items(&messages, None).0, None).1, None);
+        assert_eq!(
+            digests(&written_items(&messages, None).0, None, None).1,
+            None
+        );
         assert_ne!(of(&messages[..2]), of(&messages[..3]));
+    }
+
+    /// A transcript written on from the messages carried from the turn before is written as
+    /// the whole would be: the same text, the same newest answer and end of what precedes
+    /// it, and the same digests from the carried state, wherever the carried part ends
+    /// (before an answer, after it, or after questions with no answer between).
+    #[test]
+    fn a_transcript_written_on_from_carried_messages_is_written_as_whole() {
+        let messages = vec![
+            json!({ "role": "user", "content": "Hi \"there\"" }),
+            json!({ "role": "assistant", "content": "Hello.", "refusal": null }),
+            json!({ "role": "user", "content": "Again" }),
+            json!({ "role": "user", "content": "And again" }),
+            json!({ "role": "assistant", "content": "Yes." }),
+            json!({ "role": "user", "content": "Last" }),
+        ];
+        let of = |written: &Written| {
+            let text = written.history.read_text(str::to_owned);
+            let (whole, first, state) = written
+                .history
+                .read_text(|text| digests(text, written.carried.clone(), written.before_end));
+            (
+                text,
+                written.newest_answer,
+                written.before_end,
+                whole,
+                first,
+                state.finalize(),
+            )
+        };
+        let whole = of(&written(messages.clone(), None));
+        for held in 1..messages.len() {
+            let before = written(messages[..held].to_vec(), None);
+            let (text, _) = written_items(&messages[..held], None);
+            let state = Sha256::new()
+                .chain_update(b"[")
+                .chain_update(text.as_bytes());
+            let continued = CarriedTranscript {
+                history: Arc::new(before.history),
+                state,
+            };
+            let on = written(messages[held..].to_vec(), Some(continued));
+            assert_eq!(on.history[..], messages[..], "held {held}");
+            assert_eq!(on.carried.is_some(), held <= 4, "held {held}");
+            assert_eq!(of(&on), whole, "held {held}");
+        }
     }
 
     /// A turn names its holder while what it adds is short beside what is held, and never

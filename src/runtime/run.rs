@@ -695,6 +695,7 @@ impl RunHost for RunEvents {
                 leading: Vec::new(),
                 chainable: false,
                 messages: vec![json!({ "role": "user", "content": input })],
+                sent: None,
                 new_messages: 1,
                 options: Map::new(),
                 metadata: json!({

@@ -1516,3 +1516,82 @@ async fn a_chat_with_no_session_names_what_an_earlier_turn_holds(store: Option<S
     let heard = upstream.calls().last().unwrap().body["messages"].clone();
     assert_eq!(heard.as_array().unwrap()[1..], transcript[..], "{heard}");
 }
+
+/// A chat turn with no session carries on the messages the turn before sent, parsed, only
+/// when its own start with those very bytes: an edited message, the same transcript written
+/// with other spacing, or another key's turn is parsed whole, and the model hears every
+/// transcript exactly as sent, stored with the digest of its text.
+#[tokio::test]
+async fn a_chat_turn_carries_on_only_the_bytes_the_turn_before_sent() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("noted".into()));
+    let app = spawn(api_workspace(&upstream, ""), None).await;
+    let scrape = async || super::metrics_text(&app.http, &app.url("/metrics")).await;
+    let carried = "stable_harness_chat_transcripts_total{how=\"carried\"}";
+    let carried_before = super::metric_sample(&scrape().await, carried);
+    // Sends `messages` as `body` writes them, with `key`; checks what the model heard and
+    // the stored digest; gives the answer.
+    let turn = async |key: &str, messages: &[Value], body: &dyn Fn(&Value) -> String| {
+        let calls = upstream.calls().len();
+        let response = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(key)
+            .header("content-type", "application/json")
+            .body(body(&json!({ "model": "assistant", "messages": messages })))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let request_id = super::request_id_header(&response);
+        let answer: Value = response.json().await.unwrap();
+        let heard = upstream.calls()[calls].body["messages"].clone();
+        assert_eq!(heard.as_array().unwrap()[1..], messages[..], "{heard}");
+        // A transcript past 4 KiB is stored with the digest of its text.
+        let input = stored_input_of(&app, None, &request_id);
+        let long = serde_json::to_string(messages).unwrap().len() >= 4_096;
+        let digest = long.then(|| sha256_hex(messages));
+        assert_eq!(
+            input.get("inputDigest").and_then(Value::as_str),
+            digest.as_deref()
+        );
+        answer["choices"][0]["message"].clone()
+    };
+    let compact = |body: &Value| serde_json::to_string(body).unwrap();
+    let pretty = |body: &Value| serde_json::to_string_pretty(body).unwrap();
+    let user =
+        |n: usize| json!({ "role": "user", "content": format!("q{n} {}", "y".repeat(2_500)) });
+
+    let mut sent = vec![user(0)];
+    for n in 1..=4 {
+        let answer = turn(CLIENT_KEY, &sent, &compact).await;
+        sent.extend([answer, user(n)]);
+    }
+    let carried_after = super::metric_sample(&scrape().await, carried);
+    assert!(
+        carried_after - carried_before >= 2.0,
+        "{carried_before} -> {carried_after}"
+    );
+
+    // The first message edited, one byte, its length and its end the same.
+    let mut edited = sent.clone();
+    edited[0]["content"] = json!(format!("Q0 {}", "y".repeat(2_500)));
+    let answer = turn(CLIENT_KEY, &edited, &compact).await;
+    edited.extend([answer, user(5)]);
+    // Carried on from the edited turn; then two questions with no answer between them.
+    let answer = turn(CLIENT_KEY, &edited, &compact).await;
+    edited.extend([answer, user(6)]);
+    turn(CLIENT_KEY, &edited, &compact).await;
+    edited.push(user(7));
+    turn(CLIENT_KEY, &edited, &compact).await;
+    // The same messages written with other spacing, and then carried on from.
+    edited.push(user(8));
+    turn(CLIENT_KEY, &edited, &pretty).await;
+    edited.push(user(9));
+    turn(CLIENT_KEY, &edited, &pretty).await;
+    // Another key continuing the first key's bytes, and the first key's turn before again.
+    let mut theirs = edited.clone();
+    theirs.push(user(10));
+    turn(OTHER_CLIENT_KEY, &theirs, &compact).await;
+    turn(CLIENT_KEY, &edited[..edited.len() - 1], &compact).await;
+}
