@@ -73,7 +73,10 @@ async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Resul
         }
         return Err(too_large());
     }
-    let mut bytes = Vec::new();
+    // Room for the declared length (within the limit, checked above) from the start: a
+    // body of megabytes (a long transcript) grown chunk by chunk was copied again and again.
+    let declared = declared.map_or(0, |length| usize::try_from(length).unwrap_or(0));
+    let mut bytes = Vec::with_capacity(declared);
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|_| read_failed())?;
         if (bytes.len() as u64).saturating_add(chunk.len() as u64) > limit {

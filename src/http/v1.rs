@@ -261,15 +261,15 @@ pub async fn chat_completions(
     headers: HeaderMap,
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    validate(&request)?;
     let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
     let (mut messages, sent) = chat_messages(
         &state,
         &caller.identity,
         &request.model,
         session_id.is_none(),
-        &request.messages,
+        request.messages,
     )?;
-    validate(&request)?;
     // Chat tools nest the function: `{type: "function", function: {name, ...}}`.
     let tools = client_functions(request.rest.get("tools"), Some("function"))?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
@@ -359,13 +359,14 @@ fn chat_messages(
     owner: &str,
     agent: &str,
     stateless: bool,
-    sent: &serde_json::value::RawValue,
+    sent: Box<serde_json::value::RawValue>,
 ) -> Result<(Vec<Value>, Option<SentTranscript>), ApiError> {
-    let sent = sent.get();
+    // Kept as it is, never copied: a long transcript is megabytes.
+    let sent: Box<str> = sent.into();
     let carried = stateless
-        .then(|| state.runtime.carried_transcript(owner, agent, sent))
+        .then(|| state.runtime.carried_transcript(owner, agent, &sent))
         .flatten()
-        .and_then(|(end, carried)| Some((parsed_after(sent, end)?, carried)));
+        .and_then(|(end, carried)| Some((parsed_after(&sent, end)?, carried)));
     let (messages, carried) = match carried {
         Some((messages, carried)) => (messages, Some(carried)),
         None => {
@@ -390,10 +391,7 @@ fn chat_messages(
     }
     let before = carried.as_ref().map_or(0, |carried| carried.history.len());
     validate_messages_after(&messages, "messages", before).map_err(ApiError::on_openai_surface)?;
-    let sent = SentTranscript {
-        sent: sent.into(),
-        carried,
-    };
+    let sent = SentTranscript { sent, carried };
     if !stateless || names_client_calls(&messages) {
         return Ok((sent.take_back(messages), None));
     }
