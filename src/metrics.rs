@@ -147,7 +147,11 @@ fn describe() {
     );
     describe_gauge!(
         "stable_harness_carried_digest_bytes",
-        "Memory of the transcript texts kept with those states, within a quarter of limits.keptHistoryBytes (read when scraped)"
+        "Estimated memory kept with those states (the transcript's text; a chat turn's messages as sent and as parsed), within limits.keptHistoryBytes (read when scraped)"
+    );
+    describe_counter!(
+        "stable_harness_chat_transcripts_total",
+        "Chat Completions turns with no session, by how their transcript was read (carried: the turn before's sent messages carried on as parsed, only those after them parsed; parsed: whole)"
     );
     describe_counter!(
         "stable_harness_events_appended_total",
@@ -442,7 +446,7 @@ pub fn chat_transcript(how: &'static str) {
     counter!("stable_harness_chat_transcripts_total", "how" => how).increment(1);
 }
 
-/// The transcript digest states kept in memory and their texts' memory, now.
+/// The transcript digest states kept in memory and the memory kept with them, now.
 pub fn carried_digests(count: usize, bytes: usize) {
     gauge!("stable_harness_carried_digests").set(count as f64);
     gauge!("stable_harness_carried_digest_bytes").set(bytes as f64);

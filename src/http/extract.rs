@@ -73,10 +73,11 @@ async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Resul
         }
         return Err(too_large());
     }
-    // Room for the declared length (within the limit, checked above) from the start: a
-    // body of megabytes (a long transcript) grown chunk by chunk was copied again and again.
+    // Room for the declared length (within the limit, checked above) from the start, up to
+    // a bound (what a client declares is not trusted with more): a body of megabytes (a
+    // long transcript) grown chunk by chunk was copied at each doubling.
     let declared = declared.map_or(0, |length| usize::try_from(length).unwrap_or(0));
-    let mut bytes = Vec::with_capacity(declared);
+    let mut bytes = Vec::with_capacity(declared.min(RESERVED_BYTES));
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|_| read_failed())?;
         if (bytes.len() as u64).saturating_add(chunk.len() as u64) > limit {
@@ -91,6 +92,9 @@ async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Resul
     }
     from_json(&bytes)
 }
+
+/// The most room a body is given up front, on its declared length.
+const RESERVED_BYTES: usize = 8 * 1024 * 1024;
 
 /// A refused body is read on and dropped, up to this many bytes past the limit and for at
 /// most [`DRAIN_TIME`], before the 413 is sent. A client still writing its body when the

@@ -183,12 +183,12 @@ pub async fn capabilities(State(state): State<AppState>) -> Json<Value> {
     Json(json!({ "object": "list", "data": data }))
 }
 
-/// Checks what OpenAI would reject, naming the field (`param`) at fault: the request's own
-/// fields here, its messages as they are parsed ([`chat_messages`]).
-fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
-    // The legacy function-calling fields; `tools` are client tools (see `chat_tools`).
+/// Checks what OpenAI would reject in the legacy function-calling fields, naming the field
+/// (`param`) at fault; `tools` are client tools (see `client_functions`). The messages are
+/// checked as they are parsed ([`chat_messages`]), then `n` ([`validate_n`]).
+fn validate_functions(rest: &Map<String, Value>) -> Result<(), ApiError> {
     for field in ["functions", "function_call"] {
-        if request.rest.get(field).is_some_and(|v| !v.is_null()) {
+        if rest.get(field).is_some_and(|v| !v.is_null()) {
             return Err(v1_error(
                 ErrorCode::ToolsNotSupported,
                 format!("`{field}` cannot be supplied by the client: an agent's tools come from its workspace inventory"),
@@ -196,7 +196,12 @@ fn validate(request: &ChatCompletionRequest) -> Result<(), ApiError> {
             .param(field));
         }
     }
-    if request.n.is_some_and(|n| n != 1) {
+    Ok(())
+}
+
+/// Only one choice is made.
+fn validate_n(n: Option<u32>) -> Result<(), ApiError> {
+    if n.is_some_and(|n| n != 1) {
         return Err(v1_error(ErrorCode::InvalidRequest, "only n = 1 is supported").param("n"));
     }
     Ok(())
@@ -261,17 +266,21 @@ pub async fn chat_completions(
     headers: HeaderMap,
     V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    validate(&request)?;
-    let session_id = session_id(&headers, request.user.as_deref(), &caller.identity)?;
+    validate_functions(&request.rest)?;
+    // A turn whose session header is refused carries nothing on; the refusal is answered
+    // after the messages' own errors, as it always was.
+    let session_id = session_id(&headers, request.user.as_deref(), &caller.identity);
     let (mut messages, sent) = chat_messages(
         &state,
         &caller.identity,
         &request.model,
-        session_id.is_none(),
+        matches!(session_id, Ok(None)),
         request.messages,
     )?;
+    validate_n(request.n)?;
     // Chat tools nest the function: `{type: "function", function: {name, ...}}`.
     let tools = client_functions(request.rest.get("tools"), Some("function"))?;
+    let session_id = session_id?;
     let options: Map<String, Value> = FORWARDED_OPTIONS
         .iter()
         .filter_map(|key| {
@@ -364,7 +373,7 @@ fn chat_messages(
     // Kept as it is, never copied: a long transcript is megabytes.
     let sent: Box<str> = sent.into();
     let carried = stateless
-        .then(|| state.runtime.carried_transcript(owner, agent, &sent))
+        .then(|| state.runtime.take_carried_transcript(owner, agent, &sent))
         .flatten()
         .and_then(|(end, carried)| Some((parsed_after(&sent, end)?, carried)));
     let (messages, carried) = match carried {
@@ -401,8 +410,7 @@ fn chat_messages(
 /// The messages of the JSON array `sent` after its items up to `end` (a `,` follows them),
 /// parsed.
 fn parsed_after(sent: &str, end: usize) -> Option<Vec<Value>> {
-    let after = sent.get(end..)?;
-    let rest = after.get(after.find(',')? + 1..)?;
+    let rest = sent.get(end..)?.trim_start().strip_prefix(',')?;
     let mut array = String::with_capacity(rest.len() + 1);
     array.push('[');
     array.push_str(rest);

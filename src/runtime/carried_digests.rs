@@ -1,6 +1,6 @@
-//! The SHA-256 of a conversation's transcript carried from one turn to the next. A client
-//! with no session sends its whole transcript every turn, and each turn of a long one took
-//! the digest of all of it ([`super::named_transcripts`]): 8-14% of a chat turn's CPU at a
+//! What a conversation with no session carries from one turn to the next. A client with no
+//! session sends its whole transcript every turn, and each turn of a long one took the
+//! digest of all of it ([`super::named_transcripts`]): 8-14% of a chat turn's CPU at a
 //! thousand turns (docs/profiling.md, the eighty-sixth pass). What a turn hashed is the next
 //! turn's first messages, so the hasher's state after a turn's text is kept here with that
 //! text; the next turn whose first messages are those bytes, compared whole, goes on from
@@ -8,14 +8,23 @@
 //! either way: a state is used only for the very text it covers, never on a match of
 //! anything shorter (a length, a sample, a weaker hash).
 //!
-//! Kept by key and agent, the oldest first out of room: at most a budget of text (a quarter
-//! of `limits.keptHistoryBytes`, counted by capacity; the text is the one the turn's model
-//! call writes its request from), one text at most half of it, and [`MOST_CARRIED`]
+//! A chat turn keeps more: its messages as the client sent them and as parsed, with their
+//! text. Parsing, checking and writing the whole transcript was ~60% of a chat turn's CPU at
+//! a thousand turns (the eighty-seventh pass); the next turn whose messages, as sent, start
+//! with those very bytes, compared whole, and go on after a `,` takes the parsed messages
+//! and parses only the rest. What a run is given is what parsing the sent bytes gives
+//! either way.
+//!
+//! Kept by key and agent, the oldest first out of room: at most `limits.keptHistoryBytes`
+//! by estimated size (a text by its capacity, the one the turn's model call writes its
+//! request from; a chat turn's sent text and parsed messages besides), one entry at most
+//! half of it (a chat turn past that keeps its text alone), and [`MOST_CARRIED`]
 //! conversations. Only a transcript long enough to have a digest (4 KiB) is kept. A turn
-//! whose state is not here (evicted, another instance's, after a restart, a transcript the
-//! client changed) hashes its whole text, as before. Unlike the kept histories, a state
-//! newly kept always finds room: more long conversations at once than the budget holds (one
-//! key's or many keys') take each other's places, and their turns hash whole again.
+//! whose entry is not here (evicted, another instance's, after a restart, a transcript the
+//! client changed) parses and hashes its whole transcript, as before. Unlike the kept
+//! histories, an entry newly kept always finds room: more long conversations at once than
+//! the budget holds (one key's or many keys') take each other's places, and their turns
+//! parse and hash whole again.
 
 use std::sync::{Arc, Mutex};
 
@@ -30,10 +39,6 @@ const MOST_CARRIED: usize = 256;
 /// How many bytes at a text's end pick out its conversation's state among the kept ones,
 /// with its length, its key and its agent (the whole text is compared before it is used).
 const TAIL_BYTES: usize = 64;
-
-/// A parsed message's memory beside its strings, estimated from above: the map node holding
-/// its members (eleven entries however few it has) and their names.
-const MESSAGE_NODE_BYTES: usize = 704;
 
 /// The hasher states kept, each with the text it has hashed.
 pub(crate) struct CarriedDigests {
@@ -66,12 +71,14 @@ struct Carried {
 enum Held {
     Text(Arc<String>),
     /// A chat turn's messages: the JSON array as the client sent it, and as parsed, with
-    /// their text (the one the turn's model call wrote its request from). `who` is the hash
-    /// of the turn's key and agent.
+    /// their text (the one the turn's model call wrote its request from), for its key and
+    /// agent alone (compared whole: a number standing for them could be another's).
     Sent {
-        who: u64,
+        owner: Box<str>,
+        agent: Box<str>,
         sent: Box<str>,
         history: Arc<SharedHistory>,
+        parsed_bytes: usize,
     },
 }
 
@@ -82,6 +89,8 @@ enum Held {
 pub struct CarriedTranscript {
     pub history: Arc<SharedHistory>,
     pub state: Sha256,
+    /// The parsed messages' memory, estimated (`history::estimated_bytes`).
+    pub parsed_bytes: usize,
 }
 
 /// A chat turn's messages as the client sent them (a JSON array), kept after the turn for
@@ -130,18 +139,8 @@ fn may_continue(before: &str, sent: &str) -> bool {
             == Some(&b',')
 }
 
-/// A kept chat turn's memory, estimated: its sent text, its text and its parsed messages.
-fn sent_bytes(sent: &str, history: &SharedHistory) -> usize {
-    let text = history.text_capacity();
-    let parsed = history
-        .len()
-        .saturating_mul(MESSAGE_NODE_BYTES)
-        .saturating_add(text);
-    sent.len().saturating_add(text).saturating_add(parsed)
-}
-
 impl CarriedDigests {
-    /// States kept with at most `budget_bytes` of text.
+    /// Entries kept within `budget_bytes`, by their estimated size.
     pub(crate) fn within(budget_bytes: u64) -> Self {
         Self {
             kept: Mutex::default(),
@@ -159,34 +158,53 @@ impl CarriedDigests {
         self.picker.hash_one((owner, agent, text.len(), tail))
     }
 
-    /// The number a chat turn's key and agent are looked for by.
-    fn who(&self, owner: &str, agent: &str) -> u64 {
-        use std::hash::BuildHasher;
-        self.picker.hash_one((owner, agent))
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
         crate::threads::locked(&self.kept)
     }
 
-    /// Takes the kept entry `which` picks out.
-    fn take_where(&self, which: impl Fn(&Carried) -> bool) -> Option<Carried> {
+    /// Takes the kept entry `which` picks out, when `same` holds of it, judged outside the
+    /// lock (a long text takes a while to compare, though far less than hashing or parsing
+    /// it). One that is not the same is put back, where there is still room: another
+    /// conversation's, alike where `which` looked.
+    fn take_where(
+        &self,
+        which: impl Fn(&Carried) -> bool,
+        same: impl FnOnce(&Carried) -> bool,
+    ) -> Option<Carried> {
+        let carried = {
+            let mut kept = self.lock();
+            let at = kept.carried.iter().position(which)?;
+            kept.remove(at)
+        };
+        if same(&carried) {
+            return Some(carried);
+        }
         let mut kept = self.lock();
-        let at = kept.carried.iter().position(which)?;
-        Some(kept.remove(at))
+        if kept.carried.len() < MOST_CARRIED
+            && kept.bytes.saturating_add(carried.bytes) <= self.budget_bytes
+        {
+            kept.bytes = kept.bytes.saturating_add(carried.bytes);
+            kept.carried.push(carried);
+            return None;
+        }
+        // No room left: dropped after the lock is let go.
+        drop(kept);
+        drop(carried);
+        None
     }
 
     /// The state after `[` and `items`, when the turn before of the same key and agent kept
     /// it for these very bytes. It is taken: the turn keeps its own in its place.
     pub(crate) fn take(&self, owner: &str, agent: &str, items: &str) -> Option<Sha256> {
         let pick = self.pick(owner, agent, items);
-        let carried = self.take_where(|carried| carried.pick == pick)?;
-        // Compared outside the lock: a long text takes a while, though far less than hashing.
-        let same = match &carried.held {
-            Held::Text(text) => text.as_str() == items,
-            Held::Sent { history, .. } => history.read_text(|text| text == items),
-        };
-        same.then_some(carried.state)
+        let carried = self.take_where(
+            |carried| carried.pick == pick,
+            |carried| match &carried.held {
+                Held::Text(text) => text.as_str() == items,
+                Held::Sent { history, .. } => history.read_text(|text| text == items),
+            },
+        )?;
+        Some(carried.state)
     }
 
     /// What the turn before of the same key and agent carries on to a chat turn whose
@@ -198,30 +216,38 @@ impl CarriedDigests {
         agent: &str,
         sent: &str,
     ) -> Option<(usize, CarriedTranscript)> {
-        let who = self.who(owner, agent);
-        let carried = self.take_where(|carried| match &carried.held {
-            Held::Sent {
-                who: of,
-                sent: before,
-                ..
-            } => *of == who && may_continue(before, sent),
-            Held::Text(_) => false,
-        })?;
+        let carried = self.take_where(
+            |carried| match &carried.held {
+                Held::Sent {
+                    owner: of,
+                    agent: by,
+                    sent: before,
+                    ..
+                } => **of == *owner && **by == *agent && may_continue(before, sent),
+                Held::Text(_) => false,
+            },
+            |carried| match &carried.held {
+                Held::Sent { sent: before, .. } => items_end(before)
+                    .is_some_and(|end| sent.as_bytes().get(..end) == before.as_bytes().get(..end)),
+                Held::Text(_) => false,
+            },
+        )?;
         let Held::Sent {
             sent: before,
             history,
+            parsed_bytes,
             ..
         } = carried.held
         else {
             return None;
         };
         let end = items_end(&before)?;
-        // Compared outside the lock, as in `take`.
-        (sent.as_bytes().get(..end) == before.as_bytes().get(..end)).then_some((
+        Some((
             end,
             CarriedTranscript {
                 history,
                 state: carried.state,
+                parsed_bytes,
             },
         ))
     }
@@ -235,26 +261,37 @@ impl CarriedDigests {
     }
 
     /// Keeps `state`, after `[` and the text of `history`'s messages, with those messages as
-    /// parsed and as the client sent them (`sent`), for the conversation's next chat turn to
-    /// carry on from ([`Self::take_sent`]), or for any next turn to go on hashing from
-    /// ([`Self::take`]). Past half the budget, only the state and the text are kept.
+    /// parsed (their memory estimated at `parsed_bytes`) and as the client sent them
+    /// (`sent`), for the conversation's next chat turn to carry on from
+    /// ([`Self::take_sent`]), or for any next turn to go on hashing from ([`Self::take`]).
+    /// Past half the budget, only the state and the text are kept.
     pub(crate) fn keep_sent(
         &self,
         owner: &str,
         agent: &str,
         sent: Box<str>,
         history: Arc<SharedHistory>,
+        parsed_bytes: usize,
         state: Sha256,
     ) {
         let pick = history.read_text(|text| self.pick(owner, agent, text));
-        let bytes = sent_bytes(&sent, &history);
+        let bytes = sent
+            .len()
+            .saturating_add(history.text_capacity())
+            .saturating_add(parsed_bytes);
         if bytes > self.budget_bytes / 2 {
             let text = history.written_text();
             self.insert(pick, Held::Text(Arc::clone(&text)), text.capacity(), state);
             return;
         }
-        let who = self.who(owner, agent);
-        self.insert(pick, Held::Sent { who, sent, history }, bytes, state);
+        let held = Held::Sent {
+            owner: owner.into(),
+            agent: agent.into(),
+            sent,
+            history,
+            parsed_bytes,
+        };
+        self.insert(pick, held, bytes, state);
     }
 
     /// Keeps an entry of `bytes`, picked by `pick`, unless past half the budget.
@@ -357,10 +394,7 @@ mod tests {
             carried.take("k1", "agent", &changed).is_none(),
             "other bytes"
         );
-        // The mismatch took it: the turn keeps its own in its place.
-        assert!(carried.take("k1", "agent", &text).is_none());
-
-        carried.keep("k1", "agent", Arc::new(text.clone()), state_after(&text));
+        // Put back after the mismatch, for the conversation it is.
         let state = carried.take("k1", "agent", &text).expect("the same bytes");
         assert_eq!(state.finalize(), state_after(&text).finalize());
         assert!(carried.take("k1", "agent", &text).is_none(), "taken once");
@@ -388,11 +422,14 @@ mod tests {
                 "agent",
                 before.clone().into(),
                 Arc::new(history),
+                1_000,
                 state_after(&text),
             );
         };
         keep();
-        assert_eq!(carried.held().0, 1);
+        // Counted as its sent text, its text and its parsed messages' estimate.
+        let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
+        assert_eq!(carried.held(), (1, before.len() + text.len() + 1_000));
         let next = format!("[{},{}, {}]", message(1), message(2), message(3));
         assert!(
             carried.take_sent("k2", "agent", &next).is_none(),
@@ -413,15 +450,16 @@ mod tests {
             carried.take_sent("k1", "agent", &next).is_none(),
             "taken once"
         );
-        // The same length and the same last bytes, one byte apart at the start: taken, and
-        // not given.
+        // The same length and the same last bytes, one byte apart at the start: not given,
+        // and put back for the turn that does continue it.
         keep();
         let changed = next.replacen("zzz", "zzy", 1);
         assert!(
             carried.take_sent("k1", "agent", &changed).is_none(),
             "other bytes"
         );
-        assert_eq!(carried.held().0, 0);
+        assert_eq!(carried.held().0, 1);
+        assert!(carried.take_sent("k1", "agent", &next).is_some());
         // A sent entry gives its state to a turn matching its text, as a text's does.
         keep();
         let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);

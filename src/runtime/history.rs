@@ -443,7 +443,7 @@ fn text_bytes(value: &Value) -> usize {
 
 /// A message's size in memory, estimated from above: its text, and for each value the
 /// allocation that holds it (an object's map node holds eleven entries however few it has).
-fn estimated_bytes(value: &Value) -> usize {
+pub(super) fn estimated_bytes(value: &Value) -> usize {
     match value {
         Value::String(text) => 32 + text.len(),
         Value::Array(items) => 32 + items.iter().map(estimated_bytes).sum::<usize>(),

@@ -750,11 +750,9 @@ impl Runtime {
         self.inner.histories.held()
     }
 
-    /// The transcript digest states kept for the next turns of conversations with no
-    /// session, and their texts' memory (for `/metrics`).
     /// What the turn before of `owner` and `agent` carries on to a chat turn whose messages,
     /// as sent, start with its own, and where they end in `sent` ([`carried_digests`]).
-    pub fn carried_transcript(
+    pub fn take_carried_transcript(
         &self,
         owner: &str,
         agent: &str,
@@ -763,6 +761,8 @@ impl Runtime {
         self.inner.carried_digests.take_sent(owner, agent, sent)
     }
 
+    /// What is kept for the next turns of conversations with no session (digest states,
+    /// and chat turns' messages), and its memory, estimated (for `/metrics`).
     pub fn carried_digests(&self) -> (usize, usize) {
         self.inner.carried_digests.held()
     }

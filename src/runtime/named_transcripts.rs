@@ -164,12 +164,15 @@ fn safe_from_the_prune(
 
 /// A transcript's messages with their text written, where the newest answer is (past the
 /// first message) and where the text of the messages before it ends, and the hasher's state
-/// after `[` and its first items, carried on from the turn before, with where they end.
+/// after `[` and its first items, carried on from the turn before, with where they end; and
+/// the parsed messages' memory, estimated, when carried on (counted on from the turn
+/// before's, not walked again).
 struct Written {
     history: SharedHistory,
     newest_answer: Option<usize>,
     before_end: Option<usize>,
     carried: Option<(usize, Sha256)>,
+    parsed_bytes: Option<usize>,
 }
 
 /// Where the newest answer of `messages` is, past the first message.
@@ -184,7 +187,12 @@ fn newest_answer(messages: &[Value]) -> Option<usize> {
 /// on after the carried text when the newest answer is past it (the carried messages are
 /// taken over, copied only if something else still shares them).
 fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Written {
-    let Some(CarriedTranscript { history, state }) = continued else {
+    let Some(CarriedTranscript {
+        history,
+        state,
+        parsed_bytes,
+    }) = continued
+    else {
         let newest_answer = newest_answer(&messages);
         let (text, before_end) = written_items(&messages, newest_answer);
         return Written {
@@ -192,6 +200,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
             newest_answer,
             before_end,
             carried: None,
+            parsed_bytes: None,
         };
     };
     let mut history = Arc::try_unwrap(history).unwrap_or_else(|shared| (*shared).clone());
@@ -202,20 +211,22 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         .map(|at| at + held)
         .or_else(|| history.iter().rposition(super::is_answer))
         .filter(|at| *at > 0);
-    let (written_messages, held_end) = history.written_len();
-    // An answer among the carried messages (a turn that sent no answer since), or text not
-    // written to their end: the whole is written again.
-    if written_messages != held || newest.is_some_and(|at| at < held) {
+    // An answer among the carried messages (a turn that sent no answer since): the whole is
+    // written again.
+    if newest.is_some_and(|at| at < held) {
         let mut all = history.into_messages();
         all.extend(messages);
         return written(all, None);
     }
+    let (_, held_end) = history.written_len();
+    let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
     let before_end = history.append_written(messages, newest);
     Written {
         history,
         newest_answer: newest,
         before_end,
         carried: Some((held_end, state)),
+        parsed_bytes: Some(parsed_bytes.saturating_add(added)),
     }
 }
 
@@ -246,6 +257,7 @@ pub async fn named(
         newest_answer,
         before_end,
         carried: mut state,
+        parsed_bytes,
     } = written(messages, continued);
     let mut named = NamedTranscript {
         digest: None,
@@ -270,7 +282,18 @@ pub async fn named(
         crate::metrics::transcript_digest(if state.is_some() { "carried" } else { "whole" });
         let (whole, before, state) = history.read_text(|text| digests(text, state, before_end));
         match sent {
-            Some(sent) => carried.keep_sent(owner, agent, sent, Arc::clone(&history), state),
+            Some(sent) => {
+                let parsed_bytes = parsed_bytes
+                    .unwrap_or_else(|| history.iter().map(super::history::estimated_bytes).sum());
+                carried.keep_sent(
+                    owner,
+                    agent,
+                    sent,
+                    Arc::clone(&history),
+                    parsed_bytes,
+                    state,
+                );
+            }
             None => carried.keep(owner, agent, history.written_text(), state),
         }
         named.digest = Some(whole.hex);
@@ -413,6 +436,7 @@ mod tests {
             let continued = CarriedTranscript {
                 history: Arc::new(before.history),
                 state,
+                parsed_bytes: 0,
             };
             let on = written(messages[held..].to_vec(), Some(continued));
             assert_eq!(on.history[..], messages[..], "held {held}");

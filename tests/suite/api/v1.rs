@@ -338,6 +338,10 @@ async fn every_error_uses_the_envelope_with_code_and_param() {
         ("wrong type", Some(CLIENT_KEY), json!({ "model": 5, "messages": [] }).to_string(), 400, "invalid_request", json!("model")),
         ("client tools", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "hi" }], "tools": [{ "type": "function", "function": { "name": "x" } }] }).to_string(), 400, "tools_not_supported", json!("tools")),
         ("bad role", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "wizard", "content": "hi" }] }).to_string(), 400, "invalid_message", json!("messages[0].role")),
+        ("messages not a list", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": "hi" }).to_string(), 400, "invalid_request", json!("messages")),
+        ("no messages", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [] }).to_string(), 400, "invalid_request", json!("messages")),
+        ("n mistyped", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "hi" }], "n": "x" }).to_string(), 400, "invalid_request", json!("n")),
+        ("no messages and n = 2", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [], "n": 2 }).to_string(), 400, "invalid_request", json!("messages")),
         ("too large", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "x".repeat(4096) }] }).to_string(), 413, "body_too_large", Value::Null),
     ];
     for (name, key, body, status, code, param) in cases {
