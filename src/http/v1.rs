@@ -56,8 +56,9 @@ const FORWARDED_OPTIONS: &[&str] = &[
 pub struct ChatCompletionRequest {
     /// The agent id.
     pub model: String,
-    /// Kept as sent until parsed: a turn carrying on the one before parses only what it
-    /// adds ([`chat_messages`]).
+    /// The conversation's messages, in order.
+    // Kept as sent until parsed: a turn carrying on the one before parses only what it adds
+    // (`chat_messages`).
     #[schema(value_type = Vec<Object>)]
     pub messages: Box<serde_json::value::RawValue>,
     #[serde(default)]
