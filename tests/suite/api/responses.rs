@@ -994,8 +994,11 @@ async fn chat_completions_return_client_calls_streamed_and_not() {
         ]),
         Reply::Text("All patched".into()),
     ]);
+    // A question past 4 KiB: each turn after the first carries it on as the turn before
+    // sent it, then takes it back to complete the client's calls with their stored turns.
+    let go = format!("go {}", "g".repeat(5_000));
     let (response, _) = app
-        .chat(&json!({ "model": "coder", "messages": [{ "role": "user", "content": "go" }], "tools": chat_tools, "tool_choice": "auto" }))
+        .chat(&json!({ "model": "coder", "messages": [{ "role": "user", "content": go }], "tools": chat_tools, "tool_choice": "auto" }))
         .await;
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
@@ -1006,7 +1009,7 @@ async fn chat_completions_return_client_calls_streamed_and_not() {
 
     // Streamed: each call has its index, its name, then its arguments; then `tool_calls`.
     let mut messages = vec![
-        json!({ "role": "user", "content": "go" }),
+        json!({ "role": "user", "content": go }),
         body["choices"][0]["message"].clone(),
         json!({ "role": "tool", "tool_call_id": call["id"], "content": "a applied" }),
     ];
@@ -1062,6 +1065,10 @@ async fn chat_completions_return_client_calls_streamed_and_not() {
         .await;
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], "All patched");
+    // Every model call heard the question whole, first after the agent's instructions.
+    for call in upstream.calls() {
+        assert_eq!(call.body["messages"][1]["content"], go.as_str());
+    }
     let completed = app
         .events(&request_id)
         .await
