@@ -162,10 +162,11 @@ impl CarriedDigests {
         crate::threads::locked(&self.kept)
     }
 
-    /// Takes the kept entry `which` picks out, when `same` holds of it, judged outside the
-    /// lock (a long text takes a while to compare, though far less than hashing or parsing
-    /// it). One that is not the same is put back, where there is still room: another
-    /// conversation's, alike where `which` looked.
+    /// Takes the newest kept entry `which` picks out, and gives it when `same` holds of it,
+    /// judged outside the lock (a long text takes a while to compare, though far less than
+    /// hashing or parsing it). One that is not the same is dropped: most likely what the
+    /// turn before of a conversation the client has since changed kept (the turn keeps its
+    /// own in its place); put back, it would be found again, turn after turn.
     fn take_where(
         &self,
         which: impl Fn(&Carried) -> bool,
@@ -173,24 +174,16 @@ impl CarriedDigests {
     ) -> Option<Carried> {
         let carried = {
             let mut kept = self.lock();
-            let at = kept.carried.iter().position(which)?;
-            kept.remove(at)
+            let newest = kept
+                .carried
+                .iter()
+                .enumerate()
+                .filter(|(_, carried)| which(carried))
+                .max_by_key(|(_, carried)| carried.kept_at)
+                .map(|(at, _)| at)?;
+            kept.remove(newest)
         };
-        if same(&carried) {
-            return Some(carried);
-        }
-        let mut kept = self.lock();
-        if kept.carried.len() < MOST_CARRIED
-            && kept.bytes.saturating_add(carried.bytes) <= self.budget_bytes
-        {
-            kept.bytes = kept.bytes.saturating_add(carried.bytes);
-            kept.carried.push(carried);
-            return None;
-        }
-        // No room left: dropped after the lock is let go.
-        drop(kept);
-        drop(carried);
-        None
+        same(&carried).then_some(carried)
     }
 
     /// The state after `[` and `items`, when the turn before of the same key and agent kept
@@ -394,7 +387,10 @@ mod tests {
             carried.take("k1", "agent", &changed).is_none(),
             "other bytes"
         );
-        // Put back after the mismatch, for the conversation it is.
+        // The mismatch took it: the turn keeps its own in its place.
+        assert!(carried.take("k1", "agent", &text).is_none());
+
+        carried.keep("k1", "agent", Arc::new(text.clone()), state_after(&text));
         let state = carried.take("k1", "agent", &text).expect("the same bytes");
         assert_eq!(state.finalize(), state_after(&text).finalize());
         assert!(carried.take("k1", "agent", &text).is_none(), "taken once");
@@ -450,16 +446,30 @@ mod tests {
             carried.take_sent("k1", "agent", &next).is_none(),
             "taken once"
         );
-        // The same length and the same last bytes, one byte apart at the start: not given,
-        // and put back for the turn that does continue it.
+        // The same length and the same last bytes, one byte apart at the start: taken, and
+        // not given (what a conversation the client changed kept before).
         keep();
         let changed = next.replacen("zzz", "zzy", 1);
         assert!(
             carried.take_sent("k1", "agent", &changed).is_none(),
             "other bytes"
         );
-        assert_eq!(carried.held().0, 1);
-        assert!(carried.take_sent("k1", "agent", &next).is_some());
+        assert_eq!(carried.held(), (0, 0));
+        // Of two entries the turn may continue, the newest is given.
+        let older = SharedHistory::written(parsed.clone(), Arc::new("older".to_owned()));
+        let older_state = Sha256::new().chain_update(b"older");
+        carried.keep_sent(
+            "k1",
+            "agent",
+            before.clone().into(),
+            Arc::new(older),
+            1,
+            older_state,
+        );
+        keep();
+        assert_eq!(carried.held().0, 2);
+        let (_, taken) = carried.take_sent("k1", "agent", &next).expect("continued");
+        assert_eq!(taken.state.finalize(), state_after(&text).finalize());
         // A sent entry gives its state to a turn matching its text, as a text's does.
         keep();
         let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);

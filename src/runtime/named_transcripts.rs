@@ -441,6 +441,12 @@ mod tests {
             let on = written(messages[held..].to_vec(), Some(continued));
             assert_eq!(on.history[..], messages[..], "held {held}");
             assert_eq!(on.carried.is_some(), held <= 4, "held {held}");
+            // The parsed messages' memory counted on from the carried ones' (none here).
+            let added = messages[held..]
+                .iter()
+                .map(crate::runtime::history::estimated_bytes)
+                .sum::<usize>();
+            assert_eq!(on.parsed_bytes, (held <= 4).then_some(added), "held {held}");
             assert_eq!(of(&on), whole, "held {held}");
         }
     }

@@ -1578,8 +1578,15 @@ async fn a_chat_turn_carries_on_only_the_bytes_the_turn_before_sent() {
     edited[0]["content"] = json!(format!("Q0 {}", "y".repeat(2_500)));
     let answer = turn(CLIENT_KEY, &edited, &compact).await;
     edited.extend([answer, user(5)]);
-    // Carried on from the edited turn; then two questions with no answer between them.
+    // Carried on from the edited turn (what the unedited one kept is gone); then two
+    // questions with no answer between them.
+    let carried_before = super::metric_sample(&scrape().await, carried);
     let answer = turn(CLIENT_KEY, &edited, &compact).await;
+    let carried_after = super::metric_sample(&scrape().await, carried);
+    assert!(
+        carried_after > carried_before,
+        "the turn after the edit carried on"
+    );
     edited.extend([answer, user(6)]);
     turn(CLIENT_KEY, &edited, &compact).await;
     edited.push(user(7));
