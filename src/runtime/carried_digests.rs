@@ -162,42 +162,33 @@ impl CarriedDigests {
         crate::threads::locked(&self.kept)
     }
 
-    /// Takes the newest kept entry `which` picks out, and gives it when `same` holds of it,
-    /// judged outside the lock (a long text takes a while to compare, though far less than
-    /// hashing or parsing it). One that is not the same is dropped: most likely what the
-    /// turn before of a conversation the client has since changed kept (the turn keeps its
-    /// own in its place); put back, it would be found again, turn after turn.
-    fn take_where(
-        &self,
-        which: impl Fn(&Carried) -> bool,
-        same: impl FnOnce(&Carried) -> bool,
-    ) -> Option<Carried> {
-        let carried = {
-            let mut kept = self.lock();
-            let newest = kept
-                .carried
-                .iter()
-                .enumerate()
-                .filter(|(_, carried)| which(carried))
-                .max_by_key(|(_, carried)| carried.kept_at)
-                .map(|(at, _)| at)?;
-            kept.remove(newest)
-        };
-        same(&carried).then_some(carried)
+    /// Takes the newest kept entry `which` picks out. The caller compares it with what the
+    /// turn sent outside the lock (a long text takes a while to compare, though far less
+    /// than hashing or parsing it); one that is not the same is dropped: most likely what
+    /// the turn before of a conversation the client has since changed kept (the turn keeps
+    /// its own in its place); put back, it would be found again, turn after turn.
+    fn take_newest(&self, which: impl Fn(&Carried) -> bool) -> Option<Carried> {
+        let mut kept = self.lock();
+        let newest = kept
+            .carried
+            .iter()
+            .enumerate()
+            .filter(|(_, carried)| which(carried))
+            .max_by_key(|(_, carried)| carried.kept_at)
+            .map(|(at, _)| at)?;
+        Some(kept.remove(newest))
     }
 
     /// The state after `[` and `items`, when the turn before of the same key and agent kept
     /// it for these very bytes. It is taken: the turn keeps its own in its place.
     pub(crate) fn take(&self, owner: &str, agent: &str, items: &str) -> Option<Sha256> {
         let pick = self.pick(owner, agent, items);
-        let carried = self.take_where(
-            |carried| carried.pick == pick,
-            |carried| match &carried.held {
-                Held::Text(text) => text.as_str() == items,
-                Held::Sent { history, .. } => history.read_text(|text| text == items),
-            },
-        )?;
-        Some(carried.state)
+        let carried = self.take_newest(|carried| carried.pick == pick)?;
+        let same = match &carried.held {
+            Held::Text(text) => text.as_str() == items,
+            Held::Sent { history, .. } => history.read_text(|text| text == items),
+        };
+        same.then_some(carried.state)
     }
 
     /// What the turn before of the same key and agent carries on to a chat turn whose
@@ -209,22 +200,15 @@ impl CarriedDigests {
         agent: &str,
         sent: &str,
     ) -> Option<(usize, CarriedTranscript)> {
-        let carried = self.take_where(
-            |carried| match &carried.held {
-                Held::Sent {
-                    owner: of,
-                    agent: by,
-                    sent: before,
-                    ..
-                } => **of == *owner && **by == *agent && may_continue(before, sent),
-                Held::Text(_) => false,
-            },
-            |carried| match &carried.held {
-                Held::Sent { sent: before, .. } => items_end(before)
-                    .is_some_and(|end| sent.as_bytes().get(..end) == before.as_bytes().get(..end)),
-                Held::Text(_) => false,
-            },
-        )?;
+        let carried = self.take_newest(|carried| match &carried.held {
+            Held::Sent {
+                owner: of,
+                agent: by,
+                sent: before,
+                ..
+            } => **of == *owner && **by == *agent && may_continue(before, sent),
+            Held::Text(_) => false,
+        })?;
         let Held::Sent {
             sent: before,
             history,
@@ -235,7 +219,7 @@ impl CarriedDigests {
             return None;
         };
         let end = items_end(&before)?;
-        Some((
+        (sent.as_bytes().get(..end) == before.as_bytes().get(..end)).then_some((
             end,
             CarriedTranscript {
                 history,

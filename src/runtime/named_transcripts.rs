@@ -171,15 +171,17 @@ struct Written {
     history: SharedHistory,
     newest_answer: Option<usize>,
     before_end: Option<usize>,
-    carried: Option<(usize, Sha256)>,
+    state: Option<(usize, Sha256)>,
     parsed_bytes: Option<usize>,
 }
 
-/// Where the newest answer of `messages` is, past the first message.
-fn newest_answer(messages: &[Value]) -> Option<usize> {
-    messages
+/// Where the newest answer of the transcript `held` then `added` is, past its first message.
+fn newest_answer(held: &[Value], added: &[Value]) -> Option<usize> {
+    added
         .iter()
         .rposition(super::is_answer)
+        .map(|at| at + held.len())
+        .or_else(|| held.iter().rposition(super::is_answer))
         .filter(|at| *at > 0)
 }
 
@@ -193,24 +195,19 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         parsed_bytes,
     }) = continued
     else {
-        let newest_answer = newest_answer(&messages);
+        let newest_answer = newest_answer(&[], &messages);
         let (text, before_end) = written_items(&messages, newest_answer);
         return Written {
             history: SharedHistory::written(messages, Arc::new(text)),
             newest_answer,
             before_end,
-            carried: None,
+            state: None,
             parsed_bytes: None,
         };
     };
     let mut history = Arc::try_unwrap(history).unwrap_or_else(|shared| (*shared).clone());
     let held = history.len();
-    let newest = messages
-        .iter()
-        .rposition(super::is_answer)
-        .map(|at| at + held)
-        .or_else(|| history.iter().rposition(super::is_answer))
-        .filter(|at| *at > 0);
+    let newest = newest_answer(&history, &messages);
     // An answer among the carried messages (a turn that sent no answer since): the whole is
     // written again.
     if newest.is_some_and(|at| at < held) {
@@ -225,7 +222,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         history,
         newest_answer: newest,
         before_end,
-        carried: Some((held_end, state)),
+        state: Some((held_end, state)),
         parsed_bytes: Some(parsed_bytes.saturating_add(added)),
     }
 }
@@ -256,7 +253,7 @@ pub async fn named(
         history,
         newest_answer,
         before_end,
-        carried: mut state,
+        mut state,
         parsed_bytes,
     } = written(messages, continued);
     let mut named = NamedTranscript {
@@ -416,7 +413,7 @@ mod tests {
             let text = written.history.read_text(str::to_owned);
             let (whole, first, state) = written
                 .history
-                .read_text(|text| digests(text, written.carried.clone(), written.before_end));
+                .read_text(|text| digests(text, written.state.clone(), written.before_end));
             (
                 text,
                 written.newest_answer,
@@ -440,7 +437,7 @@ mod tests {
             };
             let on = written(messages[held..].to_vec(), Some(continued));
             assert_eq!(on.history[..], messages[..], "held {held}");
-            assert_eq!(on.carried.is_some(), held <= 4, "held {held}");
+            assert_eq!(on.state.is_some(), held <= 4, "held {held}");
             // The parsed messages' memory counted on from the carried ones' (none here).
             let added = messages[held..]
                 .iter()
