@@ -362,6 +362,24 @@ async fn runtime_refuses_messages_no_model_accepts_as_v1_does() {
         assert_eq!(status, 400, "{case}");
         assert_eq!(body["error"]["code"], "invalid_message", "{case}");
         assert_eq!(body["error"]["param"], format!("messages{at}"), "{case}");
+
+        // In a session named by the header, the messages are parsed with the body, never
+        // kept as sent first: the same refusal.
+        let response = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .header("x-stable-harness-session-id", "refusals")
+            .json(&json!({ "model": "assistant", "messages": messages }))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let body: Value = response.json().await.unwrap();
+        let case = format!("/v1 in a session {messages}: {body}");
+        assert_eq!(status, 400, "{case}");
+        assert_eq!(body["error"]["code"], "invalid_message", "{case}");
+        assert_eq!(body["error"]["param"], format!("messages{at}"), "{case}");
     }
     assert!(
         upstream.calls().is_empty(),

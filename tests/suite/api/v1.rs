@@ -303,7 +303,12 @@ async fn models_and_capabilities_list_the_agents() {
     assert_eq!(assistant["streaming"], true);
 }
 
-async fn raw_post(app: &TestApp, key: Option<&str>, body: reqwest::Body) -> (u16, Value) {
+async fn raw_post(
+    app: &TestApp,
+    key: Option<&str>,
+    session: Option<&str>,
+    body: reqwest::Body,
+) -> (u16, Value) {
     let mut request = app
         .http
         .post(app.url("/v1/chat/completions"))
@@ -311,6 +316,9 @@ async fn raw_post(app: &TestApp, key: Option<&str>, body: reqwest::Body) -> (u16
         .body(body);
     if let Some(key) = key {
         request = request.bearer_auth(key);
+    }
+    if let Some(session) = session {
+        request = request.header("x-stable-harness-session-id", session);
     }
     let response = request.send().await.unwrap();
     let status = response.status().as_u16();
@@ -344,23 +352,34 @@ async fn every_error_uses_the_envelope_with_code_and_param() {
         ("no messages and n = 2", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [], "n": 2 }).to_string(), 400, "invalid_request", json!("messages")),
         ("too large", Some(CLIENT_KEY), json!({ "model": "greeter", "messages": [{ "role": "user", "content": "x".repeat(4096) }] }).to_string(), 413, "body_too_large", Value::Null),
     ];
-    for (name, key, body, status, code, param) in cases {
-        let (actual_status, envelope) = raw_post(&app, key, body.into()).await;
-        assert_eq!(actual_status, status, "{name}: {envelope}");
-        assert_eq!(envelope["error"]["code"], code, "{name}: {envelope}");
-        assert_eq!(envelope["error"]["param"], param, "{name}: {envelope}");
-        assert!(
-            envelope["error"]["message"]
-                .as_str()
-                .is_some_and(|m| !m.is_empty()),
-            "{name}"
-        );
-        assert!(envelope["error"]["type"].is_string(), "{name}");
+    // With the session header, the body's messages are parsed with the rest of it, not kept
+    // as sent first: the same answers.
+    for session in [None, Some("errors")] {
+        for (name, key, body, status, code, param) in &cases {
+            let (actual_status, envelope) =
+                raw_post(&app, *key, session, body.clone().into()).await;
+            let name = format!("{name} (session {session:?})");
+            assert_eq!(actual_status, *status, "{name}: {envelope}");
+            assert_eq!(envelope["error"]["code"], *code, "{name}: {envelope}");
+            assert_eq!(envelope["error"]["param"], *param, "{name}: {envelope}");
+            assert!(
+                envelope["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{name}"
+            );
+            assert!(envelope["error"]["type"].is_string(), "{name}");
+        }
     }
     // A body streamed without Content-Length is cut at the limit too.
     let chunks = futures::stream::iter((0..8).map(|_| Ok::<_, std::io::Error>(vec![b' '; 1024])));
-    let (status, envelope) =
-        raw_post(&app, Some(CLIENT_KEY), reqwest::Body::wrap_stream(chunks)).await;
+    let (status, envelope) = raw_post(
+        &app,
+        Some(CLIENT_KEY),
+        None,
+        reqwest::Body::wrap_stream(chunks),
+    )
+    .await;
     assert_eq!(
         (status, envelope["error"]["code"].as_str()),
         (413, Some("body_too_large"))
