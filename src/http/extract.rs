@@ -48,20 +48,6 @@ impl<T: DeserializeOwned> FromRequest<AppState> for V1Json<T> {
 }
 
 async fn parse<T: DeserializeOwned>(request: Request, state: &AppState) -> Result<T, ApiError> {
-    from_body(&read_body(request, state).await?)
-}
-
-/// Parses a body read whole: no body reads as `{}` (a POST whose fields are all optional
-/// needs none).
-pub(super) fn from_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return from_json(b"{}");
-    }
-    from_json(bytes)
-}
-
-/// Reads a request's body whole, within `limits.maxRequestBytes`.
-pub(super) async fn read_body(request: Request, state: &AppState) -> Result<Vec<u8>, ApiError> {
     let limit = state.runtime.workspace().runtime.limits.max_request_bytes;
     let too_large = || {
         ApiError::new(
@@ -100,7 +86,11 @@ pub(super) async fn read_body(request: Request, state: &AppState) -> Result<Vec<
         }
         bytes.extend_from_slice(&chunk);
     }
-    Ok(bytes)
+    // No body reads as `{}`: a POST whose fields are all optional needs none.
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return from_json(b"{}");
+    }
+    from_json(&bytes)
 }
 
 /// The most room a body is given up front, on its declared length.

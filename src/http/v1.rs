@@ -4,7 +4,7 @@
 //! `chat.completion.chunk` events and `[DONE]`, so every OpenAI SDK parses it.
 
 use axum::Extension;
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 
 use super::AppState;
 use super::auth::Caller;
-use super::extract::{ApiPath, from_body, read_body};
+use super::extract::{ApiPath, V1Json};
 use super::messages::validate_messages_after;
 use super::sse::{self, Frame};
 use super::views::{Json, JsonText, run_failure, store_error};
@@ -52,15 +52,15 @@ const FORWARDED_OPTIONS: &[&str] = &[
 
 /// `POST /v1/chat/completions` body: the fields SPEC section 6 lists; other OpenAI fields are
 /// accepted and ignored.
-// Generic only in how its messages are read ([`ChatBody`]); documented as their JSON.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[schema(bound = "")]
-pub struct ChatCompletionRequest<M = ChatMessages> {
+pub struct ChatCompletionRequest {
     /// The agent id.
     pub model: String,
     /// The conversation's messages, in order.
+    // Kept as sent until parsed: a turn carrying on the one before parses only what it adds
+    // (`chat_messages`).
     #[schema(value_type = Vec<Object>)]
-    pub messages: M,
+    pub messages: Box<serde_json::value::RawValue>,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
@@ -76,72 +76,6 @@ pub struct ChatCompletionRequest<M = ChatMessages> {
     #[serde(flatten)]
     #[schema(value_type = Object)]
     pub rest: Map<String, Value>,
-}
-
-impl<M> ChatCompletionRequest<M> {
-    /// The same request, its messages read as `read` makes them.
-    fn with_messages<N>(self, read: impl FnOnce(M) -> N) -> ChatCompletionRequest<N> {
-        let Self {
-            model,
-            messages,
-            stream,
-            stream_options,
-            user,
-            metadata,
-            n,
-            rest,
-        } = self;
-        ChatCompletionRequest {
-            model,
-            messages: read(messages),
-            stream,
-            stream_options,
-            user,
-            metadata,
-            n,
-            rest,
-        }
-    }
-}
-
-/// A chat request's messages, as its body was read ([`ChatBody`]).
-#[derive(Debug)]
-pub enum ChatMessages {
-    /// Kept as sent, unparsed: a turn with no session header may carry on the messages the
-    /// same key's turn before sent, byte for byte, and parse only what follows them
-    /// (`chat_messages`).
-    Sent(Box<serde_json::value::RawValue>),
-    /// Parsed with the rest of the body: a turn whose session header came with it is in a
-    /// session, where nothing sent is carried on, so its body is read once, not scanned for
-    /// the messages' extent first.
-    Parsed(Vec<Value>),
-}
-
-/// `POST /v1/chat/completions`'s body, its messages kept as sent or parsed at once by
-/// whether the session header came with it (a `user` naming the session is known only from
-/// the body: such a turn's messages are kept as sent, then parsed).
-#[derive(Debug)]
-pub struct ChatBody(pub ChatCompletionRequest);
-
-impl FromRequest<AppState> for ChatBody {
-    type Rejection = ApiError;
-
-    async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
-        let in_session = request.headers().contains_key(SESSION_ID_HEADER);
-        let read = async {
-            let body = read_body(request, state).await?;
-            Ok(if in_session {
-                from_body::<ChatCompletionRequest<Vec<Value>>>(&body)?
-                    .with_messages(ChatMessages::Parsed)
-            } else {
-                from_body::<ChatCompletionRequest<Box<serde_json::value::RawValue>>>(&body)?
-                    .with_messages(ChatMessages::Sent)
-            })
-        };
-        read.await
-            .map(ChatBody)
-            .map_err(ApiError::on_openai_surface)
-    }
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -331,7 +265,7 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    ChatBody(request): ChatBody,
+    V1Json(request): V1Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     validate_functions(&request.rest)?;
     // A turn whose session header is refused carries nothing on; the refusal is answered
@@ -430,21 +364,13 @@ pub async fn chat_completions(
 /// sent are kept for the next turn, unless the transcript names calls handed to the client:
 /// the runtime completes those with the calls' stored turns, so what the run is given is
 /// not what was sent. A mismatch anywhere only parses the whole, as every turn did before.
-/// Messages parsed with the body (a session's turn) are only checked.
 fn chat_messages(
     state: &AppState,
     owner: &str,
     agent: &str,
     stateless: bool,
-    messages: ChatMessages,
+    sent: Box<serde_json::value::RawValue>,
 ) -> Result<(Vec<Value>, Option<SentTranscript>), ApiError> {
-    let sent = match messages {
-        ChatMessages::Sent(sent) => sent,
-        ChatMessages::Parsed(messages) => {
-            checked_messages(&messages, 0)?;
-            return Ok((messages, None));
-        }
-    };
     // Kept as it is, never copied: a long transcript is megabytes.
     let sent: Box<str> = sent.into();
     let carried = stateless
@@ -456,6 +382,13 @@ fn chat_messages(
         None => {
             let messages: Vec<Value> = super::extract::from_json(sent.as_bytes())
                 .map_err(|error| error.param("messages").on_openai_surface())?;
+            if messages.is_empty() {
+                return Err(v1_error(
+                    ErrorCode::InvalidRequest,
+                    "`messages` must contain at least one message",
+                )
+                .param("messages"));
+            }
             (messages, None)
         }
     };
@@ -466,28 +399,13 @@ fn chat_messages(
             "parsed"
         });
     }
-    checked_messages(
-        &messages,
-        carried.as_ref().map_or(0, |carried| carried.history.len()),
-    )?;
+    let before = carried.as_ref().map_or(0, |carried| carried.history.len());
+    validate_messages_after(&messages, "messages", before).map_err(ApiError::on_openai_surface)?;
     let sent = SentTranscript { sent, carried };
     if !stateless || names_client_calls(&messages) {
         return Ok((sent.take_back(messages), None));
     }
     Ok((messages, Some(sent)))
-}
-
-/// Checks a transcript's `messages` that follow `before` already checked: at least one in
-/// all, each a well-formed message.
-fn checked_messages(messages: &[Value], before: usize) -> Result<(), ApiError> {
-    if before == 0 && messages.is_empty() {
-        return Err(v1_error(
-            ErrorCode::InvalidRequest,
-            "`messages` must contain at least one message",
-        )
-        .param("messages"));
-    }
-    validate_messages_after(messages, "messages", before).map_err(ApiError::on_openai_surface)
 }
 
 /// The messages of the JSON array `sent` after its items up to `end` (a `,` follows them),
