@@ -271,11 +271,11 @@ pub async fn chat_completions(
     // A turn whose session header is refused carries nothing on; the refusal is answered
     // after the messages' own errors, as it always was.
     let session_id = session_id(&headers, request.user.as_deref(), &caller.identity);
-    let (mut messages, sent) = chat_messages(
+    let (mut messages, mut sent) = chat_messages(
         &state,
         &caller.identity,
         &request.model,
-        matches!(session_id, Ok(None)),
+        session_id.is_ok(),
         request.messages,
     )?;
     validate_n(request.n)?;
@@ -304,7 +304,7 @@ pub async fn chat_completions(
     // its instructions anew each turn (the time, what it retrieved) still continues the
     // session's path.
     let leading = match session_id {
-        Some(_) => messages.drain(..leading_instructions(&messages)).collect(),
+        Some(_) => leading_messages(&mut messages, &mut sent),
         None => Vec::new(),
     };
     let Followed {
@@ -357,23 +357,24 @@ pub async fn chat_completions(
     ))
 }
 
-/// A chat request's messages, parsed and checked. With no session (`stateless`), the turn
-/// before of the same key and agent is carried on when the messages as sent start with its
-/// own, byte for byte: only those after them are parsed, and the first returned are those
-/// (`runtime::carried_digests`; docs/profiling.md, the eighty-seventh pass). The messages as
-/// sent are kept for the next turn, unless the transcript names calls handed to the client:
-/// the runtime completes those with the calls' stored turns, so what the run is given is
-/// not what was sent. A mismatch anywhere only parses the whole, as every turn did before.
+/// A chat request's messages, parsed and checked. When the turn `carries` (with no session
+/// or in one: not under a refused session header), the turn before of the same key and
+/// agent is carried on when the messages as sent start with its own, byte for byte: only
+/// those after them are parsed, and the first returned are those (`runtime::carried_digests`;
+/// docs/profiling.md, the eighty-seventh and eighty-eighth passes). The messages as sent are
+/// kept for the next turn, unless the transcript names calls handed to the client: the
+/// runtime completes those with the calls' stored turns, so what the run is given is not
+/// what was sent. A mismatch anywhere only parses the whole, as every turn did before.
 fn chat_messages(
     state: &AppState,
     owner: &str,
     agent: &str,
-    stateless: bool,
+    carries: bool,
     sent: Box<serde_json::value::RawValue>,
 ) -> Result<(Vec<Value>, Option<SentTranscript>), ApiError> {
     // Kept as it is, never copied: a long transcript is megabytes.
     let sent: Box<str> = sent.into();
-    let carried = stateless
+    let carried = carries
         .then(|| state.runtime.take_carried_transcript(owner, agent, &sent))
         .flatten()
         .and_then(|(end, carried)| Some((parsed_after(&sent, end)?, carried)));
@@ -392,7 +393,7 @@ fn chat_messages(
             (messages, None)
         }
     };
-    if stateless {
+    if carries {
         crate::metrics::chat_transcript(if carried.is_some() {
             "carried"
         } else {
@@ -401,11 +402,28 @@ fn chat_messages(
     }
     let before = carried.as_ref().map_or(0, |carried| carried.history.len());
     validate_messages_after(&messages, "messages", before).map_err(ApiError::on_openai_surface)?;
-    let sent = SentTranscript { sent, carried };
-    if !stateless || names_client_calls(&messages) {
+    let mut sent = SentTranscript { sent, carried };
+    if !carries || names_client_calls(&messages) {
         return Ok((sent.take_back(messages), None));
     }
     Ok((messages, Some(sent)))
+}
+
+/// A session turn's leading system and developer messages (the call's own, never in the
+/// session): moved out of `messages`, or copied from the carried messages that hold them
+/// (those stay whole, as sent, for the next turn). Carried messages that are all leading
+/// ones are taken back first: where the leading ones end is among `messages` then.
+fn leading_messages(messages: &mut Vec<Value>, sent: &mut Option<SentTranscript>) -> Vec<Value> {
+    if let Some(sent) = sent.as_mut()
+        && let Some(carried) = &sent.carried
+    {
+        let count = leading_instructions(&carried.history);
+        if count < carried.history.len() {
+            return carried.history[..count].to_vec();
+        }
+        *messages = sent.take_back(std::mem::take(messages));
+    }
+    messages.drain(..leading_instructions(messages)).collect()
 }
 
 /// The messages of the JSON array `sent` after its items up to `end` (a `,` follows them),

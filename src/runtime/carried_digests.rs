@@ -57,11 +57,12 @@ struct Kept {
 }
 
 /// A turn's hasher state after `[` and its text's items, and what holds that text: the text
-/// alone (shared with the turn's model call), or a chat turn's messages as sent and parsed.
+/// alone (shared with the turn's model call), or a chat turn's messages as sent and parsed
+/// (a turn in a session has no digest, so no state).
 struct Carried {
     pick: u64,
     held: Held,
-    state: Sha256,
+    state: Option<Sha256>,
     /// The memory `held` holds: the text's capacity; and a chat turn's sent text and its
     /// parsed messages, estimated.
     bytes: usize,
@@ -84,11 +85,11 @@ enum Held {
 
 /// What a chat turn carries on from the turn before whose messages, as sent, its own start
 /// with ([`CarriedDigests::take_sent`]): those messages parsed, with their text, and the
-/// hasher's state after `[` and that text.
+/// hasher's state after `[` and that text, if that turn took a digest.
 #[derive(Debug, Clone)]
 pub struct CarriedTranscript {
     pub history: Arc<SharedHistory>,
-    pub state: Sha256,
+    pub state: Option<Sha256>,
     /// The parsed messages' memory, estimated (`history::estimated_bytes`).
     pub parsed_bytes: usize,
 }
@@ -103,9 +104,10 @@ pub struct SentTranscript {
 }
 
 impl SentTranscript {
-    /// The carried messages, if any, before `messages`: the whole transcript.
-    pub fn take_back(self, messages: Vec<Value>) -> Vec<Value> {
-        match self.carried {
+    /// The carried messages, if any, before `messages`: the whole transcript. Nothing is
+    /// carried on after.
+    pub fn take_back(&mut self, messages: Vec<Value>) -> Vec<Value> {
+        match self.carried.take() {
             Some(carried) => {
                 let mut all = Arc::try_unwrap(carried.history)
                     .map_or_else(|shared| shared.to_vec(), SharedHistory::into_messages);
@@ -113,6 +115,36 @@ impl SentTranscript {
                 all
             }
             None => messages,
+        }
+    }
+
+    /// A session's chat turn's whole transcript, as sent: the carried messages (which hold
+    /// its `leading` ones) then `messages`, or else `leading` then `messages`; with their
+    /// memory, estimated. The carried messages keep their text: the turn's model call writes
+    /// only what follows it.
+    pub(crate) fn whole(
+        &mut self,
+        leading: &[Value],
+        messages: Vec<Value>,
+    ) -> (SharedHistory, usize) {
+        let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
+        match self.carried.take() {
+            Some(carried) => {
+                let mut whole =
+                    Arc::try_unwrap(carried.history).unwrap_or_else(|shared| (*shared).clone());
+                whole.extend(messages);
+                (whole, carried.parsed_bytes.saturating_add(added))
+            }
+            None => {
+                let leading_bytes: usize =
+                    leading.iter().map(super::history::estimated_bytes).sum();
+                let mut whole = leading.to_vec();
+                whole.extend(messages);
+                (
+                    SharedHistory::from(whole),
+                    leading_bytes.saturating_add(added),
+                )
+            }
         }
     }
 }
@@ -188,7 +220,7 @@ impl CarriedDigests {
             Held::Text(text) => text.as_str() == items,
             Held::Sent { history, .. } => history.read_text(|text| text == items),
         };
-        same.then_some(carried.state)
+        carried.state.filter(|_| same)
     }
 
     /// What the turn before of the same key and agent carries on to a chat turn whose
@@ -234,14 +266,16 @@ impl CarriedDigests {
     /// counts the memory it holds, its capacity.
     pub(crate) fn keep(&self, owner: &str, agent: &str, text: Arc<String>, state: Sha256) {
         let (pick, bytes) = (self.pick(owner, agent, &text), text.capacity());
-        self.insert(pick, Held::Text(text), bytes, state);
+        self.insert(pick, Held::Text(text), bytes, Some(state));
     }
 
-    /// Keeps `state`, after `[` and the text of `history`'s messages, with those messages as
-    /// parsed (their memory estimated at `parsed_bytes`) and as the client sent them
-    /// (`sent`), for the conversation's next chat turn to carry on from
-    /// ([`Self::take_sent`]), or for any next turn to go on hashing from ([`Self::take`]).
-    /// Past half the budget, only the state and the text are kept.
+    /// Keeps `history`'s messages as parsed (their memory estimated at `parsed_bytes`) and
+    /// as the client sent them (`sent`), for the conversation's next chat turn to carry on
+    /// from ([`Self::take_sent`]); with `state`, after `[` and the messages' text, for any
+    /// next turn to go on hashing from ([`Self::take`]). Past half the budget, only the
+    /// state and the text are kept. Without a state (a session's turn, whose text its model
+    /// call writes later), the entry is picked out by the bytes sent and sized as if its
+    /// text were as long.
     pub(crate) fn keep_sent(
         &self,
         owner: &str,
@@ -249,16 +283,21 @@ impl CarriedDigests {
         sent: Box<str>,
         history: Arc<SharedHistory>,
         parsed_bytes: usize,
-        state: Sha256,
+        state: Option<Sha256>,
     ) {
-        let pick = history.read_text(|text| self.pick(owner, agent, text));
+        let pick = match state {
+            Some(_) => history.read_text(|text| self.pick(owner, agent, text)),
+            None => self.pick(owner, agent, &sent),
+        };
         let bytes = sent
             .len()
-            .saturating_add(history.text_capacity())
+            .saturating_add(history.text_capacity().max(sent.len()))
             .saturating_add(parsed_bytes);
         if bytes > self.budget_bytes / 2 {
-            let text = history.written_text();
-            self.insert(pick, Held::Text(Arc::clone(&text)), text.capacity(), state);
+            if state.is_some() {
+                let text = history.written_text();
+                self.insert(pick, Held::Text(Arc::clone(&text)), text.capacity(), state);
+            }
             return;
         }
         let held = Held::Sent {
@@ -272,7 +311,7 @@ impl CarriedDigests {
     }
 
     /// Keeps an entry of `bytes`, picked by `pick`, unless past half the budget.
-    fn insert(&self, pick: u64, held: Held, bytes: usize, state: Sha256) {
+    fn insert(&self, pick: u64, held: Held, bytes: usize, state: Option<Sha256>) {
         if bytes > self.budget_bytes / 2 {
             return;
         }
@@ -403,13 +442,16 @@ mod tests {
                 before.clone().into(),
                 Arc::new(history),
                 1_000,
-                state_after(&text),
+                Some(state_after(&text)),
             );
         };
         keep();
         // Counted as its sent text, its text and its parsed messages' estimate.
         let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
-        assert_eq!(carried.held(), (1, before.len() + text.len() + 1_000));
+        assert_eq!(
+            carried.held(),
+            (1, before.len() + text.len().max(before.len()) + 1_000)
+        );
         let next = format!("[{},{}, {}]", message(1), message(2), message(3));
         assert!(
             carried.take_sent("k2", "agent", &next).is_none(),
@@ -448,17 +490,51 @@ mod tests {
             before.clone().into(),
             Arc::new(older),
             1,
-            older_state,
+            Some(older_state),
         );
         keep();
         assert_eq!(carried.held().0, 2);
         let (_, taken) = carried.take_sent("k1", "agent", &next).expect("continued");
-        assert_eq!(taken.state.finalize(), state_after(&text).finalize());
+        let state = taken.state.expect("a turn with no session's state");
+        assert_eq!(state.finalize(), state_after(&text).finalize());
         // A sent entry gives its state to a turn matching its text, as a text's does.
         keep();
         let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
         let state = carried.take("k1", "agent", &text).expect("the same text");
         assert_eq!(state.finalize(), state_after(&text).finalize());
+    }
+
+    /// A session's chat turns keep their messages with no state and no text yet (their model
+    /// call writes it): picked out by the bytes sent, two conversations of one key and agent
+    /// are both kept, each carried on to its own next turn, and no digest is taken from
+    /// either.
+    #[test]
+    fn a_session_turn_carries_its_messages_on_with_no_state() {
+        let carried = CarriedDigests::within(1 << 24);
+        let sent = |conversation: &str, turns: usize| {
+            let messages: Vec<String> = (0..turns)
+                .map(|n| format!("{{\"role\":\"user\",\"content\":\"{conversation} {n}\"}}"))
+                .collect();
+            format!("[{}]", messages.join(","))
+        };
+        for conversation in ["first", "second"] {
+            let before = sent(conversation, 2);
+            let parsed: Vec<serde_json::Value> = serde_json::from_str(&before).unwrap();
+            let history = Arc::new(SharedHistory::from(parsed));
+            carried.keep_sent("k1", "agent", before.into(), history, 100, None);
+        }
+        // Sized as the bytes sent twice (they and the text to come) and the estimate.
+        let sized = 2 * sent("first", 2).len() + 2 * sent("second", 2).len() + 2 * 100;
+        assert_eq!(carried.held(), (2, sized));
+        assert!(carried.take("k1", "agent", "").is_none(), "no digest state");
+        for conversation in ["second", "first"] {
+            let next = sent(conversation, 3);
+            let (end, taken) = carried.take_sent("k1", "agent", &next).expect("continued");
+            assert_eq!(&next[..end], &sent(conversation, 2)[..end]);
+            assert_eq!(taken.history.len(), 2);
+            assert!(taken.state.is_none());
+        }
+        assert_eq!(carried.held(), (0, 0));
     }
 
     /// The texts kept stay within the budget and the count, the oldest dropped first; a text

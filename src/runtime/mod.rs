@@ -445,9 +445,10 @@ pub struct NewRequest {
     pub owner: String,
     /// OpenAI-style messages: with `sent` carrying on the turn before's, those after them.
     pub messages: Vec<Value>,
-    /// A chat turn with no session: its messages as the client sent them, and what it
-    /// carries on from the turn before whose sent messages its own start with, parsed
-    /// (docs/profiling.md, the eighty-seventh pass).
+    /// A chat turn's messages as the client sent them, and what it carries on from the turn
+    /// before whose sent messages its own start with, parsed (docs/profiling.md, the
+    /// eighty-seventh pass; in a session, the eighty-eighth: those carried on hold the
+    /// turn's `leading` messages).
     pub sent: Option<SentTranscript>,
     /// How many of the last messages (the carried ones included) are new to the session
     /// (they are stored in it).
@@ -469,7 +470,7 @@ pub struct NewRequest {
 impl NewRequest {
     /// The messages a chat turn carries on from the turn before put back before its own.
     pub fn take_back_carried(&mut self) {
-        if let Some(sent) = self.sent.take() {
+        if let Some(mut sent) = self.sent.take() {
             self.messages = sent.take_back(std::mem::take(&mut self.messages));
         }
     }
@@ -791,11 +792,34 @@ impl Runtime {
             return Err(RuntimeError::ShuttingDown);
         }
         let workspace = self.workspace();
-        // Only a turn with no session carries messages on (as its digest does): any other
-        // takes the carried ones back among its own.
-        if request.history != History::Stateless || request.session_id.is_some() {
+        // A chat turn carries messages on with no session (as its digest does) and in a
+        // session whose path its transcript is matched with; any other takes the carried
+        // ones back among its own.
+        let carries = match request.history {
+            History::Stateless => request.session_id.is_none(),
+            History::SessionPrefix => true,
+            History::SessionLeaf | History::Through(_) => false,
+        };
+        if !carries {
             request.take_back_carried();
         }
+        // A chat turn in a session: its whole transcript as sent (its leading messages
+        // first), shared with its run and kept with those bytes for the conversation's next
+        // turn, which parses only what it adds (docs/profiling.md, the eighty-eighth pass).
+        let sent_whole = match request.history {
+            History::SessionPrefix => request.sent.take().map(|mut sent| {
+                let (whole, parsed_bytes) =
+                    sent.whole(&request.leading, std::mem::take(&mut request.messages));
+                (sent.sent, whole, parsed_bytes)
+            }),
+            _ => None,
+        };
+        let leading_count = request.leading.len();
+        // The transcript after its leading messages.
+        let sent_messages: &[Value] = match &sent_whole {
+            Some((_, whole, _)) => whole.get(leading_count..).unwrap_or_default(),
+            None => &request.messages,
+        };
         // A workflow request is named by its workflow; its runs are its nodes.
         let workflow = match &request.workflow {
             Some(name) => Some(
@@ -825,7 +849,7 @@ impl Runtime {
         // surface that continues a stored history needs it to exist already.
         let with_history = match request.history {
             History::SessionLeaf => true,
-            History::SessionPrefix => answered(&request.messages),
+            History::SessionPrefix => answered(sent_messages),
             History::Stateless | History::Through(_) => false,
         };
         let store = inner.store.as_ref();
@@ -883,9 +907,7 @@ impl Runtime {
             (History::SessionPrefix, Some(newest)) => {
                 let histories = &inner.histories;
                 let (leaf, path) = (newest.0.clone(), Arc::clone(&newest.1));
-                match matching_path(store, histories, &session_id, newest, &request.messages)
-                    .await?
-                {
+                match matching_path(store, histories, &session_id, newest, sent_messages).await? {
                     Some((through, matched)) => {
                         // A transcript continuing from the newest path's end is the next
                         // turn of the request that stored its last message: its leading
@@ -914,8 +936,12 @@ impl Runtime {
             }
             _ => (None, None, 0),
         };
-        // The request's own messages; those before them are the history the session holds.
-        let mut own = request.messages.split_off(own_from);
+        // The request's own messages; those before them are the history the session holds
+        // (a session's chat turn's stay in its whole transcript, below).
+        let mut own = match &sent_whole {
+            Some(_) => Vec::new(),
+            None => request.messages.split_off(own_from),
+        };
         // A conversation with no session names the request holding its transcript's first
         // messages when an earlier turn stored them (docs/profiling.md, the eighty-third
         // pass), and its run shares the messages with their text, written once.
@@ -941,18 +967,42 @@ impl Runtime {
             }
             _ => (None, None),
         };
+        // A session's chat turn's whole transcript is its run's, and is kept, when long enough
+        // to be worth it, for the conversation's next turn to carry on.
+        let whole = sent_whole.map(|(sent, whole, parsed_bytes)| {
+            let whole = Arc::new(whole);
+            if sent.len() >= named_transcripts::NAMED_FROM_BYTES {
+                inner.carried_digests.keep_sent(
+                    &request.owner,
+                    &agent_id,
+                    sent,
+                    Arc::clone(&whole),
+                    parsed_bytes,
+                    None,
+                );
+            }
+            whole
+        });
         let mut parent_id = leaf;
         let mut rest = std::mem::take(&mut request.messages);
-        let messages = match &own_shared {
-            Some(shared) => {
+        let messages = match (&own_shared, &whole) {
+            (Some(shared), _) => {
                 Transcript::new(request.leading.clone(), Some(Arc::clone(shared)), rest)
             }
-            None => {
+            // Its leading messages are its first.
+            (None, Some(whole)) => Transcript::new(Vec::new(), Some(Arc::clone(whole)), rest),
+            (None, None) => {
                 rest.extend(own.iter().cloned());
                 Transcript::new(request.leading.clone(), history, rest)
             }
         };
-        let own: &[Value] = own_shared.as_deref().map_or(&own, |shared| shared);
+        let own: &[Value] = match (&own_shared, &whole) {
+            (Some(shared), _) => shared,
+            (None, Some(whole)) => whole
+                .get(leading_count.saturating_add(own_from)..)
+                .unwrap_or_default(),
+            (None, None) => &own,
+        };
 
         let request_id = new_id("req");
         let run_id = new_id("run");

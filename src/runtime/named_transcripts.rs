@@ -36,7 +36,7 @@ use crate::store::{INPUT_DIGEST, InputHolder, LEADING_DIGEST, PREFIX_LEN, PREFIX
 /// nothing there, and the digest's index entry, at a random place in its b-tree, would
 /// cost every short chat request a page more of the store's log (docs/profiling.md, the
 /// eighty-third pass). A conversation crosses it within its first turns.
-const NAMED_FROM_BYTES: usize = 4_096;
+pub(super) const NAMED_FROM_BYTES: usize = 4_096;
 
 /// How a turn with no session stores its transcript: its digest, when the next turn may
 /// find it by it, and, when an earlier request holds its first messages, that request and
@@ -222,7 +222,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         history,
         newest_answer: newest,
         before_end,
-        state: Some((held_end, state)),
+        state: state.map(|state| (held_end, state)),
         parsed_bytes: Some(parsed_bytes.saturating_add(added)),
     }
 }
@@ -288,7 +288,7 @@ pub async fn named(
                     sent,
                     Arc::clone(&history),
                     parsed_bytes,
-                    state,
+                    Some(state),
                 );
             }
             None => carried.keep(owner, agent, history.written_text(), state),
@@ -432,7 +432,7 @@ mod tests {
                 .chain_update(text.as_bytes());
             let continued = CarriedTranscript {
                 history: Arc::new(before.history),
-                state,
+                state: Some(state),
                 parsed_bytes: 0,
             };
             let on = written(messages[held..].to_vec(), Some(continued));

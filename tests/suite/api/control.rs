@@ -1602,3 +1602,114 @@ async fn a_chat_turn_carries_on_only_the_bytes_the_turn_before_sent() {
     turn(OTHER_CLIENT_KEY, &theirs, &compact).await;
     turn(CLIENT_KEY, &edited[..edited.len() - 1], &compact).await;
 }
+
+/// A chat client in a session sends its whole transcript every turn too: a turn whose
+/// messages, as sent, start with those the turn before sent (its leading system message
+/// among them) carries them on as parsed and parses only the rest. The model hears every
+/// transcript exactly as sent; the session stores each message once and never the leading
+/// system message (the call's own); a changed system message or an edited question reads
+/// the whole, as before, and a turn in a session named by `user` carries on too.
+#[tokio::test]
+async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
+    let upstream = MockUpstream::start().await;
+    upstream.set_default(Reply::Text("noted".into()));
+    let app = spawn(api_workspace(&upstream, ""), None).await;
+    let scrape = async || super::metrics_text(&app.http, &app.url("/metrics")).await;
+    let carried = "stable_harness_chat_transcripts_total{how=\"carried\"}";
+    // Sends `messages` in `session` (the header, or else `user`); checks what the model
+    // heard; gives the answer.
+    let turn = async |session: Option<&str>, messages: &[Value]| {
+        let calls = upstream.calls().len();
+        let mut body = json!({ "model": "assistant", "messages": messages });
+        let mut request = app
+            .http
+            .post(app.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY);
+        match session {
+            Some(session) => request = request.header("x-stable-harness-session-id", session),
+            None => body["user"] = json!("ada"),
+        }
+        let response = request.json(&body).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        let answer: Value = response.json().await.unwrap();
+        let heard = upstream.calls()[calls].body["messages"].clone();
+        assert_eq!(heard.as_array().unwrap()[1..], messages[..], "{heard}");
+        answer["choices"][0]["message"].clone()
+    };
+    let session_view = async |session: &str| {
+        let (status, view) = app
+            .get(&format!("/runtime/sessions/{session}"), CLIENT_KEY)
+            .await;
+        assert_eq!(status, 200, "{view}");
+        view
+    };
+    let system = |rules: &str| json!({ "role": "system", "content": format!("{rules} {}", "r".repeat(1_500)) });
+    let user =
+        |n: usize| json!({ "role": "user", "content": format!("q{n} {}", "y".repeat(2_500)) });
+
+    let carried_before = super::metric_sample(&scrape().await, carried);
+    let mut sent = vec![system("be brief"), user(0)];
+    for n in 1..=5 {
+        let answer = turn(Some("carry"), &sent).await;
+        sent.extend([answer, user(n)]);
+    }
+    let carried_after = super::metric_sample(&scrape().await, carried);
+    assert!(
+        carried_after - carried_before >= 3.0,
+        "{carried_before} -> {carried_after}"
+    );
+    let view = session_view("carry").await;
+    let stored = view["messages"].as_array().unwrap();
+    assert_eq!(stored.len(), 2 * 5, "each message stored once: {view:#}");
+    assert!(
+        stored.iter().all(|m| m["content"]["role"] != "system"),
+        "{view:#}"
+    );
+    let history: Vec<&Value> = view["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| &m["content"]["content"])
+        .collect();
+    let said: Vec<&Value> = sent[1..sent.len() - 1]
+        .iter()
+        .map(|m| &m["content"])
+        .collect();
+    assert_eq!(history, said);
+
+    // Other instructions (the first bytes differ): read whole, the session's path continued;
+    // then carried on from.
+    sent[0] = system("be thorough");
+    let answer = turn(Some("carry"), &sent).await;
+    sent.extend([answer, user(6)]);
+    let carried_before = super::metric_sample(&scrape().await, carried);
+    let answer = turn(Some("carry"), &sent).await;
+    assert!(super::metric_sample(&scrape().await, carried) > carried_before);
+    sent.extend([answer, user(7)]);
+    let view = session_view("carry").await;
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        2 * 7,
+        "{view:#}"
+    );
+
+    // An edited question far back: read whole, and a branch of the session from there.
+    let mut edited = sent.clone();
+    edited[1]["content"] = json!(format!("Q0 {}", "y".repeat(2_500)));
+    turn(Some("carry"), &edited).await;
+    // The unedited conversation goes on, heard as sent.
+    turn(Some("carry"), &sent).await;
+
+    // A session named by `user`.
+    let mut theirs = vec![
+        system("be brief"),
+        user(0),
+        json!({ "role": "assistant", "content": "ok" }),
+        user(1),
+    ];
+    let answer = turn(None, &theirs).await;
+    theirs.extend([answer, user(2)]);
+    let carried_before = super::metric_sample(&scrape().await, carried);
+    turn(None, &theirs).await;
+    assert!(super::metric_sample(&scrape().await, carried) > carried_before);
+}
