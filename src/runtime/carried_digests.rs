@@ -80,7 +80,19 @@ enum Held {
         sent: Box<str>,
         history: Arc<SharedHistory>,
         parsed_bytes: usize,
+        mark: Option<SessionMark>,
     },
+}
+
+/// Where a session's chat turn's messages after its leading ones end in the session: the
+/// path through `through` is those `len` messages as the session holds them (the turn's own
+/// stored below the part of the path they matched). The next turn that carries them on
+/// and whose session's newest path passes through `through` compares only what follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionMark {
+    pub session: Box<str>,
+    pub through: String,
+    pub len: usize,
 }
 
 /// What a chat turn carries on from the turn before whose messages, as sent, its own start
@@ -92,6 +104,17 @@ pub struct CarriedTranscript {
     pub state: Option<Sha256>,
     /// The parsed messages' memory, estimated (`history::estimated_bytes`).
     pub parsed_bytes: usize,
+    /// Where they end in their session, for a session's turn.
+    pub mark: Option<SessionMark>,
+}
+
+/// A session's chat turn's whole transcript ([`SentTranscript::whole`]).
+pub(crate) struct WholeTranscript {
+    pub history: SharedHistory,
+    /// The messages' memory, estimated.
+    pub parsed_bytes: usize,
+    /// How many of them were carried on, and where those ended in their session.
+    pub carried: Option<(usize, Option<SessionMark>)>,
 }
 
 /// A chat turn's messages as the client sent them (a JSON array), kept after the turn for
@@ -122,28 +145,30 @@ impl SentTranscript {
     /// its `leading` ones) then `messages`, or else `leading` then `messages`; with their
     /// memory, estimated. The carried messages keep their text: the turn's model call writes
     /// only what follows it.
-    pub(crate) fn whole(
-        &mut self,
-        leading: &[Value],
-        messages: Vec<Value>,
-    ) -> (SharedHistory, usize) {
+    pub(crate) fn whole(&mut self, leading: &[Value], messages: Vec<Value>) -> WholeTranscript {
         let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
         match self.carried.take() {
             Some(carried) => {
-                let mut whole =
+                let mut history =
                     Arc::try_unwrap(carried.history).unwrap_or_else(|shared| (*shared).clone());
-                whole.extend(messages);
-                (whole, carried.parsed_bytes.saturating_add(added))
+                let count = history.len();
+                history.extend(messages);
+                WholeTranscript {
+                    history,
+                    parsed_bytes: carried.parsed_bytes.saturating_add(added),
+                    carried: Some((count, carried.mark)),
+                }
             }
             None => {
                 let leading_bytes: usize =
                     leading.iter().map(super::history::estimated_bytes).sum();
                 let mut whole = leading.to_vec();
                 whole.extend(messages);
-                (
-                    SharedHistory::from(whole),
-                    leading_bytes.saturating_add(added),
-                )
+                WholeTranscript {
+                    history: SharedHistory::from(whole),
+                    parsed_bytes: leading_bytes.saturating_add(added),
+                    carried: None,
+                }
             }
         }
     }
@@ -245,6 +270,7 @@ impl CarriedDigests {
             sent: before,
             history,
             parsed_bytes,
+            mark,
             ..
         } = carried.held
         else {
@@ -257,6 +283,7 @@ impl CarriedDigests {
                 history,
                 state: carried.state,
                 parsed_bytes,
+                mark,
             },
         ))
     }
@@ -274,8 +301,9 @@ impl CarriedDigests {
     /// from ([`Self::take_sent`]); with `state`, after `[` and the messages' text, for any
     /// next turn to go on hashing from ([`Self::take`]). Past half the budget, only the
     /// state and the text are kept. Without a state (a session's turn, whose text its model
-    /// call writes later), the entry is picked out by the bytes sent and sized as if its
-    /// text were as long.
+    /// call writes later, with where its messages end in the session: `mark`), the entry is
+    /// picked out by the bytes sent and sized as if its text were as long.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn keep_sent(
         &self,
         owner: &str,
@@ -284,6 +312,7 @@ impl CarriedDigests {
         history: Arc<SharedHistory>,
         parsed_bytes: usize,
         state: Option<Sha256>,
+        mark: Option<SessionMark>,
     ) {
         let pick = match state {
             Some(_) => history.read_text(|text| self.pick(owner, agent, text)),
@@ -306,6 +335,7 @@ impl CarriedDigests {
             sent,
             history,
             parsed_bytes,
+            mark,
         };
         self.insert(pick, held, bytes, state);
     }
@@ -381,7 +411,7 @@ mod tests {
 
     use sha2::{Digest, Sha256};
 
-    use super::{CarriedDigests, MOST_CARRIED};
+    use super::{CarriedDigests, MOST_CARRIED, SessionMark};
     use crate::adapters::SharedHistory;
 
     fn state_after(items: &str) -> Sha256 {
@@ -443,6 +473,7 @@ mod tests {
                 Arc::new(history),
                 1_000,
                 Some(state_after(&text)),
+                None,
             );
         };
         keep();
@@ -491,6 +522,7 @@ mod tests {
             Arc::new(older),
             1,
             Some(older_state),
+            None,
         );
         keep();
         assert_eq!(carried.held().0, 2);
@@ -511,6 +543,13 @@ mod tests {
     #[test]
     fn a_session_turn_carries_its_messages_on_with_no_state() {
         let carried = CarriedDigests::within(1 << 24);
+        let mark_of = |conversation: &str| {
+            Some(SessionMark {
+                session: conversation.into(),
+                through: format!("msg-{conversation}"),
+                len: 2,
+            })
+        };
         let sent = |conversation: &str, turns: usize| {
             let messages: Vec<String> = (0..turns)
                 .map(|n| format!("{{\"role\":\"user\",\"content\":\"{conversation} {n}\"}}"))
@@ -521,7 +560,8 @@ mod tests {
             let before = sent(conversation, 2);
             let parsed: Vec<serde_json::Value> = serde_json::from_str(&before).unwrap();
             let history = Arc::new(SharedHistory::from(parsed));
-            carried.keep_sent("k1", "agent", before.into(), history, 100, None);
+            let mark = mark_of(conversation);
+            carried.keep_sent("k1", "agent", before.into(), history, 100, None, mark);
         }
         // Sized as the bytes sent twice (they and the text to come) and the estimate.
         let sized = 2 * sent("first", 2).len() + 2 * sent("second", 2).len() + 2 * 100;
@@ -533,6 +573,7 @@ mod tests {
             assert_eq!(&next[..end], &sent(conversation, 2)[..end]);
             assert_eq!(taken.history.len(), 2);
             assert!(taken.state.is_none());
+            assert_eq!(taken.mark, mark_of(conversation), "its own mark");
         }
         assert_eq!(carried.held(), (0, 0));
     }

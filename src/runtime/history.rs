@@ -391,6 +391,36 @@ pub(crate) fn read_path_is(kept: &Option<KeptPrefix>, read: &PathBelow, sent: &[
             .all(|(stored, sent)| same_message(&stored.content, sent))
 }
 
+/// How many of `sent`'s first messages are the path's, when they are all of the path and its
+/// first `known` are known to be `sent`'s (a carried transcript whose end the session holds):
+/// only what follows those is compared.
+pub(crate) fn continued_whole(path: &[Value], sent: &[Value], known: usize) -> Option<usize> {
+    let after = matching_prefix(path.get(known..)?, sent.get(known..)?);
+    (known.saturating_add(after) == path.len()).then_some(path.len())
+}
+
+/// How long the path a read gives ([`Histories::joined`]: `read` below `kept` when it passes
+/// through it, else `read` alone) is through `message`, when it passes through it.
+pub(crate) fn length_through(
+    kept: &Option<KeptPrefix>,
+    read: &PathBelow,
+    message: &str,
+) -> Option<usize> {
+    let above = match kept {
+        Some((through, path, _)) if read.below_known => {
+            if through == message {
+                return Some(path.len());
+            }
+            path.len()
+        }
+        _ => 0,
+    };
+    read.messages
+        .iter()
+        .position(|stored| stored.id == message)
+        .map(|at| above + at + 1)
+}
+
 /// Whether `sent` says what `stored` says, as [`matching_prefix`] compares them.
 pub(crate) fn same_message(stored: &Value, sent: &Value) -> bool {
     if stored == sent {
@@ -468,7 +498,7 @@ mod tests {
 
     use super::{
         DEFAULT_KEPT_HISTORY_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
-        estimated_bytes, known, matching_prefix, read_path_is,
+        continued_whole, estimated_bytes, known, length_through, matching_prefix, read_path_is,
     };
 
     /// Kept paths that any other session may replace at once.
@@ -712,6 +742,39 @@ mod tests {
             &read(&["a1", "a2", "a3", "a4"], true),
             &sent
         ));
+
+        // How long the path is through a message: at the kept branch's end, below it, in a
+        // whole path read, and not at all when the path does not pass through it.
+        let below = read(&["a3", "a4"], true);
+        assert_eq!(length_through(&kept, &below, "msg_a2"), Some(2));
+        assert_eq!(length_through(&kept, &below, "msg_a3"), Some(3));
+        assert_eq!(length_through(&kept, &below, "msg_a4"), Some(4));
+        assert_eq!(
+            length_through(&kept, &below, "msg_a1"),
+            None,
+            "not looked for"
+        );
+        let whole = read(&["a1", "a2", "b3"], false);
+        assert_eq!(length_through(&kept, &whole, "msg_a2"), Some(2));
+        assert_eq!(length_through(&kept, &whole, "msg_a3"), None);
+        assert_eq!(length_through(&None, &below, "msg_a4"), Some(2));
+    }
+
+    /// A transcript whose first messages are known to be the path's is compared after them
+    /// alone, and continues the path only when it goes on from all of it.
+    #[test]
+    fn a_transcript_known_to_start_a_path_is_compared_after_its_known_part() {
+        let said = |text: &str| json!({ "role": "user", "content": text });
+        let path = [said("a1"), said("a2"), said("a3")];
+        // The known part is taken as it is, even where it would not compare the same.
+        let sent = [said("x1"), said("x2"), said("a3"), said("a4")];
+        assert_eq!(continued_whole(&path, &sent, 2), Some(3));
+        assert_eq!(continued_whole(&path, &sent, 1), None, "a2 is not x2");
+        assert_eq!(continued_whole(&path, &sent[..2], 2), None, "shorter");
+        assert_eq!(continued_whole(&path, &sent, 3), Some(3));
+        assert_eq!(continued_whole(&path, &sent, 4), None, "past the path");
+        let changed = [said("x1"), said("x2"), said("b3"), said("a4")];
+        assert_eq!(continued_whole(&path, &changed, 2), None);
     }
 
     #[test]

@@ -13,7 +13,7 @@ mod carried_digests;
 mod client_turns;
 mod clock;
 pub mod events;
-pub use carried_digests::{CarriedTranscript, SentTranscript};
+pub use carried_digests::{CarriedTranscript, SentTranscript, SessionMark};
 pub use client_turns::{ClientResult, ClientTurn, names_client_calls};
 mod fanout;
 mod history;
@@ -208,29 +208,34 @@ pub async fn stored_leading(
 /// A session a request names, and when the request continues its history, that history and
 /// where it ends (shared): the path through its newest leaf, read with the session in one
 /// read, or for a fork with none of its own yet, through the message it was forked at. Only
-/// the owner's session's history is taken (and kept).
+/// the owner's session's history is taken (and kept). With `marked`, also how long the
+/// path is through that message, when it passes through it as far as the read tells (the
+/// path kept and what was read below it; an older message is not looked for).
 async fn session_read(
     store: &dyn Store,
     histories: &history::Histories,
     session_id: &str,
     owner: &str,
     with_history: bool,
-) -> Result<(Option<SessionRecord>, SessionHistory), StoreError> {
+    marked: Option<&str>,
+) -> Result<(Option<SessionRecord>, SessionHistory, Option<usize>), StoreError> {
     if !with_history {
-        return Ok((store.session(session_id).await?, None));
+        return Ok((store.session(session_id).await?, None, None));
     }
     let kept = histories.kept_path(session_id);
     let Some((session, read)) = store
         .session_and_path(session_id, history::known(&kept))
         .await?
     else {
-        return Ok((None, None));
+        return Ok((None, None, None));
     };
     if session.owner != owner {
-        return Ok((Some(session), None));
+        return Ok((Some(session), None, None));
     }
+    let mut marked_len = None;
     let history = match read {
         Some((head, read)) => {
+            marked_len = marked.and_then(|marked| history::length_through(&kept, &read, marked));
             let path = histories.joined(session_id, &head, kept, read);
             Some((head, path))
         }
@@ -242,7 +247,7 @@ async fn session_read(
             None => None,
         },
     };
-    Ok((Some(session), history))
+    Ok((Some(session), history, marked_len))
 }
 
 /// A session's history as a request continues it: where it ends, and its messages.
@@ -808,18 +813,30 @@ impl Runtime {
         // turn, which parses only what it adds (docs/profiling.md, the eighty-eighth pass).
         let sent_whole = match request.history {
             History::SessionPrefix => request.sent.take().map(|mut sent| {
-                let (whole, parsed_bytes) =
-                    sent.whole(&request.leading, std::mem::take(&mut request.messages));
-                (sent.sent, whole, parsed_bytes)
+                let whole = sent.whole(&request.leading, std::mem::take(&mut request.messages));
+                (sent.sent, whole)
             }),
             _ => None,
         };
         let leading_count = request.leading.len();
         // The transcript after its leading messages.
         let sent_messages: &[Value] = match &sent_whole {
-            Some((_, whole, _)) => whole.get(leading_count..).unwrap_or_default(),
+            Some((_, whole)) => whole.history.get(leading_count..).unwrap_or_default(),
             None => &request.messages,
         };
+        // Where the carried messages after the leading ones end in this session, when the
+        // turn before kept where: the session's path through there is they.
+        let marked = sent_whole
+            .as_ref()
+            .and_then(|(_, whole)| match &whole.carried {
+                Some((count, Some(mark)))
+                    if request.session_id.as_deref() == Some(&*mark.session)
+                        && *count == leading_count.saturating_add(mark.len) =>
+                {
+                    Some(mark)
+                }
+                _ => None,
+            });
         // A workflow request is named by its workflow; its runs are its nodes.
         let workflow = match &request.workflow {
             Some(name) => Some(
@@ -854,15 +871,33 @@ impl Runtime {
         };
         let store = inner.store.as_ref();
         let mut session_history = None;
+        let mut known_len = None;
         if let Some(id) = &request.session_id {
-            match session_read(store, &inner.histories, id, &request.owner, with_history).await? {
-                (Some(session), _) if session.owner != request.owner => {
+            let marked_id = marked.map(|mark| mark.through.as_str());
+            match session_read(
+                store,
+                &inner.histories,
+                id,
+                &request.owner,
+                with_history,
+                marked_id,
+            )
+            .await?
+            {
+                (Some(session), ..) if session.owner != request.owner => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                (None, _) if request.history == History::SessionLeaf => {
+                (None, ..) if request.history == History::SessionLeaf => {
                     return Err(RuntimeError::SessionNotFound(id.clone()));
                 }
-                (_, history) => session_history = history,
+                (_, history, marked_len) => {
+                    session_history = history;
+                    // The carried messages are the path as far as the mark: only what
+                    // follows is compared.
+                    known_len = marked
+                        .map(|mark| mark.len)
+                        .filter(|len| marked_len == Some(*len));
+                }
             }
         }
         let permit = Arc::clone(&inner.admission)
@@ -907,7 +942,17 @@ impl Runtime {
             (History::SessionPrefix, Some(newest)) => {
                 let histories = &inner.histories;
                 let (leaf, path) = (newest.0.clone(), Arc::clone(&newest.1));
-                match matching_path(store, histories, &session_id, newest, sent_messages).await? {
+                // Carried messages known to be the path's first compare only what follows;
+                // a transcript that does not go on from the whole path is matched as ever.
+                let continued = known_len
+                    .and_then(|known| history::continued_whole(&path, sent_messages, known));
+                let found = match continued {
+                    Some(matched) => Some((leaf.clone(), matched)),
+                    None => {
+                        matching_path(store, histories, &session_id, newest, sent_messages).await?
+                    }
+                };
+                match found {
                     Some((through, matched)) => {
                         // A transcript continuing from the newest path's end is the next
                         // turn of the request that stored its last message: its leading
@@ -967,22 +1012,14 @@ impl Runtime {
             }
             _ => (None, None),
         };
-        // A session's chat turn's whole transcript is its run's, and is kept, when long enough
-        // to be worth it, for the conversation's next turn to carry on.
-        let whole = sent_whole.map(|(sent, whole, parsed_bytes)| {
-            let whole = Arc::new(whole);
-            if sent.len() >= named_transcripts::NAMED_FROM_BYTES {
-                inner.carried_digests.keep_sent(
-                    &request.owner,
-                    &agent_id,
-                    sent,
-                    Arc::clone(&whole),
-                    parsed_bytes,
-                    None,
-                );
-            }
-            whole
-        });
+        // A session's chat turn's whole transcript is its run's (and is kept, below).
+        let (whole, to_keep) = match sent_whole {
+            Some((sent, whole)) => (
+                Some(Arc::new(whole.history)),
+                Some((sent, whole.parsed_bytes)),
+            ),
+            None => (None, None),
+        };
         let mut parent_id = leaf;
         let mut rest = std::mem::take(&mut request.messages);
         let messages = match (&own_shared, &whole) {
@@ -1095,6 +1132,31 @@ impl Runtime {
                 content: message.clone(),
                 created_at: now,
             }));
+        }
+        // A session's chat turn's whole transcript is kept, when long enough to be worth it,
+        // for the conversation's next turn to carry on; with where its messages end in the
+        // session when all its own are stored below the path they matched (the path through
+        // the last is they).
+        if let (Some(whole), Some((sent, parsed_bytes))) = (&whole, to_keep)
+            && sent.len() >= named_transcripts::NAMED_FROM_BYTES
+        {
+            let mark = parent_id
+                .clone()
+                .filter(|_| first_new == 0)
+                .map(|through| SessionMark {
+                    session: session_id.as_str().into(),
+                    through,
+                    len: whole.len().saturating_sub(leading_count),
+                });
+            inner.carried_digests.keep_sent(
+                &request.owner,
+                &agent_id,
+                sent,
+                Arc::clone(whole),
+                parsed_bytes,
+                None,
+                mark,
+            );
         }
         // A workflow starts at its entry node, with the request's input; an agent's run
         // takes the transcript as it is.

@@ -193,6 +193,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         history,
         state,
         parsed_bytes,
+        ..
     }) = continued
     else {
         let newest_answer = newest_answer(&[], &messages);
@@ -289,6 +290,7 @@ pub async fn named(
                     Arc::clone(&history),
                     parsed_bytes,
                     Some(state),
+                    None,
                 );
             }
             None => carried.keep(owner, agent, history.written_text(), state),
@@ -434,6 +436,7 @@ mod tests {
                 history: Arc::new(before.history),
                 state: Some(state),
                 parsed_bytes: 0,
+                mark: None,
             };
             let on = written(messages[held..].to_vec(), Some(continued));
             assert_eq!(on.history[..], messages[..], "held {held}");

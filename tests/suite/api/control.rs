@@ -1644,8 +1644,10 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
         view
     };
     let system = |rules: &str| json!({ "role": "system", "content": format!("{rules} {}", "r".repeat(1_500)) });
+    // Conversations told apart by their ends too, as they are (the entries kept are looked
+    // for by their length and last bytes).
     let user =
-        |n: usize| json!({ "role": "user", "content": format!("q{n} {}", "y".repeat(2_500)) });
+        |n: usize| json!({ "role": "user", "content": format!("{} q{n}", "y".repeat(2_500)) });
 
     let carried_before = super::metric_sample(&scrape().await, carried);
     let mut sent = vec![system("be brief"), user(0)];
@@ -1695,10 +1697,32 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
 
     // An edited question far back: read whole, and a branch of the session from there.
     let mut edited = sent.clone();
-    edited[1]["content"] = json!(format!("Q0 {}", "y".repeat(2_500)));
+    edited[1]["content"] = json!(format!("Y{} q0", "y".repeat(2_499)));
     turn(Some("carry"), &edited).await;
     // The unedited conversation goes on, heard as sent.
     turn(Some("carry"), &sent).await;
+
+    // Two conversations taking turns in one session: each carries its own messages on and
+    // is matched with its own branch (the session's newest path is the other's); each
+    // message is stored once.
+    let mut chats = [
+        vec![system("be brief"), user(100)],
+        vec![system("be brief"), user(200)],
+    ];
+    let carried_before = super::metric_sample(&scrape().await, carried);
+    for round in 1..=3 {
+        for (at, chat) in chats.iter_mut().enumerate() {
+            let answer = turn(Some("two"), chat).await;
+            chat.extend([answer, user(100 * (at + 1) + round)]);
+        }
+    }
+    assert!(super::metric_sample(&scrape().await, carried) - carried_before >= 2.0);
+    let view = session_view("two").await;
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        2 * 2 * 3,
+        "{view:#}"
+    );
 
     // A session named by `user`.
     let mut theirs = vec![
