@@ -143,15 +143,15 @@ fn describe() {
     );
     describe_gauge!(
         "stable_harness_carried_digests",
-        "Conversations with no session whose transcript digest state is kept for their next turn (read when scraped)"
+        "Conversations a turn of which is kept for their next: with no session, its transcript digest state (a chat's messages too); a chat in a session, its messages (read when scraped)"
     );
     describe_gauge!(
         "stable_harness_carried_digest_bytes",
-        "Estimated memory kept with those states (the transcript's text; a chat turn's messages as sent and as parsed), within limits.keptHistoryBytes (read when scraped)"
+        "Estimated memory they hold (the transcript's text; a chat turn's messages as sent and as parsed), within limits.keptHistoryBytes (read when scraped)"
     );
     describe_counter!(
         "stable_harness_chat_transcripts_total",
-        "Chat Completions turns with no session, by how their transcript was read (carried: the turn before's sent messages carried on as parsed, only those after them parsed; parsed: whole)"
+        "Chat Completions turns, with no session or in one, by how their transcript was read (carried: the turn before's sent messages carried on as parsed, only those after them parsed; parsed: whole)"
     );
     describe_counter!(
         "stable_harness_events_appended_total",
@@ -440,8 +440,8 @@ pub fn transcript_digest(how: &'static str) {
     counter!("stable_harness_transcript_digests_total", "how" => how).increment(1);
 }
 
-/// A chat turn with no session: its messages `carried` on from the turn before's (only those
-/// after them parsed), or `parsed` whole.
+/// A chat turn (with no session or in one): its messages `carried` on from the turn before's
+/// (only those after them parsed), or `parsed` whole.
 pub fn chat_transcript(how: &'static str) {
     counter!("stable_harness_chat_transcripts_total", "how" => how).increment(1);
 }

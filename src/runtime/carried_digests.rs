@@ -15,10 +15,15 @@
 //! and parses only the rest. What a run is given is what parsing the sent bytes gives
 //! either way.
 //!
+//! A chat turn in a session keeps the same, its leading messages first and no hasher state
+//! (no digest is taken in a session), and where its messages after the leading ones end in
+//! the session ([`SessionMark`]): the next turn whose session's newest path passes through
+//! there compares with the path only what follows them (the eighty-eighth pass).
+//!
 //! Kept by key and agent, the oldest first out of room: at most `limits.keptHistoryBytes`
 //! by estimated size (a text by its capacity, the one the turn's model call writes its
 //! request from; a chat turn's sent text and parsed messages besides), one entry at most
-//! half of it (a chat turn past that keeps its text alone), and [`MOST_CARRIED`]
+//! half of it (a chat turn past that keeps its text alone, a session's nothing), and [`MOST_CARRIED`]
 //! conversations. Only a transcript long enough to have a digest (4 KiB) is kept. A turn
 //! whose entry is not here (evicted, another instance's, after a restart, a transcript the
 //! client changed) parses and hashes its whole transcript, as before. Unlike the kept
