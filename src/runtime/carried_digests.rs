@@ -23,13 +23,13 @@
 //! Kept by key and agent, the oldest first out of room: at most `limits.keptHistoryBytes`
 //! by estimated size (a text by its capacity, the one the turn's model call writes its
 //! request from; a chat turn's sent text and parsed messages besides), one entry at most
-//! half of it (a chat turn past that keeps its text alone, a session's nothing), and [`MOST_CARRIED`]
-//! conversations. Only a transcript long enough to have a digest (4 KiB) is kept. A turn
-//! whose entry is not here (evicted, another instance's, after a restart, a transcript the
-//! client changed) parses and hashes its whole transcript, as before. Unlike the kept
-//! histories, an entry newly kept always finds room: more long conversations at once than
-//! the budget holds (one key's or many keys') take each other's places, and their turns
-//! parse and hash whole again.
+//! half of it (a chat turn past that keeps its text alone, a session's nothing), and
+//! [`MOST_CARRIED`] conversations. Only a transcript long enough to have a digest (4 KiB)
+//! is kept. A turn whose entry is not here (evicted, another instance's, after a restart, a
+//! transcript the client changed) parses and hashes its whole transcript, as before. Unlike
+//! the kept histories, an entry newly kept always finds room: more long conversations at
+//! once than the budget holds (one key's or many keys') take each other's places, and their
+//! turns parse and hash whole again.
 
 use std::sync::{Arc, Mutex};
 
