@@ -154,6 +154,10 @@ fn describe() {
         "Chat Completions turns, with no session or in one, by how their transcript was read (carried: the turn before's sent messages carried on as parsed, only those after them parsed; parsed: whole)"
     );
     describe_counter!(
+        "stable_harness_session_transcript_matches_total",
+        "Chat turns in a session matched with the session's newest path, by how (carried: only the messages after those carried on from the turn before, whose end the path passes through, compared; whole)"
+    );
+    describe_counter!(
         "stable_harness_events_appended_total",
         "Events committed to the store, by type"
     );
@@ -444,6 +448,12 @@ pub fn transcript_digest(how: &'static str) {
 /// (only those after them parsed), or `parsed` whole.
 pub fn chat_transcript(how: &'static str) {
     counter!("stable_harness_chat_transcripts_total", "how" => how).increment(1);
+}
+
+/// A chat turn in a session matched with the session's newest path: only what follows the
+/// messages it `carried` on compared, or the `whole`.
+pub fn session_transcript_match(how: &'static str) {
+    counter!("stable_harness_session_transcript_matches_total", "how" => how).increment(1);
 }
 
 /// The transcript digest states kept in memory and the memory kept with them, now.

@@ -757,7 +757,8 @@ mod tests {
         let whole = read(&["a1", "a2", "b3"], false);
         assert_eq!(length_through(&kept, &whole, "msg_a2"), Some(2));
         assert_eq!(length_through(&kept, &whole, "msg_a3"), None);
-        assert_eq!(length_through(&None, &below, "msg_a4"), Some(2));
+        let alone = read(&["a3", "a4"], false);
+        assert_eq!(length_through(&None, &alone, "msg_a4"), Some(2));
     }
 
     /// A transcript whose first messages are known to be the path's is compared after them

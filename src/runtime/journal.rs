@@ -613,6 +613,15 @@ impl Journal {
         *held = held.merged(also);
     }
 
+    /// Whether a write would store `value` otherwise than it is: a secret in it redacted.
+    pub fn would_redact(&self, value: &Value) -> bool {
+        let held = match self.redactor.read() {
+            Ok(held) => held,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        held.redact(value) != *value
+    }
+
     /// Whether the store accepts writes (false while a transient failure is being retried
     /// in any lane).
     pub fn is_available(&self) -> bool {

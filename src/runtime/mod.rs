@@ -605,7 +605,8 @@ struct Inner {
     reloading: tokio::sync::Mutex<()>,
     /// The newest history paths of recently continued sessions (up to eight branches of one).
     histories: history::Histories,
-    /// The digests of recent conversations with no session, for their next turns to go on.
+    /// Recent conversations' turns, for their next turns to go on from: digest states of
+    /// those with no session, chat turns' messages as sent and parsed.
     carried_digests: carried_digests::CarriedDigests,
 }
 
@@ -689,8 +690,8 @@ impl Runtime {
                 retrying: tokio::sync::Mutex::new(()),
                 reloading: tokio::sync::Mutex::new(()),
                 histories: history::Histories::within(workspace.runtime.limits.kept_history_bytes),
-                // Chat turns with no session keep their parsed messages as sessions' kept
-                // paths do: as much again as those may hold.
+                // Chat turns keep their parsed messages as sessions' kept paths do: as much
+                // again as those may hold.
                 carried_digests: carried_digests::CarriedDigests::within(
                     workspace.runtime.limits.kept_history_bytes,
                 ),
@@ -767,8 +768,8 @@ impl Runtime {
         self.inner.carried_digests.take_sent(owner, agent, sent)
     }
 
-    /// What is kept for the next turns of conversations with no session (digest states,
-    /// and chat turns' messages), and its memory, estimated (for `/metrics`).
+    /// What is kept for conversations' next turns (digest states of those with no session,
+    /// chat turns' messages), and its memory, estimated (for `/metrics`).
     pub fn carried_digests(&self) -> (usize, usize) {
         self.inner.carried_digests.held()
     }
@@ -946,6 +947,10 @@ impl Runtime {
                 // a transcript that does not go on from the whole path is matched as ever.
                 let continued = known_len
                     .and_then(|known| history::continued_whole(&path, sent_messages, known));
+                crate::metrics::session_transcript_match(match continued {
+                    Some(_) => "carried",
+                    None => "whole",
+                });
                 let found = match continued {
                     Some(matched) => Some((leaf.clone(), matched)),
                     None => {
@@ -1140,9 +1145,17 @@ impl Runtime {
         if let (Some(whole), Some((sent, parsed_bytes))) = (&whole, to_keep)
             && sent.len() >= named_transcripts::NAMED_FROM_BYTES
         {
+            // A message the store keeps redacted is not what was sent: matched whole, the
+            // next turn leaves the path there, and so it must with the mark.
+            let stored_as_sent = || {
+                first_new == 0
+                    && !own
+                        .iter()
+                        .any(|message| inner.journal.would_redact(message))
+            };
             let mark = parent_id
                 .clone()
-                .filter(|_| first_new == 0)
+                .filter(|_| stored_as_sent())
                 .map(|through| SessionMark {
                     session: session_id.as_str().into(),
                     through,

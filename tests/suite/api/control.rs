@@ -1613,9 +1613,12 @@ async fn a_chat_turn_carries_on_only_the_bytes_the_turn_before_sent() {
 async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
     let upstream = MockUpstream::start().await;
     upstream.set_default(Reply::Text("noted".into()));
-    let app = spawn(api_workspace(&upstream, ""), None).await;
+    let redacting = "  governance: { redact: { patterns: [\"sk-[a-z0-9]{8}\"] } }\n";
+    let app = spawn(api_workspace(&upstream, redacting), None).await;
     let scrape = async || super::metrics_text(&app.http, &app.url("/metrics")).await;
     let carried = "stable_harness_chat_transcripts_total{how=\"carried\"}";
+    let matched =
+        |how: &str| format!("stable_harness_session_transcript_matches_total{{how=\"{how}\"}}");
     // Sends `messages` in `session` (the header, or else `user`); checks what the model
     // heard; gives the answer.
     let turn = async |session: Option<&str>, messages: &[Value]| {
@@ -1650,6 +1653,7 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
         |n: usize| json!({ "role": "user", "content": format!("{} q{n}", "y".repeat(2_500)) });
 
     let carried_before = super::metric_sample(&scrape().await, carried);
+    let matched_before = super::metric_sample(&scrape().await, &matched("carried"));
     let mut sent = vec![system("be brief"), user(0)];
     for n in 1..=5 {
         let answer = turn(Some("carry"), &sent).await;
@@ -1659,6 +1663,13 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
     assert!(
         carried_after - carried_before >= 3.0,
         "{carried_before} -> {carried_after}"
+    );
+    // Each turn after the first long one compared with the session's path only what
+    // followed the messages it carried on.
+    let matched_after = super::metric_sample(&scrape().await, &matched("carried"));
+    assert!(
+        matched_after - matched_before >= 3.0,
+        "{matched_before} -> {matched_after}"
     );
     let view = session_view("carry").await;
     let stored = view["messages"].as_array().unwrap();
@@ -1695,12 +1706,38 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
         "{view:#}"
     );
 
-    // An edited question far back: read whole, and a branch of the session from there.
+    // An edited question far back: read whole, and its last question and answer stored from
+    // a new root (it shares nothing with the session); then the unedited conversation goes
+    // on, matched with its branch, heard as sent.
     let mut edited = sent.clone();
     edited[1]["content"] = json!(format!("Y{} q0", "y".repeat(2_499)));
     turn(Some("carry"), &edited).await;
-    // The unedited conversation goes on, heard as sent.
     turn(Some("carry"), &sent).await;
+    let view = session_view("carry").await;
+    assert_eq!(
+        view["messages"].as_array().unwrap().len(),
+        2 * 9,
+        "{view:#}"
+    );
+    assert_eq!(
+        view["history"].as_array().unwrap().len(),
+        sent.len(),
+        "{view:#}"
+    );
+
+    // A question the store keeps redacted is not what was sent: the next turn, carried on,
+    // still compares the whole and leaves the session's path there, as it would have
+    // without carrying anything (its question stored from a new root).
+    let secret = json!({ "role": "user", "content": format!("my key is sk-abcd1234 {}", "y".repeat(4_000)) });
+    let mut leaky = vec![system("be brief"), secret];
+    let answer = turn(Some("leaky"), &leaky).await;
+    leaky.extend([answer, user(1)]);
+    let whole_before = super::metric_sample(&scrape().await, &matched("whole"));
+    turn(Some("leaky"), &leaky).await;
+    assert!(super::metric_sample(&scrape().await, &matched("whole")) > whole_before);
+    let view = session_view("leaky").await;
+    assert_eq!(view["messages"].as_array().unwrap().len(), 4, "{view:#}");
+    assert_eq!(view["history"].as_array().unwrap().len(), 2, "{view:#}");
 
     // Two conversations taking turns in one session: each carries its own messages on and
     // is matched with its own branch (the session's newest path is the other's); each
@@ -1710,6 +1747,7 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
         vec![system("be brief"), user(200)],
     ];
     let carried_before = super::metric_sample(&scrape().await, carried);
+    let whole_before = super::metric_sample(&scrape().await, &matched("whole"));
     for round in 1..=3 {
         for (at, chat) in chats.iter_mut().enumerate() {
             let answer = turn(Some("two"), chat).await;
@@ -1717,6 +1755,9 @@ async fn a_session_chat_turn_carries_on_the_messages_the_turn_before_sent() {
         }
     }
     assert!(super::metric_sample(&scrape().await, carried) - carried_before >= 2.0);
+    // The other conversation's turn is the session's newest each time: every turn with an
+    // answer in it (two each round after the first) compared whole.
+    assert!(super::metric_sample(&scrape().await, &matched("whole")) - whole_before >= 4.0);
     let view = session_view("two").await;
     assert_eq!(
         view["messages"].as_array().unwrap().len(),
