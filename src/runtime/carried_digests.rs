@@ -492,10 +492,7 @@ mod tests {
         keep();
         // Counted as its sent text, its text and its parsed messages' estimate.
         let (text, _) = crate::runtime::named_transcripts::written_items(&parsed, None);
-        assert_eq!(
-            carried.held(),
-            (1, before.len() + text.len().max(before.len()) + 1_000)
-        );
+        assert_eq!(carried.held(), (1, before.len() + text.len() + 1_000));
         let next = format!("[{},{}, {}]", message(1), message(2), message(3));
         assert!(
             carried.take_sent("k2", "agent", &next).is_none(),
