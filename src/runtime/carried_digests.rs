@@ -156,8 +156,7 @@ impl SentTranscript {
         let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
         match self.carried.take() {
             Some(carried) => {
-                let mut history =
-                    Arc::try_unwrap(carried.history).unwrap_or_else(|shared| (*shared).clone());
+                let mut history = Arc::unwrap_or_clone(carried.history);
                 let count = history.len();
                 history.extend(messages);
                 WholeTranscript {

@@ -812,10 +812,15 @@ impl Runtime {
         // A chat turn in a session: its whole transcript as sent (its leading messages
         // first), shared with its run and kept with those bytes for the conversation's next
         // turn, which parses only what it adds (docs/profiling.md, the eighty-eighth pass).
+        // One too short to be kept (4 KiB, as with no session) has nothing carried on to it
+        // either, and is taken as it is.
         let sent_whole = match request.history {
-            History::SessionPrefix => request.sent.take().map(|mut sent| {
+            History::SessionPrefix => request.sent.take().and_then(|mut sent| {
+                if sent.carried.is_none() && sent.sent.len() < named_transcripts::NAMED_FROM_BYTES {
+                    return None;
+                }
                 let whole = sent.whole(&request.leading, std::mem::take(&mut request.messages));
-                (sent.sent, whole)
+                Some((sent.sent, whole))
             }),
             _ => None,
         };
@@ -1138,13 +1143,10 @@ impl Runtime {
                 created_at: now,
             }));
         }
-        // A session's chat turn's whole transcript is kept, when long enough to be worth it,
-        // for the conversation's next turn to carry on; with where its messages end in the
-        // session when all its own are stored below the path they matched (the path through
-        // the last is they).
-        if let (Some(whole), Some((sent, parsed_bytes))) = (&whole, to_keep)
-            && sent.len() >= named_transcripts::NAMED_FROM_BYTES
-        {
+        // A session's chat turn's whole transcript is kept for the conversation's next turn
+        // to carry on; with where its messages end in the session when all its own are stored
+        // below the path they matched (the path through the last is they).
+        if let (Some(whole), Some((sent, parsed_bytes))) = (&whole, to_keep) {
             // A message the store keeps redacted is not what was sent: matched whole, the
             // next turn leaves the path there, and so it must with the mark.
             let stored_as_sent = || {

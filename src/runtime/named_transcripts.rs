@@ -206,7 +206,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
             parsed_bytes: None,
         };
     };
-    let mut history = Arc::try_unwrap(history).unwrap_or_else(|shared| (*shared).clone());
+    let mut history = Arc::unwrap_or_clone(history);
     let held = history.len();
     let newest = newest_answer(&history, &messages);
     // An answer among the carried messages (a turn that sent no answer since): the whole is
