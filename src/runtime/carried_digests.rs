@@ -153,7 +153,7 @@ impl SentTranscript {
     /// memory, estimated. The carried messages keep their text: the turn's model call writes
     /// only what follows it.
     pub(crate) fn whole(&mut self, leading: &[Value], messages: Vec<Value>) -> WholeTranscript {
-        let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
+        let added = super::history::estimated_messages_bytes(&messages);
         match self.carried.take() {
             Some(carried) => {
                 let mut history = Arc::unwrap_or_clone(carried.history);
@@ -166,8 +166,7 @@ impl SentTranscript {
                 }
             }
             None => {
-                let leading_bytes: usize =
-                    leading.iter().map(super::history::estimated_bytes).sum();
+                let leading_bytes = super::history::estimated_messages_bytes(leading);
                 let mut whole = leading.to_vec();
                 whole.extend(messages);
                 WholeTranscript {

@@ -391,12 +391,14 @@ pub(crate) fn read_path_is(kept: &Option<KeptPrefix>, read: &PathBelow, sent: &[
             .all(|(stored, sent)| same_message(&stored.content, sent))
 }
 
-/// How many of `sent`'s first messages are the path's, when they are all of the path and its
-/// first `known` are known to be `sent`'s (a carried transcript whose end the session holds):
-/// only what follows those is compared.
-pub(crate) fn continued_whole(path: &[Value], sent: &[Value], known: usize) -> Option<usize> {
-    let after = matching_prefix(path.get(known..)?, sent.get(known..)?);
-    (known.saturating_add(after) == path.len()).then_some(path.len())
+/// [`matching_prefix`] when the first `known` messages of both are known to be the same (a
+/// carried transcript whose end the session holds): only what follows those is compared. A
+/// known part past either's end is not taken.
+pub(crate) fn matching_prefix_after(path: &[Value], sent: &[Value], known: usize) -> usize {
+    match (path.get(known..), sent.get(known..)) {
+        (Some(path), Some(sent)) => known + matching_prefix(path, sent),
+        _ => matching_prefix(path, sent),
+    }
 }
 
 /// How long the path a read gives ([`Histories::joined`]: `read` below `kept` when it passes
@@ -471,6 +473,11 @@ fn text_bytes(value: &Value) -> usize {
     }
 }
 
+/// Messages' size in memory, estimated from above ([`estimated_bytes`] each).
+pub(super) fn estimated_messages_bytes(messages: &[Value]) -> usize {
+    messages.iter().map(estimated_bytes).sum()
+}
+
 /// A message's size in memory, estimated from above: its text, and for each value the
 /// allocation that holds it (an object's map node holds eleven entries however few it has).
 pub(super) fn estimated_bytes(value: &Value) -> usize {
@@ -498,7 +505,8 @@ mod tests {
 
     use super::{
         DEFAULT_KEPT_HISTORY_BYTES, Histories, MOST_BRANCHES, MOST_PATHS, PathBelow, SharedHistory,
-        continued_whole, estimated_bytes, known, length_through, matching_prefix, read_path_is,
+        estimated_bytes, known, length_through, matching_prefix, matching_prefix_after,
+        read_path_is,
     };
 
     /// Kept paths that any other session may replace at once.
@@ -769,13 +777,13 @@ mod tests {
         let path = [said("a1"), said("a2"), said("a3")];
         // The known part is taken as it is, even where it would not compare the same.
         let sent = [said("x1"), said("x2"), said("a3"), said("a4")];
-        assert_eq!(continued_whole(&path, &sent, 2), Some(3));
-        assert_eq!(continued_whole(&path, &sent, 1), None, "a2 is not x2");
-        assert_eq!(continued_whole(&path, &sent[..2], 2), None, "shorter");
-        assert_eq!(continued_whole(&path, &sent, 3), Some(3));
-        assert_eq!(continued_whole(&path, &sent, 4), None, "past the path");
+        assert_eq!(matching_prefix_after(&path, &sent, 2), path.len());
+        assert_eq!(matching_prefix_after(&path, &sent, 1), 1, "a2 is not x2");
+        assert_eq!(matching_prefix_after(&path, &sent[..2], 2), 2, "shorter");
+        assert_eq!(matching_prefix_after(&path, &sent, 3), path.len());
+        assert_eq!(matching_prefix_after(&path, &sent, 4), 0, "past the path");
         let changed = [said("x1"), said("x2"), said("b3"), said("a4")];
-        assert_eq!(continued_whole(&path, &changed, 2), None);
+        assert_eq!(matching_prefix_after(&path, &changed, 2), 2);
     }
 
     #[test]

@@ -613,13 +613,19 @@ impl Journal {
         *held = held.merged(also);
     }
 
-    /// Whether a write would store `value` otherwise than it is: a secret in it redacted.
-    pub fn would_redact(&self, value: &Value) -> bool {
+    /// Whether a write would store any of `values` otherwise than it is: a secret in it
+    /// redacted. The secrets are read once for all of them, as a batch's write does.
+    pub fn would_redact(&self, values: &[Value]) -> bool {
         let held = match self.redactor.read() {
             Ok(held) => held,
             Err(poisoned) => poisoned.into_inner(),
         };
-        held.redact(value) != *value
+        let secrets = held.secrets();
+        values.iter().any(|value| {
+            let mut stored = value.clone();
+            secrets.redact_in_place(&mut stored);
+            stored != *value
+        })
     }
 
     /// Whether the store accepts writes (false while a transient failure is being retried

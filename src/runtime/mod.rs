@@ -277,14 +277,17 @@ const BRANCHES_TRIED: usize = 4;
 /// `None` when they share nothing. A transcript that leaves the newest path may continue
 /// another of the session's conversations ([`other_branch`]); failing that, only a match
 /// ending short of the path's end reads the path's ids (the kept path holds contents alone).
+/// The first `known` messages are known to be the path's (carried on from the turn before):
+/// only what follows them is compared.
 async fn matching_path(
     store: &dyn Store,
     histories: &history::Histories,
     session_id: &str,
     (leaf, path): (String, Arc<SharedHistory>),
     sent: &[Value],
+    known: usize,
 ) -> Result<Option<(String, usize)>, StoreError> {
-    let matched = history::matching_prefix(&path, sent);
+    let matched = history::matching_prefix_after(&path, sent, known);
     if matched > 0 && matched == path.len() {
         return Ok(Some((leaf, matched)));
     }
@@ -948,21 +951,16 @@ impl Runtime {
             (History::SessionPrefix, Some(newest)) => {
                 let histories = &inner.histories;
                 let (leaf, path) = (newest.0.clone(), Arc::clone(&newest.1));
-                // Carried messages known to be the path's first compare only what follows;
-                // a transcript that does not go on from the whole path is matched as ever.
-                let continued = known_len
-                    .and_then(|known| history::continued_whole(&path, sent_messages, known));
-                crate::metrics::session_transcript_match(match continued {
-                    Some(_) => "carried",
-                    None => "whole",
+                // Carried messages known to be the path's first compare only what follows.
+                let known = known_len.unwrap_or(0);
+                crate::metrics::session_transcript_match(if known > 0 {
+                    "carried"
+                } else {
+                    "whole"
                 });
-                let found = match continued {
-                    Some(matched) => Some((leaf.clone(), matched)),
-                    None => {
-                        matching_path(store, histories, &session_id, newest, sent_messages).await?
-                    }
-                };
-                match found {
+                match matching_path(store, histories, &session_id, newest, sent_messages, known)
+                    .await?
+                {
                     Some((through, matched)) => {
                         // A transcript continuing from the newest path's end is the next
                         // turn of the request that stored its last message: its leading
@@ -1149,12 +1147,7 @@ impl Runtime {
         if let (Some(whole), Some((sent, parsed_bytes))) = (&whole, to_keep) {
             // A message the store keeps redacted is not what was sent: matched whole, the
             // next turn leaves the path there, and so it must with the mark.
-            let stored_as_sent = || {
-                first_new == 0
-                    && !own
-                        .iter()
-                        .any(|message| inner.journal.would_redact(message))
-            };
+            let stored_as_sent = || first_new == 0 && !inner.journal.would_redact(own);
             let mark = parent_id
                 .clone()
                 .filter(|_| stored_as_sent())

@@ -217,7 +217,7 @@ fn written(messages: Vec<Value>, continued: Option<CarriedTranscript>) -> Writte
         return written(all, None);
     }
     let (_, held_end) = history.written_len();
-    let added: usize = messages.iter().map(super::history::estimated_bytes).sum();
+    let added = super::history::estimated_messages_bytes(&messages);
     let before_end = history.append_written(messages, newest);
     Written {
         history,
@@ -282,7 +282,7 @@ pub async fn named(
         match sent {
             Some(sent) => {
                 let parsed_bytes = parsed_bytes
-                    .unwrap_or_else(|| history.iter().map(super::history::estimated_bytes).sum());
+                    .unwrap_or_else(|| super::history::estimated_messages_bytes(&history));
                 carried.keep_sent(
                     owner,
                     agent,
